@@ -1,0 +1,46 @@
+"""`petals-chain` umbrella CLI.
+
+Subcommands live in the package that owns them; this table names them as "module:function"
+strings and imports only the one that runs, so `petals_chain` never imports `orchestrator` or
+`server` at module level (the layering of DESIGN.md) and `petals-chain --help` stays fast.
+Each target is `main(argv: list[str]) -> int`.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("petals_chain.demo_cli:main", "start a local private swarm and generate through it"),
+    "generate": ("petals_chain.generate_cli:main", "generate text locally through block ranges or through a swarm"),
+    "dht": ("petals_chain.dht_cli:main", "start a bootstrap DHT peer and print its multiaddr"),
+    "convert": ("petals_chain.models.convert_cli:main", "convert the embedded GGUF model into the local cache"),
+    "plan": ("orchestrator.plan_cli:main", "plan block placement and chains for a cluster JSON (GBP-CR + GCA)"),
+    "simulate": ("orchestrator.sim.cli:main", "run the discrete-event simulator on a cluster"),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in SUBCOMMANDS)
+    lines = ["usage: petals-chain SUBCOMMAND [options]   (petals-chain SUBCOMMAND --help for details)", "", "subcommands:"]
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        lines.append(f"  {name.ljust(width)}  {help_text}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"petals-chain: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name = SUBCOMMANDS[name][0].split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
