@@ -1,0 +1,73 @@
+"""Typed errors shared by every side. Each message says what went wrong and how to fix it.
+
+Errors that cross the wire carry a stable `code` so the receiving side can re-raise the same type
+(see `petals_chain.wire`).
+"""
+from __future__ import annotations
+
+
+class PetalsChainError(Exception):
+    """Base class of all petals-chain errors."""
+
+    code = "error"
+
+
+class ModelNotFoundError(PetalsChainError):
+    code = "model_not_found"
+
+
+class UnsupportedModelError(PetalsChainError):
+    code = "unsupported_model"
+
+
+class InvalidRequestError(PetalsChainError, ValueError):
+    """The request is malformed: wrong shape, dtype, field or order of messages."""
+
+    code = "invalid_request"
+
+
+class UnknownSessionError(InvalidRequestError):
+    code = "unknown_session"
+
+
+class OutOfCacheError(PetalsChainError):
+    """The server cannot reserve the KV cache a session asks for within its memory budget."""
+
+    code = "out_of_cache"
+
+
+class MaxLengthExceededError(InvalidRequestError):
+    code = "max_length_exceeded"
+
+
+class ServerUnavailableError(PetalsChainError):
+    """A server did not answer, closed the stream, or died."""
+
+    code = "server_unavailable"
+
+
+class NoChainError(PetalsChainError):
+    """No chain of servers covering all blocks can be found right now."""
+
+    code = "no_chain"
+
+
+ERROR_TYPES: dict[str, type[PetalsChainError]] = {
+    cls.code: cls
+    for cls in (
+        PetalsChainError,
+        ModelNotFoundError,
+        UnsupportedModelError,
+        InvalidRequestError,
+        UnknownSessionError,
+        OutOfCacheError,
+        MaxLengthExceededError,
+        ServerUnavailableError,
+        NoChainError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> PetalsChainError:
+    """Rebuild a typed error received over the wire (unknown codes become the base class)."""
+    return ERROR_TYPES.get(code, PetalsChainError)(message)

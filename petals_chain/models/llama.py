@@ -1,0 +1,105 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral-like layouts without sliding windows).
+
+Blocks are transformers' own `LlamaDecoderLayer` modules used as weight containers; the forward
+is written here so that one call can carry several sessions' tokens (a prefill of many tokens and
+other sessions' single decode tokens, flattened into rows) against per-session static KV caches.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from petals_chain.models.family import AttentionSegment, ModelFamily, register_family
+
+
+class LlamaFamily(ModelFamily):
+    name = "llama"
+    model_types = ("llama", "mistral")
+
+    def num_blocks(self, config) -> int:
+        return config.num_hidden_layers
+
+    def _prefix(self, index: int) -> str:
+        return f"model.layers.{index}."
+
+    def block_tensor_names(self, config, index: int) -> list[str]:
+        block = self.make_block(config, index)
+        return [self._prefix(index) + k for k in block.state_dict()]
+
+    def make_block(self, config, index: int) -> nn.Module:
+        with torch.device("meta"):
+            return LlamaDecoderLayer(config, layer_idx=index)
+
+    def block_state_key(self, config, index: int, tensor_name: str) -> str:
+        return tensor_name[len(self._prefix(index)):]
+
+    def kv_heads_and_dim(self, config) -> tuple[int, int]:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return config.num_key_value_heads, head_dim
+
+    def position_encoder(self, config):
+        rotary = LlamaRotaryEmbedding(config)
+
+        def encode(positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+            cos, sin = rotary(torch.empty(0, dtype=dtype), positions.view(1, -1))
+            return cos[0], sin[0]  # [rows, head_dim]
+
+        return encode
+
+    def block_forward(self, block, hidden, features, segments):
+        attn = block.self_attn
+        cos, sin = features
+        rows = hidden.shape[0]
+        residual = hidden
+        x = block.input_layernorm(hidden)
+        q = attn.q_proj(x).view(rows, -1, attn.head_dim)
+        k = attn.k_proj(x).view(rows, -1, attn.head_dim)
+        v = attn.v_proj(x).view(rows, -1, attn.head_dim)
+        # [rows, heads, dim] with cos/sin [rows, dim] -> unsqueeze the heads axis
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        out = torch.empty_like(q)
+        for seg in segments:
+            r0, r1 = seg.row_start, seg.row_start + seg.n_tokens
+            p0, p1 = seg.past_tokens, seg.past_tokens + seg.n_tokens
+            seg.key_cache[:, p0:p1] = k[r0:r1].transpose(0, 1)
+            seg.value_cache[:, p0:p1] = v[r0:r1].transpose(0, 1)
+            query = q[r0:r1].transpose(0, 1)  # [heads, n, dim]
+            keys, values = seg.key_cache[:, :p1], seg.value_cache[:, :p1]
+            if seg.n_tokens == 1:
+                mask, causal = None, False  # a single new token sees every cached position
+            elif p0 == 0:
+                mask, causal = None, True
+            else:
+                # query i sits at absolute position p0 + i and may see keys 0..p0+i (bottom-right aligned)
+                mask = torch.ones(seg.n_tokens, p1, dtype=torch.bool).tril(diagonal=p0)
+                causal = False
+            o = F.scaled_dot_product_attention(
+                query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=mask, is_causal=causal, scale=attn.scaling, enable_gqa=True,
+            )
+            out[r0:r1] = o[0].transpose(0, 1)
+        hidden = residual + attn.o_proj(out.reshape(rows, -1))
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def client_tensor_names(self, config) -> dict[str, str]:
+        lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        return {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": lm_head}
+
+    def make_client_modules(self, config, tensors):
+        embed_w = tensors["embed"]
+        embed = nn.Embedding.from_pretrained(embed_w, freeze=True, padding_idx=getattr(config, "pad_token_id", None))
+        norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        norm.weight = nn.Parameter(tensors["norm"], requires_grad=False)
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        lm_head.weight = nn.Parameter(tensors["lm_head"], requires_grad=False)
+        return embed, norm, lm_head
+
+
+LLAMA = register_family(LlamaFamily())

@@ -1,0 +1,32 @@
+"""The client side of a model: token embeddings, final norm and LM head (no transformer blocks)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from petals_chain.models.checkpoint import load_config, read_tensors, resolve_model_path
+from petals_chain.models.family import get_family
+from petals_chain.runtime.block_range import parse_dtype
+
+
+class ClientHead(torch.nn.Module):
+    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "float32", model_path: Path | None = None):
+        super().__init__()
+        self.model_path = model_path or resolve_model_path(model)
+        self.config = load_config(self.model_path)
+        self.family = get_family(self.config)
+        self.dtype = parse_dtype(dtype)
+        names = self.family.client_tensor_names(self.config)
+        tensors = read_tensors(self.model_path, sorted(set(names.values())), dtype=self.dtype)
+        self.embed, self.norm, self.lm_head = self.family.make_client_modules(
+            self.config, {role: tensors[name] for role, name in names.items()})
+        self.requires_grad_(False).eval()
+
+    @torch.inference_mode()
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden.to(self.dtype)))
