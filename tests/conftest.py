@@ -1,0 +1,45 @@
+"""Shared fixtures: a tiny random Llama checkpoint built in the test, and the embedded SmolLM2."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> Path:
+    """A randomly initialised 6-block Llama (GQA 4/2 heads) saved as a safetensors checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, eos_token_id=1)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted into the cache on first use."""
+    from petals_chain.models.checkpoint import resolve_model_path
+
+    return resolve_model_path("smollm2-135m", show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
