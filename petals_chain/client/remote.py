@@ -1,0 +1,241 @@
+"""The remote chain backend: relays a session's hidden states through servers over hivemind.
+
+The client relays, as PETALS does: it sends the embeddings to the first server, its output to the
+second, and so on (the paper's tau_c model assumes this). Each hop keeps the history of the inputs
+it was sent, so when a server fails the client asks its `ChainProvider` for a replacement of the
+chain from that hop on, replays the history through the replacement to rebuild its KV cache, and
+continues: the output is identical to a run without the failure.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.dht import DHT
+from hivemind.p2p import PeerID
+
+from petals_chain import wire
+from petals_chain.background_loop import BackgroundLoop
+from petals_chain.client.chain import ChainBackend, ChainSession
+from petals_chain.client.routing import ChainProvider, DhtChainProvider, Hop
+from petals_chain.dht_records import fetch_servers, model_key
+from petals_chain.errors import (
+    InvalidRequestError,
+    MaxLengthExceededError,
+    OutOfCacheError,
+    PetalsChainError,
+    ServerUnavailableError,
+)
+from petals_chain.protocol import BlockService
+
+logger = logging.getLogger(__name__)
+
+# Errors that are the caller's fault: retrying on another server would fail the same way.
+CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
+
+
+@dataclass
+class HopStream:
+    hop: Hop
+    queue: asyncio.Queue
+    responses: object  # async iterator of ExpertResponse
+    inputs: list[torch.Tensor] = field(default_factory=list)  # everything sent to this hop, for replay
+
+
+class RemoteChain(ChainBackend):
+    def __init__(self, model: str, config, initial_peers: list[str], dtype: torch.dtype = torch.float32, *,
+                 provider: ChainProvider | None = None, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
+                 max_failovers: int = 3, wait_for_chain_s: float = 20.0):
+        self.model = model_key(model)
+        self.num_blocks = config.num_hidden_layers
+        self.dtype = dtype
+        self.step_timeout_s = step_timeout_s
+        self.open_timeout_s = open_timeout_s
+        self.max_failovers = max_failovers
+        self.dht = DHT(initial_peers=initial_peers, client_mode=True, start=True)
+        self.loop = BackgroundLoop("client-p2p")
+        self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
+        self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model), self.ping_s,
+                                                     wait_for_chain_s=wait_for_chain_s)
+
+    def stub(self, peer_id: str):
+        return BlockService.get_stub(self.p2p, PeerID.from_base58(peer_id))
+
+    def ping_s(self, peer_id: str) -> float | None:
+        """Round trip of rpc_info, or None when the peer does not answer within 3 s."""
+        start = time.perf_counter()
+        try:
+            self.loop.run(self.stub(peer_id).rpc_info(wire.request({"type": "info"}), timeout=3.0), timeout_s=5.0)
+        except Exception:
+            return None
+        return time.perf_counter() - start
+
+    def server_info(self, peer_id: str) -> wire.ServerInfo:
+        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request({"type": "info"}), timeout=5.0), timeout_s=7.0)
+        meta = wire.unpack(resp.metadata)
+        wire.raise_if_error(meta)
+        return wire.ServerInfo.from_wire(meta.get("info"))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward)."""
+        for hop in self.provider.find_chain(0, self.num_blocks):
+            req = wire.request({"type": "forward", "entry_block": hop.start}, (hidden.to(self.dtype),))
+            resp = self.loop.run(self.stub(hop.peer_id).rpc_forward(req, timeout=self.step_timeout_s),
+                                 timeout_s=self.step_timeout_s + 2)
+            meta = wire.unpack(resp.metadata)
+            wire.raise_if_error(meta)
+            hidden = wire.tensor_from_wire(resp.tensors[0])
+        return hidden
+
+    def open_session(self, max_length: int) -> "RemoteChainSession":
+        return RemoteChainSession(self, max_length)
+
+    def shutdown(self) -> None:
+        try:
+            self.loop.run(self.p2p.shutdown(), timeout_s=5)
+        except Exception:
+            logger.debug("p2p shutdown failed", exc_info=True)
+        try:
+            self.dht.shutdown()
+        finally:
+            self.loop.stop()
+
+
+class RemoteChainSession(ChainSession):
+    def __init__(self, chain: RemoteChain, max_length: int):
+        self.chain = chain
+        self.max_length = max_length
+        self.session_id = uuid.uuid4().hex
+        self.position = 0
+        self.failovers = 0
+        self.banned: set[str] = set()
+        self.streams: list[HopStream] = []
+        self._step_id = 0
+        hops = chain.provider.find_chain(0, chain.num_blocks, max_length=max_length)
+        self.streams = self._open_hops(hops)
+
+    # -- stream plumbing (runs on the background loop) ----------------------------------------
+    async def _open_one(self, hop: Hop) -> HopStream:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def outgoing():
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                yield item
+
+        responses = await self.chain.stub(hop.peer_id).rpc_inference(outgoing())
+        await queue.put(wire.request({"type": "open", "session_id": self.session_id, "max_length": self.max_length,
+                                      "entry_block": hop.start}))
+        meta = wire.unpack((await asyncio.wait_for(anext(responses), self.chain.open_timeout_s)).metadata)
+        if meta.get("type") == "error":
+            await queue.put(None)
+        wire.raise_if_error(meta)
+        return HopStream(hop, queue, responses)
+
+    async def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
+        self._step_id += 1
+        await stream.queue.put(wire.request({"type": "step", "session_id": self.session_id, "step_id": self._step_id},
+                                            (hidden,)))
+        resp = await asyncio.wait_for(anext(stream.responses), self.chain.step_timeout_s)
+        meta = wire.unpack(resp.metadata)
+        wire.raise_if_error(meta)
+        if len(resp.tensors) != 1:
+            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
+        return wire.tensor_from_wire(resp.tensors[0])
+
+    def _run(self, coro, timeout_s: float):
+        try:
+            return self.chain.loop.run(coro, timeout_s=timeout_s)
+        except PetalsChainError:
+            raise
+        except (TimeoutError, asyncio.TimeoutError) as e:
+            raise ServerUnavailableError(f"no reply within {timeout_s:.0f} s") from e
+        except StopAsyncIteration as e:
+            raise ServerUnavailableError("the server closed the stream") from e
+        except Exception as e:  # connection reset, peer gone, p2p daemon errors
+            raise ServerUnavailableError(f"{type(e).__name__}: {e}") from e
+
+    def _open_hops(self, hops: list[Hop]) -> list[HopStream]:
+        opened: list[HopStream] = []
+        try:
+            for hop in hops:
+                opened.append(self._run(self._open_one(hop), self.chain.open_timeout_s + 2))
+        except Exception:
+            self._close_streams(opened)
+            raise
+        return opened
+
+    def _close_streams(self, streams: list[HopStream]) -> None:
+        async def close(s: HopStream):
+            await s.queue.put(wire.request({"type": "close"}))
+            await s.queue.put(None)
+
+        for s in streams:
+            try:
+                self.chain.loop.run(close(s), timeout_s=2)
+            except Exception:
+                pass
+
+    # -- the session API ------------------------------------------------------------------------
+    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.position + hidden.shape[0] > self.max_length:
+            raise MaxLengthExceededError(f"session opened with max_length={self.max_length} cannot take "
+                                         f"{self.position + hidden.shape[0]} tokens")
+        x = hidden.to(self.chain.dtype)
+        i = 0
+        while i < len(self.streams):
+            stream = self.streams[i]
+            try:
+                out = self._run(self._call(stream, x), self.chain.step_timeout_s + 2)
+            except CALLER_ERRORS:
+                raise
+            except (ServerUnavailableError, OutOfCacheError) as e:
+                self._failover(i, e)
+                continue  # retry hop i (now a replacement) with the same input
+            stream.inputs.append(x)
+            x = out
+            i += 1
+        self.position += hidden.shape[0]
+        return x
+
+    def _failover(self, index: int, error: Exception) -> None:
+        """Replace hops `index..` by a new chain from that hop's first block, rebuilding their KV
+        caches by replaying the inputs the failed hop received (the inputs of later hops are
+        recomputed by the replay itself)."""
+        failed = self.streams[index]
+        self.failovers += 1
+        if self.failovers > self.chain.max_failovers:
+            raise ServerUnavailableError(f"giving up after {self.chain.max_failovers} failovers; last: {error}") from error
+        logger.warning("server %s failed (%s); finding a replacement for blocks [%d, %d)",
+                       failed.hop.describe(), error, failed.hop.start, self.chain.num_blocks)
+        self.banned.add(failed.hop.peer_id)
+        self._close_streams(self.streams[index:])
+        history = torch.cat(failed.inputs) if failed.inputs else None
+        new_hops = self.chain.provider.find_chain(failed.hop.start, self.chain.num_blocks,
+                                                  exclude=frozenset(self.banned), max_length=self.max_length)
+        replacement = self._open_hops(new_hops)
+        if history is not None:
+            x = history
+            for stream in replacement:
+                x_out = self._run(self._call(stream, x), self.chain.step_timeout_s + 2)
+                stream.inputs.append(x)
+                x = x_out
+        self.streams = self.streams[:index] + replacement
+
+    @property
+    def hops(self) -> list[Hop]:
+        return [s.hop for s in self.streams]
+
+    def describe(self) -> str:
+        return " -> ".join(h.describe() for h in self.hops)
+
+    def close(self) -> None:
+        self._close_streams(self.streams)
+        self.chain.provider.session_finished(self.hops)
+        self.streams = []

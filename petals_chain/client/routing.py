@@ -1,0 +1,113 @@
+"""Choosing the chain of servers a session runs on, behind one small interface.
+
+`ChainProvider.find_chain(start, end, exclude)` returns hops that together process blocks
+`[start, end)` in order. Until an orchestrator decides, the client picks the chain itself from the
+DHT records by minimum estimated latency, as PETALS does: Dijkstra over block boundaries, where
+using server s from boundary b costs its round trip plus its per-block decode time over the blocks
+it would process, with a penalty when it reports no free KV slot.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from petals_chain.errors import NoChainError
+from petals_chain.wire import ServerInfo
+
+NO_CACHE_PENALTY_S = 10.0
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One server of a chain and the blocks `[start, end)` this session runs there."""
+
+    peer_id: str
+    start: int
+    end: int
+    name: str = ""
+
+    def describe(self) -> str:
+        return f"{self.name or self.peer_id[-6:]}[{self.start}:{self.end})"
+
+
+class ChainProvider(ABC):
+    @abstractmethod
+    def find_chain(self, start: int, end: int, *, exclude: frozenset[str] = frozenset(),
+                   max_length: int = 0) -> list[Hop]:
+        """Hops covering `[start, end)`; raises NoChainError when none exists."""
+
+    def session_finished(self, hops: list[Hop]) -> None:
+        """Called when a session on `hops` ends (an orchestrator frees its slot)."""
+
+
+def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Callable[[str], float | None],
+                      *, exclude: frozenset[str] = frozenset(), max_length: int = 0) -> list[Hop]:
+    """Dijkstra over block boundaries `start..end` (pure; `rtt_s(peer)` is None for unreachable peers)."""
+    usable = [s for s in servers if s.peer_id not in exclude and s.state == "online"
+              and s.max_length_tokens >= max_length and s.end > start and s.start < end]
+    best: dict[int, float] = {start: 0.0}
+    prev: dict[int, tuple[int, ServerInfo]] = {}
+    heap = [(0.0, start)]
+    while heap:
+        cost, b = heapq.heappop(heap)
+        if b == end:
+            break
+        if cost > best.get(b, float("inf")):
+            continue
+        for s in usable:
+            if not s.start <= b < s.end:
+                continue
+            rtt = rtt_s(s.peer_id)
+            if rtt is None:
+                continue
+            nxt = min(s.end, end)
+            c = cost + rtt + s.decode_s_per_token * (nxt - b) + (NO_CACHE_PENALTY_S if s.free_kv_slots <= 0 else 0.0)
+            if c < best.get(nxt, float("inf")):
+                best[nxt] = c
+                prev[nxt] = (b, s)
+                heapq.heappush(heap, (c, nxt))
+    if end not in best:
+        covered = sorted((s.start, s.end) for s in usable)
+        raise NoChainError(f"no chain of online servers covers blocks [{start}, {end}) (usable servers hold "
+                           f"{covered or 'nothing'}); start servers for the missing blocks or wait for them to join")
+    hops, b = [], end
+    while b != start:
+        a, s = prev[b]
+        hops.append(Hop(s.peer_id, a, b, s.name))
+        b = a
+    return hops[::-1]
+
+
+class DhtChainProvider(ChainProvider):
+    """Client-side routing from DHT records (used when no orchestrator is present)."""
+
+    def __init__(self, fetch_servers: Callable[[], list[ServerInfo]], ping_s: Callable[[str], float | None],
+                 *, wait_for_chain_s: float = 20.0, rtt_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.fetch_servers = fetch_servers
+        self.ping_s = ping_s
+        self.wait_for_chain_s = wait_for_chain_s
+        self.rtt_ttl_s = rtt_ttl_s
+        self.clock = clock
+        self._rtt: dict[str, tuple[float, float | None]] = {}
+
+    def _rtt_s(self, peer_id: str) -> float | None:
+        now = self.clock()
+        cached = self._rtt.get(peer_id)
+        if cached is None or now - cached[0] > self.rtt_ttl_s:
+            cached = self._rtt[peer_id] = (now, self.ping_s(peer_id))
+        return cached[1]
+
+    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0):
+        deadline = self.clock() + self.wait_for_chain_s
+        while True:
+            try:
+                return min_latency_chain(self.fetch_servers(), start, end, self._rtt_s, exclude=exclude,
+                                         max_length=max_length)
+            except NoChainError:
+                if self.clock() >= deadline:
+                    raise
+                self._rtt = {p: v for p, v in self._rtt.items() if v[1] is not None}  # retry unreachable peers
+                time.sleep(0.5)  # servers may still be joining: poll the DHT again

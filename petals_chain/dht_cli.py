@@ -1,0 +1,29 @@
+"""`petals-chain dht`: start a bootstrap DHT peer, print its full multiaddrs, serve until Ctrl-C/SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="petals-chain dht", description=__doc__)
+    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"],
+                   help="multiaddrs to listen on (default /ip4/127.0.0.1/tcp/0; use /ip4/0.0.0.0/tcp/PORT to accept remote peers)")
+    p.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting a new one")
+    p.add_argument("--identity-path", default=None, help="file with a private key, for a stable peer id across restarts")
+    args = p.parse_args(argv)
+    from hivemind.dht import DHT
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    dht = DHT(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
+              start=True)
+    for maddr in dht.get_visible_maddrs():
+        print(maddr, flush=True)
+    print("DHT peer running; pass the address above as --initial-peers. Ctrl-C stops it.", file=sys.stderr, flush=True)
+    stop.wait()
+    dht.shutdown()
+    return 0

@@ -1,0 +1,44 @@
+"""Where swarm records live in the DHT, and how they are written and read."""
+from __future__ import annotations
+
+import logging
+
+from hivemind.dht import DHT
+from hivemind.utils import get_dht_time
+
+from petals_chain.errors import InvalidRequestError
+from petals_chain.wire import ServerInfo
+
+logger = logging.getLogger(__name__)
+
+
+def servers_key(model: str) -> str:
+    return f"petals-chain:{model}:servers"
+
+
+def model_key(model: str) -> str:
+    """Models are named by their short name (e.g. smollm2-135m) or folder name: servers and clients agree on it."""
+    return model.rstrip("/").split("/")[-1].lower()
+
+
+def announce_server(dht: DHT, info: ServerInfo, ttl_s: float) -> bool:
+    """Store `info` under the model's servers key, subkey = peer id, expiring after `ttl_s`."""
+    return bool(dht.store(servers_key(info.model), subkey=info.peer_id, value=info.to_wire(),
+                          expiration_time=get_dht_time() + ttl_s))
+
+
+def fetch_servers(dht: DHT, model: str, *, states: tuple[str, ...] = ("online",)) -> list[ServerInfo]:
+    """All unexpired ServerInfo records of `model` (malformed records are skipped with a warning)."""
+    found = dht.get(servers_key(model), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    infos = []
+    for subkey, entry in found.value.items():
+        try:
+            info = ServerInfo.from_wire(entry.value)
+        except InvalidRequestError as e:
+            logger.warning("ignoring malformed server record %s: %s", subkey, e)
+            continue
+        if info.state in states:
+            infos.append(info)
+    return sorted(infos, key=lambda i: (i.start, i.peer_id))

@@ -1,0 +1,135 @@
+"""Start a private swarm on 127.0.0.1 as real processes: a DHT peer and block servers.
+
+Used by `petals-chain demo`, the tests and the benchmarks. Every process gets its own process
+group, so stopping the swarm (also on Ctrl-C or an exception) leaves no stray process, p2p daemons
+included.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOCALHOST = "/ip4/127.0.0.1/tcp/0"
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    start: int
+    end: int
+    process: subprocess.Popen
+    lines: list[str] = field(default_factory=list)
+    peer_id: str = ""
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def _reader(proc: subprocess.Popen, sink: list[str], ready: threading.Event, marker: str) -> None:
+    for line in proc.stdout:
+        sink.append(line.rstrip("\n"))
+        if marker in line:
+            ready.set()
+    ready.set()  # EOF: the process ended; callers check whether it is alive
+
+
+class LocalSwarm:
+    """`with LocalSwarm(model, [(0, 10), (10, 20), (20, 30)]) as swarm:` -> swarm.initial_peers."""
+
+    def __init__(self, model: str, ranges: list[tuple[int, int]], *, server_args: list[str] | None = None,
+                 per_server_args: list[list[str]] | None = None, start_timeout_s: float = 180.0,
+                 env: dict[str, str] | None = None, log_dir: Path | None = None):
+        self.model = model
+        self.ranges = ranges
+        self.server_args = server_args or []
+        self.per_server_args = per_server_args or [[] for _ in ranges]
+        self.start_timeout_s = start_timeout_s
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.dht_process: subprocess.Popen | None = None
+        self.initial_peers: list[str] = []
+        self.servers: list[ServerProcess] = []
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=self.env, start_new_session=True)
+
+    def start(self) -> "LocalSwarm":
+        try:
+            self.dht_process = self._spawn(["-m", "petals_chain.cli", "dht", "--host-maddrs", LOCALHOST])
+            lines: list[str] = []
+            ready = threading.Event()
+            threading.Thread(target=_reader, args=(self.dht_process, lines, ready, "/p2p/"), daemon=True).start()
+            if not ready.wait(60) or self.dht_process.poll() is not None:
+                raise RuntimeError("the DHT peer did not start:\n" + "\n".join(lines[-20:]))
+            self.initial_peers = [next(line for line in lines if "/p2p/" in line).strip()]
+            for i, (start, end) in enumerate(self.ranges):
+                self.add_server(start, end, extra_args=self.per_server_args[i], wait=False)
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_server(self, start: int, end: int, *, extra_args: list[str] | None = None, wait: bool = True,
+                   name: str | None = None) -> ServerProcess:
+        name = name or f"server{len(self.servers)}"
+        proc = self._spawn(["-m", "server.cli", "--model", self.model, "--blocks", f"{start}:{end}",
+                            "--initial-peers", *self.initial_peers, "--host-maddrs", LOCALHOST, "--name", name,
+                            *self.server_args, *(extra_args or [])])
+        sp = ServerProcess(name, start, end, proc)
+        sp._ready = threading.Event()  # type: ignore[attr-defined]
+        threading.Thread(target=_reader, args=(proc, sp.lines, sp._ready, "serving "), daemon=True).start()
+        self.servers.append(sp)
+        if wait:
+            self.wait_ready([sp])
+        return sp
+
+    def wait_ready(self, servers: list[ServerProcess] | None = None) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        for sp in servers or self.servers:
+            if not sp._ready.wait(max(0.0, deadline - time.monotonic())) or not sp.alive:  # type: ignore[attr-defined]
+                raise RuntimeError(f"{sp.name} [{sp.start}:{sp.end}) did not start:\n" + "\n".join(sp.lines[-20:]))
+            line = next(line for line in sp.lines if line.startswith("serving "))
+            sp.peer_id = line.split(" as ")[1].split()[0]
+
+    def kill_server(self, sp: ServerProcess, sig: int = signal.SIGKILL) -> None:
+        _signal_group(sp.process, sig)
+        sp.process.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        procs = [sp.process for sp in self.servers] + ([self.dht_process] if self.dht_process else [])
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in procs:  # whatever did not stop, and any p2p daemon left in the group
+            _signal_group(p, signal.SIGKILL)
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self) -> "LocalSwarm":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,27 @@
+"""The block server's RPC surface, shared by server (which implements it) and client (which
+gets a stub from it). hivemind names handlers after this class, so both sides use this one class.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator  # hivemind detects streams by typing.AsyncIterator, not collections.abc
+
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+
+
+class BlockService(ServicerBase):
+    """Delegates each RPC to `impl` (the server's `BlockServicer`)."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.impl.info(request, context)
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.impl.forward(request, context)
+
+    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for response in self.impl.inference(requests, context):
+            yield response

@@ -1,0 +1,135 @@
+"""One wire format for everything that crosses the network, validated at the boundary.
+
+Messages are hivemind `ExpertRequest`/`ExpertResponse` protobufs: `metadata` holds a msgpack map
+(never pickle), `tensors` hold raw tensors in the model dtype. Every record has explicit
+`to_wire()` / `from_wire()`; `from_wire` rejects missing or mistyped fields with
+`InvalidRequestError`, so a bad message becomes a typed error reply, never a crash.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+
+from petals_chain.errors import InvalidRequestError, PetalsChainError, error_from_code
+
+PROTOCOL_VERSION = "petals-chain/1"
+SERVER_STATES = ("joining", "online", "offline")
+MAX_METADATA_BYTES = 64 * 1024
+
+
+def pack(meta: dict[str, Any]) -> bytes:
+    return msgpack.packb(meta, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    if len(data) > MAX_METADATA_BYTES:
+        raise InvalidRequestError(f"metadata of {len(data)} bytes exceeds the {MAX_METADATA_BYTES}-byte limit")
+    try:
+        meta = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types on garbage
+        raise InvalidRequestError(f"metadata is not valid msgpack: {type(e).__name__}") from None
+    if not isinstance(meta, dict):
+        raise InvalidRequestError(f"metadata must be a msgpack map, got {type(meta).__name__}")
+    return meta
+
+
+def field_of(meta: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = dataclasses.MISSING) -> Any:
+    """Read `meta[name]` and check its type (bool is not accepted where int is asked)."""
+    if name not in meta:
+        if default is dataclasses.MISSING:
+            raise InvalidRequestError(f"message lacks field {name!r}")
+        return default
+    value = meta[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        raise InvalidRequestError(f"field {name!r} must be {kind}, got bool")
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kinds):
+        raise InvalidRequestError(f"field {name!r} must be {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
+    return value
+
+
+def tensor_to_wire(t: torch.Tensor) -> runtime_pb2.Tensor:
+    return serialize_torch_tensor(t.detach().contiguous())
+
+
+def tensor_from_wire(proto: runtime_pb2.Tensor) -> torch.Tensor:
+    try:
+        return deserialize_torch_tensor(proto)
+    except Exception as e:
+        raise InvalidRequestError(f"tensor could not be decoded: {type(e).__name__}: {e}") from None
+
+
+def request(meta: dict[str, Any], tensors: tuple[torch.Tensor, ...] = ()) -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(metadata=pack(meta), tensors=[tensor_to_wire(t) for t in tensors])
+
+
+def response(meta: dict[str, Any], tensors: tuple[torch.Tensor, ...] = ()) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=pack(meta), tensors=[tensor_to_wire(t) for t in tensors])
+
+
+def error_response(error: Exception) -> runtime_pb2.ExpertResponse:
+    code = error.code if isinstance(error, PetalsChainError) else "error"
+    return response({"type": "error", "code": code, "message": str(error)})
+
+
+def raise_if_error(meta: dict[str, Any]) -> None:
+    if meta.get("type") == "error":
+        raise error_from_code(str(meta.get("code", "error")), str(meta.get("message", "")))
+
+
+@dataclass
+class ServerInfo:
+    """What a server announces in the DHT (and returns from rpc_info)."""
+
+    peer_id: str
+    model: str
+    start: int  # first block, 0-based
+    end: int  # one past the last block
+    state: str  # joining | online | offline
+    memory_budget_bytes: int  # M_j
+    block_bytes: int  # s_m
+    kv_bytes_per_block: int  # s_c at max_length_tokens
+    max_length_tokens: int
+    free_kv_slots: int  # sessions using all of this server's blocks that still fit
+    prefill_s_per_token: float  # t_I, per block
+    decode_s_per_token: float  # t_O, per block
+    dtype: str = "float32"
+    quant: str = "none"
+    name: str = ""
+    active_sessions: int = 0
+    version: str = PROTOCOL_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "ServerInfo":
+        if not isinstance(data, dict):
+            raise InvalidRequestError(f"ServerInfo must be a map, got {type(data).__name__}")
+        kinds = {"peer_id": str, "model": str, "start": int, "end": int, "state": str, "memory_budget_bytes": int,
+                 "block_bytes": int, "kv_bytes_per_block": int, "max_length_tokens": int, "free_kv_slots": int,
+                 "prefill_s_per_token": float, "decode_s_per_token": float}
+        values = {name: field_of(data, name, kind) for name, kind in kinds.items()}
+        optional = {"dtype": str, "quant": str, "name": str, "active_sessions": int, "version": str, "extra": dict}
+        for name, kind in optional.items():
+            if name in data:
+                values[name] = field_of(data, name, kind)
+        info = cls(**values)
+        if info.state not in SERVER_STATES:
+            raise InvalidRequestError(f"unknown server state {info.state!r}")
+        if not 0 <= info.start < info.end:
+            raise InvalidRequestError(f"bad block range [{info.start}, {info.end})")
+        return info
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start

@@ -1,0 +1,91 @@
+"""`launch-server`: host a contiguous range of a model's blocks in a petals-chain swarm."""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import threading
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648; '500MB' -> 500000000; '1048576' -> 1048576."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 2GiB, 512MiB, 1.5GB or a byte count")
+    value = int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def parse_blocks(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+):(\d+)", text.strip())
+    if not m or int(m.group(1)) >= int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"bad --blocks {text!r}: use START:END with START < END, e.g. 10:20")
+    return int(m.group(1)), int(m.group(2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch-server", description=__doc__)
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
+    p.add_argument("--blocks", type=parse_blocks, required=True, help="block range START:END (0-based, END exclusive)")
+    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers (from `petals-chain dht`)")
+    p.add_argument("--memory-budget", type=parse_size, default=parse_size("2GiB"),
+                   help="memory M_j this server offers for blocks + KV cache (default 2GiB)")
+    p.add_argument("--max-length", type=int, default=2048, help="longest session (tokens) this server accepts")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
+    p.add_argument("--identity-path", default=None, help="private key file for a stable peer id")
+    p.add_argument("--name", default="", help="human-readable name shown in records and status pages")
+    p.add_argument("--policy", default="fcfs", help="local scheduling policy (fcfs)")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one batched forward")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--announce-period", type=float, default=2.0, help="seconds between DHT announcements")
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from petals_chain.errors import PetalsChainError
+    from server.block_server import BlockServer, ServerConfig
+    from server.policies import POLICIES
+
+    if args.policy not in POLICIES:
+        print(f"launch-server: unknown --policy {args.policy!r}; choose one of {', '.join(POLICIES)}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    start, end = args.blocks
+    try:
+        server = BlockServer(ServerConfig(
+            model=args.model, start=start, end=end, initial_peers=args.initial_peers,
+            memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
+            quant=args.quant, device=args.device, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
+            name=args.name, policy=args.policy, max_batch_tokens=args.max_batch_tokens,
+            announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads))
+    except PetalsChainError as e:
+        print(f"launch-server: {e}", file=sys.stderr)
+        return 2
+    info = server.info()
+    print(f"serving {info.model} blocks [{info.start}, {info.end}) as {info.peer_id} "
+          f"(s_m={info.block_bytes} B, s_c={info.kv_bytes_per_block} B at {info.max_length_tokens} tokens, "
+          f"t_I={info.prefill_s_per_token * 1e3:.3f} ms, t_O={info.decode_s_per_token * 1e3:.3f} ms, "
+          f"free slots={info.free_kv_slots})", flush=True)
+    stop.wait()
+    server.shutdown()
+    print("server stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

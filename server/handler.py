@@ -1,0 +1,182 @@
+"""The block server's RPCs on hivemind P2P: rpc_info, rpc_inference (stream), rpc_forward.
+
+Every message is validated at this boundary; a bad one gets a typed error reply and the stream
+(and the server) keeps serving. The client's identity for accounting is `context.remote_id`, the
+libp2p peer id authenticated by the transport, never a self-declared string.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from petals_chain import wire
+from petals_chain.errors import (
+    InvalidRequestError,
+    MaxLengthExceededError,
+    PetalsChainError,
+    UnknownSessionError,
+)
+from petals_chain.runtime.block_range import StepInput
+from petals_chain.runtime.kv_cache import SessionKV
+from server.memory import KVBudget
+from server.scheduler import StepScheduler, step_item
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OpenSession:
+    session_id: str
+    client_id: str
+    kv: SessionKV
+    reservation_key: str
+
+
+class BlockServicer:
+    """Implementation behind `petals_chain.protocol.BlockService`."""
+
+    def __init__(self, server):
+        self.server = server  # server.server.BlockServer (info, block range, budget, scheduler)
+
+    @property
+    def scheduler(self) -> StepScheduler:
+        return self.server.scheduler
+
+    @property
+    def budget(self) -> KVBudget:
+        return self.server.budget
+
+    async def info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return wire.response({"type": "info", "info": self.server.info().to_wire()})
+
+    # -- inference stream ---------------------------------------------------------------------
+    async def inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        client_id = str(context.remote_id)
+        session: OpenSession | None = None
+        try:
+            async for request in requests:
+                try:
+                    meta = wire.unpack(request.metadata)
+                    kind = wire.field_of(meta, "type", str)
+                    if kind == "open":
+                        if session is not None:
+                            raise InvalidRequestError("this stream already has an open session")
+                        session = self._open(meta, client_id)
+                        yield wire.response({"type": "opened", "session_id": session.session_id,
+                                             "first_block": session.kv.first_block, "end_block": session.kv.end_block})
+                    elif kind == "step":
+                        if session is None:
+                            raise UnknownSessionError("step before open: send an 'open' message first")
+                        sid = wire.field_of(meta, "session_id", str)
+                        if sid != session.session_id:
+                            raise UnknownSessionError(f"unknown session {sid!r} on this stream")
+                        if len(request.tensors) != 1:
+                            raise InvalidRequestError(f"a step carries exactly one tensor, got {len(request.tensors)}")
+                        hidden = wire.tensor_from_wire(request.tensors[0])
+                        out = await self._step(session, hidden)
+                        yield wire.response({"type": "step", "session_id": sid,
+                                             "step_id": meta.get("step_id"), "position": session.kv.past_tokens},
+                                            (out,))
+                    elif kind == "close":
+                        return
+                    else:
+                        raise InvalidRequestError(f"unknown message type {kind!r} (expected open, step or close)")
+                except PetalsChainError as e:
+                    yield wire.error_response(e)
+                except Exception as e:  # a bug must not take the server down: report it to this client
+                    logger.exception("unexpected error in rpc_inference")
+                    yield wire.error_response(e)
+        finally:
+            if session is not None:
+                self.budget.release(session.reservation_key)
+                self.server.on_session_closed(session)
+
+    def _open(self, meta: dict, client_id: str) -> OpenSession:
+        block_range = self.server.block_range
+        session_id = wire.field_of(meta, "session_id", str)
+        max_length = wire.field_of(meta, "max_length", int)
+        first_block = wire.field_of(meta, "entry_block", int, default=block_range.start)
+        if max_length < 1:
+            raise InvalidRequestError(f"max_length must be >= 1, got {max_length}")
+        if max_length > self.server.max_length_tokens:
+            raise MaxLengthExceededError(
+                f"max_length={max_length} exceeds this server's limit of {self.server.max_length_tokens} tokens; "
+                "use a smaller max_length or a server started with a larger --max-length")
+        if not block_range.start <= first_block < block_range.end:
+            raise InvalidRequestError(
+                f"entry_block {first_block} is outside this server's blocks [{block_range.start}, {block_range.end})")
+        nbytes = block_range.kv_bytes_per_block(max_length) * (block_range.end - first_block)
+        key = f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}"
+        self.budget.reserve(key, nbytes)  # raises OutOfCacheError at once when it does not fit
+        try:
+            kv = block_range.allocate_kv(max_length, first_block)
+        except Exception:
+            self.budget.release(key)
+            raise
+        session = OpenSession(session_id, client_id, kv, key)
+        self.server.on_session_opened(session)
+        return session
+
+    async def _step(self, session: OpenSession, hidden: torch.Tensor) -> torch.Tensor:
+        step = StepInput(session.kv, hidden)
+        self.server.block_range.validate_step(step)
+        if hidden.dtype != self.server.block_range.dtype:
+            raise InvalidRequestError(f"hidden states must be {self.server.block_range.dtype}, got {hidden.dtype}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def deliver(result, error):
+            def settle():
+                if future.done():
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+            loop.call_soon_threadsafe(settle)
+
+        self.scheduler.submit(step_item(self.scheduler, session.session_id, session.client_id, step, deliver))
+        return await future
+
+    # -- stateless forward ----------------------------------------------------------------
+    async def forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """Forward of whole sequences [batch, seq, hidden] without keeping a cache."""
+        client_id = str(context.remote_id)
+        block_range = self.server.block_range
+        try:
+            meta = wire.unpack(request.metadata)
+            first_block = wire.field_of(meta, "entry_block", int, default=block_range.start)
+            if len(request.tensors) != 1:
+                raise InvalidRequestError(f"rpc_forward carries exactly one tensor, got {len(request.tensors)}")
+            hidden = wire.tensor_from_wire(request.tensors[0])
+            if hidden.dim() != 3 or hidden.shape[0] < 1:
+                raise InvalidRequestError(f"rpc_forward takes [batch, seq, {block_range.hidden_size}], got {tuple(hidden.shape)}")
+            if hidden.shape[1] > self.server.max_length_tokens:
+                raise MaxLengthExceededError(f"sequence of {hidden.shape[1]} tokens exceeds this server's "
+                                             f"limit of {self.server.max_length_tokens}")
+            outputs = []
+            for row, seq in enumerate(hidden):
+                temp = OpenSession(f"forward-{uuid.uuid4().hex[:8]}-{row}", client_id,
+                                   None, "")  # kv filled below
+                nbytes = block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - (first_block))
+                temp.reservation_key = f"{client_id}/{temp.session_id}"
+                self.budget.reserve(temp.reservation_key, nbytes)
+                try:
+                    temp.kv = block_range.allocate_kv(seq.shape[0], first_block)
+                    outputs.append(await self._step(temp, seq))
+                finally:
+                    self.budget.release(temp.reservation_key)
+            return wire.response({"type": "forward"}, (torch.stack(outputs),))
+        except PetalsChainError as e:
+            return wire.error_response(e)
+        except Exception as e:
+            logger.exception("unexpected error in rpc_forward")
+            return wire.error_response(e)
