@@ -1,0 +1,56 @@
+"""Helpers for tests that talk to real servers: raw inference streams and HF references."""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from petals_chain import wire
+from petals_chain.client.remote import RemoteChain
+from petals_chain.errors import PetalsChainError, error_from_code
+
+
+class RawStream:
+    """An rpc_inference stream driven message by message, for protocol-level tests."""
+
+    def __init__(self, chain: RemoteChain, peer_id: str):
+        self.chain = chain
+
+        async def open_stream():
+            self.queue = asyncio.Queue()
+
+            async def outgoing():
+                while True:
+                    item = await self.queue.get()
+                    if item is None:
+                        return
+                    yield item
+
+            return await chain.stub(peer_id).rpc_inference(outgoing())
+
+        self.responses = chain.loop.run(open_stream(), timeout_s=10)
+
+    def send_raw(self, request, timeout_s: float = 20.0) -> tuple[dict, list[torch.Tensor]]:
+        async def roundtrip():
+            await self.queue.put(request)
+            return await asyncio.wait_for(anext(self.responses), timeout_s)
+
+        resp = self.chain.loop.run(roundtrip(), timeout_s=timeout_s + 2)
+        return wire.unpack(resp.metadata), [wire.tensor_from_wire(t) for t in resp.tensors]
+
+    def send(self, meta: dict, tensors: tuple[torch.Tensor, ...] = ()) -> tuple[dict, list[torch.Tensor]]:
+        return self.send_raw(wire.request(meta, tensors))
+
+    def expect_error(self, meta: dict, tensors=(), request=None) -> PetalsChainError:
+        reply, _ = self.send_raw(request) if request is not None else self.send(meta, tensors)
+        assert reply.get("type") == "error", f"expected an error reply, got {reply}"
+        return error_from_code(reply["code"], reply["message"])
+
+    def close(self) -> None:
+        async def close():
+            await self.queue.put(None)
+
+        try:
+            self.chain.loop.run(close(), timeout_s=2)
+        except Exception:
+            pass
