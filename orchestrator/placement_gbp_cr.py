@@ -71,7 +71,7 @@ def gbp_cr(cluster: Cluster, c: int) -> GbpCrResult:
             nu += 1.0 / T if T > 0 else math.inf  # line 8
             chains.append(tuple(group))
             chain_times.append(T)
-            if nu >= target:  # line 9-10
+            if nu >= target * (1 - 1e-12):  # line 9-10 (relative tolerance against float noise)
                 met = True
                 break
             a, T, group = 1, 0.0, []  # line 12
