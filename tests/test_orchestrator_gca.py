@@ -5,8 +5,7 @@ from orchestrator.cache_gca import gca, gca_networkx, gca_or_raise
 from orchestrator.model import BlockRange, InfeasibleClusterError, Placement, chain_slot_usage, residual_slots
 from orchestrator.placement_gbp_cr import gbp_cr
 from orchestrator.reference_optima import optimal_cache_allocation
-from tests.orchestrator_strategies import clusters, make_cluster, placements
-from tests.test_orchestrator_gbp_cr import fig2_cluster
+from tests.orchestrator_strategies import clusters, fig2_cluster, make_cluster, placements
 
 
 def test_fig2_gca_three_chains_of_capacity_5():
