@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orchestrator.bounds import exact_ctmc_mean_response_time, theorem37_bounds
-from orchestrator.dispatch import DISPATCHERS, JffcDispatcher, Start, make_dispatcher
+from orchestrator.dispatch import DISPATCHERS, Start, make_dispatcher
 from orchestrator.model import BlockRange, ChainSpec
 
 
