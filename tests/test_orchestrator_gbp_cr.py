@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from orchestrator.model import InfeasibleClusterError
 from orchestrator.placement_gbp_cr import blocks_per_server, gbp_cr, gbp_cr_or_raise, max_capacity
 from orchestrator.reference_optima import brute_force_disjoint_chains
-from tests.orchestrator_strategies import clusters, fig1_cluster, fig2_cluster, make_cluster
+from tests.orchestrator_strategies import clusters, fig1_cluster, fig2_cluster, make_cluster, times
 
 
 @pytest.mark.parametrize("L", [3, 4, 5, 7])
@@ -62,10 +62,30 @@ def test_max_capacity():
     assert max_capacity(cl) == 20
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(clusters(max_servers=6, max_blocks=6, homogeneous=True), st.integers(1, 40))
-def test_theorem_3_4_homogeneous_memory_gbp_cr_is_optimal(cluster, c):
+@st.composite
+def homogeneous_instances(draw):
+    """Homogeneous memory M sized for m(c) blocks per server, demand around what J servers give."""
+    L = draw(st.integers(1, 6))
+    J = draw(st.integers(1, 7))
+    c = draw(st.integers(1, 12))
+    m = draw(st.integers(1, L))
+    s_m, s_c = 1.0, 0.1
+    memory = m * (s_m + s_c * c) + draw(st.floats(0.0, 0.99)) * (s_m + s_c * c)
+    tau_c = draw(st.lists(times, min_size=J, max_size=J))
+    tau_p = draw(st.lists(times, min_size=J, max_size=J))
+    n = -(-L // m)  # servers per chain
+    mean_t = (sum(tau_c) + m * sum(tau_p)) / J
+    scale = draw(st.floats(0.05, 1.5))
+    lam = 0.5 * c * scale * max(1, J // n) / (n * mean_t)
+    cl = make_cluster([memory] * J, tau_c, tau_p, L, s_m, s_c, arrival_rate=lam, rho_bar=0.5)
+    return cl, c
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(homogeneous_instances())
+def test_theorem_3_4_homogeneous_memory_gbp_cr_is_optimal(instance):
     """Theorem 3.4: with M_j = M, GBP-CR attains the optimum of (10) (brute force)."""
+    cluster, c = instance
     opt = brute_force_disjoint_chains(cluster, c)
     g = gbp_cr(cluster, c)
     if opt.num_chains is None:
