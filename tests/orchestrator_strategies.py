@@ -1,6 +1,10 @@
 """Hypothesis strategies and small builders shared by the orchestrator tests."""
 from __future__ import annotations
 
+import heapq
+
+import numpy as np
+
 from hypothesis import strategies as st
 
 from orchestrator.model import BlockRange, Cluster, Placement, Server, Service
@@ -62,3 +66,24 @@ def placements(draw, cluster: Cluster):
         start = draw(st.integers(0, L - m))
         ranges.append(BlockRange(start, start + m))
     return Placement(tuple(ranges))
+
+
+def simulate(dispatcher, lam, num_jobs, rng):
+    """Tiny event-driven M/M/K simulation: Poisson arrivals, job sizes Exp(1) times T_k."""
+    events = []
+    t = 0.0
+    for job in range(num_jobs):
+        t += rng.exponential(1 / lam)
+        heapq.heappush(events, (t, 1, job))
+    arrival, finish = {}, {}
+    while events:
+        now, kind, job = heapq.heappop(events)
+        if kind == 1:
+            arrival[job] = now
+            starts = dispatcher.on_arrival(job)
+        else:
+            finish[job] = now
+            starts = dispatcher.on_completion(job)
+        for s in starts:
+            heapq.heappush(events, (now + rng.exponential() * s.service_time_s, 0, s.job_id))
+    return np.mean([finish[j] - arrival[j] for j in arrival])

@@ -1,5 +1,3 @@
-import heapq
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -7,6 +5,7 @@ from hypothesis import given, settings, strategies as st
 from orchestrator.bounds import exact_ctmc_mean_response_time, theorem37_bounds
 from orchestrator.dispatch import DISPATCHERS, Start, make_dispatcher
 from orchestrator.model import BlockRange, ChainSpec
+from tests.orchestrator_strategies import simulate
 
 
 def chain(t, c):
@@ -49,27 +48,6 @@ def test_sed_weighs_queue_by_speed():
         assert d.on_arrival(n) == []
     assert d.on_arrival(10)[0].chain_id == 1
     assert d.queue_length == 9
-
-
-def simulate(dispatcher, lam, num_jobs, rng):
-    """Tiny event-driven M/M/K simulation: Poisson arrivals, job sizes Exp(1) times T_k."""
-    events = []
-    t = 0.0
-    for job in range(num_jobs):
-        t += rng.exponential(1 / lam)
-        heapq.heappush(events, (t, 1, job))
-    arrival, finish = {}, {}
-    while events:
-        now, kind, job = heapq.heappop(events)
-        if kind == 1:
-            arrival[job] = now
-            starts = dispatcher.on_arrival(job)
-        else:
-            finish[job] = now
-            starts = dispatcher.on_completion(job)
-        for s in starts:
-            heapq.heappush(events, (now + rng.exponential() * s.service_time_s, 0, s.job_id))
-    return np.mean([finish[j] - arrival[j] for j in arrival])
 
 
 def test_jffc_simulation_matches_exact_ctmc_and_bounds():

@@ -12,7 +12,8 @@ from orchestrator.model import InfeasibleClusterError, chain_slot_usage, residua
 from orchestrator.plan_cli import main
 from orchestrator.planner import POLICIES, make_plan_dispatcher, plan
 from orchestrator.tuning import tune_c
-from tests.orchestrator_strategies import clusters, fig1_cluster, make_cluster
+from orchestrator.cluster_io import cluster_from_dict
+from tests.orchestrator_strategies import clusters, fig1_cluster, make_cluster, simulate
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cluster.json"
 
@@ -147,3 +148,26 @@ def test_umbrella_cli_dispatches_plan(capsys):
     from petals_chain.cli import main as umbrella
     assert umbrella(["plan", "--cluster", str(EXAMPLE), "--c", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["c"] == 2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_runs_the_example_to_completion(policy):
+    cluster = cluster_from_dict(json.loads(EXAMPLE.read_text()))
+    p = plan(cluster, policy)
+    d = make_plan_dispatcher(p, cluster, np.random.default_rng(0))
+    mean = simulate(d, 2.0, 1500, np.random.default_rng(1))
+    fastest = min(k.service_time_s for k in p.chains)
+    assert mean > 0.5 * fastest and d.queue_length == 0
+
+
+@pytest.mark.parametrize("L", [3, 4, 6])
+def test_fig1_service_rates_after_gca(L):
+    """Fig. 1: c=1 gives L chains of capacity 1 (nu = L / (tau_c + L tau_p)); c=L^2 one chain of
+    capacity L^2 (nu = L / (tau_c + tau_p))."""
+    cl = fig1_cluster(L, tau_c=1.0, tau_p=0.2, lam=1000.0)
+    short = plan(cl, c=1)
+    assert [k.capacity for k in short.chains] == [1] * L
+    assert short.total_rate_per_s == pytest.approx(L / (1.0 + L * 0.2))
+    long = plan(cl, c=L * L)
+    assert [(len(k.servers), k.capacity) for k in long.chains] == [(L, L * L)]
+    assert long.total_rate_per_s == pytest.approx(L / (1.0 + 0.2))
