@@ -109,8 +109,11 @@ def gca(cluster: Cluster, placement: Placement, residual: list[int] | None = Non
         elif M[j] >= m_ij:  # line 2
             g.add_edge(i, j, weight=link_time_s(cluster.servers[j], m_ij), m=m_ij)
     chains: list[ChainSpec] = []
-    while nx.has_path(g, SOURCE, SINK):  # line 4
-        nodes = nx.dijkstra_path(g, SOURCE, SINK, weight="weight")  # line 5
+    while True:
+        try:
+            nodes = nx.dijkstra_path(g, SOURCE, SINK, weight="weight")  # line 5
+        except nx.NetworkXNoPath:  # line 4: j_0 no longer connected to j_{J+1}
+            break
         path = nodes[1:-1]
         chain = _allocate(cluster, placement, path, M)  # lines 6-8
         chains.append(chain)
