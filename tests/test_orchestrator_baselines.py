@@ -20,6 +20,8 @@ def test_petals_covers_weakest_blocks_first():
     # throughputs 1/(0.1 + 1/2) on blocks 0-1 and 1/(0.2 + 1/2) on blocks 2-3: the 3rd server
     # reinforces the weaker window [2, 4) (its sorted vector is lexicographically smaller)
     assert [(r.start, r.end) for r in p.ranges] == [(0, 2), (2, 4), (2, 4)]
+    reordered = petals_placement(cl, join_order=[2, 1, 0])  # server 2 first, server 0 last
+    assert [(r.start, r.end) for r in reordered.ranges] == [(0, 2), (2, 4), (0, 2)]
 
 
 def test_petals_uncovered_block_is_an_error():
