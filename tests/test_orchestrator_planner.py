@@ -103,6 +103,9 @@ def test_cli_example(capsys):
     for k in d["chains"]:
         assert set(k["servers"]) <= set(d["placement"]) and k["capacity"] >= 1 and k["service_time"] > 0
     assert d["bounds"]["lower"] <= d["bounds"]["upper"]
+    in_chains = {s for k in d["chains"] for s in k["servers"]}
+    assert set(d["idle_servers"]) == set(d["placement"]) - in_chains
+    assert set(d["unused_servers"]) == names - set(d["placement"])
     assert len(d["table"]) >= 1 and any(r["c"] == d["c"] for r in d["table"])
     assert d["total_rate"] == pytest.approx(sum(k["capacity"] / k["service_time"] for k in d["chains"]))
 
