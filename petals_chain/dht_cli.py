@@ -16,11 +16,12 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from hivemind.dht import DHT
 
+    dht = DHT(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
+              start=True)
+    # Handlers go in after the DHT process was forked: a child that inherited them would ignore SIGTERM.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    dht = DHT(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
-              start=True)
     for maddr in dht.get_visible_maddrs():
         print(maddr, flush=True)
     print("DHT peer running; pass the address above as --initial-peers. Ctrl-C stops it.", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,10 +105,16 @@ class LocalSwarm:
         sp.process.wait(timeout=30)
 
     def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM each main process (servers announce offline and stop their DHT child), then
+        SIGKILL whatever is left in their process groups. Ctrl-C during this is deferred."""
+        with _deferred_interrupts():
+            self._stop(timeout_s)
+
+    def _stop(self, timeout_s: float) -> None:
         procs = [sp.process for sp in self.servers] + ([self.dht_process] if self.dht_process else [])
         for p in procs:
             if p.poll() is None:
-                _signal_group(p, signal.SIGTERM)
+                p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for p in procs:
             try:
@@ -126,6 +133,23 @@ class LocalSwarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def _deferred_interrupts():
+    """Hold SIGINT/SIGTERM while cleaning up (main thread only), re-raise Ctrl-C afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, _f: received.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if received:
+            raise KeyboardInterrupt
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

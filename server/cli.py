@@ -62,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.policy not in POLICIES:
         print(f"launch-server: unknown --policy {args.policy!r}; choose one of {', '.join(POLICIES)}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     start, end = args.blocks
     try:
         server = BlockServer(ServerConfig(
@@ -76,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2
+    # Handlers go in after the DHT process was forked: a child that inherited them would ignore SIGTERM.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     info = server.info()
     print(f"serving {info.model} blocks [{info.start}, {info.end}) as {info.peer_id} "
           f"(s_m={info.block_bytes} B, s_c={info.kv_bytes_per_block} B at {info.max_length_tokens} tokens, "
