@@ -1,12 +1,14 @@
 """Kill a server mid-session (SIGKILL): the client replaces it, replays, and the text is identical."""
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
 from transformers.generation.streamers import BaseStreamer
 
 from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.dht_records import fetch_servers
 from petals_chain.local_swarm import LocalSwarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
@@ -49,5 +51,21 @@ def test_failover_after_sigkill_gives_identical_text(smollm2_path, smollm2_hf, s
                 assert after != before  # the dead peer is not retried
                 assert time.monotonic() - start_s < 60
             assert out.tolist() == ref.tolist()
+            # the killed server's record expires from the DHT within seconds (TTL 3 x announce period)
+            dead = streamer.killed.peer_id
+            deadline = time.monotonic() + 15
+            while dead in {s.peer_id for s in _records(model)} and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert dead not in {s.peer_id for s in _records(model)}
+            # a clean SIGTERM announces "offline" at once
+            leaving = swarm.servers[0]
+            swarm.kill_server(leaving, signal.SIGTERM)
+            assert leaving.process.returncode == 0
+            offline = {s.peer_id for s in _records(model, states=("offline",))}
+            assert leaving.peer_id in offline
         finally:
             model.backend.shutdown()
+
+
+def _records(model, states=("online",)):
+    return fetch_servers(model.backend.dht, model.backend.model, states=states)

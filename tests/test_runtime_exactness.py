@@ -63,6 +63,23 @@ def test_greedy_generate_identical_to_hf(smollm2_path, smollm2_hf, smollm2_token
     assert ours.tolist() == ref.tolist()
 
 
+@pytest.mark.model
+def test_generation_options_match_hf(smollm2_path, smollm2_hf, smollm2_tokenizer):
+    """Repetition penalty, eos and seeded sampling go through transformers' own generate code."""
+    ids = smollm2_tokenizer("List three fruits:", return_tensors="pt").input_ids
+    model = DistributedModelForCausalLM.from_local_ranges(smollm2_path, [(0, 15), (15, 30)])
+    kw = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.3)
+    assert model.generate(ids, **kw).tolist() == smollm2_hf.generate(ids, **kw).tolist()
+    eos = int(smollm2_hf.generate(ids, max_new_tokens=3, do_sample=False)[0, -1])  # stop at the 3rd token
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=eos)
+    assert out.shape[1] == ids.shape[1] + 3 and int(out[0, -1]) == eos
+    torch.manual_seed(7)
+    a = model.generate(ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9)
+    torch.manual_seed(7)
+    b = model.generate(ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9)
+    assert a.tolist() == b.tolist() and a.shape[1] == ids.shape[1] + 12
+
+
 @torch.inference_mode()
 def test_tiny_llama_ranges_match_hf_and_entry_midrange(tiny_llama_path):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
