@@ -101,7 +101,12 @@ class LocalSwarm:
             sp.peer_id = line.split(" as ")[1].split()[0]
 
     def kill_server(self, sp: ServerProcess, sig: int = signal.SIGKILL) -> None:
-        _signal_group(sp.process, sig)
+        """SIGKILL takes the whole process group down at once (a crash); any other signal goes to the
+        server process alone, which then shuts down its own DHT child (a clean stop)."""
+        if sig == signal.SIGKILL:
+            _signal_group(sp.process, sig)
+        else:
+            sp.process.send_signal(sig)
         sp.process.wait(timeout=30)
 
     def stop(self, timeout_s: float = 20.0) -> None:

@@ -123,13 +123,10 @@ class BlockServer:
         self.state = "offline"
         self._announce()
         self.scheduler.stop()
-        try:
-            self.loop.run(self.servicer.remove_p2p_handlers(self.p2p), timeout_s=5)
-        except Exception:
-            logger.debug("removing handlers failed during shutdown", exc_info=True)
+        for step in (self.servicer.remove_p2p_handlers(self.p2p), self.p2p.shutdown()):
+            try:
+                self.loop.run(step, timeout_s=5)
+            except Exception:
+                logger.debug("p2p cleanup step failed during shutdown", exc_info=True)
         self.dht.shutdown()
         self.loop.stop()
-
-    def wait(self) -> None:
-        while not self._stop.wait(1.0):
-            pass
