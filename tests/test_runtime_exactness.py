@@ -37,18 +37,24 @@ def _hf_logits_per_step(hf, ids, steps):
     return logits, tokens
 
 
+def _chain_logits_per_step(head, ranges, ids, steps, max_length):
+    """Ours: prefill then `steps` greedy decode steps through the chained ranges."""
+    kvs = [r.allocate_kv(max_length) for r in ranges]
+    logits = [head.logits(_run(head, ranges, kvs, ids))]
+    tokens = [int(logits[0][-1].argmax())]
+    for _ in range(steps):
+        logits.append(head.logits(_run(head, ranges, kvs, torch.tensor([tokens[-1]]))))
+        tokens.append(int(logits[-1][-1].argmax()))
+    return logits, tokens
+
+
 @pytest.mark.model
 @torch.inference_mode()
 def test_three_ranges_match_hf_smollm2(smollm2_path, smollm2_hf, smollm2_tokenizer):
     ids = smollm2_tokenizer("The three primary colors are", return_tensors="pt").input_ids[0]
     ref_logits, ref_tokens = _hf_logits_per_step(smollm2_hf, ids, steps=20)
     head, ranges = _chain(smollm2_path, [(0, 10), (10, 20), (20, 30)])
-    kvs = [r.allocate_kv(64) for r in ranges]
-    logits = [head.logits(_run(head, ranges, kvs, ids))]
-    tokens = [int(logits[0][-1].argmax())]
-    for _ in range(20):
-        logits.append(head.logits(_run(head, ranges, kvs, torch.tensor([tokens[-1]]))))
-        tokens.append(int(logits[-1][-1].argmax()))
+    logits, tokens = _chain_logits_per_step(head, ranges, ids, steps=20, max_length=64)
     worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
     assert worst <= 1e-4, f"max abs logit diff {worst}"
     assert tokens == ref_tokens
@@ -86,12 +92,7 @@ def test_tiny_llama_ranges_match_hf_and_entry_midrange(tiny_llama_path):
     ids = torch.randint(2, 128, (11,), generator=torch.Generator().manual_seed(1))
     ref_logits, ref_tokens = _hf_logits_per_step(hf, ids, steps=8)
     head, ranges = _chain(tiny_llama_path, [(0, 2), (2, 5), (5, 6)])
-    kvs = [r.allocate_kv(32) for r in ranges]
-    logits = [head.logits(_run(head, ranges, kvs, ids))]
-    tokens = [int(logits[0][-1].argmax())]
-    for _ in range(8):
-        logits.append(head.logits(_run(head, ranges, kvs, torch.tensor([tokens[-1]]))))
-        tokens.append(int(logits[-1][-1].argmax()))
+    logits, tokens = _chain_logits_per_step(head, ranges, ids, steps=8, max_length=32)
     assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) <= 1e-4
     assert tokens == ref_tokens
     # A session that enters a server's range mid-way ([0,3) elsewhere, then blocks 3..5 of a [2,6) server)
