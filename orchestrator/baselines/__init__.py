@@ -1,0 +1,1 @@
+"""Baseline resource allocators (PETALS, BPRR, JFFC-only) behind the planner's interface."""

@@ -1,0 +1,71 @@
+"""PETALS baseline [6]: greedy block selection at join time + per-request min-latency routing.
+
+Our reading of PETALS (petals/server/block_selection.py, client/routing/sequence_manager.py):
+
+Placement. Servers join one at a time, in the cluster's listed order. A joining server takes
+  m_j = min(floor(M_j / (s_m + s_c r)), L) blocks, r = ``cache_sessions`` (PETALS reserves
+  attn_cache_tokens = 4096 tokens of KV cache per block for non-GQA models, i.e. r = 2 sessions
+  of the 2048-token max length behind s_c), and the contiguous window whose *sorted* vector of
+  per-block throughputs (sum over servers already holding the block) is lexicographically smallest:
+  it covers the weakest blocks first; ties go to the leftmost window. A server's per-block
+  throughput is 1 / (tau_p_j + tau_c_j / m_j) sessions/s.
+Routing. Each request takes the min-latency path (Dijkstra in PETALS; an exact DP over block ends
+  here) with link cost, per decoding step, RTT_j / 2 + 18 ms + m_ij tau_p_j / steps, and +10 s when
+  server j has fewer than m_ij free cache slots (PETALS' penalty for a server without cache).
+  With no ``rtt_s`` on a server, tau_c_j / steps stands for RTT_j / 2. ``steps`` =
+  ``steps_per_session`` (decode steps of a session, default 20).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from orchestrator.baselines.request_router import PerRequestRouter
+from orchestrator.model import BlockRange, Cluster, InfeasibleClusterError, Placement, robust_floor_div
+
+PETALS_CACHE_SESSIONS = 2.0
+PETALS_STEP_OVERHEAD_S = 0.018
+PETALS_NO_CACHE_PENALTY_S = 10.0
+
+
+def petals_blocks(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS) -> list[int]:
+    s = cluster.service
+    per_block = s.block_size_gb + s.cache_size_gb * cache_sessions
+    return [min(robust_floor_div(sv.memory_gb, per_block), s.num_blocks) for sv in cluster.servers]
+
+
+def petals_placement(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS) -> Placement:
+    """Join-order greedy placement (see module docstring)."""
+    L = cluster.service.num_blocks
+    m = petals_blocks(cluster, cache_sessions)
+    throughput = np.zeros(L)
+    ranges: list[BlockRange | None] = [None] * len(m)
+    for j, sv in enumerate(cluster.servers):
+        if m[j] == 0:
+            continue
+        best_start, best_key = 0, None
+        for start in range(L - m[j] + 1):
+            key = tuple(np.sort(throughput[start:start + m[j]]))
+            if best_key is None or key < best_key:
+                best_start, best_key = start, key
+        ranges[j] = BlockRange(best_start, best_start + m[j])
+        throughput[best_start:best_start + m[j]] += 1.0 / (sv.tau_p_s + sv.tau_c_s / m[j])
+    if np.any(throughput == 0):
+        missing = int(np.flatnonzero(throughput == 0)[0])
+        raise InfeasibleClusterError(f"PETALS placement leaves block {missing} uncovered: add servers or memory")
+    return Placement(tuple(ranges))
+
+
+class PetalsRouter(PerRequestRouter):
+    """Min-latency routing per request (see module docstring)."""
+
+    name = "petals"
+
+    def __init__(self, cluster: Cluster, placement: Placement, steps_per_session: int = 20):
+        self.steps = steps_per_session
+        super().__init__(cluster, placement)
+
+    def _link_cost(self, j: int, m: np.ndarray) -> np.ndarray:
+        sv = self.cluster.servers[j]
+        half_rtt = sv.rtt_s / 2 if sv.rtt_s is not None else sv.tau_c_s / self.steps
+        cost = half_rtt + PETALS_STEP_OVERHEAD_S + m * sv.tau_p_s / self.steps
+        return cost + np.where(self.free_slots[j] < m, PETALS_NO_CACHE_PENALTY_S, 0.0)

@@ -1,0 +1,144 @@
+"""Per-request routing over a placement with live cache bookkeeping (used by PETALS and BPRR).
+
+A router is a Dispatcher (orchestrator.dispatch): on each arrival it computes one route, a
+shortest path through the routing graph E_{a,m} (§2.1.1) whose link costs depend on the current
+free cache slots; the route gets an id (``Start.chain_id``; ``route(chain_id)`` returns its
+ChainSpec with capacity 1). If every server on the route has m_ij free slots the job starts and
+takes them; otherwise it waits on that route (the PETALS server would block the allocation) in a
+FIFO list. A completion frees the job's slots and starts, in FIFO order, every waiting job whose
+route now fits. Links into a server whose *total* slots M~_j are fewer than m_ij are never used
+(the job could never start).
+
+Shortest paths run as a dynamic program over block ends, as in cache_gca: a link (i, j) only
+depends on (end_i, j).
+"""
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections import deque
+
+import numpy as np
+
+from orchestrator.dispatch import Dispatcher, Start
+from orchestrator.model import ChainSpec, Cluster, InfeasibleClusterError, Placement, chain_from_path, residual_slots
+
+
+def end_dp_shortest_path(placement: Placement, num_blocks: int, link_cost) -> list[int] | None:
+    """Shortest source->sink server path. ``link_cost(j, m)`` returns the cost array of entering
+    server j with m = end_j - end_i blocks left to process (m an int array; inf = no link)."""
+    used = sorted(placement.used_servers(), key=lambda j: (placement.ranges[j].end, j))
+    D = np.full(num_blocks + 1, math.inf)
+    D[0] = 0.0
+    best = [-1] * (num_blocks + 1)
+    pred: dict[int, int] = {}
+    for j in used:
+        r = placement.ranges[j]
+        e_lo = np.arange(r.start, r.end)
+        window = D[r.start:r.end] + link_cost(j, r.end - e_lo)
+        k = int(np.argmin(window))
+        if window[k] < D[r.end]:
+            D[r.end] = window[k]
+            best[r.end] = j
+            pred[j] = r.start + k
+    if not math.isfinite(D[num_blocks]):
+        return None
+    path, e = [], num_blocks
+    while e > 0:
+        j = best[e]
+        path.append(j)
+        e = pred[j]
+    return path[::-1]
+
+
+class PerRequestRouter(Dispatcher):
+    """Shared bookkeeping: free slots per server, route registry, waiting list."""
+
+    name = "per-request"
+
+    def __init__(self, cluster: Cluster, placement: Placement):
+        self.cluster = cluster
+        self.placement = placement
+        self.total_slots = residual_slots(cluster, placement)
+        self.free_slots = list(self.total_slots)
+        self.sessions_on = [0] * cluster.num_servers  # running sessions per server
+        self.rate_sum_on = [0.0] * cluster.num_servers  # sum of 1/T over running sessions per server
+        self.pending_slots = [0] * cluster.num_servers  # slots wanted by waiting jobs per server
+        self._routes: list[ChainSpec] = []
+        self._demand: list[tuple[tuple[int, int], ...]] = []
+        self._route_ids: dict[tuple[int, ...], int] = {}
+        self._waiting: deque[tuple[int, int]] = deque()
+        self._job_route: dict[int, int] = {}
+        if self._path() is None:
+            raise InfeasibleClusterError(f"{self.name}: the placement has no complete chain with enough "
+                                         "cache for one session; add servers or memory")
+
+    @abstractmethod
+    def _link_cost(self, j: int, m: np.ndarray) -> np.ndarray:
+        """Cost of entering server j with m blocks to process, under the current state."""
+
+    def _path(self) -> list[int] | None:
+        def cost(j, m):
+            c = self._link_cost(j, m)
+            return np.where(m <= self.total_slots[j], c, math.inf)
+        return end_dp_shortest_path(self.placement, self.cluster.service.num_blocks, cost)
+
+    def route(self, chain_id: int) -> ChainSpec:
+        """The chain behind a route id returned in Start.chain_id."""
+        return self._routes[chain_id]
+
+    def _route_id(self, path: list[int]) -> int:
+        key = tuple(path)
+        if key not in self._route_ids:
+            spec = chain_from_path(self.cluster, self.placement, path, 1)
+            self._route_ids[key] = len(self._routes)
+            self._routes.append(spec)
+            self._demand.append(tuple((j, b.num_blocks) for j, b in zip(spec.servers, spec.blocks)))
+        return self._route_ids[key]
+
+    def _fits(self, rid: int) -> bool:
+        return all(self.free_slots[j] >= m for j, m in self._demand[rid])
+
+    def _start(self, job_id: int, rid: int) -> Start:
+        mu = 1.0 / self._routes[rid].service_time_s
+        for j, m in self._demand[rid]:
+            self.free_slots[j] -= m
+            self.sessions_on[j] += 1
+            self.rate_sum_on[j] += mu
+        self._job_route[job_id] = rid
+        return Start(job_id, rid, self._routes[rid].service_time_s)
+
+    def on_arrival(self, job_id: int) -> list[Start]:
+        path = self._path()
+        if path is None:  # cannot happen after the constructor's check; keep the error explicit
+            raise InfeasibleClusterError(f"{self.name}: no route")
+        rid = self._route_id(path)
+        if self._fits(rid):
+            return [self._start(job_id, rid)]
+        self._waiting.append((job_id, rid))
+        for j, m in self._demand[rid]:
+            self.pending_slots[j] += m
+        return []
+
+    def on_completion(self, job_id: int) -> list[Start]:
+        rid = self._job_route.pop(job_id)
+        mu = 1.0 / self._routes[rid].service_time_s
+        for j, m in self._demand[rid]:
+            self.free_slots[j] += m
+            self.sessions_on[j] -= 1
+            self.rate_sum_on[j] -= mu
+        started = []
+        still: deque[tuple[int, int]] = deque()
+        for wjob, wrid in self._waiting:
+            if self._fits(wrid):
+                for j, m in self._demand[wrid]:
+                    self.pending_slots[j] -= m
+                started.append(self._start(wjob, wrid))
+            else:
+                still.append((wjob, wrid))
+        self._waiting = still
+        return started
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)

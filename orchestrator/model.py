@@ -1,0 +1,248 @@
+"""System model of the paper (§2.1): servers, service, cluster, placement, routing graph, chains.
+
+Conventions (see DESIGN.md):
+- memory quantities are in GB (``*_gb``); any single unit works as long as memory, block size and
+  cache size share it. Times are in seconds (``*_s``).
+- Block indices are 0-based and ranges half-open ``[start, end)``. The paper numbers blocks
+  1..L and writes a server's range as ``{a_j, ..., a_j + m_j - 1}``; so ``start = a_j - 1`` and
+  ``end = a_j - 1 + m_j``. The conversion happens only inside the algorithm modules.
+- The dummy source j_0 of the paper "ends" at block 0 (``end = 0``), the dummy sink j_{J+1}
+  "starts" at block L; in this module they are the integers ``SOURCE = -1`` and ``SINK = -2``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+SOURCE = -1
+SINK = -2
+
+# Relative tolerance for floor divisions of float memory sizes: (2 - 1) / 0.1 = 9.999999999999998
+# must count 10 slots, not 9.
+_FLOOR_REL_TOL = 1e-9
+
+
+class InfeasibleClusterError(ValueError):
+    """The cluster cannot host a complete chain (or the input is inconsistent)."""
+
+
+class InvalidClusterError(ValueError):
+    """The cluster description is malformed (missing/negative/ill-typed fields)."""
+
+
+def robust_floor_div(numerator: float, denominator: float) -> int:
+    """floor(numerator / denominator), snapping quotients within 1e-9 (relative) of an integer.
+
+    Used for every slot/block count of eqs (3) and (8) so that float noise never loses a slot.
+    """
+    if denominator <= 0:
+        raise ValueError(f"denominator must be positive, got {denominator}")
+    q = numerator / denominator
+    r = round(q)
+    if abs(q - r) <= _FLOOR_REL_TOL * max(1.0, abs(q)):
+        return int(r)
+    return int(math.floor(q))
+
+
+@dataclass(frozen=True)
+class Server:
+    """A physical server j: memory M_j, per-session communication time tau^c_j, per-block
+    per-session computation time tau^p_j (§2.1.1). ``rtt_s`` is optional and only used by the
+    PETALS baseline router."""
+
+    name: str
+    memory_gb: float
+    tau_c_s: float
+    tau_p_s: float
+    rtt_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Service:
+    """The served model: L blocks of size s_m, KV cache of s_c per block per session."""
+
+    num_blocks: int
+    block_size_gb: float
+    cache_size_gb: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Everything the planner needs: service, servers, demand lambda and target load rho_bar."""
+
+    service: Service
+    servers: tuple[Server, ...]
+    arrival_rate_per_s: float
+    rho_bar: float = 0.7
+
+    def __post_init__(self) -> None:
+        validate_cluster(self)
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.servers)
+
+
+def validate_cluster(cluster: Cluster) -> None:
+    """Raise InvalidClusterError with a user-facing message if a field is out of range."""
+    s = cluster.service
+    if not isinstance(s.num_blocks, int) or s.num_blocks < 1:
+        raise InvalidClusterError(f"'blocks' must be a positive integer, got {s.num_blocks!r}")
+    if not s.block_size_gb > 0:
+        raise InvalidClusterError(f"'block_size' must be > 0, got {s.block_size_gb!r}")
+    if not s.cache_size_gb > 0:
+        raise InvalidClusterError(f"'cache_size' must be > 0, got {s.cache_size_gb!r}")
+    if not (cluster.arrival_rate_per_s > 0 and math.isfinite(cluster.arrival_rate_per_s)):
+        raise InvalidClusterError(f"'arrival_rate' must be a positive number, got {cluster.arrival_rate_per_s!r}")
+    if not 0 < cluster.rho_bar < 1:
+        raise InvalidClusterError(f"'rho_bar' must lie in (0, 1), got {cluster.rho_bar!r}")
+    if not cluster.servers:
+        raise InvalidClusterError("'servers' is empty: list at least one server")
+    names = set()
+    for sv in cluster.servers:
+        if sv.name in names:
+            raise InvalidClusterError(f"server name {sv.name!r} appears twice: names must be unique")
+        names.add(sv.name)
+        if not (sv.memory_gb >= 0 and math.isfinite(sv.memory_gb)):
+            raise InvalidClusterError(f"server {sv.name!r}: 'memory' must be a non-negative number, got {sv.memory_gb!r}")
+        if not (sv.tau_c_s >= 0 and math.isfinite(sv.tau_c_s)):
+            raise InvalidClusterError(f"server {sv.name!r}: 'tau_c' must be a non-negative number, got {sv.tau_c_s!r}")
+        if not (sv.tau_p_s >= 0 and math.isfinite(sv.tau_p_s)):
+            raise InvalidClusterError(f"server {sv.name!r}: 'tau_p' must be a non-negative number, got {sv.tau_p_s!r}")
+        if sv.tau_c_s == 0 and sv.tau_p_s == 0:
+            raise InvalidClusterError(f"server {sv.name!r}: 'tau_c' and 'tau_p' cannot both be 0")
+        if sv.rtt_s is not None and not sv.rtt_s >= 0:
+            raise InvalidClusterError(f"server {sv.name!r}: 'rtt' must be >= 0, got {sv.rtt_s!r}")
+
+
+@dataclass(frozen=True)
+class BlockRange:
+    """Half-open block range [start, end)."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"invalid block range [{self.start}, {self.end})")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Block placement (a, m): ``ranges[j]`` is server j's range, or None if j hosts nothing."""
+
+    ranges: tuple[BlockRange | None, ...]
+
+    def num_blocks(self, j: int) -> int:
+        r = self.ranges[j]
+        return 0 if r is None else r.num_blocks
+
+    def used_servers(self) -> list[int]:
+        return [j for j, r in enumerate(self.ranges) if r is not None]
+
+    def unused_servers(self) -> list[int]:
+        return [j for j, r in enumerate(self.ranges) if r is None]
+
+    def key(self) -> tuple:
+        return tuple(None if r is None else (r.start, r.end) for r in self.ranges)
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    """A server chain k: servers in order, the blocks each processes (m_ij of eq. 2), its
+    capacity c_k (concurrent sessions) and mean service time T_k (eq. 2)."""
+
+    servers: tuple[int, ...]
+    blocks: tuple[BlockRange, ...]
+    capacity: int
+    service_time_s: float
+
+    @property
+    def service_rate_per_s(self) -> float:
+        return 1.0 / self.service_time_s
+
+
+def memory_check_gb(cluster: Cluster, placement: Placement) -> None:
+    """Raise InfeasibleClusterError if some server's blocks alone exceed its memory (eq. 1)."""
+    for j, sv in enumerate(cluster.servers):
+        need = cluster.service.block_size_gb * placement.num_blocks(j)
+        if need > sv.memory_gb * (1 + _FLOOR_REL_TOL) + 1e-12:
+            raise InfeasibleClusterError(f"server {sv.name!r} holds {placement.num_blocks(j)} blocks "
+                                         f"({need:.6g} GB) but has only {sv.memory_gb:.6g} GB")
+
+
+def residual_slots(cluster: Cluster, placement: Placement) -> list[int]:
+    """M~_j = floor((M_j - s_m m_j) / s_c) (eq. 3), cache slots left after hosting the blocks.
+
+    Servers without blocks get 0 (they take no part in any chain)."""
+    s = cluster.service
+    out = []
+    for j, sv in enumerate(cluster.servers):
+        m = placement.num_blocks(j)
+        if m == 0:
+            out.append(0)
+            continue
+        out.append(max(0, robust_floor_div(sv.memory_gb - s.block_size_gb * m, s.cache_size_gb)))
+    return out
+
+
+def link_time_s(server: Server, m_ij: int) -> float:
+    """Cost tau^c_j + tau^p_j m_ij of traversing link (i, j) (eq. 2)."""
+    return server.tau_c_s + server.tau_p_s * m_ij
+
+
+def routing_links(placement: Placement, num_blocks: int) -> list[tuple[int, int, int]]:
+    """The routing graph E_{a,m} with dummy source/sink, as (i, j, m_ij) triples.
+
+    (i, j) is a link iff a_j <= a_i + m_i <= a_j + m_j - 1 (§2.1.1); in 0-based half-open
+    terms: start_j <= end_i < end_j, and m_ij = end_j - end_i. The source has end 0; the sink has
+    start L (links into it carry m = 1 in the paper, but cost nothing and need no memory).
+    """
+    ends: dict[int, int] = {SOURCE: 0}
+    for j, r in enumerate(placement.ranges):
+        if r is not None:
+            ends[j] = r.end
+    links = []
+    for i, e_i in ends.items():
+        for j, r in enumerate(placement.ranges):
+            if r is not None and r.start <= e_i < r.end:
+                links.append((i, j, r.end - e_i))
+        if e_i == num_blocks:
+            links.append((i, SINK, 1))
+    return links
+
+
+def chain_from_path(cluster: Cluster, placement: Placement, path: Sequence[int], capacity: int) -> ChainSpec:
+    """Build a ChainSpec from a server path (without source/sink), computing m_ij and T_k (eq. 2)."""
+    prev_end = 0
+    blocks = []
+    t = 0.0
+    for j in path:
+        r = placement.ranges[j]
+        if r is None or not (r.start <= prev_end < r.end):
+            raise ValueError(f"path {list(path)} is not a valid chain at server {j}")
+        blocks.append(BlockRange(prev_end, r.end))
+        t += link_time_s(cluster.servers[j], r.end - prev_end)
+        prev_end = r.end
+    if prev_end != cluster.service.num_blocks:
+        raise ValueError(f"path {list(path)} ends at block {prev_end}, not {cluster.service.num_blocks}")
+    return ChainSpec(servers=tuple(path), blocks=tuple(blocks), capacity=int(capacity), service_time_s=t)
+
+
+def chain_slot_usage(chains: Iterable[ChainSpec], num_servers: int) -> list[int]:
+    """Cache slots each server commits to the chains: sum_k c_k m_ij (left side of eq. 3)."""
+    used = [0] * num_servers
+    for k in chains:
+        for j, b in zip(k.servers, k.blocks):
+            used[j] += k.capacity * b.num_blocks
+    return used
+
+
+def total_service_rate_per_s(chains: Iterable[ChainSpec]) -> float:
+    """nu = sum_k c_k mu_k (eq. 4)."""
+    return float(sum(k.capacity / k.service_time_s for k in chains))

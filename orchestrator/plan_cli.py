@@ -1,0 +1,53 @@
+"""`petals-chain plan`: read a cluster JSON, print the plan as JSON (docs/orchestrator.md)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from orchestrator.cluster_io import cluster_from_dict, plan_to_dict
+from orchestrator.planner import POLICIES, plan
+from orchestrator.tuning import TUNINGS
+
+
+def _parse_c(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--c must be 'auto' or a positive integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--c must be >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="petals-chain plan",
+                                     description="Plan block placement and server chains for a cluster (GBP-CR + GCA).")
+    parser.add_argument("--cluster", required=True, help="cluster JSON file (schema: docs/orchestrator.md)")
+    parser.add_argument("--policy", choices=POLICIES, default="proposed")
+    parser.add_argument("--c", type=_parse_c, default=None, help="cache reservation c: 'auto' (tuned, default) or N")
+    parser.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for tuning c (default: lower)")
+    parser.add_argument("--table", action="store_true", help="include the per-c tuning table")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed its message
+        return int(e.code or 0)
+    try:
+        with open(args.cluster, encoding="utf-8") as f:
+            raw = json.load(f)
+    except OSError as e:
+        print(f"petals-chain plan: cannot read {args.cluster}: {e.strerror}", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as e:
+        print(f"petals-chain plan: {args.cluster} is not valid JSON: {e.msg} at line {e.lineno}", file=sys.stderr)
+        return 2
+    try:
+        cluster = cluster_from_dict(raw)
+        result = plan(cluster, policy=args.policy, c=args.c, tuning=args.tuning)
+    except ValueError as e:  # InvalidClusterError, InfeasibleClusterError
+        print(f"petals-chain plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_to_dict(result, cluster, include_table=args.table), indent=2))
+    return 0

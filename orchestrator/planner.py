@@ -1,0 +1,105 @@
+"""The one entry point the CLI, the online service and the simulator call: ``plan``.
+
+    plan(cluster, policy="proposed", c=None, tuning="lower") -> Plan
+    make_plan_dispatcher(plan, cluster, rng=None, dispatch="jffc") -> Dispatcher
+
+Policies:
+- "proposed": GBP-CR (Alg. 1) with c (tuned by brute force when None, §3.1.3/§3.2.3) + GCA
+  (Alg. 2); dispatched by JFFC (Alg. 3) or any policy of orchestrator.dispatch.
+- "jffc-only": whole model on every server that can hold it, JFFC (§4.2.3).
+- "petals", "bprr": the baselines' placements; they route per request (make_baseline_router).
+  Their Plan still lists the chains GCA finds on their placement and the Theorem 3.7 bounds of
+  JFFC over those chains, as a reference of what the placement could support; ``c`` is None for
+  PETALS and BPRR's target concurrency R for BPRR.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.baselines.bprr import BprrRouter, bprr_placement, bprr_target_concurrency
+from orchestrator.baselines.jffc_only import jffc_only_chains, jffc_only_placement
+from orchestrator.baselines.petals import PetalsRouter, petals_placement
+from orchestrator.baselines.request_router import PerRequestRouter
+from orchestrator.bounds import ResponseTimeBounds, theorem37_bounds
+from orchestrator.cache_gca import gca
+from orchestrator.dispatch import Dispatcher, make_dispatcher
+from orchestrator.model import ChainSpec, Cluster, InfeasibleClusterError, Placement, total_service_rate_per_s
+from orchestrator.placement_gbp_cr import max_capacity
+from orchestrator.tuning import TUNINGS, TuningRow, evaluate_c, tune_c
+
+POLICIES: tuple[str, ...] = ("proposed", "petals", "bprr", "jffc-only")
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str
+    c: int | None
+    placement: Placement
+    chains: tuple[ChainSpec, ...]  # sorted by service time (GCA order), capacities >= 1
+    total_rate_per_s: float  # nu (eq. 4)
+    bounds: ResponseTimeBounds  # Theorem 3.7, JFFC over ``chains``
+    unused_servers: tuple[int, ...]
+    tuning: str | None = None
+    table: tuple[TuningRow, ...] = ()
+
+
+def plan(cluster: Cluster, policy: str = "proposed", c: int | None = None, tuning: str = "lower") -> Plan:
+    """Placement + chains + bounds for ``cluster`` under ``policy`` (see module docstring)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+    if tuning not in TUNINGS:
+        raise ValueError(f"unknown tuning {tuning!r}; choose one of {TUNINGS}")
+    if policy == "proposed":
+        if c is None:
+            best, table = tune_c(cluster, tuning)
+            return _finish(cluster, policy, best.row.c, best.gbp.placement, best.gca.chains, tuning, tuple(table))
+        if c < 1:
+            raise ValueError(f"c must be >= 1, got {c}")
+        cand = evaluate_c(cluster, c)
+        if cand is None:
+            raise InfeasibleClusterError(f"with c={c} GBP-CR forms no complete chain (c_max = {max_capacity(cluster)}); "
+                                         "lower c, or add servers or memory")
+        return _finish(cluster, policy, c, cand.gbp.placement, cand.gca.chains, None, (cand.row,))
+    if policy == "jffc-only":
+        placement = jffc_only_placement(cluster)
+        return _finish(cluster, policy, None, placement, tuple(jffc_only_chains(cluster, placement)), None, ())
+    if policy == "petals":
+        placement = petals_placement(cluster)
+        return _finish(cluster, policy, None, placement, gca(cluster, placement).chains, None, ())
+    r = bprr_target_concurrency(cluster)
+    placement = bprr_placement(cluster, r)
+    return _finish(cluster, policy, r, placement, gca(cluster, placement).chains, None, ())
+
+
+def _finish(cluster, policy, c, placement, chains, tuning, table) -> Plan:
+    chains = tuple(chains)
+    if not chains:
+        raise InfeasibleClusterError(f"{policy}: the placement forms no complete chain with a free cache slot; "
+                                     "add servers or memory")
+    return Plan(policy=policy, c=c, placement=placement, chains=chains,
+                total_rate_per_s=total_service_rate_per_s(chains),
+                bounds=theorem37_bounds(chains, cluster.arrival_rate_per_s),
+                unused_servers=tuple(placement.unused_servers()), tuning=tuning, table=table)
+
+
+def make_baseline_router(policy: str, cluster: Cluster, placement: Placement,
+                         rng: np.random.Generator | None = None) -> PerRequestRouter:
+    """Per-request router for "petals" or "bprr" (a Dispatcher; ``route(chain_id)`` gives the
+    ChainSpec of a Start). ``rng`` is accepted for a uniform signature; both routers are
+    deterministic."""
+    if policy == "petals":
+        return PetalsRouter(cluster, placement)
+    if policy == "bprr":
+        return BprrRouter(cluster, placement)
+    raise ValueError(f"no per-request router for policy {policy!r} (use 'petals' or 'bprr')")
+
+
+def make_plan_dispatcher(plan_: Plan, cluster: Cluster, rng: np.random.Generator | None = None,
+                         dispatch: str = "jffc") -> Dispatcher:
+    """The dispatcher a policy runs with: JFFC (or ``dispatch``) over the plan's chains for
+    "proposed" and "jffc-only"; the per-request router for "petals" and "bprr"."""
+    if plan_.policy in ("petals", "bprr"):
+        return make_baseline_router(plan_.policy, cluster, plan_.placement, rng)
+    return make_dispatcher(dispatch, plan_.chains, rng)

@@ -1,0 +1,50 @@
+"""Hypothesis strategies and small builders shared by the orchestrator tests."""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from orchestrator.model import BlockRange, Cluster, Placement, Server, Service
+
+
+def make_cluster(memories, tau_c, tau_p, num_blocks, block_size=1.0, cache_size=0.1,
+                 arrival_rate=1.0, rho_bar=0.7) -> Cluster:
+    servers = tuple(Server(f"s{j}", float(m), float(c), float(p))
+                    for j, (m, c, p) in enumerate(zip(memories, tau_c, tau_p)))
+    return Cluster(Service(num_blocks, block_size, cache_size), servers, arrival_rate_per_s=arrival_rate, rho_bar=rho_bar)
+
+
+times = st.floats(min_value=0.01, max_value=5.0, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def clusters(draw, max_servers=8, max_blocks=8, homogeneous=False):
+    L = draw(st.integers(1, max_blocks))
+    J = draw(st.integers(1, max_servers))
+    block_size = draw(st.sampled_from([1.0, 1.32, 0.5]))
+    cache_size = draw(st.sampled_from([0.1, 0.11, 0.25]))
+    if homogeneous:
+        mem = draw(st.floats(min_value=0.5, max_value=12.0))
+        memories = [mem] * J
+    else:
+        memories = draw(st.lists(st.floats(min_value=0.0, max_value=12.0), min_size=J, max_size=J))
+    tau_c = draw(st.lists(times, min_size=J, max_size=J))
+    tau_p = draw(st.lists(times, min_size=J, max_size=J))
+    lam = draw(st.floats(min_value=0.01, max_value=50.0))
+    rho = draw(st.floats(min_value=0.1, max_value=0.95))
+    return make_cluster(memories, tau_c, tau_p, L, block_size, cache_size, lam, rho)
+
+
+@st.composite
+def placements(draw, cluster: Cluster):
+    """Any placement: each server gets a random contiguous range that fits its memory, or nothing."""
+    L = cluster.service.num_blocks
+    ranges = []
+    for sv in cluster.servers:
+        max_m = min(L, int(sv.memory_gb // cluster.service.block_size_gb))
+        if max_m < 1 or draw(st.booleans()) is False and draw(st.booleans()):
+            ranges.append(None)
+            continue
+        m = draw(st.integers(1, max_m))
+        start = draw(st.integers(0, L - m))
+        ranges.append(BlockRange(start, start + m))
+    return Placement(tuple(ranges))
