@@ -24,3 +24,12 @@ def simulate_plan(plan: Plan, cluster, arrivals_s: np.ndarray, sizes: np.ndarray
                   rng: np.random.Generator | None = None, warmup_fraction: float = DEFAULT_WARMUP_FRACTION) -> SimResult:
     dispatcher = make_plan_dispatcher(plan, cluster, rng if rng is not None else np.random.default_rng(0), dispatch)
     return simulate(dispatcher, arrivals_s, sizes, warmup_fraction=warmup_fraction)
+
+
+def simulate_chains(chains, arrivals_s: np.ndarray, sizes: np.ndarray, *, dispatch: str = "jffc",
+                    rng: np.random.Generator | None = None, warmup_fraction: float = DEFAULT_WARMUP_FRACTION) -> SimResult:
+    """Simulate a fixed set of chains (core ChainSpecs) under one of the core's dispatch policies."""
+    from orchestrator.dispatch import make_dispatcher
+
+    dispatcher = make_dispatcher(dispatch, chains, rng if rng is not None else np.random.default_rng(0))
+    return simulate(dispatcher, arrivals_s, sizes, warmup_fraction=warmup_fraction)
