@@ -32,7 +32,7 @@ from netem.topology import (DataNotFoundError, RIPE_ATLAS_FILENAME, load_ripe_at
 from orchestrator.sim import paper_experiments as ex  # noqa: E402
 from orchestrator.sim import paper_report as rep  # noqa: E402
 
-FIGURES = ("fig3", "fig4", "fig5", "fig67", "fig8")
+FIGURES = ("fig3", "fig4", "fig5", "fig67", "fig8", "fig8x")
 _RTT_MS = None  # per worker process, set by _init_worker
 
 
@@ -49,7 +49,8 @@ def _init_worker(rtt_path, synthetic_seed):
 
 def _task(fig: str, run: int, cfg: ex.PaperConfig, extra: tuple):
     t0 = time.perf_counter()
-    fn = {"fig3": ex.fig3_run, "fig4": ex.fig4_run, "fig5": ex.fig5_run, "fig67": ex.fig67_run, "fig8": ex.fig8_run}[fig]
+    fn = {"fig3": ex.fig3_run, "fig4": ex.fig4_run, "fig5": ex.fig5_run, "fig67": ex.fig67_run, "fig8": ex.fig8_run,
+          "fig8x": ex.fig8_run}[fig]
     return fig, fn(_RTT_MS, run, cfg, *extra), time.perf_counter() - t0
 
 
@@ -100,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(cfg.runs):
             if fig == "fig8":
                 tasks += [(fig, run, cfg, (J, eta)) for J in cfg.fig8_servers for eta in cfg.fig8_etas]
+            elif fig == "fig8x":
+                tasks += [(fig, run, cfg, (*cfg.fig8x_setting, rate)) for rate in cfg.fig8x_rates_per_s]
             else:
                 tasks.append((fig, run, cfg, ()))
     # Longest tasks first so the two workers finish together.
-    weight = {"fig5": 0, "fig8": 1, "fig67": 2, "fig4": 3, "fig3": 4}
+    weight = {"fig8x": 0, "fig5": 1, "fig8": 2, "fig67": 3, "fig4": 4, "fig3": 5}
     tasks.sort(key=lambda t: (weight[t[0]], -t[3][0] if t[3] else 0))
 
     out_dir = Path(args.out)
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 timings[fig] += dt
     wall = time.perf_counter() - t0
     for fig in results:
-        results[fig].sort(key=lambda r: (r.get("J", 0), r.get("eta", 0), r["run"]))
+        results[fig].sort(key=lambda r: (r.get("J", 0), r.get("eta", 0), r.get("rate", 0), r["run"]))
 
     summary: dict = {"mode": "quick" if args.quick else "full", "command": " ".join(["python", "scripts/reproduce_paper.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
                      "config": asdict(cfg), "rtt_source": rtt_source, "workers": args.workers, "wall_s": wall,
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     if "fig8" in results:
         summary["fig8"], summary["fig8_details"] = rep.aggregate_fig8(results["fig8"])
         summary["plots"].append(rep.plot_fig8(summary["fig8"], out_dir).name)
+    if "fig8x" in results:
+        summary["fig8x"], summary["fig8x_details"] = rep.aggregate_fig8(results["fig8x"])
     (out_dir / "summary.md").write_text(rep.markdown_summary(summary))
     (out_dir / "summary.json").write_text(json.dumps(_clean(summary), indent=1))
     (out_dir / "runs.json").write_text(json.dumps(_clean(results)))

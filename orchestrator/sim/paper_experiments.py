@@ -34,7 +34,7 @@ from orchestrator.tuning import evaluate_c, tune_c
 from orchestrator.sim.paper_setup import draw_paper_instance, to_cluster
 from orchestrator.sim.policy_runs import poisson_workload, simulate_chains, simulate_plan
 
-FIG_IDS = {"fig3": 3, "fig4": 4, "fig5": 5, "fig67": 6, "fig8": 8}
+FIG_IDS = {"fig3": 3, "fig4": 4, "fig5": 5, "fig67": 6, "fig8": 8, "fig8x": 9}
 DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq")
 FIG8_POLICIES = ("proposed", "petals", "bprr")
 UNREACHABLE_RATE_PER_S = 1e9  # GBP-CR target that is never met: place on every server
@@ -51,7 +51,7 @@ class PaperConfig:
     c_fixed: int = 7
     # Fig. 3
     fig3_etas: tuple[float, ...] = (0.0, 0.2)
-    fig3_rates_per_s: tuple[float, ...] = (0.2, 0.4, 0.6)
+    fig3_rates_per_s: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 1.0, 1.2)
     fig3_random_placements: int = 100
     # Fig. 4 / 5 (percent of GCA's total service rate)
     fig4_loads: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
@@ -64,6 +64,9 @@ class PaperConfig:
     fig8_servers: tuple[int, ...] = (10, 20, 30, 40)
     fig8_etas: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4)
     fig8_jobs: int = 5000
+    # Fig. 8 beyond the paper: the J=20, eta=0.2 point at higher arrival rates
+    fig8x_setting: tuple[int, float] = (20, 0.2)
+    fig8x_rates_per_s: tuple[float, ...] = (0.5, 1.0)
 
     @classmethod
     def quick(cls, seed: int = 2026) -> "PaperConfig":
@@ -229,10 +232,11 @@ def fig67_run(rtt_ms, run: int, cfg: PaperConfig) -> dict:
 
 # ---------------------------------------------------------------- Fig. 8: overall comparison
 
-def fig8_run(rtt_ms, run: int, cfg: PaperConfig, num_servers: int, eta: float) -> dict:
-    cluster = _cluster(rtt_ms, cfg, _rng(cfg, "fig8", run, num_servers, int(eta * 100)), num_servers=num_servers, eta=eta)
+def fig8_run(rtt_ms, run: int, cfg: PaperConfig, num_servers: int, eta: float, rate: float | None = None) -> dict:
+    """One run of Fig. 8 at (J, eta); `rate` overrides lambda (the "fig8x" load sensitivity)."""
+    cluster = _cluster(rtt_ms, cfg, _rng(cfg, "fig8", run, num_servers, int(eta * 100)), num_servers=num_servers, eta=eta, rate=rate)
     arrivals, sizes = poisson_workload(cluster.arrival_rate_per_s, cfg.fig8_jobs, _rng(cfg, "fig8", run, num_servers, int(eta * 100), 1))
-    out = {"run": run, "J": num_servers, "eta": eta}
+    out = {"run": run, "J": num_servers, "eta": eta, "rate": cluster.arrival_rate_per_s}
     for pol, c in (("proposed", cfg.c_fixed), ("petals", None), ("bprr", None), ("proposed-c*", None)):
         try:
             p = plan(cluster, "proposed" if pol == "proposed-c*" else pol, c=c)
