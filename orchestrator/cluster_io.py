@@ -66,6 +66,8 @@ def plan_to_dict(p: Plan, cluster: Cluster, include_table: bool = False) -> dict
         "total_rate": p.total_rate_per_s,
         "bounds": {"lower": _num(p.bounds.lower_s), "upper": _num(p.bounds.upper_s)},
         "unused_servers": [names[j] for j in p.unused_servers],
+        "idle_servers": [names[j] for j in p.placement.used_servers()
+                         if all(j not in k.servers for k in p.chains)],
         "stable": p.total_rate_per_s > cluster.arrival_rate_per_s,
     }
     if p.tuning is not None:

@@ -12,7 +12,7 @@ Conventions (see DESIGN.md):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 SOURCE = -1

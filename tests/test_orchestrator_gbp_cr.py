@@ -4,15 +4,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from orchestrator.model import InfeasibleClusterError
 from orchestrator.placement_gbp_cr import blocks_per_server, gbp_cr, gbp_cr_or_raise, max_capacity
 from orchestrator.reference_optima import brute_force_disjoint_chains
-from tests.orchestrator_strategies import clusters, make_cluster
-
-
-def fig1_cluster(L=4, tau_c=1.0, tau_p=0.2, lam=100.0):
-    # Fig. 1: J = L servers, M_j = (L+1) s_m, s_m = L s_c
-    s_c = 0.1
-    s_m = L * s_c
-    return make_cluster([(L + 1) * s_m] * L, [tau_c] * L, [tau_p] * L, num_blocks=L, block_size=s_m,
-                        cache_size=s_c, arrival_rate=lam, rho_bar=0.5)
+from tests.orchestrator_strategies import clusters, fig1_cluster, fig2_cluster, make_cluster, times
 
 
 @pytest.mark.parametrize("L", [3, 4, 5, 7])
@@ -32,12 +24,6 @@ def test_fig1_c_L2_gives_one_L_server_chain(L):
     assert g.num_chains == 1 and len(g.chains[0]) == L
     assert g.chain_times_s[0] == pytest.approx(L * 1.0 + L * 0.2)  # T^(2) = L tau_c + L tau_p
     assert sorted((r.start, r.end) for r in g.placement.ranges) == [(b, b + 1) for b in range(L)]
-
-
-def fig2_cluster(lam):
-    eps = 1e-3
-    return make_cluster([2, 3, 2, 2, 2], [1, 2, 1, 1, 1], [l * eps for l in range(1, 6)], num_blocks=3,
-                        block_size=1.0, cache_size=0.1, arrival_rate=lam, rho_bar=0.5)
 
 
 def test_fig2_gbp_cr_two_chains():
@@ -76,10 +62,30 @@ def test_max_capacity():
     assert max_capacity(cl) == 20
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(clusters(max_servers=6, max_blocks=6, homogeneous=True), st.integers(1, 40))
-def test_theorem_3_4_homogeneous_memory_gbp_cr_is_optimal(cluster, c):
+@st.composite
+def homogeneous_instances(draw):
+    """Homogeneous memory M sized for m(c) blocks per server, demand around what J servers give."""
+    L = draw(st.integers(1, 6))
+    J = draw(st.integers(1, 7))
+    c = draw(st.integers(1, 12))
+    m = draw(st.integers(1, L))
+    s_m, s_c = 1.0, 0.1
+    memory = m * (s_m + s_c * c) + draw(st.floats(0.0, 0.99)) * (s_m + s_c * c)
+    tau_c = draw(st.lists(times, min_size=J, max_size=J))
+    tau_p = draw(st.lists(times, min_size=J, max_size=J))
+    n = -(-L // m)  # servers per chain
+    mean_t = (sum(tau_c) + m * sum(tau_p)) / J
+    scale = draw(st.floats(0.05, 1.5))
+    lam = 0.5 * c * scale * max(1, J // n) / (n * mean_t)
+    cl = make_cluster([memory] * J, tau_c, tau_p, L, s_m, s_c, arrival_rate=lam, rho_bar=0.5)
+    return cl, c
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(homogeneous_instances())
+def test_theorem_3_4_homogeneous_memory_gbp_cr_is_optimal(instance):
     """Theorem 3.4: with M_j = M, GBP-CR attains the optimum of (10) (brute force)."""
+    cluster, c = instance
     opt = brute_force_disjoint_chains(cluster, c)
     g = gbp_cr(cluster, c)
     if opt.num_chains is None:

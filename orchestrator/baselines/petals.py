@@ -17,6 +17,8 @@ Routing. Each request takes the min-latency path (Dijkstra in PETALS; an exact D
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from orchestrator.baselines.request_router import PerRequestRouter
@@ -33,13 +35,19 @@ def petals_blocks(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSION
     return [min(robust_floor_div(sv.memory_gb, per_block), s.num_blocks) for sv in cluster.servers]
 
 
-def petals_placement(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS) -> Placement:
-    """Join-order greedy placement (see module docstring)."""
+def petals_placement(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS,
+                     join_order: Sequence[int] | None = None) -> Placement:
+    """Join-order greedy placement (see module docstring). ``join_order`` lists server indices
+    in the order they join (default: as listed; a simulator may pass rng.permutation(J))."""
     L = cluster.service.num_blocks
     m = petals_blocks(cluster, cache_sessions)
     throughput = np.zeros(L)
     ranges: list[BlockRange | None] = [None] * len(m)
-    for j, sv in enumerate(cluster.servers):
+    order = range(len(m)) if join_order is None else join_order
+    if sorted(order) != list(range(len(m))):
+        raise ValueError("join_order must be a permutation of the server indices")
+    for j in order:
+        sv = cluster.servers[j]
         if m[j] == 0:
             continue
         best_start, best_key = 0, None
