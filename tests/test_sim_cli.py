@@ -41,10 +41,11 @@ def test_simulate_cluster_json(tmp_path, capsys):
 
 
 def test_simulate_paper_setup_synthetic(capsys):
-    rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--jobs", "1000", "--dispatch", "sed"], capsys)
+    rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--jobs", "1000", "--dispatch", "sed",
+                         "--job-sizes", "lognormal:2"], capsys)
     assert rc == 0, err
     data = json.loads(out)
-    assert data["rtt_source"] == "synthetic" and data["dispatch"] == "sed"
+    assert data["rtt_source"] == "synthetic" and data["dispatch"] == "sed" and data["job_sizes"] == "lognormal:2"
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -52,6 +53,7 @@ def test_simulate_paper_setup_synthetic(capsys):
     (["--paper-setup", "10", "x", "--synthetic-rtt"], "--paper-setup"),
     (["--paper-setup", "10", "0.2", "--jobs", "0", "--synthetic-rtt"], "--jobs"),
     (["--paper-setup", "10", "0.2", "--policy", "nope"], "--policy"),
+    (["--paper-setup", "10", "0.2", "--synthetic-rtt", "--job-sizes", "weird"], "--job-sizes"),
     ([], "required"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, needle, capsys):

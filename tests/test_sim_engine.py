@@ -125,3 +125,20 @@ def test_contract_violations_are_reported():
         simulate(_Greedy(), arr, sizes)
     with pytest.raises(ValueError):
         simulate(_Lazy(), np.array([1.0, 0.0]), np.ones(2))
+
+
+@pytest.mark.parametrize("spec,cv", [("exp", 1.0), ("det", 0.0), ("lognormal:2", 2.0), ("gamma:0.5", 0.5)])
+def test_job_size_specs_have_mean_one(spec, cv):
+    from orchestrator.sim.engine import job_sizes
+
+    x = job_sizes(spec, 400_000, np.random.default_rng(0))
+    assert x.mean() == pytest.approx(1.0, rel=0.02)
+    assert x.std() == pytest.approx(cv, abs=0.1 * max(cv, 0.1))
+
+
+@pytest.mark.parametrize("spec", ["pareto", "lognormal", "gamma:-1", "exp:2"])
+def test_bad_job_size_spec(spec):
+    from orchestrator.sim.engine import job_sizes
+
+    with pytest.raises(ValueError):
+        job_sizes(spec, 10, np.random.default_rng(0))

@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=("poisson", "azure"), default="poisson", help="Poisson/Exp(1), or the Azure code trace rescaled to the arrival rate")
     p.add_argument("--trace-data", metavar="PATH", default=None, help="Azure trace CSV or its folder (default: the data path)")
     p.add_argument("--jobs", type=_positive_int, default=20000, help="number of jobs (Poisson workload)")
+    p.add_argument("--job-sizes", default="exp", metavar="SPEC", help="job size distribution, mean 1 (Poisson workload): exp (default), det, lognormal:CV, gamma:CV")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -125,7 +126,10 @@ def _workload(args, cluster, rng):
     from orchestrator.sim.policy_runs import poisson_workload
 
     if args.workload == "poisson":
-        return poisson_workload(cluster.arrival_rate_per_s, args.jobs, rng)
+        try:
+            return poisson_workload(cluster.arrival_rate_per_s, args.jobs, rng, args.job_sizes)
+        except ValueError as e:
+            raise _UsageError(f"--job-sizes: {e}")
     from netem.topology import DataNotFoundError
     from orchestrator.sim.traces import load_azure_trace, trace_workload
 
@@ -158,6 +162,7 @@ def run(args) -> dict:
         "c": p.c,
         "arrival_rate": cluster.arrival_rate_per_s,
         "workload": args.workload,
+        "job_sizes": args.job_sizes if args.workload == "poisson" else "azure-tokens",
         "seed": args.seed,
         "num_chains": len(p.chains),
         "total_rate": p.total_rate_per_s,

@@ -71,6 +71,29 @@ def exp_job_sizes(n_jobs: int, rng: np.random.Generator) -> np.ndarray:
     return rng.exponential(1.0, n_jobs)
 
 
+def job_sizes(spec: str, n_jobs: int, rng: np.random.Generator) -> np.ndarray:
+    """Job sizes of mean 1 from a short spec: "exp" (the paper's Exp(1)), "det" (all 1),
+    "lognormal:CV" or "gamma:CV" (coefficient of variation CV > 0)."""
+    name, _, arg = spec.partition(":")
+    if name == "exp" and not arg:
+        return exp_job_sizes(n_jobs, rng)
+    if name == "det" and not arg:
+        return np.ones(n_jobs)
+    if name in ("lognormal", "gamma"):
+        try:
+            cv = float(arg)
+        except ValueError:
+            cv = float("nan")
+        if not (cv > 0 and math.isfinite(cv)):
+            raise ValueError(f"job size spec {spec!r}: {name} needs a coefficient of variation > 0, e.g. {name}:2")
+        if name == "gamma":
+            shape = 1.0 / cv**2
+            return rng.gamma(shape, 1.0 / shape, n_jobs)
+        sigma2 = math.log1p(cv**2)
+        return rng.lognormal(-sigma2 / 2, math.sqrt(sigma2), n_jobs)
+    raise ValueError(f"unknown job size spec {spec!r}; use exp, det, lognormal:CV or gamma:CV")
+
+
 def simulate(
     dispatcher: DispatcherLike,
     arrival_times_s: np.ndarray,

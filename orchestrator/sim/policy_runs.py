@@ -9,15 +9,17 @@ from __future__ import annotations
 import numpy as np
 
 from orchestrator.planner import Plan, make_plan_dispatcher
-from orchestrator.sim.engine import SimResult, exp_job_sizes, poisson_arrivals_s, simulate
+from orchestrator.sim.engine import SimResult, job_sizes, poisson_arrivals_s, simulate
 
 DEFAULT_WARMUP_FRACTION = 0.05
 
 
-def poisson_workload(arrival_rate_per_s: float, n_jobs: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Poisson arrivals and Exp(1) sizes (the paper's section 4.1.1 workload)."""
+def poisson_workload(arrival_rate_per_s: float, n_jobs: int, rng: np.random.Generator,
+                     size_spec: str = "exp") -> tuple[np.ndarray, np.ndarray]:
+    """Poisson arrivals and sizes of mean 1 (default Exp(1): the paper's section 4.1.1 workload;
+    see engine.job_sizes for the other specs)."""
     arrivals = poisson_arrivals_s(arrival_rate_per_s, n_jobs, rng)
-    return arrivals, exp_job_sizes(n_jobs, rng)
+    return arrivals, job_sizes(size_spec, n_jobs, rng)
 
 
 def simulate_plan(plan: Plan, cluster, arrivals_s: np.ndarray, sizes: np.ndarray, *, dispatch: str = "jffc",
