@@ -50,8 +50,9 @@ class PaperConfig:
     rho_bar: float = 0.7
     c_fixed: int = 7
     # Fig. 3
+    fig3_servers: tuple[int, ...] = (20, 40)
     fig3_etas: tuple[float, ...] = (0.0, 0.2)
-    fig3_rates_per_s: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 1.0, 1.2)
+    fig3_rates_per_s: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.6, 2.0, 2.4)
     fig3_random_placements: int = 100
     # Fig. 4 / 5 (percent of GCA's total service rate)
     fig4_loads: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
@@ -114,13 +115,13 @@ def random_disjoint_chains_objective(cluster, c: int, rng: np.random.Generator) 
 
 def fig3_run(rtt_ms, run: int, cfg: PaperConfig) -> dict:
     out = []
-    for ei, eta in enumerate(cfg.fig3_etas):
-        base = _cluster(rtt_ms, cfg, _rng(cfg, "fig3", run, ei), eta=eta)
+    for J, (ei, eta) in ((J, e) for J in cfg.fig3_servers for e in enumerate(cfg.fig3_etas)):
+        base = _cluster(rtt_ms, cfg, _rng(cfg, "fig3", run, J, ei), num_servers=J, eta=eta)
         for rate in cfg.fig3_rates_per_s:
             cluster = replace(base, arrival_rate_per_s=rate)
             g = gbp_cr(cluster, cfg.c_fixed)
             gbp = cfg.c_fixed * g.num_chains if g.meets_target else None
-            rng = _rng(cfg, "fig3", run, ei, int(rate * 1000))
+            rng = _rng(cfg, "fig3", run, J, ei, int(rate * 1000))
             randoms: list[int] = []
             tries = 0
             while len(randoms) < cfg.fig3_random_placements and tries < 20 * cfg.fig3_random_placements:
@@ -128,7 +129,7 @@ def fig3_run(rtt_ms, run: int, cfg: PaperConfig) -> dict:
                 v = random_disjoint_chains_objective(cluster, cfg.c_fixed, rng)
                 if v is not None:
                     randoms.append(v)
-            out.append({"eta": eta, "rate": rate, "gbp_cr": gbp, "random": randoms})
+            out.append({"J": J, "eta": eta, "rate": rate, "gbp_cr": gbp, "random": randoms})
     return {"run": run, "points": out}
 
 

@@ -25,15 +25,15 @@ def _all_finite_mean(values) -> float | None:
 # ---------------------------------------------------------------- aggregation
 
 def aggregate_fig3(runs: list[dict]) -> list[dict]:
-    keys = sorted({(p["eta"], p["rate"]) for r in runs for p in r["points"]})
+    keys = sorted({(p["J"], p["eta"], p["rate"]) for r in runs for p in r["points"]})
     out = []
-    for eta, rate in keys:
-        pts = [p for r in runs for p in r["points"] if p["eta"] == eta and p["rate"] == rate]
+    for J, eta, rate in keys:
+        pts = [p for r in runs for p in r["points"] if p["J"] == J and p["eta"] == eta and p["rate"] == rate]
         gbp = [p["gbp_cr"] for p in pts]
         rand = [v for p in pts for v in p["random"]]
         both = [p for p in pts if p["gbp_cr"] is not None and p["random"]]
         out.append({
-            "eta": eta, "rate": rate, "runs": len(pts),
+            "J": J, "eta": eta, "rate": rate, "runs": len(pts),
             "gbp_cr_mean": _mean(gbp),
             "random_mean": _mean(rand),
             "random_best_mean": _mean([min(p["random"]) for p in pts if p["random"]]),
@@ -149,18 +149,19 @@ def _plt():
 
 def plot_fig3(runs: list[dict], agg: list[dict], out_dir: Path) -> Path:
     plt = _plt()
-    etas = sorted({a["eta"] for a in agg})
-    fig, axes = plt.subplots(1, len(etas), figsize=(5 * len(etas), 4), squeeze=False)
-    for ax, eta in zip(axes[0], etas):
-        rates = sorted({a["rate"] for a in agg if a["eta"] == eta})
-        data = [[v for r in runs for p in r["points"] if p["eta"] == eta and p["rate"] == rate for v in p["random"]] for rate in rates]
+    panels = sorted({(a["J"], a["eta"]) for a in agg})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (J, eta) in zip(axes[0], panels):
+        rates = sorted({a["rate"] for a in agg if a["J"] == J and a["eta"] == eta and a["comparable_runs"]})
+        sel = lambda p, rate: p["J"] == J and p["eta"] == eta and p["rate"] == rate  # noqa: E731
+        data = [[v for r in runs for p in r["points"] if sel(p, rate) for v in p["random"]] for rate in rates]
         ax.boxplot(data, positions=range(len(rates)), widths=0.5)
-        gbp = [[p["gbp_cr"] for r in runs for p in r["points"] if p["eta"] == eta and p["rate"] == rate and p["gbp_cr"] is not None] for rate in rates]
+        gbp = [[p["gbp_cr"] for r in runs for p in r["points"] if sel(p, rate) and p["gbp_cr"] is not None] for rate in rates]
         for i, g in enumerate(gbp):
             ax.scatter([i] * len(g), g, marker="*", color="red", s=60, zorder=3, label="GBP-CR" if i == 0 else None)
         ax.set_xticks(range(len(rates)), [f"λ={r:g}" for r in rates])
         ax.set_ylabel("c·K(c) (objective 10a scaled by c)")
-        ax.set_title(f"Fig. 3: GBP-CR vs random placements, η={eta:g}, c=7")
+        ax.set_title(f"Fig. 3: J={J}, η={eta:g}, c=7")
         from matplotlib.lines import Line2D
 
         ax.legend([Line2D([], [], color="black"), Line2D([], [], marker="*", color="red", ls="")],
@@ -297,10 +298,12 @@ def markdown_summary(summary: dict) -> str:
     lines = [f"# Paper reproduction (section 4.1), {summary['mode']} mode", "",
              f"Command: `{summary['command']}`  ", f"Runs per point: {summary['config']['runs']}, seed {summary['config']['seed']}, "
              f"RTTs: {summary['rtt_source']}, wall time {summary['wall_s']:.0f} s on {summary['workers']} worker(s).", ""]
-    lines += ["## Fig. 3: GBP-CR vs random feasible placements (c=7, J=20)", "",
-              "| η | λ | GBP-CR c·K | random mean | best random (mean) | runs GBP-CR ≤ best random |", "|---|---|---|---|---|---|"]
+    lines += ["## Fig. 3: GBP-CR vs random feasible placements (c=7)", "",
+              "| J | η | λ | GBP-CR c·K | random mean | best random (mean) | runs GBP-CR ≤ best random |", "|---|---|---|---|---|---|---|"]
     for a in summary.get("fig3", []):
-        lines.append(f"| {a['eta']:g} | {a['rate']:g} | {_f(a['gbp_cr_mean'])} | {_f(a['random_mean'])} | {_f(a['random_best_mean'])} | "
+        if not a["comparable_runs"]:
+            continue
+        lines.append(f"| {a['J']} | {a['eta']:g} | {a['rate']:g} | {_f(a['gbp_cr_mean'])} | {_f(a['random_mean'])} | {_f(a['random_best_mean'])} | "
                      f"{a['gbp_cr_at_least_as_good_as_best_random']}/{a['comparable_runs']} |")
     lines += ["", "## Fig. 4: job servers needed for λ/ρ̄ (fixed GBP-CR placement, c=7)", "",
               "| load | c·K(c) | GCA | ILP | lower bound | runs GCA = ILP |", "|---|---|---|---|---|---|"]
