@@ -8,7 +8,6 @@ import pytest
 from orchestrator.bounds import exact_ctmc_mean_response_time, theorem37_bounds
 from orchestrator.model import BlockRange, ChainSpec
 from orchestrator.planner import plan
-from orchestrator.sim.engine import simulate
 from orchestrator.sim.paper_setup import draw_paper_instance, to_cluster
 from orchestrator.sim.policy_runs import poisson_workload, simulate_chains, simulate_plan
 from netem.topology import synthetic_rtt_ms
