@@ -82,3 +82,30 @@ def test_paper_instance_parameters():
     assert cluster.service.num_blocks == 70 and cluster.arrival_rate_per_s == 0.2 and cluster.rho_bar == 0.7
     with pytest.raises(ValueError):
         draw_paper_instance(synthetic_rtt_ms(5, rng), 20, 0.2, rng)
+
+
+def _max_overlap(starts: np.ndarray, ends: np.ndarray) -> int:
+    events = sorted([(t, 1) for t in starts] + [(t, -1) for t in ends], key=lambda e: (e[0], e[1]))
+    cur = best = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+@pytest.mark.parametrize("dispatch", ["jffc", "jsq", "sed"])
+def test_capacity_respected_and_jffc_is_fifo(dispatch):
+    chains = _random_chains(np.random.default_rng(11), 3)
+    lam = 0.95 * _nu(chains)
+    arr, sizes = poisson_workload(lam, 4000, np.random.default_rng(12))
+    res = simulate_chains(chains, arr, sizes, dispatch=dispatch, rng=np.random.default_rng(13), warmup_fraction=0.0)
+    start = arr + res.wait_s
+    finish = arr + res.response_s
+    assert np.all(res.wait_s >= -1e-12) and np.all(finish >= start)
+    for k, chain in enumerate(chains):
+        on_k = res.chain_id == k
+        assert _max_overlap(start[on_k], finish[on_k]) <= chain.capacity
+        # service time on chain k is size * T_k
+        assert np.allclose((finish - start)[on_k], sizes[on_k] * chain.service_time_s)
+    if dispatch == "jffc":  # central FIFO queue: jobs start in arrival order
+        assert np.all(np.diff(start) >= -1e-9)
