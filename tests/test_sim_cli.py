@@ -1,0 +1,112 @@
+"""`petals-chain simulate`, the Azure trace loader and a smoke run of scripts/reproduce_paper.py."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from netem.topology import AZURE_CODE_TRACE_FILENAME, DATA_ENV_VAR, DataNotFoundError, resolve_data_file
+from orchestrator.sim.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = {
+    "blocks": 8, "block_size": 1.0, "cache_size": 0.1, "arrival_rate": 0.5, "rho_bar": 0.7,
+    "servers": [{"name": f"s{i}", "memory": 10.0 if i < 2 else 6.0, "tau_c": 0.05, "tau_p": 0.1 + 0.02 * i} for i in range(5)],
+}
+
+
+def _run(argv, capsys):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_simulate_cluster_json(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(CLUSTER))
+    rc, out, err = _run(["--cluster", str(path), "--jobs", "2000", "--seed", "3"], capsys)
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["policy"] == "proposed" and data["n_jobs"] == 2000 and data["mean_response_s"] > 0
+    rc2, out2, _ = _run(["--cluster", str(path), "--jobs", "2000", "--seed", "3"], capsys)
+    data2 = json.loads(out2)
+    assert data2["mean_response_s"] == data["mean_response_s"]  # deterministic for a seed
+    for policy in ("petals", "bprr"):
+        rc, out, err = _run(["--cluster", str(path), "--jobs", "300", "--policy", policy], capsys)
+        assert rc == 0, err and json.loads(out)["policy"] == policy
+
+
+def test_simulate_paper_setup_synthetic(capsys):
+    rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--jobs", "1000", "--dispatch", "sed",
+                         "--job-sizes", "lognormal:2"], capsys)
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["rtt_source"] == "synthetic" and data["dispatch"] == "sed" and data["job_sizes"] == "lognormal:2"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--cluster", "/nonexistent.json"], "cannot read"),
+    (["--paper-setup", "10", "x", "--synthetic-rtt"], "--paper-setup"),
+    (["--paper-setup", "10", "0.2", "--jobs", "0", "--synthetic-rtt"], "--jobs"),
+    (["--paper-setup", "10", "0.2", "--policy", "nope"], "--policy"),
+    (["--paper-setup", "10", "0.2", "--synthetic-rtt", "--job-sizes", "weird"], "--job-sizes"),
+    ([], "required"),
+])
+def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and needle in err
+
+
+def test_bad_cluster_is_one_line_exit_2(tmp_path, capsys):
+    bad = dict(CLUSTER, servers=[{"name": "x", "memory": 1.0, "tau_c": 0.1, "tau_p": 0.1}])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    rc, out, err = _run(["--cluster", str(path)], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    path.write_text("{not json")
+    rc, out, err = _run(["--cluster", str(path)], capsys)
+    assert rc == 2 and "not valid JSON" in err
+
+
+def test_azure_trace_loader():
+    try:
+        path = resolve_data_file(AZURE_CODE_TRACE_FILENAME)
+    except DataNotFoundError as exc:
+        pytest.skip(f"Azure trace absent ({exc}); set ${DATA_ENV_VAR} to the shared data folder")
+    from orchestrator.sim.traces import load_azure_trace, trace_workload
+
+    trace = load_azure_trace(path)
+    assert len(trace.arrival_s) == 8819 and trace.arrival_s[0] == 0.0
+    assert trace.mean_rate_per_s == pytest.approx(2.57, rel=0.02)
+    arrivals, sizes = trace_workload(trace, target_rate_per_s=0.2)
+    assert np.all(np.diff(arrivals) >= 0) and sizes.mean() == pytest.approx(1.0)
+    assert (len(arrivals) - 1) / arrivals[-1] == pytest.approx(0.2, rel=1e-6)
+
+
+def test_reproduce_paper_smoke(tmp_path):
+    out = tmp_path / "paper"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_paper.py"), "--runs", "1", "--workers", "1",
+                           "--synthetic-rtt", "--only", "fig3,fig4,fig67", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"fig3", "fig4", "fig67"} <= summary.keys()
+    assert (out / "fig3_gbp_cr.png").stat().st_size > 0 and (out / "summary.md").exists()
+
+
+@pytest.mark.integration
+def test_reproduce_paper_fig8_schema(tmp_path):
+    out = tmp_path / "paper"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_paper.py"), "--quick", "--runs", "1", "--workers", "1",
+                           "--synthetic-rtt", "--only", "fig8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = json.loads((out / "summary.json").read_text())["fig8"]
+    assert {(r["J"], r["eta"]) for r in records} == {(J, e) for J in (10, 20, 30, 40) for e in (0.1, 0.2, 0.3, 0.4)}
+    for r in records:
+        assert {"J", "eta", "policy", "mean_response_s"} <= r.keys() and r["policy"] in ("proposed", "petals", "bprr")
