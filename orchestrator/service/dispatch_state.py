@@ -70,6 +70,7 @@ class Grant:
     service_time_s: float
     wait_s: float
     plan_version: int
+    seq: int = 0  # admission order (1, 2, ...): FIFO checks read it
 
 
 @dataclass
@@ -222,7 +223,8 @@ class DispatchState:
                                           wait, w.job_id)
         self.metrics.admitted += 1
         self.metrics.observe_wait(wait)
-        return Grant(w.session_id, ch.chain_id, ch.hops, ch.service_time_s, wait, self.plan_version)
+        return Grant(w.session_id, ch.chain_id, ch.hops, ch.service_time_s, wait, self.plan_version,
+                     self.metrics.admitted)
 
     def _router_starts(self, starts, now_s: float) -> list[Grant]:
         grants = []

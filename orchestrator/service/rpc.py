@@ -31,7 +31,7 @@ class OrchestratorRpc:
         hops = [GrantHop(p, s, e, self.orch.name_of(p)) for p, s, e in g.hops]
         return {"type": "granted", "grant": ChainGrant(g.session_id, g.chain_id, g.plan_version, hops,
                                                        g.service_time_s, self.orch.config.lease_ttl_s,
-                                                       g.wait_s).to_wire()}
+                                                       g.wait_s, extra={"seq": g.seq}).to_wire()}
 
     async def acquire(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         orch = self.orch
