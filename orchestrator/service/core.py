@@ -214,25 +214,34 @@ class Orchestrator:
     # -- planning ------------------------------------------------------------------------------
     def _maybe_plan(self, now: float) -> None:
         with self.lock:
-            measured = [r for r in self.records.values() if r.rtt_s is not None]
-            if not measured:
+            if not self._plan_due(now):
                 return
-            cur = self.current
-            if cur is None:
-                enough = self.config.expected_servers and len(measured) >= self.config.expected_servers
-                settled = now - self.last_change_s >= self.config.settle_s
-                if not (enough or settled):
-                    return
-            else:
-                if not self.known_changed:
-                    return
-                stale = any(p not in self.records for p in cur.peers if cur.assignment(p))
-                due = now - cur.created_s >= self.config.replan_period_s
-                # an installed plan keeps serving on its surviving chains until the slow time scale
-                # comes round; a plan still loading that lost a server could never come online
-                if not (due or (stale and not cur.installed)):
-                    return
-            self._plan(now)
+            peers = [p for p, r in self.records.items() if r.rtt_s is not None]
+        # fresh RTTs right before planning (those taken at registration may have met loading servers)
+        rtts = {p: self.measure_rtt(p) for p in peers}
+        with self.lock:
+            for p, rtt in rtts.items():
+                if p in self.records and rtt is not None:
+                    self.records[p].rtt_s = rtt
+            if self._plan_due(self.clock()):
+                self._plan(now)
+
+    def _plan_due(self, now: float) -> bool:
+        measured = [r for r in self.records.values() if r.rtt_s is not None]
+        if not measured:
+            return False
+        cur = self.current
+        if cur is None:
+            enough = self.config.expected_servers and len(measured) >= self.config.expected_servers
+            settled = now - self.last_change_s >= self.config.settle_s
+            return bool(enough or settled)
+        if not self.known_changed:
+            return False
+        stale = any(p not in self.records for p in cur.peers if cur.assignment(p))
+        due = now - cur.created_s >= self.config.replan_period_s
+        # an installed plan keeps serving on its surviving chains until the slow time scale comes
+        # round; a plan still loading that lost a server could never come online
+        return due or (stale and not cur.installed)
 
     def _plan(self, now: float) -> None:
         cfg = self.config
