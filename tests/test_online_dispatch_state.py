@@ -194,3 +194,16 @@ def test_joining_record_without_blocks_is_valid_only_when_joining():
     assert ServerInfo.from_wire(joining.to_wire()) == joining and not joining.has_blocks
     with pytest.raises(InvalidRequestError):
         ServerInfo.from_wire({**joining.to_wire(), "state": "online"})
+
+
+def test_replan_keeps_busy_and_fixed_servers_unless_forced():
+    from orchestrator.model import BlockRange as R
+    from orchestrator.service.registry import HeldRange, keep_held_ranges
+    fresh = [R(0, 10), R(10, 30), None, R(0, 30)]
+    peers = ["busy", "idle", "fixed", "same"]
+    held = {"busy": HeldRange(5, 20, busy=True), "idle": HeldRange(0, 5), "fixed": HeldRange(20, 30, fixed=True),
+            "same": HeldRange(0, 30, busy=True)}
+    out, pinned = keep_held_ranges(fresh, peers, held)
+    assert out == [R(5, 20), R(10, 30), R(20, 30), R(0, 30)] and pinned == ["busy", "fixed"]
+    out, pinned = keep_held_ranges(fresh, peers, held, force=True)
+    assert out == [R(0, 10), R(10, 30), R(20, 30), R(0, 30)] and pinned == ["fixed"]  # --blocks START:END never moves

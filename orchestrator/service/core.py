@@ -23,7 +23,8 @@ from orchestrator.model import BlockRange, Cluster, Placement
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
 from orchestrator.service.dispatch_state import DispatchState, Grant
 from orchestrator.service.measurements import LengthEstimator, SessionShape, median
-from orchestrator.service.registry import Overheads, ServerRecord, build_cluster, cluster_to_dict, server_params
+from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, build_cluster, cluster_to_dict,
+                                           keep_held_ranges, server_params)
 from petals_chain import wire
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.dht_records import fetch_servers, model_key
@@ -177,7 +178,7 @@ class Orchestrator:
         for sid in self.ds.timeouts(now - 5.0):
             fut = self.waiters.pop(sid, None)
             if fut is not None:
-                self.loop.loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+                fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
         return []
 
     def measure_rtt(self, peer_id: str) -> float | None:
@@ -257,18 +258,20 @@ class Orchestrator:
             self.known_changed = False
             return
         self.plan_error = None
-        ranges = list(result.placement.ranges)
-        pinned = []
-        for j, p in enumerate(peers):
+        held = {}
+        for p in peers:
             info = self.records[p].info
-            keep = info.has_blocks and (not info.extra.get("auto", False) or
-                                        (not cfg.force_replan and (self.ds.sessions_on(p) or info.active_sessions)))
-            if keep and (ranges[j] is None or (ranges[j].start, ranges[j].end) != (info.start, info.end)):
-                ranges[j] = BlockRange(info.start, info.end)
-                pinned.append(info.name or p[-8:])
+            if info.has_blocks:
+                busy = bool(self.ds.sessions_on(p) or info.active_sessions)
+                held[p] = HeldRange(info.start, info.end, fixed=not info.extra.get("auto", False), busy=busy)
+        ranges, pinned = keep_held_ranges(list(result.placement.ranges), peers, held, force=cfg.force_replan)
+        pinned = [self.records[p].info.name or p[-8:] for p in pinned]
         placement = Placement(tuple(ranges))
         if pinned:  # chains over the placement servers will really hold
             chains = list(gca(cluster, placement).chains)
+            if not chains:
+                self.log_event("the kept ranges and the new plan form no complete chain; sessions wait for the "
+                               "next re-plan (or use --force-replan)")
         else:
             chains = list(result.chains)
         version = (self.current.version if self.current else 0) + 1
@@ -336,7 +339,7 @@ class Orchestrator:
             fut = self.waiters.get(g.session_id)
             if fut is None:
                 continue  # its client stopped polling: the lease expires without heartbeats
-            self.loop.loop.call_soon_threadsafe(lambda f=fut, g=g: f.done() or f.set_result(g))
+            fut.get_loop().call_soon_threadsafe(lambda f=fut, g=g: f.done() or f.set_result(g))
 
     def name_of(self, peer_id: str) -> str:
         rec = self.records.get(peer_id)

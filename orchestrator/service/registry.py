@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from orchestrator.model import Cluster, Server, Service
+from orchestrator.model import BlockRange, Cluster, Server, Service
 from orchestrator.service.measurements import SessionShape, tau_c_s, tau_p_s
 from petals_chain.wire import ServerInfo
 
@@ -70,3 +70,31 @@ def cluster_to_dict(cluster: Cluster) -> dict:
             "arrival_rate": cluster.arrival_rate_per_s, "rho_bar": cluster.rho_bar,
             "servers": [{"name": sv.name, "memory": sv.memory_gb, "tau_c": sv.tau_c_s, "tau_p": sv.tau_p_s,
                          **({"rtt": sv.rtt_s} if sv.rtt_s is not None else {})} for sv in cluster.servers]}
+
+
+@dataclass(frozen=True)
+class HeldRange:
+    """What a server holds now: `fixed` = started with --blocks START:END (never moved);
+    `busy` = it holds live sessions (moved only by a forced re-plan)."""
+
+    start: int
+    end: int
+    fixed: bool = False
+    busy: bool = False
+
+
+def keep_held_ranges(ranges: list[BlockRange | None], peers: list[str], held: dict[str, HeldRange], *,
+                     force: bool = False) -> tuple[list[BlockRange | None], list[str]]:
+    """Overlay on a fresh placement the ranges that must not move: fixed servers always, busy
+    servers unless `force`. Returns the placement to install and the peers kept (pinned) where the
+    fresh plan wanted something else. Pure."""
+    out = list(ranges)
+    pinned = []
+    for j, p in enumerate(peers):
+        h = held.get(p)
+        if h is None or not (h.fixed or (h.busy and not force)):
+            continue
+        if out[j] is None or (out[j].start, out[j].end) != (h.start, h.end):
+            out[j] = BlockRange(h.start, h.end)
+            pinned.append(p)
+    return out, pinned
