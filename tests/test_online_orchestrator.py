@@ -149,6 +149,26 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     assert final["queue_length"] == 0
 
 
+def test_acquire_times_out_with_a_clear_error_when_every_slot_is_taken(swarm, backend):
+    from petals_chain.errors import AcquireTimeoutError, MaxLengthExceededError
+    sessions = [backend.open_session(max_length=64) for _ in range(6)]  # total capacity 6: all slots taken
+    impatient = OrchestratorChainProvider(backend.loop, backend.p2p, swarm.orchestrator_peer_id,
+                                          acquire_timeout_s=2.0, poll_s=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(AcquireTimeoutError, match="no chain slot freed within 2 s"):
+            impatient.find_chain(0, 30, max_length=64, session_id="impatient-session")
+        assert 1.5 < time.monotonic() - t0 < 8
+        with pytest.raises(MaxLengthExceededError):  # longer than any chain's servers accept: refused at once
+            impatient.find_chain(0, 30, max_length=4096, session_id="too-long-session")
+        assert get_json(swarm.orchestrator_url + "status")["queue_length"] == 0  # the timed-out waiter left
+    finally:
+        impatient.close()
+        for s in sessions:
+            s.close()
+    assert wait_for(lambda: get_json(swarm.orchestrator_url + "status")["sessions"] == 0, 10, "releases")
+
+
 def swarm_model_path():
     from petals_chain.models.checkpoint import resolve_model_path
     return resolve_model_path("smollm2-135m", show_progress=False)

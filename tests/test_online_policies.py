@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from petals_chain.client.remote import RemoteChain
+from petals_chain.client.routing import DhtChainProvider
 from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
 from petals_chain.models.checkpoint import load_config
 from tests.test_online_orchestrator import get_json, wait_for
@@ -64,3 +65,12 @@ def test_petals_policy_places_routes_and_replans_for_a_late_server(smollm2_path,
             s.close()
         finally:
             chain.shutdown()
+        # a client can opt out of the orchestrator and route itself from the DHT records
+        direct = RemoteChain("smollm2-135m", load_config(smollm2_path), swarm.initial_peers, use_orchestrator=False)
+        try:
+            assert isinstance(direct.provider, DhtChainProvider)
+            s = direct.open_session(max_length=64)
+            s.step(torch.randn(2, hidden))
+            s.close()
+        finally:
+            direct.shutdown()
