@@ -133,7 +133,7 @@ table.list td, table.list th {{ border-bottom: 1px solid #ddd; }}
 <th>service time</th><th>dispatchable</th></tr>{chain_rows}</table>
 <h2>Servers</h2>
 <table class="list"><tr><th>name</th><th>peer</th><th>state</th><th>blocks</th><th>memory</th><th>RTT</th>
-<th>&tau;<sub>c</sub></th><th>&tau;<sub>p</sub></th><th>sessions</th></tr>{srv_rows}</table>
+<th>&tau;<sub>c</sub></th><th>&tau;<sub>p</sub> (per block)</th><th>sessions (server-reported)</th></tr>{srv_rows}</table>
 <h2>Events</h2><ul>{events}</ul>
 </body></html>
 """

@@ -58,6 +58,8 @@ class OrchestratorRpc:
                         return wire.response(self._grant_wire(fut.result()))
                     fut = None
                 if fut is None:  # a new request (or a replacement after failover)
+                    if orch.current is None and orch.plan_error:
+                        raise NoChainError(f"the orchestrator cannot plan for the servers it knows: {orch.plan_error}")
                     if orch.current is None or not orch.current.installed and not orch.ds.chains:
                         pass  # no chains yet: wait in the queue until the first plan is online
                     elif not orch.ds.fits_any(max_length):
@@ -156,5 +158,3 @@ class OrchestratorRpc:
             logger.exception("unexpected error in rpc_assignment")
             return wire.error_response(e)
 
-
-__all__ = ["OrchestratorRpc", "NoChainError"]
