@@ -207,3 +207,36 @@ def test_replan_keeps_busy_and_fixed_servers_unless_forced():
     assert out == [R(5, 20), R(10, 30), R(20, 30), R(0, 30)] and pinned == ["busy", "fixed"]
     out, pinned = keep_held_ranges(fresh, peers, held, force=True)
     assert out == [R(0, 10), R(10, 30), R(20, 30), R(0, 30)] and pinned == ["fixed"]  # --blocks START:END never moves
+
+
+def test_metrics_text_and_status_page_render_without_a_network():
+    import threading
+    from types import SimpleNamespace
+    from orchestrator.service.http import PALETTE, metrics_text, status_html
+    ds = DispatchState()
+    ds.install_chains(chains_cap6(), 3, 0.0)
+    for i in range(8):
+        ds.acquire(f"s{i}", "c", 8, float(i), timeout_s=100)
+    ds.release("s0", 20.0)  # s6 waited 14 s
+    orch = SimpleNamespace(lock=threading.RLock(), ds=ds, current=SimpleNamespace(version=3))
+    text = metrics_text(orch)
+    assert "petals_chain_sessions_admitted_total 7" in text and "petals_chain_plan_version 3" in text
+    assert "petals_chain_queue_length 1" in text
+    buckets = [int(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("petals_chain_queue_wait_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == 7  # cumulative; +Inf = all admitted
+    assert 'petals_chain_queue_wait_seconds_bucket{le="10.0"} 6' in text  # s6's 14 s wait is above 10 s
+    for line in text.splitlines():  # every sample line is "name{labels} value" or "name value"
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            float(value)
+            assert name.replace("_", "a").replace("{", "").replace("}", "").replace('"', "").replace("=", "") \
+                .replace(".", "").replace("+", "").isalnum()
+    status = {"model": "m", "policy": "proposed", "plan_version": 3, "plan_installed": True, "c": 3, "sessions": 6,
+              "queue_length": 1, "num_blocks": 30, "events": ["x <b>"],
+              "servers": [{"peer_id": p, "name": p, "start": 10 * i, "end": 10 * i + 10, "state": "online",
+                           "memory": 2**28, "rtt": 0.001, "tau_c": 0.03, "tau_p": 0.05, "active_sessions": 1}
+                          for i, p in enumerate("abc")],
+              "chains": ds.chain_views()}
+    page = status_html(status)
+    assert page.count(f"background:{PALETTE[0]}") >= 10 and "x &lt;b&gt;" in page and "queue length" in page

@@ -149,6 +149,15 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     assert final["queue_length"] == 0
 
 
+def test_stateless_forward_holds_a_slot_only_for_the_call(swarm, backend):
+    hidden = load_config(swarm_model_path()).hidden_size
+    before = get_json(swarm.orchestrator_url + "status")["metrics"]["admitted"]
+    out = backend.forward(torch.randn(1, 4, hidden))
+    assert out.shape == (1, 4, hidden) and torch.isfinite(out).all()
+    st = get_json(swarm.orchestrator_url + "status")
+    assert st["metrics"]["admitted"] == before + 1 and st["sessions"] == 0
+
+
 def test_acquire_times_out_with_a_clear_error_when_every_slot_is_taken(swarm, backend):
     from petals_chain.errors import AcquireTimeoutError, MaxLengthExceededError
     sessions = [backend.open_session(max_length=64) for _ in range(6)]  # total capacity 6: all slots taken

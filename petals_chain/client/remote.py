@@ -88,14 +88,20 @@ class RemoteChain(ChainBackend):
         return wire.ServerInfo.from_wire(meta.get("info"))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward)."""
-        for hop in self.provider.find_chain(0, self.num_blocks):
-            req = wire.request({"type": "forward", "entry_block": hop.start}, (hidden.to(self.dtype),))
-            resp = self.loop.run(self.stub(hop.peer_id).rpc_forward(req, timeout=self.step_timeout_s),
-                                 timeout_s=self.step_timeout_s + 2)
-            meta = wire.unpack(resp.metadata)
-            wire.raise_if_error(meta)
-            hidden = wire.tensor_from_wire(resp.tensors[0])
+        """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward); with an
+        orchestrator it holds a chain slot for the call's duration."""
+        sid = "forward-" + uuid.uuid4().hex
+        hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid)
+        try:
+            for hop in hops:
+                req = wire.request({"type": "forward", "entry_block": hop.start}, (hidden.to(self.dtype),))
+                resp = self.loop.run(self.stub(hop.peer_id).rpc_forward(req, timeout=self.step_timeout_s),
+                                     timeout_s=self.step_timeout_s + 2)
+                meta = wire.unpack(resp.metadata)
+                wire.raise_if_error(meta)
+                hidden = wire.tensor_from_wire(resp.tensors[0])
+        finally:
+            self.provider.session_finished(hops, session_id=sid)
         return hidden
 
     def open_session(self, max_length: int) -> "RemoteChainSession":
