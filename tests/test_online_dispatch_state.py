@@ -240,3 +240,15 @@ def test_metrics_text_and_status_page_render_without_a_network():
               "chains": ds.chain_views()}
     page = status_html(status)
     assert page.count(f"background:{PALETTE[0]}") >= 10 and "x &lt;b&gt;" in page and "queue length" in page
+
+
+def test_a_waiter_whose_client_stops_polling_leaves_the_queue():
+    ds = DispatchState()
+    ds.install_chains([(hops("a"), 1, 1.0, 4096)], 1, 0.0)
+    ds.acquire("running", "c", 8, 0.0, timeout_s=100)
+    ds.acquire("crashed", "c", 8, 0.0, timeout_s=100)
+    ds.acquire("alive", "c", 8, 0.0, timeout_s=100)
+    ds.touch("alive", 20.0)
+    assert ds.abandoned(24.0, 25.0) == []
+    assert ds.abandoned(30.0, 25.0) == ["crashed"]
+    assert [g.session_id for g in ds.release("running", 31.0)] == ["alive"]

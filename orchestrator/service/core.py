@@ -175,7 +175,8 @@ class Orchestrator:
 
     def _safety_timeouts(self, now: float) -> list[Grant]:
         """Waiters whose client vanished mid-wait (no RPC polls their future any more)."""
-        for sid in self.ds.timeouts(now - 5.0):
+        from orchestrator.service.rpc import MAX_POLL_S
+        for sid in self.ds.timeouts(now - 5.0) + self.ds.abandoned(now, 2 * MAX_POLL_S + 5.0):
             fut = self.waiters.pop(sid, None)
             if fut is not None:
                 fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))

@@ -60,6 +60,7 @@ class Waiter:
     arrived_s: float
     deadline_s: float
     job_id: int = -1
+    last_seen_s: float = 0.0  # last time its client polled (a client that stops polling is gone)
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ class DispatchState:
             others = self.release(session_id, now_s)
         if session_id in self.queue:
             raise ValueError(f"session {session_id!r} is already waiting")
-        w = Waiter(session_id, client_id, max_length, frozenset(exclude), now_s, now_s + timeout_s)
+        w = Waiter(session_id, client_id, max_length, frozenset(exclude), now_s, now_s + timeout_s, last_seen_s=now_s)
         self.queue[session_id] = w
         if self.router is not None:
             w.job_id = self._new_job(session_id)
@@ -283,6 +284,19 @@ class DispatchState:
     def timeouts(self, now_s: float) -> list[str]:
         """Waiters past their deadline leave the queue (their acquire fails with a timeout)."""
         gone = [sid for sid, w in self.queue.items() if w.deadline_s <= now_s]
+        for sid in gone:
+            self.cancel(sid)
+            self.metrics.timed_out += 1
+        return gone
+
+    def touch(self, session_id: str, now_s: float) -> None:
+        """The waiting session's client polled."""
+        if session_id in self.queue:
+            self.queue[session_id].last_seen_s = now_s
+
+    def abandoned(self, now_s: float, max_idle_s: float) -> list[str]:
+        """Waiters whose client stopped polling for `max_idle_s` leave the queue (it crashed)."""
+        gone = [sid for sid, w in self.queue.items() if now_s - w.last_seen_s > max_idle_s]
         for sid in gone:
             self.cancel(sid)
             self.metrics.timed_out += 1

@@ -76,6 +76,7 @@ class OrchestratorRpc:
                     orch.deliver(others)
                 elif sid not in orch.ds.queue:
                     raise InvalidRequestError(f"session {sid!r} is not waiting")
+                orch.ds.touch(sid, now)
                 deadline = orch.ds.queue[sid].deadline_s if sid in orch.ds.queue else now
             wait = max(0.0, min(poll_s, deadline - now))
             try:
@@ -92,6 +93,7 @@ class OrchestratorRpc:
                             f"no chain slot freed within {timeout_s:.0f} s (queue length {orch.ds.queue_length}); "
                             "retry later or raise the timeout") from None
                     else:
+                        orch.ds.touch(sid, orch.clock())
                         pos = list(orch.ds.queue).index(sid) + 1
                         return wire.response({"type": "queued", "position": pos, "queue_length": orch.ds.queue_length})
             with orch.lock:
