@@ -33,6 +33,8 @@ from petals_chain.protocol import BlockService, OrchestratorService
 
 logger = logging.getLogger(__name__)
 
+RTT_RETRY_S = 15.0  # how often a server that did not answer the RTT probes is probed again
+
 
 @dataclass
 class OrchestratorConfig:
@@ -94,6 +96,7 @@ class Orchestrator:
         self.last_change_s = self.clock()
         self.known_changed = False  # server set differs from the one of the current plan
         self.waiters: dict[str, asyncio.Future] = {}
+        self._rtt_tried: dict[str, float] = {}
         self.events: list[str] = []
         self.http_port = 0
         self.dht = DHT(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
@@ -144,6 +147,7 @@ class Orchestrator:
         infos = {i.peer_id: i for i in fetch_servers(self.dht, self.model, states=("joining", "online"))}
         new = [p for p in infos if p not in self.records]
         for p in new:  # measure tau_c outside the lock: it takes round trips
+            self._rtt_tried[p] = now
             rtt = self.measure_rtt(p)
             with self.lock:
                 self.records[p] = ServerRecord(infos[p], rtt, now)
@@ -155,13 +159,15 @@ class Orchestrator:
             for p, info in infos.items():
                 rec = self.records[p]
                 rec.info, rec.last_seen_s = info, now
-                if rec.rtt_s is None:
-                    rec.rtt_s = None  # re-measured below
             lost = [p for p in self.records if p not in infos]
-        for p in [p for p, r in self.records.items() if r.rtt_s is None and p in infos]:
+            retry = [p for p, r in self.records.items() if r.rtt_s is None and p in infos
+                     and now - self._rtt_tried.get(p, -1e9) >= RTT_RETRY_S]
+        for p in retry:  # unreachable so far: try again now and then, not every tick
+            self._rtt_tried[p] = now
             rtt = self.measure_rtt(p)
             with self.lock:
-                self.records[p].rtt_s = rtt
+                if p in self.records:
+                    self.records[p].rtt_s = rtt
         if lost:
             self.drop_servers(lost, now, why="left the DHT")
         with self.lock:
