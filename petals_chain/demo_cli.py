@@ -34,6 +34,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS,
                    help=f"comma-separated memory budgets, one server each (default {DEFAULT_BUDGETS})")
+    p.add_argument("--servers", type=int, default=None,
+                   help="number of servers (budgets cycle through --budgets; default: one per budget)")
     p.add_argument("--policy", default="proposed", choices=["proposed", "petals", "bprr", "jffc-only"])
     p.add_argument("--c", default="3", help="cache reservation c for the proposed policy: auto or N (default 3)")
     p.add_argument("--sessions", type=int, default=8, help="concurrent sessions after the chat (default 8)")
@@ -44,6 +46,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--keep-running", action="store_true", help="keep the swarm up (status page) until Ctrl-C")
     args = p.parse_args(argv)
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if args.servers is not None:
+        if args.servers < 1 or not budgets:
+            print("petals-chain demo: --servers must be >= 1", file=sys.stderr)
+            return 2
+        budgets = [budgets[i % len(budgets)] for i in range(args.servers)]
     if not budgets or args.max_new_tokens < 1 or args.sessions < 0 or args.session_tokens < 1:
         print("petals-chain demo: need >= 1 budget, --max-new-tokens >= 1, --sessions >= 0, --session-tokens >= 1",
               file=sys.stderr)
@@ -104,8 +111,11 @@ def main(argv: list[str]) -> int:
             print(f"\nchain: {chain}\n{new_tokens} tokens in {elapsed_s:.2f} s: {new_tokens / elapsed_s:.1f} tokens/s")
 
             if args.sessions:
-                print(f"\n{args.sessions} concurrent sessions, {args.session_tokens} tokens each "
-                      f"(total capacity {sum(k['capacity'] for k in status['chains'])}):", flush=True)
+                routed = args.policy in ("petals", "bprr")
+                capacity = ("routes chosen per request" if routed else
+                            f"total capacity {sum(k['capacity'] for k in status['chains'])}")
+                print(f"\n{args.sessions} concurrent sessions, {args.session_tokens} tokens each ({capacity}):",
+                      flush=True)
                 rows: dict[int, tuple] = {}
                 errors: list[str] = []
 
