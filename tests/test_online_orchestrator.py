@@ -147,6 +147,7 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     final = wait_for(lambda: (st := get_json(swarm.orchestrator_url + "status"))["sessions"] == 0 and st, 10,
                      "all sessions released")
     assert final["queue_length"] == 0
+    assert final["metrics"]["expired"] == 0  # heartbeats kept every lease alive (TTL 3 s, sessions run longer)
 
 
 def test_stateless_forward_holds_a_slot_only_for_the_call(swarm, backend):
@@ -181,6 +182,17 @@ def test_acquire_times_out_with_a_clear_error_when_every_slot_is_taken(swarm, ba
 def swarm_model_path():
     from petals_chain.models.checkpoint import resolve_model_path
     return resolve_model_path("smollm2-135m", show_progress=False)
+
+
+def test_heartbeats_keep_an_idle_session_alive_past_the_lease_ttl(swarm, backend):
+    hidden = load_config(swarm_model_path()).hidden_size
+    session = backend.open_session(max_length=64)
+    session.step(torch.randn(3, hidden))
+    time.sleep(6.0)  # twice the lease TTL (3 s), without a step: only heartbeats renew the lease
+    st = get_json(swarm.orchestrator_url + "status")
+    assert st["sessions"] == 1 and st["metrics"]["expired"] == 0
+    session.step(torch.randn(1, hidden))
+    session.close()
 
 
 def test_lease_expiry_returns_the_slot(swarm, backend):
