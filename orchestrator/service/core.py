@@ -414,5 +414,9 @@ class Orchestrator:
             self.loop.run(self.servicer.remove_p2p_handlers(self.p2p), timeout_s=5)
         except Exception:
             logger.debug("removing handlers failed", exc_info=True)
+        try:
+            self.loop.run(self.p2p.shutdown(), timeout_s=5)
+        except Exception:
+            logger.debug("p2p shutdown failed", exc_info=True)
         self.dht.shutdown()
         self.loop.stop()
