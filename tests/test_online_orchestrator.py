@@ -317,9 +317,17 @@ def test_killed_server_takes_its_chains_and_sessions_fail_over(swarm, backend):
     fresh.close()
 
 
-def test_killed_orchestrator_gives_a_clear_error_within_seconds(swarm, backend):
+def test_killed_orchestrator_gives_a_clear_error_within_seconds_then_a_new_one_takes_over(swarm, backend):
     swarm.kill_orchestrator()
     t0 = time.monotonic()
     with pytest.raises(OrchestratorUnavailableError, match="did not answer"):
         backend.open_session(max_length=64)
     assert time.monotonic() - t0 < 15
+    # a new orchestrator: the servers ask it for assignments, the client finds it in the DHT
+    swarm.start_orchestrator(["--settle", "3", "--c", "3", "--arrival-rate", "2"])
+    wait_for(lambda: get_json(swarm.orchestrator_url + "status")["plan_installed"], 90, "the new plan online")
+    hidden = load_config(swarm_model_path()).hidden_size
+    session = backend.open_session(max_length=64)
+    session.step(torch.randn(2, hidden))
+    assert backend.provider.orchestrator_peer_id == swarm.orchestrator_peer_id
+    session.close()

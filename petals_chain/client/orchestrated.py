@@ -29,7 +29,10 @@ class OrchestratorChainProvider(ChainProvider):
     whole_chain_failover = True
 
     def __init__(self, loop, p2p, orchestrator_peer_id: str, *, acquire_timeout_s: float = 120.0,
-                 poll_s: float = 5.0, rpc_margin_s: float = 5.0):
+                 poll_s: float = 5.0, rpc_margin_s: float = 5.0, rediscover=None):
+        """`rediscover()` returns the peer id of the orchestrator the DHT announces now (or None):
+        when the known one does not answer and the DHT names another, calls go there."""
+        self.rediscover = rediscover
         self.loop = loop
         self.p2p = p2p
         self.orchestrator_peer_id = orchestrator_peer_id
@@ -45,6 +48,23 @@ class OrchestratorChainProvider(ChainProvider):
         self._thread.start()
 
     def _call(self, method: str, meta: dict, timeout_s: float) -> dict:
+        try:
+            return self._call_once(method, meta, timeout_s)
+        except OrchestratorUnavailableError:
+            new = None
+            if self.rediscover is not None:
+                try:
+                    new = self.rediscover()
+                except Exception:
+                    logger.debug("looking the orchestrator up again failed", exc_info=True)
+            if not new or new == self.orchestrator_peer_id:
+                raise
+            logger.warning("orchestrator %s is gone; using %s, which the DHT announces now",
+                           self.orchestrator_peer_id[-8:], new[-8:])
+            self.orchestrator_peer_id = new
+            return self._call_once(method, meta, timeout_s)
+
+    def _call_once(self, method: str, meta: dict, timeout_s: float) -> dict:
         stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(self.orchestrator_peer_id))
         try:
             resp = self.loop.run(getattr(stub, method)(wire.request(meta), timeout=timeout_s), timeout_s=timeout_s + 2)

@@ -64,8 +64,9 @@ class RemoteChain(ChainBackend):
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         self.orchestrator = find_orchestrator(self.dht, self.model) if provider is None and use_orchestrator else None
         if provider is None and self.orchestrator is not None:
-            provider = OrchestratorChainProvider(self.loop, self.p2p, self.orchestrator.peer_id,
-                                                 acquire_timeout_s=acquire_timeout_s)
+            provider = OrchestratorChainProvider(
+                self.loop, self.p2p, self.orchestrator.peer_id, acquire_timeout_s=acquire_timeout_s,
+                rediscover=lambda: getattr(find_orchestrator(self.dht, self.model), "peer_id", None))
         self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model), self.ping_s,
                                                      wait_for_chain_s=wait_for_chain_s)
 
