@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "dht": ("petals_chain.dht_cli:main", "start a bootstrap DHT peer and print its multiaddr"),
     "convert": ("petals_chain.models.convert_cli:main", "convert the embedded GGUF model into the local cache"),
     "plan": ("orchestrator.plan_cli:main", "plan block placement and chains for a cluster JSON (GBP-CR + GCA)"),
+    "orchestrator": ("orchestrator.service.cli:main", "run the online orchestrator (GBP-CR + GCA + JFFC) for a swarm"),
     "simulate": ("orchestrator.sim.cli:main", "run the discrete-event simulator on a cluster"),
 }
 

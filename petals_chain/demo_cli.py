@@ -1,11 +1,22 @@
-"""`petals-chain demo`: a private swarm on 127.0.0.1 (a DHT peer and 3 block servers splitting the
-model), one chat generation through it, then a clean shutdown (also on Ctrl-C)."""
+"""`petals-chain demo`: a private swarm on 127.0.0.1 run by the online orchestrator: a DHT peer,
+`petals-chain orchestrator`, and block servers with different memory budgets started with
+`--blocks auto`. The orchestrator plans their placement (GBP-CR + GCA by default), the demo
+streams one chat answer, then runs N concurrent sessions dispatched by JFFC and prints each
+session's queue wait and service time; then it shuts everything down (also on Ctrl-C)."""
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
+import threading
 import time
+import urllib.request
+
+DEFAULT_BUDGETS = "300MiB,340MiB,380MiB,420MiB"
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sun is a", "In 1492, Columbus",
+           "Water boils at", "My favourite colour is", "A haiku about rain:", "The best way to learn is",
+           "Photosynthesis is", "The three primary colors are", "A good cup of coffee"]
 
 
 def even_ranges(num_blocks: int, parts: int) -> list[tuple[int, int]]:
@@ -13,38 +24,78 @@ def even_ranges(num_blocks: int, parts: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="petals-chain demo", description=__doc__)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--servers", type=int, default=3, help="number of block servers (default 3)")
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS,
+                   help=f"comma-separated memory budgets, one server each (default {DEFAULT_BUDGETS})")
+    p.add_argument("--servers", type=int, default=None,
+                   help="number of servers (budgets cycle through --budgets; default: one per budget)")
+    p.add_argument("--policy", default="proposed", choices=["proposed", "petals", "bprr", "jffc-only"])
+    p.add_argument("--c", default="3", help="cache reservation c for the proposed policy: auto or N (default 3)")
+    p.add_argument("--sessions", type=int, default=8, help="concurrent sessions after the chat (default 8)")
+    p.add_argument("--session-tokens", type=int, default=12, help="tokens each concurrent session generates")
     p.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-length", type=int, default=512, help="servers' --max-length (sets s_c)")
+    p.add_argument("--keep-running", action="store_true", help="keep the swarm up (status page) until Ctrl-C")
     args = p.parse_args(argv)
-    if args.servers < 1 or args.max_new_tokens < 1:
-        print("petals-chain demo: --servers and --max-new-tokens must be >= 1", file=sys.stderr)
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if args.servers is not None:
+        if args.servers < 1 or not budgets:
+            print("petals-chain demo: --servers must be >= 1", file=sys.stderr)
+            return 2
+        budgets = [budgets[i % len(budgets)] for i in range(args.servers)]
+    if not budgets or args.max_new_tokens < 1 or args.sessions < 0 or args.session_tokens < 1:
+        print("petals-chain demo: need >= 1 budget, --max-new-tokens >= 1, --sessions >= 0, --session-tokens >= 1",
+              file=sys.stderr)
         return 2
 
     def terminate(*_):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, terminate)
+    import torch
     from transformers import AutoTokenizer, TextStreamer
 
     from petals_chain.client.model import DistributedModelForCausalLM
     from petals_chain.errors import PetalsChainError
     from petals_chain.generate_cli import encode_prompt
     from petals_chain.local_swarm import LocalSwarm
-    from petals_chain.models.checkpoint import load_config, resolve_model_path
+    from petals_chain.models.checkpoint import resolve_model_path
 
     path = resolve_model_path(args.model)  # convert once here, not in every server
-    num_blocks = load_config(path).num_hidden_layers
-    ranges = even_ranges(num_blocks, min(args.servers, num_blocks))
-    print(f"starting a local swarm: DHT peer + {len(ranges)} servers {ranges} on 127.0.0.1 ...", flush=True)
+    orch_args = ["--expected-servers", str(len(budgets)), "--policy", args.policy, "--c", args.c, "--arrival-rate", "2"]
+    print(f"starting a local swarm on 127.0.0.1: DHT peer + orchestrator ({args.policy}) + {len(budgets)} servers "
+          f"with --blocks auto and budgets {', '.join(budgets)} ...", flush=True)
     model = None
     try:
-        with LocalSwarm(args.model, ranges, server_args=["--num-threads", "1"]) as swarm:
-            for sp in swarm.servers:
-                print(f"  {sp.name}: blocks [{sp.start}, {sp.end}) peer {sp.peer_id}")
+        with LocalSwarm(args.model, [None] * len(budgets),
+                        server_args=["--num-threads", "1", "--max-length", str(args.max_length)],
+                        per_server_args=[["--memory-budget", b] for b in budgets], orchestrator_args=orch_args) as swarm:
+            deadline = time.monotonic() + 60
+            while not (status := _get(swarm.orchestrator_url + "status"))["plan_installed"]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the orchestrator's plan did not come online within 60 s")
+                time.sleep(0.3)
+            names = {s["peer_id"]: s["name"] for s in status["servers"]}
+            print(f"\norchestrator {swarm.orchestrator_peer_id[-8:]}: plan v{status['plan_version']}, "
+                  f"policy {status['policy']}, c = {status['c']}   (status page: {swarm.orchestrator_url})")
+            print("placement (what each server loaded):")
+            for s in status["servers"]:
+                blocks = f"[{s['start']:2d}, {s['end']:2d})" if s["end"] > s["start"] else "unused  "
+                print(f"  {s['name']:8s} budget {s['memory'] / 2**20:5.0f} MiB  blocks {blocks}  "
+                      f"tau_c {s['tau_c'] * 1e3:6.1f} ms  tau_p {s['tau_p'] * 1e3:6.2f} ms/block")
+            print("chains:" if args.policy in ("proposed", "jffc-only") else "chains (per-request routes, made on demand):")
+            for k in status["chains"]:
+                print(f"  {' -> '.join(names.get(p, p[-8:]) for p in k['servers'])}  blocks {k['blocks']}  "
+                      f"capacity {k['capacity']}  T = {k['service_time']:.2f} s")
+
             model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers)
             tokenizer = AutoTokenizer.from_pretrained(path)
             ids = encode_prompt(tokenizer, args.prompt, chat=True)
@@ -57,8 +108,54 @@ def main(argv: list[str]) -> int:
                 chain = session.chain.describe()
             elapsed_s = time.perf_counter() - start_s
             new_tokens = out.shape[1] - ids.shape[1]
-            print(f"\nchain: {chain}")
-            print(f"{new_tokens} tokens in {elapsed_s:.2f} s: {new_tokens / elapsed_s:.1f} tokens/s")
+            print(f"\nchain: {chain}\n{new_tokens} tokens in {elapsed_s:.2f} s: {new_tokens / elapsed_s:.1f} tokens/s")
+
+            if args.sessions:
+                routed = args.policy in ("petals", "bprr")
+                capacity = ("routes chosen per request" if routed else
+                            f"total capacity {sum(k['capacity'] for k in status['chains'])}")
+                print(f"\n{args.sessions} concurrent sessions, {args.session_tokens} tokens each ({capacity}):",
+                      flush=True)
+                rows: dict[int, tuple] = {}
+                errors: list[str] = []
+
+                def run(i: int):
+                    try:
+                        m = DistributedModelForCausalLM(model.config, model.head, model.backend)
+                        prompt = tokenizer(PROMPTS[i % len(PROMPTS)], return_tensors="pt").input_ids
+                        t0 = time.perf_counter()
+                        with m.inference_session(max_length=prompt.shape[1] + args.session_tokens) as s:
+                            t1 = time.perf_counter()
+                            o = m.generate(prompt, max_new_tokens=args.session_tokens, do_sample=False)
+                            t2 = time.perf_counter()
+                            grant = model.backend.provider.last_grant.get(s.chain.session_id) \
+                                if hasattr(model.backend.provider, "last_grant") else None
+                            rows[i] = (t1 - t0, grant.wait_s if grant else float("nan"), t2 - t1, s.chain.describe(),
+                                       tokenizer.decode(o[0, prompt.shape[1]:], skip_special_tokens=True))
+                    except PetalsChainError as e:
+                        errors.append(f"session {i}: {e}")
+
+                threads = [threading.Thread(target=run, args=(i,)) for i in range(args.sessions)]
+                for t in threads:
+                    t.start()
+                    time.sleep(0.05)
+                for t in threads:
+                    t.join()
+                print(f"  {'#':>2}  {'wait (client)':>13}  {'queue wait (orch.)':>18}  {'service':>8}  chain")
+                for i in sorted(rows):
+                    w_client, w_orch, service, chain, text = rows[i]
+                    print(f"  {i:2d}  {w_client:11.2f} s  {w_orch:16.2f} s  {service:6.2f} s  {chain}   "
+                          f"{text.strip()[:40]!r}")
+                for e in errors:
+                    print("  " + e)
+                st = _get(swarm.orchestrator_url + "status")
+                print(f"orchestrator: {st['metrics']['admitted']} sessions admitted, queue length {st['queue_length']}, "
+                      f"expected lengths now in={st['expected_lengths']['input_tokens']:.1f} "
+                      f"out={st['expected_lengths']['output_tokens']:.1f} tokens")
+            if args.keep_running:
+                print(f"\nswarm running; status page {swarm.orchestrator_url} - Ctrl-C stops it", flush=True)
+                while True:
+                    time.sleep(1)
             model.backend.shutdown()
             model = None
             print("shutting the swarm down ...", flush=True)

@@ -14,14 +14,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting a new one")
     p.add_argument("--identity-path", default=None, help="file with a private key, for a stable peer id across restarts")
     args = p.parse_args(argv)
-    from hivemind.dht import DHT
+    from petals_chain.process_signals import start_dht
 
-    dht = DHT(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
-              start=True)
-    # Handlers go in after the DHT process was forked: a child that inherited them would ignore SIGTERM.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, identity_path=args.identity_path)
     for maddr in dht.get_visible_maddrs():
         print(maddr, flush=True)
     print("DHT peer running; pass the address above as --initial-peers. Ctrl-C stops it.", file=sys.stderr, flush=True)

@@ -21,14 +21,18 @@ def model_key(model: str) -> str:
     return model.rstrip("/").split("/")[-1].lower()
 
 
-def announce_server(dht: DHT, info: ServerInfo, ttl_s: float, *, timeout_s: float = 10.0) -> bool:
-    """Store `info` under the model's servers key, subkey = peer id, expiring after `ttl_s`.
+def store_record(dht: DHT, key: str, subkey: str, value: dict, ttl_s: float, *, timeout_s: float = 10.0) -> bool:
+    """Store `value` under `key`/`subkey`, expiring after `ttl_s`.
 
     Bounded by `timeout_s`: if the DHT process died the caller must not block forever.
     """
-    future = dht.store(servers_key(info.model), subkey=info.peer_id, value=info.to_wire(),
-                       expiration_time=get_dht_time() + ttl_s, return_future=True)
+    future = dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl_s, return_future=True)
     return bool(future.result(timeout=timeout_s))
+
+
+def announce_server(dht: DHT, info: ServerInfo, ttl_s: float) -> bool:
+    """Store `info` under the model's servers key, subkey = peer id."""
+    return store_record(dht, servers_key(info.model), info.peer_id, info.to_wire(), ttl_s)
 
 
 def fetch_servers(dht: DHT, model: str, *, states: tuple[str, ...] = ("online",)) -> list[ServerInfo]:

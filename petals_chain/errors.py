@@ -52,6 +52,24 @@ class NoChainError(PetalsChainError):
     code = "no_chain"
 
 
+class AcquireTimeoutError(PetalsChainError):
+    """The orchestrator queued the session but no chain slot freed up within the timeout."""
+
+    code = "acquire_timeout"
+
+
+class OrchestratorUnavailableError(PetalsChainError):
+    """The orchestrator did not answer (it died, or is unreachable)."""
+
+    code = "orchestrator_unavailable"
+
+
+class UnknownLeaseError(InvalidRequestError):
+    """The orchestrator holds no lease for this session (released, expired, or its chain vanished)."""
+
+    code = "unknown_lease"
+
+
 ERROR_TYPES: dict[str, type[PetalsChainError]] = {
     cls.code: cls
     for cls in (
@@ -64,6 +82,9 @@ ERROR_TYPES: dict[str, type[PetalsChainError]] = {
         MaxLengthExceededError,
         ServerUnavailableError,
         NoChainError,
+        AcquireTimeoutError,
+        OrchestratorUnavailableError,
+        UnknownLeaseError,
     )
 }
 

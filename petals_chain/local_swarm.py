@@ -12,18 +12,20 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from petals_chain.process_signals import deferred_interrupts
+
 LOCALHOST = "/ip4/127.0.0.1/tcp/0"
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout this module was imported from
 
 
 @dataclass
 class ServerProcess:
     name: str
-    start: int
-    end: int
+    start: int | None  # None until an auto server reports the range it was assigned
+    end: int | None
     process: subprocess.Popen
     lines: list[str] = field(default_factory=list)
     peer_id: str = ""
@@ -33,10 +35,11 @@ class ServerProcess:
         return self.process.poll() is None
 
 
-def _reader(proc: subprocess.Popen, sink: list[str], ready: threading.Event, marker: str) -> None:
+def _reader(proc: subprocess.Popen, sink: list[str], ready: threading.Event, marker: str | tuple[str, ...]) -> None:
+    markers = (marker,) if isinstance(marker, str) else marker
     for line in proc.stdout:
         sink.append(line.rstrip("\n"))
-        if marker in line:
+        if any(m in line for m in markers):
             ready.set()
     ready.set()  # EOF: the process ended; callers check whether it is alive
 
@@ -44,15 +47,24 @@ def _reader(proc: subprocess.Popen, sink: list[str], ready: threading.Event, mar
 class LocalSwarm:
     """`with LocalSwarm(model, [(0, 10), (10, 20), (20, 30)]) as swarm:` -> swarm.initial_peers."""
 
-    def __init__(self, model: str, ranges: list[tuple[int, int]], *, server_args: list[str] | None = None,
+    def __init__(self, model: str, ranges: list[tuple[int, int] | None], *, server_args: list[str] | None = None,
                  per_server_args: list[list[str]] | None = None, start_timeout_s: float = 180.0,
-                 env: dict[str, str] | None = None, log_dir: Path | None = None):
+                 env: dict[str, str] | None = None, log_dir: Path | None = None,
+                 orchestrator_args: list[str] | None = None):
+        """`ranges[i] = None` starts server i with `--blocks auto`; `orchestrator_args` (a list, possibly
+        empty) starts `petals-chain orchestrator` with them before the servers."""
         self.model = model
         self.ranges = ranges
         self.server_args = server_args or []
         self.per_server_args = per_server_args or [[] for _ in ranges]
         self.start_timeout_s = start_timeout_s
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {})}
+        self.orchestrator_args = orchestrator_args
+        self.orchestrator_process: subprocess.Popen | None = None
+        self.orchestrator_lines: list[str] = []
+        self.orchestrator_peer_id = ""
+        self.orchestrator_url = ""
         self.dht_process: subprocess.Popen | None = None
         self.initial_peers: list[str] = []
         self.servers: list[ServerProcess] = []
@@ -70,7 +82,10 @@ class LocalSwarm:
             if not ready.wait(60) or self.dht_process.poll() is not None:
                 raise RuntimeError("the DHT peer did not start:\n" + "\n".join(lines[-20:]))
             self.initial_peers = [next(line for line in lines if "/p2p/" in line).strip()]
-            for i, (start, end) in enumerate(self.ranges):
+            if self.orchestrator_args is not None:
+                self.start_orchestrator(self.orchestrator_args)
+            for i, rng in enumerate(self.ranges):
+                start, end = rng if rng is not None else (None, None)
                 self.add_server(start, end, extra_args=self.per_server_args[i], wait=False)
             self.wait_ready()
         except BaseException:
@@ -78,15 +93,37 @@ class LocalSwarm:
             raise
         return self
 
-    def add_server(self, start: int, end: int, *, extra_args: list[str] | None = None, wait: bool = True,
-                   name: str | None = None) -> ServerProcess:
+    def start_orchestrator(self, args: list[str], timeout_s: float = 60.0) -> None:
+        self.orchestrator_lines = []
+        self.orchestrator_process = self._spawn(["-m", "petals_chain.cli", "orchestrator", "--model", self.model,
+                                                 "--initial-peers", *self.initial_peers, "--host-maddrs", LOCALHOST,
+                                                 *args])
+        ready = threading.Event()
+        threading.Thread(target=_reader, args=(self.orchestrator_process, self.orchestrator_lines, ready,
+                                               "orchestrator ready"), daemon=True).start()
+        if not ready.wait(timeout_s) or self.orchestrator_process.poll() is not None:
+            raise RuntimeError("the orchestrator did not start:\n" + "\n".join(self.orchestrator_lines[-20:]))
+        line = next(line for line in self.orchestrator_lines if line.startswith("orchestrator ready"))
+        self.orchestrator_peer_id = line.split(" as ")[1].split(",")[0].strip()
+        self.orchestrator_url = line.rsplit("status ", 1)[1].strip()
+
+    def kill_orchestrator(self, sig: int = signal.SIGKILL) -> None:
+        if self.orchestrator_process is not None:
+            _signal_group(self.orchestrator_process, sig)
+            self.orchestrator_process.wait(timeout=30)
+
+    def add_server(self, start: int | None, end: int | None, *, extra_args: list[str] | None = None,
+                   wait: bool = True, name: str | None = None) -> ServerProcess:
+        """`start = end = None`: `--blocks auto` (the orchestrator assigns the range)."""
         name = name or f"server{len(self.servers)}"
-        proc = self._spawn(["-m", "server.cli", "--model", self.model, "--blocks", f"{start}:{end}",
+        blocks = "auto" if start is None else f"{start}:{end}"
+        proc = self._spawn(["-m", "server.cli", "--model", self.model, "--blocks", blocks,
                             "--initial-peers", *self.initial_peers, "--host-maddrs", LOCALHOST, "--name", name,
                             *self.server_args, *(extra_args or [])])
         sp = ServerProcess(name, start, end, proc)
         sp._ready = threading.Event()  # type: ignore[attr-defined]
-        threading.Thread(target=_reader, args=(proc, sp.lines, sp._ready, "serving "), daemon=True).start()
+        threading.Thread(target=_reader, args=(proc, sp.lines, sp._ready, ("serving ", "standing by: ")),
+                         daemon=True).start()
         self.servers.append(sp)
         if wait:
             self.wait_ready([sp])
@@ -97,8 +134,11 @@ class LocalSwarm:
         for sp in servers or self.servers:
             if not sp._ready.wait(max(0.0, deadline - time.monotonic())) or not sp.alive:  # type: ignore[attr-defined]
                 raise RuntimeError(f"{sp.name} [{sp.start}:{sp.end}) did not start:\n" + "\n".join(sp.lines[-20:]))
-            line = next(line for line in sp.lines if line.startswith("serving "))
-            sp.peer_id = line.split(" as ")[1].split()[0]
+            line = next(line for line in sp.lines if line.startswith(("serving ", "standing by: ")))
+            sp.peer_id = line.split(" as ")[1].split()[0].rstrip(":")
+            if line.startswith("serving "):
+                rng = line.split("blocks [", 1)[1].split(")", 1)[0]
+                sp.start, sp.end = (int(x) for x in rng.split(", "))
 
     def kill_server(self, sp: ServerProcess, sig: int = signal.SIGKILL) -> None:
         """SIGKILL takes the whole process group down at once (a crash); any other signal goes to the
@@ -112,11 +152,11 @@ class LocalSwarm:
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM each main process (servers announce offline and stop their DHT child), then
         SIGKILL whatever is left in their process groups. Ctrl-C during this is deferred."""
-        with _deferred_interrupts():
+        with deferred_interrupts():
             self._stop(timeout_s)
 
     def _stop(self, timeout_s: float) -> None:
-        procs = [sp.process for sp in self.servers] + ([self.dht_process] if self.dht_process else [])
+        procs = [sp.process for sp in self.servers] + [p for p in (self.orchestrator_process, self.dht_process) if p]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -138,23 +178,6 @@ class LocalSwarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-@contextmanager
-def _deferred_interrupts():
-    """Hold SIGINT/SIGTERM while cleaning up (main thread only), re-raise Ctrl-C afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda s, _f: received.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if received:
-            raise KeyboardInterrupt
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -25,3 +25,23 @@ class BlockService(ServicerBase):
                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for response in self.impl.inference(requests, context):
             yield response
+
+
+class OrchestratorService(ServicerBase):
+    """The online orchestrator's RPC surface (implemented in orchestrator.service.rpc; the client
+    and the servers get stubs from this class without importing `orchestrator`)."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    async def rpc_acquire(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.impl.acquire(request, context)
+
+    async def rpc_release(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.impl.release(request, context)
+
+    async def rpc_heartbeat(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.impl.heartbeat(request, context)
+
+    async def rpc_assignment(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.impl.assignment(request, context)

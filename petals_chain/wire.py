@@ -87,7 +87,11 @@ def raise_if_error(meta: dict[str, Any]) -> None:
 
 @dataclass
 class ServerInfo:
-    """What a server announces in the DHT (and returns from rpc_info)."""
+    """What a server announces in the DHT (and returns from rpc_info).
+
+    A server started with `--blocks auto` first announces itself as `joining` with
+    `start == end == 0` (no blocks yet) and its budget and measured t_I/t_O, so that the
+    orchestrator can plan with it; every other record has `0 <= start < end`."""
 
     peer_id: str
     model: str
@@ -126,9 +130,15 @@ class ServerInfo:
         info = cls(**values)
         if info.state not in SERVER_STATES:
             raise InvalidRequestError(f"unknown server state {info.state!r}")
+        if info.state == "joining" and info.start == info.end == 0:
+            return info  # a server that waits for its assignment holds no blocks yet
         if not 0 <= info.start < info.end:
             raise InvalidRequestError(f"bad block range [{info.start}, {info.end})")
         return info
+
+    @property
+    def has_blocks(self) -> bool:
+        return self.end > self.start
 
     @property
     def num_blocks(self) -> int:

@@ -3,6 +3,12 @@
 Life cycle: load blocks -> measure t_I/t_O (cached) -> join the DHT -> register RPC handlers ->
 announce `online` every `announce_period_s` with an expiration of `record_ttl_s` (a dead server
 disappears within seconds) -> on shutdown announce `offline`, stop, leave.
+
+With `start=end=None` (`--blocks auto`) the range comes from the orchestrator: measure t_I/t_O on
+one block loaded temporarily -> join the DHT and register handlers -> announce `joining` with no
+blocks (budget, s_m, s_c, t_I, t_O) -> ask the orchestrator (rpc_assignment) until it assigns a
+range -> load exactly that range -> announce `online`. A later plan may move the server; it moves
+only while it holds no session.
 """
 from __future__ import annotations
 
@@ -12,12 +18,16 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.dht import DHT
+from hivemind.p2p import PeerID
 
 from petals_chain.background_loop import BackgroundLoop
+from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import announce_server, model_key
 from petals_chain.models.checkpoint import resolve_model_path
-from petals_chain.protocol import BlockService
+from petals_chain import wire
+from petals_chain.errors import PetalsChainError
+from petals_chain.orchestrator_records import Assignment, find_orchestrator
+from petals_chain.protocol import BlockService, OrchestratorService
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.wire import ServerInfo
 from server.handler import BlockServicer, OpenSession
@@ -32,8 +42,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ServerConfig:
     model: str
-    start: int
-    end: int
+    start: int | None  # None (with end None): take the range the orchestrator assigns
+    end: int | None
     initial_peers: list[str]
     memory_budget_bytes: int = 2 * 2**30
     max_length_tokens: int = 2048
@@ -48,6 +58,8 @@ class ServerConfig:
     announce_period_s: float = 2.0
     record_ttl_s: float = 6.0
     num_threads: int | None = None
+    orchestrator_wait_s: float = 30.0
+    assignment_poll_s: float = 1.0
 
 
 class BlockServer:
@@ -57,33 +69,132 @@ class BlockServer:
             torch.set_num_threads(config.num_threads)
         self.model_name = model_key(config.model)
         self.max_length_tokens = config.max_length_tokens
-        path = resolve_model_path(config.model)
-        self.block_range = BlockRange(path, config.start, config.end, dtype=config.dtype, quant=config.quant,
-                                      device=config.device, model_path=path)
-        self.budget = KVBudget(config.memory_budget_bytes, self.block_range.block_bytes * (config.end - config.start))
-        self.times = cached_block_times(self.block_range, self.model_name)
-        self.scheduler = StepScheduler(self.block_range, make_policy(config.policy),
-                                       max_batch_tokens=config.max_batch_tokens)
+        self.path = resolve_model_path(config.model)
+        self.auto = config.start is None
+        self.block_range: BlockRange | None = None
+        self.budget: KVBudget | None = None
+        self.scheduler: StepScheduler | None = None
+        self.orchestrator = None
+        self._reload_lock = threading.Lock()
+        if self.auto:  # measure on one block loaded for the purpose, before holding any
+            probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
+                               model_path=self.path)
+            self.times = cached_block_times(probe, self.model_name)
+            self._sizes = (probe.block_bytes, probe.kv_bytes_per_block(self.max_length_tokens),
+                           str(probe.dtype).removeprefix("torch."))
+            del probe
+        else:
+            self._load(config.start, config.end)
+            self.times = cached_block_times(self.block_range, self.model_name)
         self.sessions: dict[str, OpenSession] = {}
         self._sessions_lock = threading.Lock()
         self.state = "joining"
-        self.dht = DHT(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                       identity_path=config.identity_path, start=True)
+        self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
+                             identity_path=config.identity_path)
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("server-p2p")
         self.servicer = BlockService(BlockServicer(self))
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         self._stop = threading.Event()
-        self._announce()
+        try:
+            self._announce()
+            if self.auto:
+                self._join_orchestrator()
+        except BaseException:
+            self.shutdown()
+            raise
         self.state = "online"
         self._announce()
         self._announcer = threading.Thread(target=self._announce_loop, name="announcer", daemon=True)
         self._announcer.start()
+        if self.auto:
+            threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
+
+    def _load(self, start: int, end: int) -> None:
+        c = self.config
+        block_range = BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
+                                 model_path=self.path)
+        budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start))
+        scheduler = StepScheduler(block_range, make_policy(c.policy), max_batch_tokens=c.max_batch_tokens)
+        old = self.scheduler
+        self.block_range, self.budget, self.scheduler = block_range, budget, scheduler
+        if old is not None:
+            old.stop()
+
+    # -- orchestrator -------------------------------------------------------------------------
+    def _join_orchestrator(self) -> None:
+        deadline = time.monotonic() + self.config.orchestrator_wait_s
+        while self.orchestrator is None:
+            self.orchestrator = find_orchestrator(self.dht, self.model_name)
+            if self.orchestrator is None:
+                if time.monotonic() > deadline:
+                    raise PetalsChainError(
+                        f"--blocks auto: no orchestrator of {self.model_name} found in the DHT within "
+                        f"{self.config.orchestrator_wait_s:.0f} s; start `petals-chain orchestrator` or pass --blocks START:END")
+                time.sleep(0.5)
+        logger.info("orchestrator %s found; waiting for an assignment", self.orchestrator.peer_id)
+        while not self._stop.is_set():
+            a = self._ask_assignment()
+            if a is not None and a.status == "assigned":
+                self._load(a.start, a.end)
+                self.assignment = a
+                return
+            if a is not None and a.status == "unused" and a.plan_version != getattr(self, "_unused_version", None):
+                self._unused_version = a.plan_version
+                print(f"standing by: {self.model_name} as {self.peer_id}: plan v{a.plan_version} leaves this "
+                      "server without blocks; it will load blocks when a later plan assigns some", flush=True)
+            self._stop.wait(self.config.assignment_poll_s)
+            self._announce()
+
+    def _ask_assignment(self):
+        try:
+            stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(self.orchestrator.peer_id))
+            resp = self.loop.run(stub.rpc_assignment(wire.request({"type": "assignment"}), timeout=5.0), timeout_s=7.0)
+            meta = wire.unpack(resp.metadata)
+            wire.raise_if_error(meta)
+            return Assignment.from_wire(meta.get("assignment"))
+        except Exception as e:
+            logger.warning("asking the orchestrator for an assignment failed: %s", e)
+            found = find_orchestrator(self.dht, self.model_name)  # it may have restarted under a new id
+            if found is not None:
+                self.orchestrator = found
+            return None
+
+    def _follow_assignments(self) -> None:
+        """A later plan may move this server: reload when the range changes and no session is open."""
+        while not self._stop.wait(max(2.0, self.config.assignment_poll_s)):
+            a = self._ask_assignment()
+            if a is None or a.status != "assigned" or (a.start, a.end) == (self.block_range.start, self.block_range.end):
+                continue
+            with self._sessions_lock:
+                busy = bool(self.sessions)
+            if busy:
+                continue
+            logger.info("plan v%d moves this server to blocks [%d, %d)", a.plan_version, a.start, a.end)
+            self.state = "joining"
+            self._announce()
+            try:
+                self._load(a.start, a.end)
+            except Exception:
+                logger.exception("loading the assigned blocks failed")
+                continue
+            self.state = "online"
+            self._announce()
+            print(f"serving {self.model_name} blocks [{a.start}, {a.end}) as {self.peer_id} (plan v{a.plan_version})",
+                  flush=True)
 
     # -- records ------------------------------------------------------------------------------
     def info(self) -> ServerInfo:
         br = self.block_range
+        if br is None:  # --blocks auto, before the assignment: no blocks yet
+            s_m, s_c, dtype = self._sizes
+            return ServerInfo(
+                peer_id=self.peer_id, model=self.model_name, start=0, end=0, state="joining",
+                memory_budget_bytes=self.config.memory_budget_bytes, block_bytes=s_m, kv_bytes_per_block=s_c,
+                max_length_tokens=self.max_length_tokens, free_kv_slots=0,
+                prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
+                dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True})
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
         with self._sessions_lock:
             active = len(self.sessions)
@@ -94,7 +205,8 @@ class BlockServer:
             free_kv_slots=self.budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active,
-            extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name},
+            extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
+                   "auto": self.auto},
         )
 
     def _announce(self) -> None:
@@ -122,11 +234,15 @@ class BlockServer:
         self._stop.set()
         self.state = "offline"
         self._announce()
-        self.scheduler.stop()
-        for step in (self.servicer.remove_p2p_handlers(self.p2p), self.p2p.shutdown()):
-            try:
-                self.loop.run(step, timeout_s=5)
-            except Exception:
-                logger.debug("p2p cleanup step failed during shutdown", exc_info=True)
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        try:
+            self.loop.run(self.servicer.remove_p2p_handlers(self.p2p), timeout_s=5)
+        except Exception:
+            logger.debug("removing handlers failed during shutdown", exc_info=True)
+        try:
+            self.loop.run(self.p2p.shutdown(), timeout_s=5)  # its tasks must end before the loop stops
+        except Exception:
+            logger.debug("p2p shutdown failed", exc_info=True)
         self.dht.shutdown()
         self.loop.stop()

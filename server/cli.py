@@ -23,17 +23,25 @@ def parse_size(text: str) -> int:
     return value
 
 
-def parse_blocks(text: str) -> tuple[int, int]:
+def parse_blocks(text: str) -> tuple[int, int] | str:
+    if text.strip() == "auto":
+        return "auto"
     m = re.fullmatch(r"(\d+):(\d+)", text.strip())
     if not m or int(m.group(1)) >= int(m.group(2)):
-        raise argparse.ArgumentTypeError(f"bad --blocks {text!r}: use START:END with START < END, e.g. 10:20")
+        raise argparse.ArgumentTypeError(f"bad --blocks {text!r}: use auto, or START:END with START < END, e.g. 10:20")
     return int(m.group(1)), int(m.group(2))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch-server", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
-    p.add_argument("--blocks", type=parse_blocks, required=True, help="block range START:END (0-based, END exclusive)")
+    p.add_argument("--blocks", type=parse_blocks, default=None,
+                   help="block range START:END (0-based, END exclusive), or auto: load what the orchestrator assigns "
+                        "(the default when an orchestrator of the model is in the DHT)")
+    p.add_argument("--no-orchestrator", action="store_true",
+                   help="ignore any orchestrator: serve the --blocks given (required then)")
+    p.add_argument("--orchestrator-wait", type=float, default=30.0,
+                   help="with --blocks auto: seconds to wait for an orchestrator to appear in the DHT")
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers (from `petals-chain dht`)")
     p.add_argument("--memory-budget", type=parse_size, default=parse_size("2GiB"),
                    help="memory M_j this server offers for blocks + KV cache (default 2GiB)")
@@ -62,21 +70,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.policy not in POLICIES:
         print(f"launch-server: unknown --policy {args.policy!r}; choose one of {', '.join(POLICIES)}", file=sys.stderr)
         return 2
-    start, end = args.blocks
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.blocks is None and args.no_orchestrator:
+        print("launch-server: --no-orchestrator needs --blocks START:END", file=sys.stderr)
+        return 2
+    if args.blocks == "auto" and args.no_orchestrator:
+        print("launch-server: --blocks auto needs an orchestrator; drop --no-orchestrator", file=sys.stderr)
+        return 2
+    if args.blocks is None:  # the default: an orchestrator decides (found in the DHT, else an error)
+        args.blocks = "auto"
+    start, end = (None, None) if args.blocks == "auto" else args.blocks
     try:
         server = BlockServer(ServerConfig(
             model=args.model, start=start, end=end, initial_peers=args.initial_peers,
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
             quant=args.quant, device=args.device, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
             name=args.name, policy=args.policy, max_batch_tokens=args.max_batch_tokens,
-            announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads))
+            announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
+            orchestrator_wait_s=args.orchestrator_wait))
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2
-    # Handlers go in after the DHT process was forked: a child that inherited them would ignore SIGTERM.
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     info = server.info()
     print(f"serving {info.model} blocks [{info.start}, {info.end}) as {info.peer_id} "
           f"(s_m={info.block_bytes} B, s_c={info.kv_bytes_per_block} B at {info.max_length_tokens} tokens, "

@@ -21,6 +21,7 @@ from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
     PetalsChainError,
+    ServerUnavailableError,
     UnknownSessionError,
 )
 from petals_chain.runtime.block_range import StepInput
@@ -101,6 +102,9 @@ class BlockServicer:
 
     def _open(self, meta: dict, client_id: str) -> OpenSession:
         block_range = self.server.block_range
+        if block_range is None or self.server.state != "online":
+            raise ServerUnavailableError("this server holds no blocks right now (waiting for or loading its "
+                                         "assignment); use another server")
         session_id = wire.field_of(meta, "session_id", str)
         max_length = wire.field_of(meta, "max_length", int)
         first_block = wire.field_of(meta, "entry_block", int, default=block_range.start)
@@ -152,6 +156,8 @@ class BlockServicer:
         client_id = str(context.remote_id)
         block_range = self.server.block_range
         try:
+            if block_range is None:
+                raise ServerUnavailableError("this server holds no blocks yet; use another server")
             meta = wire.unpack(request.metadata)
             first_block = wire.field_of(meta, "entry_block", int, default=block_range.start)
             if len(request.tensors) != 1:

@@ -139,6 +139,15 @@ class PerRequestRouter(Dispatcher):
         self._waiting = still
         return started
 
+    def cancel(self, job_id: int) -> None:
+        """A waiting job gives up (e.g. its client timed out): forget it. Unknown ids are ignored."""
+        for item in self._waiting:
+            if item[0] == job_id:
+                self._waiting.remove(item)
+                for j, m in self._demand[item[1]]:
+                    self.pending_slots[j] -= m
+                return
+
     @property
     def queue_length(self) -> int:
         return len(self._waiting)

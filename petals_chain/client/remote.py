@@ -15,12 +15,13 @@ import uuid
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 
 from petals_chain import wire
 from petals_chain.background_loop import BackgroundLoop
+from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, ChainSession
+from petals_chain.client.orchestrated import OrchestratorChainProvider
 from petals_chain.client.routing import ChainProvider, DhtChainProvider, Hop
 from petals_chain.dht_records import fetch_servers, model_key
 from petals_chain.errors import (
@@ -30,6 +31,7 @@ from petals_chain.errors import (
     PetalsChainError,
     ServerUnavailableError,
 )
+from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService
 
 logger = logging.getLogger(__name__)
@@ -49,16 +51,22 @@ class HopStream:
 class RemoteChain(ChainBackend):
     def __init__(self, model: str, config, initial_peers: list[str], dtype: torch.dtype = torch.float32, *,
                  provider: ChainProvider | None = None, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
-                 max_failovers: int = 3, wait_for_chain_s: float = 20.0):
+                 max_failovers: int = 3, wait_for_chain_s: float = 20.0, use_orchestrator: bool = True,
+                 acquire_timeout_s: float = 120.0):
         self.model = model_key(model)
         self.num_blocks = config.num_hidden_layers
         self.dtype = dtype
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
         self.max_failovers = max_failovers
-        self.dht = DHT(initial_peers=initial_peers, client_mode=True, start=True)
+        self.dht = start_dht(initial_peers=initial_peers, client_mode=True)
         self.loop = BackgroundLoop("client-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
+        self.orchestrator = find_orchestrator(self.dht, self.model) if provider is None and use_orchestrator else None
+        if provider is None and self.orchestrator is not None:
+            provider = OrchestratorChainProvider(
+                self.loop, self.p2p, self.orchestrator.peer_id, acquire_timeout_s=acquire_timeout_s,
+                rediscover=lambda: getattr(find_orchestrator(self.dht, self.model), "peer_id", None))
         self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model), self.ping_s,
                                                      wait_for_chain_s=wait_for_chain_s)
 
@@ -81,20 +89,27 @@ class RemoteChain(ChainBackend):
         return wire.ServerInfo.from_wire(meta.get("info"))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward)."""
-        for hop in self.provider.find_chain(0, self.num_blocks):
-            req = wire.request({"type": "forward", "entry_block": hop.start}, (hidden.to(self.dtype),))
-            resp = self.loop.run(self.stub(hop.peer_id).rpc_forward(req, timeout=self.step_timeout_s),
-                                 timeout_s=self.step_timeout_s + 2)
-            meta = wire.unpack(resp.metadata)
-            wire.raise_if_error(meta)
-            hidden = wire.tensor_from_wire(resp.tensors[0])
+        """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward); with an
+        orchestrator it holds a chain slot for the call's duration."""
+        sid = "forward-" + uuid.uuid4().hex
+        hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid)
+        try:
+            for hop in hops:
+                req = wire.request({"type": "forward", "entry_block": hop.start}, (hidden.to(self.dtype),))
+                resp = self.loop.run(self.stub(hop.peer_id).rpc_forward(req, timeout=self.step_timeout_s),
+                                     timeout_s=self.step_timeout_s + 2)
+                meta = wire.unpack(resp.metadata)
+                wire.raise_if_error(meta)
+                hidden = wire.tensor_from_wire(resp.tensors[0])
+        finally:
+            self.provider.session_finished(hops, session_id=sid)
         return hidden
 
     def open_session(self, max_length: int) -> "RemoteChainSession":
         return RemoteChainSession(self, max_length)
 
     def shutdown(self) -> None:
+        self.provider.close()
         try:
             self.loop.run(self.p2p.shutdown(), timeout_s=5)
         except Exception:
@@ -115,8 +130,14 @@ class RemoteChainSession(ChainSession):
         self.banned: set[str] = set()
         self.streams: list[HopStream] = []
         self._step_id = 0
-        hops = chain.provider.find_chain(0, chain.num_blocks, max_length=max_length)
-        self.streams = self._open_hops(hops)
+        self.input_tokens = 0  # tokens of the first step (the prompt)
+        self.steps = 0
+        hops = chain.provider.find_chain(0, chain.num_blocks, max_length=max_length, session_id=self.session_id)
+        try:
+            self.streams = self._open_hops(hops)
+        except Exception:
+            chain.provider.session_finished(hops, session_id=self.session_id)
+            raise
 
     # -- stream plumbing (runs on the background loop) ----------------------------------------
     async def _open_one(self, hop: Hop) -> HopStream:
@@ -187,8 +208,9 @@ class RemoteChainSession(ChainSession):
         if self.position + hidden.shape[0] > self.max_length:
             raise MaxLengthExceededError(f"session opened with max_length={self.max_length} cannot take "
                                          f"{self.position + hidden.shape[0]} tokens")
-        x = hidden.to(self.chain.dtype)
+        x = x0 = hidden.to(self.chain.dtype)
         i = 0
+        done_this_step: list[HopStream] = []
         while i < len(self.streams):
             stream = self.streams[i]
             try:
@@ -196,12 +218,23 @@ class RemoteChainSession(ChainSession):
             except CALLER_ERRORS:
                 raise
             except (ServerUnavailableError, OutOfCacheError) as e:
+                if self.chain.provider.whole_chain_failover:
+                    for s in done_this_step:  # the replay covers past steps; this one restarts at hop 0
+                        s.inputs.pop()
+                    done_this_step = []
+                    self._failover(i, e)
+                    i, x = 0, x0
+                    continue
                 self._failover(i, e)
                 continue  # retry hop i (now a replacement) with the same input
             stream.inputs.append(x)
+            done_this_step.append(stream)
             x = out
             i += 1
         self.position += hidden.shape[0]
+        if self.steps == 0:
+            self.input_tokens = hidden.shape[0]
+        self.steps += 1
         return x
 
     def _failover(self, index: int, error: Exception) -> None:
@@ -215,10 +248,13 @@ class RemoteChainSession(ChainSession):
         logger.warning("server %s failed (%s); finding a replacement for blocks [%d, %d)",
                        failed.hop.describe(), error, failed.hop.start, self.chain.num_blocks)
         self.banned.add(failed.hop.peer_id)
+        if self.chain.provider.whole_chain_failover:  # replace the whole chain; replay from block 0
+            index, failed = 0, self.streams[0]
         self._close_streams(self.streams[index:])
         history = torch.cat(failed.inputs) if failed.inputs else None
         new_hops = self.chain.provider.find_chain(failed.hop.start, self.chain.num_blocks,
-                                                  exclude=frozenset(self.banned), max_length=self.max_length)
+                                                  exclude=frozenset(self.banned), max_length=self.max_length,
+                                                  session_id=self.session_id)
         replacement = self._open_hops(new_hops)
         if history is not None:
             x = history
@@ -236,6 +272,8 @@ class RemoteChainSession(ChainSession):
         return " -> ".join(h.describe() for h in self.hops)
 
     def close(self) -> None:
+        hops = self.hops
         self._close_streams(self.streams)
-        self.chain.provider.session_finished(self.hops)
         self.streams = []
+        self.chain.provider.session_finished(hops, session_id=self.session_id, input_tokens=self.input_tokens,
+                                             output_tokens=self.steps)

@@ -34,13 +34,21 @@ class Hop:
 
 
 class ChainProvider(ABC):
+    # True: on a server failure the session replaces its whole chain (asked from block 0), not
+    # only the hops from the failed one on (an orchestrator counts a session on one chain).
+    whole_chain_failover: bool = False
+
     @abstractmethod
     def find_chain(self, start: int, end: int, *, exclude: frozenset[str] = frozenset(),
-                   max_length: int = 0) -> list[Hop]:
+                   max_length: int = 0, session_id: str = "") -> list[Hop]:
         """Hops covering `[start, end)`; raises NoChainError when none exists."""
 
-    def session_finished(self, hops: list[Hop]) -> None:
+    def session_finished(self, hops: list[Hop], *, session_id: str = "", input_tokens: int = 0,
+                         output_tokens: int = 0) -> None:
         """Called when a session on `hops` ends (an orchestrator frees its slot)."""
+
+    def close(self) -> None:
+        """Stop background work (heartbeats)."""
 
 
 def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Callable[[str], float | None],
@@ -100,7 +108,7 @@ class DhtChainProvider(ChainProvider):
             cached = self._rtt[peer_id] = (now, self.ping_s(peer_id))
         return cached[1]
 
-    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0):
+    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id=""):
         deadline = self.clock() + self.wait_for_chain_s
         while True:
             try:

@@ -1,0 +1,107 @@
+"""`petals-chain orchestrator`: the online orchestrator of one model (docs/online-orchestrator.md)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from orchestrator.planner import POLICIES
+from orchestrator.tuning import TUNINGS
+
+
+def _parse_c(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--c must be 'auto' or a positive integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--c must be >= 1, got {value}")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="petals-chain orchestrator", description=__doc__)
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
+    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"])
+    p.add_argument("--identity-path", default=None)
+    p.add_argument("--policy", choices=POLICIES, default="proposed",
+                   help="proposed = GBP-CR + GCA + JFFC; petals / bprr = their placement + per-request routing; "
+                        "jffc-only = whole model per server + JFFC")
+    p.add_argument("--c", type=_parse_c, default=None, help="cache reservation of GBP-CR: auto (default) or N")
+    p.add_argument("--tuning", choices=TUNINGS, default="lower")
+    p.add_argument("--arrival-rate", type=_positive, default=0.5, help="lambda, sessions per second (planning input)")
+    p.add_argument("--rho", type=_positive, default=0.7, help="target load rho_bar in (0, 1)")
+    p.add_argument("--mean-input-tokens", type=_positive, default=64.0, help="expected l_in (updated from finished sessions)")
+    p.add_argument("--mean-output-tokens", type=_positive, default=32.0, help="expected l_out (updated from finished sessions)")
+    p.add_argument("--per-block-overhead-ms", type=float, default=1.0, help="t_o of footnote 11 (default 1 ms)")
+    p.add_argument("--per-step-overhead-ms", type=float, default=0.0, help="added to the measured RTT per step in tau_c")
+    p.add_argument("--expected-servers", type=int, default=0,
+                   help="plan as soon as this many servers registered (default: when none joined for --settle)")
+    p.add_argument("--settle", type=float, default=5.0, help="seconds without a new server before the first plan")
+    p.add_argument("--replan-period", type=float, default=60.0, help="slow time scale: seconds between re-plans")
+    p.add_argument("--force-replan", action="store_true", help="re-planning may move servers that hold live sessions")
+    p.add_argument("--lease-ttl", type=_positive, default=15.0, help="seconds a session lease lives without a heartbeat")
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=0, help="status page port (0: pick a free one; -1: no HTTP)")
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not 0 < args.rho < 1:
+        print("petals-chain orchestrator: --rho must lie in (0, 1)", file=sys.stderr)
+        return 2
+    from petals_chain.errors import PetalsChainError
+    from petals_chain.models.checkpoint import load_config, resolve_model_path
+
+    try:
+        num_blocks = load_config(resolve_model_path(args.model)).num_hidden_layers
+    except PetalsChainError as e:
+        print(f"petals-chain orchestrator: {e}", file=sys.stderr)
+        return 2
+    from orchestrator.service.core import Orchestrator, OrchestratorConfig
+    from orchestrator.service.http import serve_http
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    orch = Orchestrator(OrchestratorConfig(
+        model=args.model, initial_peers=args.initial_peers, num_blocks=num_blocks, host_maddrs=args.host_maddrs,
+        policy=args.policy, c=args.c, tuning=args.tuning, arrival_rate_per_s=args.arrival_rate, rho_bar=args.rho,
+        mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
+        per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3,
+        expected_servers=args.expected_servers, settle_s=args.settle, replan_period_s=args.replan_period,
+        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, identity_path=args.identity_path))
+    http = None
+    if args.http_port >= 0:
+        http = serve_http(orch, args.http_host, args.http_port)
+        orch.http_port = http.server_address[1]
+    url = f"http://{args.http_host}:{orch.http_port}/" if http else "(no HTTP)"
+    print(f"orchestrator ready: {orch.model} as {orch.peer_id}, policy {args.policy}, status {url}", flush=True)
+    stop.wait()
+    if http is not None:
+        http.shutdown()
+    orch.shutdown()
+    print("orchestrator stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,422 @@
+"""The online orchestrator: a hivemind peer that plans block placement for the servers that
+announce themselves, installs chains once they are online, and dispatches sessions.
+
+Threads: hivemind's DHT; a `BackgroundLoop` that runs the RPC handlers; a control thread (once a
+`tick_s`) that reads server records from the DHT, measures RTTs, expires leases, drops lost
+servers, plans and installs. All shared state is guarded by `self.lock`; grants for sessions that
+wait in an RPC are delivered to their futures on the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from hivemind.p2p import PeerID
+
+from orchestrator.cache_gca import gca
+from orchestrator.cluster_io import plan_to_dict
+from orchestrator.model import BlockRange, Cluster, Placement
+from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
+from orchestrator.service.dispatch_state import DispatchState, Grant
+from orchestrator.service.measurements import LengthEstimator, SessionShape, median
+from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, build_cluster, cluster_to_dict,
+                                           keep_held_ranges, server_params)
+from petals_chain import wire
+from petals_chain.background_loop import BackgroundLoop
+from petals_chain.process_signals import start_dht
+from petals_chain.dht_records import fetch_servers, model_key
+from petals_chain.orchestrator_records import Assignment, OrchestratorInfo, announce_orchestrator
+from petals_chain.protocol import BlockService, OrchestratorService
+
+logger = logging.getLogger(__name__)
+
+RTT_RETRY_S = 15.0  # how often a server that did not answer the RTT probes is probed again
+
+
+@dataclass
+class OrchestratorConfig:
+    model: str
+    initial_peers: list[str]
+    num_blocks: int
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    policy: str = "proposed"
+    c: int | None = None
+    tuning: str = "lower"
+    arrival_rate_per_s: float = 0.5
+    rho_bar: float = 0.7
+    mean_input_tokens: float = 64.0
+    mean_output_tokens: float = 32.0
+    per_block_overhead_s: float = 0.001  # t_o of footnote 11 (the paper's ~1 ms)
+    per_step_overhead_s: float = 0.0
+    expected_servers: int = 0  # plan as soon as this many servers are measured (0: after settle_s)
+    settle_s: float = 5.0  # plan once no new server appeared for this long
+    replan_period_s: float = 60.0
+    force_replan: bool = False  # move servers that hold live sessions too
+    lease_ttl_s: float = 15.0
+    max_acquire_timeout_s: float = 600.0
+    rtt_probes: int = 5
+    announce_period_s: float = 2.0
+    tick_s: float = 0.5
+    identity_path: str | None = None
+
+
+@dataclass
+class PlanState:
+    version: int
+    plan: Plan
+    cluster: Cluster
+    peers: list[str]  # cluster index -> peer id
+    placement: Placement  # what servers are told to load (plan placement, pinned servers kept)
+    chains: list  # ChainSpec over `placement`
+    installed: bool = False
+    created_s: float = 0.0
+
+    def assignment(self, peer_id: str) -> tuple[int, int] | None:
+        if peer_id not in self.peers:
+            return None
+        r = self.placement.ranges[self.peers.index(peer_id)]
+        return None if r is None else (r.start, r.end)
+
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig, clock=time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.model = model_key(config.model)
+        self.lock = threading.RLock()
+        self.records: dict[str, ServerRecord] = {}
+        self.lengths = LengthEstimator(SessionShape(config.mean_input_tokens, config.mean_output_tokens))
+        self.overheads = Overheads(config.per_block_overhead_s, config.per_step_overhead_s)
+        self.ds = DispatchState(lease_ttl_s=config.lease_ttl_s)
+        self.current: PlanState | None = None  # the plan servers are loading / running
+        self.plan_error: str | None = None
+        self.last_change_s = self.clock()
+        self.known_changed = False  # server set differs from the one of the current plan
+        self.waiters: dict[str, asyncio.Future] = {}
+        self._rtt_tried: dict[str, float] = {}
+        self.events: list[str] = []
+        self.http_port = 0
+        self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
+                             identity_path=config.identity_path)
+        self.peer_id = str(self.dht.peer_id)
+        self.loop = BackgroundLoop("orchestrator-p2p")
+        self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
+        from orchestrator.service.rpc import OrchestratorRpc
+        self.servicer = OrchestratorService(OrchestratorRpc(self))
+        self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
+        self._stop = threading.Event()
+        self._announce()
+        self._control = threading.Thread(target=self._control_loop, name="orchestrator-control", daemon=True)
+        self._control.start()
+
+    # -- announcements ----------------------------------------------------------------------
+    def info(self) -> OrchestratorInfo:
+        return OrchestratorInfo(self.peer_id, self.model, self.config.policy,
+                                self.current.version if self.current else 0, self.http_port)
+
+    def _announce(self) -> None:
+        try:
+            announce_orchestrator(self.dht, self.info(), 3 * self.config.announce_period_s)
+        except Exception:
+            logger.exception("announce failed (will retry)")
+
+    def log_event(self, text: str) -> None:
+        logger.info(text)
+        with self.lock:
+            self.events.append(f"{time.strftime('%H:%M:%S')} {text}")
+            del self.events[:-50]
+        print(text, flush=True)
+
+    # -- control loop -----------------------------------------------------------------------
+    def _control_loop(self) -> None:
+        last_announce = 0.0
+        while not self._stop.wait(self.config.tick_s):
+            try:
+                now = self.clock()
+                if now - last_announce >= self.config.announce_period_s:
+                    self._announce()
+                    last_announce = now
+                self.tick(now)
+            except Exception:
+                logger.exception("control loop iteration failed")
+
+    def tick(self, now: float) -> None:
+        infos = {i.peer_id: i for i in fetch_servers(self.dht, self.model, states=("joining", "online"))}
+        new = [p for p in infos if p not in self.records]
+        for p in new:  # measure tau_c outside the lock: it takes round trips
+            self._rtt_tried[p] = now
+            rtt = self.measure_rtt(p)
+            with self.lock:
+                self.records[p] = ServerRecord(infos[p], rtt, now)
+                self.last_change_s = now
+                self.known_changed = True
+            self.log_event(f"server {infos[p].name or p} registered: budget {infos[p].memory_budget_bytes / 2**20:.0f} MiB, "
+                           f"rtt {'n/a' if rtt is None else f'{rtt * 1e3:.2f} ms'}")
+        with self.lock:
+            for p, info in infos.items():
+                rec = self.records[p]
+                rec.info, rec.last_seen_s = info, now
+            lost = [p for p in self.records if p not in infos]
+            retry = [p for p, r in self.records.items() if r.rtt_s is None and p in infos
+                     and now - self._rtt_tried.get(p, -1e9) >= RTT_RETRY_S]
+        for p in retry:  # unreachable so far: try again now and then, not every tick
+            self._rtt_tried[p] = now
+            rtt = self.measure_rtt(p)
+            with self.lock:
+                if p in self.records:
+                    self.records[p].rtt_s = rtt
+        if lost:
+            self.drop_servers(lost, now, why="left the DHT")
+        with self.lock:
+            expired, grants = self.ds.expire(now)
+            grants += self._safety_timeouts(now)
+        for sid in expired:
+            self.log_event(f"lease of session {sid[:8]} expired (no heartbeat): slot returned")
+        self.deliver(grants)
+        self._maybe_plan(now)
+        self._maybe_install(now)
+
+    def _safety_timeouts(self, now: float) -> list[Grant]:
+        """Waiters whose client vanished mid-wait (no RPC polls their future any more)."""
+        from orchestrator.service.rpc import MAX_POLL_S
+        for sid in self.ds.timeouts(now - 5.0) + self.ds.abandoned(now, 2 * MAX_POLL_S + 5.0):
+            fut = self.waiters.pop(sid, None)
+            if fut is not None:
+                fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+        return []
+
+    def measure_rtt(self, peer_id: str) -> float | None:
+        """Median round trip of rpc_info to the server (None when it does not answer)."""
+        stub = BlockService.get_stub(self.p2p, PeerID.from_base58(peer_id))
+        samples = []
+        for _ in range(self.config.rtt_probes):
+            t0 = time.perf_counter()
+            try:
+                self.loop.run(stub.rpc_info(wire.request({"type": "info"}), timeout=3.0), timeout_s=4.0)
+            except Exception:
+                continue
+            samples.append(time.perf_counter() - t0)
+        return median(samples) if samples else None
+
+    def drop_servers(self, peers: list[str], now: float, why: str) -> None:
+        with self.lock:
+            gone = [p for p in peers if p in self.records]
+            for p in gone:
+                del self.records[p]
+            if not gone:
+                return
+            dropped = self.ds.drop_servers(set(gone))
+            self.last_change_s = now
+            self.known_changed = True
+            cur = self.current
+            grants: list[Grant] = []
+            if cur is not None and cur.installed and self.ds.mode == "router":
+                grants = self._install_router(cur, now, exclude=set(gone))
+        for p in gone:
+            self.log_event(f"server {p[-8:]} {why}: its chains are gone; {len(dropped)} session(s) must fail over")
+        self.deliver(grants)
+
+    # -- planning ------------------------------------------------------------------------------
+    def _maybe_plan(self, now: float) -> None:
+        with self.lock:
+            if not self._plan_due(now):
+                return
+            peers = [p for p, r in self.records.items() if r.rtt_s is not None]
+        # fresh RTTs right before planning (those taken at registration may have met loading servers)
+        rtts = {p: self.measure_rtt(p) for p in peers}
+        with self.lock:
+            for p, rtt in rtts.items():
+                if p in self.records and rtt is not None:
+                    self.records[p].rtt_s = rtt
+            if self._plan_due(self.clock()):
+                self._plan(now)
+
+    def _plan_due(self, now: float) -> bool:
+        measured = [r for r in self.records.values() if r.rtt_s is not None]
+        if not measured:
+            return False
+        cur = self.current
+        if cur is None:
+            enough = self.config.expected_servers and len(measured) >= self.config.expected_servers
+            settled = now - self.last_change_s >= self.config.settle_s
+            return bool(enough or settled)
+        if not self.known_changed:
+            return False
+        stale = any(p not in self.records for p in cur.peers if cur.assignment(p))
+        due = now - cur.created_s >= self.config.replan_period_s
+        # an installed plan keeps serving on its surviving chains until the slow time scale comes
+        # round; a plan still loading that lost a server could never come online
+        return due or (stale and not cur.installed)
+
+    def _plan(self, now: float) -> None:
+        cfg = self.config
+        records = [r for r in self.records.values() if r.rtt_s is not None]
+        try:
+            cluster, peers = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
+                                           cfg.rho_bar, self.overheads)
+            result = run_plan(cluster, cfg.policy, c=cfg.c if cfg.policy == "proposed" else None, tuning=cfg.tuning)
+        except ValueError as e:  # InvalidClusterError / InfeasibleClusterError
+            if self.plan_error != str(e):
+                self.log_event(f"cannot plan yet: {e}")
+            self.plan_error = str(e)
+            self.known_changed = False
+            return
+        self.plan_error = None
+        held = {}
+        for p in peers:
+            info = self.records[p].info
+            if info.has_blocks:
+                busy = bool(self.ds.sessions_on(p) or info.active_sessions)
+                held[p] = HeldRange(info.start, info.end, fixed=not info.extra.get("auto", False), busy=busy)
+        ranges, pinned = keep_held_ranges(list(result.placement.ranges), peers, held, force=cfg.force_replan)
+        pinned = [self.records[p].info.name or p[-8:] for p in pinned]
+        placement = Placement(tuple(ranges))
+        if pinned:  # chains over the placement servers will really hold
+            chains = list(gca(cluster, placement).chains)
+            if not chains:
+                self.log_event("the kept ranges and the new plan form no complete chain; sessions wait for the "
+                               "next re-plan (or use --force-replan)")
+        else:
+            chains = list(result.chains)
+        version = (self.current.version if self.current else 0) + 1
+        if self.current is not None:  # servers that will reload take their old chains with them
+            moving = {p for p in peers if self.current.assignment(p) is not None
+                      and self.current.assignment(p) != (None if placement.ranges[peers.index(p)] is None else
+                                                         (placement.ranges[peers.index(p)].start,
+                                                          placement.ranges[peers.index(p)].end))}
+            if moving:
+                self.ds.drop_servers(moving)
+        self.current = PlanState(version, result, cluster, peers, placement, chains, created_s=now)
+        self.known_changed = False
+        desc = ", ".join(f"{self.records[p].info.name or p[-8:]}=[{r.start},{r.end})" if r else
+                         f"{self.records[p].info.name or p[-8:]}=unused" for p, r in zip(peers, placement.ranges))
+        self.log_event(f"plan v{version} ({cfg.policy}, c={result.c}): {desc}"
+                       + (f"; kept (live sessions or fixed --blocks): {', '.join(pinned)}" if pinned else ""))
+
+    def _maybe_install(self, now: float) -> None:
+        with self.lock:
+            cur = self.current
+            if cur is None or cur.installed:
+                return
+            for p in cur.peers:
+                want = cur.assignment(p)
+                if want is None:
+                    continue
+                rec = self.records.get(p)
+                if rec is None or rec.info.state != "online" or (rec.info.start, rec.info.end) != want:
+                    return
+            cur.installed = True
+            if cur.plan.policy in ("petals", "bprr"):
+                grants = self._install_router(cur, now)
+            else:
+                max_len = {p: self.records[p].info.max_length_tokens for p in cur.peers}
+                specs = []
+                for k in cur.chains:
+                    hops = tuple((cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
+                    specs.append((hops, k.capacity, k.service_time_s, min(max_len[h[0]] for h in hops)))
+                grants = self.ds.install_chains(specs, cur.version, now)
+            chains = self.ds.chain_views()
+        self.log_event(f"plan v{cur.version} online: {len(chains)} chain(s) installed: " + "; ".join(
+            f"{'->'.join(self.name_of(p) for p in ch['servers'])} cap {ch['capacity']} T={ch['service_time']:.3f}s"
+            for ch in chains if ch["dispatchable"]))
+        self.deliver(grants)
+
+    def _install_router(self, cur: PlanState, now: float, exclude: set[str] = frozenset()) -> list[Grant]:
+        """Router mode: a per-request router over the plan's placement, without lost servers."""
+        keep = [j for j, p in enumerate(cur.peers) if p not in exclude and p in self.records]
+        cluster = Cluster(cur.cluster.service, tuple(cur.cluster.servers[j] for j in keep),
+                          cur.cluster.arrival_rate_per_s, cur.cluster.rho_bar)
+        placement = Placement(tuple(cur.placement.ranges[j] for j in keep))
+        peers = [cur.peers[j] for j in keep]
+        try:
+            router = make_baseline_router(cur.plan.policy, cluster, placement)
+        except ValueError as e:
+            self.log_event(f"no route left over the surviving servers: {e}")
+            self.ds._retire_all()
+            return []
+        max_len = {p: self.records[p].info.max_length_tokens for p in peers}
+        return self.ds.install_router(router, peers, max_len, cur.version, now)
+
+    # -- dispatch helpers (called from RPC handlers on the loop) -------------------------------
+    def deliver(self, grants: list[Grant]) -> None:
+        for g in grants:
+            fut = self.waiters.get(g.session_id)
+            if fut is None:
+                continue  # its client stopped polling: the lease expires without heartbeats
+            fut.get_loop().call_soon_threadsafe(lambda f=fut, g=g: f.done() or f.set_result(g))
+
+    def name_of(self, peer_id: str) -> str:
+        rec = self.records.get(peer_id)
+        return (rec.info.name if rec and rec.info.name else peer_id[-8:])
+
+    def assignment_for(self, peer_id: str) -> Assignment:
+        with self.lock:
+            cur = self.current
+            if cur is None or peer_id not in cur.peers:
+                return Assignment("pending", cur.version if cur else 0)
+            r = cur.assignment(peer_id)
+            return Assignment("unused", cur.version) if r is None else Assignment("assigned", cur.version, *r)
+
+    # -- views ---------------------------------------------------------------------------------
+    def status(self) -> dict:
+        with self.lock:
+            cur = self.current
+            shape = self.lengths.shape
+            servers = []
+            for p, rec in sorted(self.records.items(), key=lambda kv: (kv[1].info.start, kv[0])):
+                i = rec.info
+                try:
+                    tau_c, tau_p = server_params(rec, shape, self.overheads)
+                except ValueError:
+                    tau_c, tau_p = None, None
+                assigned = cur.assignment(p) if cur else None
+                servers.append({"peer_id": p, "name": i.name, "start": i.start, "end": i.end,
+                                "memory": i.memory_budget_bytes, "tau_p": tau_p, "tau_c": tau_c, "state": i.state,
+                                "rtt": rec.rtt_s, "t_I": i.prefill_s_per_token, "t_O": i.decode_s_per_token,
+                                "assigned": list(assigned) if assigned else None,
+                                "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False))})
+            return {
+                "model": self.model, "peer_id": self.peer_id, "policy": self.config.policy,
+                "plan_version": cur.version if cur else 0, "plan_installed": bool(cur and cur.installed),
+                "c": cur.plan.c if cur else None, "plan_error": self.plan_error,
+                "num_blocks": self.config.num_blocks, "servers": servers,
+                "chains": self.ds.chain_views(), "queue_length": self.ds.queue_length,
+                "sessions": len(self.ds.leases),
+                "expected_lengths": {"input_tokens": shape.mean_input_tokens, "output_tokens": shape.mean_output_tokens,
+                                     "finished_sessions": self.lengths.sessions},
+                "metrics": {"admitted": self.ds.metrics.admitted, "released": self.ds.metrics.released,
+                            "expired": self.ds.metrics.expired, "timed_out": self.ds.metrics.timed_out,
+                            "dropped": self.ds.metrics.dropped},
+                "events": list(self.events[-15:]),
+            }
+
+    def plan_input(self) -> dict:
+        """The measured inputs of the current plan, as `petals-chain plan` takes them, and its output."""
+        with self.lock:
+            cur = self.current
+            if cur is None:
+                return {"cluster": None, "plan": None}
+            return {"cluster": cluster_to_dict(cur.cluster), "policy": cur.plan.policy,
+                    "c": self.config.c, "tuning": self.config.tuning,
+                    "plan": plan_to_dict(cur.plan, cur.cluster),
+                    "assignment": {p: cur.assignment(p) for p in cur.peers}}
+
+    # -- shutdown ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._control.join(timeout=10)
+        try:
+            self.loop.run(self.servicer.remove_p2p_handlers(self.p2p), timeout_s=5)
+        except Exception:
+            logger.debug("removing handlers failed", exc_info=True)
+        try:
+            self.loop.run(self.p2p.shutdown(), timeout_s=5)
+        except Exception:
+            logger.debug("p2p shutdown failed", exc_info=True)
+        self.dht.shutdown()
+        self.loop.stop()

@@ -1,0 +1,346 @@
+"""Leases, the central FIFO queue and per-chain session counts, on top of the planner's chains.
+Pure: no I/O; every call takes `now_s` (the service passes its clock), so tests drive time.
+
+Two admission modes, chosen by the policy:
+- chains (proposed, jffc-only): JFFC (Alg. 3) over the installed chains: a session takes a slot
+  on the fastest chain with in_use < capacity; otherwise it waits in one central FIFO queue and a
+  freed slot goes to the queue head. `in_use <= capacity` holds for every chain at all times.
+  A session may exclude servers (failover) and ask for a max_length; the queue is then served in
+  FIFO order among the waiters that a free chain can take. Without exclusions this is exactly
+  `orchestrator.dispatch.JffcDispatcher` (tests check the two agree event by event).
+- router (petals, bprr): the baseline's per-request router (`make_baseline_router`) picks a route
+  per session from its live free-slot bookkeeping and keeps its own waiting list.
+
+Leases: a granted session holds a lease that its client renews by heartbeats; an expired lease is
+released like a finished session, so a crashed client's slot returns.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from orchestrator.baselines.request_router import PerRequestRouter
+
+WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class LiveChain:
+    chain_id: int
+    hops: tuple[tuple[str, int, int], ...]  # (peer_id, start, end) in order
+    capacity: int
+    service_time_s: float
+    max_length_tokens: int = 1 << 30
+    in_use: int = 0
+    dispatchable: bool = True  # False: from an earlier plan, kept until its sessions end
+    route: int | None = None  # router mode: the router's route id
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(h[0] for h in self.hops)
+
+
+@dataclass
+class Lease:
+    session_id: str
+    client_id: str
+    chain_id: int
+    granted_s: float
+    expires_s: float
+    wait_s: float
+    job_id: int = -1
+
+
+@dataclass
+class Waiter:
+    session_id: str
+    client_id: str
+    max_length: int
+    exclude: frozenset[str]
+    arrived_s: float
+    deadline_s: float
+    job_id: int = -1
+    last_seen_s: float = 0.0  # last time its client polled (a client that stops polling is gone)
+
+
+@dataclass(frozen=True)
+class Grant:
+    session_id: str
+    chain_id: int
+    hops: tuple[tuple[str, int, int], ...]
+    service_time_s: float
+    wait_s: float
+    plan_version: int
+    seq: int = 0  # admission order (1, 2, ...): FIFO checks read it
+
+
+@dataclass
+class Metrics:
+    admitted: int = 0
+    released: int = 0
+    expired: int = 0
+    timed_out: int = 0
+    dropped: int = 0  # leases whose chain vanished (server lost)
+    wait_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS_S) + 1))
+    wait_sum_s: float = 0.0
+
+    def observe_wait(self, wait_s: float) -> None:
+        self.wait_sum_s += wait_s
+        for i, b in enumerate(WAIT_BUCKETS_S):
+            if wait_s <= b:
+                self.wait_bucket_counts[i] += 1
+                return
+        self.wait_bucket_counts[-1] += 1
+
+
+class DispatchState:
+    def __init__(self, lease_ttl_s: float = 30.0):
+        if lease_ttl_s <= 0:
+            raise ValueError("lease_ttl_s must be positive")
+        self.lease_ttl_s = lease_ttl_s
+        self.plan_version = 0
+        self.chains: dict[int, LiveChain] = {}
+        self.leases: dict[str, Lease] = {}
+        self.queue: OrderedDict[str, Waiter] = OrderedDict()
+        self.metrics = Metrics()
+        self._next_chain_id = 0
+        self._next_job = 0
+        # router mode
+        self.router: PerRequestRouter | None = None
+        self.router_peers: list[str] = []
+        self.router_max_length: dict[str, int] = {}
+        self._route_chain: dict[int, int] = {}
+        self._job_session: dict[int, str] = {}
+
+    # -- installing plans ---------------------------------------------------------------------
+    def _retire_all(self) -> None:
+        for cid in list(self.chains):
+            ch = self.chains[cid]
+            if ch.in_use == 0:
+                del self.chains[cid]
+            else:
+                ch.dispatchable = False
+                ch.capacity = ch.in_use  # drains: never takes a new session
+        for lease in self.leases.values():
+            lease.job_id = -1  # sessions of an earlier router are no longer its jobs
+        self.router = None
+        self._route_chain.clear()
+        self._job_session.clear()
+
+    def install_chains(self, chains: list[tuple[tuple[tuple[str, int, int], ...], int, float, int]],
+                       plan_version: int, now_s: float) -> list[Grant]:
+        """JFFC mode: `chains` = [(hops, capacity, service_time_s, max_length_tokens)], fastest first.
+        Chains of earlier plans keep their sessions and drain. Returns grants to queued sessions."""
+        self._retire_all()
+        self.plan_version = plan_version
+        for hops, cap, t, max_len in chains:
+            if cap < 1:
+                continue
+            cid = self._new_chain_id()
+            self.chains[cid] = LiveChain(cid, tuple(hops), int(cap), float(t), int(max_len))
+        return self._serve_queue(now_s)
+
+    def install_router(self, router: PerRequestRouter, peer_ids: list[str], max_length_tokens: dict[str, int],
+                       plan_version: int, now_s: float) -> list[Grant]:
+        """Router mode (petals, bprr): queued sessions are offered to the new router in FIFO order."""
+        self._retire_all()
+        self.plan_version = plan_version
+        self.router = router
+        self.router_peers = list(peer_ids)
+        self.router_max_length = dict(max_length_tokens)
+        grants = []
+        for w in list(self.queue.values()):
+            w.job_id = self._new_job(w.session_id)
+            grants.extend(self._router_starts(router.on_arrival(w.job_id), now_s))
+        return grants
+
+    def _new_chain_id(self) -> int:
+        self._next_chain_id += 1
+        return self._next_chain_id
+
+    def _new_job(self, session_id: str) -> int:
+        self._next_job += 1
+        self._job_session[self._next_job] = session_id
+        return self._next_job
+
+    @property
+    def mode(self) -> str:
+        return "router" if self.router is not None else "chains"
+
+    # -- sessions -----------------------------------------------------------------------------
+    def fits_any(self, max_length: int) -> bool:
+        if self.router is not None:
+            return all(v >= max_length for v in self.router_max_length.values()) if self.router_max_length else False
+        return any(c.dispatchable and c.max_length_tokens >= max_length for c in self.chains.values())
+
+    def acquire(self, session_id: str, client_id: str, max_length: int, now_s: float, *, timeout_s: float,
+                exclude: frozenset[str] = frozenset()) -> tuple[Grant | None, list[Grant]]:
+        """Grant `session_id` a chain now, or queue it (returns None). A session that already holds a
+        lease (failover) gives it back first; the grants of other sessions that this frees come second."""
+        others: list[Grant] = []
+        if session_id in self.leases:
+            others = self.release(session_id, now_s)
+        if session_id in self.queue:
+            raise ValueError(f"session {session_id!r} is already waiting")
+        w = Waiter(session_id, client_id, max_length, frozenset(exclude), now_s, now_s + timeout_s, last_seen_s=now_s)
+        self.queue[session_id] = w
+        if self.router is not None:
+            w.job_id = self._new_job(session_id)
+            others.extend(self._router_starts(self.router.on_arrival(w.job_id), now_s))
+        else:
+            others.extend(self._serve_queue(now_s))
+        mine = next((g for g in others if g.session_id == session_id), None)
+        return mine, [g for g in others if g.session_id != session_id]
+
+    def _eligible(self, ch: LiveChain, w: Waiter) -> bool:
+        return (ch.dispatchable and ch.in_use < ch.capacity and ch.max_length_tokens >= w.max_length
+                and not (w.exclude & set(ch.peers)))
+
+    def _serve_queue(self, now_s: float) -> list[Grant]:
+        if self.router is not None:
+            return []
+        grants = []
+        free = sorted((c for c in self.chains.values() if c.dispatchable and c.in_use < c.capacity),
+                      key=lambda c: (c.service_time_s, c.chain_id))
+        if not free:
+            return grants
+        for w in list(self.queue.values()):
+            ch = next((c for c in free if self._eligible(c, w)), None)
+            if ch is None:
+                continue
+            grants.append(self._grant(w, ch, now_s))
+            if ch.in_use >= ch.capacity:
+                free.remove(ch)
+                if not free:
+                    break
+        return grants
+
+    def _grant(self, w: Waiter, ch: LiveChain, now_s: float) -> Grant:
+        assert ch.in_use < ch.capacity or ch.route is not None
+        del self.queue[w.session_id]
+        ch.in_use += 1
+        wait = now_s - w.arrived_s
+        self.leases[w.session_id] = Lease(w.session_id, w.client_id, ch.chain_id, now_s, now_s + self.lease_ttl_s,
+                                          wait, w.job_id)
+        self.metrics.admitted += 1
+        self.metrics.observe_wait(wait)
+        return Grant(w.session_id, ch.chain_id, ch.hops, ch.service_time_s, wait, self.plan_version,
+                     self.metrics.admitted)
+
+    def _router_starts(self, starts, now_s: float) -> list[Grant]:
+        grants = []
+        for st in starts:
+            sid = self._job_session.pop(st.job_id)
+            w = self.queue[sid]
+            cid = self._route_chain.get(st.chain_id)
+            if cid is None or cid not in self.chains:
+                spec = self.router.route(st.chain_id)
+                hops = tuple((self.router_peers[j], b.start, b.end) for j, b in zip(spec.servers, spec.blocks))
+                cid = self._new_chain_id()
+                max_len = min(self.router_max_length.get(p, 1 << 30) for p, _, _ in hops)
+                self.chains[cid] = LiveChain(cid, hops, 0, spec.service_time_s, max_len, route=st.chain_id)
+                self._route_chain[st.chain_id] = cid
+            grants.append(self._grant(w, self.chains[cid], now_s))
+        return grants
+
+    def release(self, session_id: str, now_s: float) -> list[Grant]:
+        """The session ended: free its slot; returns the sessions that start now (queue head first)."""
+        lease = self.leases.pop(session_id, None)
+        if lease is None:
+            return []
+        self.metrics.released += 1
+        return self._free(lease, now_s)
+
+    def _free(self, lease: Lease, now_s: float) -> list[Grant]:
+        ch = self.chains.get(lease.chain_id)
+        if ch is not None:
+            ch.in_use -= 1
+            if not ch.dispatchable and ch.in_use == 0:
+                del self.chains[ch.chain_id]
+            elif not ch.dispatchable:
+                ch.capacity = ch.in_use
+        if self.router is not None and lease.job_id >= 0:
+            return self._router_starts(self.router.on_completion(lease.job_id), now_s)
+        return self._serve_queue(now_s)
+
+    def heartbeat(self, session_id: str, now_s: float) -> bool:
+        lease = self.leases.get(session_id)
+        if lease is None:
+            return False
+        lease.expires_s = now_s + self.lease_ttl_s
+        return True
+
+    def expire(self, now_s: float) -> tuple[list[str], list[Grant]]:
+        """Release leases past their expiry; returns (expired sessions, grants)."""
+        expired, grants = [], []
+        for sid, lease in list(self.leases.items()):
+            if lease.expires_s < now_s:
+                del self.leases[sid]
+                self.metrics.expired += 1
+                expired.append(sid)
+                grants.extend(self._free(lease, now_s))
+        return expired, grants
+
+    def timeouts(self, now_s: float) -> list[str]:
+        """Waiters past their deadline leave the queue (their acquire fails with a timeout)."""
+        gone = [sid for sid, w in self.queue.items() if w.deadline_s <= now_s]
+        for sid in gone:
+            self.cancel(sid)
+            self.metrics.timed_out += 1
+        return gone
+
+    def touch(self, session_id: str, now_s: float) -> None:
+        """The waiting session's client polled."""
+        if session_id in self.queue:
+            self.queue[session_id].last_seen_s = now_s
+
+    def abandoned(self, now_s: float, max_idle_s: float) -> list[str]:
+        """Waiters whose client stopped polling for `max_idle_s` leave the queue (it crashed)."""
+        gone = [sid for sid, w in self.queue.items() if now_s - w.last_seen_s > max_idle_s]
+        for sid in gone:
+            self.cancel(sid)
+            self.metrics.timed_out += 1
+        return gone
+
+    def cancel(self, session_id: str) -> None:
+        w = self.queue.pop(session_id, None)
+        if w is not None and self.router is not None and w.job_id >= 0:
+            self.router.cancel(w.job_id)
+            self._job_session.pop(w.job_id, None)
+
+    def drop_servers(self, peer_ids: set[str]) -> list[str]:
+        """Servers gone: their chains disappear now, and so do the leases on them (the clients fail
+        over and ask again). Returns the sessions whose lease was dropped. In router mode the caller
+        installs a router over the surviving servers next."""
+        lost = {cid for cid, ch in self.chains.items() if set(ch.peers) & peer_ids}
+        dropped = []
+        for sid, lease in list(self.leases.items()):
+            if lease.chain_id in lost:
+                del self.leases[sid]
+                dropped.append(sid)
+        for cid in lost:
+            del self.chains[cid]
+        self.metrics.dropped += len(dropped)
+        return dropped
+
+    # -- views ----------------------------------------------------------------------------------
+    @property
+    def queue_length(self) -> int:
+        return len(self.queue)
+
+    def chain_views(self) -> list[dict]:
+        out = []
+        for ch in sorted(self.chains.values(), key=lambda c: (not c.dispatchable, c.service_time_s, c.chain_id)):
+            cap = ch.capacity
+            if ch.route is not None and self.router is not None and ch.dispatchable:
+                # a per-request route has no fixed capacity: report the sessions it could hold right now
+                idx = {p: j for j, p in enumerate(self.router_peers)}
+                cap = ch.in_use + min(self.router.free_slots[idx[p]] // max(1, e - s) for p, s, e in ch.hops)
+            out.append({"chain_id": ch.chain_id, "servers": list(ch.peers),
+                        "blocks": [[s, e] for _, s, e in ch.hops], "capacity": cap, "in_use": ch.in_use,
+                        "service_time": ch.service_time_s, "dispatchable": ch.dispatchable})
+        return out
+
+    def sessions_on(self, peer_id: str) -> int:
+        return sum(1 for lease in self.leases.values()
+                   if lease.chain_id in self.chains and peer_id in self.chains[lease.chain_id].peers)

@@ -1,0 +1,100 @@
+"""Server records (DHT announcements + the orchestrator's RTT measurements) -> the planner's
+`Cluster`. Pure: the service feeds records in, gets a Cluster and the peer id of each index.
+
+Units: memory, s_m and s_c in bytes (the model's `*_gb` fields accept any single unit); times in
+seconds. Server names in the Cluster are peer ids (unique); display names live in the records.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from orchestrator.model import BlockRange, Cluster, Server, Service
+from orchestrator.service.measurements import SessionShape, tau_c_s, tau_p_s
+from petals_chain.wire import ServerInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerRecord:
+    info: ServerInfo  # the latest announcement
+    rtt_s: float | None = None  # median RTT measured by the orchestrator (None: not measured yet / unreachable)
+    last_seen_s: float = 0.0
+
+    @property
+    def peer_id(self) -> str:
+        return self.info.peer_id
+
+
+@dataclass(frozen=True)
+class Overheads:
+    per_block_s: float = 0.0  # t_o of footnote 11
+    per_step_s: float = 0.0  # added to the RTT on every step in tau_c
+
+
+def server_params(record: ServerRecord, shape: SessionShape, overheads: Overheads) -> tuple[float, float]:
+    """(tau_c_s, tau_p_s) of one server."""
+    if record.rtt_s is None:
+        raise ValueError(f"server {record.peer_id} has no RTT measurement yet")
+    i = record.info
+    return (tau_c_s(record.rtt_s, shape, overheads.per_step_s),
+            tau_p_s(i.prefill_s_per_token, i.decode_s_per_token, shape, overheads.per_block_s))
+
+
+def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionShape, arrival_rate_per_s: float,
+                  rho_bar: float, overheads: Overheads = Overheads()) -> tuple[Cluster, list[str]]:
+    """Cluster over the measured servers (sorted by peer id, so the same inputs give the same
+    cluster), and the peer id of each server index. Records without an RTT are left out."""
+    usable = sorted((r for r in records if r.rtt_s is not None), key=lambda r: r.peer_id)
+    if not usable:
+        raise ValueError("no measured server to plan with")
+    s_m = max(r.info.block_bytes for r in usable)
+    s_c = max(r.info.kv_bytes_per_block for r in usable)
+    if any(r.info.block_bytes != s_m or r.info.kv_bytes_per_block != s_c for r in usable):
+        logger.warning("servers report different s_m / s_c (dtype or max_length differ); planning with the largest")
+    servers = []
+    for r in usable:
+        tau_c, tau_p = server_params(r, shape, overheads)
+        servers.append(Server(name=r.peer_id, memory_gb=float(r.info.memory_budget_bytes), tau_c_s=tau_c,
+                              tau_p_s=tau_p, rtt_s=r.rtt_s))
+    cluster = Cluster(service=Service(num_blocks=num_blocks, block_size_gb=float(s_m), cache_size_gb=float(s_c)),
+                      servers=tuple(servers), arrival_rate_per_s=arrival_rate_per_s, rho_bar=rho_bar)
+    return cluster, [r.peer_id for r in usable]
+
+
+def cluster_to_dict(cluster: Cluster) -> dict:
+    """The cluster in `petals-chain plan --cluster` input form (docs/orchestrator.md)."""
+    s = cluster.service
+    return {"blocks": s.num_blocks, "block_size": s.block_size_gb, "cache_size": s.cache_size_gb,
+            "arrival_rate": cluster.arrival_rate_per_s, "rho_bar": cluster.rho_bar,
+            "servers": [{"name": sv.name, "memory": sv.memory_gb, "tau_c": sv.tau_c_s, "tau_p": sv.tau_p_s,
+                         **({"rtt": sv.rtt_s} if sv.rtt_s is not None else {})} for sv in cluster.servers]}
+
+
+@dataclass(frozen=True)
+class HeldRange:
+    """What a server holds now: `fixed` = started with --blocks START:END (never moved);
+    `busy` = it holds live sessions (moved only by a forced re-plan)."""
+
+    start: int
+    end: int
+    fixed: bool = False
+    busy: bool = False
+
+
+def keep_held_ranges(ranges: list[BlockRange | None], peers: list[str], held: dict[str, HeldRange], *,
+                     force: bool = False) -> tuple[list[BlockRange | None], list[str]]:
+    """Overlay on a fresh placement the ranges that must not move: fixed servers always, busy
+    servers unless `force`. Returns the placement to install and the peers kept (pinned) where the
+    fresh plan wanted something else. Pure."""
+    out = list(ranges)
+    pinned = []
+    for j, p in enumerate(peers):
+        h = held.get(p)
+        if h is None or not (h.fixed or (h.busy and not force)):
+            continue
+        if out[j] is None or (out[j].start, out[j].end) != (h.start, h.end):
+            out[j] = BlockRange(h.start, h.end)
+            pinned.append(p)
+    return out, pinned

@@ -1,0 +1,123 @@
+"""`OrchestratorChainProvider`: the client asks the online orchestrator for chains.
+
+find_chain(0, L) = rpc_acquire: JFFC's chain, or a wait in the central FIFO queue (long polls of a
+few seconds each, so a dead orchestrator is noticed within one poll: `OrchestratorUnavailableError`),
+or `AcquireTimeoutError` after `acquire_timeout_s`. session_finished = rpc_release (with the
+session's input/output lengths, which refine the orchestrator's tau estimates). A heartbeat thread
+renews the leases of open sessions. On a server failure the session asks again with the failed
+server excluded and replaces its whole chain (`whole_chain_failover`), so it always runs on exactly
+the chain the orchestrator counts it on.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from hivemind.p2p import PeerID
+
+from petals_chain import wire
+from petals_chain.client.routing import ChainProvider, Hop
+from petals_chain.errors import OrchestratorUnavailableError, PetalsChainError
+from petals_chain.orchestrator_records import ChainGrant
+from petals_chain.protocol import OrchestratorService
+
+logger = logging.getLogger(__name__)
+
+
+class OrchestratorChainProvider(ChainProvider):
+    whole_chain_failover = True
+
+    def __init__(self, loop, p2p, orchestrator_peer_id: str, *, acquire_timeout_s: float = 120.0,
+                 poll_s: float = 5.0, rpc_margin_s: float = 5.0, rediscover=None):
+        """`rediscover()` returns the peer id of the orchestrator the DHT announces now (or None):
+        when the known one does not answer and the DHT names another, calls go there."""
+        self.rediscover = rediscover
+        self.loop = loop
+        self.p2p = p2p
+        self.orchestrator_peer_id = orchestrator_peer_id
+        self.acquire_timeout_s = acquire_timeout_s
+        self.poll_s = poll_s
+        self.rpc_margin_s = rpc_margin_s
+        self.grants: dict[str, ChainGrant] = {}
+        self.last_grant: dict[str, ChainGrant] = {}  # kept after release, for callers that report waits
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat_period_s = 2.0
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="lease-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _call(self, method: str, meta: dict, timeout_s: float) -> dict:
+        try:
+            return self._call_once(method, meta, timeout_s)
+        except OrchestratorUnavailableError:
+            new = None
+            if self.rediscover is not None:
+                try:
+                    new = self.rediscover()
+                except Exception:
+                    logger.debug("looking the orchestrator up again failed", exc_info=True)
+            if not new or new == self.orchestrator_peer_id:
+                raise
+            logger.warning("orchestrator %s is gone; using %s, which the DHT announces now",
+                           self.orchestrator_peer_id[-8:], new[-8:])
+            self.orchestrator_peer_id = new
+            return self._call_once(method, meta, timeout_s)
+
+    def _call_once(self, method: str, meta: dict, timeout_s: float) -> dict:
+        stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(self.orchestrator_peer_id))
+        try:
+            resp = self.loop.run(getattr(stub, method)(wire.request(meta), timeout=timeout_s), timeout_s=timeout_s + 2)
+        except Exception as e:
+            raise OrchestratorUnavailableError(
+                f"the orchestrator {self.orchestrator_peer_id[-8:]} did not answer {method} "
+                f"({type(e).__name__}: {e or 'no reply'}); restart it, or open the model with "
+                "use_orchestrator=False to route client-side") from None
+        out = wire.unpack(resp.metadata)
+        wire.raise_if_error(out)
+        return out
+
+    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id=""):
+        if not session_id:
+            raise PetalsChainError("OrchestratorChainProvider.find_chain needs the session id")
+        deadline = time.monotonic() + self.acquire_timeout_s
+        meta = {"type": "acquire", "session_id": session_id, "max_length": int(max_length or 1),
+                "timeout_s": float(self.acquire_timeout_s), "poll_s": float(self.poll_s), "exclude": sorted(exclude)}
+        while True:
+            out = self._call("rpc_acquire", meta, self.poll_s + self.rpc_margin_s)
+            if out.get("type") == "granted":
+                grant = ChainGrant.from_wire(out.get("grant"))
+                with self._lock:
+                    self.grants[session_id] = grant
+                    self.last_grant[session_id] = grant
+                    self._heartbeat_period_s = max(0.5, grant.lease_ttl_s / 3)
+                hops = [Hop(h.peer_id, max(h.start, start), h.end, h.name) for h in grant.hops if h.end > start]
+                return hops
+            if time.monotonic() > deadline + self.rpc_margin_s:  # the orchestrator should have said so
+                raise OrchestratorUnavailableError("the orchestrator kept the session queued past its timeout")
+            logger.debug("session %s queued at position %s", session_id[:8], out.get("position"))
+
+    def session_finished(self, hops, *, session_id="", input_tokens=0, output_tokens=0):
+        with self._lock:
+            self.grants.pop(session_id, None)
+        try:
+            self._call("rpc_release", {"type": "release", "session_id": session_id, "input_tokens": int(input_tokens),
+                                       "output_tokens": int(output_tokens)}, 5.0)
+        except PetalsChainError as e:  # the lease expires by itself; say so, do not fail the caller's close
+            logger.warning("release of session %s failed: %s (its lease will expire)", session_id[:8], e)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_period_s):
+            with self._lock:
+                sids = list(self.grants)
+            if not sids:
+                continue
+            try:
+                out = self._call("rpc_heartbeat", {"type": "heartbeat", "session_ids": sids}, 5.0)
+                for sid in out.get("unknown", []):
+                    logger.warning("the orchestrator no longer holds a lease for session %s", str(sid)[:8])
+            except PetalsChainError as e:
+                logger.warning("heartbeat failed: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
