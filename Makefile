@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup demo generate test test-fast clean
+.PHONY: setup demo generate test test-fast browser clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "petals-chain needs Python >= 3.11 (set PYTHON=python3.11)"'
@@ -30,6 +30,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not integration and not model"
+
+# Headless Chromium for the status-page screenshot test (skipped with a reason when absent). Needs root.
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
