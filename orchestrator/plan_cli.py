@@ -8,18 +8,7 @@ import sys
 from orchestrator.cluster_io import cluster_from_dict, plan_to_dict
 from orchestrator.planner import POLICIES, plan
 from orchestrator.tuning import TUNINGS
-
-
-def _parse_c(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--c must be 'auto' or a positive integer, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--c must be >= 1, got {value}")
-    return value
+from orchestrator.cli_args import parse_c
 
 
 def main(argv: list[str]) -> int:
@@ -27,7 +16,7 @@ def main(argv: list[str]) -> int:
                                      description="Plan block placement and server chains for a cluster (GBP-CR + GCA).")
     parser.add_argument("--cluster", required=True, help="cluster JSON file (schema: docs/orchestrator.md)")
     parser.add_argument("--policy", choices=POLICIES, default="proposed")
-    parser.add_argument("--c", type=_parse_c, default=None, help="cache reservation c of GBP-CR: 'auto' (tuned, default) or N; policy proposed only")
+    parser.add_argument("--c", type=parse_c, default=None, help="cache reservation c of GBP-CR: 'auto' (tuned, default) or N; policy proposed only")
     parser.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for tuning c (default: lower); policy proposed only")
     parser.add_argument("--table", action="store_true", help="include the per-c tuning table")
     try:

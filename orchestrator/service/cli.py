@@ -9,28 +9,7 @@ import threading
 
 from orchestrator.planner import POLICIES
 from orchestrator.tuning import TUNINGS
-
-
-def _parse_c(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--c must be 'auto' or a positive integer, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--c must be >= 1, got {value}")
-    return value
-
-
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
+from orchestrator.cli_args import parse_c, positive_float
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,12 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default="proposed",
                    help="proposed = GBP-CR + GCA + JFFC; petals / bprr = their placement + per-request routing; "
                         "jffc-only = whole model per server + JFFC")
-    p.add_argument("--c", type=_parse_c, default=None, help="cache reservation of GBP-CR: auto (default) or N")
+    p.add_argument("--c", type=parse_c, default=None, help="cache reservation of GBP-CR: auto (default) or N")
     p.add_argument("--tuning", choices=TUNINGS, default="lower")
-    p.add_argument("--arrival-rate", type=_positive, default=0.5, help="lambda, sessions per second (planning input)")
-    p.add_argument("--rho", type=_positive, default=0.7, help="target load rho_bar in (0, 1)")
-    p.add_argument("--mean-input-tokens", type=_positive, default=64.0, help="expected l_in (updated from finished sessions)")
-    p.add_argument("--mean-output-tokens", type=_positive, default=32.0, help="expected l_out (updated from finished sessions)")
+    p.add_argument("--arrival-rate", type=positive_float, default=0.5, help="lambda, sessions per second (planning input)")
+    p.add_argument("--rho", type=positive_float, default=0.7, help="target load rho_bar in (0, 1)")
+    p.add_argument("--mean-input-tokens", type=positive_float, default=64.0, help="expected l_in (updated from finished sessions)")
+    p.add_argument("--mean-output-tokens", type=positive_float, default=32.0, help="expected l_out (updated from finished sessions)")
     p.add_argument("--per-block-overhead-ms", type=float, default=1.0, help="t_o of footnote 11 (default 1 ms)")
     p.add_argument("--per-step-overhead-ms", type=float, default=0.0, help="added to the measured RTT per step in tau_c")
     p.add_argument("--expected-servers", type=int, default=0,
@@ -55,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settle", type=float, default=5.0, help="seconds without a new server before the first plan")
     p.add_argument("--replan-period", type=float, default=60.0, help="slow time scale: seconds between re-plans")
     p.add_argument("--force-replan", action="store_true", help="re-planning may move servers that hold live sessions")
-    p.add_argument("--lease-ttl", type=_positive, default=15.0, help="seconds a session lease lives without a heartbeat")
+    p.add_argument("--lease-ttl", type=positive_float, default=15.0, help="seconds a session lease lives without a heartbeat")
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=0, help="status page port (0: pick a free one; -1: no HTTP)")
     p.add_argument("--log-level", default="WARNING")

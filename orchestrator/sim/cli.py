@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from orchestrator.cli_args import parse_c, positive_float, positive_int
+
 PROG = "petals-chain simulate"
 
 
@@ -25,38 +27,6 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not usage + message
         raise _UsageError(message)
-
-
-def _parse_c(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive integer, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,14 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--paper-setup", nargs=2, metavar=("J", "ETA"), help="draw the paper's section 4.1.1 cluster with J servers, a fraction ETA of them high-performance")
     p.add_argument("--rtt-data", metavar="PATH", default=None, help="RIPE Atlas RTT CSV or its folder (default: $PETALS_CHAIN_DATA, else ../shared/data)")
     p.add_argument("--synthetic-rtt", action="store_true", help="paper setup on synthetic RTTs instead of RIPE Atlas")
-    p.add_argument("--arrival-rate", type=_positive_float, default=None, help="override the arrival rate (req/s)")
+    p.add_argument("--arrival-rate", type=positive_float, default=None, help="override the arrival rate (req/s)")
     p.add_argument("--policy", choices=POLICIES, default="proposed")
-    p.add_argument("--c", type=_parse_c, default=7, help="cache reservation for 'proposed': N (default 7, as the paper's figures) or 'auto'")
+    p.add_argument("--c", type=parse_c, default=7, help="cache reservation for 'proposed': N (default 7, as the paper's figures) or 'auto'")
     p.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for --c auto (default lower bound)")
     p.add_argument("--dispatch", choices=sorted(DISPATCHERS), default="jffc", help="dispatch policy over the chains (proposed, jffc-only)")
     p.add_argument("--workload", choices=("poisson", "azure"), default="poisson", help="Poisson/Exp(1), or the Azure code trace rescaled to the arrival rate")
     p.add_argument("--trace-data", metavar="PATH", default=None, help="Azure trace CSV or its folder (default: the data path)")
-    p.add_argument("--jobs", type=_positive_int, default=20000, help="number of jobs (Poisson workload)")
+    p.add_argument("--jobs", type=positive_int, default=20000, help="number of jobs (Poisson workload)")
     p.add_argument("--job-sizes", default="exp", metavar="SPEC", help="job size distribution, mean 1 (Poisson workload): exp (default), det, lognormal:CV, gamma:CV")
     p.add_argument("--seed", type=int, default=0)
     return p
