@@ -5,6 +5,9 @@
 2. Gain from batching: aggregate tokens/s of N concurrent sessions on one server holding all
    blocks vs 1 session on the same server.
 
+3. Where the end-to-end batching gain goes: the same decode steps run in-process on one
+   `BlockRange` holding all blocks (server compute only, no network, no client), 1 vs N sessions.
+
 Prints a table with ratios and writes results/bench_swarm.json.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.local_swarm import LocalSwarm
 from petals_chain.models.checkpoint import load_config, resolve_model_path
+from petals_chain.runtime.block_range import BlockRange, StepInput
 
 PROMPT = "Tell me a short story about a lighthouse keeper."
 
@@ -53,6 +57,19 @@ def concurrent_tokens_per_s(client, ids, new_tokens: int, sessions: int) -> floa
     if errors:
         raise errors[0]
     return sessions * new_tokens / elapsed_s
+
+
+def in_process_decode_tokens_per_s(path, sessions: int, steps: int = 20, prompt_tokens: int = 20) -> float:
+    """Decode steps of `sessions` sessions batched in one BlockRange.forward per step."""
+    block_range = BlockRange(path, 0, load_config(path).num_hidden_layers, model_path=path)
+    gen = torch.Generator().manual_seed(0)
+    kvs = [block_range.allocate_kv(prompt_tokens + steps + 1) for _ in range(sessions)]
+    block_range.forward([StepInput(kv, torch.randn(prompt_tokens, block_range.hidden_size, generator=gen))
+                         for kv in kvs])
+    start_s = time.perf_counter()
+    for _ in range(steps):
+        block_range.forward([StepInput(kv, torch.randn(1, block_range.hidden_size, generator=gen)) for kv in kvs])
+    return sessions * steps / (time.perf_counter() - start_s)
 
 
 def main() -> None:
@@ -95,6 +112,13 @@ def main() -> None:
             concurrent_tokens_per_s(client, ids, args.new_tokens, args.sessions) for _ in range(args.repeats))
         client.backend.shutdown()
 
+    results["in_process_1_session_decode_tokens_per_s"] = max(
+        in_process_decode_tokens_per_s(path, 1) for _ in range(args.repeats))
+    results[f"in_process_{args.sessions}_sessions_decode_tokens_per_s"] = max(
+        in_process_decode_tokens_per_s(path, args.sessions) for _ in range(args.repeats))
+    results[f"ratio_in_process_{args.sessions}_vs_1"] = (
+        results[f"in_process_{args.sessions}_sessions_decode_tokens_per_s"]
+        / results["in_process_1_session_decode_tokens_per_s"])
     overhead = results["swarm3_one_session_tokens_per_s"] / results["hf_local_tokens_per_s"]
     batching = results[f"one_server_{args.sessions}_sessions_tokens_per_s"] / results["one_server_1_session_tokens_per_s"]
     results["ratio_swarm3_vs_hf_local"] = overhead
