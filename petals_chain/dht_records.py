@@ -30,9 +30,9 @@ def store_record(dht: DHT, key: str, subkey: str, value: dict, ttl_s: float, *, 
     return bool(future.result(timeout=timeout_s))
 
 
-def announce_server(dht: DHT, info: ServerInfo, ttl_s: float) -> bool:
+def announce_server(dht: DHT, info: ServerInfo, ttl_s: float, *, timeout_s: float = 10.0) -> bool:
     """Store `info` under the model's servers key, subkey = peer id."""
-    return store_record(dht, servers_key(info.model), info.peer_id, info.to_wire(), ttl_s)
+    return store_record(dht, servers_key(info.model), info.peer_id, info.to_wire(), ttl_s, timeout_s=timeout_s)
 
 
 def fetch_servers(dht: DHT, model: str, *, states: tuple[str, ...] = ("online",)) -> list[ServerInfo]:

@@ -209,9 +209,14 @@ class BlockServer:
                    "auto": self.auto},
         )
 
-    def _announce(self) -> None:
+    def _announce(self, timeout_s: float = 10.0) -> None:
+        if not self.dht.is_alive():  # e.g. Ctrl-C or a group kill reached the DHT process first
+            logger.warning("DHT process is gone; cannot announce state %r", self.state)
+            return
         try:
-            announce_server(self.dht, self.info(), self.config.record_ttl_s)
+            announce_server(self.dht, self.info(), self.config.record_ttl_s, timeout_s=timeout_s)
+        except TimeoutError:
+            logger.warning("announcing state %r timed out after %.0f s (will retry)", self.state, timeout_s)
         except Exception:
             logger.exception("announce failed (will retry)")
 
@@ -233,7 +238,7 @@ class BlockServer:
             return
         self._stop.set()
         self.state = "offline"
-        self._announce()
+        self._announce(timeout_s=3.0)
         if self.scheduler is not None:
             self.scheduler.stop()
         try:
