@@ -174,21 +174,12 @@ def plot_fig3(runs: list[dict], agg: list[dict], out_dir: Path) -> Path:
 
 
 def plot_fig4(agg: list[dict], out_dir: Path) -> Path:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    x = [100 * a["load"] for a in agg]
-    for key, label, style in (("cK", "c·K(c) (GBP-CR only)", "s-"), ("gca", "GCA", "o-"), ("ilp", "Optimal ILP", "x--"),
-                              ("lower_bound", "Lower bound ⌈λ/(ρ̄μ1)⌉", "v:")):
-        ax.plot(x, [a[key] if a[key] is not None else np.nan for a in agg], style, label=label)
-    ax.set_xlabel("λ (% of the total service rate of GCA's chains)")
-    ax.set_ylabel("# job servers for rate λ/ρ̄")
-    ax.set_title("Fig. 4: GCA under a fixed GBP-CR placement (c=7)")
-    ax.legend()
-    fig.tight_layout()
-    path = out_dir / "fig4_gca.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    series = [([a[key] for a in agg], label, style)
+              for key, label, style in (("cK", "c·K(c) (GBP-CR only)", "s-"), ("gca", "GCA", "o-"),
+                                        ("ilp", "Optimal ILP", "x--"), ("lower_bound", "Lower bound ⌈λ/(ρ̄μ1)⌉", "v:"))]
+    return _save_line_plot([100 * a["load"] for a in agg], series, "λ (% of the total service rate of GCA's chains)",
+                           "# job servers for rate λ/ρ̄", "Fig. 4: GCA under a fixed GBP-CR placement (c=7)",
+                           out_dir / "fig4_gca.png")
 
 
 def plot_fig5(agg: list[dict], out_dir: Path) -> Path:
@@ -243,18 +234,25 @@ def plot_fig6(agg67: list[dict], rate: float, out_dir: Path) -> Path | None:
 
 
 def plot_fig7(agg67: list[dict], out_dir: Path) -> Path:
+    series = [([a["c_star"][key] for a in agg67], label, style)
+              for key, label, style in (("surrogate", "c·K(c)/λ", "s-"), ("upper", "Thm 3.7 upper", "^-"),
+                                        ("lower", "Thm 3.7 lower", "v-"), ("sim", "simulation", "o--"))]
+    return _save_line_plot([a["rate"] for a in agg67], series, "arrival rate λ (req/s)", "c*", "Fig. 7: c* vs λ",
+                           out_dir / "fig7_c_star.png")
+
+
+def _save_line_plot(x: list[float], series: list[tuple[list, str, str]], xlabel: str, ylabel: str, title: str,
+                    path: Path) -> Path:
+    """One axes of lines (values None are gaps), labelled and saved as PNG."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    x = [a["rate"] for a in agg67]
-    for key, label, style in (("surrogate", "c·K(c)/λ", "s-"), ("upper", "Thm 3.7 upper", "^-"),
-                              ("lower", "Thm 3.7 lower", "v-"), ("sim", "simulation", "o--")):
-        ax.plot(x, [a["c_star"][key] if a["c_star"][key] is not None else np.nan for a in agg67], style, label=label)
-    ax.set_xlabel("arrival rate λ (req/s)")
-    ax.set_ylabel("c*")
-    ax.set_title("Fig. 7: c* vs λ")
+    for values, label, style in series:
+        ax.plot(x, [v if v is not None else np.nan for v in values], style, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    path = out_dir / "fig7_c_star.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
