@@ -42,6 +42,7 @@ def test_failover_after_sigkill_gives_identical_text(smollm2_path, smollm2_hf, s
             ref = smollm2_hf.generate(ids, max_new_tokens=20, do_sample=False)
             with model.inference_session(max_length=64) as session:
                 before = session.chain.hops[1].peer_id
+                tail = session.chain.hops[2].peer_id
                 streamer = KillAfter(swarm, session, n=8)
                 start_s = time.monotonic()
                 out = model.generate(ids, max_new_tokens=20, do_sample=False, streamer=streamer)
@@ -49,6 +50,7 @@ def test_failover_after_sigkill_gives_identical_text(smollm2_path, smollm2_hf, s
                 assert streamer.killed is not None and not streamer.killed.alive
                 assert session.chain.failovers == 1
                 assert after != before  # the dead peer is not retried
+                assert session.chain.hops[2].peer_id == tail  # only the failed span was replaced
                 assert time.monotonic() - start_s < 60
             assert out.tolist() == ref.tolist()
             # the killed server's record expires from the DHT within seconds (TTL 3 x announce period)

@@ -238,23 +238,31 @@ class RemoteChainSession(ChainSession):
         return x
 
     def _failover(self, index: int, error: Exception) -> None:
-        """Replace hops `index..` by a new chain from that hop's first block, rebuilding their KV
-        caches by replaying the inputs the failed hop received (the inputs of later hops are
-        recomputed by the replay itself)."""
+        """Replace the failed hop `index` and rebuild the KV caches by replaying the inputs it had
+        received. With client-side routing only the failed span is replaced: the new hops end at
+        the start of a later hop, which is kept with its cache (or at the last block). An
+        orchestrator's provider replaces the whole chain, replayed from block 0, so the session
+        always runs on the chain it is counted on."""
         failed = self.streams[index]
         self.failovers += 1
         if self.failovers > self.chain.max_failovers:
             raise ServerUnavailableError(f"giving up after {self.chain.max_failovers} failovers; last: {error}") from error
-        logger.warning("server %s failed (%s); finding a replacement for blocks [%d, %d)",
-                       failed.hop.describe(), error, failed.hop.start, self.chain.num_blocks)
         self.banned.add(failed.hop.peer_id)
-        if self.chain.provider.whole_chain_failover:  # replace the whole chain; replay from block 0
+        if self.chain.provider.whole_chain_failover:
             index, failed = 0, self.streams[0]
-        self._close_streams(self.streams[index:])
+            new_hops = self.chain.provider.find_chain(0, self.chain.num_blocks, exclude=frozenset(self.banned),
+                                                      max_length=self.max_length, session_id=self.session_id)
+        else:
+            ends = frozenset({s.hop.start for s in self.streams[index + 1:]} | {self.chain.num_blocks})
+            new_hops = self.chain.provider.find_span(failed.hop.start, ends, exclude=frozenset(self.banned),
+                                                     max_length=self.max_length, session_id=self.session_id)
+        new_end = new_hops[-1].end
+        keep_from = next((i for i in range(index + 1, len(self.streams)) if self.streams[i].hop.start == new_end),
+                         len(self.streams))
+        logger.warning("server %s failed (%s); replacing blocks [%d, %d) with %s", failed.hop.describe(), error,
+                       failed.hop.start, new_end, " -> ".join(h.describe() for h in new_hops))
+        self._close_streams(self.streams[index:keep_from])
         history = torch.cat(failed.inputs) if failed.inputs else None
-        new_hops = self.chain.provider.find_chain(failed.hop.start, self.chain.num_blocks,
-                                                  exclude=frozenset(self.banned), max_length=self.max_length,
-                                                  session_id=self.session_id)
         replacement = self._open_hops(new_hops)
         if history is not None:
             x = history
@@ -262,7 +270,7 @@ class RemoteChainSession(ChainSession):
                 x_out = self._run(self._call(stream, x), self.chain.step_timeout_s + 2)
                 stream.inputs.append(x)
                 x = x_out
-        self.streams = self.streams[:index] + replacement
+        self.streams = self.streams[:index] + replacement + self.streams[keep_from:]
 
     @property
     def hops(self) -> list[Hop]:

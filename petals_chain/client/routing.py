@@ -43,6 +43,12 @@ class ChainProvider(ABC):
                    max_length: int = 0, session_id: str = "") -> list[Hop]:
         """Hops covering `[start, end)`; raises NoChainError when none exists."""
 
+    def find_span(self, start: int, ends: frozenset[int], *, exclude: frozenset[str] = frozenset(),
+                  max_length: int = 0, session_id: str = "") -> list[Hop]:
+        """Hops from `start` to any boundary in `ends` (failover of one span); by default the
+        longest span, i.e. a new chain to `max(ends)`."""
+        return self.find_chain(start, max(ends), exclude=exclude, max_length=max_length, session_id=session_id)
+
     def session_finished(self, hops: list[Hop], *, session_id: str = "", input_tokens: int = 0,
                          output_tokens: int = 0) -> None:
         """Called when a session on `hops` ends (an orchestrator frees its slot)."""
@@ -52,8 +58,14 @@ class ChainProvider(ABC):
 
 
 def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Callable[[str], float | None],
-                      *, exclude: frozenset[str] = frozenset(), max_length: int = 0) -> list[Hop]:
-    """Dijkstra over block boundaries `start..end` (pure; `rtt_s(peer)` is None for unreachable peers)."""
+                      *, exclude: frozenset[str] = frozenset(), max_length: int = 0,
+                      ends: frozenset[int] | None = None) -> list[Hop]:
+    """Dijkstra over block boundaries `start..end` (pure; `rtt_s(peer)` is None for unreachable peers).
+
+    With `ends`, the chain may stop at any of those boundaries (all <= `end`): failover uses it to
+    replace only a failed span and keep the hops after it, which start at those boundaries.
+    """
+    targets = ends if ends else frozenset({end})
     usable = [s for s in servers if s.peer_id not in exclude and s.state == "online"
               and s.max_length_tokens >= max_length and s.end > start and s.start < end]
     best: dict[int, float] = {start: 0.0}
@@ -61,7 +73,7 @@ def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Ca
     heap = [(0.0, start)]
     while heap:
         cost, b = heapq.heappop(heap)
-        if b == end:
+        if b in targets:
             break
         if cost > best.get(b, float("inf")):
             continue
@@ -77,11 +89,12 @@ def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Ca
                 best[nxt] = c
                 prev[nxt] = (b, s)
                 heapq.heappush(heap, (c, nxt))
-    if end not in best:
+    reached = [t for t in targets if t in best]
+    if not reached:
         covered = sorted((s.start, s.end) for s in usable)
         raise NoChainError(f"no chain of online servers covers blocks [{start}, {end}) (usable servers hold "
                            f"{covered or 'nothing'}); start servers for the missing blocks or wait for them to join")
-    hops, b = [], end
+    hops, b = [], min(reached, key=lambda t: best[t])
     while b != start:
         a, s = prev[b]
         hops.append(Hop(s.peer_id, a, b, s.name))
@@ -109,11 +122,14 @@ class DhtChainProvider(ChainProvider):
         return cached[1]
 
     def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id=""):
+        return self.find_span(start, frozenset({end}), exclude=exclude, max_length=max_length)
+
+    def find_span(self, start, ends, *, exclude=frozenset(), max_length=0, session_id=""):
         deadline = self.clock() + self.wait_for_chain_s
         while True:
             try:
-                return min_latency_chain(self.fetch_servers(), start, end, self._rtt_s, exclude=exclude,
-                                         max_length=max_length)
+                return min_latency_chain(self.fetch_servers(), start, max(ends), self._rtt_s, exclude=exclude,
+                                         max_length=max_length, ends=ends)
             except NoChainError:
                 if self.clock() >= deadline:
                     raise
