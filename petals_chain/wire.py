@@ -8,6 +8,8 @@ Messages are hivemind `ExpertRequest`/`ExpertResponse` protobufs: `metadata` hol
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,8 @@ from hivemind.compression.serialization import deserialize_torch_tensor, seriali
 from hivemind.proto import runtime_pb2
 
 from petals_chain.errors import InvalidRequestError, PetalsChainError, error_from_code
+
+logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = "petals-chain/1"
 SERVER_STATES = ("joining", "online", "offline")
@@ -78,6 +82,23 @@ def response(meta: dict[str, Any], tensors: tuple[torch.Tensor, ...] = ()) -> ru
 def error_response(error: Exception) -> runtime_pb2.ExpertResponse:
     code = error.code if isinstance(error, PetalsChainError) else "error"
     return response({"type": "error", "code": code, "message": str(error)})
+
+
+def replies_with_typed_errors(handler):
+    """Decorator for unary RPC handlers: a `PetalsChainError` becomes its typed error reply, any other
+    exception is logged and replied as a generic error; the server keeps serving either way."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except PetalsChainError as e:
+            return error_response(e)
+        except Exception as e:  # a bug must not take the server down: report it to this caller
+            logger.exception("unexpected error in %s", handler.__qualname__)
+            return error_response(e)
+
+    return wrapper
 
 
 def raise_if_error(meta: dict[str, Any]) -> None:

@@ -151,38 +151,30 @@ class BlockServicer:
         return await future
 
     # -- stateless forward ----------------------------------------------------------------
+    @wire.replies_with_typed_errors
     async def forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Forward of whole sequences [batch, seq, hidden] without keeping a cache."""
         client_id = str(context.remote_id)
         block_range = self.server.block_range
-        try:
-            if block_range is None:
-                raise ServerUnavailableError("this server holds no blocks yet; use another server")
-            meta = wire.unpack(request.metadata)
-            first_block = wire.field_of(meta, "entry_block", int, default=block_range.start)
-            if len(request.tensors) != 1:
-                raise InvalidRequestError(f"rpc_forward carries exactly one tensor, got {len(request.tensors)}")
-            hidden = wire.tensor_from_wire(request.tensors[0])
-            if hidden.dim() != 3 or hidden.shape[0] < 1:
-                raise InvalidRequestError(f"rpc_forward takes [batch, seq, {block_range.hidden_size}], got {tuple(hidden.shape)}")
-            if hidden.shape[1] > self.server.max_length_tokens:
-                raise MaxLengthExceededError(f"sequence of {hidden.shape[1]} tokens exceeds this server's "
-                                             f"limit of {self.server.max_length_tokens}")
-            outputs = []
-            for row, seq in enumerate(hidden):
-                temp = OpenSession(f"forward-{uuid.uuid4().hex[:8]}-{row}", client_id,
-                                   None, "")  # kv filled below
-                nbytes = block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - (first_block))
-                temp.reservation_key = f"{client_id}/{temp.session_id}"
-                self.budget.reserve(temp.reservation_key, nbytes)
-                try:
-                    temp.kv = block_range.allocate_kv(seq.shape[0], first_block)
-                    outputs.append(await self._step(temp, seq))
-                finally:
-                    self.budget.release(temp.reservation_key)
-            return wire.response({"type": "forward"}, (torch.stack(outputs),))
-        except PetalsChainError as e:
-            return wire.error_response(e)
-        except Exception as e:
-            logger.exception("unexpected error in rpc_forward")
-            return wire.error_response(e)
+        if block_range is None:
+            raise ServerUnavailableError("this server holds no blocks yet; use another server")
+        meta = wire.unpack(request.metadata)
+        first_block = wire.field_of(meta, "entry_block", int, default=block_range.start)
+        if len(request.tensors) != 1:
+            raise InvalidRequestError(f"rpc_forward carries exactly one tensor, got {len(request.tensors)}")
+        hidden = wire.tensor_from_wire(request.tensors[0])
+        if hidden.dim() != 3 or hidden.shape[0] < 1:
+            raise InvalidRequestError(f"rpc_forward takes [batch, seq, {block_range.hidden_size}], got {tuple(hidden.shape)}")
+        if hidden.shape[1] > self.server.max_length_tokens:
+            raise MaxLengthExceededError(f"sequence of {hidden.shape[1]} tokens exceeds this server's "
+                                         f"limit of {self.server.max_length_tokens}")
+        outputs = []
+        for row, seq in enumerate(hidden):
+            key = f"{client_id}/forward-{uuid.uuid4().hex[:8]}-{row}"
+            self.budget.reserve(key, block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - first_block))
+            try:
+                temp = OpenSession(key, client_id, block_range.allocate_kv(seq.shape[0], first_block), key)
+                outputs.append(await self._step(temp, seq))
+            finally:
+                self.budget.release(key)
+        return wire.response({"type": "forward"}, (torch.stack(outputs),))
