@@ -162,19 +162,6 @@ class ChainSpec:
     capacity: int
     service_time_s: float
 
-    @property
-    def service_rate_per_s(self) -> float:
-        return 1.0 / self.service_time_s
-
-
-def memory_check_gb(cluster: Cluster, placement: Placement) -> None:
-    """Raise InfeasibleClusterError if some server's blocks alone exceed its memory (eq. 1)."""
-    for j, sv in enumerate(cluster.servers):
-        need = cluster.service.block_size_gb * placement.num_blocks(j)
-        if need > sv.memory_gb * (1 + _FLOOR_REL_TOL) + 1e-12:
-            raise InfeasibleClusterError(f"server {sv.name!r} holds {placement.num_blocks(j)} blocks "
-                                         f"({need:.6g} GB) but has only {sv.memory_gb:.6g} GB")
-
 
 def residual_slots(cluster: Cluster, placement: Placement) -> list[int]:
     """M~_j = floor((M_j - s_m m_j) / s_c) (eq. 3), cache slots left after hosting the blocks.

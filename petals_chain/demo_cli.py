@@ -19,11 +19,6 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
            "Photosynthesis is", "The three primary colors are", "A good cup of coffee"]
 
 
-def even_ranges(num_blocks: int, parts: int) -> list[tuple[int, int]]:
-    bounds = [round(i * num_blocks / parts) for i in range(parts + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.load(r)
@@ -60,7 +55,6 @@ def main(argv: list[str]) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, terminate)
-    import torch
     from transformers import AutoTokenizer, TextStreamer
 
     from petals_chain.client.model import DistributedModelForCausalLM

@@ -49,7 +49,7 @@ class LocalSwarm:
 
     def __init__(self, model: str, ranges: list[tuple[int, int] | None], *, server_args: list[str] | None = None,
                  per_server_args: list[list[str]] | None = None, start_timeout_s: float = 180.0,
-                 env: dict[str, str] | None = None, log_dir: Path | None = None,
+                 env: dict[str, str] | None = None,
                  orchestrator_args: list[str] | None = None):
         """`ranges[i] = None` starts server i with `--blocks auto`; `orchestrator_args` (a list, possibly
         empty) starts `petals-chain orchestrator` with them before the servers."""

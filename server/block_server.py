@@ -75,7 +75,6 @@ class BlockServer:
         self.budget: KVBudget | None = None
         self.scheduler: StepScheduler | None = None
         self.orchestrator = None
-        self._reload_lock = threading.Lock()
         if self.auto:  # measure on one block loaded for the purpose, before holding any
             probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
                                model_path=self.path)

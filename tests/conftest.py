@@ -1,7 +1,6 @@
 """Shared fixtures: a tiny random Llama checkpoint built in the test, and the embedded SmolLM2."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

@@ -18,7 +18,7 @@ from hivemind.p2p import PeerID
 
 from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
-from orchestrator.model import BlockRange, Cluster, Placement
+from orchestrator.model import Cluster, Placement
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
 from orchestrator.service.dispatch_state import DispatchState, Grant
 from orchestrator.service.measurements import LengthEstimator, SessionShape, median

@@ -14,8 +14,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from petals_chain import wire
-from petals_chain.errors import (AcquireTimeoutError, InvalidRequestError, MaxLengthExceededError, NoChainError,
-                                 PetalsChainError)
+from petals_chain.errors import AcquireTimeoutError, InvalidRequestError, MaxLengthExceededError, NoChainError
 from petals_chain.orchestrator_records import ChainGrant, GrantHop
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ eta = 0.2, lambda = 0.2 req/s, rho_bar = 0.7.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,8 +24,6 @@ HIGH_TAU_P_S = 0.109
 LOW_MEMORY_GB = 20.0
 LOW_TAU_P_S = 0.175
 TAU_C_OVERHEAD_S = 0.018
-DEFAULT_J = 20
-DEFAULT_ETA = 0.2
 DEFAULT_ARRIVAL_RATE_PER_S = 0.2
 DEFAULT_RHO_BAR = 0.7
 
@@ -49,9 +47,6 @@ class PaperInstance:
     @property
     def num_servers(self) -> int:
         return len(self.names)
-
-    def with_arrival_rate(self, arrival_rate_per_s: float) -> "PaperInstance":
-        return replace(self, arrival_rate_per_s=float(arrival_rate_per_s))
 
     def to_plan_json(self) -> dict:
         return {
@@ -99,11 +94,6 @@ def draw_paper_instance(
         arrival_rate_per_s=arrival_rate_per_s,
         rho_bar=rho_bar,
     )
-
-
-def max_cache_reservation(instance: PaperInstance) -> int:
-    """c_max = floor((max_j M_j - s_m) / s_c): the largest c any server supports (section 3.1.3)."""
-    return int(np.floor((instance.memory_gb.max() - instance.block_size_gb) / instance.cache_size_gb + 1e-9))
 
 
 def to_cluster(instance: PaperInstance):

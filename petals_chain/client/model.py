@@ -103,10 +103,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             self._session = None
             session.close()
 
-    @property
-    def active_session(self) -> InferenceSession | None:
-        return self._session
-
     def generate(self, input_ids: torch.Tensor | None = None, *, max_length: int | None = None, **kwargs):
         """transformers' generate, run through the chain. Batch size 1 (one session per sequence)."""
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:

@@ -80,6 +80,3 @@ def read_tensors(path: Path, names: list[str], dtype: torch.dtype | None = None)
                 out[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
 
-
-def tensor_names(path: Path) -> list[str]:
-    return list(_weight_files(path))

@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from petals_chain.models.family import AttentionSegment, ModelFamily, register_family
+from petals_chain.models.family import ModelFamily, register_family
 
 
 class LlamaFamily(ModelFamily):
