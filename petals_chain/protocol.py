@@ -3,10 +3,13 @@ gets a stub from it). hivemind names handlers after this class, so both sides us
 """
 from __future__ import annotations
 
+import time
 from typing import AsyncIterator  # hivemind detects streams by typing.AsyncIterator, not collections.abc
 
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
+
+from petals_chain import wire
 
 
 class BlockService(ServicerBase):
@@ -45,3 +48,16 @@ class OrchestratorService(ServicerBase):
 
     async def rpc_assignment(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return await self.impl.assignment(request, context)
+
+
+def ping_block_server_s(loop, p2p, peer_id: str, *, timeout_s: float = 3.0) -> float | None:
+    """Round trip of one `rpc_info` to a block server on `loop` (a BackgroundLoop), in seconds;
+    None when it does not answer within `timeout_s`. Clients route with it, the orchestrator
+    measures RTTs (tau_c) with it."""
+    stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
+    start = time.perf_counter()
+    try:
+        loop.run(stub.rpc_info(wire.request({"type": "info"}), timeout=timeout_s), timeout_s=timeout_s + 1)
+    except Exception:
+        return None
+    return time.perf_counter() - start

@@ -14,7 +14,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from hivemind.p2p import PeerID
 
 from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
@@ -24,12 +23,11 @@ from orchestrator.service.dispatch_state import DispatchState, Grant
 from orchestrator.service.measurements import LengthEstimator, SessionShape, median
 from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, build_cluster, cluster_to_dict,
                                            keep_held_ranges, server_params)
-from petals_chain import wire
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
 from petals_chain.orchestrator_records import Assignment, OrchestratorInfo, announce_orchestrator
-from petals_chain.protocol import BlockService, OrchestratorService
+from petals_chain.protocol import OrchestratorService, ping_block_server_s
 
 logger = logging.getLogger(__name__)
 
@@ -190,15 +188,8 @@ class Orchestrator:
 
     def measure_rtt(self, peer_id: str) -> float | None:
         """Median round trip of rpc_info to the server (None when it does not answer)."""
-        stub = BlockService.get_stub(self.p2p, PeerID.from_base58(peer_id))
-        samples = []
-        for _ in range(self.config.rtt_probes):
-            t0 = time.perf_counter()
-            try:
-                self.loop.run(stub.rpc_info(wire.request({"type": "info"}), timeout=3.0), timeout_s=4.0)
-            except Exception:
-                continue
-            samples.append(time.perf_counter() - t0)
+        samples = [ping_block_server_s(self.loop, self.p2p, peer_id) for _ in range(self.config.rtt_probes)]
+        samples = [x for x in samples if x is not None]
         return median(samples) if samples else None
 
     def drop_servers(self, peers: list[str], now: float, why: str) -> None:

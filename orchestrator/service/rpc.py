@@ -59,9 +59,8 @@ class OrchestratorRpc:
             if fut is None:  # a new request (or a replacement after failover)
                 if orch.current is None and orch.plan_error:
                     raise NoChainError(f"the orchestrator cannot plan for the servers it knows: {orch.plan_error}")
-                if orch.current is None or not orch.current.installed and not orch.ds.chains:
-                    pass  # no chains yet: wait in the queue until the first plan is online
-                elif not orch.ds.fits_any(max_length):
+                has_chains = orch.current is not None and (orch.current.installed or bool(orch.ds.chains))
+                if has_chains and not orch.ds.fits_any(max_length):  # without chains yet: queue for the first plan
                     raise MaxLengthExceededError(
                         f"max_length={max_length} exceeds what every chain's servers accept; use a smaller max_length")
                 if sid in orch.ds.queue:

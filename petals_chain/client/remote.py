@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ from petals_chain.errors import (
     ServerUnavailableError,
 )
 from petals_chain.orchestrator_records import find_orchestrator
-from petals_chain.protocol import BlockService
+from petals_chain.protocol import BlockService, ping_block_server_s
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +74,7 @@ class RemoteChain(ChainBackend):
 
     def ping_s(self, peer_id: str) -> float | None:
         """Round trip of rpc_info, or None when the peer does not answer within 3 s."""
-        start = time.perf_counter()
-        try:
-            self.loop.run(self.stub(peer_id).rpc_info(wire.request({"type": "info"}), timeout=3.0), timeout_s=5.0)
-        except Exception:
-            return None
-        return time.perf_counter() - start
+        return ping_block_server_s(self.loop, self.p2p, peer_id)
 
     def server_info(self, peer_id: str) -> wire.ServerInfo:
         resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request({"type": "info"}), timeout=5.0), timeout_s=7.0)
