@@ -6,6 +6,7 @@ together. Only the range's own tensors are read from the checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -67,9 +68,10 @@ class BlockRange:
             self.blocks[index] = quantize_linears(block, quant, self.dtype, self.device)
 
     # -- sizes the orchestrator plans with -------------------------------------------------
-    @property
+    @cached_property
     def block_bytes(self) -> int:
-        """`s_m`: bytes of the largest block of this range (all blocks are alike in practice)."""
+        """`s_m`: bytes of the largest block of this range (all blocks are alike in practice).
+        Cached: weights never change, and servers report it on every announcement and rpc_info."""
         return max(module_bytes(b) for b in self.blocks.values())
 
     def kv_bytes_per_block(self, max_length_tokens: int) -> int:
