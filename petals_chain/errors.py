@@ -70,6 +70,30 @@ class UnknownLeaseError(InvalidRequestError):
     code = "unknown_lease"
 
 
+class SchedulerPolicyError(PetalsChainError):
+    """The server's scheduling policy failed; the server failed the waiting steps and keeps serving."""
+
+    code = "scheduler_policy_error"
+
+
+class SessionClosedError(PetalsChainError):
+    """The session was closed (or its stream broke) while one of its steps waited."""
+
+    code = "session_closed"
+
+
+class SessionIdleTimeoutError(PetalsChainError):
+    """The server closed a session whose client sent nothing for longer than its idle timeout."""
+
+    code = "session_idle_timeout"
+
+
+class AdmissionTimeoutError(OutOfCacheError):
+    """The session waited in the server's admission queue until its deadline without getting KV memory."""
+
+    code = "admission_timeout"
+
+
 ERROR_TYPES: dict[str, type[PetalsChainError]] = {
     cls.code: cls
     for cls in (
@@ -85,6 +109,10 @@ ERROR_TYPES: dict[str, type[PetalsChainError]] = {
         AcquireTimeoutError,
         OrchestratorUnavailableError,
         UnknownLeaseError,
+        SchedulerPolicyError,
+        SessionClosedError,
+        SessionIdleTimeoutError,
+        AdmissionTimeoutError,
     )
 }
 
