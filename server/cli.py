@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from petals_chain.errors import PetalsChainError
-    from server.block_server import BlockServer, ServerConfig
-    from server.policies import make_policy, parse_policy_args
+    from server.policies import make_policy, parse_policy_args  # light: checks flags before torch loads
 
     try:
         policy_args = parse_policy_args(args.policy, args.policy_arg)
@@ -115,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.admission_queue < 0:
         print("launch-server: --admission-queue must be >= 0", file=sys.stderr)
         return 2
+    from server.block_server import BlockServer, ServerConfig
+
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
