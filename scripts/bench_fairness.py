@@ -7,9 +7,10 @@ For each policy a fresh one-server swarm (all blocks, `--max-batch-tokens`, `--s
    retrying whatever fails, forever). Slowdown = mean latency with the flooder / alone; the script
    prints both policies' slowdowns, their ratio (VTC / FCFS; the goal is <= 0.5), and each
    client's share of the service (w_in per prompt token, w_out per decode token) while both ran.
-2. **service gap**: two continuously backlogged clients with different demands (long prompts and
-   short answers vs short prompts and long answers); from the server's per-batch log it computes
-   max |W_a(t1,t2) - W_b(t1,t2)| over intervals in which both had steps waiting, next to the VTC
+2. **service gap**: two continuously backlogged clients that differ in how much they ask for at once
+   (client a runs twice as many concurrent sessions as client b, all with long prompts); from the
+   server's per-batch log it computes max |W_a(t1,t2) - W_b(t1,t2)| over intervals in which both
+   still had steps waiting after each batch was chosen (the paper's backlog), next to the VTC
    paper's Theorem 4.4 bound 2U, U = max(w_in L_input, w_out M) with L_input = M = --max-batch-tokens
    (prompts run in chunks of at most M tokens).
 
@@ -185,8 +186,8 @@ def run_policy(policy: str, args, head: ClientHead, out_dir: Path) -> dict:
                   flush=True)
             # -- two backlogged clients -------------------------------------------------------------
             start_batch = len(read_log(log))
-            with LoopingClient(flooder, head, args.gap_sessions, args.gap_long_prompt, args.gap_short_decode, seed=2), \
-                    LoopingClient(other, head, args.gap_sessions, args.gap_short_prompt, args.gap_long_decode, seed=3):
+            with LoopingClient(flooder, head, 2 * args.gap_sessions, args.gap_prompt, args.gap_decode, seed=2), \
+                    LoopingClient(other, head, args.gap_sessions, args.gap_prompt, args.gap_decode, seed=3):
                 time.sleep(args.gap_duration_s)  # the measurement window: the load runs for this long
             batches = read_log(log)[start_batch:]
             a = next(c for c, n in peer.items() if n == "flooder")
@@ -196,8 +197,9 @@ def run_policy(policy: str, args, head: ClientHead, out_dir: Path) -> dict:
             served = service_by_client(batches, float("-inf"), float("inf"), args.w_in, args.w_out)
             result["gap"] = {"max_gap_weighted_tokens": gap, "bound_2U": 2 * u, "U": u,
                              "batches_both_backlogged": counted, "batches": len(batches),
-                             "service": {peer.get(c, c[:8]): w for c, w in served.items()},
-                             "series": cumulative_series(batches, {a: "long prompts", b: "long answers"},
+                             "service": {{a: "a", b: "b"}.get(c, c[:8]): w for c, w in served.items()},
+                             "series": cumulative_series(batches, {a: f"client a ({2 * args.gap_sessions} sessions)",
+                                                                   b: f"client b ({args.gap_sessions} sessions)"},
                                                          args.w_in, args.w_out)}
             g = result["gap"]
             print(f"   two backlogged clients: max service gap {gap:.0f} weighted tokens over {counted} of "
@@ -264,12 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flooder-prompt", type=int, default=700)
     p.add_argument("--flooder-decode", type=int, default=4)
     p.add_argument("--flooder-head-start-s", type=float, default=3.0)
-    p.add_argument("--gap-sessions", type=int, default=3)
-    p.add_argument("--gap-long-prompt", type=int, default=400)
-    p.add_argument("--gap-short-decode", type=int, default=4)
-    p.add_argument("--gap-short-prompt", type=int, default=16)
-    p.add_argument("--gap-long-decode", type=int, default=48)
-    p.add_argument("--gap-duration-s", type=float, default=40.0)
+    p.add_argument("--gap-sessions", type=int, default=2, help="client b's sessions (client a runs twice as many)")
+    p.add_argument("--gap-prompt", type=int, default=256)
+    p.add_argument("--gap-decode", type=int, default=8)
+    p.add_argument("--gap-duration-s", type=float, default=90.0)
     p.add_argument("--out", default=str(REPO / "results" / "fairness"))
     args = p.parse_args(argv)
     out_dir = Path(args.out)
