@@ -187,13 +187,21 @@ class VTCPolicy(SchedulingPolicy):
     PARAMS = {
         "w_in": PolicyParam(float, 1.0, "cost of one prompt (prefill) token", minimum=0.0),
         "w_out": PolicyParam(float, 2.0, "cost of one decode token (the paper uses w_p=1, w_q=2)", minimum=0.0),
+        "max_client_share": PolicyParam(
+            float, 1.0, "largest fraction of a batch's tokens one client may take while another client is active "
+                        "(1: the paper's work-conserving VTC; less: shorter batches for the others' next step, "
+                        "the trade-off of the paper's Remark 4.7)", minimum=0.0),
     }
 
-    def __init__(self, w_in: float = 1.0, w_out: float = 2.0):
-        super().__init__(w_in=w_in, w_out=w_out)
+    def __init__(self, w_in: float = 1.0, w_out: float = 2.0, max_client_share: float = 1.0):
+        super().__init__(w_in=w_in, w_out=w_out, max_client_share=max_client_share)
         if w_in <= 0 and w_out <= 0:
             raise InvalidRequestError("vtc needs w_in > 0 or w_out > 0, otherwise no counter ever moves")
+        if not 0 < max_client_share <= 1:
+            raise InvalidRequestError(f"vtc's max_client_share must be in (0, 1], got {max_client_share}")
         self.w_in, self.w_out = float(w_in), float(w_out)
+        self.max_client_share = float(max_client_share)
+        self._last_batch_clients: set[str] = set()
         self.counters: dict[str, float] = {}
         self.served: dict[str, float] = {}  # weighted tokens actually scheduled (never lifted)
         self._by_client: dict[str, dict[int, WorkItem]] = {}  # client -> seq -> item (the active clients)
@@ -234,6 +242,10 @@ class VTCPolicy(SchedulingPolicy):
         sessions: set[str] = set()
         room = max_batch_tokens
         blocked: set[str] = set()  # clients with nothing that can join this batch
+        used: dict[str, int] = {}
+        # a client in the middle of a round trip (served last batch) is active although nothing of it waits
+        active = set(self._by_client) | self._last_batch_clients
+        cap = max(1, int(self.max_client_share * max_batch_tokens))
         while room > 0:
             candidates = [c for c in self._by_client if c not in blocked]
             if not candidates:
@@ -245,10 +257,14 @@ class VTCPolicy(SchedulingPolicy):
             if seq is None:
                 blocked.add(client)
                 continue
-            run, rest = self.take_within(queue[seq], room)
+            client_room = room
+            if self.max_client_share < 1 and active - {client}:
+                client_room = min(room, cap - used.get(client, 0))
+            run, rest = self.take_within(queue[seq], client_room)
             if run is None:
                 blocked.add(client)
                 continue
+            used[client] = used.get(client, 0) + run.n_tokens
             self._take(client, seq)
             if rest is not None:
                 self._by_client.setdefault(client, {})[rest.seq] = rest
@@ -259,6 +275,7 @@ class VTCPolicy(SchedulingPolicy):
             batch.append(run)
             sessions.add(run.session_id)
             room -= run.n_tokens
+        self._last_batch_clients = {it.client_id for it in batch}
         return batch
 
     def remove(self, session_id: str) -> list[WorkItem]:

@@ -247,6 +247,23 @@ def test_vtc_serves_a_newcomer_in_the_next_batch_fcfs_does_not(policy_name):
         assert policy.served == {"heavy": 128 + 127, "light": 2}
 
 
+def test_vtc_max_client_share_caps_a_client_while_another_is_mid_round_trip():
+    vtc = VTCPolicy(max_client_share=0.25)
+    sched, rng, _ = make(vtc, budget=128)
+    res = Results()
+    light = FakeKV(3)
+    submit(sched, res, "l", light, 1, client="light")
+    sched.run_once()  # light's step ran; its client is now computing its next token
+    for i in range(3):
+        submit(sched, res, f"h{i}", FakeKV(0), 200, client="heavy")
+    sched.run_once()
+    assert sum(n for _, n in rng.batches[1]) == 32  # heavy capped at 0.25 x 128 while light is active
+    sched.run_once()
+    assert sum(n for _, n in rng.batches[2]) == 128  # light did not come back: the whole budget again
+    with pytest.raises(InvalidRequestError):
+        VTCPolicy(max_client_share=0.0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 300),
                               st.booleans()), min_size=1, max_size=60),
