@@ -84,7 +84,9 @@ class SchedulingPolicy(ABC):
 
     def __init__(self, **params: Any):
         self.params = params
-        self._seq = itertools.count(1 << 40)  # arrival numbers of cut remainders (after any handler seq)
+        # one arrival order for new steps and cut remainders alike: the scheduler numbers submitted
+        # steps with next_seq() too, so a remainder sorts after exactly what arrived before the cut
+        self._seq = itertools.count()
 
     # -- the waiting queue --------------------------------------------------------------------
     @abstractmethod
@@ -122,6 +124,7 @@ class SchedulingPolicy(ABC):
 
     # -- helpers for subclasses ---------------------------------------------------------------
     def next_seq(self) -> int:
+        """The next arrival number (submitted steps and cut remainders share it)."""
         return next(self._seq)
 
     def take_within(self, item: WorkItem, room_tokens: int) -> tuple[WorkItem | None, WorkItem | None]:

@@ -75,7 +75,7 @@ class StepScheduler:
         self.stats = SchedulerStats()
         self._jobs: dict[int, _Job] = {}  # submitted, not yet delivered
         self._cond = threading.Condition()
-        self._seq = itertools.count()
+        self._job_ids = itertools.count()
         self._stopped = False
         self._thread = None
         if start_thread:
@@ -88,10 +88,14 @@ class StepScheduler:
         with self._cond:
             if self._stopped:
                 raise ServerUnavailableError("this server is shutting down; use another server")
-            seq = next(self._seq)
-            job = _Job(seq, session_id, client_id, step, deliver)
+            job_id = next(self._job_ids)
+            job = _Job(job_id, session_id, client_id, step, deliver)
+            ok, seq = self._call_policy("next_seq", self.policy.next_seq)
+            self._jobs[job_id] = job
+            if not ok:
+                self._fail_job(job, self._policy_error("next_seq", RuntimeError("no arrival number")))
+                return
             item = WorkItem(seq, session_id, client_id, job.total_rows, step.kv.past_tokens, self.clock(), job)
-            self._jobs[seq] = job
             self._call_policy("enqueue", lambda: self.policy.enqueue(item))
             self._cond.notify()
 

@@ -124,6 +124,21 @@ def test_chunked_prefill_interleaves_decodes_and_delivers_rows_in_order():
     assert sched.stats.steps == 3 and sched.stats.tokens == 302
 
 
+def test_fcfs_remainder_keeps_its_place_in_arrival_order():
+    """A cut prompt's remainder arrives when it is cut: after what waited then, before what comes later."""
+    sched, rng, _ = make(budget=128)
+    res = Results()
+    long_kv, a, b = FakeKV(0), FakeKV(3), FakeKV(7)
+    submit(sched, res, "long", long_kv, 300)
+    submit(sched, res, "a", a, 1)
+    sched.run_once()  # long's first 128 rows; its remainder queues behind a
+    submit(sched, res, "b", b, 1)  # arrives after the cut
+    sched.run_once()
+    assert rng.batches[1] == [(id(a), 1), (id(long_kv), 127)]  # b waits: the remainder was first
+    sched.run_once()
+    assert rng.batches[2][0] == (id(b), 1)
+
+
 def test_cancel_session_fails_its_waiting_work():
     sched, _, _ = make()
     res = Results()
