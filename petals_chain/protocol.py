@@ -24,6 +24,11 @@ class BlockService(ServicerBase):
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return await self.impl.forward(request, context)
 
+    async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                                 context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for response in self.impl.forward_stream(requests, context):
+            yield response
+
     async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for response in self.impl.inference(requests, context):

@@ -132,6 +132,13 @@ class ServerInfo:
     active_sessions: int = 0
     version: str = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    # most tokens (rows x sequence) one inference step or forward request may carry; larger ones get
+    # RequestTooLargeError before any work (0 when constructed: the same as max_length_tokens)
+    max_step_tokens: int = 0
+
+    def __post_init__(self):
+        if self.max_step_tokens <= 0:
+            self.max_step_tokens = self.max_length_tokens
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -144,7 +151,8 @@ class ServerInfo:
                  "block_bytes": int, "kv_bytes_per_block": int, "max_length_tokens": int, "free_kv_slots": int,
                  "prefill_s_per_token": float, "decode_s_per_token": float}
         values = {name: field_of(data, name, kind) for name, kind in kinds.items()}
-        optional = {"dtype": str, "quant": str, "name": str, "active_sessions": int, "version": str, "extra": dict}
+        optional = {"dtype": str, "quant": str, "name": str, "active_sessions": int, "version": str, "extra": dict,
+                    "max_step_tokens": int}
         for name, kind in optional.items():
             if name in data:
                 values[name] = field_of(data, name, kind)

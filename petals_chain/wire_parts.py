@@ -180,7 +180,12 @@ class Assembler:
 
 
 def decode_single(message, admit: Admit | None = None) -> Message:
-    """A unary RPC's message: one whole group in one message, else a typed error."""
+    """A unary RPC's message: one whole group of at most MAX_PART_BYTES in one message (so that the
+    reply, of the same size, fits one message too), else a typed error."""
+    payload_bytes = sum(len(t.buffer) for t in message.tensors)
+    if payload_bytes > MAX_PART_BYTES:
+        raise InvalidRequestError(f"a unary RPC carries at most {MAX_PART_BYTES} bytes of tensors, this one "
+                                  f"{payload_bytes}; send larger ones over a stream in parts (wire_parts.to_messages)")
     results = Assembler(admit).feed(message)
     if not results:
         meta = unpack(message.metadata) if message.metadata else {}
@@ -190,6 +195,14 @@ def decode_single(message, admit: Admit | None = None) -> Message:
     if isinstance(results[0], PetalsChainError):
         raise results[0]
     return results[0]
+
+
+async def assembled(messages: AsyncIterator, admit: Admit | None = None) -> AsyncIterator[Message | PetalsChainError]:
+    """The message groups (or a typed error per bad group) of a stream of messages."""
+    assembler = Assembler(admit)
+    async for message in messages:
+        for result in assembler.feed(message):
+            yield result
 
 
 async def receive_one(messages: AsyncIterator, admit: Admit | None = None) -> Message:
