@@ -71,12 +71,15 @@ def to_messages(meta: dict[str, Any], tensors: Iterable[torch.Tensor] = (), *, r
     cls = runtime_pb2.ExpertResponse if reply else runtime_pb2.ExpertRequest
     batches: list[list[runtime_pb2.Tensor]] = [[]]
     size = 0
-    for part in (p for t in tensors for p in split_tensor(t, part_bytes)):
-        if batches[-1] and size + len(part.buffer) > part_bytes:
-            batches.append([])
-            size = 0
-        batches[-1].append(part)
-        size += len(part.buffer)
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        for i, part in enumerate(split_tensor(t, part_bytes)):
+            part_size = min(part_bytes, nbytes - i * part_bytes)  # not len(part.buffer): upb copies on access
+            if batches[-1] and size + part_size > part_bytes:
+                batches.append([])
+                size = 0
+            batches[-1].append(part)
+            size += part_size
     head = {**meta, PARTS_KEY: len(batches)} if len(batches) > 1 else meta
     return [cls(metadata=pack(head), tensors=batches[0])] + [cls(tensors=b) for b in batches[1:]]
 
@@ -182,10 +185,6 @@ class Assembler:
 def decode_single(message, admit: Admit | None = None) -> Message:
     """A unary RPC's message: one whole group of at most MAX_PART_BYTES in one message (so that the
     reply, of the same size, fits one message too), else a typed error."""
-    payload_bytes = sum(len(t.buffer) for t in message.tensors)
-    if payload_bytes > MAX_PART_BYTES:
-        raise InvalidRequestError(f"a unary RPC carries at most {MAX_PART_BYTES} bytes of tensors, this one "
-                                  f"{payload_bytes}; send larger ones over a stream in parts (wire_parts.to_messages)")
     results = Assembler(admit).feed(message)
     if not results:
         meta = unpack(message.metadata) if message.metadata else {}
@@ -194,6 +193,10 @@ def decode_single(message, admit: Admit | None = None) -> Message:
                                   "stream")
     if isinstance(results[0], PetalsChainError):
         raise results[0]
+    payload_bytes = sum(t.numel() * t.element_size() for t in results[0].tensors)
+    if payload_bytes > MAX_PART_BYTES:
+        raise InvalidRequestError(f"a unary RPC carries at most {MAX_PART_BYTES} bytes of tensors, this one "
+                                  f"{payload_bytes}; send larger ones over a stream in parts (wire_parts.to_messages)")
     return results[0]
 
 

@@ -97,6 +97,18 @@ def codec_roundtrip(hidden: torch.Tensor) -> None:
         assert torch.equal(results[0].tensors[0], hidden)
 
 
+def codec_roundtrip_hivemind(hidden: torch.Tensor) -> None:
+    """The same with hivemind's split_for_streaming / combine_from_streaming (PETALS' way)."""
+    from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+    for _ in range(2):  # request and reply
+        data = [wire_parts.runtime_pb2.ExpertRequest(tensors=[part]).SerializeToString()
+                for part in split_for_streaming(serialize_torch_tensor(hidden), wire_parts.MAX_PART_BYTES)]
+        parts = [t for d in data for t in wire_parts.runtime_pb2.ExpertRequest.FromString(d).tensors]
+        assert torch.equal(deserialize_torch_tensor(combine_from_streaming(parts)), hidden)
+
+
 def prefill_split(client, path, ids: torch.Tensor, repeats: int) -> dict[str, float]:
     """Section 4: a prefill of `ids` through the chain vs the same prefill in-process."""
     hidden = client.head.embed_tokens(ids[0])
@@ -114,10 +126,13 @@ def prefill_split(client, path, ids: torch.Tensor, repeats: int) -> dict[str, fl
         block_range = BlockRange(path, 0, load_config(path).num_hidden_layers, model_path=path)
         compute_s = best_s(lambda: block_range.forward([StepInput(block_range.allocate_kv(tokens), hidden)]), repeats)
         codec_s = 3 * best_s(lambda: codec_roundtrip(hidden), repeats)  # 3 hops
+        codec_hivemind_s = 3 * best_s(lambda: codec_roundtrip_hivemind(hidden), repeats)
     finally:
         torch.set_num_threads(default_threads)
     return {f"prefill{tokens}_swarm3_s": total_s, f"prefill{tokens}_in_process_compute_s": compute_s,
             f"prefill{tokens}_wire_s": total_s - compute_s, f"prefill{tokens}_codec_s": codec_s,
+            f"prefill{tokens}_codec_hivemind_s": codec_hivemind_s,
+            f"ratio_prefill{tokens}_codec_vs_hivemind": codec_s / codec_hivemind_s,
             f"prefill{tokens}_compute_share": compute_s / total_s,
             f"prefill{tokens}_wire_share": (total_s - compute_s) / total_s,
             f"prefill{tokens}_hidden_mib": hidden.numel() * hidden.element_size() / 2**20}
