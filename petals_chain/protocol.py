@@ -41,6 +41,10 @@ class BlockService(_MembersOnly):
 
     async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                                  context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        refusal = self._refusal(context)
+        if refusal is not None:
+            yield refusal
+            return
         async for response in self.impl.forward_stream(requests, context):
             yield response
 
