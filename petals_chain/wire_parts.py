@@ -60,7 +60,8 @@ def split_tensor(t: torch.Tensor, part_bytes: int = MAX_PART_BYTES) -> list[runt
     n = max(1, math.ceil(len(raw) / part_bytes))
     parts = [runtime_pb2.Tensor(buffer=raw[:part_bytes].tobytes(), size=list(t.shape), dtype=name, chunks=n,
                                 compression=runtime_pb2.CompressionType.NONE)]
-    parts += [runtime_pb2.Tensor(buffer=raw[i:i + part_bytes].tobytes()) for i in range(part_bytes, len(raw), part_bytes)]
+    parts += [runtime_pb2.Tensor(buffer=raw[i:i + part_bytes].tobytes())
+              for i in range(part_bytes, len(raw), part_bytes)]
     return parts
 
 
@@ -165,7 +166,8 @@ class Assembler:
         p.parts_left -= 1
         if p.parts_left == 0:
             if p.filled_bytes != len(p.raw):
-                raise InvalidRequestError(f"tensor parts carry {p.filled_bytes} bytes, its header declares {len(p.raw)}")
+                raise InvalidRequestError(f"tensor parts carry {p.filled_bytes} bytes, its header declares "
+                                          f"{len(p.raw)}")
             self._tensors.append(p.tensor.reshape(p.shape))
             self._pending = None
 

@@ -32,6 +32,8 @@ from petals_chain.models.checkpoint import load_config, resolve_model_path
 from petals_chain.runtime.block_range import BlockRange, StepInput
 
 PROMPT = "Tell me a short story about a lighthouse keeper."
+# a long prefill on a loaded 1-thread server can outlast the client's default 30 s step timeout
+LONG_STEP_TIMEOUT_S = 300.0
 
 
 def timed_generate(model, ids, new_tokens: int) -> float:
@@ -163,7 +165,8 @@ def main() -> None:
     swarm3_args = ["--num-threads", "1", "--max-length", str(max(2048, args.prefill_tokens))]
     if args.prefill_only:
         with LocalSwarm(args.model, swarm3, server_args=swarm3_args) as swarm:
-            client = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers)
+            client = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
+                                                                 step_timeout_s=LONG_STEP_TIMEOUT_S)
             results.update(prefill_split(client, path, long_ids, args.repeats))
             client.backend.shutdown()
         report(results, args)
@@ -178,7 +181,8 @@ def main() -> None:
     del hf
 
     with LocalSwarm(args.model, swarm3, server_args=swarm3_args) as swarm:
-        client = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers)
+        client = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
+                                                             step_timeout_s=LONG_STEP_TIMEOUT_S)
         timed_generate(client, ids, 4)  # warm-up: routing, connections
         results["swarm3_one_session_tokens_per_s"] = max(
             timed_generate(client, ids, args.new_tokens) for _ in range(args.repeats))

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, start=start, end=end, initial_peers=args.initial_peers,
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
             quant=args.quant, device=args.device, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
-            name=args.name, policy=args.policy, max_batch_tokens=args.max_batch_tokens, max_step_tokens=args.max_step_tokens,
+            name=args.name, policy=args.policy, max_batch_tokens=args.max_batch_tokens,
+            max_step_tokens=args.max_step_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
             orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers))
     except PetalsChainError as e:

@@ -33,7 +33,8 @@ def smol_client(smollm2_path):
 
 
 def _long_prompt(tokenizer) -> torch.Tensor:
-    text = " ".join(f"Paragraph {i}: the lighthouse keeper counted {i * 7} ships passing in the fog." for i in range(400))
+    text = " ".join(f"Paragraph {i}: the lighthouse keeper counted {i * 7} ships passing in the fog."
+                    for i in range(400))
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :PROMPT_TOKENS]
     assert ids.shape[1] == PROMPT_TOKENS
     return ids

@@ -107,7 +107,8 @@ def test_unary_decode_refuses_a_first_part_with_a_fix_it_message():
     assert len(msgs) > 1
     with pytest.raises(PetalsChainError, match="stream"):
         decode_single(msgs[0])
-    (too_big,) = to_messages({"type": "forward"}, (torch.zeros(MAX_PART_BYTES // 4 + 1),), part_bytes=2 * MAX_PART_BYTES)
+    (too_big,) = to_messages({"type": "forward"}, (torch.zeros(MAX_PART_BYTES // 4 + 1),),
+                             part_bytes=2 * MAX_PART_BYTES)
     with pytest.raises(PetalsChainError, match=f"at most {MAX_PART_BYTES} bytes"):
         decode_single(too_big)  # its reply would not fit one message either
     one = to_messages({"type": "forward"}, (torch.ones(3, 4),))

@@ -97,7 +97,8 @@ class RemoteChain(ChainBackend):
         hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid)
         try:
             for hop in hops:
-                hidden = self.loop.run(self._forward_hop(hop, hidden.to(self.dtype)), timeout_s=self.step_timeout_s + 2)
+                hidden = self.loop.run(self._forward_hop(hop, hidden.to(self.dtype)),
+                                       timeout_s=self.step_timeout_s + 2)
         finally:
             self.provider.session_finished(hops, session_id=sid)
         return hidden
