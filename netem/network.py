@@ -90,7 +90,7 @@ class Network:
     def __init__(self, hosts: list[str], rtt_ms: list[list[float]], *, backend: str = "auto",
                  bandwidth_bit_s: float | None = None, jitter_ms: float = 0.0, loss: float = 0.0,
                  name: str = DEFAULT_NAME, subnet: str = DEFAULT_SUBNET, seed: int = 0, state_directory=None,
-                 detach: bool = False, log=None):
+                 detach: bool = False, hub_realtime: bool = True, log=None):
         rtt = validate_rtt_matrix(hosts, rtt_ms)
         if bandwidth_bit_s is not None and not bandwidth_bit_s > 0:
             raise NetemError(f"bandwidth_bit_s must be positive (got {bandwidth_bit_s})")
@@ -102,7 +102,7 @@ class Network:
         self.log = log or (lambda msg: None)
         self.state = NetworkState(name=name, backend="", hosts=list(hosts), addresses=host_addresses(len(hosts), subnet),
                                   rtt_ms=rtt, subnet=subnet, bandwidth_bit_s=bandwidth_bit_s, jitter_ms=jitter_ms,
-                                  loss=loss, seed=seed, owner_pid=os.getpid())
+                                  loss=loss, seed=seed, owner_pid=os.getpid(), extra={"hub_realtime": hub_realtime})
         self._prev_sigterm = None
         self._up = False
 

@@ -13,19 +13,34 @@ import numpy as np
 from netem.system import socket_in_netns
 
 _REQ, _REP = 1, 2
-_FMT = "!BHHId"  # kind, from, to, round, t0
+_FMT = "!BHHIdd"  # kind, from, to, round, t0 (CLOCK_REALTIME, s), echo hold (s)
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+
+
+def _recv_stamped(s: socket.socket) -> tuple[bytes, tuple, float]:
+    """(data, sender, kernel receive time): the kernel's timestamp, not when this process got the CPU, so a
+    starved probe process does not inflate the RTT (the emulated network's own lateness still counts)."""
+    data, anc, _, frm = s.recvmsg(64, 64)
+    for level, kind, raw in anc:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+            sec, nsec = struct.unpack("qq", raw[:16])
+            return data, frm, sec + nsec * 1e-9
+    return data, frm, time.time()
 
 
 def measure_rtt_ms(namespaces: list[str], addresses: list[str], *, probes: int = 5, timeout_s: float = 3.0,
-                   clock=time.monotonic) -> list[list[float]]:
+                   clock=time.time) -> list[list[float]]:
     """Median UDP round trip (ms) for every ordered pair (i initiates, j echoes); NaN where all probes
-    were lost. All pairs probe at once, `probes` rounds, so this takes about probes x the largest RTT."""
+    were lost. All pairs probe at once, `probes` rounds, so this takes about probes x the largest RTT.
+    Receive times are kernel timestamps and the echo reports how long it held the probe, which is
+    subtracted: what remains is the network's round trip. `clock` must be CLOCK_REALTIME (time.time)."""
     n = len(namespaces)
     socks = []
     try:
         for ns, addr in zip(namespaces, addresses):
             s = socket_in_netns(ns, socket.AF_INET, socket.SOCK_DGRAM)
             s.bind((addr, 0))
+            s.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
             s.setblocking(False)
             socks.append(s)
         ports = [s.getsockname() for s in socks]
@@ -34,21 +49,21 @@ def measure_rtt_ms(namespaces: list[str], addresses: list[str], *, probes: int =
         for r in range(probes):
             outstanding = set(samples)
             for i, j in outstanding:
-                socks[i].sendto(struct.pack(_FMT, _REQ, i, j, r, clock()), ports[j])
+                socks[i].sendto(struct.pack(_FMT, _REQ, i, j, r, clock(), 0.0), ports[j])
             deadline = clock() + timeout_s
             while outstanding and clock() < deadline:
                 readable, _, _ = select.select(socks, [], [], max(0.0, deadline - clock()))
                 for s in readable:
                     while True:
                         try:
-                            data, frm = s.recvfrom(64)
+                            data, frm, t_rx = _recv_stamped(s)
                         except BlockingIOError:
                             break
-                        kind, i, j, rr, t0 = struct.unpack(_FMT, data)
+                        kind, i, j, rr, t0, hold = struct.unpack(_FMT, data)
                         if kind == _REQ:
-                            s.sendto(struct.pack(_FMT, _REP, i, j, rr, t0), frm)
+                            s.sendto(struct.pack(_FMT, _REP, i, j, rr, t0, clock() - t_rx), frm)
                         elif rr == r and (i, j) in outstanding and by_fd[s.fileno()] == i:
-                            samples[(i, j)].append((clock() - t0) * 1e3)
+                            samples[(i, j)].append((t_rx - t0 - hold) * 1e3)
                             outstanding.discard((i, j))
         out = [[0.0] * n for _ in range(n)]
         for (i, j), xs in samples.items():
