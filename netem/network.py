@@ -207,6 +207,10 @@ class Network:
     def command(self, host: str | int, argv: list[str]) -> list[str]:
         return command_in(self.state, host, argv)
 
+    def prefix(self, host: str | int) -> list[str]:
+        """The argv prefix that runs a command inside the host (`prefix(h) + argv == command(h, argv)`)."""
+        return ["ip", "netns", "exec", self.state.netns(self.state.index(host))]
+
     def popen(self, host: str | int, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command(host, argv), **popen_kwargs)
 
@@ -227,7 +231,7 @@ def command_in(state: NetworkState, host: str | int, argv: list[str]) -> list[st
     """argv run inside the host's namespace (`ip netns exec`), keeping the caller's user, cwd and env."""
     if not argv:
         raise NetemError("no command given to run inside the host")
-    return ["ip", "netns", "exec", state.netns(state.index(host)), *argv]
+    return ["ip", "netns", "exec", state.netns(state.index(host)), *argv]  # same as Network.prefix
 
 
 def measure_state_rtt_ms(state: NetworkState, probes: int = 5) -> list[list[float]]:
