@@ -220,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         stats_path.write_text(json.dumps({**hub.stats(), "scheduling": scheduling}))
 
     signal.signal(signal.SIGUSR1, _dump)
+
+    def _reload(*_):  # SIGHUP: new RTTs from the state file (Network.set_rtt_ms); queued packets keep theirs
+        hub.model.one_way_s = np.asarray(read_state(name, Path(directory) if directory else None).rtt_ms) / 2e3
+
+    signal.signal(signal.SIGHUP, _reload)
     print("ready", flush=True)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # the parent may have gone: never write to its pipe again

@@ -40,21 +40,38 @@ def tc_programme(state: NetworkState, i: int) -> list[list[str]]:
     for j in range(n):
         if j == i:
             continue
-        minor = f"{j + 16:x}"  # tc class/handle minors are hexadecimal; 1:1 is the parent
-        netem = ["netem", "delay", _ms(state.rtt_ms[i][j] / 2.0)]
-        if state.jitter_ms > 0:
-            netem.append(_ms(state.jitter_ms))
-        if state.loss > 0:
-            netem += ["loss", f"{state.loss * 100:.4f}%"]
-        netem += ["limit", str(NETEM_LIMIT_PACKETS)]
+        minor = _minor(j)
         cmds += [
             tc + ["class", "add", "dev", dev, "parent", "1:1", "classid", f"1:{minor}", "htb",
                   "rate", child_rate, "ceil", rate],
-            tc + ["qdisc", "add", "dev", dev, "parent", f"1:{minor}", "handle", f"{minor}:", *netem],
+            _netem_leaf(state, i, j, "add"),
             tc + ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                   "match", "ip", "dst", f"{state.addresses[j]}/32", "flowid", f"1:{minor}"],
         ]
     return cmds
+
+
+def _minor(j: int) -> str:
+    return f"{j + 16:x}"  # tc class/handle minors are hexadecimal; 1:1 is the parent
+
+
+def _netem_leaf(state: NetworkState, i: int, j: int, verb: str) -> list[str]:
+    """`tc qdisc add|change` of the netem leaf delaying host i's packets to host j by RTT[i][j] / 2."""
+    minor = _minor(j)
+    netem = ["netem", "delay", _ms(state.rtt_ms[i][j] / 2.0)]
+    if state.jitter_ms > 0:
+        netem.append(_ms(state.jitter_ms))
+    if state.loss > 0:
+        netem += ["loss", f"{state.loss * 100:.4f}%"]
+    netem += ["limit", str(NETEM_LIMIT_PACKETS)]
+    return ["ip", "netns", "exec", state.netns(i), "tc", "qdisc", verb, "dev", veth_host_dev(state.name, i),
+            "parent", f"1:{minor}", "handle", f"{minor}:", *netem]
+
+
+def change_delays_programme(state: NetworkState) -> list[list[str]]:
+    """`tc qdisc change` of every netem leaf to the (new) delays in `state.rtt_ms`."""
+    n = len(state.hosts)
+    return [_netem_leaf(state, i, j, "change") for i in range(n) for j in range(n) if i != j]
 
 
 def link_programme(state: NetworkState) -> list[list[str]]:

@@ -214,6 +214,19 @@ class Network:
     def popen(self, host: str | int, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command(host, argv), **popen_kwargs)
 
+    def set_rtt_ms(self, rtt_ms: list[list[float]]) -> None:
+        """Change the emulated RTTs of a running network (same hosts): packets already in flight keep
+        their delays, later ones get the new ones."""
+        self.state.rtt_ms = validate_rtt_matrix(self.state.hosts, rtt_ms)
+        write_state(self.state, self.directory)
+        if self.state.backend == "kernel":
+            for cmd in kernel.change_delays_programme(self.state):
+                run(cmd)
+        elif not _hub_alive(self.state.hub_pid, self.state.name):
+            raise NetemError(f"the delay hub of network {self.state.name} is not running; bring the network up again")
+        else:
+            os.kill(self.state.hub_pid, signal.SIGHUP)
+
     def measure_rtt_ms(self, probes: int = 5) -> list[list[float]]:
         return measure_state_rtt_ms(self.state, probes=probes)
 

@@ -193,3 +193,12 @@ def test_missing_capability_message(monkeypatch):
     monkeypatch.setattr("shutil.which", lambda tool: None)
     with pytest.raises(MissingCapabilityError, match="iproute2"):
         require_capabilities(tc=True, tun=True)
+
+
+def test_set_rtt_ms_changes_delays_of_a_running_network(net_name):
+    with netem.Network(["a", "b"], [[0, 60], [60, 0]], name=net_name) as net:
+        net.set_rtt_ms([[0, 10], [10, 0]])
+        m = net.measure_rtt_ms(probes=3)
+        assert abs(m[0][1] - 10) <= _tolerance_ms(10) and abs(m[1][0] - 10) <= _tolerance_ms(10), m
+        with pytest.raises(netem.TopologyError, match="symmetric"):
+            net.set_rtt_ms([[0, 10], [20, 0]])

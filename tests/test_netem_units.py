@@ -152,3 +152,13 @@ def test_parse_bandwidth():
     for bad in ("fast", "-1mbit", "0", "10MB"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_bandwidth_bit_s(bad)
+
+
+def test_kernel_change_programme_updates_every_leaf_in_place():
+    st_ = _state()
+    st_.rtt_ms = [[0, 60, 100], [60, 0, 50], [100, 50, 0]]
+    from netem.kernel import change_delays_programme
+    cmds = [" ".join(c) for c in change_delays_programme(st_)]
+    assert len(cmds) == 6 and all(" tc qdisc change dev " in c for c in cmds)
+    assert any(c.startswith("ip netns exec pct-h1 ") and "parent 1:10 handle 10: netem delay 30.000ms" in c
+               for c in cmds)
