@@ -170,14 +170,20 @@ n = int(sys.argv[3])
 model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]])
 try:
     model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
-    best = None
+    best, best_step = None, None
     for _ in range(int(sys.argv[4])):
-        t = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        t = time.perf_counter()  # a whole session, as the service time T of the model counts it
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
         dt = time.perf_counter() - t
         best = dt if best is None else min(best, dt)
+        with model.inference_session(max_length=ids.shape[1] + n + 2):  # steady-state decode steps only
+            first = model.generate(ids, max_new_tokens=1, do_sample=False)
+            t = time.perf_counter()
+            model.generate(first[:, -1:], max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            step = (time.perf_counter() - t) / n
+        best_step = step if best_step is None else min(best_step, step)
     infos = [i.to_wire() for i in fetch_servers(model.backend.dht, "smollm2-135m")]
-    print(json.dumps({"seconds": best, "new_tokens": n, "servers": infos}), flush=True)
+    print(json.dumps({"seconds": best, "decode_step_s": best_step, "new_tokens": n, "servers": infos}), flush=True)
 finally:
     model.backend.shutdown()
 """
@@ -220,8 +226,17 @@ def bench_chain(name: str, rtts_ms: list[float], new_tokens: int, repeats: int) 
                 r[f"chain_service_s_rtt{ms:g}"] = res["seconds"]
                 r[f"model_predicted_service_s_rtt{ms:g}"] = predicted_s
                 r[f"ratio_measured_vs_predicted_rtt{ms:g}"] = res["seconds"] / predicted_s
-                print(f"RTT {ms:5g} ms: {new_tokens / res['seconds']:6.2f} tok/s, service {res['seconds']:.2f} s, "
-                      f"model {predicted_s:.2f} s", flush=True)
+                # one decode step: the client relays through 3 hops (3 RTTs) + each block's t_O (+ t_o)
+                step_model_s = 3 * ms / 1e3 + sum((s["end"] - s["start"]) * (s["decode_s_per_token"] + 1e-3)
+                                                  for s in res["servers"])
+                r[f"decode_step_ms_rtt{ms:g}"] = res["decode_step_s"] * 1e3
+                r[f"model_decode_step_ms_rtt{ms:g}"] = step_model_s * 1e3
+                print(f"RTT {ms:5g} ms: {new_tokens / res['seconds']:6.2f} tok/s, session {res['seconds']:.2f} s "
+                      f"(model T {predicted_s:.2f} s); decode step {res['decode_step_s'] * 1e3:.1f} ms "
+                      f"(model {step_model_s * 1e3:.1f} ms)", flush=True)
+    if len(rtts_ms) > 1:  # the tau_c model: each decode step costs 3 RTTs (the client relays to 3 servers)
+        r["decode_step_ms_per_ms_rtt_fit"] = float(np.polyfit(rtts_ms, [r[f"decode_step_ms_rtt{ms:g}"] for ms in rtts_ms], 1)[0])
+        r["decode_step_ms_per_ms_rtt_model"] = 3.0
     return r
 
 

@@ -202,3 +202,18 @@ def test_set_rtt_ms_changes_delays_of_a_running_network(net_name):
         assert abs(m[0][1] - 10) <= _tolerance_ms(10) and abs(m[1][0] - 10) <= _tolerance_ms(10), m
         with pytest.raises(netem.TopologyError, match="symmetric"):
             net.set_rtt_ms([[0, 10], [20, 0]])
+
+
+def test_sigterm_to_the_owner_tears_the_network_down(net_name):
+    code = (f"import netem, time\nwith netem.Network(['a', 'b'], [[0, 5], [5, 0]], name={net_name!r}):\n"
+            "    print('up', flush=True)\n    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    _assert_gone(net_name)
