@@ -53,7 +53,7 @@ def _hub_alive(pid: int | None, name: str) -> bool:
     return b"netem.hub" in cmd and name.encode() in cmd  # a recycled pid is never ours
 
 
-def cleanup(name: str | None = None, *, directory=None, grace_s: float = 3.0) -> list[str]:
+def cleanup(name: str | None = None, *, directory=None, grace_s: float = 8.0) -> list[str]:
     """Remove network `name` (or every recorded network plus the default name): its hub, the processes in its
     namespaces, the namespaces (which takes their veths, bridge, TUNs and qdiscs along), its state file.
     Returns what it removed. Touches only objects named NAME-h<i>, NAME-sw, NAME-probe."""

@@ -68,7 +68,8 @@ def netns_pids(ns: str) -> list[int]:
 
 
 def kill_netns_processes(ns: str, grace_s: float = 3.0) -> None:
-    """SIGTERM every process living in namespace `ns` (one we created), SIGKILL what is left after grace_s."""
+    """SIGTERM every process living in namespace `ns` (one we created), SIGKILL what is left after grace_s
+    (the poll returns as soon as all are gone; servers announcing `offline` need a few seconds)."""
     pids = [p for p in netns_pids(ns) if p != os.getpid()]
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
         for pid in pids:
