@@ -100,7 +100,7 @@ def swarm(wan, smollm2_path):
         return wan.prefix(host), wan.address(host)
 
     with LocalSwarm("smollm2-135m", [None, None, None], server_args=["--num-threads", "1", "--max-length", "512"],
-                    orchestrator_args=["--expected-servers", "3"], placement=placement) as swarm:
+                    orchestrator_args=["--expected-servers", "3", "--replan-period", "5"], placement=placement) as swarm:
         wait_for(lambda: get_json_in(wan, "client", swarm.orchestrator_url + "status").get("plan_installed"), 120,
                  "the orchestrator's plan")
         yield swarm
@@ -111,14 +111,28 @@ def test_every_process_listens_on_its_emulated_host(wan, swarm):
     assert swarm.orchestrator_url.startswith(f"http://{wan.address('orch')}:")
 
 
-def test_orchestrator_rtts_match_the_emulated_ones_and_tau_c_grows_with_them(wan, swarm):
-    status = wait_for(lambda: (lambda st: st if all(s.get("rtt") for s in st["servers"]) and len(st["servers"]) == 3
-                               else None)(get_json_in(wan, "client", swarm.orchestrator_url + "status")),
-                      60, "three measured servers")
+def _rtts_match(status: dict) -> bool:
     by_name = {s["name"]: s for s in status["servers"]}
-    for name, target_ms in ORCH_TO_SERVER_MS.items():
-        got_ms = by_name[name.replace("s", "server")]["rtt"] * 1e3
-        assert target_ms - 2.0 <= got_ms <= target_ms * 1.1 + 2.0 + RPC_OVERHEAD_ALLOWANCE_MS, (name, got_ms, status)
+    if len(by_name) != 3 or not all(s.get("rtt") for s in by_name.values()):
+        return False
+    return all(target_ms - 2.0 <= by_name[name.replace("s", "server")]["rtt"] * 1e3
+               <= target_ms * 1.1 + 2.0 + RPC_OVERHEAD_ALLOWANCE_MS for name, target_ms in ORCH_TO_SERVER_MS.items())
+
+
+def test_orchestrator_rtts_match_the_emulated_ones_and_tau_c_grows_with_them(wan, swarm):
+    # The orchestrator re-measures RTTs before every re-plan (--replan-period 5 here): a sample taken while
+    # this shared machine was overloaded is replaced within seconds, so poll for a matching status page.
+    seen: list[dict] = []
+
+    def matching():
+        seen.append(get_json_in(wan, "client", swarm.orchestrator_url + "status"))
+        return seen[-1] if _rtts_match(seen[-1]) else None
+
+    try:
+        status = wait_for(matching, 90, "orchestrator RTTs within 10 % + 2 ms (+ RPC allowance) of the emulated ones")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last status servers: {seen[-1]['servers'] if seen else None}") from None
+    by_name = {s["name"]: s for s in status["servers"]}
     ordered = [by_name[f"server{i}"] for i in range(3)]  # emulated RTT 10 < 40 < 80 ms
     assert ordered[0]["tau_c"] < ordered[1]["tau_c"] < ordered[2]["tau_c"]
     steps = [s["tau_c"] / s["rtt"] for s in ordered]  # tau_c = steps x RTT (no per-step overhead configured)
