@@ -5,7 +5,7 @@ live in `netem.topology`. This package imports nothing of the other project pack
 """
 from netem.errors import (MissingCapabilityError, NetemError, NetworkExistsError, NetworkNotFoundError,
                           TopologyError)
-from netem.network import BACKENDS, Network, cleanup, command_in
+from netem.network import BACKENDS, Network, cleanup, command_in, hub_alive
 
 __all__ = ["BACKENDS", "MissingCapabilityError", "NetemError", "Network", "NetworkExistsError",
-           "NetworkNotFoundError", "TopologyError", "cleanup", "command_in"]
+           "NetworkNotFoundError", "TopologyError", "cleanup", "command_in", "hub_alive"]

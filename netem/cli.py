@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from netem.errors import NetemError, TopologyError
-from netem.network import BACKENDS, Network, cleanup, command_in, measure_state_rtt_ms
+from netem.network import BACKENDS, Network, cleanup, command_in, hub_alive, measure_state_rtt_ms
 from netem.state import DEFAULT_NAME, read_state
 from netem.topology import (DataNotFoundError, RIPE_ATLAS_FILENAME, Topology, load_topology_json, resolve_data_file,
                             ripe_topology, synthetic_topology)
@@ -91,7 +91,14 @@ def cmd_exec(args) -> int:
 
 def cmd_status(args) -> int:
     st = read_state(args.name)
-    measured = measure_state_rtt_ms(st, probes=args.probes)
+    n = len(st.hosts)
+    if st.backend == "userspace" and not hub_alive(st.hub_pid, st.name):
+        # the TUN devices (and with them the addresses) died with the hub: nothing to measure
+        print(f"petals-chain netem status: the delay hub of {st.name} is not running (crashed?): no packet crosses "
+              f"the network; `petals-chain netem down --name {st.name}` and `up` again", file=sys.stderr)
+        measured, rc = [[0.0 if i == j else math.nan for j in range(n)] for i in range(n)], 1
+    else:
+        measured, rc = measure_state_rtt_ms(st, probes=args.probes), 0
     if args.json:
         clean = [[None if math.isnan(x) else x for x in row] for row in measured]
         print(json.dumps({"backend": st.backend, "name": st.name,
@@ -99,12 +106,12 @@ def cmd_status(args) -> int:
                                     for i, (h, a) in enumerate(zip(st.hosts, st.addresses))],
                           "bandwidth_bit_s": st.bandwidth_bit_s,
                           "rtt_ms": {"target": st.rtt_ms, "measured": clean}}))
-        return 0
+        return rc
     print(f"network {st.name}: backend {st.backend}, hub pid {st.hub_pid or '-'}")
     for i, (h, a) in enumerate(zip(st.hosts, st.addresses)):
         print(f"{h}\t{a}\tnetns {st.netns(i)}")
     print(_fmt_matrix(st.hosts, st.rtt_ms, measured))
-    return 0
+    return rc
 
 
 def cmd_down(args) -> int:

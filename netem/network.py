@@ -42,7 +42,7 @@ def choose_backend(requested: str, name: str) -> tuple[str, str]:
     return ("kernel", "the kernel has sch_netem") if ok else ("userspace", f"the kernel has no sch_netem ({detail})")
 
 
-def _hub_alive(pid: int | None, name: str) -> bool:
+def hub_alive(pid: int | None, name: str) -> bool:
     if not pid:
         return False
     try:
@@ -64,12 +64,12 @@ def cleanup(name: str | None = None, *, directory=None, grace_s: float = 8.0) ->
             st = read_state(nm, directory)
         except NetworkNotFoundError:
             st = None
-        if st is not None and _hub_alive(st.hub_pid, nm):
+        if st is not None and hub_alive(st.hub_pid, nm):
             os.kill(st.hub_pid, signal.SIGTERM)
             deadline = time.monotonic() + grace_s
-            while _hub_alive(st.hub_pid, nm) and time.monotonic() < deadline:
+            while hub_alive(st.hub_pid, nm) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            if _hub_alive(st.hub_pid, nm):
+            if hub_alive(st.hub_pid, nm):
                 os.kill(st.hub_pid, signal.SIGKILL)
             removed.append(f"hub pid {st.hub_pid}")
         for ns in owned_netns(nm, list_netns()):
@@ -222,7 +222,7 @@ class Network:
         if self.state.backend == "kernel":
             for cmd in kernel.change_delays_programme(self.state):
                 run(cmd)
-        elif not _hub_alive(self.state.hub_pid, self.state.name):
+        elif not hub_alive(self.state.hub_pid, self.state.name):
             raise NetemError(f"the delay hub of network {self.state.name} is not running; bring the network up again")
         else:
             os.kill(self.state.hub_pid, signal.SIGHUP)
@@ -252,4 +252,4 @@ def measure_state_rtt_ms(state: NetworkState, probes: int = 5) -> list[list[floa
     return measure_rtt_ms([state.netns(i) for i in range(n)], state.addresses, probes=probes)
 
 
-__all__ = ["Network", "cleanup", "choose_backend", "command_in", "state_dir"]
+__all__ = ["Network", "cleanup", "choose_backend", "command_in", "hub_alive", "state_dir"]

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from netem.errors import NetemError
 from netem.system import socket_in_netns
 
 _REQ, _REP = 1, 2
@@ -39,10 +40,14 @@ def measure_rtt_ms(namespaces: list[str], addresses: list[str], *, probes: int =
     try:
         for ns, addr in zip(namespaces, addresses):
             s = socket_in_netns(ns, socket.AF_INET, socket.SOCK_DGRAM)
-            s.bind((addr, 0))
+            socks.append(s)
+            try:
+                s.bind((addr, 0))
+            except OSError as e:
+                raise NetemError(f"cannot bind {addr} in namespace {ns} ({e}): is the network up and its hub "
+                                 "running? (`petals-chain netem status`)") from None
             s.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
             s.setblocking(False)
-            socks.append(s)
         ports = [s.getsockname() for s in socks]
         by_fd = {s.fileno(): k for k, s in enumerate(socks)}
         samples: dict[tuple[int, int], list[float]] = {(i, j): [] for i in range(n) for j in range(n) if i != j}

@@ -146,9 +146,17 @@ def test_cli_up_exec_status_down_and_crashed_hub(net_name, tmp_path):
             t, m = status["rtt_ms"]["target"][i][j], status["rtt_ms"]["measured"][i][j]
             assert abs(m - t) <= _tolerance_ms(t), status
     assert _cli("up", "--topology", str(topo), "--name", net_name, check=False).returncode == 2  # already up
+    attached = netem.Network.attach(net_name)  # a script joining the CLI's network
+    assert attached.address("oslo") == "10.213.0.3" and attached.command("oslo", ["true"])[-1] == "true"
+    assert abs(attached.measure_rtt_ms(probes=3)[0][1] - 30) <= _tolerance_ms(30)
     if status["backend"] == "userspace":  # a crash: the hub dies by SIGKILL; `down` still removes everything
         pid = json.loads(state_path(net_name).read_text())["hub_pid"]
         os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while netem.hub_alive(pid, net_name) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead = _cli("status", "--name", net_name, "--probes", "1", check=False)
+        assert dead.returncode == 1 and "not running" in dead.stderr and "lost" in dead.stdout
     down = _cli("down", "--name", net_name)
     assert f"netns {net_name}-h0" in down.stdout
     _assert_gone(net_name)
