@@ -16,7 +16,7 @@ import sys
 import time
 
 from netem import kernel
-from netem.errors import MissingCapabilityError, NetemError, NetworkExistsError, NetworkNotFoundError
+from netem.errors import MissingCapabilityError, NetemError, NetworkExistsError
 from netem.probe import measure_rtt_ms
 from netem.state import (DEFAULT_NAME, DEFAULT_SUBNET, NetworkState, host_addresses, owned_netns, read_state,
                          recorded_names, state_dir, state_path, write_state)
@@ -42,6 +42,11 @@ def choose_backend(requested: str, name: str) -> tuple[str, str]:
     return ("kernel", "the kernel has sch_netem") if ok else ("userspace", f"the kernel has no sch_netem ({detail})")
 
 
+def _hub_argv_matches(cmd: list[bytes], name: str) -> bool:
+    """`python -m netem.hub NAME [DIR]`: how every hub is started, so a recycled pid is never taken for ours."""
+    return b"netem.hub" in cmd and cmd.index(b"netem.hub") + 1 < len(cmd) and cmd[cmd.index(b"netem.hub") + 1] == name.encode()
+
+
 def hub_alive(pid: int | None, name: str) -> bool:
     if not pid:
         return False
@@ -50,7 +55,13 @@ def hub_alive(pid: int | None, name: str) -> bool:
             cmd = fh.read().split(b"\0")
     except OSError:
         return False
-    return b"netem.hub" in cmd and name.encode() in cmd  # a recycled pid is never ours
+    return _hub_argv_matches(cmd, name)
+
+
+def hub_pids(name: str) -> list[int]:
+    """Every running hub of network `name`, also one whose pid never reached the state file (its `up` was
+    killed right after starting it)."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and hub_alive(int(p), name)]
 
 
 def cleanup(name: str | None = None, *, directory=None, grace_s: float = 8.0) -> list[str]:
@@ -60,18 +71,17 @@ def cleanup(name: str | None = None, *, directory=None, grace_s: float = 8.0) ->
     names = [name] if name else sorted(set(recorded_names(directory)) | {DEFAULT_NAME})
     removed = []
     for nm in names:
-        try:
-            st = read_state(nm, directory)
-        except NetworkNotFoundError:
-            st = None
-        if st is not None and hub_alive(st.hub_pid, nm):
-            os.kill(st.hub_pid, signal.SIGTERM)
+        for pid in hub_pids(nm):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
             deadline = time.monotonic() + grace_s
-            while hub_alive(st.hub_pid, nm) and time.monotonic() < deadline:
+            while hub_alive(pid, nm) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            if hub_alive(st.hub_pid, nm):
-                os.kill(st.hub_pid, signal.SIGKILL)
-            removed.append(f"hub pid {st.hub_pid}")
+            if hub_alive(pid, nm):
+                os.kill(pid, signal.SIGKILL)
+            removed.append(f"hub pid {pid}")
         for ns in owned_netns(nm, list_netns()):
             kill_netns_processes(ns, grace_s)
             run(["ip", "netns", "del", ns], check=False)

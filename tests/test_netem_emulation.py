@@ -225,3 +225,19 @@ def test_sigterm_to_the_owner_tears_the_network_down(net_name):
         proc.kill()
         proc.wait(timeout=30)
     _assert_gone(net_name)
+
+
+def test_up_sigkilled_during_setup_then_down_leaves_nothing(net_name):
+    proc = subprocess.Popen([sys.executable, "-m", "petals_chain.cli", "netem", "up", "--topology", "synthetic",
+                             "--hosts", "6", "--name", net_name, "--no-measure"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        deadline = time.monotonic() + 60
+        while not state_path(net_name).exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert state_path(net_name).exists()  # written before anything is created
+    finally:
+        proc.kill()  # mid-setup (or just after): whatever exists now is a crashed run's leftover
+        proc.wait(timeout=30)
+    _cli("down", "--name", net_name)
+    _assert_gone(net_name)
