@@ -10,7 +10,9 @@ Policies:
 - "petals", "bprr": the baselines' placements; they route per request (make_baseline_router).
   Their Plan still lists the chains GCA finds on their placement and the Theorem 3.7 bounds of
   JFFC over those chains, as a reference of what the placement could support; ``c`` is None for
-  PETALS and BPRR's target concurrency R for BPRR.
+  PETALS and BPRR's target concurrency R for BPRR. ``baseline`` (BaselineOptions) carries the
+  baselines' optional knobs (the paper authors' simulator choices); the Plan keeps it so that
+  make_plan_dispatcher builds the matching router.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.baselines.bprr import BprrRouter, bprr_placement, bprr_target_concurrency
+from orchestrator.baselines.options import BaselineOptions
 from orchestrator.baselines.jffc_only import jffc_only_chains, jffc_only_placement
 from orchestrator.baselines.petals import PetalsRouter, petals_placement
 from orchestrator.baselines.request_router import PerRequestRouter
@@ -43,9 +46,11 @@ class Plan:
     unused_servers: tuple[int, ...]
     tuning: str | None = None
     table: tuple[TuningRow, ...] = ()
+    baseline: BaselineOptions = BaselineOptions()
 
 
-def plan(cluster: Cluster, policy: str = "proposed", c: int | None = None, tuning: str = "lower") -> Plan:
+def plan(cluster: Cluster, policy: str = "proposed", c: int | None = None, tuning: str = "lower",
+         baseline: BaselineOptions | None = None) -> Plan:
     """Placement + chains + bounds for ``cluster`` under ``policy`` (see module docstring)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
@@ -65,15 +70,16 @@ def plan(cluster: Cluster, policy: str = "proposed", c: int | None = None, tunin
     if policy == "jffc-only":
         placement = jffc_only_placement(cluster)
         return _finish(cluster, policy, None, placement, tuple(jffc_only_chains(cluster, placement)), None, ())
+    opts = baseline or BaselineOptions()
     if policy == "petals":
-        placement = petals_placement(cluster)
-        return _finish(cluster, policy, None, placement, gca(cluster, placement).chains, None, ())
+        placement = petals_placement(cluster, max_blocks=opts.petals_max_blocks)
+        return _finish(cluster, policy, None, placement, gca(cluster, placement).chains, None, (), opts)
     r = bprr_target_concurrency(cluster)
     placement = bprr_placement(cluster, r)
-    return _finish(cluster, policy, r, placement, gca(cluster, placement).chains, None, ())
+    return _finish(cluster, policy, r, placement, gca(cluster, placement).chains, None, (), opts)
 
 
-def _finish(cluster, policy, c, placement, chains, tuning, table) -> Plan:
+def _finish(cluster, policy, c, placement, chains, tuning, table, baseline=BaselineOptions()) -> Plan:
     chains = tuple(chains)
     if not chains:
         raise InfeasibleClusterError(f"{policy}: the placement forms no complete chain with a free cache slot; "
@@ -81,18 +87,21 @@ def _finish(cluster, policy, c, placement, chains, tuning, table) -> Plan:
     return Plan(policy=policy, c=c, placement=placement, chains=chains,
                 total_rate_per_s=total_service_rate_per_s(chains),
                 bounds=theorem37_bounds(chains, cluster.arrival_rate_per_s),
-                unused_servers=tuple(placement.unused_servers()), tuning=tuning, table=table)
+                unused_servers=tuple(placement.unused_servers()), tuning=tuning, table=table, baseline=baseline)
 
 
 def make_baseline_router(policy: str, cluster: Cluster, placement: Placement,
-                         rng: np.random.Generator | None = None) -> PerRequestRouter:
+                         rng: np.random.Generator | None = None,
+                         options: BaselineOptions | None = None) -> PerRequestRouter:
     """Per-request router for "petals" or "bprr" (a Dispatcher; ``route(chain_id)`` gives the
     ChainSpec of a Start). ``rng`` is accepted for a uniform signature; both routers are
     deterministic."""
+    o = options or BaselineOptions()
     if policy == "petals":
-        return PetalsRouter(cluster, placement)
+        return PetalsRouter(cluster, placement, fixed_cache_gb_per_block=o.petals_fixed_cache_gb_per_block,
+                            commit_at_arrival=o.commit_at_arrival)
     if policy == "bprr":
-        return BprrRouter(cluster, placement)
+        return BprrRouter(cluster, placement, wait=o.bprr_wait, commit_at_arrival=o.commit_at_arrival)
     raise ValueError(f"no per-request router for policy {policy!r} (use 'petals' or 'bprr')")
 
 
@@ -101,5 +110,5 @@ def make_plan_dispatcher(plan_: Plan, cluster: Cluster, rng: np.random.Generator
     """The dispatcher a policy runs with: JFFC (or ``dispatch``) over the plan's chains for
     "proposed" and "jffc-only"; the per-request router for "petals" and "bprr"."""
     if plan_.policy in ("petals", "bprr"):
-        return make_baseline_router(plan_.policy, cluster, plan_.placement, rng)
+        return make_baseline_router(plan_.policy, cluster, plan_.placement, rng, plan_.baseline)
     return make_dispatcher(dispatch, plan_.chains, rng)

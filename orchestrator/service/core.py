@@ -20,7 +20,8 @@ from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
 from orchestrator.service.dispatch_state import DispatchState, Grant
-from orchestrator.service.measurements import LengthEstimator, SessionShape, median
+from orchestrator.service.measurements import LengthEstimator, median
+from orchestrator.session_times import SessionShape
 from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, build_cluster, cluster_to_dict,
                                            keep_held_ranges, server_params)
 from petals_chain.background_loop import BackgroundLoop

@@ -293,7 +293,9 @@ def _f(x, digits=2) -> str:
 
 
 def markdown_summary(summary: dict) -> str:
-    lines = [f"# Paper reproduction (section 4.1), {summary['mode']} mode", "",
+    lines = [f"# Paper reproduction (section 4.1), {summary['mode']} mode, setup: {summary.get('setup', 'paper')}", "",
+             f"tau_c reading: {summary.get('tau_c_reading', 'model')}; authors' choices on: "
+             f"{', '.join(summary.get('authors_choices', [])) or 'none'}", "",
              f"Command: `{summary['command']}`  ", f"Runs per point: {summary['config']['runs']}, seed {summary['config']['seed']}, "
              f"RTTs: {summary['rtt_source']}, wall time {summary['wall_s']:.0f} s on {summary['workers']} worker(s).", ""]
     lines += ["## Fig. 3: GBP-CR vs random feasible placements (c=7)", "",
@@ -343,6 +345,15 @@ def markdown_summary(summary: dict) -> str:
             lines.append(f"| {d['rate']:g} | {_f(d['proposed']['mean_response_s'])} | {_f(d['petals']['mean_response_s'])} | "
                          f"{_f(d['bprr']['mean_response_s'])} | {_pct(d['reduction_vs_petals'])} | {_pct(d['reduction_vs_bprr'])} | "
                          f"{_f(d['proposed-c*']['mean_response_s'])} |")
+    if summary.get("ablation"):
+        lines += ["", "## Fig. 8 ablation: the authors' choices switched on one at a time (and off one at a time from all on)", "",
+                  "| variant | J | η | proposed | PETALS | BPRR | reduction vs PETALS | reduction vs BPRR |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for v in summary["ablation"]:
+            for d in v["fig8_details"]:
+                lines.append(f"| {v['variant']} | {d['J']} | {d['eta']:g} | {_f(d['proposed']['mean_response_s'])} | "
+                             f"{_f(d['petals']['mean_response_s'])} | {_f(d['bprr']['mean_response_s'])} | "
+                             f"{_pct(d['reduction_vs_petals'])} | {_pct(d['reduction_vs_bprr'])} |")
     lines += ["", "Timings per figure (s): " + ", ".join(f"{k}: {v:.1f}" for k, v in summary["timings_s"].items()), ""]
     return "\n".join(lines)
 
