@@ -73,7 +73,9 @@ class _EndGroup:
     predecessor end e' < end over their links still present: f[e'] = min_j tau^c_j + tau^p_j
     (end - e') over servers j with M_j >= end - e' and start_j <= e'; via[e'] = that j's row.
     D[end] = min_e' D[e'] + f[e'] (rounding is monotone, so this equals the minimum over all
-    links). Only groups with a server on the chain just built are refreshed (lines 9-12)."""
+    links). A server's lowest accepted e' (lo_j) only grows as its slots go, so a link once gone
+    never returns: each column keeps its servers sorted by cost and a pointer to the cheapest one
+    still linked, which only moves forward (O(n_e w log n_e) per GCA run, not per chain)."""
 
     def __init__(self, end: int, servers: list[int], starts: list[int], tau_c_s: list[float], tau_p_s: list[float],
                  M: list[int]):
@@ -81,18 +83,25 @@ class _EndGroup:
         self.servers = np.array(servers)
         self.starts = np.array(starts)
         self.lo_min = int(self.starts.min())
-        ends = np.arange(self.lo_min, end)
-        m = end - ends  # m_ij when entering from end e' (int, as link_time_s multiplies)
+        self._ends = np.arange(self.lo_min, end)
+        m = end - self._ends  # m_ij when entering from end e' (int, as link_time_s multiplies)
         self._cost = np.array(tau_c_s)[:, None] + np.array(tau_p_s)[:, None] * m[None, :]
-        self._ends = ends
+        self._order = np.argsort(self._cost, axis=0, kind="stable")  # ties: the smaller row first
+        self._ptr = np.zeros(len(self._ends), dtype=np.int64)
+        self._cols = np.arange(len(self._ends))
         self.refresh(M)
 
     def refresh(self, M: list[int]) -> None:
-        slots = np.array([M[j] for j in self.servers])
-        lo = np.maximum(self.starts, self.end - slots)  # links with M_j >= m_ij (line 2, 10-12)
-        cost = np.where(self._ends[None, :] >= lo[:, None], self._cost, math.inf)
-        self.via = np.argmin(cost, axis=0)
-        self.f = cost[self.via, np.arange(len(self._ends))]
+        n = len(self.servers)
+        lo = np.maximum(self.starts, self.end - np.array([M[j] for j in self.servers]))  # line 2, 10-12
+        while True:
+            rows = self._order[np.minimum(self._ptr, n - 1), self._cols]
+            gone = (self._ptr < n) & (lo[rows] > self._ends)
+            if not gone.any():
+                break
+            self._ptr[gone] += 1
+        self.via = rows
+        self.f = np.where(self._ptr < n, self._cost[rows, self._cols], math.inf)
 
 
 def _end_groups(cluster: Cluster, placement: Placement, M: list[int]) -> list[_EndGroup]:

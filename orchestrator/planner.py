@@ -6,6 +6,8 @@
 Policies:
 - "proposed": GBP-CR (Alg. 1) with c (tuned by brute force when None, §3.1.3/§3.2.3) + GCA
   (Alg. 2); dispatched by JFFC (Alg. 3) or any policy of orchestrator.dispatch.
+  With ``leftover=True`` the servers GBP-CR leaves idle get blocks where GCA is tightest, kept
+  only if that lowers neither nu nor raises the Theorem 3.7 lower bound (placement_leftover).
 - "jffc-only": whole model on every server that can hold it, JFFC (§4.2.3).
 - "petals", "bprr": the baselines' placements; they route per request (make_baseline_router).
   Their Plan still lists the chains GCA finds on their placement and the Theorem 3.7 bounds of
@@ -16,7 +18,7 @@ Policies:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -30,6 +32,7 @@ from orchestrator.cache_gca import gca
 from orchestrator.dispatch import Dispatcher, make_dispatcher
 from orchestrator.model import ChainSpec, Cluster, InfeasibleClusterError, Placement, total_service_rate_per_s
 from orchestrator.placement_gbp_cr import max_capacity
+from orchestrator.placement_leftover import place_leftover
 from orchestrator.tuning import TUNINGS, TuningRow, evaluate_c, tune_c
 
 POLICIES: tuple[str, ...] = ("proposed", "petals", "bprr", "jffc-only")
@@ -47,10 +50,11 @@ class Plan:
     tuning: str | None = None
     table: tuple[TuningRow, ...] = ()
     baseline: BaselineOptions = BaselineOptions()
+    leftover_servers: tuple[int, ...] = ()  # idle servers the leftover step gave blocks ("proposed", leftover=True)
 
 
 def plan(cluster: Cluster, policy: str = "proposed", c: int | None = None, tuning: str = "lower",
-         baseline: BaselineOptions | None = None) -> Plan:
+         baseline: BaselineOptions | None = None, leftover: bool = False) -> Plan:
     """Placement + chains + bounds for ``cluster`` under ``policy`` (see module docstring)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
@@ -58,15 +62,22 @@ def plan(cluster: Cluster, policy: str = "proposed", c: int | None = None, tunin
         raise ValueError(f"unknown tuning {tuning!r}; choose one of {TUNINGS}")
     if policy == "proposed":
         if c is None:
-            best, table = tune_c(cluster, tuning)
-            return _finish(cluster, policy, best.row.c, best.gbp.placement, best.gca.chains, tuning, tuple(table))
-        if c < 1:
-            raise ValueError(f"c must be >= 1, got {c}")
-        cand = evaluate_c(cluster, c)
-        if cand is None:
-            raise InfeasibleClusterError(f"with c={c} GBP-CR forms no complete chain (c_max = {max_capacity(cluster)}); "
-                                         "lower c, or add servers or memory")
-        return _finish(cluster, policy, c, cand.gbp.placement, cand.gca.chains, None, (cand.row,))
+            cand, table = tune_c(cluster, tuning)
+            table = tuple(table)
+        else:
+            if c < 1:
+                raise ValueError(f"c must be >= 1, got {c}")
+            cand = evaluate_c(cluster, c)
+            if cand is None:
+                raise InfeasibleClusterError(f"with c={c} GBP-CR forms no complete chain (c_max = {max_capacity(cluster)}); "
+                                             "lower c, or add servers or memory")
+            table = (cand.row,)
+        placement, chains, placed = cand.gbp.placement, cand.gca.chains, ()
+        if leftover:
+            lo = place_leftover(cluster, placement, cand.row.c, cand.gca)
+            placement, chains, placed = lo.placement, lo.gca.chains, lo.placed
+        p = _finish(cluster, policy, cand.row.c, placement, chains, tuning if c is None else None, table)
+        return replace(p, leftover_servers=placed)
     if policy == "jffc-only":
         placement = jffc_only_placement(cluster)
         return _finish(cluster, policy, None, placement, tuple(jffc_only_chains(cluster, placement)), None, ())

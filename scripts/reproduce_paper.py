@@ -10,7 +10,8 @@ Writes PNG plots, summary.json (keys "setup", "tau_c_reading", "authors_choices"
 [{"J", "eta", "policy", "mean_response_s"}, ...]) and summary.md under --out. Full mode: 20 Monte
 Carlo runs per point; --quick: 3 runs, fewer jobs. --setup authors switches on every choice of the
 paper authors' simulator (orchestrator/sim/authors_setup.py); --authors-choices switches on only
-the named ones. "ablation" (not run by default) reruns Fig. 8 at cfg.ablation_settings with each
+the named ones. "leftover" (not run by default) compares the proposed stack with and without blocks
+for GBP-CR's idle servers on Fig. 8's instances. "ablation" (not run by default) reruns Fig. 8 at cfg.ablation_settings with each
 authors' choice on alone (on top of the paper setup) and off alone (from all on).
 """
 from __future__ import annotations
@@ -40,8 +41,8 @@ from orchestrator.sim import paper_report as rep  # noqa: E402
 from orchestrator.sim.authors_setup import AuthorsChoices, authors_rtt_ms_from_csv  # noqa: E402
 from orchestrator.sim.paper_setup import TAU_C_READINGS  # noqa: E402
 
-FIGURES = ("fig3", "fig4", "fig5", "fig67", "fig8", "fig8x", "ablation")
-DEFAULT_FIGURES = FIGURES[:-1]
+FIGURES = ("fig3", "fig4", "fig5", "fig67", "fig8", "fig8x", "ablation", "leftover")
+DEFAULT_FIGURES = FIGURES[:-2]
 SETUPS = ("paper", "authors")
 _RTT_MS: dict = {}  # per worker process, set by _init_worker: {"ours": matrix, "authors": matrix}
 
@@ -61,7 +62,7 @@ def _init_worker(rtt_path, synthetic_seed):
 def _task(fig: str, run: int, cfg: ex.PaperConfig, extra: tuple):
     t0 = time.perf_counter()
     fn = {"fig3": ex.fig3_run, "fig4": ex.fig4_run, "fig5": ex.fig5_run, "fig67": ex.fig67_run, "fig8": ex.fig8_run,
-          "fig8x": ex.fig8_run, "ablation": ex.fig8_run}[fig]
+          "fig8x": ex.fig8_run, "ablation": ex.fig8_run, "leftover": ex.leftover_run}[fig]
     variant = None
     if fig == "ablation":
         variant, extra = extra[0], extra[1:]
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = []
     for fig in figs:
         for run in range(cfg.runs):
-            if fig == "fig8":
+            if fig in ("fig8", "leftover"):
                 tasks += [(fig, run, cfg, (J, eta)) for J in cfg.fig8_servers for eta in cfg.fig8_etas]
             elif fig == "fig8x":
                 tasks += [(fig, run, cfg, (*cfg.fig8x_setting, rate)) for rate in cfg.fig8x_rates_per_s]
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 tasks.append((fig, run, cfg, ()))
     # Longest tasks first so the two workers finish together.
-    weight = {"fig8x": 0, "ablation": 1, "fig5": 1, "fig8": 2, "fig67": 3, "fig4": 4, "fig3": 5}
+    weight = {"fig8x": 0, "ablation": 1, "leftover": 2, "fig5": 1, "fig8": 2, "fig67": 3, "fig4": 4, "fig3": 5}
     tasks.sort(key=lambda t: (weight[t[0]], -t[3][-2] if t[0] == "ablation" else (-t[3][0] if t[3] else 0)))
 
     out_dir = Path(args.out)
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["plots"].append(rep.plot_fig8(summary["fig8"], out_dir).name)
     if "fig8x" in results:
         summary["fig8x"], summary["fig8x_details"] = rep.aggregate_fig8(results["fig8x"])
+    if "leftover" in results:
+        summary["leftover"] = rep.aggregate_leftover(results["leftover"])
     if "ablation" in results:
         summary["ablation"] = []
         for name, vcfg in ablation_variants(cfg):

@@ -44,6 +44,7 @@ class OrchestratorConfig:
     policy: str = "proposed"
     c: int | None = None
     tuning: str = "lower"
+    leftover_placement: bool = False  # blocks for servers GBP-CR leaves idle (orchestrator/placement_leftover.py)
     arrival_rate_per_s: float = 0.5
     rho_bar: float = 0.7
     mean_input_tokens: float = 64.0
@@ -249,7 +250,8 @@ class Orchestrator:
         try:
             cluster, peers = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
                                            cfg.rho_bar, self.overheads)
-            result = run_plan(cluster, cfg.policy, c=cfg.c if cfg.policy == "proposed" else None, tuning=cfg.tuning)
+            result = run_plan(cluster, cfg.policy, c=cfg.c if cfg.policy == "proposed" else None, tuning=cfg.tuning,
+                              leftover=cfg.leftover_placement and cfg.policy == "proposed")
         except ValueError as e:  # InvalidClusterError / InfeasibleClusterError
             if self.plan_error != str(e):
                 self.log_event(f"cannot plan yet: {e}")

@@ -39,7 +39,7 @@ from orchestrator.sim.authors_setup import (AUTHORS_JOBS_PER_RUN, AUTHORS_PETALS
 from orchestrator.sim.paper_setup import draw_paper_instance, to_cluster
 from orchestrator.sim.policy_runs import DEFAULT_WARMUP_FRACTION, poisson_workload, simulate_chains, simulate_plan
 
-FIG_IDS = {"fig3": 3, "fig4": 4, "fig5": 5, "fig67": 6, "fig8": 8, "fig8x": 9}
+FIG_IDS = {"fig3": 3, "fig4": 4, "fig5": 5, "fig67": 6, "fig8": 8, "fig8x": 9, "leftover": 8}
 DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq")
 FIG8_POLICIES = ("proposed", "petals", "bprr")
 UNREACHABLE_RATE_PER_S = 1e9  # GBP-CR target that is never met: place on every server
@@ -273,4 +273,27 @@ def fig8_run(rtt_ms, run: int, cfg: PaperConfig, num_servers: int, eta: float, r
                             warmup_fraction=warmup)
         out[pol] = {"feasible": True, "mean_response_s": res.mean_response_s, "mean_wait_s": res.mean_wait_s,
                     "mean_service_s": res.mean_service_s, "c": p.c, "total_rate": p.total_rate_per_s}
+    return out
+
+
+# ---------------------------------------------------------------- beyond the paper: idle servers
+
+LEFTOVER_VARIANTS = (("c=7", 7, False), ("c=7 + leftover", 7, True), ("c*", None, False), ("c* + leftover", None, True))
+
+
+def leftover_run(rtt_ms, run: int, cfg: PaperConfig, num_servers: int, eta: float) -> dict:
+    """The proposed stack with and without blocks for GBP-CR's idle servers (placement_leftover),
+    on Fig. 8's instances and workload (same seeds as fig8_run)."""
+    cluster = _cluster(rtt_ms, cfg, _rng(cfg, "fig8", run, num_servers, int(eta * 100)), num_servers=num_servers, eta=eta)
+    arrivals, sizes = poisson_workload(cluster.arrival_rate_per_s, cfg.fig8_jobs, _rng(cfg, "fig8", run, num_servers, int(eta * 100), 1))
+    out = {"run": run, "J": num_servers, "eta": eta, "rate": cluster.arrival_rate_per_s}
+    for name, c, leftover in LEFTOVER_VARIANTS:
+        try:
+            p = plan(cluster, "proposed", c=c, leftover=leftover)
+        except InfeasibleClusterError as e:
+            out[name] = {"feasible": False, "reason": str(e)}
+            continue
+        res = simulate_plan(p, cluster, arrivals, sizes, rng=_rng(cfg, "fig8", run, num_servers, int(eta * 100), 2))
+        out[name] = {"feasible": True, "mean_response_s": res.mean_response_s, "total_rate": p.total_rate_per_s,
+                     "idle": len(p.unused_servers), "placed": len(p.leftover_servers), "c": p.c}
     return out
