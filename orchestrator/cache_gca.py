@@ -56,15 +56,19 @@ def gca(cluster: Cluster, placement: Placement, residual: list[int] | None = Non
     L = cluster.service.num_blocks
     M = list(residual_slots(cluster, placement) if residual is None else residual)
     groups = _end_groups(cluster, placement, M)
-    group_of = {int(j): g for g in groups for j in g.servers}
+    where = {int(j): (g, r) for g in groups for r, j in enumerate(g.servers)}  # server -> (its group, row)
     chains: list[ChainSpec] = []
     while True:
         path = _shortest_path(groups, L)
         if path is None:  # line 4: j_0 no longer connected to j_{J+1}
             break
         chains.append(_allocate(cluster, placement, path, M))  # lines 6-8
-        for g in {id(group_of[j]): group_of[j] for j in path}.values():  # lines 9-12: links into touched servers
-            g.refresh(M)
+        touched: dict[int, tuple[_EndGroup, list[int]]] = {}
+        for j in path:  # lines 9-12: every link into a touched server
+            g, r = where[j]
+            touched.setdefault(id(g), (g, []))[1].append(r)
+        for g, rows in touched.values():
+            g.refresh(M, rows)
     return GcaResult(chains=tuple(chains), residual_slots_after=tuple(M))
 
 
@@ -91,17 +95,22 @@ class _EndGroup:
         self._cols = np.arange(len(self._ends))
         self.refresh(M)
 
-    def refresh(self, M: list[int]) -> None:
+    def refresh(self, M: list[int], rows: list[int] | None = None) -> None:
+        """Re-read the slots of ``rows`` (default all) from M and move the column pointers on."""
+        if rows is None:
+            self._lo = np.maximum(self.starts, self.end - np.array([M[j] for j in self.servers]))  # line 2, 10-12
+        else:
+            for r in rows:
+                self._lo[r] = max(self.starts[r], self.end - M[self.servers[r]])
         n = len(self.servers)
-        lo = np.maximum(self.starts, self.end - np.array([M[j] for j in self.servers]))  # line 2, 10-12
         while True:
-            rows = self._order[np.minimum(self._ptr, n - 1), self._cols]
-            gone = (self._ptr < n) & (lo[rows] > self._ends)
+            best = self._order[np.minimum(self._ptr, n - 1), self._cols]
+            gone = (self._ptr < n) & (self._lo[best] > self._ends)
             if not gone.any():
                 break
             self._ptr[gone] += 1
-        self.via = rows
-        self.f = np.where(self._ptr < n, self._cost[rows, self._cols], math.inf)
+        self.via = best
+        self.f = np.where(self._ptr < n, self._cost[best, self._cols], math.inf)
 
 
 def _end_groups(cluster: Cluster, placement: Placement, M: list[int]) -> list[_EndGroup]:
