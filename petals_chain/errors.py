@@ -40,6 +40,12 @@ class MaxLengthExceededError(InvalidRequestError):
     code = "max_length_exceeded"
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """A step or forward carries more tokens than the server's advertised `max_step_tokens`."""
+
+    code = "request_too_large"
+
+
 class ServerUnavailableError(PetalsChainError):
     """A server did not answer, closed the stream, or died."""
 
@@ -94,6 +100,18 @@ class AdmissionTimeoutError(OutOfCacheError):
     code = "admission_timeout"
 
 
+class NotAllowedError(PetalsChainError):
+    """The caller's peer id is not on the server's or orchestrator's --allowed-peers list."""
+
+    code = "not_allowed"
+
+
+class IdentityError(PetalsChainError):
+    """A peer identity file cannot be read or written (local only, never sent over the wire)."""
+
+    code = "identity_error"
+
+
 ERROR_TYPES: dict[str, type[PetalsChainError]] = {
     cls.code: cls
     for cls in (
@@ -104,6 +122,7 @@ ERROR_TYPES: dict[str, type[PetalsChainError]] = {
         UnknownSessionError,
         OutOfCacheError,
         MaxLengthExceededError,
+        RequestTooLargeError,
         ServerUnavailableError,
         NoChainError,
         AcquireTimeoutError,
@@ -113,6 +132,7 @@ ERROR_TYPES: dict[str, type[PetalsChainError]] = {
         SessionClosedError,
         SessionIdleTimeoutError,
         AdmissionTimeoutError,
+        NotAllowedError,
     )
 }
 

@@ -23,6 +23,7 @@ from hivemind.p2p import PeerID
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import announce_server, model_key
+from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.models.checkpoint import resolve_model_path
 from petals_chain import wire
 from petals_chain.errors import PetalsChainError
@@ -54,6 +55,7 @@ class ServerConfig:
     device: str = "cpu"
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     identity_path: str | None = None
+    allowed_peers: frozenset[str] | None = None  # private swarm: only these peers may call (None: anyone)
     name: str = ""
     policy: str = "fcfs"
     policy_args: dict = field(default_factory=dict)  # checked by server.policies.parse_policy_args
@@ -62,6 +64,7 @@ class ServerConfig:
     admission_timeout_s: float = 10.0
     admission_queue: int = 64
     service_log: str | None = None  # JSONL path: one line per batch (bench_fairness reads it)
+    max_step_tokens: int | None = None  # most tokens one step/forward request carries (None: max_length_tokens)
     announce_period_s: float = 2.0
     record_ttl_s: float = 6.0
     num_threads: int | None = None
@@ -78,6 +81,7 @@ class BlockServer:
         self.max_length_tokens = config.max_length_tokens
         self.session_idle_timeout_s = config.session_idle_timeout_s
         self.service_log = ServiceLog(config.service_log) if config.service_log else None
+        self.max_step_tokens = config.max_step_tokens or config.max_length_tokens
         self.path = resolve_model_path(config.model)
         self.auto = config.start is None
         self.block_range: BlockRange | None = None
@@ -98,11 +102,12 @@ class BlockServer:
         self.sessions: dict[str, OpenSession] = {}
         self._sessions_lock = threading.Lock()
         self.state = "joining"
+        self.identity = SwarmIdentity.load_or_create(config.identity_path)
         self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                             identity_path=config.identity_path)
+                             **self.identity.dht_kwargs())
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("server-p2p")
-        self.servicer = BlockService(BlockServicer(self))
+        self.servicer = BlockService(BlockServicer(self), config.allowed_peers)
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         self._stop = threading.Event()
@@ -203,7 +208,7 @@ class BlockServer:
             return ServerInfo(
                 peer_id=self.peer_id, model=self.model_name, start=0, end=0, state="joining",
                 memory_budget_bytes=self.config.memory_budget_bytes, block_bytes=s_m, kv_bytes_per_block=s_c,
-                max_length_tokens=self.max_length_tokens, free_kv_slots=0,
+                max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
                 prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
                 dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True})
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
@@ -213,6 +218,7 @@ class BlockServer:
             peer_id=self.peer_id, model=self.model_name, start=br.start, end=br.end, state=self.state,
             memory_budget_bytes=self.budget.memory_budget_bytes, block_bytes=br.block_bytes,
             kv_bytes_per_block=br.kv_bytes_per_block(self.max_length_tokens), max_length_tokens=self.max_length_tokens,
+            max_step_tokens=self.max_step_tokens,
             free_kv_slots=self.budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active,
@@ -225,7 +231,7 @@ class BlockServer:
             logger.warning("DHT process is gone; cannot announce state %r", self.state)
             return
         try:
-            announce_server(self.dht, self.info(), self.config.record_ttl_s, timeout_s=timeout_s)
+            announce_server(self.dht, self.info(), self.identity, self.config.record_ttl_s, timeout_s=timeout_s)
         except TimeoutError:
             logger.warning("announcing state %r timed out after %.0f s (will retry)", self.state, timeout_s)
         except Exception:

@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
-    p.add_argument("--identity-path", default=None, help="private key file for a stable peer id")
+    p.add_argument("--identity-path", default=None,
+                   help="private key file for a stable peer id (`petals-chain identity new PATH` makes one)")
+    p.add_argument("--allowed-peers", default=None, metavar="FILE",
+                   help="private swarm: serve only the peer ids in FILE (one a line, # comments); clients and the "
+                        "orchestrator must be listed. Others get a NotAllowedError")
     p.add_argument("--name", default="", help="human-readable name shown in records and status pages")
     p.add_argument("--policy", default="fcfs", choices=list(POLICIES),
                    help="local scheduling policy of steps and admissions (see below)")
@@ -93,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions that may wait for KV memory at once; more are refused with out_of_cache")
     p.add_argument("--service-log", default=None, metavar="PATH",
                    help="append one JSON line per batch (clients served, tokens, backlog) for fairness measurements")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="most tokens (rows x sequence) one inference step or forward request may carry, advertised "
+                        "in rpc_info; larger requests get a request_too_large error (default: --max-length)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--announce-period", type=float, default=2.0, help="seconds between DHT announcements")
     p.add_argument("--log-level", default="WARNING")
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from petals_chain.errors import PetalsChainError
     from server.policies import make_policy, parse_policy_args  # light: checks flags before torch loads
+    from petals_chain.membership import load_allowed_peers
 
     try:
         policy_args = parse_policy_args(args.policy, args.policy_arg)
@@ -119,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if args.max_step_tokens is not None and args.max_step_tokens < 1:
+        print(f"launch-server: --max-step-tokens must be >= 1, got {args.max_step_tokens}", file=sys.stderr)
+        return 2
     if args.blocks is None and args.no_orchestrator:
         print("launch-server: --no-orchestrator needs --blocks START:END", file=sys.stderr)
         return 2
@@ -129,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         args.blocks = "auto"
     start, end = (None, None) if args.blocks == "auto" else args.blocks
     try:
+        allowed_peers = load_allowed_peers(args.allowed_peers)
         server = BlockServer(ServerConfig(
             model=args.model, start=start, end=end, initial_peers=args.initial_peers,
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
@@ -136,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             name=args.name, policy=args.policy, policy_args=policy_args, max_batch_tokens=args.max_batch_tokens,
             session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
             admission_queue=args.admission_queue, service_log=args.service_log,
+            max_step_tokens=args.max_step_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
-            orchestrator_wait_s=args.orchestrator_wait))
+            orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers))
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.p2p import PeerID
 
-from petals_chain import wire
+from petals_chain import wire, wire_parts
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, ChainSession
@@ -32,6 +32,7 @@ from petals_chain.errors import (
 )
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, ping_block_server_s
+from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
 
 logger = logging.getLogger(__name__)
 
@@ -51,22 +52,29 @@ class RemoteChain(ChainBackend):
     def __init__(self, model: str, config, initial_peers: list[str], dtype: torch.dtype = torch.float32, *,
                  provider: ChainProvider | None = None, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
                  max_failovers: int = 3, wait_for_chain_s: float = 20.0, use_orchestrator: bool = True,
-                 acquire_timeout_s: float = 120.0):
+                 acquire_timeout_s: float = 120.0, allowed_servers: frozenset[str] | list[str] | None = None,
+                 identity_path: str | None = None):
         self.model = model_key(model)
         self.num_blocks = config.num_hidden_layers
         self.dtype = dtype
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
         self.max_failovers = max_failovers
-        self.dht = start_dht(initial_peers=initial_peers, client_mode=True)
+        # `identity_path`: a stable peer id, e.g. to be listed in a private swarm's --allowed-peers
+        identity = ({"record_validators": swarm_validators()} if identity_path is None
+                    else SwarmIdentity.load_or_create(identity_path).dht_kwargs())
+        self.dht = start_dht(initial_peers=initial_peers, client_mode=True, **identity)
         self.loop = BackgroundLoop("client-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
-        self.orchestrator = find_orchestrator(self.dht, self.model) if provider is None and use_orchestrator else None
+        # a private swarm: records of servers (and of an orchestrator) not on this list are ignored
+        allowed = None if allowed_servers is None else frozenset(allowed_servers)
+        self.orchestrator = (find_orchestrator(self.dht, self.model, allowed)
+                             if provider is None and use_orchestrator else None)
         if provider is None and self.orchestrator is not None:
             provider = OrchestratorChainProvider(
                 self.loop, self.p2p, self.orchestrator.peer_id, acquire_timeout_s=acquire_timeout_s,
-                rediscover=lambda: getattr(find_orchestrator(self.dht, self.model), "peer_id", None))
-        self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model), self.ping_s,
+                rediscover=lambda: getattr(find_orchestrator(self.dht, self.model, allowed), "peer_id", None))
+        self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model, allowed=allowed), self.ping_s,
                                                      wait_for_chain_s=wait_for_chain_s)
 
     def stub(self, peer_id: str):
@@ -89,15 +97,32 @@ class RemoteChain(ChainBackend):
         hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid)
         try:
             for hop in hops:
-                req = wire.request({"type": "forward", "entry_block": hop.start}, (hidden.to(self.dtype),))
-                resp = self.loop.run(self.stub(hop.peer_id).rpc_forward(req, timeout=self.step_timeout_s),
-                                     timeout_s=self.step_timeout_s + 2)
-                meta = wire.unpack(resp.metadata)
-                wire.raise_if_error(meta)
-                hidden = wire.tensor_from_wire(resp.tensors[0])
+                hidden = self.loop.run(self._forward_hop(hop, hidden.to(self.dtype)),
+                                       timeout_s=self.step_timeout_s + 2)
         finally:
             self.provider.session_finished(hops, session_id=sid)
         return hidden
+
+    async def _forward_hop(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:
+        """One hop of a forward: unary when the tensor fits one message, else the streaming RPC."""
+        requests = wire_parts.to_messages({"type": "forward", "entry_block": hop.start}, (hidden,))
+        stub = self.stub(hop.peer_id)
+        if len(requests) == 1:
+            reply = wire_parts.decode_single(await stub.rpc_forward(requests[0], timeout=self.step_timeout_s))
+        else:
+            async def outgoing():
+                for request in requests:
+                    yield request
+
+            replies = await stub.rpc_forward_stream(outgoing())
+            try:
+                reply = await asyncio.wait_for(wire_parts.receive_one(replies), self.step_timeout_s)
+            finally:
+                await replies.aclose()  # stops sending parts the server refused (early error reply)
+        wire.raise_if_error(reply.meta)
+        if len(reply.tensors) != 1:
+            raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply")
+        return reply.tensors[0]
 
     def open_session(self, max_length: int) -> "RemoteChainSession":
         return RemoteChainSession(self, max_length)
@@ -155,14 +180,17 @@ class RemoteChainSession(ChainSession):
 
     async def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         self._step_id += 1
-        await stream.queue.put(wire.request({"type": "step", "session_id": self.session_id, "step_id": self._step_id},
-                                            (hidden,)))
-        resp = await asyncio.wait_for(anext(stream.responses), self.chain.step_timeout_s)
-        meta = wire.unpack(resp.metadata)
-        wire.raise_if_error(meta)
-        if len(resp.tensors) != 1:
+        for request in wire_parts.to_messages({"type": "step", "session_id": self.session_id,
+                                               "step_id": self._step_id}, (hidden,)):
+            await stream.queue.put(request)
+        try:
+            reply = await asyncio.wait_for(wire_parts.receive_one(stream.responses), self.chain.step_timeout_s)
+        except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
+            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
+        wire.raise_if_error(reply.meta)
+        if len(reply.tensors) != 1:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
-        return wire.tensor_from_wire(resp.tensors[0])
+        return reply.tensors[0]
 
     def _run(self, coro, timeout_s: float):
         try:
