@@ -177,17 +177,21 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
             batches = read_log(log)
             # the log's clock is the server's time.monotonic(): the same clock on this host
             share = service_by_client(batches, t0, t1, args.w_in, args.w_out)
+            light_id = str(light.p2p.peer_id)
+            waits = light_step_waits([b for b in batches if t0 <= b["t_s"] < t1], light_id)
             total = sum(share.values()) or 1.0
             result["flooder"] = {
                 "light_alone_mean_s": statistics.mean(alone), "light_with_flooder_mean_s": statistics.mean(crowded),
                 "slowdown": statistics.mean(crowded) / statistics.mean(alone),
                 "light_alone_s": alone, "light_with_flooder_s": crowded,
                 "service_share": {peer.get(c, c[:8]): w / total for c, w in share.items()},
+                "light_step_waits": waits,
                 "flooder_completed": flood.completed, "flooder_failures": flood.failures}
             f = result["flooder"]
             print(f"   light next to flooder: mean {f['light_with_flooder_mean_s']:.2f} s -> slowdown "
-                  f"{f['slowdown']:.1f}x; service share {json.dumps({k: round(v, 3) for k, v in f['service_share'].items()})}",
-                  flush=True)
+                  f"{f['slowdown']:.1f}x; service share {json.dumps({k: round(v, 3) for k, v in f['service_share'].items()})}; "
+                  f"per decode step it waited {waits.get('mean_batches_waited', float('nan')):.2f} batches, "
+                  f"{waits.get('mean_other_tokens_waited', float('nan')):.0f} tokens of others' work", flush=True)
             # -- two backlogged clients -------------------------------------------------------------
             start_batch = len(read_log(log))
             with LoopingClient(flooder, head, 2 * args.gap_sessions, args.gap_prompt, args.gap_decode, seed=2), \
@@ -220,6 +224,24 @@ def head_ids(head: ClientHead, text: str) -> torch.Tensor:
 
     tok = AutoTokenizer.from_pretrained(head.model_path)
     return tok(text, return_tensors="pt").input_ids[0]
+
+
+def light_step_waits(batches: list[dict], light: str) -> dict:
+    """Work the well-behaved client's decode steps waited behind, from the server's log: for each
+    pair of consecutive steps of one generation (a session's first step opens a new one), the
+    batches that ran in between and the other clients' tokens in them and in the step's own batch.
+    Unlike wall time, this does not move with the load other programs put on the machine."""
+    at = [k for k, b in enumerate(batches) if any(i[0] == light for i in b["items"])]
+    waits_batches, waits_tokens = [], []
+    for a, b in zip(at, at[1:]):
+        if any(i[0] == light and i[2] and i[1] > 1 for i in batches[b]["items"]):
+            continue  # a new generation's prompt: not a step that followed the previous one
+        waits_batches.append(b - a - 1)
+        waits_tokens.append(sum(i[1] for k in range(a + 1, b + 1) for i in batches[k]["items"] if i[0] != light))
+    if not waits_batches:
+        return {}
+    return {"steps": len(waits_batches), "mean_batches_waited": statistics.mean(waits_batches),
+            "mean_other_tokens_waited": statistics.mean(waits_tokens)}
 
 
 def cumulative_series(batches, names: dict[str, str], w_in: float, w_out: float) -> dict[str, list]:
@@ -290,14 +312,21 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== summary (ratios within this run)")
     for r in results:
         f, g = r["flooder"], r["gap"]
+        w = f["light_step_waits"]
         print(f"   {r['policy']:26s} light slowdown next to flooder {f['slowdown']:6.1f}x  "
+              f"waits/step {w.get('mean_batches_waited', float('nan')):4.2f} batches "
+              f"{w.get('mean_other_tokens_waited', float('nan')):5.0f} tokens  "
               f"light share {f['service_share'].get('light', 0):.3f}  "
               f"max backlogged gap {g['max_gap_weighted_tokens']:7.0f} (2U = {g['bound_2U']:.0f})")
     for spec, r in by.items():
         if spec != "fcfs" and "fcfs" in by:
             ratio = r["flooder"]["slowdown"] / by["fcfs"]["flooder"]["slowdown"]
             summary[f"slowdown_ratio_{spec}_over_fcfs"] = ratio
-            print(f"   slowdown {spec} / fcfs = {ratio:.3f} (goal <= 0.5)")
+            tokens = {x: by[x]["flooder"]["light_step_waits"].get("mean_other_tokens_waited") for x in (spec, "fcfs")}
+            wait_ratio = tokens[spec] / tokens["fcfs"] if tokens[spec] is not None and tokens["fcfs"] else None
+            summary[f"wait_tokens_ratio_{spec}_over_fcfs"] = wait_ratio
+            print(f"   slowdown {spec} / fcfs = {ratio:.3f} (goal <= 0.5); others' tokens waited per light step "
+                  f"{spec} / fcfs = {wait_ratio if wait_ratio is None else round(wait_ratio, 3)}")
     (out_dir / "bench_fairness.json").write_text(json.dumps(summary, indent=1))
     plot(results, out_dir / "service_over_time.png")
     print(f"wrote {out_dir / 'bench_fairness.json'} and {out_dir / 'service_over_time.png'}")
