@@ -32,7 +32,7 @@ def test_flooder_cannot_starve_a_light_client(queue):
     while "light" not in running:
         t += 1
         done = running.pop(0)
-        grants = ds.release(done, t, input_tokens=700, output_tokens=4)
+        grants = ds.release(done, t)  # no lengths reported: only the counters charged at the grants count
         releases += 1
         running += [x.session_id for x in grants]
     if queue == "fair":
@@ -65,7 +65,7 @@ def test_fair_queue_keeps_jffc_invariants_and_serves_least_served_client(ops):
             if grants:  # it went to a waiting client whose counter was the smallest
                 winner = client_of[grants[0].session_id]
                 counters = {c: ds.client_service[c] - (charge if c == winner else 0.0) for c in waiting_before}
-                assert counters[winner] == pytest.approx(min(counters.values()))
+                assert counters[winner] <= min(counters.values()) + 1e-9
         leases += [g.session_id for g in grants]
         for ch in ds.chains.values():
             assert 0 <= ch.in_use <= ch.capacity

@@ -16,7 +16,7 @@ Queue order (`queue`): `fifo` (the paper's JFFC, the default) serves waiters in 
 client (papers/vtc-fairness-in-serving-llms.txt, Algorithm 2) charged `w_in * l_in + w_out * l_out`
 of the expected lengths when a session is granted and corrected by the lengths its client reports
 at release; a client that starts waiting is lifted to the smallest counter among waiting clients,
-so idle time earns no credit. Ties go by arrival. Chain choice stays JFFC's (fastest free chain);
+so idle time earns no credit. Ties go to the client holding fewer slots, then by arrival. Chain choice stays JFFC's (fastest free chain);
 router mode keeps its router's order.
 
 Leases: a granted session holds a lease that its client renews by heartbeats; an expired lease is
@@ -227,8 +227,13 @@ class DispatchState:
 
     def _in_service_order(self) -> list[Waiter]:
         waiters = list(self.queue.values())
-        if self.queue_order == "fair":  # stable sort: ties keep arrival order
-            waiters.sort(key=lambda w: self.client_service.get(w.client_id, 0.0))
+        if self.queue_order == "fair":
+            # a lifted newcomer ties with the least-served waiting client: among equals, the client
+            # holding fewer slots right now goes first; the stable sort keeps arrival order after that
+            held: dict[str, int] = {}
+            for lease in self.leases.values():
+                held[lease.client_id] = held.get(lease.client_id, 0) + 1
+            waiters.sort(key=lambda w: (self.client_service.get(w.client_id, 0.0), held.get(w.client_id, 0)))
         return waiters
 
     def _serve_queue(self, now_s: float) -> list[Grant]:
