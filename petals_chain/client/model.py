@@ -7,6 +7,7 @@ the model feeds the chain only the tokens it has not processed yet and never use
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from petals_chain.client.chain import ChainBackend, ChainSession, LocalChain
+from petals_chain.client.head_batching import RowBatcher
 from petals_chain.errors import InvalidRequestError
 from petals_chain.models.checkpoint import resolve_model_path
 from petals_chain.runtime.block_range import BlockRange
@@ -57,7 +59,21 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.head = head
         self.backend = backend
-        self._session: InferenceSession | None = None
+        # The active session is per thread: concurrent `generate` calls on one model object (the
+        # README promises threads work; the API gateway runs one request per thread) each run
+        # their own session instead of stepping on one another's.
+        self._local = threading.local()
+        # Concurrent sessions share one embedding / final norm + LM head call per step (head_batching.py).
+        self.embed_batcher = RowBatcher(head.embed_tokens)
+        self.logits_batcher = RowBatcher(head.logits)
+
+    @property
+    def _session(self) -> InferenceSession | None:
+        return getattr(self._local, "session", None)
+
+    @_session.setter
+    def _session(self, session: InferenceSession | None) -> None:
+        self._local.session = session
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -126,19 +142,22 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         session.token_ids = out[0].tolist()
         return out
 
-    def prepare_inputs_for_generation(self, input_ids, **kwargs):
-        return {"input_ids": input_ids}
+    def prepare_inputs_for_generation(self, input_ids, logits_to_keep: int = 0, **kwargs):
+        return {"input_ids": input_ids, "logits_to_keep": logits_to_keep}
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
-        """Feed the chain the tokens it has not seen yet; logits only for those new tokens' last one
-        are meaningful to generate, but all new positions are returned (shape [1, n_new, vocab])."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0,
+                **kwargs) -> CausalLMOutputWithPast:
+        """Feed the chain the tokens it has not seen yet and return logits [1, n, vocab] for the last
+        `logits_to_keep` of them (0: all new positions). transformers' generate passes 1, so a
+        700-token prefill runs the LM head on one position, not 700."""
         session = self._session
         if session is None:
             with self.inference_session(max_length=input_ids.shape[1]) as s:
-                return self._forward_in(s, input_ids)
-        return self._forward_in(session, input_ids)
+                return self._forward_in(s, input_ids, logits_to_keep)
+        return self._forward_in(session, input_ids, logits_to_keep)
 
-    def _forward_in(self, session: InferenceSession, input_ids: torch.Tensor) -> CausalLMOutputWithPast:
+    def _forward_in(self, session: InferenceSession, input_ids: torch.Tensor,
+                    logits_to_keep: int = 0) -> CausalLMOutputWithPast:
         done = session.position
         new = input_ids[0, done:]
         if new.numel() == 0:
@@ -146,6 +165,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if done + new.numel() > session.max_length:
             raise InvalidRequestError(f"the session was opened with max_length={session.max_length} but would hold "
                                       f"{done + new.numel()} tokens; open it with a larger max_length")
-        hidden = session.chain.step(self.head.embed_tokens(new))
-        logits = self.head.logits(hidden).float()
+        hidden = session.chain.step(self.embed_batcher(new))
+        if logits_to_keep > 0:
+            hidden = hidden[-logits_to_keep:]
+        logits = self.logits_batcher(hidden).float()
         return CausalLMOutputWithPast(logits=logits.unsqueeze(0))
