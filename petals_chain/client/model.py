@@ -170,3 +170,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             hidden = hidden[-logits_to_keep:]
         logits = self.logits_batcher(hidden).float()
         return CausalLMOutputWithPast(logits=logits.unsqueeze(0))
+
+
+# PETALS' name for the same class, so `from petals_chain import AutoDistributedModelForCausalLM` reads as in PETALS.
+AutoDistributedModelForCausalLM = DistributedModelForCausalLM
