@@ -11,7 +11,7 @@ import pytest
 import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 
-from petals_chain.client.head_batching import RowBatcher
+from petals_chain.runtime.row_batcher import RowBatcher
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.client.remote import as_server_error
 from petals_chain.errors import OutOfCacheError, ServerUnavailableError
@@ -89,10 +89,10 @@ def test_generate_runs_lm_head_on_last_prefill_position_only(local_model, smollm
     ids = smollm2_tokenizer("A long prompt: " + "one two three four five six seven eight " * 4,
                             return_tensors="pt").input_ids
     assert ids.shape[1] > 30
-    before = local_model.logits_batcher.rows
+    before = local_model.head.logits_batched.rows
     out = local_model.generate(ids, max_new_tokens=3, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 3
-    assert local_model.logits_batcher.rows - before == 3  # prefill: 1 position, then 2 decode steps
+    assert local_model.head.logits_batched.rows - before == 3  # prefill: 1 position, then 2 decode steps
     # a plain forward still returns every position, and the kept one equals the full one's last row
     full = local_model(ids).logits
     last = local_model(ids, logits_to_keep=1).logits
@@ -117,8 +117,8 @@ def test_threads_on_one_model_object_each_get_their_own_session(local_model, smo
         except BaseException as e:  # surfaced below
             errors.append(e)
 
-    calls_before = local_model.logits_batcher.batched_calls
-    batches_before = local_model.logits_batcher.batches
+    calls_before = local_model.head.logits_batched.batched_calls
+    batches_before = local_model.head.logits_batched.batches
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(refs))]
     for t in threads:
         t.start()
@@ -126,5 +126,5 @@ def test_threads_on_one_model_object_each_get_their_own_session(local_model, smo
         t.join(timeout=300)
     assert not errors, errors
     assert [results[i] for i in range(len(refs))] == [ref.tolist() for _, ref in refs]
-    assert local_model.logits_batcher.batched_calls - calls_before == len(refs) * 10
+    assert local_model.head.logits_batched.batched_calls - calls_before == len(refs) * 10
     assert local_model._session is None  # nothing leaked onto this (the main) thread

@@ -25,13 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission", default="fifo", choices=sorted(ADMISSION_POLICIES),
                    help="order of waiting requests across API keys (default fifo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--client-batch-rows", type=int, default=4096,
+                   help="most rows in one batched embedding / LM-head call of concurrent sessions "
+                        "(1: no cross-session batching, a baseline for benchmarks; default 4096)")
     p.add_argument("--no-orchestrator", action="store_true", help="route client-side even if the DHT names an orchestrator")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    for flag, value, low in (("--max-concurrent", args.max_concurrent, 1), ("--max-length", args.max_length, 2)):
+    for flag, value, low in (("--max-concurrent", args.max_concurrent, 1), ("--max-length", args.max_length, 2),
+                             ("--client-batch-rows", args.client_batch_rows, 1)):
         if value < low:
             print(f"petals-chain api: {flag} must be >= {low}", file=sys.stderr)
             return 2
@@ -56,7 +60,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
-                                                            dtype=args.dtype,
+                                                            dtype=args.dtype, max_batch_rows=args.client_batch_rows,
                                                             use_orchestrator=not args.no_orchestrator)
     except PetalsChainError as e:
         print(f"petals-chain api: {e}", file=sys.stderr)

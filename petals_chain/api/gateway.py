@@ -6,7 +6,7 @@ client-disconnect detection (it cancels the stream's generator; we then cancel t
 uvicorn as a well-kept ASGI server. Each request is one session through the swarm (the model's
 `ChainProvider`: the orchestrator's JFFC when the DHT has one, else client-side routing), run by
 `engine.run_generation` in a worker thread; all sessions of the gateway share the client's
-batched embedding / LM head (client/head_batching.py).
+batched embedding / LM head (runtime/row_batcher.py).
 """
 from __future__ import annotations
 

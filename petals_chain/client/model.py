@@ -16,7 +16,6 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from petals_chain.client.chain import ChainBackend, ChainSession, LocalChain
-from petals_chain.client.head_batching import RowBatcher
 from petals_chain.errors import InvalidRequestError
 from petals_chain.models.checkpoint import resolve_model_path
 from petals_chain.runtime.block_range import BlockRange
@@ -63,9 +62,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         # README promises threads work; the API gateway runs one request per thread) each run
         # their own session instead of stepping on one another's.
         self._local = threading.local()
-        # Concurrent sessions share one embedding / final norm + LM head call per step (head_batching.py).
-        self.embed_batcher = RowBatcher(head.embed_tokens)
-        self.logits_batcher = RowBatcher(head.logits)
 
     @property
     def _session(self) -> InferenceSession | None:
@@ -88,12 +84,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, initial_peers: list[str], dtype: str = "float32",
-                        **remote_kwargs) -> "DistributedModelForCausalLM":
-        """Client of a swarm: `initial_peers` are multiaddrs of DHT peers (e.g. printed by `petals-chain dht`)."""
+                        max_batch_rows: int = 4096, **remote_kwargs) -> "DistributedModelForCausalLM":
+        """Client of a swarm: `initial_peers` are multiaddrs of DHT peers (e.g. printed by `petals-chain dht`).
+        `max_batch_rows` bounds the client head's cross-session batches (1 turns batching off)."""
         from petals_chain.client.remote import RemoteChain
 
         path = resolve_model_path(model)
-        head = ClientHead(path, dtype=dtype, model_path=path)
+        head = ClientHead(path, dtype=dtype, model_path=path, max_batch_rows=max_batch_rows)
         backend = RemoteChain(model=str(model), config=head.config, initial_peers=initial_peers, dtype=head.dtype,
                               **remote_kwargs)
         return cls(head.config, head, backend)
@@ -165,10 +162,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if done + new.numel() > session.max_length:
             raise InvalidRequestError(f"the session was opened with max_length={session.max_length} but would hold "
                                       f"{done + new.numel()} tokens; open it with a larger max_length")
-        hidden = session.chain.step(self.embed_batcher(new))
+        hidden = session.chain.step(self.head.embed_batched(new))
         if logits_to_keep > 0:
             hidden = hidden[-logits_to_keep:]
-        logits = self.logits_batcher(hidden).float()
+        logits = self.head.logits_batched(hidden).float()
         return CausalLMOutputWithPast(logits=logits.unsqueeze(0))
 
 

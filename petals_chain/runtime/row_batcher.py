@@ -6,7 +6,8 @@ LM head alone, and SmolLM2's LM head (576 x 49,152 weights, 113 MB in float32) c
 as several blocks per token, almost all of it reading the weight matrix. `RowBatcher` lets
 concurrent callers share one call: rows submitted while a batch is running are concatenated and
 computed together as the next batch, so the weights are read once per batch instead of once per
-session. Nobody waits for a batch to fill (no timer): a caller that finds the batcher idle runs
+session (the head holds one batcher for each, `ClientHead.embed_batched` / `.logits_batched`).
+Nobody waits for a batch to fill (no timer): a caller that finds the batcher idle runs
 at once, alone or with whatever was already queued.
 """
 from __future__ import annotations
