@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 
@@ -76,9 +77,17 @@ def main(argv: list[str]) -> int:
     print(f"api ready at http://{args.host}:{port}/v1 (model {args.model}, {routing}, "
           f"{args.max_concurrent} concurrent sessions)", flush=True)
     server = uvicorn.Server(uvicorn.Config(gateway.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
+    # uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found: make
+    # that handler an exception, so the `finally` below still stops the DHT child and its p2p daemon.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_on_signal)
     try:
         server.run(sockets=[sock])
     finally:
         gateway.shutdown()
         model.backend.shutdown()
     return 0
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(0)
