@@ -152,7 +152,7 @@ def main() -> None:
     for name, _ in variants:
         for key in ("one", "many"):
             r = report[name][key]
-            print(f"{name:10} {int(r["requests"]):>4} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>8.3f}s {r['ttft_p95_s']:>8.3f}s "
+            print(f"{name:10} {int(r['requests']):>4} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>8.3f}s {r['ttft_p95_s']:>8.3f}s "
                   f"{r['itl_p50_s'] * 1000:>6.0f}ms {r['itl_p95_s'] * 1000:>6.0f}ms {r['itl_p99_s'] * 1000:>6.0f}ms")
         print(f"{name:10} aggregate {args.requests} requests / 1 request: {report[name]['ratio']:.2f}x")
     if "batched_over_unbatched_many" in report:
