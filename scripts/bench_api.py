@@ -64,6 +64,12 @@ def stop_gateway(proc: subprocess.Popen) -> None:
         pass
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def one_request(client: OpenAI, model: str, prompt: str, max_tokens: int) -> dict:
     start_s = time.perf_counter()
     times, tokens = [], 0
@@ -133,10 +139,18 @@ def main() -> None:
                 one_request(client, args.model, "Warm up:", 4)  # load paths, open the first chain
             # Variants interleave, round after round, so that load from elsewhere on the machine
             # hits them alike; each number reported is the median over rounds.
+            server_pid = swarm.servers[0].process.pid
             for _ in range(args.rounds):
                 for key, n in (("one", 1), ("many", args.requests)):
-                    for name, _, client in gateways:
-                        runs[name][key].append(run_concurrent(client, args.model, n, args.max_tokens))
+                    for name, proc, client in gateways:
+                        before = (cpu_s(proc.pid), cpu_s(server_pid), time.process_time())
+                        r = run_concurrent(client, args.model, n, args.max_tokens)
+                        # where the CPU went, per completion token: gateway (client head, sessions,
+                        # HTTP), the block server, and this benchmark's own openai clients
+                        r["gateway_cpu_ms_per_token"] = 1000 * (cpu_s(proc.pid) - before[0]) / r["tokens"]
+                        r["server_cpu_ms_per_token"] = 1000 * (cpu_s(server_pid) - before[1]) / r["tokens"]
+                        r["bench_client_cpu_ms_per_token"] = 1000 * (time.process_time() - before[2]) / r["tokens"]
+                        runs[name][key].append(r)
         finally:
             for _, proc, _ in gateways:
                 stop_gateway(proc)
@@ -148,12 +162,15 @@ def main() -> None:
     if "unbatched" in report:
         report["batched_over_unbatched_many"] = (report["batched"]["many"]["tokens_per_s"]
                                                  / report["unbatched"]["many"]["tokens_per_s"])
-    print(f"{'gateway':10} {'reqs':>4} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8} {'ITL p99':>8}")
+    print(f"{'gateway':10} {'reqs':>4} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8} "
+          f"{'ITL p99':>8}  CPU ms/token: gateway server bench")
     for name, _ in variants:
         for key in ("one", "many"):
             r = report[name][key]
             print(f"{name:10} {int(r['requests']):>4} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>8.3f}s {r['ttft_p95_s']:>8.3f}s "
-                  f"{r['itl_p50_s'] * 1000:>6.0f}ms {r['itl_p95_s'] * 1000:>6.0f}ms {r['itl_p99_s'] * 1000:>6.0f}ms")
+                  f"{r['itl_p50_s'] * 1000:>6.0f}ms {r['itl_p95_s'] * 1000:>6.0f}ms {r['itl_p99_s'] * 1000:>6.0f}ms  "
+                  f"{r['gateway_cpu_ms_per_token']:>18.1f} {r['server_cpu_ms_per_token']:>6.1f} "
+                  f"{r['bench_client_cpu_ms_per_token']:>5.1f}")
         print(f"{name:10} aggregate {args.requests} requests / 1 request: {report[name]['ratio']:.2f}x")
     if "batched_over_unbatched_many" in report:
         print(f"client head batching, {args.requests} requests: {report['batched_over_unbatched_many']:.2f}x unbatched")

@@ -22,14 +22,17 @@ def test_stop_scanner_streams_exactly_the_text_before_the_first_stop(text, stops
     assume("\ufffd" not in text[-1:])  # the final text of a finished generation has no half character
     scanner = StopScanner(tuple(stops))
     sent = ""
-    for n in sorted(cuts) + [len(text)]:
-        sent += scanner.push(text[:n], final=n == len(text))
+    pushed = [text[:n] for n in sorted(cuts)] + [text]
+    for prefix in pushed:
+        sent += scanner.push(prefix, final=prefix is text)
         if scanner.stopped:
             break
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    expected = text if first < 0 else text[:first]
+    # the generation stops at the first pushed text that contains a stop string, cut where the
+    # earliest one in it begins (as servers that check stop strings token by token do)
+    hit = next((p for p in pushed if any(s in p for s in stops)), None)
+    expected = text if hit is None else hit[:min(hit.find(s) for s in stops if s in hit)]
     assert sent == expected == scanner.sent
-    assert scanner.stopped == (first >= 0)
+    assert scanner.stopped == (hit is not None)
 
 
 def test_stop_scanner_holds_back_a_possible_stop_prefix_and_half_characters():
@@ -102,3 +105,17 @@ def test_metrics_rate_window_uses_injected_clock():
     text = m.render()
     assert 'petals_chain_api_time_to_first_token_seconds_bucket{le="0.5"} 1' in text
     assert "petals_chain_api_completion_tokens_total 30" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--initial-peers", "garbage"], "bad --initial-peers"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/5"], "no /p2p/PEERID part"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/5/p2p/12D3KooWJ2xx", "--max-concurrent", "0"], "--max-concurrent must be >= 1"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/5/p2p/12D3KooWJ2xx", "--port", "70000"], "--port must be in 0..65535"),
+])
+def test_api_cli_bad_arguments_exit_2_with_one_clear_line(args, message, capsys):
+    from petals_chain.api.cli import main
+
+    assert main(["--port", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

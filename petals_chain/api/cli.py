@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-batch-rows", type=int, default=4096,
                    help="most rows in one batched embedding / LM-head call of concurrent sessions "
                         "(1: no cross-session batching, a baseline for benchmarks; default 4096)")
+    p.add_argument("--identity-path", default=None,
+                   help="the gateway's peer identity file (a stable peer id, e.g. for a private swarm's --allowed-peers)")
+    p.add_argument("--allowed-peers", default=None, metavar="FILE",
+                   help="use only servers and orchestrators whose peer ids this file lists (private swarm)")
     p.add_argument("--no-orchestrator", action="store_true", help="route client-side even if the DHT names an orchestrator")
     return p
 
@@ -43,6 +47,16 @@ def main(argv: list[str]) -> int:
     if not 0 <= args.port <= 65535 or args.queue_timeout <= 0:
         print("petals-chain api: --port must be in 0..65535 and --queue-timeout > 0", file=sys.stderr)
         return 2
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for maddr in args.initial_peers:
+        try:
+            if "/p2p/" not in str(Multiaddr(maddr)):
+                raise ValueError("no /p2p/PEERID part")
+        except Exception as e:
+            print(f"petals-chain api: bad --initial-peers {maddr!r} ({e}); pass the full multiaddr printed by "
+                  "`petals-chain dht`, e.g. /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...", file=sys.stderr)
+            return 2
     try:  # bind first: a port in use is a clear error before the model loads
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -59,10 +73,14 @@ def main(argv: list[str]) -> int:
     from petals_chain.errors import PetalsChainError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from petals_chain.membership import load_allowed_peers
+
     try:
         model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
                                                             dtype=args.dtype, max_batch_rows=args.client_batch_rows,
-                                                            use_orchestrator=not args.no_orchestrator)
+                                                            use_orchestrator=not args.no_orchestrator,
+                                                            identity_path=args.identity_path,
+                                                            allowed_servers=load_allowed_peers(args.allowed_peers))
     except PetalsChainError as e:
         print(f"petals-chain api: {e}", file=sys.stderr)
         return 2
