@@ -198,6 +198,18 @@ def test_disconnect_cancels_the_session_and_frees_its_slot(gateway):
     assert health["active_sessions"] == 0  # the session left its chain (closed, released)
 
 
+def test_disconnect_during_a_non_streaming_request_cancels_it(gateway):
+    cancelled_before = _metric(gateway, 'petals_chain_api_finished_total{finish_reason="cancelled"}')
+    with pytest.raises(OSError):  # the client gives up (socket timeout) and closes the connection
+        _http("POST", gateway + "/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 500,
+                                                 "temperature": 0}, timeout_s=3).read()
+    deadline = time.monotonic() + 60
+    while _metric(gateway, 'petals_chain_api_finished_total{finish_reason="cancelled"}') == cancelled_before:
+        assert time.monotonic() < deadline, "the session was not cancelled after the client disconnected"
+        time.sleep(0.2)
+    assert _metric(gateway, 'petals_chain_api_requests_total{endpoint="/v1/completions",status="499"}') >= 1
+
+
 def test_concurrent_greedy_requests_each_equal_hf(client, smollm2_hf, smollm2_tokenizer):
     questions = ["What is 2 + 2?", "Name a fruit.", "What color is the sky?", "Say hello in French."]
     expected = [_hf_text(smollm2_hf, smollm2_tokenizer, _chat_ids(smollm2_tokenizer, q), 10)[0] for q in questions]

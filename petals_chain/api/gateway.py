@@ -30,6 +30,9 @@ from petals_chain.api.openai_schema import (
 )
 from petals_chain.errors import InvalidRequestError, PetalsChainError
 
+# The client hung up before the answer: nobody reads this reply, but the request ends cleanly and
+# is counted under nginx's "client closed request" status.
+CLIENT_CLOSED_REQUEST = 499
 # Swarm-side failures that mean "no capacity / no healthy chain right now": the client may retry.
 UNAVAILABLE_STATUS = 503
 
@@ -130,7 +133,7 @@ class Gateway:
                 if getter not in done:
                     getter.cancel()
                     cancel.set()
-                    raise asyncio.CancelledError
+                    raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the request; its session was cancelled")
                 kind, value = getter.result()
                 if kind == "done":
                     return value
@@ -171,7 +174,7 @@ class Gateway:
             if getter not in done:
                 getter.cancel()
                 cancel.set()
-                raise asyncio.CancelledError
+                raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the request; its session was cancelled")
         finally:
             disconnect.cancel()
         kind, value = getter.result()
