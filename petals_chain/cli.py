@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("petals_chain.demo_cli:main", "start a local private swarm and generate through it"),
     "generate": ("petals_chain.generate_cli:main", "generate text locally through block ranges or through a swarm"),
+    "api": ("petals_chain.api.cli:main", "serve the OpenAI API (completions, chat, streaming) over a swarm"),
     "dht": ("petals_chain.dht_cli:main", "start a bootstrap DHT peer and print its multiaddr"),
     "identity": ("petals_chain.identity_cli:main", "make a peer identity file (stable peer id, signs DHT records) or show its peer id"),
     "convert": ("petals_chain.models.convert_cli:main", "convert the embedded GGUF model into the local cache"),

@@ -7,6 +7,7 @@ the model feeds the chain only the tokens it has not processed yet and never use
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,7 +58,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.head = head
         self.backend = backend
-        self._session: InferenceSession | None = None
+        # The active session is per thread: concurrent `generate` calls on one model object (the
+        # README promises threads work; the API gateway runs one request per thread) each run
+        # their own session instead of stepping on one another's.
+        self._local = threading.local()
+
+    @property
+    def _session(self) -> InferenceSession | None:
+        return getattr(self._local, "session", None)
+
+    @_session.setter
+    def _session(self, session: InferenceSession | None) -> None:
+        self._local.session = session
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -72,12 +84,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, initial_peers: list[str], dtype: str = "float32",
-                        **remote_kwargs) -> "DistributedModelForCausalLM":
-        """Client of a swarm: `initial_peers` are multiaddrs of DHT peers (e.g. printed by `petals-chain dht`)."""
+                        max_batch_rows: int = 4096, **remote_kwargs) -> "DistributedModelForCausalLM":
+        """Client of a swarm: `initial_peers` are multiaddrs of DHT peers (e.g. printed by `petals-chain dht`).
+        `max_batch_rows` bounds the client head's cross-session batches (1 turns batching off)."""
         from petals_chain.client.remote import RemoteChain
 
         path = resolve_model_path(model)
-        head = ClientHead(path, dtype=dtype, model_path=path)
+        head = ClientHead(path, dtype=dtype, model_path=path, max_batch_rows=max_batch_rows)
         backend = RemoteChain(model=str(model), config=head.config, initial_peers=initial_peers, dtype=head.dtype,
                               **remote_kwargs)
         return cls(head.config, head, backend)
@@ -126,19 +139,22 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         session.token_ids = out[0].tolist()
         return out
 
-    def prepare_inputs_for_generation(self, input_ids, **kwargs):
-        return {"input_ids": input_ids}
+    def prepare_inputs_for_generation(self, input_ids, logits_to_keep: int = 0, **kwargs):
+        return {"input_ids": input_ids, "logits_to_keep": logits_to_keep}
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
-        """Feed the chain the tokens it has not seen yet; logits only for those new tokens' last one
-        are meaningful to generate, but all new positions are returned (shape [1, n_new, vocab])."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0,
+                **kwargs) -> CausalLMOutputWithPast:
+        """Feed the chain the tokens it has not seen yet and return logits [1, n, vocab] for the last
+        `logits_to_keep` of them (0: all new positions). transformers' generate passes 1, so a
+        700-token prefill runs the LM head on one position, not 700."""
         session = self._session
         if session is None:
             with self.inference_session(max_length=input_ids.shape[1]) as s:
-                return self._forward_in(s, input_ids)
-        return self._forward_in(session, input_ids)
+                return self._forward_in(s, input_ids, logits_to_keep)
+        return self._forward_in(session, input_ids, logits_to_keep)
 
-    def _forward_in(self, session: InferenceSession, input_ids: torch.Tensor) -> CausalLMOutputWithPast:
+    def _forward_in(self, session: InferenceSession, input_ids: torch.Tensor,
+                    logits_to_keep: int = 0) -> CausalLMOutputWithPast:
         done = session.position
         new = input_ids[0, done:]
         if new.numel() == 0:
@@ -146,6 +162,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if done + new.numel() > session.max_length:
             raise InvalidRequestError(f"the session was opened with max_length={session.max_length} but would hold "
                                       f"{done + new.numel()} tokens; open it with a larger max_length")
-        hidden = session.chain.step(self.head.embed_tokens(new))
-        logits = self.head.logits(hidden).float()
+        hidden = session.chain.step(self.head.embed_batched(new))
+        if logits_to_keep > 0:
+            hidden = hidden[-logits_to_keep:]
+        logits = self.head.logits_batched(hidden).float()
         return CausalLMOutputWithPast(logits=logits.unsqueeze(0))
+
+
+# PETALS' name for the same class, so `from petals_chain import AutoDistributedModelForCausalLM` reads as in PETALS.
+AutoDistributedModelForCausalLM = DistributedModelForCausalLM

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from petals_chain import wire, wire_parts
 from petals_chain.background_loop import BackgroundLoop
@@ -38,6 +39,25 @@ logger = logging.getLogger(__name__)
 
 # Errors that are the caller's fault: retrying on another server would fail the same way.
 CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
+# What a dead, slow or unreachable server looks like to the transport. Anything else raised while
+# talking to a server is a local error (a bug or misuse in this process, e.g. two threads reading
+# one stream) and propagates as it is: it must never get a healthy server banned.
+TRANSPORT_ERRORS = (TimeoutError, asyncio.TimeoutError, StopAsyncIteration, ConnectionError, EOFError, OSError,
+                    P2PHandlerError, P2PDaemonError)
+
+
+def as_server_error(error: Exception, timeout_s: float) -> PetalsChainError | None:
+    """The typed error a failure while talking to a server stands for, or None for a local error
+    (which the caller re-raises unchanged, so no failover bans the server for it)."""
+    if isinstance(error, PetalsChainError):
+        return error  # the server's typed reply, or ours: the caller decides what it means
+    if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+        return ServerUnavailableError(f"no reply within {timeout_s:.0f} s")
+    if isinstance(error, StopAsyncIteration):
+        return ServerUnavailableError("the server closed the stream")
+    if isinstance(error, TRANSPORT_ERRORS):  # connection reset, peer gone, p2p daemon errors
+        return ServerUnavailableError(f"{type(error).__name__}: {error}")
+    return None
 
 
 @dataclass
@@ -195,14 +215,11 @@ class RemoteChainSession(ChainSession):
     def _run(self, coro, timeout_s: float):
         try:
             return self.chain.loop.run(coro, timeout_s=timeout_s)
-        except PetalsChainError:
-            raise
-        except (TimeoutError, asyncio.TimeoutError) as e:
-            raise ServerUnavailableError(f"no reply within {timeout_s:.0f} s") from e
-        except StopAsyncIteration as e:
-            raise ServerUnavailableError("the server closed the stream") from e
-        except Exception as e:  # connection reset, peer gone, p2p daemon errors
-            raise ServerUnavailableError(f"{type(e).__name__}: {e}") from e
+        except Exception as e:
+            server_error = as_server_error(e, timeout_s)
+            if server_error is None or server_error is e:
+                raise
+            raise server_error from e
 
     def _open_hops(self, hops: list[Hop]) -> list[HopStream]:
         opened: list[HopStream] = []

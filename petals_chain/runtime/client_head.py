@@ -8,10 +8,14 @@ import torch
 from petals_chain.models.checkpoint import load_config, read_tensors, resolve_model_path
 from petals_chain.models.family import get_family
 from petals_chain.runtime.block_range import parse_dtype
+from petals_chain.runtime.row_batcher import RowBatcher
 
 
 class ClientHead(torch.nn.Module):
-    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "float32", model_path: Path | None = None):
+    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "float32", model_path: Path | None = None,
+                 max_batch_rows: int = 4096):
+        """`max_batch_rows`: most rows one batched call of concurrent sessions may hold (1: no
+        cross-session batching, each call alone, as a baseline for benchmarks)."""
         super().__init__()
         self.model_path = model_path or resolve_model_path(model)
         self.config = load_config(self.model_path)
@@ -22,6 +26,10 @@ class ClientHead(torch.nn.Module):
         self.embed, self.norm, self.lm_head = self.family.make_client_modules(
             self.config, {role: tensors[name] for role, name in names.items()})
         self.requires_grad_(False).eval()
+        # Every session of this process (any model object, any thread) shares these: concurrent
+        # sessions' embedding lookups and final norm + LM head run as one call per step (row_batcher.py).
+        self.embed_batched = RowBatcher(self.embed_tokens, max_rows=max_batch_rows)
+        self.logits_batched = RowBatcher(self.logits, max_rows=max_batch_rows)
 
     @torch.inference_mode()
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""`petals-chain api`: serve the OpenAI API (completions, chat completions, models) over a swarm."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+
+from petals_chain.api.admission import ADMISSION_POLICIES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="petals-chain api", description=__doc__)
+    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of swarm DHT peers")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port; default 8000)")
+    p.add_argument("--model", default="smollm2-135m", help="model the swarm serves (also the API's model id)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept requests with 'Authorization: Bearer KEY' only (repeat for several users; "
+                        "fairness is per key); without it the gateway is open")
+    p.add_argument("--max-concurrent", type=int, default=8, help="sessions through the swarm at once (default 8)")
+    p.add_argument("--queue-timeout", type=float, default=60.0,
+                   help="seconds a request may wait for a free session slot before it gets HTTP 429 (default 60)")
+    p.add_argument("--max-length", type=int, default=2048, help="prompt + completion tokens per request (default 2048)")
+    p.add_argument("--admission", default="fifo", choices=sorted(ADMISSION_POLICIES),
+                   help="order of waiting requests across API keys (default fifo)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--client-batch-rows", type=int, default=4096,
+                   help="most rows in one batched embedding / LM-head call of concurrent sessions "
+                        "(1: no cross-session batching, a baseline for benchmarks; default 4096)")
+    p.add_argument("--identity-path", default=None,
+                   help="the gateway's peer identity file (a stable peer id, e.g. for a private swarm's --allowed-peers)")
+    p.add_argument("--allowed-peers", default=None, metavar="FILE",
+                   help="use only servers and orchestrators whose peer ids this file lists (private swarm)")
+    p.add_argument("--no-orchestrator", action="store_true", help="route client-side even if the DHT names an orchestrator")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    for flag, value, low in (("--max-concurrent", args.max_concurrent, 1), ("--max-length", args.max_length, 2),
+                             ("--client-batch-rows", args.client_batch_rows, 1)):
+        if value < low:
+            print(f"petals-chain api: {flag} must be >= {low}", file=sys.stderr)
+            return 2
+    if not 0 <= args.port <= 65535 or args.queue_timeout <= 0:
+        print("petals-chain api: --port must be in 0..65535 and --queue-timeout > 0", file=sys.stderr)
+        return 2
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for maddr in args.initial_peers:
+        try:
+            if "/p2p/" not in str(Multiaddr(maddr)):
+                raise ValueError("no /p2p/PEERID part")
+        except Exception as e:
+            print(f"petals-chain api: bad --initial-peers {maddr!r} ({e}); pass the full multiaddr printed by "
+                  "`petals-chain dht`, e.g. /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...", file=sys.stderr)
+            return 2
+    try:  # bind first: a port in use is a clear error before the model loads
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        print(f"petals-chain api: cannot listen on {args.host}:{args.port} ({e}); choose another --port", file=sys.stderr)
+        return 2
+
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from petals_chain.api.gateway import Gateway, GatewayConfig
+    from petals_chain.client.model import DistributedModelForCausalLM
+    from petals_chain.errors import PetalsChainError
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from petals_chain.membership import load_allowed_peers
+
+    try:
+        model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
+                                                            dtype=args.dtype, max_batch_rows=args.client_batch_rows,
+                                                            use_orchestrator=not args.no_orchestrator,
+                                                            identity_path=args.identity_path,
+                                                            allowed_servers=load_allowed_peers(args.allowed_peers))
+    except PetalsChainError as e:
+        print(f"petals-chain api: {e}", file=sys.stderr)
+        return 2
+    tokenizer = AutoTokenizer.from_pretrained(model.head.model_path)
+    keys = {key: f"key{i}" for i, key in enumerate(args.api_key)}  # labels, so metrics never show a key
+    gateway = Gateway(model, tokenizer, GatewayConfig(model_name=args.model, api_keys=keys,
+                                                      max_concurrent=args.max_concurrent,
+                                                      queue_timeout_s=args.queue_timeout, max_length=args.max_length,
+                                                      admission=args.admission))
+    port = sock.getsockname()[1]
+    routing = "orchestrator" if getattr(model.backend, "orchestrator", None) else "client-side routing"
+    print(f"api ready at http://{args.host}:{port}/v1 (model {args.model}, {routing}, "
+          f"{args.max_concurrent} concurrent sessions)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(gateway.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
+    # uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found: make
+    # that handler an exception, so the `finally` below still stops the DHT child and its p2p daemon.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_on_signal)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        gateway.shutdown()
+        model.backend.shutdown()
+    return 0
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(0)

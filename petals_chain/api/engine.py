@@ -1,0 +1,131 @@
+"""One API request's generation: a session through the swarm, token by token, in a worker thread.
+
+The decode loop is ours rather than transformers' `generate` because a gateway needs what that
+does not give per request: a random generator of its own (`seed` must reproduce a request while
+other requests sample concurrently, and `generate` draws from torch's global RNG), stop strings
+checked on the decoded text, a cancel flag checked between steps (client disconnect), and every
+token handed out as it comes. Sampling uses transformers' own logits warpers (temperature, top-p);
+greedy (temperature 0) is argmax, token for token what `generate(do_sample=False)` produces.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+from petals_chain.client.model import DistributedModelForCausalLM
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: str = "length"  # "stop" (eos or a stop string), "length", "cancelled"
+    time_to_first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)  # when each token was produced (clock)
+    chain: str = ""
+
+
+class StopScanner:
+    """Incremental detokenization with stop strings: `push(full_text)` returns the new text that is
+    safe to send. It holds back a trailing replacement character (half of a multi-byte character)
+    and any tail that could still grow into a stop string, and cuts the text at the first stop string."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = tuple(s for s in stop if s)
+        self.sent = ""
+        self.stopped = False
+
+    def push(self, text: str, final: bool = False) -> str:
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, final, self.stopped = text[:cut], True, True
+        hold = 0
+        if not final:
+            hold = 1 if text.endswith("\ufffd") else 0
+            body = text[:len(text) - hold]
+            hold += max((next((k for k in range(min(len(s) - 1, len(body)), 0, -1) if body.endswith(s[:k])), 0)
+                         for s in self.stop), default=0)
+        safe = max(len(text) - hold, len(self.sent))
+        delta = text[len(self.sent):safe]
+        self.sent = text[:safe]
+        return delta
+
+
+def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                   *, cancel: threading.Event, on_text: Callable[[str], None],
+                   clock: Callable[[], float] = time.perf_counter) -> GenerationResult:
+    """Generate for one request (blocking; run it in a worker thread). `on_text(delta)` gets each
+    piece of text as soon as it is safe to send. The session is closed (its chain released) on
+    every way out, cancellation and errors included."""
+    start_s = clock()
+    generator = torch.Generator().manual_seed(params.seed if params.seed is not None
+                                              else int.from_bytes(os.urandom(8), "little") >> 1)
+    warpers = LogitsProcessorList()
+    if params.temperature > 0:
+        if params.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(params.top_p))
+    eos = _eos_ids(model, tokenizer)
+    scanner = StopScanner(params.stop)
+    result = GenerationResult()
+    tokens = list(prompt_ids)
+    generated: list[int] = []
+    with model.inference_session(max_length=len(prompt_ids) + params.max_tokens) as session:
+        result.chain = session.chain.describe()
+        while len(generated) < params.max_tokens:
+            if cancel.is_set():
+                result.finish_reason = "cancelled"
+                break
+            ids = torch.tensor([tokens], dtype=torch.long)
+            logits = model(ids, logits_to_keep=1).logits[:, -1, :]
+            if params.temperature > 0:
+                scores = warpers(ids, logits)
+                token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0])
+            else:
+                token = int(logits.argmax(dim=-1)[0])
+            now_s = clock()
+            if result.time_to_first_token_s is None:
+                result.time_to_first_token_s = now_s - start_s
+            result.token_times_s.append(now_s)
+            tokens.append(token)
+            generated.append(token)
+            if token in eos:
+                result.finish_reason = "stop"
+                break
+            delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True))
+            if delta:
+                on_text(delta)
+            if scanner.stopped:
+                result.finish_reason = "stop"
+                break
+    if result.finish_reason != "cancelled":
+        delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True), final=True)
+        if delta:
+            on_text(delta)
+    result.text = scanner.sent
+    result.completion_tokens = len(generated)
+    return result
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids = model.config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

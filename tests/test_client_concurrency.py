@@ -1,0 +1,130 @@
+"""One model object used from several threads: per-thread sessions, cross-session batching of the
+client's head (RowBatcher), LM head only where generation needs it, local errors never taken for
+a server failure. Exactness against transformers on in-process block ranges (the swarm version
+is in test_swarm.py)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
+
+from petals_chain.runtime.row_batcher import RowBatcher
+from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.client.remote import as_server_error
+from petals_chain.errors import OutOfCacheError, ServerUnavailableError
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sun is a"]
+
+
+def _wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        time.sleep(0.005)
+
+
+def test_row_batcher_coalesces_concurrent_callers_and_keeps_rows_apart():
+    release = threading.Event()
+    first_started = threading.Event()
+    weight = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+
+    def fn(rows):
+        if not first_started.is_set():
+            first_started.set()
+            release.wait(10)  # hold the first batch so the others queue up behind it
+        return rows @ weight
+
+    batcher = RowBatcher(fn)
+    inputs = [torch.full((i + 1, 3), float(i), dtype=torch.float64) for i in range(4)]
+    results: dict[int, torch.Tensor] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, batcher(inputs[i]))) for i in range(4)]
+    threads[0].start()
+    assert first_started.wait(10)
+    for t in threads[1:]:
+        t.start()
+    _wait_until(lambda: len(batcher._pending) == 3)
+    release.set()
+    for t in threads:
+        t.join(10)
+    for i in range(4):
+        assert torch.equal(results[i], inputs[i] @ weight)
+    assert (batcher.batches, batcher.batched_calls, batcher.rows) == (2, 4, 10)  # 1 alone, then 3 together
+    assert not batcher._running and not batcher._pending
+
+
+def test_row_batcher_error_reaches_every_caller_of_the_batch_and_batcher_recovers():
+    batcher = RowBatcher(lambda rows: rows[:, 5])  # IndexError for 2-column rows
+    with pytest.raises(IndexError):
+        batcher(torch.zeros(2, 2))
+    assert torch.equal(batcher(torch.ones(1, 6)), torch.ones(1))
+
+
+def test_local_errors_are_not_server_failures():
+    assert as_server_error(RuntimeError("anext(): asynchronous generator is already running"), 1.0) is None
+    assert as_server_error(ValueError("local bug"), 1.0) is None
+    assert isinstance(as_server_error(asyncio_timeout(), 3.0), ServerUnavailableError)
+    assert isinstance(as_server_error(ConnectionResetError("peer reset"), 3.0), ServerUnavailableError)
+    assert isinstance(as_server_error(P2PHandlerError("handler died"), 3.0), ServerUnavailableError)
+    assert isinstance(as_server_error(StopAsyncIteration(), 3.0), ServerUnavailableError)
+    typed = OutOfCacheError("full")
+    assert as_server_error(typed, 3.0) is typed
+
+
+def asyncio_timeout():
+    import asyncio
+
+    return asyncio.TimeoutError()
+
+
+@pytest.fixture(scope="module")
+def local_model(smollm2_path):
+    return DistributedModelForCausalLM.from_local_ranges(smollm2_path, [(0, 15), (15, 30)])
+
+
+@pytest.mark.model
+def test_generate_runs_lm_head_on_last_prefill_position_only(local_model, smollm2_tokenizer):
+    ids = smollm2_tokenizer("A long prompt: " + "one two three four five six seven eight " * 4,
+                            return_tensors="pt").input_ids
+    assert ids.shape[1] > 30
+    before = local_model.head.logits_batched.rows
+    out = local_model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 3
+    assert local_model.head.logits_batched.rows - before == 3  # prefill: 1 position, then 2 decode steps
+    # a plain forward still returns every position, and the kept one equals the full one's last row
+    full = local_model(ids).logits
+    last = local_model(ids, logits_to_keep=1).logits
+    assert full.shape == (1, ids.shape[1], local_model.config.vocab_size) and last.shape[1] == 1
+    torch.testing.assert_close(last[0, -1], full[0, -1], atol=1e-4, rtol=1e-4)  # one row vs many: GEMM rounding
+
+
+@pytest.mark.model
+def test_threads_on_one_model_object_each_get_their_own_session(local_model, smollm2_hf, smollm2_tokenizer):
+    refs = []
+    for p in PROMPTS:
+        ids = smollm2_tokenizer(p, return_tensors="pt").input_ids
+        refs.append((ids, smollm2_hf.generate(ids, max_new_tokens=10, do_sample=False)))
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(refs))
+
+    def run(i):
+        try:
+            start.wait(30)
+            results[i] = local_model.generate(refs[i][0], max_new_tokens=10, do_sample=False).tolist()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    calls_before = local_model.head.logits_batched.batched_calls
+    batches_before = local_model.head.logits_batched.batches
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(refs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert [results[i] for i in range(len(refs))] == [ref.tolist() for _, ref in refs]
+    assert local_model.head.logits_batched.batched_calls - calls_before == len(refs) * 10
+    assert local_model._session is None  # nothing leaked onto this (the main) thread
