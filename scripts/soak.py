@@ -86,8 +86,11 @@ def client_loop(swarm: LocalSwarm, model: str, prompts, refs, new_tokens: int, s
                                                 do_sample=False)[0].tolist()
             except PetalsChainError as e:
                 result["typed"] = type(e).__name__
-            except Exception as e:  # an untyped error is a bug: counted as lost
-                result["untyped"] = f"{type(e).__name__}: {e}"
+            except Exception as e:  # an untyped error is a bug: counted as lost (with where it came from)
+                import traceback
+
+                where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(e.__traceback__)[-4:])
+                result["untyped"] = f"{type(e).__name__}: {e} at {where}"
 
         tally.add("started")
         worker = threading.Thread(target=run, daemon=True)
@@ -115,8 +118,15 @@ def killer(swarm: LocalSwarm, args, stop: threading.Event, events: list[str], co
             swarm.kill_orchestrator()
             counts["orchestrator_kills"] += 1
             events.append(f"{time.monotonic() - start_s:.0f}s kill orchestrator")
-            swarm.start_orchestrator(args.orchestrator_args)
             orchestrator_killed = True
+            for attempt in range(3):  # a loaded machine may start it slowly: try again, never stop the churn
+                try:
+                    swarm.start_orchestrator(args.orchestrator_args, timeout_s=180)
+                    events.append(f"{time.monotonic() - start_s:.0f}s new orchestrator")
+                    break
+                except RuntimeError as e:
+                    swarm.kill_orchestrator()
+                    events.append(f"orchestrator start {attempt + 1} failed: {str(e).splitlines()[0]}")
             continue
         alive = [sp for sp in swarm.servers if sp.alive]
         if not alive:
