@@ -21,6 +21,20 @@ LOCALHOST = "/ip4/127.0.0.1/tcp/0"
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout this module was imported from
 
 
+class Localhost:
+    """Where the swarm's processes run: every role on 127.0.0.1, no network emulation. Other
+    launchers (e.g. `experiments.hosts.EmulatedHosts`: one network namespace per host) give each
+    role (`dht`, `orchestrator`, a server's name) its own address and wrap its command."""
+
+    label = "localhost (no network emulation)"
+
+    def listen_maddr(self, role: str) -> str:
+        return LOCALHOST
+
+    def popen(self, role: str, argv: list[str], **popen_kwargs) -> subprocess.Popen:
+        return subprocess.Popen(argv, **popen_kwargs)
+
+
 @dataclass
 class ServerProcess:
     name: str
@@ -50,9 +64,12 @@ class LocalSwarm:
     def __init__(self, model: str, ranges: list[tuple[int, int] | None], *, server_args: list[str] | None = None,
                  per_server_args: list[list[str]] | None = None, start_timeout_s: float = 180.0,
                  env: dict[str, str] | None = None,
-                 orchestrator_args: list[str] | None = None):
+                 orchestrator_args: list[str] | None = None, launcher=None, names: list[str] | None = None):
         """`ranges[i] = None` starts server i with `--blocks auto`; `orchestrator_args` (a list, possibly
-        empty) starts `petals-chain orchestrator` with them before the servers."""
+        empty) starts `petals-chain orchestrator` with them before the servers; `launcher` (default
+        `Localhost()`) says where each process runs; `names[i]` names server i (default `server<i>`)."""
+        self.launcher = launcher or Localhost()
+        self.names = names
         self.model = model
         self.ranges = ranges
         self.server_args = server_args or []
@@ -69,13 +86,14 @@ class LocalSwarm:
         self.initial_peers: list[str] = []
         self.servers: list[ServerProcess] = []
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=self.env, start_new_session=True)
+    def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
+        return self.launcher.popen(role, [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, env=self.env, start_new_session=True)
 
     def start(self) -> "LocalSwarm":
         try:
-            self.dht_process = self._spawn(["-m", "petals_chain.cli", "dht", "--host-maddrs", LOCALHOST])
+            self.dht_process = self._spawn("dht", ["-m", "petals_chain.cli", "dht", "--host-maddrs",
+                                                  self.launcher.listen_maddr("dht")])
             lines: list[str] = []
             ready = threading.Event()
             threading.Thread(target=_reader, args=(self.dht_process, lines, ready, "/p2p/"), daemon=True).start()
@@ -86,7 +104,8 @@ class LocalSwarm:
                 self.start_orchestrator(self.orchestrator_args)
             for i, rng in enumerate(self.ranges):
                 start, end = rng if rng is not None else (None, None)
-                self.add_server(start, end, extra_args=self.per_server_args[i], wait=False)
+                self.add_server(start, end, extra_args=self.per_server_args[i], wait=False,
+                                name=self.names[i] if self.names else None)
             self.wait_ready()
         except BaseException:
             self.stop()
@@ -95,9 +114,9 @@ class LocalSwarm:
 
     def start_orchestrator(self, args: list[str], timeout_s: float = 60.0) -> None:
         self.orchestrator_lines = []
-        self.orchestrator_process = self._spawn(["-m", "petals_chain.cli", "orchestrator", "--model", self.model,
-                                                 "--initial-peers", *self.initial_peers, "--host-maddrs", LOCALHOST,
-                                                 *args])
+        self.orchestrator_process = self._spawn("orchestrator", [
+            "-m", "petals_chain.cli", "orchestrator", "--model", self.model, "--initial-peers", *self.initial_peers,
+            "--host-maddrs", self.launcher.listen_maddr("orchestrator"), *args])
         ready = threading.Event()
         threading.Thread(target=_reader, args=(self.orchestrator_process, self.orchestrator_lines, ready,
                                                "orchestrator ready"), daemon=True).start()
@@ -117,9 +136,10 @@ class LocalSwarm:
         """`start = end = None`: `--blocks auto` (the orchestrator assigns the range)."""
         name = name or f"server{len(self.servers)}"
         blocks = "auto" if start is None else f"{start}:{end}"
-        proc = self._spawn(["-m", "server.cli", "--model", self.model, "--blocks", blocks,
-                            "--initial-peers", *self.initial_peers, "--host-maddrs", LOCALHOST, "--name", name,
-                            *self.server_args, *(extra_args or [])])
+        proc = self._spawn(name, ["-m", "server.cli", "--model", self.model, "--blocks", blocks,
+                                  "--initial-peers", *self.initial_peers, "--host-maddrs",
+                                  self.launcher.listen_maddr(name), "--name", name,
+                                  *self.server_args, *(extra_args or [])])
         sp = ServerProcess(name, start, end, proc)
         sp._ready = threading.Event()  # type: ignore[attr-defined]
         threading.Thread(target=_reader, args=(proc, sp.lines, sp._ready, ("serving ", "standing by: ")),

@@ -33,6 +33,7 @@ from petals_chain.wire import ServerInfo
 from server.handler import BlockServicer, OpenSession
 from server.memory import KVBudget
 from server.policies import make_policy
+from server.emulation import maybe_slowed
 from server.profiling import cached_block_times
 from server.scheduler import StepScheduler
 
@@ -59,6 +60,7 @@ class ServerConfig:
     record_ttl_s: float = 6.0
     num_threads: int | None = None
     orchestrator_wait_s: float = 30.0
+    emulate_slowdown: float = 1.0  # EMULATION (server/emulation.py): batches take this many times their compute
     assignment_poll_s: float = 1.0
 
 
@@ -76,15 +78,15 @@ class BlockServer:
         self.scheduler: StepScheduler | None = None
         self.orchestrator = None
         if self.auto:  # measure on one block loaded for the purpose, before holding any
-            probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
-                               model_path=self.path)
-            self.times = cached_block_times(probe, self.model_name)
+            probe = maybe_slowed(BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant,
+                                            device=config.device, model_path=self.path), config.emulate_slowdown)
+            self.times = cached_block_times(probe, self.model_name, variant=self._times_variant)
             self._sizes = (probe.block_bytes, probe.kv_bytes_per_block(self.max_length_tokens),
                            str(probe.dtype).removeprefix("torch."))
             del probe
         else:
             self._load(config.start, config.end)
-            self.times = cached_block_times(self.block_range, self.model_name)
+            self.times = cached_block_times(self.block_range, self.model_name, variant=self._times_variant)
         self.sessions: dict[str, OpenSession] = {}
         self._sessions_lock = threading.Lock()
         self.state = "joining"
@@ -110,10 +112,14 @@ class BlockServer:
         if self.auto:
             threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
 
+    @property
+    def _times_variant(self) -> str:
+        return "" if self.config.emulate_slowdown == 1.0 else f"emulate-slowdown={self.config.emulate_slowdown:g}"
+
     def _load(self, start: int, end: int) -> None:
         c = self.config
-        block_range = BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
-                                 model_path=self.path)
+        block_range = maybe_slowed(BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
+                                              model_path=self.path), c.emulate_slowdown)
         budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start))
         scheduler = StepScheduler(block_range, make_policy(c.policy), max_batch_tokens=c.max_batch_tokens)
         old = self.scheduler

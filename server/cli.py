@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one batched forward")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--announce-period", type=float, default=2.0, help="seconds between DHT announcements")
+    p.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="K",
+                   help="EMULATION, off by default: every batch (and the t_I/t_O profiling) runs for real, then "
+                        "sleeps until it took K times its compute time, emulating a K-times slower device "
+                        "(server/emulation.py; used by `petals-chain experiment table1`)")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -73,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if not args.emulate_slowdown >= 1.0:
+        print(f"launch-server: --emulate-slowdown must be >= 1 (a slower device), got {args.emulate_slowdown}",
+              file=sys.stderr)
+        return 2
     if args.blocks is None and args.no_orchestrator:
         print("launch-server: --no-orchestrator needs --blocks START:END", file=sys.stderr)
         return 2
@@ -89,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             quant=args.quant, device=args.device, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
             name=args.name, policy=args.policy, max_batch_tokens=args.max_batch_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
-            orchestrator_wait_s=args.orchestrator_wait))
+            orchestrator_wait_s=args.orchestrator_wait, emulate_slowdown=args.emulate_slowdown))
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2

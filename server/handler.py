@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -82,10 +83,13 @@ class BlockServicer:
                         if len(request.tensors) != 1:
                             raise InvalidRequestError(f"a step carries exactly one tensor, got {len(request.tensors)}")
                         hidden = wire.tensor_from_wire(request.tensors[0])
+                        t0 = time.perf_counter()
                         out = await self._step(session, hidden)
+                        # server_s: this step's time inside the server (queue + batch compute), so a
+                        # client can tell server time from network time (the Table 1 model check)
                         yield wire.response({"type": "step", "session_id": sid,
-                                             "step_id": meta.get("step_id"), "position": session.kv.past_tokens},
-                                            (out,))
+                                             "step_id": meta.get("step_id"), "position": session.kv.past_tokens,
+                                             "server_s": time.perf_counter() - t0}, (out,))
                     elif kind == "close":
                         return
                     else:

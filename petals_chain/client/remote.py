@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -37,6 +38,20 @@ logger = logging.getLogger(__name__)
 
 # Errors that are the caller's fault: retrying on another server would fail the same way.
 CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
+
+
+@dataclass(frozen=True)
+class HopTiming:
+    """One step through one hop, timed by the client: `client_s` from sending the hidden states to
+    the reply, `server_s` the server's own time for it (queue + compute; None from servers that do
+    not report it), so `client_s - server_s` is the network's part."""
+
+    hop_index: int
+    peer_id: str
+    blocks: int
+    tokens: int
+    client_s: float
+    server_s: float | None
 
 
 @dataclass
@@ -126,6 +141,7 @@ class RemoteChainSession(ChainSession):
         self._step_id = 0
         self.input_tokens = 0  # tokens of the first step (the prompt)
         self.steps = 0
+        self.hop_timings: list[HopTiming] = []
         hops = chain.provider.find_chain(0, chain.num_blocks, max_length=max_length, session_id=self.session_id)
         try:
             self.streams = self._open_hops(hops)
@@ -155,13 +171,20 @@ class RemoteChainSession(ChainSession):
 
     async def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         self._step_id += 1
+        t0 = time.perf_counter()
         await stream.queue.put(wire.request({"type": "step", "session_id": self.session_id, "step_id": self._step_id},
                                             (hidden,)))
         resp = await asyncio.wait_for(anext(stream.responses), self.chain.step_timeout_s)
+        client_s = time.perf_counter() - t0
         meta = wire.unpack(resp.metadata)
         wire.raise_if_error(meta)
         if len(resp.tensors) != 1:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
+        server_s = meta.get("server_s")
+        self.hop_timings.append(HopTiming(
+            next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
+            stream.hop.end - stream.hop.start, hidden.shape[0], client_s,
+            float(server_s) if isinstance(server_s, (int, float)) else None))
         return wire.tensor_from_wire(resp.tensors[0])
 
     def _run(self, coro, timeout_s: float):

@@ -1,0 +1,66 @@
+"""Runs the whole Table 1 experiment: scale the trace, one fresh swarm per policy, results + model check."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from experiments import model_check, report
+from experiments.table1 import Table1Config, choose_scale, measured_block_times, run_policy
+
+
+def rtt_matrix(cfg: Table1Config):
+    """RTTs between the client host and the servers' hosts: RIPE Atlas anchors drawn with the seed."""
+    from experiments.hosts import ripe_atlas_hosts_rtt_ms
+    from netem.topology import RIPE_ATLAS_FILENAME, load_ripe_atlas_rtt_matrix, resolve_data_file
+
+    full = load_ripe_atlas_rtt_matrix(resolve_data_file(RIPE_ATLAS_FILENAME, cfg.rtt_data))
+    return ripe_atlas_hosts_rtt_ms(full, cfg.servers + 1, cfg.seed)
+
+
+def run_table1(cfg: Table1Config) -> dict:
+    from orchestrator.sim.traces import load_azure_trace
+    from petals_chain.models.checkpoint import load_config
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = load_azure_trace(cfg.data)
+    times, path = measured_block_times(cfg.model)
+    num_blocks = load_config(path).num_hidden_layers
+    scale, info = choose_scale(cfg, trace, num_blocks, times)
+    rtt_ms, anchors = rtt_matrix(cfg) if cfg.netem else (None, [])
+    scale_out = {k: v for k, v in info.items() if not k.startswith("_")}
+    print(f"table1: {scale_out['requests']} requests, rate {scale_out['rate_per_s']:.3f} req/s (trace "
+          f"{scale_out['trace_rate_per_s']:.3f}), time x{scale.time_scale:.3g}, input x{scale.length_scale:.3g}, "
+          f"output x{scale.output_scale:.3g}, inter-arrival CV {scale_out['interarrival_cv']:.2f}; "
+          f"estimated CPU load {scale_out['offered_cpu_load_estimate']:.2f}. {scale_out['time_scale_reason']}", flush=True)
+    runs, t0 = {}, time.monotonic()
+    for policy in cfg.policies:
+        runs[policy] = run_policy(cfg, policy, info, rtt_ms, out)
+    where = next(iter(runs.values()))["where"] if runs else ""
+    policies = {}
+    for p, r in runs.items():
+        s = report.policy_summary(r["records"], len(info["_requests"]))
+        s.update({k: r.get(k) for k in ("c", "placement", "chains", "servers", "cpu", "startup_s", "final_metrics",
+                                        "loadgen_exit", "loadgen_error")})
+        policies[p] = s
+    summary = {"command": cfg.command, "where": where, "scale": scale_out,
+               "config": {k: v for k, v in asdict(cfg).items() if k not in ("extra",)},
+               "rtt_ms": None if rtt_ms is None else rtt_ms.tolist(), "rtt_anchor_indices": anchors,
+               "wall_s": time.monotonic() - t0, "policies": policies,
+               "improvement_vs_petals": report.improvements_vs(policies, "petals"),
+               "paper": report.PAPER_TABLE1}
+    points = [pt for p, r in runs.items() for pt in model_check.hop_points(r["records"], r.get("servers") or {})]
+    table = model_check.error_table(points)
+    summary["model_check"] = table
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    md = report.summary_markdown(summary)
+    md += "\n## Model check (paper Figs. 9-10)\n\n" + model_check.error_markdown(table)
+    (out / "summary.md").write_text(md)
+    (out / "model_check.json").write_text(json.dumps({"points": points, "errors": table}))
+    report.cdf_plot({p: r["records"] for p, r in runs.items()}, out / "cdf.png",
+                    f"response time CDF, {len(info['_requests'])} requests, {where}")
+    if points:
+        model_check.plot(points, out / "model_check.png")
+    return summary
