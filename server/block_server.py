@@ -33,7 +33,7 @@ from petals_chain.wire import ServerInfo
 from server.handler import BlockServicer, OpenSession
 from server.memory import KVBudget
 from server.policies import make_policy
-from server.emulation import maybe_slowed
+from server.emulation import maybe_slowed, real_range, slowed_times
 from server.profiling import cached_block_times
 from server.scheduler import StepScheduler
 
@@ -78,15 +78,16 @@ class BlockServer:
         self.scheduler: StepScheduler | None = None
         self.orchestrator = None
         if self.auto:  # measure on one block loaded for the purpose, before holding any
-            probe = maybe_slowed(BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant,
-                                            device=config.device, model_path=self.path), config.emulate_slowdown)
-            self.times = cached_block_times(probe, self.model_name, variant=self._times_variant)
+            probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
+                               model_path=self.path)
+            self.times = slowed_times(cached_block_times(probe, self.model_name), config.emulate_slowdown)
             self._sizes = (probe.block_bytes, probe.kv_bytes_per_block(self.max_length_tokens),
                            str(probe.dtype).removeprefix("torch."))
             del probe
         else:
             self._load(config.start, config.end)
-            self.times = cached_block_times(self.block_range, self.model_name, variant=self._times_variant)
+            self.times = slowed_times(cached_block_times(real_range(self.block_range), self.model_name),
+                                      config.emulate_slowdown)
         self.sessions: dict[str, OpenSession] = {}
         self._sessions_lock = threading.Lock()
         self.state = "joining"
@@ -111,10 +112,6 @@ class BlockServer:
         self._announcer.start()
         if self.auto:
             threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
-
-    @property
-    def _times_variant(self) -> str:
-        return "" if self.config.emulate_slowdown == 1.0 else f"emulate-slowdown={self.config.emulate_slowdown:g}"
 
     def _load(self, start: int, end: int) -> None:
         c = self.config

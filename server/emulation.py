@@ -1,9 +1,11 @@
 """EMULATION, off by default: `launch-server --emulate-slowdown K` makes this server a slower device.
 
-Every forward of the block range (each scheduler batch, and the t_I/t_O profiling at start, so the
-orchestrator plans with the slower times) runs for real, then sleeps (K - 1) times its measured
-compute time: the batch takes K times as long, the CPU does the same work. Used by the Table 1
-experiment to give "slow" servers the paper's slow/fast GPU ratio on one CPU; never on unless asked.
+Every forward of the block range (each scheduler batch) runs for real, then sleeps (K - 1) times
+its measured compute time: the batch takes K times as long, the CPU does the same work. The server
+announces K times the t_I, t_O of the real device (the same cached measurement a server without
+emulation uses, so fast and slow servers differ by exactly K however busy the machine was when it
+was taken). Used by the Table 1 experiment to give "slow" servers the paper's slow/fast GPU ratio
+on one CPU; never on unless asked.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from petals_chain.runtime.block_range import BlockRange, StepInput
+from server.profiling import BlockTimes
 
 
 class SlowedBlockRange:
@@ -37,3 +40,13 @@ class SlowedBlockRange:
 
 def maybe_slowed(block_range: BlockRange, factor: float):
     return block_range if factor == 1.0 else SlowedBlockRange(block_range, factor)
+
+
+def real_range(block_range) -> BlockRange:
+    """The real range under an emulation wrapper (what profiling measures)."""
+    return block_range.inner if isinstance(block_range, SlowedBlockRange) else block_range
+
+
+def slowed_times(times: BlockTimes, factor: float) -> BlockTimes:
+    """t_I, t_O of the emulated device: K times the real one's (the definition of the emulation)."""
+    return BlockTimes(times.prefill_s_per_token * factor, times.decode_s_per_token * factor)
