@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
-import time
-from pathlib import Path
 
-POLICIES = ("proposed", "petals", "bprr", "jffc-only")
+POLICIES = ("proposed", "petals", "bprr", "jffc-only", "petals-2.2")  # petals-2.2: real PETALS 2.2
 
 
 def _policies(text: str) -> tuple[str, ...]:
@@ -37,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         "summary.md, records_<policy>.jsonl, cdf.png and the model check under --out."))
     p.add_argument("--requests", type=int, default=1000, help="requests replayed from the trace (default 1000)")
     p.add_argument("--offset", type=int, default=0, help="first trace request replayed (default 0)")
-    p.add_argument("--policies", type=_policies, default=POLICIES, help="comma-separated (default all four)")
+    p.add_argument("--policies", type=_policies, default=POLICIES,
+                   help="comma-separated (default: all four policies, then real PETALS 2.2 as petals-2.2)")
+    p.add_argument("--petals-work", default=None,
+                   help="PETALS 2.2 environment built by ../shared/anchors/petals_2_2_cpu.sh (default ~/.cache/petals-anchor)")
     p.add_argument("--servers", type=int, default=9, help="servers (default 9: 3 fast, the rest slow)")
     p.add_argument("--fast-servers", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="RTT host sample and prompt tokens")
@@ -83,6 +85,10 @@ def main(argv: list[str]) -> int:
         print("petals-chain experiment table1: need --requests >= 1, 1 <= --fast-servers < --servers, "
               "--max-length >= 2", file=sys.stderr)
         return 2
+    def terminate(*_):  # unwind through the drivers' `finally`: swarms stopped, emulated network removed
+        raise SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, terminate)
     from experiments.run import run_table1
     from experiments.table1 import Table1Config
     from netem.topology import DataNotFoundError
@@ -93,7 +99,7 @@ def main(argv: list[str]) -> int:
         output_scale=args.output_scale, max_length_tokens=args.max_length, target_load=args.target_load,
         n_cpus=args.cpus, fast_budget=args.fast_budget, slow_budget=args.slow_budget,
         slow_slowdown=args.slow_slowdown, netem=not args.no_netem, netem_backend=args.netem_backend,
-        model=args.model, data=args.data, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
+        model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest))
     try:
         summary = run_table1(cfg)

@@ -36,9 +36,12 @@ def stats(values: list[float]) -> dict:
             "p99": float(np.percentile(a, 99)), "min": float(a.min()), "max": float(a.max())}
 
 
-def times(rec: dict) -> tuple[float, float, float]:
-    """(response, wait, service) of a finished record."""
-    return rec["end_s"] - rec["arrival_s"], rec["start_s"] - rec["arrival_s"], rec["end_s"] - rec["start_s"]
+def times(rec: dict) -> tuple[float, float | None, float | None]:
+    """(response, wait, service) of a finished record; wait and service are None where the start is not
+    observable (real PETALS: a session waits for cache inside the servers)."""
+    start = rec.get("start_s")
+    return (rec["end_s"] - rec["arrival_s"], None if start is None else start - rec["arrival_s"],
+            None if start is None else rec["end_s"] - start)
 
 
 def finished(rec: dict) -> bool:
@@ -56,8 +59,8 @@ def policy_summary(records: list[dict], expected: int) -> dict:
             errors[key] = errors.get(key, 0) + 1
     return {"requests": expected, "recorded": len(records), "finished": len(ok), "failed": len(records) - len(ok),
             "lost": expected - len(records), "errors": errors,
-            "response_s": stats([x[0] for x in t]), "wait_s": stats([x[1] for x in t]),
-            "service_s": stats([x[2] for x in t])}
+            "response_s": stats([x[0] for x in t]), "wait_s": stats([x[1] for x in t if x[1] is not None]),
+            "service_s": stats([x[2] for x in t if x[2] is not None])}
 
 
 def improvement(base: float | None, x: float | None) -> float | None:
@@ -124,6 +127,8 @@ def summary_markdown(summary: dict) -> str:
             lines.append(f"- {p}: CPU during the replay: our processes {cpu['ours_cpu_s']:.0f} CPU-s over "
                          f"{cpu['wall_s']:.0f} s = {cpu['ours_cores']:.2f} of {cpu['n_cpus']} cores; whole machine "
                          f"busy {100 * cpu['machine_busy']:.0f}% (other users included)")
+    for p, why in summary.get("not_run", {}).items():
+        lines.append(f"- {p}: not run: {why}")
     lines += ["", "The paper's Table 1 (LLaMA-2-7B on 9 MIG GPUs, 1,000 requests) for comparison: mean response "
               "PETALS 31.4, BPRR 19.8, JFFC-only 10.0, proposed 7.3 s (-76.8% vs PETALS)."]
     return "\n".join(lines) + "\n"
@@ -153,3 +158,22 @@ def cdf_plot(records_by_policy: dict[str, list[dict]], path: Path, title: str) -
 
 def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def complete_records(records: list[dict], requests, policy: str) -> list[dict]:
+    """Every scheduled request gets a record: the load generator's, or one saying why there is none."""
+    seen = {r["index"] for r in records}
+    out = list(records)
+    for r in requests:
+        if r.index not in seen:
+            out.append({"index": r.index, "policy": policy, "arrival_s": r.arrival_s, "input_tokens": r.input_tokens,
+                        "output_tokens": r.output_tokens, "generated_tokens": 0, "start_s": None, "end_s": None,
+                        "error": "NoRecordError: the load generator wrote no record (it crashed or was killed)"})
+    return sorted(out, key=lambda r: r["index"])
+
+
+def rewrite_records(path: Path, requests, policy: str) -> list[dict]:
+    records = complete_records(read_records(path) if path.exists() else [], requests, policy)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return records

@@ -7,7 +7,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from experiments import model_check, report
-from experiments.table1 import Table1Config, choose_scale, measured_block_times, run_policy
+from experiments.table1 import (PETALS_22, Table1Config, choose_scale, measured_block_times, run_petals_column,
+                                run_policy)
 
 
 def rtt_matrix(cfg: Table1Config):
@@ -36,22 +37,34 @@ def run_table1(cfg: Table1Config) -> dict:
           f"output x{scale.output_scale:.3g}, inter-arrival CV {scale_out['interarrival_cv']:.2f}; "
           f"estimated CPU load {scale_out['offered_cpu_load_estimate']:.2f}. {scale_out['time_scale_reason']}", flush=True)
     runs, t0 = {}, time.monotonic()
+    info["num_blocks"] = num_blocks
     for policy in cfg.policies:
-        runs[policy] = run_policy(cfg, policy, info, rtt_ms, out)
-    where = next(iter(runs.values()))["where"] if runs else ""
-    policies = {}
+        if policy == PETALS_22:
+            from petals_chain.runtime.block_range import BlockRange
+            probe = BlockRange(path, 0, 1, model_path=path)
+            runs[policy] = run_petals_column(cfg, info, rtt_ms, out, times, probe.block_bytes, probe.hidden_size)
+            if runs[policy].get("unavailable"):
+                print(f"[petals-2.2] not run: {runs[policy]['unavailable']}", flush=True)
+        else:
+            runs[policy] = run_policy(cfg, policy, info, rtt_ms, out)
+    where = next((r["where"] for r in runs.values() if "where" in r), "")
+    policies, unavailable = {}, {}
     for p, r in runs.items():
+        if r.get("unavailable"):
+            unavailable[p] = r["unavailable"]
+            continue
         s = report.policy_summary(r["records"], len(info["_requests"]))
         s.update({k: r.get(k) for k in ("c", "placement", "chains", "servers", "cpu", "startup_s", "final_metrics",
-                                        "loadgen_exit", "loadgen_error")})
+                                        "loadgen_exit", "loadgen_error", "loadgen_tail")})
         policies[p] = s
     summary = {"command": cfg.command, "where": where, "scale": scale_out,
                "config": {k: v for k, v in asdict(cfg).items() if k not in ("extra",)},
                "rtt_ms": None if rtt_ms is None else rtt_ms.tolist(), "rtt_anchor_indices": anchors,
-               "wall_s": time.monotonic() - t0, "policies": policies,
+               "wall_s": time.monotonic() - t0, "policies": policies, "not_run": unavailable,
                "improvement_vs_petals": report.improvements_vs(policies, "petals"),
                "paper": report.PAPER_TABLE1}
-    points = [pt for p, r in runs.items() for pt in model_check.hop_points(r["records"], r.get("servers") or {})]
+    points = [pt for p, r in runs.items() if p != PETALS_22
+              for pt in model_check.hop_points(r["records"], r.get("servers") or {})]
     table = model_check.error_table(points)
     summary["model_check"] = table
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -59,7 +72,7 @@ def run_table1(cfg: Table1Config) -> dict:
     md += "\n## Model check (paper Figs. 9-10)\n\n" + model_check.error_markdown(table)
     (out / "summary.md").write_text(md)
     (out / "model_check.json").write_text(json.dumps({"points": points, "errors": table}))
-    report.cdf_plot({p: r["records"] for p, r in runs.items()}, out / "cdf.png",
+    report.cdf_plot({p: r["records"] for p, r in runs.items() if r["records"]}, out / "cdf.png",
                     f"response time CDF, {len(info['_requests'])} requests, {where}")
     if points:
         model_check.plot(points, out / "model_check.png")

@@ -9,12 +9,11 @@ the model check go to `--out`.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments import report, workload
@@ -22,6 +21,7 @@ from experiments.cpu import CpuMeter
 
 # Thread bounds for every process: 9 servers must not thrash a few cores.
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+PETALS_22 = "petals-2.2"  # the real PETALS 2.2 column (experiments/petals22.py)
 SLOW_OVER_FAST = 175.0 / 109.0  # the paper's slow/fast per-block time (§4.1.1: 175 ms vs 109 ms)
 
 
@@ -50,6 +50,7 @@ class Table1Config:
     data: str | None = None
     rtt_data: str | None = None
     out: str = "results/table1"
+    petals_work: str | None = None  # PETALS 2.2 environment built by ../shared/anchors/petals_2_2_cpu.sh
     deadline_s: float = 600.0
     command: str = ""
     extra: dict = field(default_factory=dict)
@@ -197,16 +198,45 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
     finally:
         swarm.stop()
         launcher.close()
-    records = report.read_records(rec_file) if rec_file.exists() else []
-    # every request is accounted for: a record per request, or one written here saying why it has none
-    seen = {r["index"] for r in records}
-    for r in requests:
-        if r.index not in seen:
-            records.append({"index": r.index, "policy": policy, "arrival_s": r.arrival_s, "input_tokens": r.input_tokens,
-                            "output_tokens": r.output_tokens, "generated_tokens": 0, "start_s": None, "end_s": None,
-                            "error": "NoRecordError: the load generator wrote no record (it crashed or was killed)"})
-    records.sort(key=lambda r: r["index"])
-    with open(rec_file, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+    records = report.rewrite_records(rec_file, requests, policy)
     result["records"] = records
+    return result
+
+
+def run_petals_column(cfg: Table1Config, scale_info: dict, rtt_ms, out_dir: Path, times, block_bytes: int,
+                      hidden_size: int) -> dict:
+    """Real PETALS 2.2 on the same hosts, trace and budgets (experiments/petals22.py), or why it cannot run."""
+    from experiments import petals22
+    from server.cli import parse_size
+
+    python, model = petals22.petals_paths(cfg.petals_work)
+    reason = petals22.why_unavailable(python, model)
+    if reason:
+        return {"policy": "petals-2.2", "unavailable": reason, "records": []}
+    specs = []
+    for name, args in zip(server_names(cfg), server_args(cfg)):
+        budget = parse_size(args[1])
+        k = cfg.slow_slowdown if name.startswith("slow") else 1.0
+        specs.append({"name": name, "num_blocks": petals22.petals_num_blocks(budget, block_bytes, hidden_size),
+                      "throughput": 1.0 / (k * times.decode_s_per_token), "budget_bytes": budget})
+    if sum(s["num_blocks"] for s in specs) < scale_info["num_blocks"] or min(s["num_blocks"] for s in specs) < 1:
+        return {"policy": "petals-2.2", "records": [], "unavailable": (
+            f"PETALS' memory rule gives {[s['num_blocks'] for s in specs]} blocks for these budgets: they cannot "
+            f"cover the model's {scale_info['num_blocks']} blocks")}
+    requests = scale_info["_requests"]
+    req_file = out_dir / "requests.json"
+    req_file.write_text(json.dumps([r.to_dict() for r in requests]))
+    rec_file = out_dir / "records_petals-2.2.jsonl"
+    launcher = make_launcher(cfg, rtt_ms)
+    result: dict = {"policy": "petals-2.2", "where": launcher.label}
+    print(f"[petals-2.2] starting real PETALS 2.2 ({launcher.label}) ...", flush=True)
+    try:
+        facts = petals22.run_petals22(cfg, launcher, req_file, rec_file, specs, python, model, cfg.deadline_s,
+                                      requests[-1].arrival_s, lambda m: print(m, flush=True))
+        result.update(facts)
+    except RuntimeError as e:
+        result["unavailable"] = f"PETALS 2.2 did not run here: {e}"
+    finally:
+        launcher.close()
+    result["records"] = report.rewrite_records(rec_file, requests, "petals-2.2") if "unavailable" not in result else []
     return result

@@ -19,7 +19,6 @@ t_I, t_O measured on this machine) plus a per-step overhead for the messaging ev
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -132,6 +131,3 @@ def summary(requests: list[ScaledRequest]) -> dict:
             "truncated": sum(r.truncated for r in requests),
             "max_total_tokens": max((r.input_tokens + r.output_tokens for r in requests), default=0)}
 
-
-def round_up(x: int, multiple: int) -> int:
-    return int(math.ceil(x / multiple) * multiple)

@@ -73,3 +73,15 @@ def test_prompts_have_exactly_the_requested_length():
     import numpy as np
     ids = prompt_ids(np.random.default_rng(0), 37, 49152)
     assert len(ids) == 37 and min(ids) >= 256 and max(ids) < 49152
+
+
+def test_petals_memory_rule_and_missing_environment(tmp_path):
+    from experiments import petals22
+    # PETALS 2.2's _choose_num_blocks: floor((M - 2 GiB * h / 14336) / (s_m + 2 h * 16384 * 4)), SmolLM2 h = 576
+    per_block = 14160384 + 2 * 576 * 16384 * 4
+    autograd = 2 * 2**30 / 14336 * 576
+    for budget in (600 * 2**20, 300 * 2**20, 2 * 2**30):
+        n = petals22.petals_num_blocks(budget, 14160384, 576)
+        assert n * per_block <= budget - autograd < (n + 1) * per_block
+    python, model = petals22.petals_paths(tmp_path)
+    assert "petals_2_2_cpu.sh" in petals22.why_unavailable(python, model)

@@ -84,6 +84,6 @@ def test_time_scaling_is_a_pure_stretch(arrivals, time_scale, length_scale):
     reqs = scale_requests(trace, len(a), Scale(time_scale, length_scale, max_length_tokens=10_000))
     got = np.array([r.arrival_s for r in reqs])
     np.testing.assert_allclose(got, (np.array(a) - a[0]) * time_scale, rtol=1e-9, atol=1e-9)
-    d0, d1 = np.diff(a), np.diff(got)
+    d0 = np.diff(a)
     assume(d0.mean() > 0)
     assert workload.interarrival_cv(got) == pytest.approx(workload.interarrival_cv(a), rel=1e-6, abs=1e-9)
