@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=1024, help="servers' --max-length; outputs are cut to fit")
     p.add_argument("--target-load", type=_positive, default=0.5, help="offered CPU load for the auto time scale")
     p.add_argument("--cpus", type=_positive, default=2.0, help="cores the auto time scale may count on (default 2)")
-    p.add_argument("--fast-budget", default="600MiB")
-    p.add_argument("--slow-budget", default="300MiB")
+    p.add_argument("--fast-budget", default="480MiB")
+    p.add_argument("--slow-budget", default="240MiB")
     p.add_argument("--slow-slowdown", type=_positive, default=175 / 109,
                    help="slow servers' launch-server --emulate-slowdown (default 175/109, the paper's ratio)")
     p.add_argument("--no-netem", action="store_true",

@@ -9,7 +9,7 @@ PETALS' own memory rule applied to our budget (`petals_num_blocks`), then
 `experiments.petals_loadgen` replays the same requests through PETALS' client.
 
 What differs from our servers (stated in the results): PETALS' cache is a per-server token pool
-(`--attn_cache_tokens`, PETALS' default) that sessions wait for, not a reservation planned by an
+(`--attn_cache_tokens 4096`, PETALS' default for models without multi-query attention) that sessions wait for, not a reservation planned by an
 orchestrator; PETALS measures throughput with a network speed test that needs the internet, so
 `--throughput` is given (1 / (K t_O) of our measurement); slow servers are NOT slowed (PETALS has no
 emulation flag, and we do not patch it), which favours PETALS.
@@ -45,8 +45,12 @@ def why_unavailable(python: Path, model: Path) -> str | None:
     return None
 
 
-def petals_num_blocks(budget_bytes: int, block_bytes: int, hidden_size: int, attn_cache_tokens: int = 16384,
-                      dtype_bytes: int = 4) -> int:
+ATTN_CACHE_TOKENS = 4096  # PETALS' default for models without multi-query attention (16384 with it: no
+# server of our budgets could then hold a block: SmolLM2's 3 KV heads are counted as full hidden size)
+
+
+def petals_num_blocks(budget_bytes: int, block_bytes: int, hidden_size: int,
+                      attn_cache_tokens: int = ATTN_CACHE_TOKENS, dtype_bytes: int = 4) -> int:
     """PETALS 2.2's own rule (petals/server/server.py `_choose_num_blocks`) with our budget as the device
     memory: floor((M - autograd) / (block + 2 * hidden * cache_tokens * dtype)), autograd = 2 GiB * hidden / 14336."""
     autograd = 2 * GIB / 14336 * hidden_size
@@ -115,7 +119,8 @@ def run_petals22(cfg, launcher, requests_file: Path, records_file: Path, server_
             srv = _Proc(spec["name"], launcher.popen(spec["name"], [
                 str(python), "-m", "petals.cli.run_server", str(model), "--dht_prefix", DHT_PREFIX, "--initial_peers",
                 peer, "--host_maddrs", launcher.listen_maddr(spec["name"]), "--device", "cpu", "--torch_dtype",
-                "float32", "--quant_type", "none", "--num_blocks", str(spec["num_blocks"]), "--throughput",
+                "float32", "--quant_type", "none", "--num_blocks", str(spec["num_blocks"]), "--attn_cache_tokens",
+                str(ATTN_CACHE_TOKENS), "--throughput",
                 f"{spec['throughput']:.6g}", "--num_handlers", "4"], **kw), "[INFO] Started")
             procs.append(srv)
             if not srv.ready.wait(300) or srv.popen.poll() is not None:

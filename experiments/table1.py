@@ -40,8 +40,8 @@ class Table1Config:
     target_load: float = 0.5
     n_cpus: float = 2.0
     step_overhead_cpu_s: float = 0.02
-    fast_budget: str = "600MiB"
-    slow_budget: str = "300MiB"
+    fast_budget: str = "480MiB"
+    slow_budget: str = "240MiB"
     slow_slowdown: float = SLOW_OVER_FAST
     rho_bar: float = 0.7
     netem: bool = True

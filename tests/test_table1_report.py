@@ -77,10 +77,11 @@ def test_prompts_have_exactly_the_requested_length():
 
 def test_petals_memory_rule_and_missing_environment(tmp_path):
     from experiments import petals22
-    # PETALS 2.2's _choose_num_blocks: floor((M - 2 GiB * h / 14336) / (s_m + 2 h * 16384 * 4)), SmolLM2 h = 576
-    per_block = 14160384 + 2 * 576 * 16384 * 4
+    # PETALS 2.2's _choose_num_blocks: floor((M - 2 GiB * h / 14336) / (s_m + 2 h * 4096 * 4)), SmolLM2 h = 576
+    per_block = 14160384 + 2 * 576 * 4096 * 4
     autograd = 2 * 2**30 / 14336 * 576
-    for budget in (600 * 2**20, 300 * 2**20, 2 * 2**30):
+    assert [petals22.petals_num_blocks(b * 2**20, 14160384, 576) for b in (480, 240)] == [12, 5]
+    for budget in (480 * 2**20, 240 * 2**20, 2 * 2**30):
         n = petals22.petals_num_blocks(budget, 14160384, 576)
         assert n * per_block <= budget - autograd < (n + 1) * per_block
     python, model = petals22.petals_paths(tmp_path)
