@@ -29,6 +29,12 @@ def _positive(text: str) -> float:
     return v
 
 
+def _size(text: str) -> str:
+    from server.cli import parse_size
+    parse_size(text)  # raises argparse.ArgumentTypeError with the fix-it message
+    return text.strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="petals-chain experiment table1", description=(
         "The paper's Table 1 on a live swarm: per policy a fresh swarm (DHT, orchestrator --policy P, 9 servers: "
@@ -50,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=1024, help="servers' --max-length; outputs are cut to fit")
     p.add_argument("--target-load", type=_positive, default=0.5, help="offered CPU load for the auto time scale")
     p.add_argument("--cpus", type=_positive, default=2.0, help="cores the auto time scale may count on (default 2)")
-    p.add_argument("--fast-budget", default="480MiB")
-    p.add_argument("--slow-budget", default="240MiB")
+    p.add_argument("--fast-budget", type=_size, default="480MiB", help="fast servers' --memory-budget")
+    p.add_argument("--slow-budget", type=_size, default="240MiB", help="slow servers' --memory-budget")
     p.add_argument("--slow-slowdown", type=_positive, default=175 / 109,
                    help="slow servers' launch-server --emulate-slowdown (default 175/109, the paper's ratio)")
     p.add_argument("--no-netem", action="store_true",
@@ -89,6 +95,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit(128 + signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, terminate)
+    from experiments.hosts import EmulationUnavailableError
     from experiments.run import run_table1
     from experiments.table1 import Table1Config
     from netem.topology import DataNotFoundError
@@ -103,7 +110,7 @@ def main(argv: list[str]) -> int:
         command="petals-chain experiment table1 " + shlex.join(rest))
     try:
         summary = run_table1(cfg)
-    except (DataNotFoundError, ValueError) as e:
+    except (DataNotFoundError, ValueError, EmulationUnavailableError) as e:
         print(f"petals-chain experiment table1: {e}", file=sys.stderr)
         return 2
     print(json.dumps({p: {"finished": s["finished"], "failed": s["failed"], "mean_response_s": s["response_s"]["mean"]}

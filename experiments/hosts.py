@@ -25,6 +25,10 @@ CLIENT_HOST = "client"  # DHT peer, orchestrator and load generator
 _FETCH = "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
 
 
+class EmulationUnavailableError(RuntimeError):
+    """WAN emulation cannot run here; the message says why and how to run without it."""
+
+
 class Localhost(_Localhost):
     rtt_ms = None
     hosts: list[str] = []
@@ -51,12 +55,17 @@ class EmulatedHosts:
     def __init__(self, server_names: list[str], rtt_ms: np.ndarray, *, backend: str = "auto", name: str = "pct1"):
         import netem
 
+        if not hasattr(netem, "Network"):
+            raise EmulationUnavailableError("this checkout has no WAN emulation (netem.Network); run with --no-netem")
         self.hosts = [CLIENT_HOST, *server_names]
         if rtt_ms.shape != (len(self.hosts), len(self.hosts)):
             raise ValueError(f"rtt matrix {rtt_ms.shape} does not match {len(self.hosts)} hosts")
         self.rtt_ms = rtt_ms
         self.net = netem.Network(self.hosts, rtt_ms.tolist(), backend=backend, name=name)
-        self.net.__enter__()
+        try:
+            self.net.__enter__()
+        except netem.NetemError as e:
+            raise EmulationUnavailableError(f"WAN emulation could not start: {e}; or run with --no-netem") from e
         self.label = f"netem ({self.net.backend} backend): {len(self.hosts)} emulated hosts, RIPE Atlas RTTs"
 
     def host_of(self, role: str) -> str:
