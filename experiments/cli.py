@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from pathlib import Path
 import signal
 import sys
 
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtt-data", default=None, help="RIPE Atlas file or data folder (same default)")
     p.add_argument("--deadline", type=_positive, default=600.0, help="seconds after the last arrival for stragglers")
     p.add_argument("--out", default="results/table1")
+    p.add_argument("--recompute", action="store_true",
+                   help="rebuild summary, plots and model check from the files in --out (no swarm is started)")
     p.add_argument("--quick", action="store_true",
                    help="40 requests, policies proposed and petals (unless given): the CI smoke run")
     p.add_argument("--model", default="smollm2-135m")
@@ -96,7 +99,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     from experiments.hosts import EmulationUnavailableError
-    from experiments.run import run_table1
+    from experiments.run import run_table1, write_results
     from experiments.table1 import Table1Config
     from netem.topology import DataNotFoundError
 
@@ -109,9 +112,12 @@ def main(argv: list[str]) -> int:
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest))
     try:
-        summary = run_table1(cfg)
+        summary = write_results(Path(cfg.out)) if args.recompute else run_table1(cfg)
     except (DataNotFoundError, ValueError, EmulationUnavailableError) as e:
         print(f"petals-chain experiment table1: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:  # after DataNotFoundError, its subclass
+        print(f"petals-chain experiment table1: {e} (--recompute needs the folder of a run)", file=sys.stderr)
         return 2
     print(json.dumps({p: {"finished": s["finished"], "failed": s["failed"], "mean_response_s": s["response_s"]["mean"]}
                       for p, s in summary["policies"].items()}, indent=1))

@@ -86,3 +86,24 @@ def test_petals_memory_rule_and_missing_environment(tmp_path):
         assert n * per_block <= budget - autograd < (n + 1) * per_block
     python, model = petals22.petals_paths(tmp_path)
     assert "petals_2_2_cpu.sh" in petals22.why_unavailable(python, model)
+
+
+def test_results_are_recomputed_from_the_files_of_a_stopped_run(tmp_path):
+    from experiments.run import write_results
+    scale = {"time_scale": 2.0, "length_scale": 0.0625, "output_scale": 1.0, "max_length_tokens": 1024, "requests": 2,
+             "offset": 0, "rate_per_s": 1.0, "trace_rate_per_s": 2.0, "interarrival_cv": 1.0,
+             "trace_interarrival_cv": 1.0, "mean_input_tokens": 1.0, "mean_output_tokens": 3.0,
+             "trace_mean_input_tokens": 16.0, "trace_mean_output_tokens": 3.0, "truncated": 0}
+    (tmp_path / "scale.json").write_text(json.dumps({"command": "c", "scale": scale, "rtt_ms": None,
+                                                     "rtt_anchor_indices": [],
+                                                     "config": {"policies": ["petals", "proposed", "bprr"]}}))
+    (tmp_path / "run_petals.json").write_text(json.dumps({"policy": "petals", "where": "localhost", "c": None}))
+    (tmp_path / "records_petals.jsonl").write_text(
+        "\n".join(json.dumps(rec(i, 0.0, 4.0, 6.0, policy="petals")) for i in range(2)) + "\n")
+    # proposed was stopped half-way: records but no run file; bprr never started
+    (tmp_path / "records_proposed.jsonl").write_text(json.dumps(rec(0, 0.0, 0.0, 2.0)) + "\n")
+    s = write_results(tmp_path)
+    assert set(s["policies"]) == {"petals", "proposed"}
+    assert s["policies"]["proposed"]["lost"] == 1 and "stopped" in s["policies"]["proposed"]["loadgen_error"]
+    assert s["improvement_vs_petals"]["proposed"]["mean_response"] == pytest.approx(2 / 3)
+    assert (tmp_path / "summary.md").exists() and (tmp_path / "cdf.png").exists()
