@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("petals_chain.demo_cli:main", "start a local private swarm and generate through it"),
     "generate": ("petals_chain.generate_cli:main", "generate text locally through block ranges or through a swarm"),
     "dht": ("petals_chain.dht_cli:main", "start a bootstrap DHT peer and print its multiaddr"),
+    "identity": ("petals_chain.identity_cli:main", "make a peer identity file (stable peer id, signs DHT records) or show its peer id"),
     "convert": ("petals_chain.models.convert_cli:main", "convert the embedded GGUF model into the local cache"),
     "plan": ("orchestrator.plan_cli:main", "plan block placement and chains for a cluster JSON (GBP-CR + GCA)"),
     "orchestrator": ("orchestrator.service.cli:main", "run the online orchestrator (GBP-CR + GCA + JFFC) for a swarm"),

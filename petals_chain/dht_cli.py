@@ -15,11 +15,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--identity-path", default=None, help="file with a private key, for a stable peer id across restarts")
     args = p.parse_args(argv)
     from petals_chain.process_signals import start_dht
+    from petals_chain.swarm_identity import SwarmIdentity
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, identity_path=args.identity_path)
+    identity = SwarmIdentity.load_or_create(args.identity_path)
+    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, **identity.dht_kwargs())
     for maddr in dht.get_visible_maddrs():
         print(maddr, flush=True)
     print("DHT peer running; pass the address above as --initial-peers. Ctrl-C stops it.", file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
 from petals_chain.errors import InvalidRequestError
+from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.wire import ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -21,32 +22,35 @@ def model_key(model: str) -> str:
     return model.rstrip("/").split("/")[-1].lower()
 
 
-def store_record(dht: DHT, key: str, subkey: str, value: dict, ttl_s: float, *, timeout_s: float = 10.0) -> bool:
-    """Store `value` under `key`/`subkey`, expiring after `ttl_s`.
+def store_record(dht: DHT, key: str, owner: SwarmIdentity, value: dict, ttl_s: float, *,
+                 timeout_s: float = 10.0) -> bool:
+    """Store `value` under `key` and `owner`'s subkey, signed by `owner` (swarm_identity), expiring after `ttl_s`.
 
     Bounded by `timeout_s`: if the DHT process died the caller must not block forever.
     """
-    future = dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl_s, return_future=True)
+    future = dht.store(key, subkey=owner.owner_subkey, value=value, expiration_time=get_dht_time() + ttl_s, return_future=True)
     return bool(future.result(timeout=timeout_s))
 
 
-def announce_server(dht: DHT, info: ServerInfo, ttl_s: float, *, timeout_s: float = 10.0) -> bool:
-    """Store `info` under the model's servers key, subkey = peer id."""
-    return store_record(dht, servers_key(info.model), info.peer_id, info.to_wire(), ttl_s, timeout_s=timeout_s)
+def announce_server(dht: DHT, info: ServerInfo, owner: SwarmIdentity, ttl_s: float, *, timeout_s: float = 10.0) -> bool:
+    """Store `info` under the model's servers key, in `owner`'s signed subkey."""
+    return store_record(dht, servers_key(info.model), owner, info.to_wire(), ttl_s, timeout_s=timeout_s)
 
 
-def fetch_servers(dht: DHT, model: str, *, states: tuple[str, ...] = ("online",)) -> list[ServerInfo]:
-    """All unexpired ServerInfo records of `model` (malformed records are skipped with a warning)."""
+def fetch_servers(dht: DHT, model: str, *, states: tuple[str, ...] = ("online",),
+                  allowed: frozenset[str] | None = None) -> list[ServerInfo]:
+    """All unexpired ServerInfo records of `model` (malformed records are skipped with a warning);
+    with `allowed` (a private swarm's members), only those of allowed peers."""
     found = dht.get(servers_key(model), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
     infos = []
-    for subkey, entry in found.value.items():
+    for entry in found.value.values():
         try:
             info = ServerInfo.from_wire(entry.value)
-        except InvalidRequestError as e:
-            logger.warning("ignoring malformed server record %s: %s", subkey, e)
+        except InvalidRequestError as e:  # the validators refuse these; a peer without them may hold one
+            logger.warning("ignoring malformed server record: %s", e)
             continue
-        if info.state in states:
+        if info.state in states and (allowed is None or info.peer_id in allowed):
             infos.append(info)
     return sorted(infos, key=lambda i: (i.start, i.peer_id))

@@ -70,6 +70,19 @@ class UnknownLeaseError(InvalidRequestError):
     code = "unknown_lease"
 
 
+
+class NotAllowedError(PetalsChainError):
+    """The caller's peer id is not on the server's or orchestrator's --allowed-peers list."""
+
+    code = "not_allowed"
+
+
+class IdentityError(PetalsChainError):
+    """A peer identity file cannot be read or written (local only, never sent over the wire)."""
+
+    code = "identity_error"
+
+
 ERROR_TYPES: dict[str, type[PetalsChainError]] = {
     cls.code: cls
     for cls in (
@@ -85,6 +98,7 @@ ERROR_TYPES: dict[str, type[PetalsChainError]] = {
         AcquireTimeoutError,
         OrchestratorUnavailableError,
         UnknownLeaseError,
+        NotAllowedError,
     )
 }
 

@@ -16,6 +16,7 @@ from hivemind.dht import DHT
 
 from petals_chain.dht_records import store_record
 from petals_chain.errors import InvalidRequestError
+from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.wire import PROTOCOL_VERSION, field_of
 
 ASSIGNMENT_STATUSES = ("pending", "assigned", "unused")
@@ -47,12 +48,13 @@ class OrchestratorInfo:
                    version=field_of(data, "version", str, default=PROTOCOL_VERSION))
 
 
-def announce_orchestrator(dht: DHT, info: OrchestratorInfo, ttl_s: float) -> bool:
-    return store_record(dht, orchestrator_key(info.model), info.peer_id, info.to_wire(), ttl_s)
+def announce_orchestrator(dht: DHT, info: OrchestratorInfo, owner: SwarmIdentity, ttl_s: float) -> bool:
+    return store_record(dht, orchestrator_key(info.model), owner, info.to_wire(), ttl_s)
 
 
-def find_orchestrator(dht: DHT, model: str) -> OrchestratorInfo | None:
-    """The live orchestrator of `model` (the most recently announced one if several), or None."""
+def find_orchestrator(dht: DHT, model: str, allowed: frozenset[str] | None = None) -> OrchestratorInfo | None:
+    """The live orchestrator of `model` (the most recently announced one if several), or None; with
+    `allowed`, only an orchestrator whose peer id is on that list."""
     found = dht.get(orchestrator_key(model), latest=True)
     if found is None or not isinstance(found.value, dict):
         return None
@@ -61,6 +63,8 @@ def find_orchestrator(dht: DHT, model: str) -> OrchestratorInfo | None:
         try:
             info = OrchestratorInfo.from_wire(entry.value)
         except InvalidRequestError:
+            continue
+        if allowed is not None and info.peer_id not in allowed:
             continue
         if best is None or entry.expiration_time > best[0]:
             best = (entry.expiration_time, info)

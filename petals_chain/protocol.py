@@ -10,44 +10,60 @@ from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from petals_chain import wire
+from petals_chain.errors import NotAllowedError
+from petals_chain.membership import check_allowed
 
 
-class BlockService(ServicerBase):
+class _MembersOnly(ServicerBase):
+    """With an allowlist (`--allowed-peers`), a caller not on it gets a typed `NotAllowedError` reply
+    and nothing else: its request never reaches the implementation."""
+
+    def __init__(self, impl, allowed_peers: frozenset[str] | None = None):
+        self.impl = impl
+        self.allowed_peers = allowed_peers
+
+    def _refusal(self, context: P2PContext) -> runtime_pb2.ExpertResponse | None:
+        try:
+            check_allowed(self.allowed_peers, str(context.remote_id))
+        except NotAllowedError as e:
+            return wire.error_response(e)
+        return None
+
+
+class BlockService(_MembersOnly):
     """Delegates each RPC to `impl` (the server's `BlockServicer`)."""
 
-    def __init__(self, impl):
-        self.impl = impl
-
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self.impl.info(request, context)
+        return self._refusal(context) or await self.impl.info(request, context)
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self.impl.forward(request, context)
+        return self._refusal(context) or await self.impl.forward(request, context)
 
     async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        refusal = self._refusal(context)
+        if refusal is not None:
+            yield refusal
+            return
         async for response in self.impl.inference(requests, context):
             yield response
 
 
-class OrchestratorService(ServicerBase):
+class OrchestratorService(_MembersOnly):
     """The online orchestrator's RPC surface (implemented in orchestrator.service.rpc; the client
     and the servers get stubs from this class without importing `orchestrator`)."""
 
-    def __init__(self, impl):
-        self.impl = impl
-
     async def rpc_acquire(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self.impl.acquire(request, context)
+        return self._refusal(context) or await self.impl.acquire(request, context)
 
     async def rpc_release(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self.impl.release(request, context)
+        return self._refusal(context) or await self.impl.release(request, context)
 
     async def rpc_heartbeat(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self.impl.heartbeat(request, context)
+        return self._refusal(context) or await self.impl.heartbeat(request, context)
 
     async def rpc_assignment(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self.impl.assignment(request, context)
+        return self._refusal(context) or await self.impl.assignment(request, context)
 
 
 def ping_block_server_s(loop, p2p, peer_id: str, *, timeout_s: float = 3.0) -> float | None:

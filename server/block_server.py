@@ -23,6 +23,7 @@ from hivemind.p2p import PeerID
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import announce_server, model_key
+from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.models.checkpoint import resolve_model_path
 from petals_chain import wire
 from petals_chain.errors import PetalsChainError
@@ -53,6 +54,7 @@ class ServerConfig:
     device: str = "cpu"
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     identity_path: str | None = None
+    allowed_peers: frozenset[str] | None = None  # private swarm: only these peers may call (None: anyone)
     name: str = ""
     policy: str = "fcfs"
     max_batch_tokens: int = 2048
@@ -91,11 +93,12 @@ class BlockServer:
         self.sessions: dict[str, OpenSession] = {}
         self._sessions_lock = threading.Lock()
         self.state = "joining"
+        self.identity = SwarmIdentity.load_or_create(config.identity_path)
         self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                             identity_path=config.identity_path)
+                             **self.identity.dht_kwargs())
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("server-p2p")
-        self.servicer = BlockService(BlockServicer(self))
+        self.servicer = BlockService(BlockServicer(self), config.allowed_peers)
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         self._stop = threading.Event()
@@ -216,7 +219,7 @@ class BlockServer:
             logger.warning("DHT process is gone; cannot announce state %r", self.state)
             return
         try:
-            announce_server(self.dht, self.info(), self.config.record_ttl_s, timeout_s=timeout_s)
+            announce_server(self.dht, self.info(), self.identity, self.config.record_ttl_s, timeout_s=timeout_s)
         except TimeoutError:
             logger.warning("announcing state %r timed out after %.0f s (will retry)", self.state, timeout_s)
         except Exception:

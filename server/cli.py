@@ -50,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
-    p.add_argument("--identity-path", default=None, help="private key file for a stable peer id")
+    p.add_argument("--identity-path", default=None,
+                   help="private key file for a stable peer id (`petals-chain identity new PATH` makes one)")
+    p.add_argument("--allowed-peers", default=None, metavar="FILE",
+                   help="private swarm: serve only the peer ids in FILE (one a line, # comments); clients and the "
+                        "orchestrator must be listed. Others get a NotAllowedError")
     p.add_argument("--name", default="", help="human-readable name shown in records and status pages")
     p.add_argument("--policy", default="fcfs", help="local scheduling policy (fcfs)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one batched forward")
@@ -68,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from petals_chain.errors import PetalsChainError
+    from petals_chain.membership import load_allowed_peers
     from server.block_server import BlockServer, ServerConfig
     from server.policies import POLICIES
 
@@ -91,13 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         args.blocks = "auto"
     start, end = (None, None) if args.blocks == "auto" else args.blocks
     try:
+        allowed_peers = load_allowed_peers(args.allowed_peers)
         server = BlockServer(ServerConfig(
             model=args.model, start=start, end=end, initial_peers=args.initial_peers,
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
             quant=args.quant, device=args.device, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
             name=args.name, policy=args.policy, max_batch_tokens=args.max_batch_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
-            orchestrator_wait_s=args.orchestrator_wait, emulate_slowdown=args.emulate_slowdown))
+            orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers,
+            emulate_slowdown=args.emulate_slowdown))
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2

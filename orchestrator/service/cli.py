@@ -17,7 +17,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"])
-    p.add_argument("--identity-path", default=None)
+    p.add_argument("--identity-path", default=None,
+                   help="private key file for a stable peer id (`petals-chain identity new PATH` makes one)")
+    p.add_argument("--allowed-peers", default=None, metavar="FILE",
+                   help="private swarm: plan only with servers whose peer id is in FILE and answer only listed "
+                        "peers (clients and servers; one id a line, # comments)")
     p.add_argument("--policy", choices=POLICIES, default="proposed",
                    help="proposed = GBP-CR + GCA + JFFC; petals / bprr = their placement + per-request routing; "
                         "jffc-only = whole model per server + JFFC")
@@ -50,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     from petals_chain.errors import PetalsChainError
     from petals_chain.models.checkpoint import load_config, resolve_model_path
 
+    from petals_chain.membership import load_allowed_peers
+
     try:
         num_blocks = load_config(resolve_model_path(args.model)).num_hidden_layers
+        allowed_peers = load_allowed_peers(args.allowed_peers)
     except PetalsChainError as e:
         print(f"petals-chain orchestrator: {e}", file=sys.stderr)
         return 2
@@ -67,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
         per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3,
         expected_servers=args.expected_servers, settle_s=args.settle, replan_period_s=args.replan_period,
-        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, identity_path=args.identity_path))
+        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, identity_path=args.identity_path,
+        allowed_peers=allowed_peers))
     http = None
     if args.http_port >= 0:
         http = serve_http(orch, args.http_host, args.http_port)

@@ -27,6 +27,7 @@ from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
 from petals_chain.orchestrator_records import Assignment, OrchestratorInfo, announce_orchestrator
+from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.protocol import OrchestratorService, ping_block_server_s
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class OrchestratorConfig:
     announce_period_s: float = 2.0
     tick_s: float = 0.5
     identity_path: str | None = None
+    allowed_peers: frozenset[str] | None = None  # private swarm: plan with and answer only these peers
 
 
 @dataclass
@@ -97,13 +99,14 @@ class Orchestrator:
         self._rtt_tried: dict[str, float] = {}
         self.events: list[str] = []
         self.http_port = 0
+        self.identity = SwarmIdentity.load_or_create(config.identity_path)
         self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                             identity_path=config.identity_path)
+                             **self.identity.dht_kwargs())
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("orchestrator-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         from orchestrator.service.rpc import OrchestratorRpc
-        self.servicer = OrchestratorService(OrchestratorRpc(self))
+        self.servicer = OrchestratorService(OrchestratorRpc(self), config.allowed_peers)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         self._stop = threading.Event()
         self._announce()
@@ -117,7 +120,7 @@ class Orchestrator:
 
     def _announce(self) -> None:
         try:
-            announce_orchestrator(self.dht, self.info(), 3 * self.config.announce_period_s)
+            announce_orchestrator(self.dht, self.info(), self.identity, 3 * self.config.announce_period_s)
         except Exception:
             logger.exception("announce failed (will retry)")
 
@@ -142,7 +145,8 @@ class Orchestrator:
                 logger.exception("control loop iteration failed")
 
     def tick(self, now: float) -> None:
-        infos = {i.peer_id: i for i in fetch_servers(self.dht, self.model, states=("joining", "online"))}
+        infos = {i.peer_id: i for i in fetch_servers(self.dht, self.model, states=("joining", "online"),
+                                                        allowed=self.config.allowed_peers)}
         new = [p for p in infos if p not in self.records]
         for p in new:  # measure tau_c outside the lock: it takes round trips
             self._rtt_tried[p] = now

@@ -110,16 +110,32 @@ class OrchestratorChainProvider(ChainProvider):
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._heartbeat_period_s):
-            with self._lock:
-                sids = list(self.grants)
-            if not sids:
-                continue
             try:
-                out = self._call("rpc_heartbeat", {"type": "heartbeat", "session_ids": sids}, 5.0)
-                for sid in out.get("unknown", []):
-                    logger.warning("the orchestrator no longer holds a lease for session %s", str(sid)[:8])
+                self.heartbeat_once()
             except PetalsChainError as e:
                 logger.warning("heartbeat failed: %s", e)
+
+    def heartbeat_once(self) -> list[str]:
+        """Renew every held lease; returns the sessions whose lease the orchestrator has lost.
+
+        Why the grant objects are compared: the snapshot is taken before the RPC and the lock is not
+        held across it, so a session may be released (or released and re-acquired by a failover)
+        while the heartbeat is in flight. The orchestrator then rightly answers "unknown" for a lease
+        that this client no longer holds; only a lease still held under the same grant was lost."""
+        with self._lock:
+            held = dict(self.grants)
+        if not held:
+            return []
+        out = self._call("rpc_heartbeat", {"type": "heartbeat", "session_ids": sorted(held)}, 5.0)
+        lost = []
+        with self._lock:
+            for sid in out.get("unknown", []):
+                if sid in held and self.grants.get(sid) is held[sid]:
+                    lost.append(sid)
+        for sid in lost:
+            logger.warning("the orchestrator no longer holds the lease of session %s (it expired or its chain "
+                           "lost a server); the session keeps its streams but is no longer counted", str(sid)[:8])
+        return lost
 
     def close(self) -> None:
         self._stop.set()

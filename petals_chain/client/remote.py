@@ -33,6 +33,7 @@ from petals_chain.errors import (
 )
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, ping_block_server_s
+from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
 
 logger = logging.getLogger(__name__)
 
@@ -66,22 +67,29 @@ class RemoteChain(ChainBackend):
     def __init__(self, model: str, config, initial_peers: list[str], dtype: torch.dtype = torch.float32, *,
                  provider: ChainProvider | None = None, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
                  max_failovers: int = 3, wait_for_chain_s: float = 20.0, use_orchestrator: bool = True,
-                 acquire_timeout_s: float = 120.0):
+                 acquire_timeout_s: float = 120.0, allowed_servers: frozenset[str] | list[str] | None = None,
+                 identity_path: str | None = None):
         self.model = model_key(model)
         self.num_blocks = config.num_hidden_layers
         self.dtype = dtype
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
         self.max_failovers = max_failovers
-        self.dht = start_dht(initial_peers=initial_peers, client_mode=True)
+        # `identity_path`: a stable peer id, e.g. to be listed in a private swarm's --allowed-peers
+        identity = ({"record_validators": swarm_validators()} if identity_path is None
+                    else SwarmIdentity.load_or_create(identity_path).dht_kwargs())
+        self.dht = start_dht(initial_peers=initial_peers, client_mode=True, **identity)
         self.loop = BackgroundLoop("client-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
-        self.orchestrator = find_orchestrator(self.dht, self.model) if provider is None and use_orchestrator else None
+        # a private swarm: records of servers (and of an orchestrator) not on this list are ignored
+        allowed = None if allowed_servers is None else frozenset(allowed_servers)
+        self.orchestrator = (find_orchestrator(self.dht, self.model, allowed)
+                             if provider is None and use_orchestrator else None)
         if provider is None and self.orchestrator is not None:
             provider = OrchestratorChainProvider(
                 self.loop, self.p2p, self.orchestrator.peer_id, acquire_timeout_s=acquire_timeout_s,
-                rediscover=lambda: getattr(find_orchestrator(self.dht, self.model), "peer_id", None))
-        self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model), self.ping_s,
+                rediscover=lambda: getattr(find_orchestrator(self.dht, self.model, allowed), "peer_id", None))
+        self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model, allowed=allowed), self.ping_s,
                                                      wait_for_chain_s=wait_for_chain_s)
 
     def stub(self, peer_id: str):
