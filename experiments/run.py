@@ -54,7 +54,11 @@ def run_table1(cfg: Table1Config) -> dict:
             if r.get("unavailable"):
                 print(f"[petals-2.2] not run: {r['unavailable']}", flush=True)
         else:
-            r = run_policy(cfg, policy, info, rtt_ms, out)
+            try:
+                r = run_policy(cfg, policy, info, rtt_ms, out)
+            except RuntimeError as e:  # this policy's swarm did not come up: say so, go on with the next
+                print(f"[{policy}] failed: {e}", flush=True)
+                r = {"policy": policy, "unavailable": f"its swarm did not come up: {e}"}
         (out / f"run_{policy}.json").write_text(json.dumps({k: v for k, v in r.items() if k != "records"}, indent=1))
     return write_results(out, time.monotonic() - t0)
 
@@ -79,7 +83,8 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
             unavailable[p] = r["unavailable"]
             continue
         s = report.policy_summary(r["records"], n_requests)
-        s.update({k: r.get(k) for k in ("c", "placement", "chains", "servers", "cpu", "startup_s", "final_metrics",
+        s.update({k: r.get(k) for k in ("c", "placement", "left_out_of_plan", "chains", "servers", "cpu", "startup_s",
+                                        "final_metrics",
                                         "loadgen_exit", "loadgen_error", "loadgen_tail")})
         policies[p] = s
     summary = {"command": meta["command"], "where": where, "scale": meta["scale"], "config": meta["config"],

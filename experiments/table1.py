@@ -115,9 +115,14 @@ def make_launcher(cfg: Table1Config, rtt_ms):
     return EmulatedHosts(server_names(cfg), rtt_ms, backend=cfg.netem_backend)
 
 
-def wait_plan(launcher, url: str, timeout_s: float = 300.0) -> dict:
+def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:
+    """The orchestrator's /status once its plan is online (every server it placed serves its range)."""
     deadline = time.monotonic() + timeout_s
     while True:
+        dead = [s.name for s in swarm.servers if not s.alive]
+        if dead:
+            sp = next(s for s in swarm.servers if not s.alive)
+            raise RuntimeError(f"server(s) {', '.join(dead)} exited during start-up:\n" + "\n".join(sp.lines[-15:]))
         status = launcher.fetch_json("orchestrator", url + "status")
         if status.get("plan_installed"):
             return status
@@ -148,12 +153,17 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
     try:
         t_start = time.monotonic()
         print(f"[{policy}] starting a fresh swarm ({launcher.label}) ...", flush=True)
-        swarm.start()
-        status = wait_plan(launcher, swarm.orchestrator_url)
+        swarm.start(wait_servers=False)  # the plan is what counts: a server it leaves out never gets a range
+        status = wait_plan(launcher, swarm.orchestrator_url, swarm)
         result["startup_s"] = time.monotonic() - t_start
         (out_dir / f"status_{policy}.json").write_text(json.dumps(status, indent=1))
         names = {s["peer_id"]: s["name"] for s in status["servers"]}
+        left_out = [s["name"] for s in status["servers"] if s["assigned"] is None and s["end"] <= s["start"]]
+        if left_out:
+            print(f"[{policy}] not in the plan (no RTT measurement when it was made): {', '.join(left_out)}",
+                  flush=True)
         result.update(c=status["c"], placement={s["name"]: [s["start"], s["end"]] for s in status["servers"]},
+                      left_out_of_plan=left_out,
                       chains=[{"servers": [names.get(p, p) for p in k["servers"]], "blocks": k.get("blocks"),
                                "capacity": k["capacity"], "service_time_s": k["service_time"]}
                               for k in status["chains"]],

@@ -90,7 +90,9 @@ class LocalSwarm:
         return self.launcher.popen(role, [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, env=self.env, start_new_session=True)
 
-    def start(self) -> "LocalSwarm":
+    def start(self, *, wait_servers: bool = True) -> "LocalSwarm":
+        """`wait_servers=False`: return once the servers are spawned (a caller that waits for the
+        orchestrator's plan instead: a server the plan leaves out never reports a range)."""
         try:
             self.dht_process = self._spawn("dht", ["-m", "petals_chain.cli", "dht", "--host-maddrs",
                                                   self.launcher.listen_maddr("dht")])
@@ -106,7 +108,8 @@ class LocalSwarm:
                 start, end = rng if rng is not None else (None, None)
                 self.add_server(start, end, extra_args=self.per_server_args[i], wait=False,
                                 name=self.names[i] if self.names else None)
-            self.wait_ready()
+            if wait_servers:
+                self.wait_ready()
         except BaseException:
             self.stop()
             raise
