@@ -1,14 +1,13 @@
 """Where the experiment's processes run: one small interface, two implementations.
 
-- `Localhost` (petals_chain.local_swarm): every process on 127.0.0.1, no emulation (`--no-netem`;
-  results are labelled so);
-- `EmulatedHosts`: one emulated host per role (a network namespace of `netem.Network`, RIPE Atlas
-  RTTs between hosts), the DHT peer, orchestrator and load generator on host `client`, server i on
-  its own host.
+- `Localhost`: every process on 127.0.0.1, no emulation (`--no-netem`; results are labelled so);
+- `EmulatedHosts`: one emulated host per server (a network namespace of `netem.Network`, RIPE Atlas
+  RTTs between hosts) plus host `client` for the DHT peer, the orchestrator and the load generator.
 
-Both give: `label`, `listen_maddr(role)`, `popen(role, argv, **kw)`, `fetch_json(role, url)` (an
-HTTP GET made from inside the role's host: the orchestrator's status page listens on that host's
-loopback), `rtt_ms` (the configured matrix, or None) and `close()`.
+Both give: `label`, `placement(role)` (role -> (argv prefix, address): what `LocalSwarm` takes;
+roles are `dht`, `orchestrator`, `loadgen`, `server<i>` and the servers' names), `listen_maddr(role)`,
+`popen(role, argv, **kw)`, `fetch_json(role, url)` (an HTTP GET made from inside the role's host)
+and `close()`.
 """
 from __future__ import annotations
 
@@ -19,8 +18,6 @@ import urllib.request
 
 import numpy as np
 
-from petals_chain.local_swarm import Localhost as _Localhost
-
 CLIENT_HOST = "client"  # DHT peer, orchestrator and load generator
 _FETCH = "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
 
@@ -29,16 +26,35 @@ class EmulationUnavailableError(RuntimeError):
     """WAN emulation cannot run here; the message says why and how to run without it."""
 
 
-class Localhost(_Localhost):
+class _Hosts:
+    def placement(self, role: str) -> tuple[list[str], str]:
+        raise NotImplementedError
+
+    def listen_maddr(self, role: str) -> str:
+        return f"/ip4/{self.placement(role)[1]}/tcp/0"
+
+    def popen(self, role: str, argv: list[str], **popen_kwargs) -> subprocess.Popen:
+        return subprocess.Popen([*self.placement(role)[0], *argv], **popen_kwargs)
+
+    def fetch_json(self, role: str, url: str) -> dict:
+        out = subprocess.run([*self.placement(role)[0], sys.executable, "-c", _FETCH, url], capture_output=True,
+                             text=True, timeout=30, check=True)
+        return json.loads(out.stdout)
+
+    def close(self) -> None:
+        pass
+
+
+class Localhost(_Hosts):
+    label = "localhost (no network emulation)"
     rtt_ms = None
-    hosts: list[str] = []
+
+    def placement(self, role: str) -> tuple[list[str], str]:
+        return [], "127.0.0.1"
 
     def fetch_json(self, role: str, url: str) -> dict:
         with urllib.request.urlopen(url, timeout=10) as r:
             return json.load(r)
-
-    def close(self) -> None:
-        pass
 
 
 def ripe_atlas_hosts_rtt_ms(rtt_matrix_ms: np.ndarray, n_hosts: int, seed: int) -> tuple[np.ndarray, list[int]]:
@@ -49,14 +65,15 @@ def ripe_atlas_hosts_rtt_ms(rtt_matrix_ms: np.ndarray, n_hosts: int, seed: int) 
     return rtt_matrix_ms[np.ix_(idx, idx)], idx
 
 
-class EmulatedHosts:
-    """`roles` -> hosts of one `netem.Network`: `client` holds dht/orchestrator/loadgen, every other role its own."""
+class EmulatedHosts(_Hosts):
+    """Host `client` and one host per server name, in one `netem.Network` (its RTT matrix in that order)."""
 
     def __init__(self, server_names: list[str], rtt_ms: np.ndarray, *, backend: str = "auto", name: str = "pct1"):
         import netem
 
         if not hasattr(netem, "Network"):
             raise EmulationUnavailableError("this checkout has no WAN emulation (netem.Network); run with --no-netem")
+        self.server_names = list(server_names)
         self.hosts = [CLIENT_HOST, *server_names]
         if rtt_ms.shape != (len(self.hosts), len(self.hosts)):
             raise ValueError(f"rtt matrix {rtt_ms.shape} does not match {len(self.hosts)} hosts")
@@ -69,21 +86,15 @@ class EmulatedHosts:
         self.label = f"netem ({self.net.backend} backend): {len(self.hosts)} emulated hosts, RIPE Atlas RTTs"
 
     def host_of(self, role: str) -> str:
-        return role if role in self.hosts else CLIENT_HOST
+        if role in self.hosts:
+            return role
+        if role.startswith("server") and role[6:].isdigit() and int(role[6:]) < len(self.server_names):
+            return self.server_names[int(role[6:])]
+        return CLIENT_HOST
 
-    def listen_maddr(self, role: str) -> str:
-        return f"/ip4/{self.net.address(self.host_of(role))}/tcp/0"
-
-    def popen(self, role: str, argv: list[str], **popen_kwargs) -> subprocess.Popen:
-        return self.net.popen(self.host_of(role), argv, **popen_kwargs)
-
-    def fetch_json(self, role: str, url: str) -> dict:
-        out = subprocess.run(self.net.command(self.host_of(role), [sys.executable, "-c", _FETCH, url]),
-                             capture_output=True, text=True, timeout=30, check=True)
-        return json.loads(out.stdout)
-
-    def measure_rtt_ms(self) -> list[list[float]]:
-        return self.net.measure_rtt_ms()
+    def placement(self, role: str) -> tuple[list[str], str]:
+        host = self.host_of(role)
+        return self.net.prefix(host), self.net.address(host)
 
     def close(self) -> None:
         self.net.__exit__(None, None, None)

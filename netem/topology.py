@@ -201,3 +201,84 @@ def load_ripe_atlas_rtt_matrix(path: str | os.PathLike) -> np.ndarray:
     """Convenience: load the RIPE Atlas CSV and return the calibrated pairwise RTT matrix (ms)."""
     anchors = load_ripe_atlas_anchors(path)
     return pairwise_rtt_ms(anchors, calibrate_geodesic_rtt(anchors))
+
+
+# -- emulated topologies: host names + a validated RTT matrix -------------------------------------
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Hosts and their symmetric RTT matrix (ms, zero diagonal), what `netem.Network` emulates."""
+
+    hosts: tuple[str, ...]
+    rtt_ms: tuple[tuple[float, ...], ...]
+    source: str  # "ripe:<seed>", "synthetic:<seed>" or the JSON file's path
+
+
+def validate_rtt_matrix(hosts, rtt_ms, *, where: str = "topology") -> list[list[float]]:
+    """The matrix as lists of floats, or a ValueError saying what is wrong: one distinct non-empty name per
+    host, an n x n matrix of finite non-negative numbers, zero diagonal, symmetric (within 1e-6 ms)."""
+    from netem.errors import TopologyError
+
+    hosts = list(hosts)
+    if not hosts or not all(isinstance(h, str) and h and h.strip() == h and " " not in h for h in hosts):
+        raise TopologyError(f"{where}: 'hosts' must be a non-empty list of names without spaces, got {hosts!r}")
+    if len(set(hosts)) != len(hosts):
+        raise TopologyError(f"{where}: host names must be distinct, got {hosts!r}")
+    try:
+        m = np.array(rtt_ms, dtype=float)
+    except (TypeError, ValueError):
+        raise TopologyError(f"{where}: 'rtt_ms' must be a square list of lists of numbers") from None
+    n = len(hosts)
+    if m.shape != (n, n):
+        raise TopologyError(f"{where}: 'rtt_ms' must be {n} x {n} for {n} hosts, got shape {m.shape}")
+    if not np.all(np.isfinite(m)) or np.any(m < 0):
+        raise TopologyError(f"{where}: RTTs must be finite and >= 0 ms")
+    if np.any(np.diag(m) != 0):
+        raise TopologyError(f"{where}: the diagonal (a host to itself) must be 0, got {np.diag(m).tolist()}")
+    bad = np.argwhere(np.abs(m - m.T) > 1e-6)
+    if len(bad):
+        i, j = bad[0]
+        raise TopologyError(f"{where}: RTTs must be symmetric: rtt_ms[{i}][{j}] = {m[i, j]} but "
+                            f"rtt_ms[{j}][{i}] = {m[j, i]} ({hosts[i]} <-> {hosts[j]})")
+    return m.tolist()
+
+
+def load_topology_json(path: str | os.PathLike) -> Topology:
+    """`{"hosts": ["a", "b", ...], "rtt_ms": [[0, 40, ...], ...]}`, validated by `validate_rtt_matrix`."""
+    import json
+
+    from netem.errors import TopologyError
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise TopologyError(f"{path}: no such topology file") from None
+    except json.JSONDecodeError as e:
+        raise TopologyError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or set(doc) - {"hosts", "rtt_ms"} or not {"hosts", "rtt_ms"} <= set(doc):
+        raise TopologyError(f'{path}: expected exactly {{"hosts": [...], "rtt_ms": [[...], ...]}}')
+    m = validate_rtt_matrix(doc["hosts"], doc["rtt_ms"], where=str(path))
+    return Topology(tuple(doc["hosts"]), tuple(tuple(r) for r in m), str(path))
+
+
+def ripe_topology(n_hosts: int, rng: np.random.Generator, path: str | os.PathLike, *, seed_label: str = "") -> Topology:
+    """`n_hosts` RIPE Atlas anchors drawn at random without replacement (as the paper picks nodes), with the
+    calibrated anchor-to-anchor RTTs; hosts are named `anchor<ID>`."""
+    anchors = load_ripe_atlas_anchors(path)
+    if not 1 <= n_hosts <= anchors.n_anchors:
+        from netem.errors import TopologyError
+        raise TopologyError(f"--hosts must lie in 1..{anchors.n_anchors} for the RIPE Atlas data")
+    full = pairwise_rtt_ms(anchors, calibrate_geodesic_rtt(anchors))
+    pick = np.sort(rng.choice(anchors.n_anchors, size=n_hosts, replace=False))
+    m = full[np.ix_(pick, pick)]
+    m = (m + m.T) / 2
+    return Topology(tuple(f"anchor{anchors.anchor_ids[k]}" for k in pick), tuple(tuple(r) for r in m.tolist()),
+                    f"ripe:{seed_label}")
+
+
+def synthetic_topology(n_hosts: int, rng: np.random.Generator, *, seed_label: str = "") -> Topology:
+    """`synthetic_rtt_ms` points; hosts are named h0, h1, ..."""
+    m = synthetic_rtt_ms(n_hosts, rng)
+    return Topology(tuple(f"h{i}" for i in range(n_hosts)), tuple(tuple(r) for r in m.tolist()),
+                    f"synthetic:{seed_label}")

@@ -1,32 +1,28 @@
 """GCA: Greedy Cache Allocation (Alg. 2) over the routing graph G_{a,m}.
 
-Two implementations of the same algorithm:
-
-- ``gca``: the one the planner uses; Alg. 2 literally, on a networkx DiGraph over J_+ with
-  Dijkstra (line 5).
-- ``gca_end_dp``: an independent cross-check that runs the same shortest-path search as a dynamic
-  program over block *ends*: a link (i, j) costs tau^c_j + tau^p_j (end_j - end_i) and is present
-  iff M_j >= m_ij = end_j - end_i, both functions of (end_i, j) only, and every link goes from a
-  smaller end to a larger one (the graph is a DAG ordered by end). So the best way to reach end e
-  is one number D[e], and each server relaxes the window of predecessor ends it can accept.
-  (Measured at J=200, L=80 both take about the same time; the per-request routers of the
-  baselines use this DP because their costs change at every request.)
+Line 5's shortest path runs as a dynamic program over block *ends*: a link (i, j) costs
+tau^c_j + tau^p_j (end_j - end_i) and is present iff M_j >= m_ij = end_j - end_i, both functions
+of (end_i, j) only, and every link goes from a smaller end to a larger one (the graph is a DAG
+ordered by end). So the best way to reach end e is one number D[e]; the servers ending at e are
+relaxed together: per end, the cheapest link from each predecessor end is kept in an array and
+refreshed only when a server of that end lost slots, so one shortest path costs O(L) numpy work
+instead of Dijkstra over O(J^2 / L) links. A link's cost is added as D[e_i] + (tau^c_j +
+tau^p_j m_ij), the order Dijkstra sums in.
 
 Link removal (lines 10-12) is applied to *every* link into a server whose residual M_j fell below
 m_ij, not only the links of the chain just built: otherwise a later shortest path could use such a
-link and get capacity floor(M_j / m_ij) = 0. Both implementations do this; they agree on instances
-without cost ties (tests check that).
+link and get capacity floor(M_j / m_ij) = 0. (Alg. 2 read literally with networkx Dijkstra is kept
+as the test oracle, tests/gca_reference.py; the two agree chain for chain on instances without
+cost ties.)
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-import networkx as nx
 import numpy as np
 
-from orchestrator.model import (SINK, SOURCE, ChainSpec, Cluster, InfeasibleClusterError, Placement,
-                                chain_from_path, link_time_s, residual_slots, routing_links)
+from orchestrator.model import ChainSpec, Cluster, InfeasibleClusterError, Placement, chain_from_path, residual_slots
 
 
 @dataclass(frozen=True)
@@ -35,49 +31,6 @@ class GcaResult:
 
     chains: tuple[ChainSpec, ...]
     residual_slots_after: tuple[int, ...]
-
-
-def gca_end_dp(cluster: Cluster, placement: Placement, residual: list[int] | None = None) -> GcaResult:
-    """Alg. 2 with the end-indexed shortest path (see module docstring)."""
-    L = cluster.service.num_blocks
-    M = list(residual_slots(cluster, placement) if residual is None else residual)
-    used = [j for j in placement.used_servers()]
-    # Servers sorted by end: relaxing in this order is a topological order of the DAG.
-    used.sort(key=lambda j: (placement.ranges[j].end, j))
-    starts = {j: placement.ranges[j].start for j in used}
-    ends = {j: placement.ranges[j].end for j in used}
-    tau_c = {j: cluster.servers[j].tau_c_s for j in used}
-    tau_p = {j: cluster.servers[j].tau_p_s for j in used}
-    end_index = np.arange(L + 1, dtype=float)
-    chains: list[ChainSpec] = []
-    while True:
-        D = np.full(L + 1, math.inf)
-        D[0] = 0.0
-        best_server = [-1] * (L + 1)
-        pred_end: dict[int, int] = {}
-        for j in used:
-            e_j = ends[j]
-            lo = max(starts[j], e_j - M[j])  # links (i, j) with M_j >= m_ij = e_j - e_i (line 2, 10-12)
-            if lo >= e_j:
-                continue
-            window = D[lo:e_j] + tau_p[j] * (e_j - end_index[lo:e_j])
-            k = int(np.argmin(window))
-            cost = tau_c[j] + float(window[k])
-            if cost < D[e_j]:
-                D[e_j] = cost
-                best_server[e_j] = j
-                pred_end[j] = lo + k
-        if not math.isfinite(D[L]):  # line 4: j_0 no longer connected to j_{J+1}
-            break
-        path = []
-        e = L
-        while e > 0:
-            j = best_server[e]
-            path.append(j)
-            e = pred_end[j]
-        path.reverse()
-        chains.append(_allocate(cluster, placement, path, M))
-    return GcaResult(chains=tuple(chains), residual_slots_after=tuple(M))
 
 
 def _allocate(cluster: Cluster, placement: Placement, path: list[int], M: list[int]) -> ChainSpec:
@@ -97,31 +50,99 @@ def _allocate(cluster: Cluster, placement: Placement, path: list[int], M: list[i
 
 
 def gca(cluster: Cluster, placement: Placement, residual: list[int] | None = None) -> GcaResult:
-    """Alg. 2 literally, with networkx Dijkstra on G^{(l-1)} = (J_+, E^{(l-1)}).
+    """Alg. 2 with the end-indexed shortest path (see module docstring).
 
     ``residual`` overrides the starting slots M^{(0)}_j (default M~_j of eq. 3)."""
+    L = cluster.service.num_blocks
     M = list(residual_slots(cluster, placement) if residual is None else residual)
-    g = nx.DiGraph()
-    g.add_nodes_from([SOURCE, SINK])
-    for i, j, m_ij in routing_links(placement, cluster.service.num_blocks):
-        if j == SINK:
-            g.add_edge(i, j, weight=0.0, m=0)
-        elif M[j] >= m_ij:  # line 2
-            g.add_edge(i, j, weight=link_time_s(cluster.servers[j], m_ij), m=m_ij)
+    groups = _end_groups(cluster, placement, M)
+    where = {int(j): (g, r) for g in groups for r, j in enumerate(g.servers)}  # server -> (its group, row)
     chains: list[ChainSpec] = []
     while True:
-        try:
-            nodes = nx.dijkstra_path(g, SOURCE, SINK, weight="weight")  # line 5
-        except nx.NetworkXNoPath:  # line 4: j_0 no longer connected to j_{J+1}
+        path = _shortest_path(groups, L)
+        if path is None:  # line 4: j_0 no longer connected to j_{J+1}
             break
-        path = nodes[1:-1]
-        chain = _allocate(cluster, placement, path, M)  # lines 6-8
-        chains.append(chain)
-        for j in set(path):  # lines 9-12, for every link into a touched server
-            for i in list(g.predecessors(j)):
-                if M[j] < g.edges[i, j]["m"]:
-                    g.remove_edge(i, j)
+        chains.append(_allocate(cluster, placement, path, M))  # lines 6-8
+        touched: dict[int, tuple[_EndGroup, list[int]]] = {}
+        for j in path:  # lines 9-12: every link into a touched server
+            g, r = where[j]
+            touched.setdefault(id(g), (g, []))[1].append(r)
+        for g, rows in touched.values():
+            g.refresh(M, rows)
     return GcaResult(chains=tuple(chains), residual_slots_after=tuple(M))
+
+
+class _EndGroup:
+    """The servers whose range ends at ``end``, and the cheapest way into ``end`` from each
+    predecessor end e' < end over their links still present: f[e'] = min_j tau^c_j + tau^p_j
+    (end - e') over servers j with M_j >= end - e' and start_j <= e'; via[e'] = that j's row.
+    D[end] = min_e' D[e'] + f[e'] (rounding is monotone, so this equals the minimum over all
+    links). A server's lowest accepted e' (lo_j) only grows as its slots go, so a link once gone
+    never returns: each column keeps its servers sorted by cost and a pointer to the cheapest one
+    still linked, which only moves forward (O(n_e w log n_e) per GCA run, not per chain)."""
+
+    def __init__(self, end: int, servers: list[int], starts: list[int], tau_c_s: list[float], tau_p_s: list[float],
+                 M: list[int]):
+        self.end = end
+        self.servers = np.array(servers)
+        self.starts = np.array(starts)
+        self.lo_min = int(self.starts.min())
+        self._ends = np.arange(self.lo_min, end)
+        m = end - self._ends  # m_ij when entering from end e' (int, as link_time_s multiplies)
+        self._cost = np.array(tau_c_s)[:, None] + np.array(tau_p_s)[:, None] * m[None, :]
+        self._order = np.argsort(self._cost, axis=0, kind="stable")  # ties: the smaller row first
+        self._ptr = np.zeros(len(self._ends), dtype=np.int64)
+        self._cols = np.arange(len(self._ends))
+        self.refresh(M)
+
+    def refresh(self, M: list[int], rows: list[int] | None = None) -> None:
+        """Re-read the slots of ``rows`` (default all) from M and move the column pointers on."""
+        if rows is None:
+            self._lo = np.maximum(self.starts, self.end - np.array([M[j] for j in self.servers]))  # line 2, 10-12
+        else:
+            for r in rows:
+                self._lo[r] = max(self.starts[r], self.end - M[self.servers[r]])
+        n = len(self.servers)
+        while True:
+            best = self._order[np.minimum(self._ptr, n - 1), self._cols]
+            gone = (self._ptr < n) & (self._lo[best] > self._ends)
+            if not gone.any():
+                break
+            self._ptr[gone] += 1
+        self.via = best
+        self.f = np.where(self._ptr < n, self._cost[best, self._cols], math.inf)
+
+
+def _end_groups(cluster: Cluster, placement: Placement, M: list[int]) -> list[_EndGroup]:
+    by_end: dict[int, list[int]] = {}
+    for j in placement.used_servers():
+        by_end.setdefault(placement.ranges[j].end, []).append(j)
+    return [_EndGroup(e, js, [placement.ranges[j].start for j in js], [cluster.servers[j].tau_c_s for j in js],
+                      [cluster.servers[j].tau_p_s for j in js], M) for e, js in sorted(by_end.items())]
+
+
+def _shortest_path(groups: list[_EndGroup], L: int) -> list[int] | None:
+    """Line 5: the cheapest source -> sink path over the links still present."""
+    D = np.full(L + 1, math.inf)
+    D[0] = 0.0
+    best_server: dict[int, int] = {}
+    pred_end: dict[int, int] = {}
+    for g in groups:
+        vals = D[g.lo_min:g.end] + g.f
+        k = int(np.argmin(vals))
+        if vals[k] < D[g.end]:
+            D[g.end] = vals[k]
+            j = int(g.servers[g.via[k]])
+            best_server[g.end] = j
+            pred_end[j] = g.lo_min + k
+    if not math.isfinite(D[L]):
+        return None
+    path, e = [], L
+    while e > 0:
+        j = best_server[e]
+        path.append(j)
+        e = pred_end[j]
+    return path[::-1]
 
 
 def gca_or_raise(cluster: Cluster, placement: Placement) -> GcaResult:

@@ -169,12 +169,16 @@ def residual_slots(cluster: Cluster, placement: Placement) -> list[int]:
     Servers without blocks get 0 (they take no part in any chain)."""
     s = cluster.service
     out = []
-    for j, sv in enumerate(cluster.servers):
-        m = placement.num_blocks(j)
-        if m == 0:
+    by_memory_blocks: dict[tuple[float, int], int] = {}  # servers mostly share a few (M_j, m_j)
+    for sv, r in zip(cluster.servers, placement.ranges):
+        if r is None:
             out.append(0)
             continue
-        out.append(max(0, robust_floor_div(sv.memory_gb - s.block_size_gb * m, s.cache_size_gb)))
+        key = (sv.memory_gb, r.end - r.start)
+        slots = by_memory_blocks.get(key)
+        if slots is None:
+            slots = by_memory_blocks[key] = max(0, robust_floor_div(sv.memory_gb - s.block_size_gb * key[1], s.cache_size_gb))
+        out.append(slots)
     return out
 
 

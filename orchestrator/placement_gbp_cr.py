@@ -1,8 +1,11 @@
 """GBP-CR: Greedy Block Placement with Cache Reservation (Alg. 1, eqs 8, 9, 12, 13)."""
 from __future__ import annotations
 
+import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from orchestrator.model import BlockRange, Cluster, InfeasibleClusterError, Placement, robust_floor_div
 
@@ -31,11 +34,39 @@ class GbpCrResult:
         return len(self.chains)
 
 
-def blocks_per_server(cluster: Cluster, c: int) -> list[int]:
-    """m_j(c) = min(floor(M_j / (s_m + s_c c)), L) (eq. 8), robust to float noise."""
+@dataclass(frozen=True)
+class ServerArrays:
+    """Per-server parameters as numpy arrays, built once per cluster by the c* search (which runs
+    GBP-CR for every c in [1, c_max]) instead of once per c."""
+
+    memory_values_gb: tuple[float, ...]  # distinct memory sizes
+    memory_class: np.ndarray  # server -> index into memory_values_gb
+    tau_c_s: np.ndarray
+    tau_p_s: np.ndarray
+
+
+def server_arrays(cluster: Cluster) -> ServerArrays:
+    mem = np.array([sv.memory_gb for sv in cluster.servers], dtype=float)
+    values, inverse = np.unique(mem, return_inverse=True)
+    return ServerArrays(tuple(float(v) for v in values), inverse,
+                        np.array([sv.tau_c_s for sv in cluster.servers], dtype=float),
+                        np.array([sv.tau_p_s for sv in cluster.servers], dtype=float))
+
+
+def _blocks_per_class(cluster: Cluster, c: int, arrays: ServerArrays) -> list[int]:
     s = cluster.service
     per_block_gb = s.block_size_gb + s.cache_size_gb * c
-    return [min(robust_floor_div(sv.memory_gb, per_block_gb), s.num_blocks) for sv in cluster.servers]
+    return [min(robust_floor_div(v, per_block_gb), s.num_blocks) for v in arrays.memory_values_gb]
+
+
+def _blocks_array(cluster: Cluster, c: int, arrays: ServerArrays) -> np.ndarray:
+    """Eq. (8) for every server; the floor division runs once per distinct memory size."""
+    return np.array(_blocks_per_class(cluster, c, arrays), dtype=np.int64)[arrays.memory_class]
+
+
+def blocks_per_server(cluster: Cluster, c: int, arrays: ServerArrays | None = None) -> list[int]:
+    """m_j(c) = min(floor(M_j / (s_m + s_c c)), L) (eq. 8), robust to float noise."""
+    return _blocks_array(cluster, c, arrays or server_arrays(cluster)).tolist()
 
 
 def max_capacity(cluster: Cluster) -> int:
@@ -46,39 +77,95 @@ def max_capacity(cluster: Cluster) -> int:
 
 
 def gbp_cr(cluster: Cluster, c: int) -> GbpCrResult:
-    """Alg. 1 as written. Block indices inside are 1-based like the paper (a = 1 .. L) and are
-    converted to 0-based half-open ranges when recorded (start = a_j - 1)."""
-    if c < 1:
-        raise ValueError(f"capacity requirement c must be >= 1, got {c}")
-    L = cluster.service.num_blocks
-    m = blocks_per_server(cluster, c)
-    t = [sv.tau_c_s + sv.tau_p_s * mj for sv, mj in zip(cluster.servers, m)]  # eq. (9)
-    order = sorted((j for j in range(len(m)) if m[j] > 0), key=lambda j: (t[j] / m[j], j))  # line 1, 3
-    target = cluster.arrival_rate_per_s / (cluster.rho_bar * c)
-    ranges: list[BlockRange | None] = [None] * len(m)
-    chains: list[tuple[int, ...]] = []
-    chain_times: list[float] = []
-    a, nu, T = 1, 0.0, 0.0  # line 2
-    group: list[int] = []
-    met = False
-    for j in order:
-        a_j = min(a, L - m[j] + 1)  # line 4: shift the last server back so it ends at block L
-        ranges[j] = BlockRange(a_j - 1, a_j - 1 + m[j])
-        group.append(j)
-        T += t[j]  # line 5
-        a = min(a + m[j] - 1, L) + 1  # line 6
-        if a > L:  # line 7
-            nu += 1.0 / T if T > 0 else math.inf  # line 8
-            chains.append(tuple(group))
-            chain_times.append(T)
-            if nu >= target * (1 - 1e-12):  # line 9-10 (relative tolerance against float noise)
-                met = True
-                break
-            a, T, group = 1, 0.0, []  # line 12
-    unused = tuple(j for j in range(len(m)) if ranges[j] is None)
-    return GbpCrResult(c=c, placement=Placement(tuple(ranges)), chains=tuple(chains),
-                       chain_times_s=tuple(chain_times), scaled_rate_per_s=nu, meets_target=met,
-                       unused_servers=unused)
+    """Alg. 1 for one c (see GbpCrSweep)."""
+    return GbpCrSweep(cluster)(c)
+
+
+@dataclass(frozen=True)
+class _FullRun:
+    """Alg. 1's loop for one vector m(c), run past the stopping rule until the servers run out:
+    everything a given c needs is a prefix of it (see GbpCrSweep)."""
+
+    order: list[int]  # servers with m_j > 0, in line 1/3's order
+    ranges: list[BlockRange]  # per position in ``order``
+    chain_end_pos: list[int]  # position after the last server of each complete chain
+    chain_times_s: list[float]
+    nu_prefix: list[float]  # nu after each complete chain (line 8), summed in loop order
+
+
+class GbpCrSweep:
+    """GBP-CR (Alg. 1) for any number of c on one cluster, identical to running Alg. 1 per c.
+
+    Alg. 1 depends on c through m(c) (eq. 8) and through the target lambda / (rho_bar c) of line
+    9 only. m(c) takes few distinct values over c in [1, c_max] (it changes only where one of the
+    servers' few memory sizes crosses a multiple of s_m + s_c c), and for a fixed m(c) the loop is
+    the same for every c up to where it stops: so the loop runs once per distinct m(c) without the
+    stopping rule, recording nu after each chain (the same float sums, in the same order), and c
+    takes the prefix up to the first chain with nu >= target (bisection; nu only grows). Results
+    (placements included) are shared between the c that stop at the same chain. This makes the c*
+    search of orchestrator.tuning linear in J for all c together instead of c_max times J.
+    """
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.arrays = server_arrays(cluster)
+        self._runs: dict[tuple, _FullRun] = {}
+        self._results: dict[tuple, GbpCrResult] = {}
+
+    def _full_run(self, m_arr: np.ndarray) -> _FullRun:
+        L = self.cluster.service.num_blocks
+        t_arr = self.arrays.tau_c_s + self.arrays.tau_p_s * m_arr  # eq. (9), the same float operations per server
+        holders = np.flatnonzero(m_arr > 0)
+        # line 1, 3: by t_j / m_j, ties to the smaller index (lexsort: last key is the primary one)
+        order = holders[np.lexsort((holders, t_arr[holders] / m_arr[holders]))].tolist()
+        m, t = m_arr.tolist(), t_arr.tolist()
+        ranges, ends, times, nus = [], [], [], []
+        a, nu, T = 1, 0.0, 0.0  # line 2
+        for pos, j in enumerate(order):
+            a_j = min(a, L - m[j] + 1)  # line 4: shift the last server back so it ends at block L
+            ranges.append(BlockRange(a_j - 1, a_j - 1 + m[j]))
+            T += t[j]  # line 5
+            a = min(a + m[j] - 1, L) + 1  # line 6
+            if a > L:  # line 7
+                nu += 1.0 / T if T > 0 else math.inf  # line 8
+                ends.append(pos + 1)
+                times.append(T)
+                nus.append(nu)
+                a, T = 1, 0.0  # line 12
+        return _FullRun(order, ranges, ends, times, nus)
+
+    def __call__(self, c: int) -> GbpCrResult:
+        if c < 1:
+            raise ValueError(f"capacity requirement c must be >= 1, got {c}")
+        m_arr = _blocks_array(self.cluster, c, self.arrays)
+        m_key = tuple(_blocks_per_class(self.cluster, c, self.arrays))
+        run = self._runs.get(m_key)
+        if run is None:
+            run = self._runs[m_key] = self._full_run(m_arr)
+        target = self.cluster.arrival_rate_per_s / (self.cluster.rho_bar * c)
+        k = bisect.bisect_left(run.nu_prefix, target * (1 - 1e-12))  # line 9-10 (relative tolerance)
+        met = k < len(run.nu_prefix)
+        key = (m_key, k)
+        res = self._results.get(key)
+        if res is not None:
+            return res if res.c == c else replace(res, c=c)
+        n_used = run.chain_end_pos[k] if met else len(run.order)  # not met: a trailing group keeps its blocks
+        n_chains = k + 1 if met else len(run.nu_prefix)
+        ranges: list[BlockRange | None] = [None] * len(m_arr)
+        for j, r in zip(run.order[:n_used], run.ranges[:n_used]):
+            ranges[j] = r
+        chains, start = [], 0
+        for end in run.chain_end_pos[:n_chains]:
+            chains.append(tuple(run.order[start:end]))
+            start = end
+        used = np.zeros(len(m_arr), dtype=bool)
+        used[run.order[:n_used]] = True
+        res = GbpCrResult(c=c, placement=Placement(tuple(ranges)), chains=tuple(chains),
+                          chain_times_s=tuple(run.chain_times_s[:n_chains]),
+                          scaled_rate_per_s=run.nu_prefix[n_chains - 1] if n_chains else 0.0,
+                          meets_target=met, unused_servers=tuple(np.flatnonzero(~used).tolist()))
+        self._results[key] = res
+        return res
 
 
 def gbp_cr_or_raise(cluster: Cluster, c: int) -> GbpCrResult:

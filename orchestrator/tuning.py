@@ -18,7 +18,7 @@ from typing import Literal
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import GcaResult, gca
 from orchestrator.model import Cluster, InfeasibleClusterError, total_service_rate_per_s
-from orchestrator.placement_gbp_cr import GbpCrResult, gbp_cr, max_capacity
+from orchestrator.placement_gbp_cr import GbpCrResult, GbpCrSweep, max_capacity
 
 Tuning = Literal["lower", "upper", "surrogate"]
 TUNINGS: tuple[str, ...] = ("lower", "upper", "surrogate")
@@ -48,12 +48,15 @@ class CandidatePlan:
     gca: GcaResult
 
 
-def evaluate_c(cluster: Cluster, c: int, cache: dict | None = None) -> CandidatePlan | None:
-    """GBP-CR + GCA + bounds for one c; None if GBP-CR forms no complete chain."""
-    g = gbp_cr(cluster, c)
+def evaluate_c(cluster: Cluster, c: int, cache: dict | None = None,
+               sweep: GbpCrSweep | None = None) -> CandidatePlan | None:
+    """GBP-CR + GCA + bounds for one c; None if GBP-CR forms no complete chain. ``cache`` (GCA
+    result per distinct placement) and ``sweep`` (GbpCrSweep of the cluster) are for callers
+    trying many c."""
+    g = (sweep or GbpCrSweep(cluster))(c)
     if g.num_chains == 0:
         return None
-    key = g.placement.key()
+    key = g.placement.key() if sweep is None else id(g.placement)  # the sweep shares equal placements
     if cache is not None and key in cache:
         gc, rate, b = cache[key]
     else:
@@ -74,10 +77,11 @@ def tune_c(cluster: Cluster, tuning: str = "lower", c_max: int | None = None) ->
         raise ValueError(f"tuning must be one of {TUNINGS}, got {tuning!r}")
     hi = max_capacity(cluster) if c_max is None else min(c_max, max_capacity(cluster))
     cache: dict = {}
+    sweep = GbpCrSweep(cluster)
     best: CandidatePlan | None = None
     table: list[TuningRow] = []
     for c in range(1, hi + 1):
-        cand = evaluate_c(cluster, c, cache)
+        cand = evaluate_c(cluster, c, cache, sweep)
         if cand is None:
             continue
         table.append(cand.row)

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("orchestrator.plan_cli:main", "plan block placement and chains for a cluster JSON (GBP-CR + GCA)"),
     "orchestrator": ("orchestrator.service.cli:main", "run the online orchestrator (GBP-CR + GCA + JFFC) for a swarm"),
     "simulate": ("orchestrator.sim.cli:main", "run the discrete-event simulator on a cluster"),
+    "netem": ("netem.cli:main", "emulated WAN on this host: up | exec HOST -- CMD | status [--json] | down"),
     "experiment": ("experiments.cli:main", "run an experiment on a live swarm: table1 (the paper's Table 1)"),
 }
 

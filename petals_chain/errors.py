@@ -40,6 +40,12 @@ class MaxLengthExceededError(InvalidRequestError):
     code = "max_length_exceeded"
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """A step or forward carries more tokens than the server's advertised `max_step_tokens`."""
+
+    code = "request_too_large"
+
+
 class ServerUnavailableError(PetalsChainError):
     """A server did not answer, closed the stream, or died."""
 
@@ -93,6 +99,7 @@ ERROR_TYPES: dict[str, type[PetalsChainError]] = {
         UnknownSessionError,
         OutOfCacheError,
         MaxLengthExceededError,
+        RequestTooLargeError,
         ServerUnavailableError,
         NoChainError,
         AcquireTimeoutError,

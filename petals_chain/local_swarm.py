@@ -14,25 +14,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from petals_chain.process_signals import deferred_interrupts
 
-LOCALHOST = "/ip4/127.0.0.1/tcp/0"
+# Where a process of the swarm runs: role ("dht", "orchestrator", "server0", ...) -> (argv prefix that
+# runs a command on that host, IPv4 address it listens on). The default runs everything here on
+# 127.0.0.1; an emulated WAN (netem) passes `lambda role: (net.command(host_of[role], []), net.address(...))`.
+Placement = Callable[[str], tuple[list[str], str]]
+
+
+def on_localhost(role: str) -> tuple[list[str], str]:
+    return [], "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout this module was imported from
-
-
-class Localhost:
-    """Where the swarm's processes run: every role on 127.0.0.1, no network emulation. Other
-    launchers (e.g. `experiments.hosts.EmulatedHosts`: one network namespace per host) give each
-    role (`dht`, `orchestrator`, a server's name) its own address and wrap its command."""
-
-    label = "localhost (no network emulation)"
-
-    def listen_maddr(self, role: str) -> str:
-        return LOCALHOST
-
-    def popen(self, role: str, argv: list[str], **popen_kwargs) -> subprocess.Popen:
-        return subprocess.Popen(argv, **popen_kwargs)
 
 
 @dataclass
@@ -64,11 +58,12 @@ class LocalSwarm:
     def __init__(self, model: str, ranges: list[tuple[int, int] | None], *, server_args: list[str] | None = None,
                  per_server_args: list[list[str]] | None = None, start_timeout_s: float = 180.0,
                  env: dict[str, str] | None = None,
-                 orchestrator_args: list[str] | None = None, launcher=None, names: list[str] | None = None):
+                 orchestrator_args: list[str] | None = None, placement: Placement = on_localhost,
+                 names: list[str] | None = None):
         """`ranges[i] = None` starts server i with `--blocks auto`; `orchestrator_args` (a list, possibly
-        empty) starts `petals-chain orchestrator` with them before the servers; `launcher` (default
-        `Localhost()`) says where each process runs; `names[i]` names server i (default `server<i>`)."""
-        self.launcher = launcher or Localhost()
+        empty) starts `petals-chain orchestrator` with them before the servers; `placement` says on which
+        host each process runs and which address it listens on; `names[i]` names server i (default its role
+        `server<i>`)."""
         self.names = names
         self.model = model
         self.ranges = ranges
@@ -78,6 +73,7 @@ class LocalSwarm:
         pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {})}
         self.orchestrator_args = orchestrator_args
+        self.placement = placement
         self.orchestrator_process: subprocess.Popen | None = None
         self.orchestrator_lines: list[str] = []
         self.orchestrator_peer_id = ""
@@ -87,15 +83,18 @@ class LocalSwarm:
         self.servers: list[ServerProcess] = []
 
     def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
-        return self.launcher.popen(role, [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, env=self.env, start_new_session=True)
+        prefix, _ = self.placement(role)
+        return subprocess.Popen([*prefix, sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=self.env, start_new_session=True)
+
+    def _maddr(self, role: str) -> str:
+        return f"/ip4/{self.placement(role)[1]}/tcp/0"
 
     def start(self, *, wait_servers: bool = True) -> "LocalSwarm":
         """`wait_servers=False`: return once the servers are spawned (a caller that waits for the
         orchestrator's plan instead: a server the plan leaves out never reports a range)."""
         try:
-            self.dht_process = self._spawn("dht", ["-m", "petals_chain.cli", "dht", "--host-maddrs",
-                                                  self.launcher.listen_maddr("dht")])
+            self.dht_process = self._spawn("dht", ["-m", "petals_chain.cli", "dht", "--host-maddrs", self._maddr("dht")])
             lines: list[str] = []
             ready = threading.Event()
             threading.Thread(target=_reader, args=(self.dht_process, lines, ready, "/p2p/"), daemon=True).start()
@@ -119,7 +118,7 @@ class LocalSwarm:
         self.orchestrator_lines = []
         self.orchestrator_process = self._spawn("orchestrator", [
             "-m", "petals_chain.cli", "orchestrator", "--model", self.model, "--initial-peers", *self.initial_peers,
-            "--host-maddrs", self.launcher.listen_maddr("orchestrator"), *args])
+            "--host-maddrs", self._maddr("orchestrator"), "--http-host", self.placement("orchestrator")[1], *args])
         ready = threading.Event()
         threading.Thread(target=_reader, args=(self.orchestrator_process, self.orchestrator_lines, ready,
                                                "orchestrator ready"), daemon=True).start()
@@ -137,12 +136,12 @@ class LocalSwarm:
     def add_server(self, start: int | None, end: int | None, *, extra_args: list[str] | None = None,
                    wait: bool = True, name: str | None = None) -> ServerProcess:
         """`start = end = None`: `--blocks auto` (the orchestrator assigns the range)."""
-        name = name or f"server{len(self.servers)}"
+        role = f"server{len(self.servers)}"
+        name = name or role
         blocks = "auto" if start is None else f"{start}:{end}"
-        proc = self._spawn(name, ["-m", "server.cli", "--model", self.model, "--blocks", blocks,
-                                  "--initial-peers", *self.initial_peers, "--host-maddrs",
-                                  self.launcher.listen_maddr(name), "--name", name,
-                                  *self.server_args, *(extra_args or [])])
+        proc = self._spawn(role, ["-m", "server.cli", "--model", self.model, "--blocks", blocks,
+                            "--initial-peers", *self.initial_peers, "--host-maddrs", self._maddr(role), "--name", name,
+                            *self.server_args, *(extra_args or [])])
         sp = ServerProcess(name, start, end, proc)
         sp._ready = threading.Event()  # type: ignore[attr-defined]
         threading.Thread(target=_reader, args=(proc, sp.lines, sp._ready, ("serving ", "standing by: ")),

@@ -39,6 +39,15 @@ class BlockService(_MembersOnly):
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return self._refusal(context) or await self.impl.forward(request, context)
 
+    async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                                 context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        refusal = self._refusal(context)
+        if refusal is not None:
+            yield refusal
+            return
+        async for response in self.impl.forward_stream(requests, context):
+            yield response
+
     async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         refusal = self._refusal(context)

@@ -1,7 +1,7 @@
 """One wire format for everything that crosses the network, validated at the boundary.
 
 Messages are hivemind `ExpertRequest`/`ExpertResponse` protobufs: `metadata` holds a msgpack map
-(never pickle), `tensors` hold raw tensors in the model dtype. Every record has explicit
+(never pickle), `tensors` hold raw tensors in the model dtype, in parts (`wire_parts`). Every record has explicit
 `to_wire()` / `from_wire()`; `from_wire` rejects missing or mistyped fields with
 `InvalidRequestError`, so a bad message becomes a typed error reply, never a crash.
 """
@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import torch
-from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 from petals_chain.errors import InvalidRequestError, PetalsChainError, error_from_code
@@ -60,23 +58,13 @@ def field_of(meta: dict[str, Any], name: str, kind: type | tuple[type, ...], *, 
     return value
 
 
-def tensor_to_wire(t: torch.Tensor) -> runtime_pb2.Tensor:
-    return serialize_torch_tensor(t.detach().contiguous())
+def request(meta: dict[str, Any]) -> runtime_pb2.ExpertRequest:
+    """A message without tensors (those go through `wire_parts.to_messages`, in parts)."""
+    return runtime_pb2.ExpertRequest(metadata=pack(meta))
 
 
-def tensor_from_wire(proto: runtime_pb2.Tensor) -> torch.Tensor:
-    try:
-        return deserialize_torch_tensor(proto)
-    except Exception as e:
-        raise InvalidRequestError(f"tensor could not be decoded: {type(e).__name__}: {e}") from None
-
-
-def request(meta: dict[str, Any], tensors: tuple[torch.Tensor, ...] = ()) -> runtime_pb2.ExpertRequest:
-    return runtime_pb2.ExpertRequest(metadata=pack(meta), tensors=[tensor_to_wire(t) for t in tensors])
-
-
-def response(meta: dict[str, Any], tensors: tuple[torch.Tensor, ...] = ()) -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(metadata=pack(meta), tensors=[tensor_to_wire(t) for t in tensors])
+def response(meta: dict[str, Any]) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=pack(meta))
 
 
 def error_response(error: Exception) -> runtime_pb2.ExpertResponse:
@@ -132,6 +120,13 @@ class ServerInfo:
     active_sessions: int = 0
     version: str = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    # most tokens (rows x sequence) one inference step or forward request may carry; larger ones get
+    # RequestTooLargeError before any work (0 when constructed: the same as max_length_tokens)
+    max_step_tokens: int = 0
+
+    def __post_init__(self):
+        if self.max_step_tokens <= 0:
+            self.max_step_tokens = self.max_length_tokens
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -144,7 +139,8 @@ class ServerInfo:
                  "block_bytes": int, "kv_bytes_per_block": int, "max_length_tokens": int, "free_kv_slots": int,
                  "prefill_s_per_token": float, "decode_s_per_token": float}
         values = {name: field_of(data, name, kind) for name, kind in kinds.items()}
-        optional = {"dtype": str, "quant": str, "name": str, "active_sessions": int, "version": str, "extra": dict}
+        optional = {"dtype": str, "quant": str, "name": str, "active_sessions": int, "version": str, "extra": dict,
+                    "max_step_tokens": int}
         for name, kind in optional.items():
             if name in data:
                 values[name] = field_of(data, name, kind)

@@ -58,6 +58,7 @@ class ServerConfig:
     name: str = ""
     policy: str = "fcfs"
     max_batch_tokens: int = 2048
+    max_step_tokens: int | None = None  # most tokens one step/forward request carries (None: max_length_tokens)
     announce_period_s: float = 2.0
     record_ttl_s: float = 6.0
     num_threads: int | None = None
@@ -73,6 +74,7 @@ class BlockServer:
             torch.set_num_threads(config.num_threads)
         self.model_name = model_key(config.model)
         self.max_length_tokens = config.max_length_tokens
+        self.max_step_tokens = config.max_step_tokens or config.max_length_tokens
         self.path = resolve_model_path(config.model)
         self.auto = config.start is None
         self.block_range: BlockRange | None = None
@@ -197,7 +199,7 @@ class BlockServer:
             return ServerInfo(
                 peer_id=self.peer_id, model=self.model_name, start=0, end=0, state="joining",
                 memory_budget_bytes=self.config.memory_budget_bytes, block_bytes=s_m, kv_bytes_per_block=s_c,
-                max_length_tokens=self.max_length_tokens, free_kv_slots=0,
+                max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
                 prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
                 dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True})
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
@@ -207,6 +209,7 @@ class BlockServer:
             peer_id=self.peer_id, model=self.model_name, start=br.start, end=br.end, state=self.state,
             memory_budget_bytes=self.budget.memory_budget_bytes, block_bytes=br.block_bytes,
             kv_bytes_per_block=br.kv_bytes_per_block(self.max_length_tokens), max_length_tokens=self.max_length_tokens,
+            max_step_tokens=self.max_step_tokens,
             free_kv_slots=self.budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active,

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="", help="human-readable name shown in records and status pages")
     p.add_argument("--policy", default="fcfs", help="local scheduling policy (fcfs)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one batched forward")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="most tokens (rows x sequence) one inference step or forward request may carry, advertised "
+                        "in rpc_info; larger requests get a request_too_large error (default: --max-length)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--announce-period", type=float, default=2.0, help="seconds between DHT announcements")
     p.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="K",
@@ -82,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if args.max_step_tokens is not None and args.max_step_tokens < 1:
+        print(f"launch-server: --max-step-tokens must be >= 1, got {args.max_step_tokens}", file=sys.stderr)
+        return 2
     if not args.emulate_slowdown >= 1.0:
         print(f"launch-server: --emulate-slowdown must be >= 1 (a slower device), got {args.emulate_slowdown}",
               file=sys.stderr)
@@ -102,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
             quant=args.quant, device=args.device, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
             name=args.name, policy=args.policy, max_batch_tokens=args.max_batch_tokens,
+            max_step_tokens=args.max_step_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
             orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers,
             emulate_slowdown=args.emulate_slowdown))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,11 +18,12 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-from petals_chain import wire
+from petals_chain import wire, wire_parts
 from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
     PetalsChainError,
+    RequestTooLargeError,
     ServerUnavailableError,
     UnknownSessionError,
 )
@@ -64,9 +66,11 @@ class BlockServicer:
         client_id = str(context.remote_id)
         session: OpenSession | None = None
         try:
-            async for request in requests:
+            async for message in wire_parts.assembled(requests, admit=self._admit):  # tensors arrive in parts
                 try:
-                    meta = wire.unpack(request.metadata)
+                    if isinstance(message, PetalsChainError):  # a bad group (refused by its header, or malformed)
+                        raise message
+                    meta = message.meta
                     kind = wire.field_of(meta, "type", str)
                     if kind == "open":
                         if session is not None:
@@ -80,16 +84,17 @@ class BlockServicer:
                         sid = wire.field_of(meta, "session_id", str)
                         if sid != session.session_id:
                             raise UnknownSessionError(f"unknown session {sid!r} on this stream")
-                        if len(request.tensors) != 1:
-                            raise InvalidRequestError(f"a step carries exactly one tensor, got {len(request.tensors)}")
-                        hidden = wire.tensor_from_wire(request.tensors[0])
+                        if len(message.tensors) != 1:
+                            raise InvalidRequestError(f"a step carries exactly one tensor, got {len(message.tensors)}")
                         t0 = time.perf_counter()
-                        out = await self._step(session, hidden)
+                        out = await self._step(session, message.tensors[0])
                         # server_s: this step's time inside the server (queue + batch compute), so a
                         # client can tell server time from network time (the Table 1 model check)
-                        yield wire.response({"type": "step", "session_id": sid,
-                                             "step_id": meta.get("step_id"), "position": session.kv.past_tokens,
-                                             "server_s": time.perf_counter() - t0}, (out,))
+                        for response in wire_parts.to_messages(
+                                {"type": "step", "session_id": sid, "step_id": meta.get("step_id"),
+                                 "position": session.kv.past_tokens, "server_s": time.perf_counter() - t0},
+                                (out,), reply=True):
+                            yield response
                     elif kind == "close":
                         return
                     else:
@@ -103,6 +108,22 @@ class BlockServicer:
             if session is not None:
                 self.budget.release(session.reservation_key)
                 self.server.on_session_closed(session)
+
+    def _admit(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Refuse a step's or forward's hidden states by their header, before the rest arrives or
+        any memory is allocated: the limit is `max_step_tokens` (advertised in rpc_info)."""
+        block_range = self.server.block_range
+        if block_range is None:
+            raise ServerUnavailableError("this server holds no blocks right now; use another server")
+        if len(shape) not in (2, 3) or shape[-1] != block_range.hidden_size:
+            raise InvalidRequestError(f"hidden states must be [tokens, {block_range.hidden_size}] (a step) or "
+                                      f"[batch, seq, {block_range.hidden_size}] (a forward), got {list(shape)}")
+        tokens = math.prod(shape[:-1])
+        if tokens > self.server.max_step_tokens:
+            raise RequestTooLargeError(
+                f"{tokens} tokens in one request exceed this server's max_step_tokens={self.server.max_step_tokens} "
+                "(advertised in rpc_info); send the prompt in several steps, fewer forward rows at a time, or use "
+                "a server started with a larger --max-step-tokens")
 
     def _open(self, meta: dict, client_id: str) -> OpenSession:
         block_range = self.server.block_range
@@ -157,16 +178,41 @@ class BlockServicer:
     # -- stateless forward ----------------------------------------------------------------
     @wire.replies_with_typed_errors
     async def forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        """Forward of whole sequences [batch, seq, hidden] without keeping a cache."""
+        """Forward of whole sequences [batch, seq, hidden] without keeping a cache, in one message of
+        at most MAX_PART_BYTES of tensors (larger ones come over forward_stream)."""
+        message = wire_parts.decode_single(request, admit=self._admit)
+        (reply,) = wire_parts.to_messages({"type": "forward"}, (await self._forward(message, context),), reply=True)
+        return reply
+
+    async def forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """The same forward for tensors of any size: one message group in, one out."""
+        try:
+            message = await wire_parts.receive_one(requests, admit=self._admit)
+            out = await self._forward(message, context)
+        except StopAsyncIteration:
+            return  # the caller closed the stream mid-request: nobody to answer
+        except Exception as e:
+            if not isinstance(e, PetalsChainError):  # a bug must not take the server down: report it to this caller
+                logger.exception("unexpected error in rpc_forward_stream")
+            yield wire.error_response(e)
+            # drop the parts still on their way (no memory, no work) until the caller closes the
+            # stream: closing it under a sender that is still writing breaks its pipe
+            async for _ in requests:
+                pass
+            return
+        for response in wire_parts.to_messages({"type": "forward"}, (out,), reply=True):
+            yield response
+
+    async def _forward(self, message: wire_parts.Message, context: P2PContext) -> torch.Tensor:
         client_id = str(context.remote_id)
         block_range = self.server.block_range
         if block_range is None:
             raise ServerUnavailableError("this server holds no blocks yet; use another server")
-        meta = wire.unpack(request.metadata)
-        first_block = wire.field_of(meta, "entry_block", int, default=block_range.start)
-        if len(request.tensors) != 1:
-            raise InvalidRequestError(f"rpc_forward carries exactly one tensor, got {len(request.tensors)}")
-        hidden = wire.tensor_from_wire(request.tensors[0])
+        first_block = wire.field_of(message.meta, "entry_block", int, default=block_range.start)
+        if len(message.tensors) != 1:
+            raise InvalidRequestError(f"rpc_forward carries exactly one tensor, got {len(message.tensors)}")
+        hidden = message.tensors[0]
         if hidden.dim() != 3 or hidden.shape[0] < 1:
             raise InvalidRequestError(f"rpc_forward takes [batch, seq, {block_range.hidden_size}], got {tuple(hidden.shape)}")
         if hidden.shape[1] > self.server.max_length_tokens:
@@ -181,4 +227,4 @@ class BlockServicer:
                 outputs.append(await self._step(temp, seq))
             finally:
                 self.budget.release(key)
-        return wire.response({"type": "forward"}, (torch.stack(outputs),))
+        return torch.stack(outputs)

@@ -5,7 +5,7 @@ import asyncio
 
 import torch
 
-from petals_chain import wire
+from petals_chain import wire_parts
 from petals_chain.client.remote import RemoteChain
 from petals_chain.errors import PetalsChainError, error_from_code
 
@@ -33,13 +33,14 @@ class RawStream:
     def send_raw(self, request, timeout_s: float = 20.0) -> tuple[dict, list[torch.Tensor]]:
         async def roundtrip():
             await self.queue.put(request)
-            return await asyncio.wait_for(anext(self.responses), timeout_s)
+            return await asyncio.wait_for(wire_parts.receive_one(self.responses), timeout_s)
 
-        resp = self.chain.loop.run(roundtrip(), timeout_s=timeout_s + 2)
-        return wire.unpack(resp.metadata), [wire.tensor_from_wire(t) for t in resp.tensors]
+        reply = self.chain.loop.run(roundtrip(), timeout_s=timeout_s + 2)
+        return reply.meta, reply.tensors
 
     def send(self, meta: dict, tensors: tuple[torch.Tensor, ...] = ()) -> tuple[dict, list[torch.Tensor]]:
-        return self.send_raw(wire.request(meta, tensors))
+        (request,) = wire_parts.to_messages(meta, tensors)  # small tensors: one message
+        return self.send_raw(request)
 
     def expect_error(self, meta: dict, tensors=(), request=None) -> PetalsChainError:
         reply, _ = self.send_raw(request) if request is not None else self.send(meta, tensors)

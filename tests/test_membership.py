@@ -6,11 +6,13 @@ import torch
 
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.client.remote import RemoteChain
+from petals_chain.client.routing import Hop
 from petals_chain.errors import InvalidRequestError, NotAllowedError, NoChainError
 from petals_chain.local_swarm import LocalSwarm
 from petals_chain.membership import parse_allowed_peers
 from petals_chain.models.checkpoint import load_config
 from petals_chain.swarm_identity import SwarmIdentity
+from petals_chain.wire_parts import MAX_PART_BYTES
 from tests.swarm_helpers import RawStream
 
 PEER = "QmSwuCzywcxNfG4R76jt2sdSJRFBtUPRFPcxj7C2bchx6y"
@@ -41,6 +43,10 @@ def test_server_serves_only_members(tiny_llama_path, tmp_path):
             assert isinstance(err, NotAllowedError) and "allowed-peers" in str(err)
             stream.close()
             assert outsider.ping_s(server_id) is not None  # answered (with the refusal), not dropped
+            for tokens in (3, MAX_PART_BYTES // (4 * config.hidden_size) + 1):  # rpc_forward, rpc_forward_stream
+                with pytest.raises(NotAllowedError):
+                    outsider.loop.run(outsider._forward_hop(Hop(server_id, 0, 6), torch.zeros(1, tokens, config.hidden_size)),
+                                      timeout_s=30)
         finally:
             outsider.shutdown()
         # the member generates as usual

@@ -9,7 +9,8 @@ from orchestrator.dispatch import JffcDispatcher
 from orchestrator.model import BlockRange, ChainSpec
 from orchestrator.planner import make_baseline_router, plan
 from orchestrator.service.dispatch_state import DispatchState
-from orchestrator.service.measurements import LengthEstimator, SessionShape, tau_c_s, tau_p_s
+from orchestrator.service.measurements import LengthEstimator
+from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
 from orchestrator.service.registry import Overheads, ServerRecord, build_cluster, cluster_to_dict
 from orchestrator.cluster_io import cluster_from_dict
 from petals_chain.wire import ServerInfo

@@ -1,7 +1,8 @@
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from orchestrator.cache_gca import gca, gca_end_dp, gca_or_raise
+from orchestrator.cache_gca import gca, gca_or_raise
+from tests.gca_reference import gca_networkx
 from orchestrator.model import BlockRange, InfeasibleClusterError, Placement, chain_slot_usage, residual_slots
 from orchestrator.placement_gbp_cr import gbp_cr
 from orchestrator.reference_optima import optimal_cache_allocation
@@ -25,7 +26,7 @@ def test_every_link_into_an_exhausted_server_is_removed():
                       block_size=1.0, cache_size=0.1)
     p = Placement((BlockRange(0, 1), BlockRange(0, 2), BlockRange(1, 3)))
     assert residual_slots(cl, p) == [1, 6, 4]
-    for impl in (gca, gca_end_dp):
+    for impl in (gca, gca_networkx):
         res = impl(cl, p)
         assert [(k.servers, k.capacity) for k in res.chains] == [((1, 2), 3)]
         assert res.residual_slots_after == (1, 0, 1)
@@ -64,16 +65,16 @@ def test_theorem_3_5_and_memory_on_any_placement(data):
     times = [k.service_time_s for k in res.chains]
     assert all(a <= b + 1e-12 for a, b in zip(times, times[1:]))  # Theorem 3.5: non-decreasing
     # no complete chain with a free slot is left (the while loop of Alg. 2 ran to the end)
-    for impl in (gca, gca_end_dp):
+    for impl in (gca, gca_networkx):
         assert impl(cluster, placement, residual=list(res.residual_slots_after)).chains == ()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
-def test_networkx_gca_matches_end_dp(data):
+def test_end_dp_gca_matches_networkx_oracle(data):
     cluster = data.draw(clusters(max_servers=7, max_blocks=6))
     placement = data.draw(placements(cluster))
-    fast, ref = gca_end_dp(cluster, placement), gca(cluster, placement)
+    fast, ref = gca(cluster, placement), gca_networkx(cluster, placement)
     assert [k.capacity for k in fast.chains] == [k.capacity for k in ref.chains]
     assert [k.service_time_s for k in fast.chains] == pytest.approx([k.service_time_s for k in ref.chains])
 

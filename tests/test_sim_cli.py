@@ -110,3 +110,39 @@ def test_reproduce_paper_fig8_schema(tmp_path):
     assert {(r["J"], r["eta"]) for r in records} == {(J, e) for J in (10, 20, 30, 40) for e in (0.1, 0.2, 0.3, 0.4)}
     for r in records:
         assert {"J", "eta", "policy", "mean_response_s"} <= r.keys() and r["policy"] in ("proposed", "petals", "bprr")
+
+
+def _reproduce(args, out, timeout):
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_paper.py"), *args, "--workers", "1",
+                           "--synthetic-rtt", "--out", str(out)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_reproduce_paper_authors_setup_fig8(tmp_path):
+    out = tmp_path / "authors"
+    proc = _reproduce(["--setup", "authors", "--quick", "--runs", "1", "--only", "fig8"], out, 240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["setup"] == "authors" and "short_runs" in summary["authors_choices"]
+    assert {(r["J"], r["eta"]) for r in summary["fig8"]} == {(J, e) for J in (10, 20, 30, 40) for e in (0.1, 0.2, 0.3, 0.4)}
+    bad = _reproduce(["--authors-choices", "tau_c,bogus", "--only", "fig8"], tmp_path / "bad", 60)
+    assert bad.returncode == 2 and "bogus" in bad.stderr
+
+
+@pytest.mark.integration
+def test_reproduce_paper_authors_quick_runs_in_ci_time(tmp_path):
+    """The command docs/results.md gives for the authors' setup, as CI runs it."""
+    proc = _reproduce(["--setup", "authors", "--quick"], tmp_path / "q", 600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "q" / "summary.json").read_text())
+    assert summary["setup"] == "authors" and {"fig3", "fig4", "fig5", "fig67", "fig8", "fig8x"} <= summary.keys()
+
+
+def test_simulate_setup_flags(capsys):
+    rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--setup", "authors", "--policy", "petals"], capsys)
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["setup"] == "authors" and data["n_jobs"] == 300 and data["tau_c_reading"] == "model"
+    rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--tau-c", "literal", "--jobs", "500"], capsys)
+    assert rc == 0 and json.loads(out)["tau_c_reading"] == "literal"
+    rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--authors-choices", "nope"], capsys)
+    assert rc == 2 and "nope" in err

@@ -77,7 +77,10 @@ def test_paper_instance_parameters():
     inst = draw_paper_instance(synthetic_rtt_ms(50, rng), 20, 0.2, rng)
     assert inst.is_high.sum() == 4
     assert set(inst.memory_gb) == {20.0, 40.0} and set(inst.tau_p_s) == {0.109, 0.175}
-    assert np.allclose(inst.tau_c_s - inst.rtt_s, 0.018)
+    assert np.allclose(inst.tau_c_s, 20 * (inst.rtt_s + 0.018))  # default: the model's tau_c (20 steps)
+    literal = draw_paper_instance(synthetic_rtt_ms(50, np.random.default_rng(0)), 20, 0.2, np.random.default_rng(0),
+                                  tau_c_reading="literal")
+    assert np.allclose(literal.tau_c_s - literal.rtt_s, 0.018)
     cluster = to_cluster(inst)
     assert cluster.service.num_blocks == 70 and cluster.arrival_rate_per_s == 0.2 and cluster.rho_bar == 0.7
     with pytest.raises(ValueError):

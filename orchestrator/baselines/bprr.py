@@ -20,7 +20,9 @@ Our reading (the paper's §4.1.3 and the issue describe it; details are our choi
    slots missing, n_j sessions running on j holding s-bar slots each on average and completing at
    mean rate mu-bar, W_j = sum_{r = n_j - q + 1}^{n_j} 1 / (r mu-bar) for q = min(n_j, ceil(d / s-bar))
    sessions to finish (exponential order statistics), plus one mean service time per session still
-   missing beyond n_j.
+   missing beyond n_j. With ``wait="active-mean"`` (the paper authors' simulator) W_j is instead
+   0 if j has m_ij free slots, else (tau_c_j + tau_p_j m_j) / h_j with h_j the sessions holding
+   cache on j (the whole mean service time if none).
 """
 from __future__ import annotations
 
@@ -88,7 +90,20 @@ class BprrRouter(PerRequestRouter):
 
     name = "bprr"
 
+    def __init__(self, cluster: Cluster, placement: Placement, wait: str = "order-statistics",
+                 commit_at_arrival: bool = False):
+        self.wait = wait
+        super().__init__(cluster, placement, commit_at_arrival=commit_at_arrival)
+
+    def _active_mean_wait_s(self, j: int, m: np.ndarray) -> np.ndarray:
+        sv = self.cluster.servers[j]
+        mean_service_s = sv.tau_c_s + sv.tau_p_s * self.placement.num_blocks(j)
+        w = mean_service_s / self.holders_on[j] if self.holders_on[j] > 0 else mean_service_s
+        return np.where(self.free_slots[j] >= m, 0.0, w)
+
     def _expected_wait_s(self, j: int, m: np.ndarray) -> np.ndarray:
+        if self.wait == "active-mean":
+            return self._active_mean_wait_s(j, m)
         missing = m + self.pending_slots[j] - self.free_slots[j]
         if not np.any(missing > 0):
             return np.zeros(len(m))

@@ -14,6 +14,8 @@ Routing. Each request takes the min-latency path (Dijkstra in PETALS; an exact D
   server j has fewer than m_ij free cache slots (PETALS' penalty for a server without cache).
   With no ``rtt_s`` on a server, tau_c_j / steps stands for RTT_j / 2. ``steps`` =
   ``steps_per_session`` (decode steps of a session, default 20).
+Options (orchestrator.baselines.options): a per-server block cap, and a fixed cache per hosted
+block instead of all leftover memory (the paper authors' simulator).
 """
 from __future__ import annotations
 
@@ -22,25 +24,41 @@ from typing import Sequence
 import numpy as np
 
 from orchestrator.baselines.request_router import PerRequestRouter
-from orchestrator.model import BlockRange, Cluster, InfeasibleClusterError, Placement, robust_floor_div
+from orchestrator.model import BlockRange, Cluster, InfeasibleClusterError, Placement, residual_slots, robust_floor_div
 
 PETALS_CACHE_SESSIONS = 2.0
 PETALS_STEP_OVERHEAD_S = 0.018
 PETALS_NO_CACHE_PENALTY_S = 10.0
 
 
-def petals_blocks(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS) -> list[int]:
+def petals_blocks(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS,
+                  max_blocks: Sequence[int | None] | None = None) -> list[int]:
     s = cluster.service
     per_block = s.block_size_gb + s.cache_size_gb * cache_sessions
-    return [min(robust_floor_div(sv.memory_gb, per_block), s.num_blocks) for sv in cluster.servers]
+    m = [min(robust_floor_div(sv.memory_gb, per_block), s.num_blocks) for sv in cluster.servers]
+    if max_blocks is not None:
+        if len(max_blocks) != len(m):
+            raise ValueError(f"max_blocks has {len(max_blocks)} entries for {len(m)} servers")
+        m = [mj if cap is None else min(mj, cap) for mj, cap in zip(m, max_blocks)]
+    return m
+
+
+def petals_fixed_slots(cluster: Cluster, placement: Placement, cache_gb_per_block: float) -> list[int]:
+    """Cache slots of PETALS servers that keep ``cache_gb_per_block`` per hosted block:
+    floor(m_j * it / s_c), at most eq. 3's M~_j."""
+    s = cluster.service
+    return [min(robust_floor_div(placement.num_blocks(j) * cache_gb_per_block, s.cache_size_gb), full)
+            for j, full in enumerate(residual_slots(cluster, placement))]
 
 
 def petals_placement(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS,
-                     join_order: Sequence[int] | None = None) -> Placement:
+                     join_order: Sequence[int] | None = None,
+                     max_blocks: Sequence[int | None] | None = None) -> Placement:
     """Join-order greedy placement (see module docstring). ``join_order`` lists server indices
-    in the order they join (default: as listed; a simulator may pass rng.permutation(J))."""
+    in the order they join (default: as listed; a simulator may pass rng.permutation(J));
+    ``max_blocks`` caps each server's block count."""
     L = cluster.service.num_blocks
-    m = petals_blocks(cluster, cache_sessions)
+    m = petals_blocks(cluster, cache_sessions, max_blocks)
     throughput = np.zeros(L)
     ranges: list[BlockRange | None] = [None] * len(m)
     order = range(len(m)) if join_order is None else join_order
@@ -68,9 +86,11 @@ class PetalsRouter(PerRequestRouter):
 
     name = "petals"
 
-    def __init__(self, cluster: Cluster, placement: Placement, steps_per_session: int = 20):
+    def __init__(self, cluster: Cluster, placement: Placement, steps_per_session: int = 20,
+                 fixed_cache_gb_per_block: float | None = None, commit_at_arrival: bool = False):
         self.steps = steps_per_session
-        super().__init__(cluster, placement)
+        slots = None if fixed_cache_gb_per_block is None else petals_fixed_slots(cluster, placement, fixed_cache_gb_per_block)
+        super().__init__(cluster, placement, total_slots=slots, commit_at_arrival=commit_at_arrival)
 
     def _link_cost(self, j: int, m: np.ndarray) -> np.ndarray:
         sv = self.cluster.servers[j]

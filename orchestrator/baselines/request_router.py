@@ -9,6 +9,11 @@ FIFO list. A completion frees the job's slots and starts, in FIFO order, every w
 route now fits. Links into a server whose *total* slots M~_j are fewer than m_ij are never used
 (the job could never start).
 
+With ``commit_at_arrival`` (the paper authors' simulator, orchestrator.sim.authors_setup) a job
+takes its route's slots at arrival, holds them while it waits, and starts once the jobs that
+arrived before it (running or waiting) leave room on every server of its route; free slots may
+go negative meanwhile, and link costs see them.
+
 Shortest paths run as a dynamic program over block ends, as in cache_gca: a link (i, j) only
 depends on (end_i, j).
 """
@@ -56,12 +61,15 @@ class PerRequestRouter(Dispatcher):
 
     name = "per-request"
 
-    def __init__(self, cluster: Cluster, placement: Placement):
+    def __init__(self, cluster: Cluster, placement: Placement, total_slots: list[int] | None = None,
+                 commit_at_arrival: bool = False):
         self.cluster = cluster
         self.placement = placement
-        self.total_slots = residual_slots(cluster, placement)
+        self.total_slots = residual_slots(cluster, placement) if total_slots is None else list(total_slots)
+        self.commit_at_arrival = commit_at_arrival
         self.free_slots = list(self.total_slots)
         self.sessions_on = [0] * cluster.num_servers  # running sessions per server
+        self.holders_on = [0] * cluster.num_servers  # sessions holding cache (running, or committed and waiting)
         self.rate_sum_on = [0.0] * cluster.num_servers  # sum of 1/T over running sessions per server
         self.pending_slots = [0] * cluster.num_servers  # slots wanted by waiting jobs per server
         self._routes: list[ChainSpec] = []
@@ -102,7 +110,9 @@ class PerRequestRouter(Dispatcher):
     def _start(self, job_id: int, rid: int) -> Start:
         mu = 1.0 / self._routes[rid].service_time_s
         for j, m in self._demand[rid]:
-            self.free_slots[j] -= m
+            if not self.commit_at_arrival:  # committed jobs took their slots at arrival
+                self.free_slots[j] -= m
+                self.holders_on[j] += 1
             self.sessions_on[j] += 1
             self.rate_sum_on[j] += mu
         self._job_route[job_id] = rid
@@ -113,6 +123,15 @@ class PerRequestRouter(Dispatcher):
         if path is None:  # cannot happen after the constructor's check; keep the error explicit
             raise InfeasibleClusterError(f"{self.name}: no route")
         rid = self._route_id(path)
+        if self.commit_at_arrival:
+            fits = self._fits(rid)
+            for j, m in self._demand[rid]:
+                self.free_slots[j] -= m
+                self.holders_on[j] += 1
+            if fits:  # room next to every holder, earlier waiting jobs included
+                return [self._start(job_id, rid)]
+            self._waiting.append((job_id, rid))
+            return []
         if self._fits(rid):
             return [self._start(job_id, rid)]
         self._waiting.append((job_id, rid))
@@ -125,8 +144,11 @@ class PerRequestRouter(Dispatcher):
         mu = 1.0 / self._routes[rid].service_time_s
         for j, m in self._demand[rid]:
             self.free_slots[j] += m
+            self.holders_on[j] -= 1
             self.sessions_on[j] -= 1
             self.rate_sum_on[j] -= mu
+        if self.commit_at_arrival:
+            return self._start_committed()
         started = []
         still: deque[tuple[int, int]] = deque()
         for wjob, wrid in self._waiting:
@@ -139,13 +161,41 @@ class PerRequestRouter(Dispatcher):
         self._waiting = still
         return started
 
+    def _start_committed(self) -> list[Start]:
+        """Commit mode: a waiting job starts when the running jobs plus the jobs that arrived before
+        it and still wait (all of them hold slots) leave room for its own demand on every server of
+        its route (the authors' wait: until enough earlier holders complete, v4:1557-1590)."""
+        used = [t - f for t, f in zip(self.total_slots, self.free_slots)]  # all holders, incl. waiting
+        waiting_held = [0] * len(used)
+        for _, wrid in self._waiting:
+            for j, m in self._demand[wrid]:
+                waiting_held[j] += m
+        running = [u - w for u, w in zip(used, waiting_held)]
+        earlier = [0] * len(used)
+        started: list[Start] = []
+        still: deque[tuple[int, int]] = deque()
+        for wjob, wrid in self._waiting:
+            demand = self._demand[wrid]
+            if all(running[j] + earlier[j] + m <= self.total_slots[j] for j, m in demand):
+                started.append(self._start(wjob, wrid))
+            else:
+                still.append((wjob, wrid))
+            for j, m in demand:
+                earlier[j] += m
+        self._waiting = still
+        return started
+
     def cancel(self, job_id: int) -> None:
         """A waiting job gives up (e.g. its client timed out): forget it. Unknown ids are ignored."""
         for item in self._waiting:
             if item[0] == job_id:
                 self._waiting.remove(item)
                 for j, m in self._demand[item[1]]:
-                    self.pending_slots[j] -= m
+                    if self.commit_at_arrival:
+                        self.free_slots[j] += m
+                        self.holders_on[j] -= 1
+                    else:
+                        self.pending_slots[j] -= m
                 return
 
     @property

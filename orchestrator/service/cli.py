@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "jffc-only = whole model per server + JFFC")
     p.add_argument("--c", type=parse_c, default=None, help="cache reservation of GBP-CR: auto (default) or N")
     p.add_argument("--tuning", choices=TUNINGS, default="lower")
+    p.add_argument("--leftover-placement", action=argparse.BooleanOptionalAction, default=False,
+                   help="give servers GBP-CR leaves idle blocks where GCA is tightest, kept only if that lowers neither "
+                        "the total rate nor raises the Theorem 3.7 lower bound (default off: docs/results.md)")
     p.add_argument("--arrival-rate", type=positive_float, default=0.5, help="lambda, sessions per second (planning input)")
     p.add_argument("--rho", type=positive_float, default=0.7, help="target load rho_bar in (0, 1)")
     p.add_argument("--mean-input-tokens", type=positive_float, default=64.0, help="expected l_in (updated from finished sessions)")
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     orch = Orchestrator(OrchestratorConfig(
         model=args.model, initial_peers=args.initial_peers, num_blocks=num_blocks, host_maddrs=args.host_maddrs,
-        policy=args.policy, c=args.c, tuning=args.tuning, arrival_rate_per_s=args.arrival_rate, rho_bar=args.rho,
+        policy=args.policy, c=args.c, tuning=args.tuning, leftover_placement=args.leftover_placement, arrival_rate_per_s=args.arrival_rate, rho_bar=args.rho,
         mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
         per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3,
         expected_servers=args.expected_servers, settle_s=args.settle, replan_period_s=args.replan_period,

@@ -20,7 +20,8 @@ from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
 from orchestrator.service.dispatch_state import DispatchState, Grant
-from orchestrator.service.measurements import LengthEstimator, SessionShape, median
+from orchestrator.service.measurements import LengthEstimator, median
+from orchestrator.session_times import SessionShape
 from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, build_cluster, cluster_to_dict,
                                            keep_held_ranges, server_params)
 from petals_chain.background_loop import BackgroundLoop
@@ -44,6 +45,7 @@ class OrchestratorConfig:
     policy: str = "proposed"
     c: int | None = None
     tuning: str = "lower"
+    leftover_placement: bool = False  # blocks for servers GBP-CR leaves idle (orchestrator/placement_leftover.py)
     arrival_rate_per_s: float = 0.5
     rho_bar: float = 0.7
     mean_input_tokens: float = 64.0
@@ -252,7 +254,8 @@ class Orchestrator:
         try:
             cluster, peers = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
                                            cfg.rho_bar, self.overheads)
-            result = run_plan(cluster, cfg.policy, c=cfg.c if cfg.policy == "proposed" else None, tuning=cfg.tuning)
+            result = run_plan(cluster, cfg.policy, c=cfg.c if cfg.policy == "proposed" else None, tuning=cfg.tuning,
+                              leftover=cfg.leftover_placement and cfg.policy == "proposed")
         except ValueError as e:  # InvalidClusterError / InfeasibleClusterError
             if self.plan_error != str(e):
                 self.log_event(f"cannot plan yet: {e}")

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from orchestrator.model import BlockRange, Cluster, Server, Service
-from orchestrator.service.measurements import SessionShape, tau_c_s, tau_p_s
+from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
 from petals_chain.wire import ServerInfo
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,8 @@
 """`petals-chain simulate`: plan a cluster under a policy and simulate it; print JSON.
 
     petals-chain simulate --cluster cluster.json [--policy proposed] [--dispatch jffc] [--jobs N] [--seed S]
-    petals-chain simulate --paper-setup J ETA [--rtt-data PATH] ...
+    petals-chain simulate --paper-setup J ETA [--setup paper|authors] [--authors-choices A,B]
+                          [--tau-c model|literal] [--rtt-data PATH] ...
 
 Bad input: one line on stderr, exit status 2.
 """
@@ -40,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--paper-setup", nargs=2, metavar=("J", "ETA"), help="draw the paper's section 4.1.1 cluster with J servers, a fraction ETA of them high-performance")
     p.add_argument("--rtt-data", metavar="PATH", default=None, help="RIPE Atlas RTT CSV or its folder (default: $PETALS_CHAIN_DATA, else ../shared/data)")
     p.add_argument("--synthetic-rtt", action="store_true", help="paper setup on synthetic RTTs instead of RIPE Atlas")
+    p.add_argument("--setup", choices=("paper", "authors"), default="paper",
+                   help="with --paper-setup: the paper's setting, or every choice of the authors' simulator (docs/results.md)")
+    p.add_argument("--authors-choices", default="", metavar="A,B",
+                   help="with --paper-setup: switch on only these authors' choices (orchestrator/sim/authors_setup.py)")
+    p.add_argument("--tau-c", choices=("model", "literal"), default="model",
+                   help="with --paper-setup: tau_c = 20 x (RTT + 18 ms) (model, default) or RTT + 18 ms (literal)")
     p.add_argument("--arrival-rate", type=positive_float, default=None, help="override the arrival rate (req/s)")
     p.add_argument("--policy", choices=POLICIES, default="proposed")
     p.add_argument("--c", type=parse_c, default=7, help="cache reservation for 'proposed': N (default 7, as the paper's figures) or 'auto'")
@@ -66,10 +73,16 @@ def _cluster_and_meta(args) -> tuple[object, dict]:
             raise _UsageError(f"{args.cluster} is not valid JSON: {e.msg} at line {e.lineno}")
         if args.arrival_rate is not None and isinstance(raw, dict):
             raw = dict(raw, arrival_rate=args.arrival_rate)
-        return cluster_from_dict(raw), {"cluster": args.cluster}
+        return cluster_from_dict(raw), {"cluster": args.cluster}, None
 
     from netem.topology import DataNotFoundError, RIPE_ATLAS_FILENAME, load_ripe_atlas_rtt_matrix, resolve_data_file, synthetic_rtt_ms
+    from orchestrator.sim.authors_setup import AuthorsChoices, authors_rtt_ms_from_csv
     from orchestrator.sim.paper_setup import DEFAULT_ARRIVAL_RATE_PER_S, draw_paper_instance, to_cluster
+
+    try:
+        authors = AuthorsChoices.all_on() if args.setup == "authors" else AuthorsChoices.parse(args.authors_choices)
+    except ValueError as e:
+        raise _UsageError(f"--authors-choices: {e}")
 
     try:
         n_servers = int(args.paper_setup[0])
@@ -86,10 +99,16 @@ def _cluster_and_meta(args) -> tuple[object, dict]:
             path = resolve_data_file(RIPE_ATLAS_FILENAME, args.rtt_data)
         except DataNotFoundError as e:
             raise _UsageError(f"{e} (or pass --synthetic-rtt)")
-        rtt, source = load_ripe_atlas_rtt_matrix(path), str(path)
+        if authors.synthetic_rtt:
+            rtt, source = authors_rtt_ms_from_csv(path), f"authors' RTT formula over {path}"
+        else:
+            rtt, source = load_ripe_atlas_rtt_matrix(path), str(path)
     inst = draw_paper_instance(rtt, n_servers, eta, rng,
-                               arrival_rate_per_s=args.arrival_rate or DEFAULT_ARRIVAL_RATE_PER_S)
-    return to_cluster(inst), {"paper_setup": {"J": n_servers, "eta": eta}, "rtt_source": source}
+                               arrival_rate_per_s=args.arrival_rate or DEFAULT_ARRIVAL_RATE_PER_S,
+                               tau_c_reading=args.tau_c, authors=authors)
+    meta = {"paper_setup": {"J": n_servers, "eta": eta}, "setup": args.setup, "tau_c_reading": args.tau_c,
+            "authors_choices": list(authors.on()), "rtt_source": source}
+    return to_cluster(inst), meta, inst
 
 
 def _workload(args, cluster, rng):
@@ -114,12 +133,21 @@ def run(args) -> dict:
     from orchestrator.planner import plan
     from orchestrator.sim.policy_runs import simulate_plan
 
-    cluster, meta = _cluster_and_meta(args)
+    from orchestrator.sim.authors_setup import AUTHORS_JOBS_PER_RUN
+    from orchestrator.sim.paper_experiments import baseline_options
+    from orchestrator.sim.policy_runs import DEFAULT_WARMUP_FRACTION
+
+    cluster, meta, inst = _cluster_and_meta(args)
+    opts = baseline_options(inst.authors, inst.is_high) if inst is not None else None
+    short = inst is not None and inst.authors.short_runs
+    if short:  # the authors' 300 jobs from an empty system, all counted
+        args.jobs = AUTHORS_JOBS_PER_RUN
     c = args.c if args.policy == "proposed" else None
-    p = plan(cluster, policy=args.policy, c=c, tuning=args.tuning)
+    p = plan(cluster, policy=args.policy, c=c, tuning=args.tuning, baseline=opts)
     arrivals, sizes = _workload(args, cluster, np.random.default_rng([args.seed, 2]))
     t0 = time.perf_counter()
-    res = simulate_plan(p, cluster, arrivals, sizes, dispatch=args.dispatch, rng=np.random.default_rng([args.seed, 3]))
+    res = simulate_plan(p, cluster, arrivals, sizes, dispatch=args.dispatch, rng=np.random.default_rng([args.seed, 3]),
+                        warmup_fraction=0.0 if short else DEFAULT_WARMUP_FRACTION)
     wall = time.perf_counter() - t0
 
     def num(x):

@@ -16,6 +16,8 @@ Choices the paper leaves open (documented in docs/simulator.md and docs/results.
   (each with m_j(c) blocks, eq. 8) into chains that cover all L blocks, until the scaled rate target
   of (10b) is met; orders that never meet it are redrawn (up to 20 x the requested count).
 - Policies in a run share one workload (common random numbers): same arrivals and job sizes.
+- tau_c: cfg.tau_c_reading ("model": 20 x (RTT + 18 ms), default; "literal": RTT + 18 ms), see
+  paper_setup; cfg.authors switches in the authors' code's choices (authors_setup).
 """
 from __future__ import annotations
 
@@ -31,10 +33,13 @@ from orchestrator.placement_gbp_cr import blocks_per_server, gbp_cr
 from orchestrator.planner import plan
 from orchestrator.reference_optima import optimal_cache_allocation
 from orchestrator.tuning import evaluate_c, tune_c
+from orchestrator.baselines.options import BaselineOptions
+from orchestrator.sim.authors_setup import (AUTHORS_JOBS_PER_RUN, AUTHORS_PETALS_CACHE_GB_PER_BLOCK,
+                                            AUTHORS_PETALS_LOW_BLOCK_CAP, AuthorsChoices)
 from orchestrator.sim.paper_setup import draw_paper_instance, to_cluster
-from orchestrator.sim.policy_runs import poisson_workload, simulate_chains, simulate_plan
+from orchestrator.sim.policy_runs import DEFAULT_WARMUP_FRACTION, poisson_workload, simulate_chains, simulate_plan
 
-FIG_IDS = {"fig3": 3, "fig4": 4, "fig5": 5, "fig67": 6, "fig8": 8, "fig8x": 9}
+FIG_IDS = {"fig3": 3, "fig4": 4, "fig5": 5, "fig67": 6, "fig8": 8, "fig8x": 9, "leftover": 8}
 DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq")
 FIG8_POLICIES = ("proposed", "petals", "bprr")
 UNREACHABLE_RATE_PER_S = 1e9  # GBP-CR target that is never met: place on every server
@@ -49,6 +54,8 @@ class PaperConfig:
     arrival_rate_per_s: float = 0.2
     rho_bar: float = 0.7
     c_fixed: int = 7
+    tau_c_reading: str = "model"
+    authors: AuthorsChoices = AuthorsChoices()
     # Fig. 3
     fig3_servers: tuple[int, ...] = (20, 40)
     fig3_etas: tuple[float, ...] = (0.0, 0.2)
@@ -68,6 +75,8 @@ class PaperConfig:
     # Fig. 8 beyond the paper: the J=20, eta=0.2 point at higher arrival rates
     fig8x_setting: tuple[int, float] = (20, 0.2)
     fig8x_rates_per_s: tuple[float, ...] = (0.5, 1.0)
+    # Ablation of the authors' choices (Fig. 8 settings it runs at)
+    ablation_settings: tuple[tuple[int, float], ...] = ((10, 0.2), (20, 0.2))
 
     @classmethod
     def quick(cls, seed: int = 2026) -> "PaperConfig":
@@ -80,10 +89,23 @@ def _rng(cfg: PaperConfig, fig: str, run: int, *extra: int) -> np.random.Generat
     return np.random.default_rng([cfg.seed, FIG_IDS[fig], run, *extra])
 
 
+def _instance(rtt_ms, cfg, rng, *, num_servers=None, eta=None, rate=None):
+    return draw_paper_instance(rtt_ms, num_servers or cfg.num_servers, cfg.eta if eta is None else eta, rng,
+                               arrival_rate_per_s=rate or cfg.arrival_rate_per_s, rho_bar=cfg.rho_bar,
+                               tau_c_reading=cfg.tau_c_reading, authors=cfg.authors)
+
+
 def _cluster(rtt_ms, cfg, rng, *, num_servers=None, eta=None, rate=None):
-    inst = draw_paper_instance(rtt_ms, num_servers or cfg.num_servers, cfg.eta if eta is None else eta, rng,
-                               arrival_rate_per_s=rate or cfg.arrival_rate_per_s, rho_bar=cfg.rho_bar)
-    return to_cluster(inst)
+    return to_cluster(_instance(rtt_ms, cfg, rng, num_servers=num_servers, eta=eta, rate=rate))
+
+
+def baseline_options(authors: AuthorsChoices, is_high) -> BaselineOptions:
+    """The baselines' knobs for the authors' choices that are on (authors_setup)."""
+    return BaselineOptions(
+        petals_max_blocks=tuple(None if h else AUTHORS_PETALS_LOW_BLOCK_CAP for h in is_high) if authors.petals_block_cap else None,
+        petals_fixed_cache_gb_per_block=AUTHORS_PETALS_CACHE_GB_PER_BLOCK if authors.petals_fixed_cache else None,
+        bprr_wait="active-mean" if authors.bprr_active_wait else "order-statistics",
+        commit_at_arrival=authors.commit_at_arrival)
 
 
 def _finite(x: float) -> float | None:
@@ -235,16 +257,43 @@ def fig67_run(rtt_ms, run: int, cfg: PaperConfig) -> dict:
 
 def fig8_run(rtt_ms, run: int, cfg: PaperConfig, num_servers: int, eta: float, rate: float | None = None) -> dict:
     """One run of Fig. 8 at (J, eta); `rate` overrides lambda (the "fig8x" load sensitivity)."""
-    cluster = _cluster(rtt_ms, cfg, _rng(cfg, "fig8", run, num_servers, int(eta * 100)), num_servers=num_servers, eta=eta, rate=rate)
-    arrivals, sizes = poisson_workload(cluster.arrival_rate_per_s, cfg.fig8_jobs, _rng(cfg, "fig8", run, num_servers, int(eta * 100), 1))
-    out = {"run": run, "J": num_servers, "eta": eta, "rate": cluster.arrival_rate_per_s}
+    inst = _instance(rtt_ms, cfg, _rng(cfg, "fig8", run, num_servers, int(eta * 100)), num_servers=num_servers, eta=eta, rate=rate)
+    cluster = to_cluster(inst)
+    n_jobs, warmup = (AUTHORS_JOBS_PER_RUN, 0.0) if cfg.authors.short_runs else (cfg.fig8_jobs, DEFAULT_WARMUP_FRACTION)
+    arrivals, sizes = poisson_workload(cluster.arrival_rate_per_s, n_jobs, _rng(cfg, "fig8", run, num_servers, int(eta * 100), 1))
+    opts = baseline_options(cfg.authors, inst.is_high)
+    out = {"run": run, "J": num_servers, "eta": eta, "rate": cluster.arrival_rate_per_s, "n_jobs": n_jobs}
     for pol, c in (("proposed", cfg.c_fixed), ("petals", None), ("bprr", None), ("proposed-c*", None)):
         try:
-            p = plan(cluster, "proposed" if pol == "proposed-c*" else pol, c=c)
+            p = plan(cluster, "proposed" if pol == "proposed-c*" else pol, c=c, baseline=opts)
         except InfeasibleClusterError as e:
             out[pol] = {"feasible": False, "reason": str(e)}
             continue
-        res = simulate_plan(p, cluster, arrivals, sizes, rng=_rng(cfg, "fig8", run, num_servers, int(eta * 100), 2))
+        res = simulate_plan(p, cluster, arrivals, sizes, rng=_rng(cfg, "fig8", run, num_servers, int(eta * 100), 2),
+                            warmup_fraction=warmup)
         out[pol] = {"feasible": True, "mean_response_s": res.mean_response_s, "mean_wait_s": res.mean_wait_s,
                     "mean_service_s": res.mean_service_s, "c": p.c, "total_rate": p.total_rate_per_s}
+    return out
+
+
+# ---------------------------------------------------------------- beyond the paper: idle servers
+
+LEFTOVER_VARIANTS = (("c=7", 7, False), ("c=7 + leftover", 7, True), ("c*", None, False), ("c* + leftover", None, True))
+
+
+def leftover_run(rtt_ms, run: int, cfg: PaperConfig, num_servers: int, eta: float) -> dict:
+    """The proposed stack with and without blocks for GBP-CR's idle servers (placement_leftover),
+    on Fig. 8's instances and workload (same seeds as fig8_run)."""
+    cluster = _cluster(rtt_ms, cfg, _rng(cfg, "fig8", run, num_servers, int(eta * 100)), num_servers=num_servers, eta=eta)
+    arrivals, sizes = poisson_workload(cluster.arrival_rate_per_s, cfg.fig8_jobs, _rng(cfg, "fig8", run, num_servers, int(eta * 100), 1))
+    out = {"run": run, "J": num_servers, "eta": eta, "rate": cluster.arrival_rate_per_s}
+    for name, c, leftover in LEFTOVER_VARIANTS:
+        try:
+            p = plan(cluster, "proposed", c=c, leftover=leftover)
+        except InfeasibleClusterError as e:
+            out[name] = {"feasible": False, "reason": str(e)}
+            continue
+        res = simulate_plan(p, cluster, arrivals, sizes, rng=_rng(cfg, "fig8", run, num_servers, int(eta * 100), 2))
+        out[name] = {"feasible": True, "mean_response_s": res.mean_response_s, "total_rate": p.total_rate_per_s,
+                     "idle": len(p.unused_servers), "placed": len(p.leftover_servers), "c": p.c}
     return out

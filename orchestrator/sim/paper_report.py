@@ -136,6 +136,27 @@ def aggregate_fig8(runs: list[dict]) -> tuple[list[dict], list[dict]]:
     return records, details
 
 
+def aggregate_leftover(runs: list[dict]) -> list[dict]:
+    """Per (J, eta): mean response / rate / idle servers of each variant, and in how many runs the
+    leftover placement changed the response time by more than 0.5 % either way."""
+    from orchestrator.sim.paper_experiments import LEFTOVER_VARIANTS
+
+    out = []
+    for J, eta in sorted({(r["J"], r["eta"]) for r in runs}):
+        rs = [r for r in runs if r["J"] == J and r["eta"] == eta]
+        row: dict = {"J": J, "eta": eta, "runs": len(rs)}
+        for name, _, _ in LEFTOVER_VARIANTS:
+            ok = [r[name] for r in rs if r[name]["feasible"]]
+            row[name] = {k: _mean([x[k] for x in ok]) for k in ("mean_response_s", "total_rate", "idle", "placed")}
+        for base in ("c=7", "c*"):
+            pairs = [(r[base]["mean_response_s"], r[f"{base} + leftover"]["mean_response_s"]) for r in rs
+                     if r[base]["feasible"] and r[f"{base} + leftover"]["feasible"]]
+            row[f"{base}: runs better"] = sum(b < a * 0.995 for a, b in pairs)
+            row[f"{base}: runs worse"] = sum(b > a * 1.005 for a, b in pairs)
+        out.append(row)
+    return out
+
+
 # ---------------------------------------------------------------- plots
 
 def _plt():
@@ -293,7 +314,9 @@ def _f(x, digits=2) -> str:
 
 
 def markdown_summary(summary: dict) -> str:
-    lines = [f"# Paper reproduction (section 4.1), {summary['mode']} mode", "",
+    lines = [f"# Paper reproduction (section 4.1), {summary['mode']} mode, setup: {summary.get('setup', 'paper')}", "",
+             f"tau_c reading: {summary.get('tau_c_reading', 'model')}; authors' choices on: "
+             f"{', '.join(summary.get('authors_choices', [])) or 'none'}", "",
              f"Command: `{summary['command']}`  ", f"Runs per point: {summary['config']['runs']}, seed {summary['config']['seed']}, "
              f"RTTs: {summary['rtt_source']}, wall time {summary['wall_s']:.0f} s on {summary['workers']} worker(s).", ""]
     lines += ["## Fig. 3: GBP-CR vs random feasible placements (c=7)", "",
@@ -343,6 +366,26 @@ def markdown_summary(summary: dict) -> str:
             lines.append(f"| {d['rate']:g} | {_f(d['proposed']['mean_response_s'])} | {_f(d['petals']['mean_response_s'])} | "
                          f"{_f(d['bprr']['mean_response_s'])} | {_pct(d['reduction_vs_petals'])} | {_pct(d['reduction_vs_bprr'])} | "
                          f"{_f(d['proposed-c*']['mean_response_s'])} |")
+    if summary.get("ablation"):
+        lines += ["", "## Fig. 8 ablation: the authors' choices switched on one at a time (and off one at a time from all on)", "",
+                  "| variant | J | η | proposed | PETALS | BPRR | reduction vs PETALS | reduction vs BPRR |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for v in summary["ablation"]:
+            for d in v["fig8_details"]:
+                lines.append(f"| {v['variant']} | {d['J']} | {d['eta']:g} | {_f(d['proposed']['mean_response_s'])} | "
+                             f"{_f(d['petals']['mean_response_s'])} | {_f(d['bprr']['mean_response_s'])} | "
+                             f"{_pct(d['reduction_vs_petals'])} | {_pct(d['reduction_vs_bprr'])} |")
+    if summary.get("leftover"):
+        lines += ["", "## Beyond the paper: blocks for the servers GBP-CR leaves idle (Fig. 8 instances)", "",
+                  "| J | η | c=7 | c=7 + leftover | idle → placed | better/worse runs | c* | c* + leftover | idle → placed | better/worse runs |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for a in summary["leftover"]:
+            cells = []
+            for base in ("c=7", "c*"):
+                x, y = a[base], a[f"{base} + leftover"]
+                cells.append(f"{_f(x['mean_response_s'])} | {_f(y['mean_response_s'])} | {_f(x['idle'], 1)} → {_f(y['placed'], 1)} | "
+                             f"{a[f'{base}: runs better']}/{a[f'{base}: runs worse']}")
+            lines.append(f"| {a['J']} | {a['eta']:g} | " + " | ".join(cells) + " |")
     lines += ["", "Timings per figure (s): " + ", ".join(f"{k}: {v:.1f}" for k, v in summary["timings_s"].items()), ""]
     return "\n".join(lines)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.p2p import PeerID
 
-from petals_chain import wire
+from petals_chain import wire, wire_parts
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, ChainSession
@@ -112,15 +112,32 @@ class RemoteChain(ChainBackend):
         hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid)
         try:
             for hop in hops:
-                req = wire.request({"type": "forward", "entry_block": hop.start}, (hidden.to(self.dtype),))
-                resp = self.loop.run(self.stub(hop.peer_id).rpc_forward(req, timeout=self.step_timeout_s),
-                                     timeout_s=self.step_timeout_s + 2)
-                meta = wire.unpack(resp.metadata)
-                wire.raise_if_error(meta)
-                hidden = wire.tensor_from_wire(resp.tensors[0])
+                hidden = self.loop.run(self._forward_hop(hop, hidden.to(self.dtype)),
+                                       timeout_s=self.step_timeout_s + 2)
         finally:
             self.provider.session_finished(hops, session_id=sid)
         return hidden
+
+    async def _forward_hop(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:
+        """One hop of a forward: unary when the tensor fits one message, else the streaming RPC."""
+        requests = wire_parts.to_messages({"type": "forward", "entry_block": hop.start}, (hidden,))
+        stub = self.stub(hop.peer_id)
+        if len(requests) == 1:
+            reply = wire_parts.decode_single(await stub.rpc_forward(requests[0], timeout=self.step_timeout_s))
+        else:
+            async def outgoing():
+                for request in requests:
+                    yield request
+
+            replies = await stub.rpc_forward_stream(outgoing())
+            try:
+                reply = await asyncio.wait_for(wire_parts.receive_one(replies), self.step_timeout_s)
+            finally:
+                await replies.aclose()  # stops sending parts the server refused (early error reply)
+        wire.raise_if_error(reply.meta)
+        if len(reply.tensors) != 1:
+            raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply")
+        return reply.tensors[0]
 
     def open_session(self, max_length: int) -> "RemoteChainSession":
         return RemoteChainSession(self, max_length)
@@ -180,20 +197,23 @@ class RemoteChainSession(ChainSession):
     async def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         self._step_id += 1
         t0 = time.perf_counter()
-        await stream.queue.put(wire.request({"type": "step", "session_id": self.session_id, "step_id": self._step_id},
-                                            (hidden,)))
-        resp = await asyncio.wait_for(anext(stream.responses), self.chain.step_timeout_s)
+        for request in wire_parts.to_messages({"type": "step", "session_id": self.session_id,
+                                               "step_id": self._step_id}, (hidden,)):
+            await stream.queue.put(request)
+        try:
+            reply = await asyncio.wait_for(wire_parts.receive_one(stream.responses), self.chain.step_timeout_s)
+        except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
+            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         client_s = time.perf_counter() - t0
-        meta = wire.unpack(resp.metadata)
-        wire.raise_if_error(meta)
-        if len(resp.tensors) != 1:
+        wire.raise_if_error(reply.meta)
+        if len(reply.tensors) != 1:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
-        server_s = meta.get("server_s")
+        server_s = reply.meta.get("server_s")
         self.hop_timings.append(HopTiming(
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
             stream.hop.end - stream.hop.start, hidden.shape[0], client_s,
             float(server_s) if isinstance(server_s, (int, float)) else None))
-        return wire.tensor_from_wire(resp.tensors[0])
+        return reply.tensors[0]
 
     def _run(self, coro, timeout_s: float):
         try:

@@ -1,0 +1,77 @@
+"""Blocks for the servers GBP-CR leaves idle (issue 12; beyond the paper).
+
+GBP-CR (Alg. 1) places disjoint chains and stops once their scaled rate meets lambda / (rho_bar c);
+servers after the stop, or that cannot complete one more chain, get no blocks. GCA can only compose
+chains from servers that hold blocks, so donated memory sits unused. Here each idle server (in
+GBP-CR's order, fastest per block first, eq. 9) gets m_j(c) blocks (eq. 8; m_j(1) if m_j(c) = 0)
+on the window where GCA's allocation is tightest: per block b, the spare sessions
+s_b = sum over servers j holding b of (slots j has left after GCA) / m_j; the window whose sorted
+spare vector is lexicographically smallest (a min-cut proxy: chains through the window are
+limited by its weakest blocks; ties to the leftmost). The server keeps the range only if GCA on the
+new placement has a total service rate nu (eq. 4) no lower and a Theorem 3.7 lower bound on JFFC's
+mean response time no higher than before; otherwise it stays idle. So by construction the rate
+GBP-CR + GCA achieve never drops (tests/test_leftover_placement.py checks it on random clusters).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.bounds import theorem37_bounds
+from orchestrator.cache_gca import GcaResult, gca
+from orchestrator.model import BlockRange, Cluster, Placement, total_service_rate_per_s
+from orchestrator.placement_gbp_cr import blocks_per_server
+
+
+@dataclass(frozen=True)
+class LeftoverResult:
+    placement: Placement
+    gca: GcaResult
+    placed: tuple[int, ...]  # idle servers that got (and kept) a range
+    rejected: tuple[int, ...]  # idle servers tried and left idle (their range lowered nu or raised the bound)
+
+
+def _spare_sessions(cluster: Cluster, placement: Placement, residual_after: tuple[int, ...]) -> np.ndarray:
+    L = cluster.service.num_blocks
+    spare = np.zeros(L)
+    for j, r in enumerate(placement.ranges):
+        if r is not None:
+            spare[r.start:r.end] += residual_after[j] / r.num_blocks
+    return spare
+
+
+def _tightest_window(spare: np.ndarray, m: int) -> int:
+    L = len(spare)
+    return min(range(L - m + 1), key=lambda a: (tuple(np.sort(spare[a:a + m])), a))
+
+
+def place_leftover(cluster: Cluster, placement: Placement, c: int, base: GcaResult | None = None) -> LeftoverResult:
+    """Ranges for the servers without one in ``placement`` (GBP-CR's for capacity requirement c);
+    see the module docstring. ``base``: GCA on ``placement`` if the caller has it."""
+    cur = base or gca(cluster, placement)
+    lam = cluster.arrival_rate_per_s
+    rate = total_service_rate_per_s(cur.chains)
+    bound = theorem37_bounds(cur.chains, lam).lower_s if cur.chains else float("inf")
+    m_c, m_1 = blocks_per_server(cluster, c), blocks_per_server(cluster, 1)
+    t = [sv.tau_c_s + sv.tau_p_s * max(m, 1) for sv, m in zip(cluster.servers, m_c)]
+    idle = [j for j in placement.unused_servers() if (m_c[j] or m_1[j]) > 0]
+    idle.sort(key=lambda j: (t[j] / max(m_c[j], 1) if m_c[j] else t[j] / m_1[j], j))
+    ranges = list(placement.ranges)
+    placed, rejected = [], []
+    for j in idle:
+        m = m_c[j] or m_1[j]
+        start = _tightest_window(_spare_sessions(cluster, Placement(tuple(ranges)), cur.residual_slots_after), m)
+        trial = list(ranges)
+        trial[j] = BlockRange(start, start + m)
+        trial_placement = Placement(tuple(trial))
+        res = gca(cluster, trial_placement)
+        new_rate = total_service_rate_per_s(res.chains)
+        new_bound = theorem37_bounds(res.chains, lam).lower_s if res.chains else float("inf")
+        # keep only what does not lower nu nor raise the lower bound (1e-12: float noise of equal plans)
+        if new_rate >= rate * (1 - 1e-12) and new_bound <= bound * (1 + 1e-12):
+            ranges, cur, rate, bound = trial, res, new_rate, new_bound
+            placed.append(j)
+        else:
+            rejected.append(j)
+    return LeftoverResult(Placement(tuple(ranges)), cur, tuple(placed), tuple(rejected))

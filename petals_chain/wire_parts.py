@@ -1,0 +1,221 @@
+"""Tensors of any size on the wire: split into parts below one message size, recombined in place.
+
+hivemind's p2p daemon refuses a unary message over 4 MiB (`P2PDaemonError: Message size exceeds
+set limit 4194304`), and one huge stream message would hold the whole tensor serialised twice in
+memory. So every tensor that crosses the wire (inference steps both ways, forward requests and
+replies) travels as parts of at most `MAX_PART_BYTES` payload, the one knob of this module
+(PETALS does the same with hivemind's `split_for_streaming`).
+
+A *message group* is what used to be one message: the first message carries the msgpack metadata
+(with `PARTS_KEY` = the number of messages when there are more than one) and the first parts;
+continuation messages carry only tensor parts, with empty metadata. The first part of each tensor
+is a header (dtype, shape, number of parts), as in hivemind's `split_for_streaming`.
+
+Copies: the sender copies each part's bytes once out of the tensor (protobuf needs `bytes`); the
+receiver allocates the tensor from its header and copies each part's bytes once into place.
+hivemind's `combine_from_streaming` + `deserialize_torch_tensor` copy the whole tensor twice more
+(`b"".join`, then `bytearray`).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from hivemind.proto import runtime_pb2
+
+from petals_chain.errors import InvalidRequestError, PetalsChainError
+from petals_chain.wire import field_of, pack, unpack
+
+# The one part size: half of hivemind's 4 MiB p2pd message limit (its MAX_UNARY_PAYLOAD_SIZE),
+# leaving room for metadata and protobuf framing. A message's tensor payload never exceeds it.
+MAX_PART_BYTES = 2 * 2**20
+PARTS_KEY = "parts"  # metadata field: number of messages in this group (absent: 1)
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                                  "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
+
+Admit = Callable[[tuple[int, ...], torch.dtype], None]  # raises a typed error to refuse a tensor by its header
+
+
+@dataclass
+class Message:
+    """One message group, reassembled: metadata and tensors."""
+
+    meta: dict[str, Any]
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+def split_tensor(t: torch.Tensor, part_bytes: int = MAX_PART_BYTES) -> list[runtime_pb2.Tensor]:
+    """`t` as protobuf parts of at most `part_bytes` bytes; the first part carries the header."""
+    t = t.detach().to("cpu").contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    if t.dtype not in DTYPES.values():
+        raise InvalidRequestError(f"tensors of dtype {name} cannot be sent; use one of {', '.join(DTYPES)}")
+    # reinterpret as bytes (a view, no copy; numpy has no bfloat16, bytes do not care)
+    raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    n = max(1, math.ceil(len(raw) / part_bytes))
+    parts = [runtime_pb2.Tensor(buffer=raw[:part_bytes].tobytes(), size=list(t.shape), dtype=name, chunks=n,
+                                compression=runtime_pb2.CompressionType.NONE)]
+    parts += [runtime_pb2.Tensor(buffer=raw[i:i + part_bytes].tobytes())
+              for i in range(part_bytes, len(raw), part_bytes)]
+    return parts
+
+
+def to_messages(meta: dict[str, Any], tensors: Iterable[torch.Tensor] = (), *, reply: bool = False,
+                part_bytes: int = MAX_PART_BYTES) -> list:
+    """One message group: ExpertRequests (or ExpertResponses with `reply=True`), each carrying at
+    most `part_bytes` of tensor payload (small tensors share a message)."""
+    cls = runtime_pb2.ExpertResponse if reply else runtime_pb2.ExpertRequest
+    batches: list[list[runtime_pb2.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        for i, part in enumerate(split_tensor(t, part_bytes)):
+            part_size = min(part_bytes, nbytes - i * part_bytes)  # not len(part.buffer): upb copies on access
+            if batches[-1] and size + part_size > part_bytes:
+                batches.append([])
+                size = 0
+            batches[-1].append(part)
+            size += part_size
+    head = {**meta, PARTS_KEY: len(batches)} if len(batches) > 1 else meta
+    return [cls(metadata=pack(head), tensors=batches[0])] + [cls(tensors=b) for b in batches[1:]]
+
+
+@dataclass
+class _Pending:
+    tensor: torch.Tensor  # flat, being filled
+    shape: tuple[int, ...]
+    raw: np.ndarray  # uint8 view of `tensor`'s memory
+    parts_left: int
+    filled_bytes: int = 0
+
+
+class Assembler:
+    """Rebuilds message groups from a stream of messages (one assembler per stream direction).
+
+    `feed` returns the groups a message completes (a `Message`) and the errors it causes (a typed
+    error per bad group, e.g. from `admit`, which sees each tensor's header before its memory is
+    allocated). After an error the rest of that group's continuation messages are dropped, so the
+    sender gets exactly one reply (the error) per group and the stream stays usable."""
+
+    def __init__(self, admit: Admit | None = None):
+        self.admit = admit
+        self._meta: dict[str, Any] | None = None
+        self._messages_left = 0
+        self._tensors: list[torch.Tensor] = []
+        self._pending: _Pending | None = None
+        self._skipping = False
+
+    def feed(self, message) -> list[Message | PetalsChainError]:
+        out: list[Message | PetalsChainError] = []
+        if message.metadata:
+            if self._meta is not None:
+                out.append(InvalidRequestError(f"a message group ended {self._messages_left} message(s) early; "
+                                               "send every part of a tensor before the next message"))
+            self._reset()
+            try:
+                meta = unpack(message.metadata)
+                self._messages_left = field_of(meta, PARTS_KEY, int, default=1)
+                if self._messages_left < 1:
+                    raise InvalidRequestError(f"field {PARTS_KEY!r} must be >= 1, got {self._messages_left}")
+                meta.pop(PARTS_KEY, None)
+                self._meta = meta
+            except PetalsChainError as e:
+                self._reset(skipping=True)
+                return out + [e]
+        elif self._meta is None:
+            if not self._skipping:
+                out.append(InvalidRequestError("a message without metadata arrived outside a message group: "
+                                               "every group starts with a message that carries metadata"))
+            return out
+        try:
+            for part in message.tensors:
+                self._add_part(part)
+            self._messages_left -= 1
+            if self._messages_left == 0:
+                if self._pending is not None:
+                    raise InvalidRequestError(f"the group ended with {self._pending.parts_left} part(s) of a tensor "
+                                              "missing")
+                out.append(Message(self._meta, self._tensors))
+                self._reset()
+        except PetalsChainError as e:
+            self._reset(skipping=self._messages_left > 1)
+            out.append(e)
+        return out
+
+    def _reset(self, skipping: bool = False) -> None:
+        self._meta, self._messages_left, self._tensors, self._pending = None, 0, [], None
+        self._skipping = skipping
+
+    def _add_part(self, part: runtime_pb2.Tensor) -> None:
+        if self._pending is None:
+            self._pending = self._start_tensor(part)
+        elif part.dtype or part.size:
+            raise InvalidRequestError("a tensor header arrived while another tensor still missed parts")
+        p = self._pending
+        buffer = part.buffer
+        if p.filled_bytes + len(buffer) > len(p.raw):
+            raise InvalidRequestError(f"tensor parts carry more than the {len(p.raw)} bytes its header declares")
+        # the one copy on this side: the part's bytes straight into the tensor's memory
+        p.raw[p.filled_bytes:p.filled_bytes + len(buffer)] = np.frombuffer(buffer, dtype=np.uint8)
+        p.filled_bytes += len(buffer)
+        p.parts_left -= 1
+        if p.parts_left == 0:
+            if p.filled_bytes != len(p.raw):
+                raise InvalidRequestError(f"tensor parts carry {p.filled_bytes} bytes, its header declares "
+                                          f"{len(p.raw)}")
+            self._tensors.append(p.tensor.reshape(p.shape))
+            self._pending = None
+
+    def _start_tensor(self, part: runtime_pb2.Tensor) -> _Pending:
+        if part.dtype not in DTYPES:
+            raise InvalidRequestError(f"tensor dtype {part.dtype!r} is not accepted; send one of {', '.join(DTYPES)}")
+        if part.compression != runtime_pb2.CompressionType.NONE:
+            raise InvalidRequestError("compressed tensors are not accepted; send raw tensors (compression NONE)")
+        shape = tuple(int(d) for d in part.size)  # uint32 on the wire: never negative
+        dtype = DTYPES[part.dtype]
+        if self.admit is not None:
+            self.admit(shape, dtype)  # before allocating: a refused tensor costs no memory
+        tensor = torch.empty(math.prod(shape), dtype=dtype)
+        return _Pending(tensor, shape, tensor.view(torch.uint8).numpy(), max(1, part.chunks))
+
+
+def decode_single(message, admit: Admit | None = None) -> Message:
+    """A unary RPC's message: one whole group of at most MAX_PART_BYTES in one message (so that the
+    reply, of the same size, fits one message too), else a typed error."""
+    results = Assembler(admit).feed(message)
+    if not results:
+        meta = unpack(message.metadata) if message.metadata else {}
+        raise InvalidRequestError(f"this message is the first of {meta.get(PARTS_KEY, '?')} parts; a unary RPC "
+                                  f"carries at most {MAX_PART_BYTES} bytes of tensors, send larger ones over a "
+                                  "stream")
+    if isinstance(results[0], PetalsChainError):
+        raise results[0]
+    payload_bytes = sum(t.numel() * t.element_size() for t in results[0].tensors)
+    if payload_bytes > MAX_PART_BYTES:
+        raise InvalidRequestError(f"a unary RPC carries at most {MAX_PART_BYTES} bytes of tensors, this one "
+                                  f"{payload_bytes}; send larger ones over a stream in parts (wire_parts.to_messages)")
+    return results[0]
+
+
+async def assembled(messages: AsyncIterator, admit: Admit | None = None) -> AsyncIterator[Message | PetalsChainError]:
+    """The message groups (or a typed error per bad group) of a stream of messages."""
+    assembler = Assembler(admit)
+    async for message in messages:
+        for result in assembler.feed(message):
+            yield result
+
+
+async def receive_one(messages: AsyncIterator, admit: Admit | None = None) -> Message:
+    """Read messages until one group is complete (a reply on a stream); a bad group raises its
+    typed error, a stream that ends mid-group raises StopAsyncIteration."""
+    assembler = Assembler(admit)
+    while True:
+        for result in assembler.feed(await anext(messages)):
+            if isinstance(result, PetalsChainError):
+                raise result
+            return result

@@ -1,0 +1,275 @@
+"""Benchmark the emulated WAN (netem), with baselines measured in the same run.
+
+1. The delay hub's throughput: TCP goodput (MB/s) and UDP packets/s between two emulated hosts at
+   RTT 0, next to the same traffic over loopback inside one namespace (no hub); the hub's own CPU
+   time per packet (from /proc), i.e. the packet rate one core could carry.
+2. Delay error: RTT probes at targets 5/20/50/100 ms (median and p90 of measured - target), idle
+   and while another pair of hosts pushes bulk TCP through the hub; plus the hub's own lateness.
+3. One session's tokens/s through a 3-server chain (DHT, servers, client each on its own emulated
+   host, every pair at the same RTT) at RTT 0/20/50/100 ms, next to the service time the
+   orchestrator's model predicts for that chain: T = sum_j (tau_c_j + m_j tau_p_j) with tau_c =
+   l_out x RTT and tau_p = t_o + t_I l_in + t_O (l_out - 1) from the servers' own t_I, t_O.
+
+Needs root (namespaces). Prints a table and writes results/bench_netem.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+import netem
+from netem.probe import measure_rtt_ms, measure_throughput_bit_s
+from netem.state import state_path
+from netem.system import socket_in_netns
+
+REPO = Path(__file__).resolve().parents[1]
+HIDDEN_BYTES_2000_TOKEN_PREFILL = 2000 * 576 * 4  # SmolLM2-135M hidden size 576, float32
+
+
+def udp_packets_per_s(src_ns, src_addr, dst_ns, dst_addr, *, size_bytes=64, duration_s=2.0) -> float:
+    """Datagrams/s received at dst while one thread sends as fast as it can (the sender is Python too, so
+    compare against the loopback baseline: equal rates mean the sender, not the hub, is the limit)."""
+    rx = socket_in_netns(dst_ns, socket.AF_INET, socket.SOCK_DGRAM)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    rx.bind((dst_addr, 0))
+    rx.setblocking(False)
+    tx = socket_in_netns(src_ns, socket.AF_INET, socket.SOCK_DGRAM)
+    tx.bind((src_addr, 0))
+    stop = threading.Event()
+    payload = b"x" * size_bytes
+
+    def send():
+        target = rx.getsockname()
+        while not stop.is_set():
+            for _ in range(256):
+                try:
+                    tx.sendto(payload, target)
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    got, start = 0, time.monotonic()
+    while time.monotonic() - start < duration_s:
+        if select.select([rx], [], [], 0.1)[0]:
+            while True:
+                try:
+                    rx.recv(2048)
+                    got += 1
+                except BlockingIOError:
+                    break
+    elapsed = time.monotonic() - start
+    stop.set()
+    t.join(timeout=5)
+    tx.close()
+    rx.close()
+    return got / elapsed
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def hub_stats(net: netem.Network) -> dict:
+    path = state_path(net.name).with_suffix(".hub.json")
+    path.unlink(missing_ok=True)
+    os.kill(net.state.hub_pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 5
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+def bench_hub(name: str, duration_s: float) -> dict:
+    r: dict = {}
+    with netem.Network(["a", "b"], [[0, 0], [0, 0]], name=name, backend="userspace") as net:
+        a, b = (net.netns(h) for h in "ab")
+        A, B = net.address("a"), net.address("b")
+        cpu0, s0 = cpu_s(net.state.hub_pid), hub_stats(net)["packets"]
+        r["hub_tcp_MB_per_s"] = measure_throughput_bit_s(a, A, b, B, duration_s=duration_s) / 8e6
+        st = hub_stats(net)
+        r["hub_tcp_packets"] = st["packets"] - s0
+        r["hub_tcp_mean_packet_bytes"] = st["bytes"] / max(1, st["packets"])
+        cpu1 = cpu_s(net.state.hub_pid)
+        r["hub_udp64_packets_per_s"] = udp_packets_per_s(a, A, b, B, duration_s=duration_s)
+        st2 = hub_stats(net)
+        cpu2 = cpu_s(net.state.hub_pid)
+        r["hub_cpu_us_per_tcp_packet"] = (cpu1 - cpu0) * 1e6 / max(1, r["hub_tcp_packets"])
+        r["hub_cpu_us_per_udp_packet"] = (cpu2 - cpu1) * 1e6 / max(1, st2["packets"] - st["packets"])
+        r["hub_scheduling"] = st2["scheduling"]
+        # baselines: the same code over loopback inside one namespace (no hub on the path)
+        r["loopback_tcp_MB_per_s"] = measure_throughput_bit_s(a, "127.0.0.1", a, "127.0.0.1",
+                                                              duration_s=duration_s) / 8e6
+        r["loopback_udp64_packets_per_s"] = udp_packets_per_s(a, "127.0.0.1", a, "127.0.0.1", duration_s=duration_s)
+    r["ratio_tcp_hub_vs_loopback"] = r["hub_tcp_MB_per_s"] / r["loopback_tcp_MB_per_s"]
+    r["ratio_udp_hub_vs_loopback"] = r["hub_udp64_packets_per_s"] / r["loopback_udp64_packets_per_s"]
+    r["prefill_2000_tokens_hidden_MB"] = HIDDEN_BYTES_2000_TOKEN_PREFILL / 1e6
+    r["prefill_2000_tokens_transfer_ms_at_hub_rate"] = HIDDEN_BYTES_2000_TOKEN_PREFILL / (r["hub_tcp_MB_per_s"] * 1e6) * 1e3
+    return r
+
+
+def rtt_samples(net: netem.Network, i: int, j: int, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        m = measure_rtt_ms([net.netns(i), net.netns(j)], [net.address(i), net.address(j)], probes=1)
+        out += [m[0][1], m[1][0]]
+    return out
+
+
+def bench_delay(name: str, targets_ms: list[float], probes: int) -> dict:
+    r: dict = {}
+    hosts = ["a", "b", "c", "d"]
+    with netem.Network(hosts, [[0.0] * 4 for _ in range(4)], name=name, backend="userspace") as net:
+        for loaded in (False, True):
+            stop = threading.Event()
+            bulk = None
+            if loaded:  # a -> b bulk TCP through the same hub while c <-> d probe
+                def push():
+                    while not stop.is_set():
+                        measure_throughput_bit_s(net.netns("a"), net.address("a"), net.netns("b"), net.address("b"),
+                                                 duration_s=1.0, warmup_s=0.0)
+                bulk = threading.Thread(target=push, daemon=True)
+                bulk.start()
+            for t in targets_ms:
+                m = [[0.0] * 4 for _ in range(4)]
+                m[2][3] = m[3][2] = t
+                net.set_rtt_ms(m)
+                err = np.array(rtt_samples(net, 2, 3, probes)) - t
+                key = f"{'loaded' if loaded else 'idle'}_{t:g}ms"
+                r[f"delay_error_ms_median_{key}"] = float(np.median(err))
+                r[f"delay_error_ms_p90_{key}"] = float(np.percentile(err, 90))
+            st = hub_stats(net)
+            r[f"hub_late_ms_p50_{'loaded' if loaded else 'idle'}"] = st["late_ms_p50"]
+            r[f"hub_late_ms_p99_{'loaded' if loaded else 'idle'}"] = st["late_ms_p99"]
+            stop.set()
+            if bulk is not None:
+                bulk.join(timeout=10)
+    return r
+
+
+CLIENT = r"""
+import json, sys, time
+import torch
+from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.dht_records import fetch_servers
+ids = torch.tensor([json.loads(sys.argv[2])])
+n = int(sys.argv[3])
+model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]])
+try:
+    model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
+    best, best_step = None, None
+    for _ in range(int(sys.argv[4])):
+        t = time.perf_counter()  # a whole session, as the service time T of the model counts it
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        dt = time.perf_counter() - t
+        best = dt if best is None else min(best, dt)
+        with model.inference_session(max_length=ids.shape[1] + n + 2):  # steady-state decode steps only
+            first = model.generate(ids, max_new_tokens=1, do_sample=False)
+            t = time.perf_counter()
+            model.generate(first[:, -1:], max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            step = (time.perf_counter() - t) / n
+        best_step = step if best_step is None else min(best_step, step)
+    infos = [i.to_wire() for i in fetch_servers(model.backend.dht, "smollm2-135m")]
+    print(json.dumps({"seconds": best, "decode_step_s": best_step, "new_tokens": n, "servers": infos}), flush=True)
+finally:
+    model.backend.shutdown()
+"""
+
+
+def bench_chain(name: str, rtts_ms: list[float], new_tokens: int, repeats: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from orchestrator.service.measurements import SessionShape, tau_c_s, tau_p_s
+    from petals_chain.local_swarm import LocalSwarm
+    from petals_chain.models.checkpoint import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m")
+    ids = AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
+                                              return_tensors="pt").input_ids[0].tolist()
+    hosts = ["dht", "s0", "s1", "s2", "client"]
+    r: dict = {"chain_prompt_tokens": len(ids), "chain_new_tokens": new_tokens}
+    uniform = lambda ms: [[0.0 if i == j else ms for j in range(5)] for i in range(5)]
+    with netem.Network(hosts, uniform(rtts_ms[0]), name=name, backend="userspace") as net:
+        def placement(role):
+            h = "dht" if role == "dht" else role.replace("server", "s")
+            return net.prefix(h), net.address(h)
+
+        with LocalSwarm("smollm2-135m", [(0, 10), (10, 20), (20, 30)], placement=placement,
+                        server_args=["--num-threads", "1", "--no-orchestrator"]) as swarm:
+            env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+            for ms in rtts_ms:
+                net.set_rtt_ms(uniform(ms))
+                proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
+                                                             json.dumps(ids), str(new_tokens), str(repeats)]),
+                                      capture_output=True, text=True, timeout=600, env=env)
+                if proc.returncode != 0:
+                    raise RuntimeError(proc.stderr[-3000:])
+                res = json.loads(proc.stdout.strip().splitlines()[-1])
+                shape = SessionShape(len(ids), new_tokens)
+                predicted_s = sum(tau_c_s(ms / 1e3, shape) + (s["end"] - s["start"]) * tau_p_s(
+                    s["prefill_s_per_token"], s["decode_s_per_token"], shape, per_block_overhead_s=1e-3)
+                    for s in res["servers"])
+                r[f"chain_tokens_per_s_rtt{ms:g}"] = new_tokens / res["seconds"]
+                r[f"chain_service_s_rtt{ms:g}"] = res["seconds"]
+                r[f"model_predicted_service_s_rtt{ms:g}"] = predicted_s
+                r[f"ratio_measured_vs_predicted_rtt{ms:g}"] = res["seconds"] / predicted_s
+                # one decode step: the client relays through 3 hops (3 RTTs) + each block's t_O (+ t_o)
+                step_model_s = 3 * ms / 1e3 + sum((s["end"] - s["start"]) * (s["decode_s_per_token"] + 1e-3)
+                                                  for s in res["servers"])
+                r[f"decode_step_ms_rtt{ms:g}"] = res["decode_step_s"] * 1e3
+                r[f"model_decode_step_ms_rtt{ms:g}"] = step_model_s * 1e3
+                print(f"RTT {ms:5g} ms: {new_tokens / res['seconds']:6.2f} tok/s, session {res['seconds']:.2f} s "
+                      f"(model T {predicted_s:.2f} s); decode step {res['decode_step_s'] * 1e3:.1f} ms "
+                      f"(model {step_model_s * 1e3:.1f} ms)", flush=True)
+    if len(rtts_ms) > 1:  # the tau_c model: each decode step costs 3 RTTs (the client relays to 3 servers)
+        r["decode_step_ms_per_ms_rtt_fit"] = float(np.polyfit(rtts_ms, [r[f"decode_step_ms_rtt{ms:g}"] for ms in rtts_ms], 1)[0])
+        r["decode_step_ms_per_ms_rtt_model"] = 3.0
+    return r
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=2.0, help="seconds per throughput measurement")
+    p.add_argument("--probes", type=int, default=15, help="RTT probes per target (each both directions)")
+    p.add_argument("--targets-ms", default="5,20,50,100")
+    p.add_argument("--chain-rtts-ms", default="0,20,50,100")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2, help="best of N generations per RTT")
+    p.add_argument("--skip-chain", action="store_true")
+    p.add_argument("--out", default="results/bench_netem.json")
+    args = p.parse_args()
+    name = "b" + uuid.uuid4().hex[:6]
+    results: dict = {"loadavg_start": os.getloadavg()[0]}
+    try:
+        results.update(bench_hub(name, args.duration))
+        results.update(bench_delay(name, [float(x) for x in args.targets_ms.split(",")], args.probes))
+        if not args.skip_chain:
+            results.update(bench_chain(name, [float(x) for x in args.chain_rtts_ms.split(",")], args.new_tokens,
+                                       args.repeats))
+    finally:
+        netem.cleanup(name)
+    results["loadavg_end"] = os.getloadavg()[0]
+    for k, v in results.items():
+        print(f"{k:50s} {v:10.3f}" if isinstance(v, float) else f"{k:50s} {v}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

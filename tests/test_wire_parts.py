@@ -1,0 +1,115 @@
+"""Tensors split into parts below the message size and rebuilt exactly (no network: the codec)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from petals_chain import wire
+from petals_chain.errors import InvalidRequestError, PetalsChainError
+from petals_chain.wire_parts import (
+    DTYPES,
+    MAX_PART_BYTES,
+    PARTS_KEY,
+    Assembler,
+    Message,
+    decode_single,
+    split_tensor,
+    to_messages,
+)
+
+
+def _payload_bytes(msg) -> int:
+    return sum(len(t.buffer) for t in msg.tensors)
+
+
+def _roundtrip(meta, tensors, part_bytes, admit=None) -> Message:
+    msgs = to_messages(meta, tensors, part_bytes=part_bytes)
+    assert all(_payload_bytes(m) <= part_bytes for m in msgs)
+    assembler = Assembler(admit)
+    results = [r for m in msgs for r in assembler.feed(m)]
+    assert len(results) == 1
+    return results[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=0, max_size=3),
+       dtype=st.sampled_from(sorted(DTYPES)), part_bytes=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_any_tensors_roundtrip_bit_exactly_in_parts_below_the_size(shapes, dtype, part_bytes, seed):
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randint(-2**15, 2**15, tuple(s), generator=g).to(DTYPES[dtype]) if DTYPES[dtype] in
+               (torch.int64, torch.int32) else torch.randn(tuple(s), generator=g).to(DTYPES[dtype]) for s in shapes]
+    out = _roundtrip({"type": "step", "n": 3}, tensors, part_bytes)
+    assert out.meta == {"type": "step", "n": 3}  # the parts count does not leak into the metadata
+    assert len(out.tensors) == len(tensors)
+    for a, b in zip(tensors, out.tensors):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))  # bits, NaN-safe
+
+
+def test_a_32_mib_bfloat16_hidden_state_roundtrips_within_the_message_limit():
+    hidden = torch.randn(1, 4096, 4096).to(torch.bfloat16)  # a 7B model's 4,096-token prefill
+    msgs = to_messages({"type": "forward"}, (hidden,))
+    assert len(msgs) == hidden.numel() * 2 // MAX_PART_BYTES == 16
+    assert all(m.ByteSize() < 4 * 2**20 for m in msgs)  # hivemind's p2pd limit per message
+    assert wire.unpack(msgs[0].metadata)[PARTS_KEY] == 16 and all(not m.metadata for m in msgs[1:])
+    out = _roundtrip({"type": "forward"}, (hidden,), MAX_PART_BYTES)
+    assert torch.equal(out.tensors[0], hidden)
+
+
+def test_admit_refuses_by_header_before_allocating_and_the_rest_of_the_group_is_dropped():
+    seen = []
+
+    def admit(shape, dtype):
+        seen.append(shape)
+        if shape[0] > 8:
+            raise InvalidRequestError("too many tokens")
+
+    assembler = Assembler(admit)
+    big = to_messages({"type": "step"}, (torch.zeros(16, 64),), part_bytes=256)
+    results = [r for m in big for r in assembler.feed(m)]
+    assert len(results) == 1 and isinstance(results[0], InvalidRequestError) and seen == [(16, 64)]
+    # the stream stays usable: the next group is decoded normally
+    small = torch.randn(4, 64)
+    results = [r for m in to_messages({"type": "step"}, (small,), part_bytes=256) for r in assembler.feed(m)]
+    assert len(results) == 1 and torch.equal(results[0].tensors[0], small)
+
+
+def _errors(messages) -> list:
+    assembler = Assembler()
+    return [r for m in messages for r in assembler.feed(m)]
+
+
+def test_malformed_groups_get_one_typed_error_each():
+    t = torch.arange(64, dtype=torch.float32)
+    parts = split_tensor(t, part_bytes=64)  # 4 parts
+    req = wire.runtime_pb2.ExpertRequest
+    truncated = [req(metadata=wire.pack({"type": "a", PARTS_KEY: 4}), tensors=parts[:1]), req(tensors=parts[1:2]),
+                 req(metadata=wire.pack({"type": "b"}))]
+    results = _errors(truncated)
+    assert isinstance(results[0], InvalidRequestError) and "early" in str(results[0])
+    assert isinstance(results[1], Message) and results[1].meta == {"type": "b"}
+    overflow = parts[0]
+    overflow.chunks = 1  # declares one part of 64 bytes, but the header says 256 bytes: missing bytes
+    assert isinstance(_errors([req(metadata=wire.pack({"type": "a"}), tensors=[overflow])])[0], InvalidRequestError)
+    lying = wire.runtime_pb2.Tensor(buffer=b"x" * 12, size=[2], dtype="float32", chunks=1)
+    assert "more than" in str(_errors([req(metadata=wire.pack({"type": "a"}), tensors=[lying])])[0])
+    assert "outside" in str(_errors([req(tensors=parts[1:2])])[0])
+    assert "dtype" in str(_errors([req(metadata=wire.pack({}), tensors=[
+        wire.runtime_pb2.Tensor(buffer=b"", size=[0], dtype="complex64")])])[0])
+    assert PARTS_KEY in str(_errors([req(metadata=wire.pack({PARTS_KEY: 0}))])[0])
+    assert "msgpack" in str(_errors([req(metadata=b"\xc1garbage")])[0])
+
+
+def test_unary_decode_refuses_a_first_part_with_a_fix_it_message():
+    msgs = to_messages({"type": "forward"}, (torch.zeros(3, 128),), part_bytes=512)
+    assert len(msgs) > 1
+    with pytest.raises(PetalsChainError, match="stream"):
+        decode_single(msgs[0])
+    (too_big,) = to_messages({"type": "forward"}, (torch.zeros(MAX_PART_BYTES // 4 + 1),),
+                             part_bytes=2 * MAX_PART_BYTES)
+    with pytest.raises(PetalsChainError, match=f"at most {MAX_PART_BYTES} bytes"):
+        decode_single(too_big)  # its reply would not fit one message either
+    one = to_messages({"type": "forward"}, (torch.ones(3, 4),))
+    assert len(one) == 1 and torch.equal(decode_single(one[0]).tensors[0], torch.ones(3, 4))
