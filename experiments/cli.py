@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-netem", action="store_true",
                    help="run every process on 127.0.0.1 without WAN emulation (results are labelled so)")
     p.add_argument("--netem-backend", default="auto", choices=["auto", "kernel", "userspace"])
+    p.add_argument("--netem-name", default="", help="name of the emulated network (default: a fresh one per run)")
     p.add_argument("--data", default=None, help="Azure trace file or data folder (default $PETALS_CHAIN_DATA, ../shared/data)")
     p.add_argument("--rtt-data", default=None, help="RIPE Atlas file or data folder (same default)")
     p.add_argument("--deadline", type=_positive, default=600.0, help="seconds after the last arrival for stragglers")
@@ -109,6 +110,7 @@ def main(argv: list[str]) -> int:
         output_scale=args.output_scale, max_length_tokens=args.max_length, target_load=args.target_load,
         n_cpus=args.cpus, fast_budget=args.fast_budget, slow_budget=args.slow_budget,
         slow_slowdown=args.slow_slowdown, netem=not args.no_netem, netem_backend=args.netem_backend,
+        netem_name=args.netem_name,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest))
     try:

@@ -68,7 +68,7 @@ def ripe_atlas_hosts_rtt_ms(rtt_matrix_ms: np.ndarray, n_hosts: int, seed: int) 
 class EmulatedHosts(_Hosts):
     """Host `client` and one host per server name, in one `netem.Network` (its RTT matrix in that order)."""
 
-    def __init__(self, server_names: list[str], rtt_ms: np.ndarray, *, backend: str = "auto", name: str = "pct1"):
+    def __init__(self, server_names: list[str], rtt_ms: np.ndarray, *, backend: str = "auto", name: str):
         import netem
 
         if not hasattr(netem, "Network"):
@@ -84,6 +84,7 @@ class EmulatedHosts(_Hosts):
         except netem.NetemError as e:
             raise EmulationUnavailableError(f"WAN emulation could not start: {e}; or run with --no-netem") from e
         self.label = f"netem ({self.net.backend} backend): {len(self.hosts)} emulated hosts, RIPE Atlas RTTs"
+        self.name = name
 
     def host_of(self, role: str) -> str:
         if role in self.hosts:

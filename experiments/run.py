@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from experiments import model_check, report
+from experiments.hosts import EmulationUnavailableError
 from experiments.table1 import (PETALS_22, Table1Config, choose_scale, measured_block_times, run_petals_column,
                                 run_policy)
 
@@ -56,6 +57,8 @@ def run_table1(cfg: Table1Config) -> dict:
         else:
             try:
                 r = run_policy(cfg, policy, info, rtt_ms, out)
+            except EmulationUnavailableError:
+                raise  # every policy would fail the same way
             except RuntimeError as e:  # this policy's swarm did not come up: say so, go on with the next
                 print(f"[{policy}] failed: {e}", flush=True)
                 r = {"policy": policy, "unavailable": f"its swarm did not come up: {e}"}

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class Table1Config:
     rho_bar: float = 0.7
     netem: bool = True
     netem_backend: str = "auto"
+    netem_name: str = ""  # the emulated network's name ("" -> a fresh one per run: runs side by side never clash)
     model: str = "smollm2-135m"
     data: str | None = None
     rtt_data: str | None = None
@@ -112,7 +114,8 @@ def make_launcher(cfg: Table1Config, rtt_ms):
         from experiments.hosts import Localhost
         return Localhost()
     from experiments.hosts import EmulatedHosts
-    return EmulatedHosts(server_names(cfg), rtt_ms, backend=cfg.netem_backend)
+    return EmulatedHosts(server_names(cfg), rtt_ms, backend=cfg.netem_backend,
+                         name=cfg.netem_name or f"t1{uuid.uuid4().hex[:5]}")
 
 
 def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:

@@ -57,10 +57,12 @@ def test_quick_mode_end_to_end(tmp_path):
     except DataNotFoundError as e:
         netem_ok, why = False, str(e)
     marker = uuid.uuid4().hex
+    net_name = "t1q" + marker[:4]
     out = tmp_path / "table1"
     # --quick: two policies; fewer requests and a fixed time scale keep the test bounded
     argv = [sys.executable, "-m", "petals_chain.cli", "experiment", "table1", "--quick", "--requests", "6",
-            "--time-scale", "3", "--deadline", "240", "--out", str(out)] + ([] if netem_ok else ["--no-netem"])
+            "--time-scale", "3", "--deadline", "240", "--out", str(out), "--netem-name", net_name] + \
+        ([] if netem_ok else ["--no-netem"])
     env = {**os.environ, "TABLE1_TEST_MARKER": marker, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -79,7 +81,7 @@ def test_quick_mode_end_to_end(tmp_path):
                 pass
         if netem_ok:
             import netem
-            netem.cleanup("pct1")
+            netem.cleanup(net_name)
     assert proc.returncode == 0, stdout[-4000:]
     assert not _ours(marker), "processes of the run are still alive"
     summary = json.loads((out / "summary.json").read_text())
