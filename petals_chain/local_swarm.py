@@ -102,7 +102,7 @@ class LocalSwarm:
                 raise RuntimeError("the DHT peer did not start:\n" + "\n".join(lines[-20:]))
             self.initial_peers = [next(line for line in lines if "/p2p/" in line).strip()]
             if self.orchestrator_args is not None:
-                self.start_orchestrator(self.orchestrator_args)
+                self.start_orchestrator(self.orchestrator_args, timeout_s=self.start_timeout_s)
             for i, rng in enumerate(self.ranges):
                 start, end = rng if rng is not None else (None, None)
                 self.add_server(start, end, extra_args=self.per_server_args[i], wait=False,
