@@ -156,7 +156,9 @@ class LocalSwarm:
         for sp in servers or self.servers:
             if not sp._ready.wait(max(0.0, deadline - time.monotonic())) or not sp.alive:  # type: ignore[attr-defined]
                 raise RuntimeError(f"{sp.name} [{sp.start}:{sp.end}) did not start:\n" + "\n".join(sp.lines[-20:]))
-            line = next(line for line in sp.lines if line.startswith(("serving ", "standing by: ")))
+            line = next((line for line in sp.lines if line.startswith(("serving ", "standing by: "))), None)
+            if line is None:  # it ended (e.g. was killed) just as it was starting
+                raise RuntimeError(f"{sp.name} ended before it was ready:\n" + "\n".join(sp.lines[-20:]))
             sp.peer_id = line.split(" as ")[1].split()[0].rstrip(":")
             if line.startswith("serving "):
                 rng = line.split("blocks [", 1)[1].split(")", 1)[0]

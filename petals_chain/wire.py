@@ -41,6 +41,17 @@ def unpack(data: bytes) -> dict[str, Any]:
     return meta
 
 
+def unpack_request(request, kind: str) -> dict[str, Any]:
+    """The metadata of a unary request that carries no tensors and whose `type` (if given) is `kind`;
+    anything else is a typed error, so a message meant for another RPC is never half-understood."""
+    meta = unpack(request.metadata)
+    if meta.get("type", kind) != kind:
+        raise InvalidRequestError(f"this RPC takes {kind!r} messages, got type {meta.get('type')!r}")
+    if len(request.tensors):
+        raise InvalidRequestError(f"{kind!r} messages carry no tensors, got {len(request.tensors)}")
+    return meta
+
+
 def field_of(meta: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = dataclasses.MISSING) -> Any:
     """Read `meta[name]` and check its type (bool is not accepted where int is asked)."""
     if name not in meta:

@@ -34,6 +34,9 @@ from petals_chain.wire import field_of, pack, unpack
 # leaving room for metadata and protobuf framing. A message's tensor payload never exceeds it.
 MAX_PART_BYTES = 2 * 2**20
 PARTS_KEY = "parts"  # metadata field: number of messages in this group (absent: 1)
+# A group may span at most this many messages (8 GiB at 2 MiB a part): a larger count is a lie that
+# would keep a stream waiting for parts that never come, so it is refused at once.
+MAX_PARTS_PER_GROUP = 4096
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                                   "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
@@ -120,8 +123,9 @@ class Assembler:
             try:
                 meta = unpack(message.metadata)
                 self._messages_left = field_of(meta, PARTS_KEY, int, default=1)
-                if self._messages_left < 1:
-                    raise InvalidRequestError(f"field {PARTS_KEY!r} must be >= 1, got {self._messages_left}")
+                if not 1 <= self._messages_left <= MAX_PARTS_PER_GROUP:
+                    raise InvalidRequestError(f"field {PARTS_KEY!r} must lie in [1, {MAX_PARTS_PER_GROUP}], got "
+                                              f"{self._messages_left}")
                 meta.pop(PARTS_KEY, None)
                 self._meta = meta
             except PetalsChainError as e:

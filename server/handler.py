@@ -209,6 +209,8 @@ class BlockServicer:
         block_range = self.server.block_range
         if block_range is None:
             raise ServerUnavailableError("this server holds no blocks yet; use another server")
+        if message.meta.get("type", "forward") != "forward":
+            raise InvalidRequestError(f"rpc_forward takes 'forward' messages, got type {message.meta.get('type')!r}")
         first_block = wire.field_of(message.meta, "entry_block", int, default=block_range.start)
         if len(message.tensors) != 1:
             raise InvalidRequestError(f"rpc_forward carries exactly one tensor, got {len(message.tensors)}")

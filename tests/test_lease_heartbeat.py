@@ -35,6 +35,7 @@ def test_release_during_heartbeat_is_not_a_lost_lease(provider, monkeypatch, cap
         assert provider.heartbeat_once() == ["lost"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "lost"[:8] in warnings[0]
+    assert "lost" not in provider.grants and "refailed" in provider.grants  # a lost lease is reported once
 
 
 def test_no_heartbeat_without_leases(provider, monkeypatch):

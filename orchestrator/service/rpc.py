@@ -35,7 +35,7 @@ class OrchestratorRpc:
     @wire.replies_with_typed_errors
     async def acquire(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         orch = self.orch
-        meta = wire.unpack(request.metadata)
+        meta = wire.unpack_request(request, "acquire")
         sid = wire.field_of(meta, "session_id", str)
         client_id = str(context.remote_id)
         max_length = wire.field_of(meta, "max_length", int)
@@ -103,7 +103,7 @@ class OrchestratorRpc:
     @wire.replies_with_typed_errors
     async def release(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         orch = self.orch
-        meta = wire.unpack(request.metadata)
+        meta = wire.unpack_request(request, "release")
         sid = wire.field_of(meta, "session_id", str)
         input_tokens = wire.field_of(meta, "input_tokens", int, default=0)
         output_tokens = wire.field_of(meta, "output_tokens", int, default=0)
@@ -123,7 +123,7 @@ class OrchestratorRpc:
     @wire.replies_with_typed_errors
     async def heartbeat(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         orch = self.orch
-        meta = wire.unpack(request.metadata)
+        meta = wire.unpack_request(request, "heartbeat")
         sids = wire.field_of(meta, "session_ids", list)
         if not all(isinstance(s, str) for s in sids):
             raise InvalidRequestError("session_ids must be a list of strings")
@@ -134,7 +134,7 @@ class OrchestratorRpc:
 
     @wire.replies_with_typed_errors
     async def assignment(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        wire.unpack(request.metadata)
+        wire.unpack_request(request, "assignment")
         a = self.orch.assignment_for(str(context.remote_id))
         return wire.response({"type": "assignment", "assignment": a.to_wire()})
 

@@ -132,6 +132,8 @@ class OrchestratorChainProvider(ChainProvider):
             for sid in out.get("unknown", []):
                 if sid in held and self.grants.get(sid) is held[sid]:
                     lost.append(sid)
+                    # say it once: a lost lease is not renewed (a failover acquires a new one)
+                    del self.grants[sid]
         for sid in lost:
             logger.warning("the orchestrator no longer holds the lease of session %s (it expired or its chain "
                            "lost a server); the session keeps its streams but is no longer counted", str(sid)[:8])
