@@ -76,6 +76,29 @@ class UnknownLeaseError(InvalidRequestError):
     code = "unknown_lease"
 
 
+class SchedulerPolicyError(PetalsChainError):
+    """The server's scheduling policy failed; the server failed the waiting steps and keeps serving."""
+
+    code = "scheduler_policy_error"
+
+
+class SessionClosedError(PetalsChainError):
+    """The session was closed (or its stream broke) while one of its steps waited."""
+
+    code = "session_closed"
+
+
+class SessionIdleTimeoutError(PetalsChainError):
+    """The server closed a session whose client sent nothing for longer than its idle timeout."""
+
+    code = "session_idle_timeout"
+
+
+class AdmissionTimeoutError(OutOfCacheError):
+    """The session waited in the server's admission queue until its deadline without getting KV memory."""
+
+    code = "admission_timeout"
+
 
 class NotAllowedError(PetalsChainError):
     """The caller's peer id is not on the server's or orchestrator's --allowed-peers list."""
@@ -105,6 +128,10 @@ ERROR_TYPES: dict[str, type[PetalsChainError]] = {
         AcquireTimeoutError,
         OrchestratorUnavailableError,
         UnknownLeaseError,
+        SchedulerPolicyError,
+        SessionClosedError,
+        SessionIdleTimeoutError,
+        AdmissionTimeoutError,
         NotAllowedError,
     )
 }

@@ -31,10 +31,12 @@ from petals_chain.orchestrator_records import Assignment, find_orchestrator
 from petals_chain.protocol import BlockService, OrchestratorService
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.wire import ServerInfo
+from server.admission import AdmissionQueue
 from server.handler import BlockServicer, OpenSession
 from server.memory import KVBudget
 from server.policies import make_policy
 from server.emulation import maybe_slowed, real_range, slowed_times
+from server.service_log import ServiceLog
 from server.profiling import cached_block_times
 from server.scheduler import StepScheduler
 
@@ -57,7 +59,12 @@ class ServerConfig:
     allowed_peers: frozenset[str] | None = None  # private swarm: only these peers may call (None: anyone)
     name: str = ""
     policy: str = "fcfs"
+    policy_args: dict = field(default_factory=dict)  # checked by server.policies.parse_policy_args
     max_batch_tokens: int = 2048
+    session_idle_timeout_s: float = 300.0
+    admission_timeout_s: float = 10.0
+    admission_queue: int = 64
+    service_log: str | None = None  # JSONL path: one line per batch (bench_fairness reads it)
     max_step_tokens: int | None = None  # most tokens one step/forward request carries (None: max_length_tokens)
     announce_period_s: float = 2.0
     record_ttl_s: float = 6.0
@@ -74,12 +81,15 @@ class BlockServer:
             torch.set_num_threads(config.num_threads)
         self.model_name = model_key(config.model)
         self.max_length_tokens = config.max_length_tokens
+        self.session_idle_timeout_s = config.session_idle_timeout_s
+        self.service_log = ServiceLog(config.service_log) if config.service_log else None
         self.max_step_tokens = config.max_step_tokens or config.max_length_tokens
         self.path = resolve_model_path(config.model)
         self.auto = config.start is None
         self.block_range: BlockRange | None = None
         self.budget: KVBudget | None = None
         self.scheduler: StepScheduler | None = None
+        self.admission: AdmissionQueue | None = None
         self.orchestrator = None
         if self.auto:  # measure on one block loaded for the purpose, before holding any
             probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
@@ -123,9 +133,11 @@ class BlockServer:
         block_range = maybe_slowed(BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
                                               model_path=self.path), c.emulate_slowdown)
         budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start))
-        scheduler = StepScheduler(block_range, make_policy(c.policy), max_batch_tokens=c.max_batch_tokens)
+        scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
+                                  on_batch=self.service_log.write if self.service_log else None)
+        admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
         old = self.scheduler
-        self.block_range, self.budget, self.scheduler = block_range, budget, scheduler
+        self.block_range, self.budget, self.scheduler, self.admission = block_range, budget, scheduler, admission
         if old is not None:
             old.stop()
 
@@ -214,7 +226,7 @@ class BlockServer:
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active,
             extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
-                   "auto": self.auto},
+                   "admission_queue_length": len(self.admission), "auto": self.auto},
         )
 
     def _announce(self, timeout_s: float = 10.0) -> None:
@@ -259,3 +271,5 @@ class BlockServer:
             logger.debug("p2p shutdown failed", exc_info=True)
         self.dht.shutdown()
         self.loop.stop()
+        if self.service_log is not None:
+            self.service_log.close()

@@ -32,8 +32,32 @@ def parse_blocks(text: str) -> tuple[int, int] | str:
     return int(m.group(1)), int(m.group(2))
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch-server", description=__doc__)
+    from server.policies import POLICIES, describe_policies  # light: no torch
+
+    p = argparse.ArgumentParser(
+        prog="launch-server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="scheduling policies (--policy NAME) and their --policy-arg parameters:\n" + describe_policies())
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
     p.add_argument("--blocks", type=parse_blocks, default=None,
                    help="block range START:END (0-based, END exclusive), or auto: load what the orchestrator assigns "
@@ -56,8 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="private swarm: serve only the peer ids in FILE (one a line, # comments); clients and the "
                         "orchestrator must be listed. Others get a NotAllowedError")
     p.add_argument("--name", default="", help="human-readable name shown in records and status pages")
-    p.add_argument("--policy", default="fcfs", help="local scheduling policy (fcfs)")
-    p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one batched forward")
+    p.add_argument("--policy", default="fcfs", choices=list(POLICIES),
+                   help="local scheduling policy of steps and admissions (see below)")
+    p.add_argument("--policy-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="a parameter of the policy, repeatable, e.g. --policy vtc --policy-arg w_out=2")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
+                   help="token budget of one batched forward; longer prompts run in chunks of at most this many "
+                        "tokens, interleaved with other sessions' steps (chunked prefill)")
+    p.add_argument("--session-idle-timeout", type=non_negative_float, default=300.0,
+                   help="seconds a session's stream may stay silent before the server closes it and frees its KV "
+                        "(0: never)")
+    p.add_argument("--admission-timeout", type=non_negative_float, default=10.0,
+                   help="seconds a session may wait for KV memory in the admission queue when the budget is full "
+                        "(0: refuse at once with out_of_cache)")
+    p.add_argument("--admission-queue", type=int, default=64,
+                   help="sessions that may wait for KV memory at once; more are refused with out_of_cache")
+    p.add_argument("--service-log", default=None, metavar="PATH",
+                   help="append one JSON line per batch (clients served, tokens, backlog) for fairness measurements")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="most tokens (rows x sequence) one inference step or forward request may carry, advertised "
                         "in rpc_info; larger requests get a request_too_large error (default: --max-length)")
@@ -75,13 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from petals_chain.errors import PetalsChainError
+    from server.policies import make_policy, parse_policy_args  # light: checks flags before torch loads
     from petals_chain.membership import load_allowed_peers
-    from server.block_server import BlockServer, ServerConfig
-    from server.policies import POLICIES
 
-    if args.policy not in POLICIES:
-        print(f"launch-server: unknown --policy {args.policy!r}; choose one of {', '.join(POLICIES)}", file=sys.stderr)
+    try:
+        policy_args = parse_policy_args(args.policy, args.policy_arg)
+        make_policy(args.policy, policy_args)  # the policy's own checks, before anything loads
+    except PetalsChainError as e:
+        print(f"launch-server: {e}", file=sys.stderr)
         return 2
+    if args.admission_queue < 0:
+        print("launch-server: --admission-queue must be >= 0", file=sys.stderr)
+        return 2
+    from server.block_server import BlockServer, ServerConfig
+
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -107,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, start=start, end=end, initial_peers=args.initial_peers,
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
             quant=args.quant, device=args.device, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
-            name=args.name, policy=args.policy, max_batch_tokens=args.max_batch_tokens,
+            name=args.name, policy=args.policy, policy_args=policy_args, max_batch_tokens=args.max_batch_tokens,
+            session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
+            admission_queue=args.admission_queue, service_log=args.service_log,
             max_step_tokens=args.max_step_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
             orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers,

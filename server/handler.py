@@ -25,12 +25,13 @@ from petals_chain.errors import (
     PetalsChainError,
     RequestTooLargeError,
     ServerUnavailableError,
+    SessionIdleTimeoutError,
     UnknownSessionError,
 )
 from petals_chain.runtime.block_range import StepInput
 from petals_chain.runtime.kv_cache import SessionKV
 from server.memory import KVBudget
-from server.scheduler import StepScheduler, step_item
+from server.scheduler import StepScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class OpenSession:
     session_id: str
     client_id: str
     kv: SessionKV
-    reservation_key: str
+    reservation_key: str  # unique per stream: the scheduler's and the budget's key of this session
 
 
 class BlockServicer:
@@ -65,8 +66,21 @@ class BlockServicer:
                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         client_id = str(context.remote_id)
         session: OpenSession | None = None
+        incoming = wire_parts.assembled(requests, admit=self._admit).__aiter__()  # tensors arrive in parts
+        idle_timeout_s = self.server.session_idle_timeout_s
         try:
-            async for message in wire_parts.assembled(requests, admit=self._admit):  # tensors arrive in parts
+            while True:
+                try:
+                    # a client that went silent must not hold its KV reservation forever
+                    message = await asyncio.wait_for(anext(incoming), idle_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    logger.info("closing a session of %s idle for %.0f s", client_id, idle_timeout_s)
+                    yield wire.error_response(SessionIdleTimeoutError(
+                        f"the server closed this stream: nothing arrived for {idle_timeout_s:.0f} s "
+                        "(its --session-idle-timeout); open a new session, and send steps or close sooner"))
+                    return
                 try:
                     if isinstance(message, PetalsChainError):  # a bad group (refused by its header, or malformed)
                         raise message
@@ -75,7 +89,7 @@ class BlockServicer:
                     if kind == "open":
                         if session is not None:
                             raise InvalidRequestError("this stream already has an open session")
-                        session = self._open(meta, client_id)
+                        session = await self._open(meta, client_id)
                         yield wire.response({"type": "opened", "session_id": session.session_id,
                                              "first_block": session.kv.first_block, "end_block": session.kv.end_block})
                     elif kind == "step":
@@ -106,8 +120,13 @@ class BlockServicer:
                     yield wire.error_response(e)
         finally:
             if session is not None:
-                self.budget.release(session.reservation_key)
-                self.server.on_session_closed(session)
+                self._close(session)
+
+    def _close(self, session: OpenSession) -> None:
+        self.scheduler.cancel_session(session.reservation_key)
+        self.budget.release(session.reservation_key)
+        self.server.on_session_closed(session)
+        self.server.admission.on_release()
 
     def _admit(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Refuse a step's or forward's hidden states by their header, before the rest arrives or
@@ -125,7 +144,7 @@ class BlockServicer:
                 "(advertised in rpc_info); send the prompt in several steps, fewer forward rows at a time, or use "
                 "a server started with a larger --max-step-tokens")
 
-    def _open(self, meta: dict, client_id: str) -> OpenSession:
+    async def _open(self, meta: dict, client_id: str) -> OpenSession:
         block_range = self.server.block_range
         if block_range is None or self.server.state != "online":
             raise ServerUnavailableError("this server holds no blocks right now (waiting for or loading its "
@@ -143,12 +162,15 @@ class BlockServicer:
             raise InvalidRequestError(
                 f"entry_block {first_block} is outside this server's blocks [{block_range.start}, {block_range.end})")
         nbytes = block_range.kv_bytes_per_block(max_length) * (block_range.end - first_block)
+        wait_s = wire.field_of(meta, "admission_wait_s", float, default=None)
         key = f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}"
-        self.budget.reserve(key, nbytes)  # raises OutOfCacheError at once when it does not fit
+        # waits in the admission queue while memory is full (OutOfCacheError / AdmissionTimeoutError)
+        await self.server.admission.reserve(key, nbytes, session_id, client_id, wait_s)
         try:
             kv = block_range.allocate_kv(max_length, first_block)
         except Exception:
             self.budget.release(key)
+            self.server.admission.on_release()
             raise
         session = OpenSession(session_id, client_id, kv, key)
         self.server.on_session_opened(session)
@@ -172,7 +194,7 @@ class BlockServicer:
                     future.set_result(result)
             loop.call_soon_threadsafe(settle)
 
-        self.scheduler.submit(step_item(self.scheduler, session.session_id, session.client_id, step, deliver))
+        self.scheduler.submit(session.reservation_key, session.client_id, step, deliver)
         return await future
 
     # -- stateless forward ----------------------------------------------------------------
@@ -229,4 +251,5 @@ class BlockServicer:
                 outputs.append(await self._step(temp, seq))
             finally:
                 self.budget.release(key)
+                self.server.admission.on_release()
         return torch.stack(outputs)

@@ -1,64 +1,141 @@
-"""Policies that choose which waiting steps the scheduler loop runs next, chosen by name.
+"""Scheduling policies of a block server: small classes behind one interface, chosen by name.
 
-A policy sees the whole queue of waiting work, with per-session and per-client identity and token
-counts, and is told how much service each item received, so fair policies (VTC, DLPM) can keep
-their counters. FCFS ships now.
+A policy owns the server's queue of waiting work (`enqueue`, `select`, `remove`, `drain`) and
+decides which waiting session gets a freed KV slot (`admit`). The scheduler calls every hook under
+one lock and treats an exception or an impossible answer as the policy's failure: the affected
+work fails with `SchedulerPolicyError`, the loop keeps running (`server/scheduler.py`).
+
+Work is counted in tokens. A step of n new tokens is a prefill chunk (n > 1) or a decode step
+(n = 1); a prefill longer than the batch budget is cut (`WorkItem.split`) so that no batch holds
+more than `max_batch_tokens` rows: chunked prefill interleaves long prompts with others' decodes.
+
+- `fcfs`: arrival order (a cut prefill's remainder re-enters at the back).
+- `vtc`: Virtual Token Counter (papers/vtc-fairness-in-serving-llms.txt, Algorithm 2): one counter
+  per client (the authenticated libp2p peer id); a client that becomes active is lifted to the
+  smallest counter of the active clients (lines 8-13); the next item comes from the client with the
+  smallest counter; counters are charged `w_in` per prefill token and `w_out` per decode token as
+  work is scheduled (lines 24, 30). Theorem 4.4: two backlogged clients' service differs by at most
+  2U, U = max(w_in L_input, w_out M) (eq. 2).
 """
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from petals_chain.errors import InvalidRequestError
+
 
 @dataclass
 class WorkItem:
-    """One session's step waiting for the server's compute."""
+    """A run of consecutive new tokens of one session's step, waiting for the server's compute."""
 
-    seq: int  # arrival order at this server
-    session_id: str
+    seq: int  # arrival order at this server (a cut remainder gets a new one)
+    session_id: str  # the server's key of the open session (unique per stream)
     client_id: str  # the client's libp2p peer id, authenticated by the transport
-    n_tokens: int  # new tokens in this step (prefill: many; decode: 1)
-    past_tokens: int  # tokens already in the session's cache
+    n_tokens: int  # new tokens in this item (prefill chunk: many; decode: 1)
+    past_tokens: int  # tokens already in the session's cache when this item runs
     enqueued_s: float
-    payload: Any = None  # what the executor needs (the step input)
+    payload: Any = None  # the scheduler's job this item belongs to
+    row_offset: int = 0  # first row of the job's step that this item covers
+    is_prefill: bool = False  # prompt tokens (a step of several tokens, or a session's first)
     deliver: Callable[[Any, BaseException | None], None] | None = field(default=None, repr=False)
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.n_tokens > 1
+    def __post_init__(self) -> None:
+        self.is_prefill = self.is_prefill or self.n_tokens > 1 or self.past_tokens == 0
+
+    def split(self, head_tokens: int, seq: int) -> "WorkItem":
+        """Keep the first `head_tokens` rows here; return the rest as a new item (arrival `seq`)."""
+        if not 0 < head_tokens < self.n_tokens:
+            raise ValueError(f"cannot cut {head_tokens} of {self.n_tokens} tokens")
+        tail = WorkItem(seq, self.session_id, self.client_id, self.n_tokens - head_tokens,
+                        self.past_tokens + head_tokens, self.enqueued_s, self.payload,
+                        self.row_offset + head_tokens, True, self.deliver)
+        self.n_tokens = head_tokens
+        return tail
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    """A session that asked to open while the server's KV budget was full."""
+
+    seq: int
+    session_id: str
+    client_id: str
+    kv_bytes: int
+    enqueued_s: float
+
+
+@dataclass(frozen=True)
+class PolicyParam:
+    kind: type
+    default: Any
+    help: str
+    minimum: float | None = None
 
 
 class SchedulingPolicy(ABC):
-    name: str
+    """The interface the scheduler drives. Subclasses keep their own queue structure."""
+
+    name: str = ""
+    PARAMS: dict[str, PolicyParam] = {}
+
+    def __init__(self, **params: Any):
+        self.params = params
+        # one arrival order for new steps and cut remainders alike: the scheduler numbers submitted
+        # steps with next_seq() too, so a remainder sorts after exactly what arrived before the cut
+        self._seq = itertools.count()
+
+    # -- the waiting queue --------------------------------------------------------------------
+    @abstractmethod
+    def enqueue(self, item: WorkItem) -> None:
+        """An item joins the queue."""
 
     @abstractmethod
-    def select(self, waiting: Sequence[WorkItem], max_batch_tokens: int) -> list[WorkItem]:
-        """Pick the next batch from `waiting` (non-empty): at least one item, at most one per session."""
+    def select(self, max_batch_tokens: int) -> list[WorkItem]:
+        """Take the next batch out of the queue: non-empty when work waits, at most one item per
+        session, at most `max_batch_tokens` tokens in all (cut a prefill with `take_within`)."""
 
-    def on_enqueue(self, item: WorkItem) -> None:
-        """Called when an item joins the queue."""
+    @abstractmethod
+    def remove(self, session_id: str) -> list[WorkItem]:
+        """Take out every waiting item of a session (closed, cancelled, or failed) and return them."""
+
+    @abstractmethod
+    def drain(self) -> list[WorkItem]:
+        """Take out and return everything that waits."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of waiting items."""
+
+    # -- admission and accounting ---------------------------------------------------------------
+    def admit(self, waiting: Sequence[AdmissionRequest]) -> AdmissionRequest:
+        """Which of the sessions waiting to open (all fit the freed memory) gets it: the earliest."""
+        return min(waiting, key=lambda r: r.seq)
 
     def on_served(self, item: WorkItem, service_s: float) -> None:
-        """Called after the item's step ran, with the wall time of the batch it ran in."""
+        """The item's rows ran, in a batch that took `service_s`."""
 
+    def service_view(self) -> dict[str, float]:
+        """Per-client counters for status reporting (empty when the policy keeps none)."""
+        return {}
 
-def fill_in_order(ordered: Sequence[WorkItem], max_batch_tokens: int) -> list[WorkItem]:
-    """Take items in the given order while the batch stays within `max_batch_tokens` (the first
-    item always goes, even if larger), at most one step per session."""
-    batch: list[WorkItem] = []
-    sessions: set[str] = set()
-    tokens = 0
-    for item in ordered:
-        if item.session_id in sessions:
-            continue
-        if batch and tokens + item.n_tokens > max_batch_tokens:
-            continue
-        batch.append(item)
-        sessions.add(item.session_id)
-        tokens += item.n_tokens
-    return batch
+    # -- helpers for subclasses ---------------------------------------------------------------
+    def next_seq(self) -> int:
+        """The next arrival number (submitted steps and cut remainders share it)."""
+        return next(self._seq)
+
+    def take_within(self, item: WorkItem, room_tokens: int) -> tuple[WorkItem | None, WorkItem | None]:
+        """(what runs now, what stays) for `item` in a batch with `room_tokens` left: a prefill
+        longer than the room is cut (chunked prefill); an item that cannot run now stays whole."""
+        if item.n_tokens <= room_tokens:
+            return item, None
+        if room_tokens <= 0 or not item.is_prefill:
+            return None, item
+        tail = item.split(room_tokens, self.next_seq())
+        return item, tail
 
 
 class FCFSPolicy(SchedulingPolicy):
@@ -66,15 +143,205 @@ class FCFSPolicy(SchedulingPolicy):
 
     name = "fcfs"
 
-    def select(self, waiting, max_batch_tokens):
-        return fill_in_order(sorted(waiting, key=lambda w: w.seq), max_batch_tokens)
+    def __init__(self, **params: Any):
+        super().__init__(**params)
+        self._queue: dict[int, WorkItem] = {}  # seq -> item; dicts keep insertion order
+
+    def enqueue(self, item: WorkItem) -> None:
+        self._queue[item.seq] = item
+
+    def select(self, max_batch_tokens: int) -> list[WorkItem]:
+        batch: list[WorkItem] = []
+        sessions: set[str] = set()
+        room = max_batch_tokens
+        for seq in sorted(self._queue):
+            item = self._queue[seq]
+            if item.session_id in sessions:
+                continue
+            run, rest = self.take_within(item, room)
+            if run is None:
+                continue
+            del self._queue[seq]
+            if rest is not None:
+                self._queue[rest.seq] = rest  # the remainder waits behind everything that arrived
+            batch.append(run)
+            sessions.add(run.session_id)
+            room -= run.n_tokens
+            if room <= 0:
+                break
+        return batch
+
+    def remove(self, session_id: str) -> list[WorkItem]:
+        gone = [seq for seq, it in self._queue.items() if it.session_id == session_id]
+        return [self._queue.pop(seq) for seq in gone]
+
+    def drain(self) -> list[WorkItem]:
+        items, self._queue = list(self._queue.values()), {}
+        return items
+
+    def __len__(self) -> int:
+        return len(self._queue)
 
 
-POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {"fcfs": FCFSPolicy}
+class VTCPolicy(SchedulingPolicy):
+    """Virtual Token Counter (VTC paper, Algorithm 2) over steps and admissions."""
+
+    name = "vtc"
+    PARAMS = {
+        "w_in": PolicyParam(float, 1.0, "cost of one prompt (prefill) token", minimum=0.0),
+        "w_out": PolicyParam(float, 2.0, "cost of one decode token (the paper uses w_p=1, w_q=2)", minimum=0.0),
+        "max_client_share": PolicyParam(
+            float, 1.0, "largest fraction of a batch's tokens one client may take while another client is active "
+                        "(1: the paper's work-conserving VTC; less: shorter batches for the others' next step, "
+                        "the trade-off of the paper's Remark 4.7)", minimum=0.0),
+    }
+
+    def __init__(self, w_in: float = 1.0, w_out: float = 2.0, max_client_share: float = 1.0):
+        super().__init__(w_in=w_in, w_out=w_out, max_client_share=max_client_share)
+        if w_in <= 0 and w_out <= 0:
+            raise InvalidRequestError("vtc needs w_in > 0 or w_out > 0, otherwise no counter ever moves")
+        if not 0 < max_client_share <= 1:
+            raise InvalidRequestError(f"vtc's max_client_share must be in (0, 1], got {max_client_share}")
+        self.w_in, self.w_out = float(w_in), float(w_out)
+        self.max_client_share = float(max_client_share)
+        self._last_batch_clients: set[str] = set()
+        self.counters: dict[str, float] = {}
+        self.served: dict[str, float] = {}  # weighted tokens actually scheduled (never lifted)
+        self._by_client: dict[str, dict[int, WorkItem]] = {}  # client -> seq -> item (the active clients)
+        self._last_left: str | None = None
+        self._count = 0
+
+    def cost(self, item: WorkItem) -> float:
+        return (self.w_in if item.is_prefill else self.w_out) * item.n_tokens
+
+    def _lift(self, client: str) -> None:
+        """Lines 7-13: a client new to the queue is lifted to the smallest active counter (or to
+        the last client that left when the queue was empty), so idle time earns no credit."""
+        c = self.counters.get(client, 0.0)
+        active = set(self._by_client) - {client}
+        if active:
+            c = max(c, min(self.counters[a] for a in active))
+        elif self._last_left is not None:
+            c = max(c, self.counters.get(self._last_left, 0.0))
+        self.counters[client] = c
+
+    def enqueue(self, item: WorkItem) -> None:
+        if item.client_id not in self._by_client:
+            self._lift(item.client_id)
+        self._by_client.setdefault(item.client_id, {})[item.seq] = item
+        self._count += 1
+
+    def _take(self, client: str, seq: int) -> WorkItem:
+        queue = self._by_client[client]
+        item = queue.pop(seq)
+        self._count -= 1
+        if not queue:
+            del self._by_client[client]
+            self._last_left = client
+        return item
+
+    def select(self, max_batch_tokens: int) -> list[WorkItem]:
+        batch: list[WorkItem] = []
+        sessions: set[str] = set()
+        room = max_batch_tokens
+        blocked: set[str] = set()  # clients with nothing that can join this batch
+        used: dict[str, int] = {}
+        # a client in the middle of a round trip (served last batch) is active although nothing of it waits
+        active = set(self._by_client) | self._last_batch_clients
+        cap = max(1, int(self.max_client_share * max_batch_tokens))
+        while room > 0:
+            candidates = [c for c in self._by_client if c not in blocked]
+            if not candidates:
+                break
+            # ties (a lifted newcomer equals the smallest counter) go to the oldest waiting work
+            client = min(candidates, key=lambda c: (self.counters[c], min(self._by_client[c])))
+            queue = self._by_client[client]
+            seq = next((s for s in sorted(queue) if queue[s].session_id not in sessions), None)
+            if seq is None:
+                blocked.add(client)
+                continue
+            client_room = room
+            if self.max_client_share < 1 and active - {client}:
+                client_room = min(room, cap - used.get(client, 0))
+            run, rest = self.take_within(queue[seq], client_room)
+            if run is None:
+                blocked.add(client)
+                continue
+            used[client] = used.get(client, 0) + run.n_tokens
+            self._take(client, seq)
+            if rest is not None:
+                self._by_client.setdefault(client, {})[rest.seq] = rest
+                self._count += 1
+            charge = self.cost(run)  # line 24 / 30: charged as it is scheduled
+            self.counters[client] += charge
+            self.served[client] = self.served.get(client, 0.0) + charge
+            batch.append(run)
+            sessions.add(run.session_id)
+            room -= run.n_tokens
+        self._last_batch_clients = {it.client_id for it in batch}
+        return batch
+
+    def remove(self, session_id: str) -> list[WorkItem]:
+        gone = [(c, s) for c, q in self._by_client.items() for s, it in q.items() if it.session_id == session_id]
+        return [self._take(c, s) for c, s in gone]
+
+    def drain(self) -> list[WorkItem]:
+        gone = [(c, s) for c, q in self._by_client.items() for s in q]
+        return [self._take(c, s) for c, s in gone]
+
+    def __len__(self) -> int:
+        return self._count
+
+    def admit(self, waiting: Sequence[AdmissionRequest]) -> AdmissionRequest:
+        """The freed slot goes to the waiting session whose client has the smallest counter; a
+        client with no steps waiting is lifted first (idle time earns no credit here either)."""
+        for r in waiting:
+            if r.client_id not in self._by_client:
+                self._lift(r.client_id)
+        return min(waiting, key=lambda r: (self.counters.get(r.client_id, 0.0), r.seq))
+
+    def service_view(self) -> dict[str, float]:
+        return dict(self.served)
 
 
-def make_policy(name: str) -> SchedulingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, VTCPolicy)}
+
+
+def describe_policies() -> str:
+    """For --help: each policy and its --policy-arg parameters."""
+    lines = []
+    for name, cls in POLICIES.items():
+        args = ", ".join(f"{k}={p.default} ({p.help})" for k, p in cls.PARAMS.items()) or "no parameters"
+        lines.append(f"  {name}: {args}")
+    return "\n".join(lines)
+
+
+def parse_policy_args(name: str, pairs: Sequence[str]) -> dict[str, Any]:
+    """['w_in=1', 'w_out=2'] -> {'w_in': 1.0, 'w_out': 2.0}, checked against the policy's PARAMS."""
+    if name not in POLICIES:
+        raise InvalidRequestError(f"unknown scheduling policy {name!r}; choose one of {', '.join(POLICIES)}")
+    params = POLICIES[name].PARAMS
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InvalidRequestError(f"bad --policy-arg {pair!r}: use NAME=VALUE, e.g. w_out=2")
+        if key not in params:
+            known = ", ".join(params) or "none"
+            raise InvalidRequestError(f"policy {name!r} has no parameter {key!r} (its parameters: {known})")
+        spec = params[key]
+        try:
+            value = spec.kind(text)
+        except ValueError:
+            raise InvalidRequestError(f"--policy-arg {key}={text!r}: expected a {spec.kind.__name__}") from None
+        if spec.minimum is not None and not value >= spec.minimum:
+            raise InvalidRequestError(f"--policy-arg {key}={text}: must be >= {spec.minimum}")
+        out[key] = value
+    return out
+
+
+def make_policy(name: str, params: dict[str, Any] | None = None) -> SchedulingPolicy:
+    if name not in POLICIES:
+        raise InvalidRequestError(f"unknown scheduling policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name](**(params or {}))

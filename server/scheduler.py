@@ -1,7 +1,14 @@
-"""The server's execution loop: one thread takes steps from all open sessions and batches them.
+"""The server's execution loop: one thread takes waiting steps of all open sessions and batches them.
 
-Handlers submit `WorkItem`s (already validated) and get the result through the item's `deliver`
-callback; the policy decides which waiting items form the next batch.
+Handlers `submit` a validated step with a `deliver(result, error)` callback. The policy
+(`server/policies.py`) owns the waiting queue; every call into it runs under the scheduler's one
+lock. A step longer than the batch budget runs in chunks (the policy cuts it), interleaved with
+other sessions' steps; its rows are delivered together once the last chunk ran, in order.
+
+A broken policy never kills the loop: when a hook raises, or `select` answers with nothing while
+work waits, or with a batch that breaks the contract (unknown items, two items of one session,
+rows out of order, over the token budget), every waiting step fails with `SchedulerPolicyError`
+and the loop goes on serving what arrives next.
 """
 from __future__ import annotations
 
@@ -11,8 +18,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from petals_chain.runtime.block_range import BlockRange, StepInput
+import torch
+
+from petals_chain.errors import PetalsChainError, SchedulerPolicyError, ServerUnavailableError, SessionClosedError
+from petals_chain.runtime.block_range import StepInput
 from server.policies import SchedulingPolicy, WorkItem
 
 logger = logging.getLogger(__name__)
@@ -21,89 +32,236 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SchedulerStats:
     batches: int = 0
-    steps: int = 0
+    steps: int = 0  # steps delivered (a chunked prefill counts once)
     tokens: int = 0
     busy_s: float = 0.0
     tokens_by_client: dict[str, int] = field(default_factory=dict)
     max_batch_size: int = 0
+    max_batch_tokens_seen: int = 0
+    policy_failures: int = 0
+
+
+@dataclass
+class _Job:
+    """One submitted step: its rows may run over several batches (chunked prefill)."""
+
+    job_id: int
+    session_id: str
+    client_id: str
+    step: StepInput
+    deliver: Callable[[Any, BaseException | None], None]
+    rows_done: int = 0
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def total_rows(self) -> int:
+        return self.step.hidden.shape[0]
 
 
 class StepScheduler:
-    def __init__(self, block_range: BlockRange, policy: SchedulingPolicy, *, max_batch_tokens: int = 2048,
-                 clock: Callable[[], float] = time.monotonic):
-        self.block_range = block_range
+    """`executor` is anything with `forward(list[StepInput]) -> list[Tensor]` (a `BlockRange`).
+    With `start_thread=False` nothing runs until the caller calls `run_once()` (tests)."""
+
+    def __init__(self, executor, policy: SchedulingPolicy, *, max_batch_tokens: int = 2048,
+                 clock: Callable[[], float] = time.monotonic, start_thread: bool = True,
+                 on_batch: Callable[[dict], None] | None = None):
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.block_range = executor
         self.policy = policy
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
+        self.on_batch = on_batch  # e.g. the --service-log writer; called outside the lock
         self.stats = SchedulerStats()
-        self._waiting: list[WorkItem] = []
+        self._jobs: dict[int, _Job] = {}  # submitted, not yet delivered
         self._cond = threading.Condition()
-        self._seq = itertools.count()
+        self._job_ids = itertools.count()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="step-scheduler", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if start_thread:
+            self._thread = threading.Thread(target=self._loop, name="step-scheduler", daemon=True)
+            self._thread.start()
 
-    def next_seq(self) -> int:
-        return next(self._seq)
-
-    def submit(self, item: WorkItem) -> None:
+    # -- handler side ---------------------------------------------------------------------------
+    def submit(self, session_id: str, client_id: str, step: StepInput,
+               deliver: Callable[[Any, BaseException | None], None]) -> None:
         with self._cond:
             if self._stopped:
-                raise RuntimeError("scheduler stopped")
-            self._waiting.append(item)
-            self.policy.on_enqueue(item)
+                raise ServerUnavailableError("this server is shutting down; use another server")
+            job_id = next(self._job_ids)
+            job = _Job(job_id, session_id, client_id, step, deliver)
+            ok, seq = self._call_policy("next_seq", self.policy.next_seq)
+            self._jobs[job_id] = job
+            if not ok:
+                self._fail_job(job, self._policy_error("next_seq", RuntimeError("no arrival number")))
+                return
+            item = WorkItem(seq, session_id, client_id, job.total_rows, step.kv.past_tokens, self.clock(), job)
+            self._call_policy("enqueue", lambda: self.policy.enqueue(item))
             self._cond.notify()
+
+    def cancel_session(self, session_id: str) -> None:
+        """The session closed or its stream broke: its waiting work leaves the queue."""
+        with self._cond:
+            ok, items = self._call_policy("remove", lambda: self.policy.remove(session_id))
+            for item in items if ok else ():
+                self._fail_job(item.payload, SessionClosedError("the session was closed before this step ran"))
+
+    def call_policy(self, what: str, fn: Callable[[SchedulingPolicy], Any]) -> Any:
+        """Run another hook (admission) under the scheduler's lock; raises SchedulerPolicyError."""
+        with self._cond:
+            try:
+                return fn(self.policy)
+            except Exception as e:
+                self.stats.policy_failures += 1
+                logger.exception("scheduling policy %s failed in %s", self.policy.name, what)
+                raise self._policy_error(what, e) from e
 
     @property
     def queue_length(self) -> int:
         with self._cond:
-            return len(self._waiting)
+            return len(self._jobs)
+
+    def waiting_clients(self) -> set[str]:
+        with self._cond:
+            return {j.client_id for j in self._jobs.values()}
 
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._cond:
+            for job in list(self._jobs.values()):
+                self._fail_job(job, ServerUnavailableError("this server is shutting down; use another server"))
 
+    # -- loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stopped:
+                while not self._jobs and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
-                    pending, self._waiting = self._waiting, []
-                    break
-                batch = self.policy.select(list(self._waiting), self.max_batch_tokens)
-                chosen = {id(item) for item in batch}
-                self._waiting = [w for w in self._waiting if id(w) not in chosen]
-            self._run(batch)
-        for item in pending:
-            item.deliver(None, RuntimeError("server is shutting down"))
+                    return
+            self.run_once()
 
-    def _run(self, batch: list[WorkItem]) -> None:
+    def run_once(self) -> int:
+        """Select and run one batch; returns the number of items it ran (0: nothing waited, or the
+        policy failed and the waiting work was failed)."""
+        with self._cond:
+            if not self._jobs:
+                return 0
+            ok, batch = self._call_policy("select", lambda: self.policy.select(self.max_batch_tokens))
+            if not ok:
+                return 0
+            problem = self._check_batch(batch)
+            if problem:
+                self._policy_failed("select", SchedulerPolicyError(problem))
+                return 0
+            running = {id(it.payload) for it in batch}
+            backlogged = sorted({j.client_id for j in self._jobs.values() if id(j) not in running})
+        self._run(batch, backlogged)
+        return len(batch)
+
+    def _check_batch(self, batch) -> str | None:
+        if not isinstance(batch, list) or not batch:
+            return f"select returned {batch!r} while {len(self._jobs)} step(s) wait"
+        tokens = 0
+        jobs: set[int] = set()
+        for it in batch:
+            job = getattr(it, "payload", None)
+            if not isinstance(it, WorkItem) or not isinstance(job, _Job) or self._jobs.get(job.job_id) is not job:
+                return f"select returned {it!r}, which is not waiting here"
+            if job.job_id in jobs or any(self._jobs[j].session_id == it.session_id for j in jobs):
+                return f"select returned two items of session {it.session_id!r} in one batch"
+            if it.row_offset != job.rows_done or it.n_tokens < 1 or it.row_offset + it.n_tokens > job.total_rows:
+                return (f"select returned rows [{it.row_offset}, {it.row_offset + it.n_tokens}) of a step whose "
+                        f"next row is {job.rows_done} of {job.total_rows}")
+            jobs.add(job.job_id)
+            tokens += it.n_tokens
+        if tokens > self.max_batch_tokens:
+            return f"select returned {tokens} tokens, over the budget of {self.max_batch_tokens}"
+        return None
+
+    def _run(self, batch: list[WorkItem], backlogged: list[str]) -> None:
         start_s = self.clock()
+        steps = [StepInput(it.payload.step.kv, it.payload.step.hidden[it.row_offset:it.row_offset + it.n_tokens])
+                 for it in batch]
         try:
-            outputs = self.block_range.forward([item.payload for item in batch])
+            outputs = self.block_range.forward(steps)
             error = None
-        except Exception as e:  # a failed batch fails its items, never the loop
+        except Exception as e:  # a failed batch fails its steps, never the loop
             logger.exception("batch of %d steps failed", len(batch))
             outputs, error = [None] * len(batch), e
         service_s = self.clock() - start_s
-        st = self.stats
-        st.batches += 1
-        st.steps += len(batch)
-        st.busy_s += service_s
-        st.max_batch_size = max(st.max_batch_size, len(batch))
-        for item, out in zip(batch, outputs):
-            if error is None:
-                st.tokens += item.n_tokens
-                st.tokens_by_client[item.client_id] = st.tokens_by_client.get(item.client_id, 0) + item.n_tokens
-                self.policy.on_served(item, service_s)
-            item.deliver(out, error)
+        finished: list[tuple[_Job, torch.Tensor | None, BaseException | None]] = []
+        with self._cond:
+            st = self.stats
+            st.batches += 1
+            st.busy_s += service_s
+            st.max_batch_size = max(st.max_batch_size, len(batch))
+            st.max_batch_tokens_seen = max(st.max_batch_tokens_seen, sum(it.n_tokens for it in batch))
+            for it, out in zip(batch, outputs):
+                job = it.payload
+                if error is not None:
+                    # the job's remaining rows must not run on a cache this batch left half-written
+                    self._call_policy("remove", lambda: self.policy.remove(job.session_id))
+                    self._jobs.pop(job.job_id, None)
+                    finished.append((job, None, error))
+                    continue
+                st.tokens += it.n_tokens
+                st.tokens_by_client[it.client_id] = st.tokens_by_client.get(it.client_id, 0) + it.n_tokens
+                self._call_policy("on_served", lambda: self.policy.on_served(it, service_s))
+                if job.job_id not in self._jobs:  # the policy failed just now and failed this job with it
+                    continue
+                job.outputs.append(out)
+                job.rows_done += it.n_tokens
+                if job.rows_done == job.total_rows:
+                    self._jobs.pop(job.job_id, None)
+                    st.steps += 1
+                    result = job.outputs[0] if len(job.outputs) == 1 else torch.cat(job.outputs)
+                    finished.append((job, result, None))
+        for job, result, err in finished:
+            job.deliver(result, err)
+        if self.on_batch is not None:
+            try:
+                self.on_batch({"t_s": start_s, "service_s": service_s, "ok": error is None,
+                               "items": [[it.client_id, it.n_tokens, it.is_prefill] for it in batch],
+                               "backlogged": backlogged, "counters": self.policy.service_view()})
+            except Exception:
+                logger.exception("batch observer failed")
 
+    # -- policy failures (all under the lock) -----------------------------------------------------
+    def _call_policy(self, what: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """(True, fn()'s result), or (False, None) after failing the waiting work when the policy raised."""
+        try:
+            return True, fn()
+        except Exception as e:
+            self._policy_failed(what, e)
+            return False, None
 
-def step_item(scheduler: StepScheduler, session_id: str, client_id: str, step: StepInput,
-              deliver: Callable) -> WorkItem:
-    return WorkItem(seq=scheduler.next_seq(), session_id=session_id, client_id=client_id,
-                    n_tokens=step.hidden.shape[0], past_tokens=step.kv.past_tokens, enqueued_s=scheduler.clock(),
-                    payload=step, deliver=deliver)
+    def _policy_error(self, what: str, cause: BaseException) -> SchedulerPolicyError:
+        return SchedulerPolicyError(
+            f"the server's scheduling policy {self.policy.name!r} failed in {what} ({type(cause).__name__}: {cause}); "
+            "the waiting steps were failed instead of stopping the server: retry the session, and restart the "
+            "server with --policy fcfs if this repeats")
+
+    def _policy_failed(self, what: str, cause: BaseException) -> None:
+        self.stats.policy_failures += 1
+        logger.error("scheduling policy %s failed in %s: %r; failing %d waiting step(s)", self.policy.name, what,
+                     cause, len(self._jobs), exc_info=not isinstance(cause, SchedulerPolicyError))
+        error = self._policy_error(what, cause)
+        try:
+            self.policy.drain()  # best effort: forget what we fail now
+        except Exception:
+            logger.exception("policy %s failed to drain too", self.policy.name)
+        for job in list(self._jobs.values()):
+            self._fail_job(job, error)
+
+    def _fail_job(self, job: _Job, error: PetalsChainError) -> None:
+        if self._jobs.pop(job.job_id, None) is None:
+            return
+        try:
+            job.deliver(None, error)
+        except Exception:
+            logger.exception("delivering a failure failed")

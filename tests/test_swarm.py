@@ -94,7 +94,7 @@ def test_session_over_budget_refused_while_others_run(swarm, client, smollm2_hf,
         for i, s in enumerate(held[:2]):
             reply, _ = s.send({"type": "open", "session_id": f"big{i}", "max_length": 4096})
             assert reply["type"] == "opened"
-        err = held[2].expect_error({"type": "open", "session_id": "big2", "max_length": 4096})
+        err = held[2].expect_error({"type": "open", "session_id": "big2", "max_length": 4096, "admission_wait_s": 0})
         assert isinstance(err, OutOfCacheError) and "free" in str(err)
         assert client.backend.server_info(peer).free_kv_slots == 0
         # other sessions (small max_length) still run, with correct output

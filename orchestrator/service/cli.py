@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replan-period", type=float, default=60.0, help="slow time scale: seconds between re-plans")
     p.add_argument("--force-replan", action="store_true", help="re-planning may move servers that hold live sessions")
     p.add_argument("--lease-ttl", type=positive_float, default=15.0, help="seconds a session lease lives without a heartbeat")
+    p.add_argument("--queue", choices=["fifo", "fair"], default="fifo",
+                   help="central queue order when no chain has a free slot: fifo (JFFC as in the paper) or fair "
+                        "(the waiting session whose client received the least service goes first: VTC counters)")
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=0, help="status page port (0: pick a free one; -1: no HTTP)")
     p.add_argument("--log-level", default="WARNING")
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
         per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3,
         expected_servers=args.expected_servers, settle_s=args.settle, replan_period_s=args.replan_period,
-        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, identity_path=args.identity_path,
+        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, identity_path=args.identity_path,
         allowed_peers=allowed_peers))
     http = None
     if args.http_port >= 0:

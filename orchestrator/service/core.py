@@ -57,6 +57,7 @@ class OrchestratorConfig:
     replan_period_s: float = 60.0
     force_replan: bool = False  # move servers that hold live sessions too
     lease_ttl_s: float = 15.0
+    queue: str = "fifo"  # central queue order: fifo (JFFC, the paper) or fair (VTC counters per client)
     max_acquire_timeout_s: float = 600.0
     rtt_probes: int = 5
     announce_period_s: float = 2.0
@@ -92,7 +93,8 @@ class Orchestrator:
         self.records: dict[str, ServerRecord] = {}
         self.lengths = LengthEstimator(SessionShape(config.mean_input_tokens, config.mean_output_tokens))
         self.overheads = Overheads(config.per_block_overhead_s, config.per_step_overhead_s)
-        self.ds = DispatchState(lease_ttl_s=config.lease_ttl_s)
+        self.ds = DispatchState(lease_ttl_s=config.lease_ttl_s, queue=config.queue)
+        self.ds.expected_tokens = (config.mean_input_tokens, config.mean_output_tokens)
         self.current: PlanState | None = None  # the plan servers are loading / running
         self.plan_error: str | None = None
         self.last_change_s = self.clock()
@@ -382,7 +384,7 @@ class Orchestrator:
                 "c": cur.plan.c if cur else None, "plan_error": self.plan_error,
                 "num_blocks": self.config.num_blocks, "servers": servers,
                 "chains": self.ds.chain_views(), "queue_length": self.ds.queue_length,
-                "sessions": len(self.ds.leases),
+                "queue_order": self.ds.queue_order, "sessions": len(self.ds.leases),
                 "expected_lengths": {"input_tokens": shape.mean_input_tokens, "output_tokens": shape.mean_output_tokens,
                                      "finished_sessions": self.lengths.sessions},
                 "metrics": {"admitted": self.ds.metrics.admitted, "released": self.ds.metrics.released,

@@ -11,6 +11,14 @@ Two admission modes, chosen by the policy:
 - router (petals, bprr): the baseline's per-request router (`make_baseline_router`) picks a route
   per session from its live free-slot bookkeeping and keeps its own waiting list.
 
+Queue order (`queue`): `fifo` (the paper's JFFC, the default) serves waiters in arrival order;
+`fair` serves first the waiter whose client has received the least service: a VTC counter per
+client (papers/vtc-fairness-in-serving-llms.txt, Algorithm 2) charged `w_in * l_in + w_out * l_out`
+of the expected lengths when a session is granted and corrected by the lengths its client reports
+at release; a client that starts waiting is lifted to the smallest counter among waiting clients,
+so idle time earns no credit. Ties go to the client holding fewer slots, then by arrival. Chain choice stays JFFC's (fastest free chain);
+router mode keeps its router's order.
+
 Leases: a granted session holds a lease that its client renews by heartbeats; an expired lease is
 released like a finished session, so a crashed client's slot returns.
 """
@@ -49,6 +57,7 @@ class Lease:
     expires_s: float
     wait_s: float
     job_id: int = -1
+    charged: float = 0.0  # fair queue: what the client's counter was charged at the grant
 
 
 @dataclass
@@ -93,11 +102,20 @@ class Metrics:
         self.wait_bucket_counts[-1] += 1
 
 
+QUEUE_ORDERS = ("fifo", "fair")
+
+
 class DispatchState:
-    def __init__(self, lease_ttl_s: float = 30.0):
+    def __init__(self, lease_ttl_s: float = 30.0, *, queue: str = "fifo", w_in: float = 1.0, w_out: float = 2.0):
         if lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be positive")
+        if queue not in QUEUE_ORDERS:
+            raise ValueError(f"unknown queue order {queue!r}; choose one of {', '.join(QUEUE_ORDERS)}")
         self.lease_ttl_s = lease_ttl_s
+        self.queue_order = queue
+        self.w_in, self.w_out = w_in, w_out
+        self.expected_tokens: tuple[float, float] = (64.0, 32.0)  # (l_in, l_out): the service keeps it current
+        self.client_service: dict[str, float] = {}  # fair queue: VTC counter per client
         self.plan_version = 0
         self.chains: dict[int, LiveChain] = {}
         self.leases: dict[str, Lease] = {}
@@ -183,6 +201,8 @@ class DispatchState:
         if session_id in self.queue:
             raise ValueError(f"session {session_id!r} is already waiting")
         w = Waiter(session_id, client_id, max_length, frozenset(exclude), now_s, now_s + timeout_s, last_seen_s=now_s)
+        if self.queue_order == "fair" and all(q.client_id != client_id for q in self.queue.values()):
+            self._lift(client_id)
         self.queue[session_id] = w
         if self.router is not None:
             w.job_id = self._new_job(session_id)
@@ -196,23 +216,44 @@ class DispatchState:
         return (ch.dispatchable and ch.in_use < ch.capacity and ch.max_length_tokens >= w.max_length
                 and not (w.exclude & set(ch.peers)))
 
+    def _lift(self, client_id: str) -> None:
+        """VTC's counter lift: a client that starts waiting gets at least the smallest counter of the
+        clients already waiting (credit is not carried over idle periods)."""
+        waiting = {q.client_id for q in self.queue.values()} - {client_id}
+        c = self.client_service.get(client_id, 0.0)
+        if waiting:
+            c = max(c, min(self.client_service.get(x, 0.0) for x in waiting))
+        self.client_service[client_id] = c
+
+    def _in_service_order(self) -> list[Waiter]:
+        waiters = list(self.queue.values())
+        if self.queue_order == "fair":
+            # a lifted newcomer ties with the least-served waiting client: among equals, the client
+            # holding fewer slots right now goes first; the stable sort keeps arrival order after that
+            held: dict[str, int] = {}
+            for lease in self.leases.values():
+                held[lease.client_id] = held.get(lease.client_id, 0) + 1
+            waiters.sort(key=lambda w: (self.client_service.get(w.client_id, 0.0), held.get(w.client_id, 0)))
+        return waiters
+
     def _serve_queue(self, now_s: float) -> list[Grant]:
         if self.router is not None:
             return []
         grants = []
         free = sorted((c for c in self.chains.values() if c.dispatchable and c.in_use < c.capacity),
                       key=lambda c: (c.service_time_s, c.chain_id))
-        if not free:
-            return grants
-        for w in list(self.queue.values()):
-            ch = next((c for c in free if self._eligible(c, w)), None)
-            if ch is None:
-                continue
-            grants.append(self._grant(w, ch, now_s))
-            if ch.in_use >= ch.capacity:
-                free.remove(ch)
-                if not free:
-                    break
+        progress = True
+        while free and progress:
+            progress = False
+            for w in self._in_service_order():  # re-ordered after every grant: a grant moves a counter
+                ch = next((c for c in free if self._eligible(c, w)), None)
+                if ch is None:
+                    continue
+                grants.append(self._grant(w, ch, now_s))
+                if ch.in_use >= ch.capacity:
+                    free.remove(ch)
+                progress = True
+                break
         return grants
 
     def _grant(self, w: Waiter, ch: LiveChain, now_s: float) -> Grant:
@@ -220,8 +261,10 @@ class DispatchState:
         del self.queue[w.session_id]
         ch.in_use += 1
         wait = now_s - w.arrived_s
+        charge = self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
+        self.client_service[w.client_id] = self.client_service.get(w.client_id, 0.0) + charge
         self.leases[w.session_id] = Lease(w.session_id, w.client_id, ch.chain_id, now_s, now_s + self.lease_ttl_s,
-                                          wait, w.job_id)
+                                          wait, w.job_id, charge)
         self.metrics.admitted += 1
         self.metrics.observe_wait(wait)
         return Grant(w.session_id, ch.chain_id, ch.hops, ch.service_time_s, wait, self.plan_version,
@@ -243,11 +286,15 @@ class DispatchState:
             grants.append(self._grant(w, self.chains[cid], now_s))
         return grants
 
-    def release(self, session_id: str, now_s: float) -> list[Grant]:
-        """The session ended: free its slot; returns the sessions that start now (queue head first)."""
+    def release(self, session_id: str, now_s: float, *, input_tokens: int = 0, output_tokens: int = 0) -> list[Grant]:
+        """The session ended: free its slot; returns the sessions that start now (queue head first).
+        Reported lengths replace the expected ones in its client's service counter."""
         lease = self.leases.pop(session_id, None)
         if lease is None:
             return []
+        if input_tokens > 0 or output_tokens > 0:
+            actual = self.w_in * max(0, input_tokens) + self.w_out * max(0, output_tokens)
+            self.client_service[lease.client_id] = self.client_service.get(lease.client_id, 0.0) + actual - lease.charged
         self.metrics.released += 1
         return self._free(lease, now_s)
 

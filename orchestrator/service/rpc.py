@@ -114,9 +114,11 @@ class OrchestratorRpc:
                 fut = orch.waiters.pop(sid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(None)
-            grants = orch.ds.release(sid, orch.clock())
+            grants = orch.ds.release(sid, orch.clock(), input_tokens=input_tokens, output_tokens=output_tokens)
             if known:
                 orch.lengths.observe(input_tokens, output_tokens)
+                shape = orch.lengths.shape
+                orch.ds.expected_tokens = (shape.mean_input_tokens, shape.mean_output_tokens)
         orch.deliver(grants)
         return wire.response({"type": "released", "known": known})
 

@@ -1,0 +1,110 @@
+"""Admission of sessions to the KV budget: when memory is full, opening sessions wait here.
+
+A session that fits the budget when it opens is admitted at once (so a session the orchestrator
+granted, whose slot its capacity accounting guarantees, never waits). One that does not fit waits
+in a bounded queue until its deadline; whenever memory frees, the scheduling policy chooses which
+of the waiting sessions that now fit gets it (`SchedulingPolicy.admit`; VTC: the client with the
+least service), so admission is a fairness decision, not arrival order.
+
+Everything here runs on the server's event loop (handlers open and close sessions there); policy
+hooks run under the scheduler's lock through `StepScheduler.call_policy`.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from petals_chain.errors import AdmissionTimeoutError, OutOfCacheError, SchedulerPolicyError
+from server.memory import KVBudget
+from server.policies import AdmissionRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Waiter:
+    request: AdmissionRequest
+    key: str
+    future: asyncio.Future
+
+
+class AdmissionQueue:
+    def __init__(self, budget: KVBudget, scheduler, *, max_waiting: int = 64, timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if max_waiting < 0 or timeout_s < 0:
+            raise ValueError("max_waiting and timeout_s must be >= 0")
+        self.budget = budget
+        self.scheduler = scheduler
+        self.max_waiting = max_waiting
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._waiting: dict[str, _Waiter] = {}
+        self._seq = itertools.count()
+        self.admitted_after_wait = 0
+        self.timed_out = 0
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def reserve(self, key: str, nbytes: int, session_id: str, client_id: str,
+                      wait_s: float | None = None) -> float:
+        """Reserve `nbytes` under `key`, waiting up to min(wait_s, the server's timeout) for memory.
+        Returns the seconds waited; raises OutOfCacheError (queue full / no wait asked) or
+        AdmissionTimeoutError (deadline passed)."""
+        try:
+            self.budget.reserve(key, nbytes)
+            return 0.0
+        except OutOfCacheError as refused:
+            wait_s = self.timeout_s if wait_s is None else min(max(0.0, wait_s), self.timeout_s)
+            if nbytes > self.budget.memory_budget_bytes - self.budget.weights_bytes or wait_s <= 0:
+                raise
+            if len(self._waiting) >= self.max_waiting:
+                raise OutOfCacheError(f"{refused} (and the admission queue is full: {self.max_waiting} sessions "
+                                      "wait already)") from None
+        start_s = self.clock()
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(AdmissionRequest(next(self._seq), session_id, client_id, nbytes, start_s), key,
+                         loop.create_future())
+        self._waiting[key] = waiter
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
+        except BaseException as e:
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.budget.release(key)  # admitted just as the deadline passed or the caller went away
+                self.on_release()
+            if isinstance(e, asyncio.TimeoutError):
+                self.timed_out += 1
+                raise AdmissionTimeoutError(
+                    f"no KV memory freed for this session within {wait_s:.1f} s of waiting in the server's "
+                    "admission queue; retry later, use a smaller max_length, or pick another server") from None
+            raise
+        finally:
+            self._waiting.pop(key, None)
+        self.admitted_after_wait += 1
+        return self.clock() - start_s
+
+    def on_release(self) -> None:
+        """Memory freed: the policy hands it out among the waiting sessions that now fit."""
+        while self._waiting:
+            free = self.budget.free_bytes
+            fits = [w.request for w in self._waiting.values() if w.request.kv_bytes <= free and not w.future.done()]
+            if not fits:
+                return
+            try:
+                chosen = self.scheduler.call_policy("admit", lambda p: p.admit(fits))
+                if chosen not in fits:
+                    raise SchedulerPolicyError(f"the policy admitted {chosen!r}, which is not waiting")
+            except SchedulerPolicyError as e:
+                for w in list(self._waiting.values()):
+                    if not w.future.done():
+                        w.future.set_exception(e)
+                    self._waiting.pop(w.key, None)
+                return
+            waiter = next(w for w in self._waiting.values() if w.request is chosen)
+            self._waiting.pop(waiter.key)
+            self.budget.reserve(waiter.key, chosen.kv_bytes)
+            waiter.future.set_result(None)
