@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "orchestrator": ("orchestrator.service.cli:main", "run the online orchestrator (GBP-CR + GCA + JFFC) for a swarm"),
     "simulate": ("orchestrator.sim.cli:main", "run the discrete-event simulator on a cluster"),
     "netem": ("netem.cli:main", "emulated WAN on this host: up | exec HOST -- CMD | status [--json] | down"),
+    "experiment": ("experiments.cli:main", "run an experiment on a live swarm: table1 (the paper's Table 1)"),
 }
 
 

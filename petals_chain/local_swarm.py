@@ -58,10 +58,13 @@ class LocalSwarm:
     def __init__(self, model: str, ranges: list[tuple[int, int] | None], *, server_args: list[str] | None = None,
                  per_server_args: list[list[str]] | None = None, start_timeout_s: float = 180.0,
                  env: dict[str, str] | None = None,
-                 orchestrator_args: list[str] | None = None, placement: Placement = on_localhost):
+                 orchestrator_args: list[str] | None = None, placement: Placement = on_localhost,
+                 names: list[str] | None = None):
         """`ranges[i] = None` starts server i with `--blocks auto`; `orchestrator_args` (a list, possibly
         empty) starts `petals-chain orchestrator` with them before the servers; `placement` says on which
-        host each process runs and which address it listens on."""
+        host each process runs and which address it listens on; `names[i]` names server i (default its role
+        `server<i>`)."""
+        self.names = names
         self.model = model
         self.ranges = ranges
         self.server_args = server_args or []
@@ -87,7 +90,9 @@ class LocalSwarm:
     def _maddr(self, role: str) -> str:
         return f"/ip4/{self.placement(role)[1]}/tcp/0"
 
-    def start(self) -> "LocalSwarm":
+    def start(self, *, wait_servers: bool = True) -> "LocalSwarm":
+        """`wait_servers=False`: return once the servers are spawned (a caller that waits for the
+        orchestrator's plan instead: a server the plan leaves out never reports a range)."""
         try:
             self.dht_process = self._spawn("dht", ["-m", "petals_chain.cli", "dht", "--host-maddrs", self._maddr("dht")])
             lines: list[str] = []
@@ -97,11 +102,13 @@ class LocalSwarm:
                 raise RuntimeError("the DHT peer did not start:\n" + "\n".join(lines[-20:]))
             self.initial_peers = [next(line for line in lines if "/p2p/" in line).strip()]
             if self.orchestrator_args is not None:
-                self.start_orchestrator(self.orchestrator_args)
+                self.start_orchestrator(self.orchestrator_args, timeout_s=self.start_timeout_s)
             for i, rng in enumerate(self.ranges):
                 start, end = rng if rng is not None else (None, None)
-                self.add_server(start, end, extra_args=self.per_server_args[i], wait=False)
-            self.wait_ready()
+                self.add_server(start, end, extra_args=self.per_server_args[i], wait=False,
+                                name=self.names[i] if self.names else None)
+            if wait_servers:
+                self.wait_ready()
         except BaseException:
             self.stop()
             raise

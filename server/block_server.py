@@ -35,6 +35,7 @@ from server.admission import AdmissionQueue
 from server.handler import BlockServicer, OpenSession
 from server.memory import KVBudget
 from server.policies import make_policy
+from server.emulation import maybe_slowed, real_range, slowed_times
 from server.service_log import ServiceLog
 from server.profiling import cached_block_times
 from server.scheduler import StepScheduler
@@ -69,6 +70,7 @@ class ServerConfig:
     record_ttl_s: float = 6.0
     num_threads: int | None = None
     orchestrator_wait_s: float = 30.0
+    emulate_slowdown: float = 1.0  # EMULATION (server/emulation.py): batches take this many times their compute
     assignment_poll_s: float = 1.0
 
 
@@ -92,13 +94,14 @@ class BlockServer:
         if self.auto:  # measure on one block loaded for the purpose, before holding any
             probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
                                model_path=self.path)
-            self.times = cached_block_times(probe, self.model_name)
+            self.times = slowed_times(cached_block_times(probe, self.model_name), config.emulate_slowdown)
             self._sizes = (probe.block_bytes, probe.kv_bytes_per_block(self.max_length_tokens),
                            str(probe.dtype).removeprefix("torch."))
             del probe
         else:
             self._load(config.start, config.end)
-            self.times = cached_block_times(self.block_range, self.model_name)
+            self.times = slowed_times(cached_block_times(real_range(self.block_range), self.model_name),
+                                      config.emulate_slowdown)
         self.sessions: dict[str, OpenSession] = {}
         self._sessions_lock = threading.Lock()
         self.state = "joining"
@@ -127,8 +130,8 @@ class BlockServer:
 
     def _load(self, start: int, end: int) -> None:
         c = self.config
-        block_range = BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
-                                 model_path=self.path)
+        block_range = maybe_slowed(BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
+                                              model_path=self.path), c.emulate_slowdown)
         budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start))
         scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
                                   on_batch=self.service_log.write if self.service_log else None)

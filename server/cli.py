@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "in rpc_info; larger requests get a request_too_large error (default: --max-length)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--announce-period", type=float, default=2.0, help="seconds between DHT announcements")
+    p.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="K",
+                   help="EMULATION, off by default: every batch (and the t_I/t_O profiling) runs for real, then "
+                        "sleeps until it took K times its compute time, emulating a K-times slower device "
+                        "(server/emulation.py; used by `petals-chain experiment table1`)")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -130,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_step_tokens is not None and args.max_step_tokens < 1:
         print(f"launch-server: --max-step-tokens must be >= 1, got {args.max_step_tokens}", file=sys.stderr)
         return 2
+    if not args.emulate_slowdown >= 1.0:
+        print(f"launch-server: --emulate-slowdown must be >= 1 (a slower device), got {args.emulate_slowdown}",
+              file=sys.stderr)
+        return 2
     if args.blocks is None and args.no_orchestrator:
         print("launch-server: --no-orchestrator needs --blocks START:END", file=sys.stderr)
         return 2
@@ -150,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             admission_queue=args.admission_queue, service_log=args.service_log,
             max_step_tokens=args.max_step_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
-            orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers))
+            orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers,
+            emulate_slowdown=args.emulate_slowdown))
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2

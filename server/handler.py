@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -99,10 +100,14 @@ class BlockServicer:
                             raise UnknownSessionError(f"unknown session {sid!r} on this stream")
                         if len(message.tensors) != 1:
                             raise InvalidRequestError(f"a step carries exactly one tensor, got {len(message.tensors)}")
+                        t0 = time.perf_counter()
                         out = await self._step(session, message.tensors[0])
+                        # server_s: this step's time inside the server (queue + batch compute), so a
+                        # client can tell server time from network time (the Table 1 model check)
                         for response in wire_parts.to_messages(
                                 {"type": "step", "session_id": sid, "step_id": meta.get("step_id"),
-                                 "position": session.kv.past_tokens}, (out,), reply=True):
+                                 "position": session.kv.past_tokens, "server_s": time.perf_counter() - t0},
+                                (out,), reply=True):
                             yield response
                     elif kind == "close":
                         return

@@ -43,10 +43,12 @@ def measure_block_times(block_range: BlockRange, *, prefill_tokens: int = 128, d
     return BlockTimes(sorted(prefill)[len(prefill) // 2], sorted(decode)[len(decode) // 2])
 
 
-def cached_block_times(block_range: BlockRange, model_name: str, *, path: Path | None = None) -> BlockTimes:
+def cached_block_times(block_range: BlockRange, model_name: str, *, path: Path | None = None,
+                       variant: str = "") -> BlockTimes:
+    """`variant` tells apart ranges that time differently on the same device (an emulated slowdown)."""
     path = path or cache_dir() / "throughput.json"
     key = "|".join([model_name, str(block_range.device), str(block_range.dtype).removeprefix("torch."),
-                    block_range.quant, f"threads={torch.get_num_threads()}"])
+                    block_range.quant, f"threads={torch.get_num_threads()}", *([variant] if variant else [])])
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

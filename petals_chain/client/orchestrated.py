@@ -41,6 +41,7 @@ class OrchestratorChainProvider(ChainProvider):
         self.rpc_margin_s = rpc_margin_s
         self.grants: dict[str, ChainGrant] = {}
         self.last_grant: dict[str, ChainGrant] = {}  # kept after release, for callers that report waits
+        self.granted_at_s: dict[str, float] = {}  # time.monotonic() when each grant arrived (kept after release)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat_period_s = 2.0
@@ -90,6 +91,7 @@ class OrchestratorChainProvider(ChainProvider):
                 with self._lock:
                     self.grants[session_id] = grant
                     self.last_grant[session_id] = grant
+                    self.granted_at_s[session_id] = time.monotonic()
                     self._heartbeat_period_s = max(0.5, grant.lease_ttl_s / 3)
                 hops = [Hop(h.peer_id, max(h.start, start), h.end, h.name) for h in grant.hops if h.end > start]
                 return hops

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -58,6 +59,20 @@ def as_server_error(error: Exception, timeout_s: float) -> PetalsChainError | No
     if isinstance(error, TRANSPORT_ERRORS):  # connection reset, peer gone, p2p daemon errors
         return ServerUnavailableError(f"{type(error).__name__}: {error}")
     return None
+
+
+@dataclass(frozen=True)
+class HopTiming:
+    """One step through one hop, timed by the client: `client_s` from sending the hidden states to
+    the reply, `server_s` the server's own time for it (queue + compute; None from servers that do
+    not report it), so `client_s - server_s` is the network's part."""
+
+    hop_index: int
+    peer_id: str
+    blocks: int
+    tokens: int
+    client_s: float
+    server_s: float | None
 
 
 @dataclass
@@ -171,6 +186,7 @@ class RemoteChainSession(ChainSession):
         self._step_id = 0
         self.input_tokens = 0  # tokens of the first step (the prompt)
         self.steps = 0
+        self.hop_timings: list[HopTiming] = []
         hops = chain.provider.find_chain(0, chain.num_blocks, max_length=max_length, session_id=self.session_id)
         try:
             self.streams = self._open_hops(hops)
@@ -200,6 +216,7 @@ class RemoteChainSession(ChainSession):
 
     async def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         self._step_id += 1
+        t0 = time.perf_counter()
         for request in wire_parts.to_messages({"type": "step", "session_id": self.session_id,
                                                "step_id": self._step_id}, (hidden,)):
             await stream.queue.put(request)
@@ -207,9 +224,15 @@ class RemoteChainSession(ChainSession):
             reply = await asyncio.wait_for(wire_parts.receive_one(stream.responses), self.chain.step_timeout_s)
         except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
+        client_s = time.perf_counter() - t0
         wire.raise_if_error(reply.meta)
         if len(reply.tensors) != 1:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
+        server_s = reply.meta.get("server_s")
+        self.hop_timings.append(HopTiming(
+            next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
+            stream.hop.end - stream.hop.start, hidden.shape[0], client_s,
+            float(server_s) if isinstance(server_s, (int, float)) else None))
         return reply.tensors[0]
 
     def _run(self, coro, timeout_s: float):

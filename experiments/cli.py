@@ -1,0 +1,127 @@
+"""`petals-chain experiment table1 ...`: the paper's Table 1 on a live swarm (experiments/table1.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+import signal
+import sys
+
+POLICIES = ("proposed", "petals", "bprr", "jffc-only", "petals-2.2")  # petals-2.2: real PETALS 2.2
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    out = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in out if p not in POLICIES]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"--policies takes a comma-separated subset of {','.join(POLICIES)}; "
+                                         f"got {text!r}")
+    return out
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def _size(text: str) -> str:
+    from server.cli import parse_size
+    parse_size(text)  # raises argparse.ArgumentTypeError with the fix-it message
+    return text.strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="petals-chain experiment table1", description=(
+        "The paper's Table 1 on a live swarm: per policy a fresh swarm (DHT, orchestrator --policy P, 9 servers: "
+        "3 fast, 6 slow) in emulated WAN hosts, replaying the scaled Azure code trace. Writes summary.json, "
+        "summary.md, records_<policy>.jsonl, cdf.png and the model check under --out."))
+    p.add_argument("--requests", type=int, default=1000, help="requests replayed from the trace (default 1000)")
+    p.add_argument("--offset", type=int, default=0, help="first trace request replayed (default 0)")
+    p.add_argument("--policies", type=_policies, default=POLICIES,
+                   help="comma-separated (default: all four policies, then real PETALS 2.2 as petals-2.2)")
+    p.add_argument("--petals-work", default=None,
+                   help="PETALS 2.2 environment built by ../shared/anchors/petals_2_2_cpu.sh (default ~/.cache/petals-anchor)")
+    p.add_argument("--servers", type=int, default=9, help="servers (default 9: 3 fast, the rest slow)")
+    p.add_argument("--fast-servers", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="RTT host sample and prompt tokens")
+    p.add_argument("--time-scale", type=_positive, default=None,
+                   help="arrival times x this (default: auto, for --target-load of the CPUs)")
+    p.add_argument("--length-scale", type=_positive, default=1 / 16, help="input lengths x this (default 1/16)")
+    p.add_argument("--output-scale", type=_positive, default=1.0, help="output lengths x this (default 1)")
+    p.add_argument("--max-length", type=int, default=1024, help="servers' --max-length; outputs are cut to fit")
+    p.add_argument("--target-load", type=_positive, default=0.5, help="offered CPU load for the auto time scale")
+    p.add_argument("--cpus", type=_positive, default=2.0, help="cores the auto time scale may count on (default 2)")
+    p.add_argument("--fast-budget", type=_size, default="480MiB", help="fast servers' --memory-budget")
+    p.add_argument("--slow-budget", type=_size, default="240MiB", help="slow servers' --memory-budget")
+    p.add_argument("--slow-slowdown", type=_positive, default=175 / 109,
+                   help="slow servers' launch-server --emulate-slowdown (default 175/109, the paper's ratio)")
+    p.add_argument("--no-netem", action="store_true",
+                   help="run every process on 127.0.0.1 without WAN emulation (results are labelled so)")
+    p.add_argument("--netem-backend", default="auto", choices=["auto", "kernel", "userspace"])
+    p.add_argument("--netem-name", default="", help="name of the emulated network (default: a fresh one per run)")
+    p.add_argument("--data", default=None, help="Azure trace file or data folder (default $PETALS_CHAIN_DATA, ../shared/data)")
+    p.add_argument("--rtt-data", default=None, help="RIPE Atlas file or data folder (same default)")
+    p.add_argument("--deadline", type=_positive, default=600.0, help="seconds after the last arrival for stragglers")
+    p.add_argument("--out", default="results/table1")
+    p.add_argument("--recompute", action="store_true",
+                   help="rebuild summary, plots and model check from the files in --out (no swarm is started)")
+    p.add_argument("--quick", action="store_true",
+                   help="40 requests, policies proposed and petals (unless given): the CI smoke run")
+    p.add_argument("--model", default="smollm2-135m")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: petals-chain experiment table1 [options]   (petals-chain experiment table1 --help)")
+        return 0
+    if argv[0] != "table1":
+        print(f"petals-chain experiment: unknown experiment {argv[0]!r}; available: table1", file=sys.stderr)
+        return 2
+    rest = argv[1:]
+    args = build_parser().parse_args(rest)
+    if args.quick:
+        if "--requests" not in rest:
+            args.requests = 40
+        if "--policies" not in rest:
+            args.policies = ("proposed", "petals")
+    if args.requests < 1 or not 1 <= args.fast_servers < args.servers or args.max_length < 2:
+        print("petals-chain experiment table1: need --requests >= 1, 1 <= --fast-servers < --servers, "
+              "--max-length >= 2", file=sys.stderr)
+        return 2
+    def terminate(*_):  # unwind through the drivers' `finally`: swarms stopped, emulated network removed
+        raise SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, terminate)
+    from experiments.hosts import EmulationUnavailableError
+    from experiments.run import run_table1, write_results
+    from experiments.table1 import Table1Config
+    from netem.topology import DataNotFoundError
+
+    cfg = Table1Config(
+        requests=args.requests, policies=args.policies, servers=args.servers, fast_servers=args.fast_servers,
+        seed=args.seed, offset=args.offset, time_scale=args.time_scale, length_scale=args.length_scale,
+        output_scale=args.output_scale, max_length_tokens=args.max_length, target_load=args.target_load,
+        n_cpus=args.cpus, fast_budget=args.fast_budget, slow_budget=args.slow_budget,
+        slow_slowdown=args.slow_slowdown, netem=not args.no_netem, netem_backend=args.netem_backend,
+        netem_name=args.netem_name,
+        model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
+        command="petals-chain experiment table1 " + shlex.join(rest))
+    try:
+        summary = write_results(Path(cfg.out)) if args.recompute else run_table1(cfg)
+    except (DataNotFoundError, ValueError, EmulationUnavailableError) as e:
+        print(f"petals-chain experiment table1: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:  # after DataNotFoundError, its subclass
+        print(f"petals-chain experiment table1: {e} (--recompute needs the folder of a run)", file=sys.stderr)
+        return 2
+    print(json.dumps({p: {"finished": s["finished"], "failed": s["failed"], "mean_response_s": s["response_s"]["mean"]}
+                      for p, s in summary["policies"].items()}, indent=1))
+    print(f"results in {cfg.out}/ (summary.md, summary.json, records_*.jsonl, cdf.png, model_check.*)")
+    return 0

@@ -1,0 +1,101 @@
+"""Where the experiment's processes run: one small interface, two implementations.
+
+- `Localhost`: every process on 127.0.0.1, no emulation (`--no-netem`; results are labelled so);
+- `EmulatedHosts`: one emulated host per server (a network namespace of `netem.Network`, RIPE Atlas
+  RTTs between hosts) plus host `client` for the DHT peer, the orchestrator and the load generator.
+
+Both give: `label`, `placement(role)` (role -> (argv prefix, address): what `LocalSwarm` takes;
+roles are `dht`, `orchestrator`, `loadgen`, `server<i>` and the servers' names), `listen_maddr(role)`,
+`popen(role, argv, **kw)`, `fetch_json(role, url)` (an HTTP GET made from inside the role's host)
+and `close()`.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+
+CLIENT_HOST = "client"  # DHT peer, orchestrator and load generator
+_FETCH = "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+
+
+class EmulationUnavailableError(RuntimeError):
+    """WAN emulation cannot run here; the message says why and how to run without it."""
+
+
+class _Hosts:
+    def placement(self, role: str) -> tuple[list[str], str]:
+        raise NotImplementedError
+
+    def listen_maddr(self, role: str) -> str:
+        return f"/ip4/{self.placement(role)[1]}/tcp/0"
+
+    def popen(self, role: str, argv: list[str], **popen_kwargs) -> subprocess.Popen:
+        return subprocess.Popen([*self.placement(role)[0], *argv], **popen_kwargs)
+
+    def fetch_json(self, role: str, url: str) -> dict:
+        out = subprocess.run([*self.placement(role)[0], sys.executable, "-c", _FETCH, url], capture_output=True,
+                             text=True, timeout=30, check=True)
+        return json.loads(out.stdout)
+
+    def close(self) -> None:
+        pass
+
+
+class Localhost(_Hosts):
+    label = "localhost (no network emulation)"
+    rtt_ms = None
+
+    def placement(self, role: str) -> tuple[list[str], str]:
+        return [], "127.0.0.1"
+
+    def fetch_json(self, role: str, url: str) -> dict:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.load(r)
+
+
+def ripe_atlas_hosts_rtt_ms(rtt_matrix_ms: np.ndarray, n_hosts: int, seed: int) -> tuple[np.ndarray, list[int]]:
+    """RTTs between `n_hosts` RIPE Atlas anchors drawn without replacement (seeded): (matrix, anchor indices)."""
+    if n_hosts > rtt_matrix_ms.shape[0]:
+        raise ValueError(f"need {n_hosts} hosts, the RTT matrix has {rtt_matrix_ms.shape[0]} anchors")
+    idx = sorted(np.random.default_rng(seed).choice(rtt_matrix_ms.shape[0], size=n_hosts, replace=False).tolist())
+    return rtt_matrix_ms[np.ix_(idx, idx)], idx
+
+
+class EmulatedHosts(_Hosts):
+    """Host `client` and one host per server name, in one `netem.Network` (its RTT matrix in that order)."""
+
+    def __init__(self, server_names: list[str], rtt_ms: np.ndarray, *, backend: str = "auto", name: str):
+        import netem
+
+        if not hasattr(netem, "Network"):
+            raise EmulationUnavailableError("this checkout has no WAN emulation (netem.Network); run with --no-netem")
+        self.server_names = list(server_names)
+        self.hosts = [CLIENT_HOST, *server_names]
+        if rtt_ms.shape != (len(self.hosts), len(self.hosts)):
+            raise ValueError(f"rtt matrix {rtt_ms.shape} does not match {len(self.hosts)} hosts")
+        self.rtt_ms = rtt_ms
+        self.net = netem.Network(self.hosts, rtt_ms.tolist(), backend=backend, name=name)
+        try:
+            self.net.__enter__()
+        except netem.NetemError as e:
+            raise EmulationUnavailableError(f"WAN emulation could not start: {e}; or run with --no-netem") from e
+        self.label = f"netem ({self.net.backend} backend): {len(self.hosts)} emulated hosts, RIPE Atlas RTTs"
+        self.name = name
+
+    def host_of(self, role: str) -> str:
+        if role in self.hosts:
+            return role
+        if role.startswith("server") and role[6:].isdigit() and int(role[6:]) < len(self.server_names):
+            return self.server_names[int(role[6:])]
+        return CLIENT_HOST
+
+    def placement(self, role: str) -> tuple[list[str], str]:
+        host = self.host_of(role)
+        return self.net.prefix(host), self.net.address(host)
+
+    def close(self) -> None:
+        self.net.__exit__(None, None, None)

@@ -1,0 +1,119 @@
+"""The model check (the paper's Figs. 9-10): per-server times measured during the runs against the
+orchestrator's model of footnote 11.
+
+Per hop of every finished request the load generator recorded the client's time of each step and
+the server's own time (queue + compute; `server_s` in the step reply), so
+- compute, measured: the server's time of the prefill step, and summed over the decode steps;
+  model: m (t_o + t_I l_in) and m t_O (l_out - 1), with the server's t_I, t_O (measured at its
+  start, emulated slowdown included) and m its blocks in the chain;
+- communication, measured: client time - server time (prefill step; decode steps summed);
+  model: one RTT and (l_out - 1) RTTs (tau_c = l_out RTT), RTT as the orchestrator measured it.
+"Lone" requests ran while no other request was in service: there the server time is compute
+only; under load it includes waiting for the server's batch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+QUANTITIES = ("prefill_compute", "decode_compute", "prefill_comm", "decode_comm")
+T_O_S = 0.001  # t_o of footnote 11, the orchestrator's default --per-block-overhead-ms
+
+
+def lone_indices(records: list[dict]) -> set[int]:
+    ok = [r for r in records if r.get("start_s") is not None and r.get("end_s") is not None]
+    out = set()
+    for r in ok:
+        if not any(o is not r and o["start_s"] < r["end_s"] and r["start_s"] < o["end_s"] for o in ok):
+            out.add(r["index"])
+    return out
+
+
+def hop_points(records: list[dict], servers: dict[str, dict]) -> list[dict]:
+    """One point per (request, hop): measured and modelled times of the four quantities."""
+    lone = lone_indices(records)
+    pts = []
+    for r in records:
+        if r.get("error") is not None or not r.get("hops"):
+            continue
+        for h in r["hops"]:
+            s = servers.get(h["name"])
+            if s is None or h["prefill_server_s"] is None or h["decode_server_s"] is None or s.get("rtt_s") is None:
+                continue
+            m, l_in, n_dec = h["blocks"], h["prefill_tokens"], h["decode_steps"]
+            pts.append({
+                "policy": r["policy"], "index": r["index"], "server": h["name"], "lone": r["index"] in lone,
+                "measured": {"prefill_compute": h["prefill_server_s"], "decode_compute": h["decode_server_s"],
+                             "prefill_comm": h["prefill_client_s"] - h["prefill_server_s"],
+                             "decode_comm": h["decode_client_s"] - h["decode_server_s"]},
+                "model": {"prefill_compute": m * (T_O_S + s["t_I"] * l_in), "decode_compute": m * s["t_O"] * n_dec,
+                          "prefill_comm": s["rtt_s"], "decode_comm": s["rtt_s"] * n_dec}})
+    return pts
+
+
+def error_table(points: list[dict]) -> dict:
+    """Per server and quantity: n, mean measured, mean model, relative error of the means, median of
+    per-point relative errors; over all points and over lone requests only."""
+    out: dict = {}
+    for subset in ("all", "lone"):
+        sel = [p for p in points if subset == "all" or p["lone"]]
+        for server in sorted({p["server"] for p in sel}):
+            ps = [p for p in sel if p["server"] == server]
+            row = {}
+            for q in QUANTITIES:
+                meas = np.array([p["measured"][q] for p in ps])
+                mod = np.array([p["model"][q] for p in ps])
+                keep = mod > 0
+                if not keep.any():
+                    continue
+                row[q] = {"n": int(keep.sum()), "measured_mean_s": float(meas[keep].mean()),
+                          "model_mean_s": float(mod[keep].mean()),
+                          "rel_error_of_means": float(meas[keep].mean() / mod[keep].mean() - 1),
+                          "median_rel_error": float(np.median(meas[keep] / mod[keep] - 1))}
+            out.setdefault(subset, {})[server] = row
+    return out
+
+
+def error_markdown(table: dict) -> str:
+    lines = []
+    for subset, title in (("lone", "requests alone in the system"), ("all", "all finished requests (under load)")):
+        rows = table.get(subset, {})
+        if not rows:
+            lines.append(f"No {title}.\n")
+            continue
+        lines += [f"Relative error (measured / model - 1, of the means; median of per-request errors in brackets), "
+                  f"{title}:", "", "| server | n | " + " | ".join(QUANTITIES) + " |", "|---|---|" + "---|" * len(QUANTITIES)]
+        for server, row in rows.items():
+            n = max((v["n"] for v in row.values()), default=0)
+            cells = [f"{100 * row[q]['rel_error_of_means']:+.0f}% ({100 * row[q]['median_rel_error']:+.0f}%)"
+                     if q in row else "—" for q in QUANTITIES]
+            lines.append(f"| {server} | {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(9, 8))
+    for ax, q in zip(axes.flat, QUANTITIES):
+        for kind, color in (("fast", "tab:blue"), ("slow", "tab:orange")):
+            for lone, marker in ((False, "."), (True, "x")):
+                ps = [p for p in points if p["server"].startswith(kind) and p["lone"] == lone]
+                if ps:
+                    ax.scatter([p["model"][q] for p in ps], [p["measured"][q] for p in ps], s=10, marker=marker,
+                               color=color, alpha=0.6, label=f"{kind}{' (alone)' if lone else ''}")
+        lim = max([p["model"][q] for p in points] + [p["measured"][q] for p in points] + [1e-3])
+        ax.plot([0, lim], [0, lim], "k--", lw=1, label="model = measured")
+        ax.set_title(q.replace("_", " "), fontsize=10)
+        ax.set_xlabel("model (s)")
+        ax.set_ylabel("measured (s)")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,110 @@
+"""Runs the whole Table 1 experiment: scale the trace, one fresh swarm per policy, results + model check.
+
+Everything the results are computed from is written as it is measured (`scale.json`,
+`requests.json`, `records_<policy>.jsonl`, `run_<policy>.json`), so `--recompute` rebuilds the
+summary, plots and model check from a results folder (also of a run that was stopped half-way).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from experiments import model_check, report
+from experiments.hosts import EmulationUnavailableError
+from experiments.table1 import (PETALS_22, Table1Config, choose_scale, measured_block_times, run_petals_column,
+                                run_policy)
+
+
+def rtt_matrix(cfg: Table1Config):
+    """RTTs between the client host and the servers' hosts: RIPE Atlas anchors drawn with the seed."""
+    from experiments.hosts import ripe_atlas_hosts_rtt_ms
+    from netem.topology import RIPE_ATLAS_FILENAME, load_ripe_atlas_rtt_matrix, resolve_data_file
+
+    full = load_ripe_atlas_rtt_matrix(resolve_data_file(RIPE_ATLAS_FILENAME, cfg.rtt_data))
+    return ripe_atlas_hosts_rtt_ms(full, cfg.servers + 1, cfg.seed)
+
+
+def run_table1(cfg: Table1Config) -> dict:
+    from orchestrator.sim.traces import load_azure_trace
+    from petals_chain.models.checkpoint import load_config
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = load_azure_trace(cfg.data)
+    times, path = measured_block_times(cfg.model)
+    num_blocks = load_config(path).num_hidden_layers
+    scale, info = choose_scale(cfg, trace, num_blocks, times)
+    info["num_blocks"] = num_blocks
+    rtt_ms, anchors = rtt_matrix(cfg) if cfg.netem else (None, [])
+    scale_out = {k: v for k, v in info.items() if not k.startswith("_")}
+    (out / "scale.json").write_text(json.dumps({"command": cfg.command, "scale": scale_out,
+                                                "config": asdict(cfg), "rtt_anchor_indices": anchors,
+                                                "rtt_ms": None if rtt_ms is None else rtt_ms.tolist()}, indent=1))
+    print(f"table1: {scale_out['requests']} requests, rate {scale_out['rate_per_s']:.3f} req/s (trace "
+          f"{scale_out['trace_rate_per_s']:.3f}), time x{scale.time_scale:.3g}, input x{scale.length_scale:.3g}, "
+          f"output x{scale.output_scale:.3g}, inter-arrival CV {scale_out['interarrival_cv']:.2f}; "
+          f"estimated CPU load {scale_out['offered_cpu_load_estimate']:.2f}. {scale_out['time_scale_reason']}", flush=True)
+    t0 = time.monotonic()
+    for policy in cfg.policies:
+        if policy == PETALS_22:
+            from petals_chain.runtime.block_range import BlockRange
+            probe = BlockRange(path, 0, 1, model_path=path)
+            r = run_petals_column(cfg, info, rtt_ms, out, times, probe.block_bytes, probe.hidden_size)
+            if r.get("unavailable"):
+                print(f"[petals-2.2] not run: {r['unavailable']}", flush=True)
+        else:
+            try:
+                r = run_policy(cfg, policy, info, rtt_ms, out)
+            except EmulationUnavailableError:
+                raise  # every policy would fail the same way
+            except RuntimeError as e:  # this policy's swarm did not come up: say so, go on with the next
+                print(f"[{policy}] failed: {e}", flush=True)
+                r = {"policy": policy, "unavailable": f"its swarm did not come up: {e}"}
+        (out / f"run_{policy}.json").write_text(json.dumps({k: v for k, v in r.items() if k != "records"}, indent=1))
+    return write_results(out, time.monotonic() - t0)
+
+
+def write_results(out: Path, wall_s: float | None = None) -> dict:
+    """summary.json / summary.md / cdf.png / model check from the files of a results folder."""
+    meta = json.loads((out / "scale.json").read_text())
+    n_requests = meta["scale"]["requests"]
+    runs = {}
+    for policy in meta["config"]["policies"]:
+        facts_file, rec_file = out / f"run_{policy}.json", out / f"records_{policy}.jsonl"
+        if not facts_file.exists() and not rec_file.exists():
+            continue
+        facts = json.loads(facts_file.read_text()) if facts_file.exists() else \
+            {"policy": policy, "loadgen_error": "the run was stopped before this policy finished"}
+        facts["records"] = report.read_records(rec_file) if rec_file.exists() else []
+        runs[policy] = facts
+    where = next((r["where"] for r in runs.values() if "where" in r), "")
+    policies, unavailable = {}, {}
+    for p, r in runs.items():
+        if r.get("unavailable"):
+            unavailable[p] = r["unavailable"]
+            continue
+        s = report.policy_summary(r["records"], n_requests)
+        s.update({k: r.get(k) for k in ("c", "placement", "left_out_of_plan", "chains", "servers", "cpu", "startup_s",
+                                        "final_metrics",
+                                        "loadgen_exit", "loadgen_error", "loadgen_tail")})
+        policies[p] = s
+    summary = {"command": meta["command"], "where": where, "scale": meta["scale"], "config": meta["config"],
+               "rtt_ms": meta["rtt_ms"], "rtt_anchor_indices": meta["rtt_anchor_indices"], "wall_s": wall_s,
+               "policies": policies, "not_run": unavailable,
+               "improvement_vs_petals": report.improvements_vs(policies, "petals"), "paper": report.PAPER_TABLE1}
+    points = [pt for p, r in runs.items() if p != PETALS_22
+              for pt in model_check.hop_points(r["records"], r.get("servers") or {})]
+    table = model_check.error_table(points)
+    summary["model_check"] = table
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    md = report.summary_markdown(summary)
+    md += "\n## Model check (paper Figs. 9-10)\n\n" + model_check.error_markdown(table)
+    (out / "summary.md").write_text(md)
+    (out / "model_check.json").write_text(json.dumps({"points": points, "errors": table}))
+    report.cdf_plot({p: r["records"] for p, r in runs.items() if r["records"]}, out / "cdf.png",
+                    f"response time CDF, {n_requests} requests, {where}")
+    if points:
+        model_check.plot(points, out / "model_check.png")
+    return summary

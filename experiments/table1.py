@@ -1,0 +1,255 @@
+"""`petals-chain experiment table1`: the paper's Table 1 (§4.2) on a live swarm.
+
+For each policy, on a fresh swarm (DHT peer, `petals-chain orchestrator --policy P`, 9 `launch-server
+--blocks auto` servers: 3 fast with the larger memory budget, 6 slow with the smaller one and an
+emulated slowdown), in emulated WAN hosts (netem, RIPE Atlas RTTs) or on localhost (`--no-netem`),
+the load generator replays the scaled Azure code trace; records, the summary table, a CDF plot and
+the model check go to `--out`.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments import report, workload
+from experiments.cpu import CpuMeter
+
+# Thread bounds for every process: 9 servers must not thrash a few cores.
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+PETALS_22 = "petals-2.2"  # the real PETALS 2.2 column (experiments/petals22.py)
+SLOW_OVER_FAST = 175.0 / 109.0  # the paper's slow/fast per-block time (§4.1.1: 175 ms vs 109 ms)
+
+
+@dataclass
+class Table1Config:
+    requests: int = 1000
+    policies: tuple[str, ...] = ("proposed", "petals", "bprr", "jffc-only")
+    servers: int = 9
+    fast_servers: int = 3
+    seed: int = 0
+    offset: int = 0
+    time_scale: float | None = None  # None: auto (workload.auto_time_scale)
+    length_scale: float = 1 / 16
+    output_scale: float = 1.0
+    max_length_tokens: int = 1024
+    target_load: float = 0.5
+    n_cpus: float = 2.0
+    step_overhead_cpu_s: float = 0.02
+    fast_budget: str = "480MiB"
+    slow_budget: str = "240MiB"
+    slow_slowdown: float = SLOW_OVER_FAST
+    rho_bar: float = 0.7
+    netem: bool = True
+    netem_backend: str = "auto"
+    netem_name: str = ""  # the emulated network's name ("" -> a fresh one per run: runs side by side never clash)
+    model: str = "smollm2-135m"
+    data: str | None = None
+    rtt_data: str | None = None
+    out: str = "results/table1"
+    petals_work: str | None = None  # PETALS 2.2 environment built by ../shared/anchors/petals_2_2_cpu.sh
+    deadline_s: float = 600.0
+    command: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def server_names(cfg: Table1Config) -> list[str]:
+    return [f"fast{i}" if i < cfg.fast_servers else f"slow{i - cfg.fast_servers}" for i in range(cfg.servers)]
+
+
+def server_args(cfg: Table1Config) -> list[list[str]]:
+    return [["--memory-budget", cfg.fast_budget] if n.startswith("fast") else
+            ["--memory-budget", cfg.slow_budget, "--emulate-slowdown", f"{cfg.slow_slowdown:.4f}"]
+            for n in server_names(cfg)]
+
+
+def measured_block_times(model: str):
+    """t_I, t_O of one block with 1 thread, as a server measures them (cached in the same file)."""
+    import torch
+
+    from petals_chain.models.checkpoint import resolve_model_path
+    from petals_chain.runtime.block_range import BlockRange
+    from server.profiling import cached_block_times
+
+    torch.set_num_threads(1)
+    path = resolve_model_path(model)
+    return cached_block_times(BlockRange(path, 0, 1, model_path=path), model), path
+
+
+def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[workload.Scale, dict]:
+    """The stated factors; with no --time-scale, auto_time_scale at --target-load of the CPUs."""
+    probe = workload.Scale(1.0, cfg.length_scale, cfg.output_scale, cfg.max_length_tokens)
+    reqs = workload.scale_requests(trace, cfg.requests, probe, offset=cfg.offset)
+    s = workload.summary(reqs)
+    hops = 1 + (cfg.servers - cfg.fast_servers) / cfg.servers  # rough mean chain length, for the overhead term
+    w = workload.cpu_s_per_request(times.prefill_s_per_token, times.decode_s_per_token, num_blocks,
+                                   s["mean_input_tokens"], s["mean_output_tokens"],
+                                   step_overhead_cpu_s=cfg.step_overhead_cpu_s, hops=hops)
+    if cfg.time_scale is None:
+        ts = workload.auto_time_scale(s["rate_per_s"], w, cfg.n_cpus, cfg.target_load)
+        reason = (f"time scale auto: W = {w:.2f} CPU-s per request (footnote 11 with t_I = "
+                  f"{times.prefill_s_per_token * 1e3:.3f} ms, t_O = {times.decode_s_per_token * 1e3:.3f} ms per token "
+                  f"per block on 1 thread, L = {num_blocks}, + {cfg.step_overhead_cpu_s * 1e3:.0f} ms per step and hop), "
+                  f"target CPU load {cfg.target_load} of {cfg.n_cpus:g} cores.")
+    else:
+        ts, reason = cfg.time_scale, "time scale given by --time-scale."
+    scale = workload.Scale(ts, cfg.length_scale, cfg.output_scale, cfg.max_length_tokens)
+    scaled = workload.scale_requests(trace, cfg.requests, scale, offset=cfg.offset)
+    info = {**scale.to_dict(), **workload.summary(scaled), "offset": cfg.offset, "trace_rate_per_s": s["rate_per_s"],
+            "trace_interarrival_cv": s["interarrival_cv"], "cpu_s_per_request_estimate": w,
+            "offered_cpu_load_estimate": workload.offered_load(workload.rate_per_s([r.arrival_s for r in scaled]), w,
+                                                               cfg.n_cpus),
+            "time_scale_reason": reason, "slow_servers_emulated_slowdown": cfg.slow_slowdown,
+            "fast_budget": cfg.fast_budget, "slow_budget": cfg.slow_budget}
+    return scale, {**info, "_requests": scaled}
+
+
+def make_launcher(cfg: Table1Config, rtt_ms):
+    if not cfg.netem:
+        from experiments.hosts import Localhost
+        return Localhost()
+    from experiments.hosts import EmulatedHosts
+    return EmulatedHosts(server_names(cfg), rtt_ms, backend=cfg.netem_backend,
+                         name=cfg.netem_name or f"t1{uuid.uuid4().hex[:5]}")
+
+
+def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:
+    """The orchestrator's /status once its plan is online (every server it placed serves its range)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dead = [s.name for s in swarm.servers if not s.alive]
+        if dead:
+            sp = next(s for s in swarm.servers if not s.alive)
+            raise RuntimeError(f"server(s) {', '.join(dead)} exited during start-up:\n" + "\n".join(sp.lines[-15:]))
+        status = launcher.fetch_json("orchestrator", url + "status")
+        if status.get("plan_installed"):
+            return status
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the orchestrator's plan was not online within {timeout_s:.0f} s: "
+                               f"{status.get('plan_error') or status.get('events', [])[-3:]}")
+        time.sleep(1.0)
+
+
+def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir: Path) -> dict:
+    """One fresh swarm for `policy`: start, wait for its plan, replay, collect; always stops everything."""
+    from petals_chain.local_swarm import LocalSwarm
+
+    requests = scale_info["_requests"]
+    req_file = out_dir / "requests.json"
+    req_file.write_text(json.dumps([r.to_dict() for r in requests]))
+    rec_file = out_dir / f"records_{policy}.jsonl"
+    orch_args = ["--policy", policy, "--expected-servers", str(cfg.servers), "--arrival-rate",
+                 f"{scale_info['rate_per_s']:.6f}", "--rho", str(cfg.rho_bar), "--mean-input-tokens",
+                 f"{scale_info['mean_input_tokens']:.3f}", "--mean-output-tokens", f"{scale_info['mean_output_tokens']:.3f}",
+                 "--lease-ttl", "60", "--replan-period", "1e9"]
+    launcher = make_launcher(cfg, rtt_ms)
+    swarm = LocalSwarm(cfg.model, [None] * cfg.servers, server_args=["--num-threads", "1", "--max-length",
+                                                                     str(cfg.max_length_tokens)],
+                       per_server_args=server_args(cfg), orchestrator_args=orch_args, placement=launcher.placement,
+                       names=server_names(cfg), env=THREAD_ENV, start_timeout_s=600)
+    result: dict = {"policy": policy, "where": launcher.label}
+    try:
+        t_start = time.monotonic()
+        print(f"[{policy}] starting a fresh swarm ({launcher.label}) ...", flush=True)
+        swarm.start(wait_servers=False)  # the plan is what counts: a server it leaves out never gets a range
+        status = wait_plan(launcher, swarm.orchestrator_url, swarm)
+        result["startup_s"] = time.monotonic() - t_start
+        (out_dir / f"status_{policy}.json").write_text(json.dumps(status, indent=1))
+        names = {s["peer_id"]: s["name"] for s in status["servers"]}
+        left_out = [s["name"] for s in status["servers"] if s["assigned"] is None and s["end"] <= s["start"]]
+        if left_out:
+            print(f"[{policy}] not in the plan (no RTT measurement when it was made): {', '.join(left_out)}",
+                  flush=True)
+        result.update(c=status["c"], placement={s["name"]: [s["start"], s["end"]] for s in status["servers"]},
+                      left_out_of_plan=left_out,
+                      chains=[{"servers": [names.get(p, p) for p in k["servers"]], "blocks": k.get("blocks"),
+                               "capacity": k["capacity"], "service_time_s": k["service_time"]}
+                              for k in status["chains"]],
+                      servers={s["name"]: {"t_I": s["t_I"], "t_O": s["t_O"], "rtt_s": s["rtt"], "tau_p": s["tau_p"],
+                                           "tau_c": s["tau_c"], "memory": s["memory"]} for s in status["servers"]})
+        print(f"[{policy}] plan online after {result['startup_s']:.0f} s: c = {status['c']}, placement "
+              + ", ".join(f"{k}={v}" for k, v in result["placement"].items()), flush=True)
+        meter = CpuMeter([p.pid for p in [swarm.dht_process, swarm.orchestrator_process] if p]
+                         + [s.process.pid for s in swarm.servers])
+        gen = launcher.popen("loadgen", [sys.executable, "-m", "experiments.loadgen", "--initial-peers",
+                                         *swarm.initial_peers, "--model", cfg.model, "--requests", str(req_file),
+                                         "--out", str(rec_file), "--policy", policy, "--seed", str(cfg.seed),
+                                         "--deadline", str(cfg.deadline_s)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**swarm.env},
+                             start_new_session=True)
+        meter.add(gen.pid)
+        lines: list[str] = []
+
+        def pump():
+            for line in gen.stdout:
+                lines.append(line.rstrip("\n"))
+                if line.startswith("loadgen:"):
+                    print(f"[{policy}] {line.strip()}", flush=True)
+
+        threading.Thread(target=pump, daemon=True).start()
+        limit_s = requests[-1].arrival_s + cfg.deadline_s + 180
+        t_end = time.monotonic() + limit_s
+        while gen.poll() is None and time.monotonic() < t_end:
+            meter.sample()
+            time.sleep(2.0)
+        if gen.poll() is None:
+            gen.kill()
+            result["loadgen_error"] = f"load generator killed after {limit_s:.0f} s"
+        result["cpu"] = meter.report()
+        result["loadgen_exit"] = gen.wait(timeout=30)
+        if result["loadgen_exit"] != 0:
+            result["loadgen_tail"] = lines[-20:]
+        try:
+            result["final_metrics"] = launcher.fetch_json("orchestrator", swarm.orchestrator_url + "status")["metrics"]
+        except Exception as e:  # noqa: BLE001 - the summary says so; records are what count
+            result["final_metrics"] = {"error": str(e)}
+    finally:
+        swarm.stop()
+        launcher.close()
+    records = report.rewrite_records(rec_file, requests, policy)
+    result["records"] = records
+    return result
+
+
+def run_petals_column(cfg: Table1Config, scale_info: dict, rtt_ms, out_dir: Path, times, block_bytes: int,
+                      hidden_size: int) -> dict:
+    """Real PETALS 2.2 on the same hosts, trace and budgets (experiments/petals22.py), or why it cannot run."""
+    from experiments import petals22
+    from server.cli import parse_size
+
+    python, model = petals22.petals_paths(cfg.petals_work)
+    reason = petals22.why_unavailable(python, model)
+    if reason:
+        return {"policy": "petals-2.2", "unavailable": reason, "records": []}
+    specs = []
+    for name, args in zip(server_names(cfg), server_args(cfg)):
+        budget = parse_size(args[1])
+        k = cfg.slow_slowdown if name.startswith("slow") else 1.0
+        specs.append({"name": name, "num_blocks": petals22.petals_num_blocks(budget, block_bytes, hidden_size),
+                      "throughput": 1.0 / (k * times.decode_s_per_token), "budget_bytes": budget})
+    if sum(s["num_blocks"] for s in specs) < scale_info["num_blocks"] or min(s["num_blocks"] for s in specs) < 1:
+        return {"policy": "petals-2.2", "records": [], "unavailable": (
+            f"PETALS' memory rule gives {[s['num_blocks'] for s in specs]} blocks for these budgets: they cannot "
+            f"cover the model's {scale_info['num_blocks']} blocks")}
+    requests = scale_info["_requests"]
+    req_file = out_dir / "requests.json"
+    req_file.write_text(json.dumps([r.to_dict() for r in requests]))
+    rec_file = out_dir / "records_petals-2.2.jsonl"
+    launcher = make_launcher(cfg, rtt_ms)
+    result: dict = {"policy": "petals-2.2", "where": launcher.label}
+    print(f"[petals-2.2] starting real PETALS 2.2 ({launcher.label}) ...", flush=True)
+    try:
+        facts = petals22.run_petals22(cfg, launcher, req_file, rec_file, specs, python, model, cfg.deadline_s,
+                                      requests[-1].arrival_s, lambda m: print(m, flush=True))
+        result.update(facts)
+    except RuntimeError as e:
+        result["unavailable"] = f"PETALS 2.2 did not run here: {e}"
+    finally:
+        launcher.close()
+    result["records"] = report.rewrite_records(rec_file, requests, "petals-2.2") if "unavailable" not in result else []
+    return result

@@ -1,0 +1,108 @@
+"""`petals-chain experiment table1 --quick` end to end: real swarms (one per policy), the real trace,
+every request accounted for, results in the documented schema, nothing left running."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from netem.topology import AZURE_CODE_TRACE_FILENAME, RIPE_ATLAS_FILENAME, DataNotFoundError, resolve_data_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _netem_usable() -> tuple[bool, str]:
+    try:
+        import netem
+        from netem.system import require_capabilities
+    except ImportError as e:
+        return False, f"netem.Network is not available ({e})"
+    if not hasattr(netem, "Network"):
+        return False, "netem.Network is not available"
+    try:
+        require_capabilities(tc=False, tun=True)
+    except Exception as e:  # noqa: BLE001 - any missing capability means: run without emulation
+        return False, str(e)
+    return True, ""
+
+
+def _ours(marker: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TABLE1_TEST_MARKER") == marker:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.model
+def test_quick_mode_end_to_end(tmp_path):
+    try:
+        resolve_data_file(AZURE_CODE_TRACE_FILENAME)
+    except DataNotFoundError as e:
+        pytest.skip(f"Azure code trace not available: {e}")
+    netem_ok, why = _netem_usable()
+    try:
+        resolve_data_file(RIPE_ATLAS_FILENAME)
+    except DataNotFoundError as e:
+        netem_ok, why = False, str(e)
+    marker = uuid.uuid4().hex
+    net_name = "t1q" + marker[:4]
+    out = tmp_path / "table1"
+    # --quick: two policies; fewer requests and a fixed time scale keep the test bounded
+    argv = [sys.executable, "-m", "petals_chain.cli", "experiment", "table1", "--quick", "--requests", "6",
+            "--time-scale", "3", "--deadline", "240", "--out", str(out), "--netem-name", net_name] + \
+        ([] if netem_ok else ["--no-netem"])
+    env = {**os.environ, "TABLE1_TEST_MARKER": marker, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        stdout, _ = proc.communicate(timeout=1500)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # the driver stops its swarm and network on SIGTERM
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for p in _ours(marker):  # whatever a failed run left behind
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if netem_ok:
+            import netem
+            netem.cleanup(net_name)
+    assert proc.returncode == 0, stdout[-4000:]
+    assert not _ours(marker), "processes of the run are still alive"
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["policies"]) == {"proposed", "petals"}
+    assert ("netem" in summary["where"]) == netem_ok, (summary["where"], why)
+    sc = summary["scale"]
+    for key in ("time_scale", "length_scale", "output_scale", "rate_per_s", "interarrival_cv", "requests"):
+        assert key in sc
+    assert sc["time_scale"] == 3 and sc["requests"] == 6
+    for policy, s in summary["policies"].items():
+        assert s["requests"] == 6 and s["finished"] + s["failed"] == 6 and s["lost"] == 0, (policy, s)
+        assert s["finished"] >= 1, (policy, s["errors"])
+        for key in ("response_s", "wait_s", "service_s"):
+            assert set(s[key]) >= {"mean", "median", "p95", "p99", "max"}
+        recs = [json.loads(line) for line in (out / f"records_{policy}.jsonl").read_text().splitlines()]
+        assert sorted(r["index"] for r in recs) == list(range(6))
+        for r in recs:
+            if r["error"] is None:
+                assert r["generated_tokens"] == r["output_tokens"] and r["chain"]
+                assert r["arrival_s"] <= r["start_s"] + 0.05 and r["start_s"] <= r["end_s"]
+            else:
+                assert r["error"].split(":")[0]
+    assert summary["policies"]["proposed"]["c"] >= 1
+    assert (out / "cdf.png").stat().st_size > 1000 and "| metric |" in (out / "summary.md").read_text()

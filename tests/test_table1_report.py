@@ -1,0 +1,109 @@
+"""Table 1 results: statistics, every request accounted for, the markdown table, the model check."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import model_check, report
+from experiments.loadgen import hop_summary, prompt_ids
+from petals_chain.client.remote import HopTiming
+
+
+def rec(i, arrival, start, end, out=3, gen=3, error=None, policy="proposed"):
+    return {"index": i, "policy": policy, "arrival_s": arrival, "start_s": start, "end_s": end, "output_tokens": out,
+            "generated_tokens": gen, "error": error}
+
+
+def test_every_request_is_counted_and_failures_stay_out_of_the_statistics():
+    recs = [rec(0, 0.0, 1.0, 3.0), rec(1, 1.0, 1.0, 5.0), rec(2, 2.0, None, 9.0, gen=0, error="OutOfCacheError: full"),
+            rec(3, 3.0, 4.0, 6.0, gen=2)]  # 3 stopped early: not finished
+    s = report.policy_summary(recs, expected=5)
+    assert (s["requests"], s["recorded"], s["finished"], s["failed"], s["lost"]) == (5, 4, 2, 2, 1)
+    assert s["errors"] == {"OutOfCacheError": 1, "incomplete": 1}
+    assert s["response_s"]["mean"] == pytest.approx((3.0 + 4.0) / 2)
+    assert s["wait_s"]["max"] == pytest.approx(1.0) and s["wait_s"]["min"] == pytest.approx(0.0)
+    assert s["service_s"]["min"] == pytest.approx(2.0) and s["service_s"]["max"] == pytest.approx(4.0)
+    for key in ("mean", "median", "p95", "p99", "max"):
+        assert key in s["response_s"] and key in s["wait_s"] and key in s["service_s"]
+
+
+def test_improvement_and_markdown():
+    pols = {p: report.policy_summary([rec(0, 0.0, w, w + 2.0, policy=p)], 1) for p, w in (("petals", 8.0),
+                                                                                           ("proposed", 0.0))}
+    imp = report.improvements_vs(pols, "petals")
+    assert imp["proposed"]["mean_response"] == pytest.approx(0.8)  # 2 s vs 10 s
+    summary = {"where": "localhost", "command": "x", "policies": pols, "improvement_vs_petals": imp,
+               "scale": {"time_scale": 2.0, "length_scale": 0.0625, "output_scale": 1.0, "max_length_tokens": 1024,
+                         "requests": 1, "offset": 0, "rate_per_s": 1.0, "trace_rate_per_s": 2.0,
+                         "interarrival_cv": 1.0, "trace_interarrival_cv": 1.0, "mean_input_tokens": 1.0,
+                         "mean_output_tokens": 3.0, "trace_mean_input_tokens": 16.0, "trace_mean_output_tokens": 3.0,
+                         "truncated": 0}}
+    md = report.summary_markdown(summary)
+    assert "| metric | petals | proposed |" in md and "80.0%" in md
+    json.dumps(summary)  # the summary is plain JSON
+
+
+def test_hop_summary_splits_prefill_from_decode():
+    t = [HopTiming(0, "A", 10, 50, 0.5, 0.4), HopTiming(1, "B", 20, 50, 0.7, 0.6),
+         HopTiming(0, "A", 10, 1, 0.1, 0.05), HopTiming(1, "B", 20, 1, 0.2, 0.1), HopTiming(0, "A", 10, 1, 0.1, 0.05)]
+    hops = hop_summary(t, {"A": "fast0", "B": "slow1"})
+    assert [h["name"] for h in hops] == ["fast0", "slow1"]
+    a = hops[0]
+    assert (a["prefill_tokens"], a["decode_steps"]) == (50, 2)
+    assert a["decode_client_s"] == pytest.approx(0.2) and a["decode_server_s"] == pytest.approx(0.1)
+
+
+def test_model_check_against_footnote_11():
+    recs = [{**rec(0, 0.0, 0.0, 1.0), "hops": [{"name": "fast0", "blocks": 10, "prefill_tokens": 100,
+                                                  "prefill_client_s": 0.25, "prefill_server_s": 0.2, "decode_steps": 4,
+                                                  "decode_client_s": 0.6, "decode_server_s": 0.4}]}]
+    servers = {"fast0": {"t_I": 1e-4, "t_O": 5e-3, "rtt_s": 0.05}}
+    pts = model_check.hop_points(recs, servers)
+    assert len(pts) == 1 and pts[0]["lone"]
+    m = pts[0]["model"]
+    assert m["prefill_compute"] == pytest.approx(10 * (0.001 + 1e-4 * 100))
+    assert m["decode_compute"] == pytest.approx(10 * 5e-3 * 4) and m["decode_comm"] == pytest.approx(0.2)
+    table = model_check.error_table(pts)
+    assert table["lone"]["fast0"]["decode_comm"]["rel_error_of_means"] == pytest.approx(0.0)
+    assert table["all"]["fast0"]["decode_compute"]["rel_error_of_means"] == pytest.approx(1.0)  # 0.4 vs 0.2
+
+
+def test_prompts_have_exactly_the_requested_length():
+    import numpy as np
+    ids = prompt_ids(np.random.default_rng(0), 37, 49152)
+    assert len(ids) == 37 and min(ids) >= 256 and max(ids) < 49152
+
+
+def test_petals_memory_rule_and_missing_environment(tmp_path):
+    from experiments import petals22
+    # PETALS 2.2's _choose_num_blocks: floor((M - 2 GiB * h / 14336) / (s_m + 2 h * 4096 * 4)), SmolLM2 h = 576
+    per_block = 14160384 + 2 * 576 * 4096 * 4
+    autograd = 2 * 2**30 / 14336 * 576
+    assert [petals22.petals_num_blocks(b * 2**20, 14160384, 576) for b in (480, 240)] == [12, 5]
+    for budget in (480 * 2**20, 240 * 2**20, 2 * 2**30):
+        n = petals22.petals_num_blocks(budget, 14160384, 576)
+        assert n * per_block <= budget - autograd < (n + 1) * per_block
+    python, model = petals22.petals_paths(tmp_path)
+    assert "petals_2_2_cpu.sh" in petals22.why_unavailable(python, model)
+
+
+def test_results_are_recomputed_from_the_files_of_a_stopped_run(tmp_path):
+    from experiments.run import write_results
+    scale = {"time_scale": 2.0, "length_scale": 0.0625, "output_scale": 1.0, "max_length_tokens": 1024, "requests": 2,
+             "offset": 0, "rate_per_s": 1.0, "trace_rate_per_s": 2.0, "interarrival_cv": 1.0,
+             "trace_interarrival_cv": 1.0, "mean_input_tokens": 1.0, "mean_output_tokens": 3.0,
+             "trace_mean_input_tokens": 16.0, "trace_mean_output_tokens": 3.0, "truncated": 0}
+    (tmp_path / "scale.json").write_text(json.dumps({"command": "c", "scale": scale, "rtt_ms": None,
+                                                     "rtt_anchor_indices": [],
+                                                     "config": {"policies": ["petals", "proposed", "bprr"]}}))
+    (tmp_path / "run_petals.json").write_text(json.dumps({"policy": "petals", "where": "localhost", "c": None}))
+    (tmp_path / "records_petals.jsonl").write_text(
+        "\n".join(json.dumps(rec(i, 0.0, 4.0, 6.0, policy="petals")) for i in range(2)) + "\n")
+    # proposed was stopped half-way: records but no run file; bprr never started
+    (tmp_path / "records_proposed.jsonl").write_text(json.dumps(rec(0, 0.0, 0.0, 2.0)) + "\n")
+    s = write_results(tmp_path)
+    assert set(s["policies"]) == {"petals", "proposed"}
+    assert s["policies"]["proposed"]["lost"] == 1 and "stopped" in s["policies"]["proposed"]["loadgen_error"]
+    assert s["improvement_vs_petals"]["proposed"]["mean_response"] == pytest.approx(2 / 3)
+    assert (tmp_path / "summary.md").exists() and (tmp_path / "cdf.png").exists()

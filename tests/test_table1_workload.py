@@ -1,0 +1,89 @@
+"""Table 1 workload: the Azure trace loader and the scaling arithmetic (experiments/workload.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from experiments import workload
+from experiments.workload import Scale, scale_lengths, scale_requests
+from netem.topology import DataNotFoundError
+from orchestrator.sim.traces import RequestTrace, load_azure_trace
+
+
+def _trace(arrivals, ctx, gen) -> RequestTrace:
+    return RequestTrace(np.asarray(arrivals, float), np.asarray(ctx), np.asarray(gen))
+
+
+@pytest.fixture(scope="module")
+def azure():
+    try:
+        return load_azure_trace()
+    except DataNotFoundError as e:
+        pytest.skip(f"Azure code trace not available: {e}")
+
+
+def test_azure_trace_matches_the_papers_statistics(azure):
+    # §4.2.1: 2.57 req/s, mean 2,048 input / 28 output tokens; Fig. 11: inter-arrival std 13.15x exponential's
+    assert len(azure.arrival_s) == 8819
+    assert azure.mean_rate_per_s == pytest.approx(2.57, abs=0.01)
+    assert azure.context_tokens.mean() == pytest.approx(2048, abs=1)
+    assert azure.generated_tokens.mean() == pytest.approx(28, abs=0.2)
+    assert workload.interarrival_cv(azure.arrival_s) == pytest.approx(13.15, abs=0.01)
+    assert np.all(np.diff(azure.arrival_s) >= 0) and azure.arrival_s[0] == 0
+
+
+def test_scaling_divides_the_rate_and_keeps_the_burstiness(azure):
+    base = scale_requests(azure, 1000, Scale(1.0, 1.0, max_length_tokens=10_000))
+    slow = scale_requests(azure, 1000, Scale(7.5, 1 / 16, max_length_tokens=10_000))
+    a0, a1 = [r.arrival_s for r in base], [r.arrival_s for r in slow]
+    assert workload.rate_per_s(a1) == pytest.approx(workload.rate_per_s(a0) / 7.5)
+    assert workload.interarrival_cv(a1) == pytest.approx(workload.interarrival_cv(a0), rel=1e-9)
+    assert [r.index for r in slow] == list(range(1000))
+    # lengths: input / 16 rounded, at least 1; output kept
+    assert all(r.input_tokens == max(1, round(r.trace_input_tokens / 16)) for r in slow)
+    assert all(r.output_tokens == r.trace_output_tokens for r in slow)
+
+
+def test_lengths_are_cut_to_fit_max_length_and_counted():
+    trace = _trace([0, 1, 2], [160, 1600, 16], [10, 900, 1])
+    reqs = scale_requests(trace, 3, Scale(1.0, 1 / 16, max_length_tokens=200))
+    assert [(r.input_tokens, r.output_tokens, r.truncated) for r in reqs] == [(10, 10, False), (100, 100, True),
+                                                                              (1, 1, False)]
+    assert workload.summary(reqs)["truncated"] == 1
+    with pytest.raises(ValueError, match="max_length"):
+        scale_lengths(3200, 1, Scale(1.0, 1 / 16, max_length_tokens=200))
+
+
+def test_offset_and_bounds():
+    trace = _trace([5, 6, 8, 11], [16, 32, 48, 64], [1, 2, 3, 4])
+    reqs = scale_requests(trace, 2, Scale(2.0, 1 / 16), offset=2)
+    assert [(r.index, r.arrival_s, r.input_tokens) for r in reqs] == [(2, 0.0, 3), (3, 6.0, 4)]
+    with pytest.raises(ValueError, match="cannot take"):
+        scale_requests(trace, 3, Scale(1.0, 1.0), offset=2)
+    with pytest.raises(ValueError, match="> 0"):
+        Scale(0.0, 1.0)
+
+
+def test_auto_time_scale_hits_the_target_load():
+    # W = L (t_I l_in + t_O (l_out - 1)) + overhead * hops * l_out
+    w = workload.cpu_s_per_request(1e-4, 1e-3, 30, 128, 28, step_overhead_cpu_s=0.01, hops=2)
+    assert w == pytest.approx(30 * (0.0128 + 0.027) + 0.01 * 2 * 28)
+    ts = workload.auto_time_scale(2.57, w, 2.0, 0.5)
+    assert workload.offered_load(2.57 / ts, w, 2.0) == pytest.approx(0.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=3, max_size=40),
+       st.floats(0.01, 100.0), st.floats(0.01, 4.0))
+def test_time_scaling_is_a_pure_stretch(arrivals, time_scale, length_scale):
+    a = sorted(arrivals)
+    assume(a[-1] - a[0] > 1e-3)
+    trace = _trace(a, [100] * len(a), [5] * len(a))
+    reqs = scale_requests(trace, len(a), Scale(time_scale, length_scale, max_length_tokens=10_000))
+    got = np.array([r.arrival_s for r in reqs])
+    np.testing.assert_allclose(got, (np.array(a) - a[0]) * time_scale, rtol=1e-9, atol=1e-9)
+    d0 = np.diff(a)
+    assume(d0.mean() > 0)
+    assert workload.interarrival_cv(got) == pytest.approx(workload.interarrival_cv(a), rel=1e-6, abs=1e-9)
