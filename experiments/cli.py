@@ -8,6 +8,8 @@ from pathlib import Path
 import signal
 import sys
 
+from orchestrator.cli_args import positive_float
+
 POLICIES = ("proposed", "petals", "bprr", "jffc-only", "petals-2.2")  # petals-2.2: real PETALS 2.2
 
 
@@ -18,16 +20,6 @@ def _policies(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"--policies takes a comma-separated subset of {','.join(POLICIES)}; "
                                          f"got {text!r}")
     return out
-
-
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
 
 
 def _size(text: str) -> str:
@@ -50,16 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=int, default=9, help="servers (default 9: 3 fast, the rest slow)")
     p.add_argument("--fast-servers", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="RTT host sample and prompt tokens")
-    p.add_argument("--time-scale", type=_positive, default=None,
+    p.add_argument("--time-scale", type=positive_float, default=None,
                    help="arrival times x this (default: auto, for --target-load of the CPUs)")
-    p.add_argument("--length-scale", type=_positive, default=1 / 16, help="input lengths x this (default 1/16)")
-    p.add_argument("--output-scale", type=_positive, default=1.0, help="output lengths x this (default 1)")
+    p.add_argument("--length-scale", type=positive_float, default=1 / 16, help="input lengths x this (default 1/16)")
+    p.add_argument("--output-scale", type=positive_float, default=1.0, help="output lengths x this (default 1)")
     p.add_argument("--max-length", type=int, default=1024, help="servers' --max-length; outputs are cut to fit")
-    p.add_argument("--target-load", type=_positive, default=0.5, help="offered CPU load for the auto time scale")
-    p.add_argument("--cpus", type=_positive, default=2.0, help="cores the auto time scale may count on (default 2)")
+    p.add_argument("--target-load", type=positive_float, default=0.5, help="offered CPU load for the auto time scale")
+    p.add_argument("--cpus", type=positive_float, default=2.0, help="cores the auto time scale may count on (default 2)")
     p.add_argument("--fast-budget", type=_size, default="480MiB", help="fast servers' --memory-budget")
     p.add_argument("--slow-budget", type=_size, default="240MiB", help="slow servers' --memory-budget")
-    p.add_argument("--slow-slowdown", type=_positive, default=175 / 109,
+    p.add_argument("--slow-slowdown", type=positive_float, default=175 / 109,
                    help="slow servers' launch-server --emulate-slowdown (default 175/109, the paper's ratio)")
     p.add_argument("--no-netem", action="store_true",
                    help="run every process on 127.0.0.1 without WAN emulation (results are labelled so)")
@@ -67,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--netem-name", default="", help="name of the emulated network (default: a fresh one per run)")
     p.add_argument("--data", default=None, help="Azure trace file or data folder (default $PETALS_CHAIN_DATA, ../shared/data)")
     p.add_argument("--rtt-data", default=None, help="RIPE Atlas file or data folder (same default)")
-    p.add_argument("--deadline", type=_positive, default=600.0, help="seconds after the last arrival for stragglers")
+    p.add_argument("--deadline", type=positive_float, default=600.0, help="seconds after the last arrival for stragglers")
     p.add_argument("--out", default="results/table1")
     p.add_argument("--recompute", action="store_true",
                    help="rebuild summary, plots and model check from the files in --out (no swarm is started)")

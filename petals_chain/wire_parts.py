@@ -214,6 +214,16 @@ async def assembled(messages: AsyncIterator, admit: Admit | None = None) -> Asyn
             yield result
 
 
+async def until_none(queue) -> AsyncIterator:
+    """The items put on `queue` (an asyncio.Queue) until a None: the outgoing side of a stream that
+    its owner feeds message by message (`queue.put(None)` ends the stream)."""
+    while True:
+        item = await queue.get()
+        if item is None:
+            return
+        yield item
+
+
 async def receive_one(messages: AsyncIterator, admit: Admit | None = None) -> Message:
     """Read messages until one group is complete (a reply on a stream); a bad group raises its
     typed error, a stream that ends mid-group raises StopAsyncIteration."""

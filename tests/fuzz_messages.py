@@ -251,15 +251,7 @@ class RpcFuzzer:
             queue: asyncio.Queue = asyncio.Queue()
             for m in first:
                 queue.put_nowait(m)
-
-            async def outgoing():
-                while True:
-                    item = await queue.get()
-                    if item is None:
-                        return
-                    yield item
-
-            return queue, await getattr(self.chain.stub(self.server_peer), method)(outgoing())
+            return queue, await getattr(self.chain.stub(self.server_peer), method)(wire_parts.until_none(queue))
 
         return self.chain.loop.run(open_stream(), timeout_s=self.reply_timeout_s)
 

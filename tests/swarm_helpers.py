@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+import urllib.request
 
 import torch
 
@@ -18,15 +21,7 @@ class RawStream:
 
         async def open_stream():
             self.queue = asyncio.Queue()
-
-            async def outgoing():
-                while True:
-                    item = await self.queue.get()
-                    if item is None:
-                        return
-                    yield item
-
-            return await chain.stub(peer_id).rpc_inference(outgoing())
+            return await chain.stub(peer_id).rpc_inference(wire_parts.until_none(self.queue))
 
         self.responses = chain.loop.run(open_stream(), timeout_s=10)
 
@@ -55,3 +50,18 @@ class RawStream:
             self.chain.loop.run(close(), timeout_s=2)
         except Exception:
             pass
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+
+
+def wait_for(pred, timeout_s: float, what: str, period_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(period_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

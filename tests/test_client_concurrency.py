@@ -118,7 +118,6 @@ def test_threads_on_one_model_object_each_get_their_own_session(local_model, smo
             errors.append(e)
 
     calls_before = local_model.head.logits_batched.batched_calls
-    batches_before = local_model.head.logits_batched.batches
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(refs))]
     for t in threads:
         t.start()

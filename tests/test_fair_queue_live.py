@@ -2,33 +2,16 @@
 client's session, not to the flooding client's sessions that queued before it."""
 from __future__ import annotations
 
-import json
 import threading
-import time
-import urllib.request
 
 import pytest
 
 from petals_chain.client.remote import RemoteChain
 from petals_chain.local_swarm import LocalSwarm
 from petals_chain.models.checkpoint import load_config
+from tests.swarm_helpers import get_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.load(r)
-
-
-def wait_for(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_fair_central_queue_serves_light_client_before_queued_flooder(smollm2_path):

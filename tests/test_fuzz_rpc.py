@@ -14,7 +14,7 @@ from petals_chain.client.remote import RemoteChain
 from petals_chain.local_swarm import LocalSwarm
 from petals_chain.models.checkpoint import load_config
 from tests.fuzz_messages import ORCHESTRATOR_RPCS, SERVER_RPCS, RpcFuzzer, fuzz
-from tests.test_online_orchestrator import get_json, wait_for
+from tests.swarm_helpers import get_json, wait_for
 
 PROMPT = torch.tensor([[5, 9, 17, 33]])
 

@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -18,6 +17,7 @@ import netem
 from netem.errors import MissingCapabilityError
 from netem.system import require_capabilities, socket_in_netns
 from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
+from tests.swarm_helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
@@ -54,16 +54,6 @@ def get_json_in(net: netem.Network, host: str, url: str) -> dict:
         return json.loads(conn.getresponse().read())
     finally:
         conn.close()
-
-
-def wait_for(pred, timeout_s: float, what: str, period_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(period_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 CLIENT = """

@@ -25,6 +25,7 @@ from petals_chain.errors import OrchestratorUnavailableError
 from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
 from petals_chain.models.checkpoint import load_config
 from petals_chain.protocol import OrchestratorService
+from tests.swarm_helpers import get_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
@@ -34,21 +35,6 @@ BUDGETS = ["300MiB", "340MiB", "380MiB", "420MiB"]
 SERVER_ARGS = ["--num-threads", "1", "--max-length", "512"]
 ORCH_ARGS = ["--expected-servers", "4", "--c", "3", "--arrival-rate", "2", "--lease-ttl", "3",
              "--replan-period", "8"]
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.load(r)
-
-
-def wait_for(pred, timeout_s: float, what: str, period_s: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(period_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

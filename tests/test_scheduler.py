@@ -3,7 +3,6 @@ chunked prefill, broken policies failing work with typed errors instead of killi
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import pytest

@@ -197,15 +197,7 @@ class RemoteChainSession(ChainSession):
     # -- stream plumbing (runs on the background loop) ----------------------------------------
     async def _open_one(self, hop: Hop) -> HopStream:
         queue: asyncio.Queue = asyncio.Queue()
-
-        async def outgoing():
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                yield item
-
-        responses = await self.chain.stub(hop.peer_id).rpc_inference(outgoing())
+        responses = await self.chain.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
         await queue.put(wire.request({"type": "open", "session_id": self.session_id, "max_length": self.max_length,
                                       "entry_block": hop.start}))
         meta = wire.unpack((await asyncio.wait_for(anext(responses), self.chain.open_timeout_s)).metadata)
