@@ -11,6 +11,7 @@ and `close()`.
 """
 from __future__ import annotations
 
+import abc
 import json
 import subprocess
 import sys
@@ -26,9 +27,10 @@ class EmulationUnavailableError(RuntimeError):
     """WAN emulation cannot run here; the message says why and how to run without it."""
 
 
-class _Hosts:
+class _Hosts(abc.ABC):
+    @abc.abstractmethod
     def placement(self, role: str) -> tuple[list[str], str]:
-        raise NotImplementedError
+        """(argv prefix that runs a command on the role's host, the host's listen address)."""
 
     def listen_maddr(self, role: str) -> str:
         return f"/ip4/{self.placement(role)[1]}/tcp/0"
