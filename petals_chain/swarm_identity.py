@@ -16,6 +16,7 @@ forged record is refused both where it would be stored and where it is read.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import tempfile
@@ -82,9 +83,10 @@ class SwarmIdentity:
                                 "`petals-chain identity new PATH` or remove the file to have a new one made") from None
         return cls(path, private_key, peer_id, ephemeral, tmpdir)
 
-    @property
+    @functools.cached_property
     def owner_subkey(self) -> bytes:
-        """The DHT subkey under which this peer's records live (its public key, hivemind's marker)."""
+        """The DHT subkey under which this peer's records live (its public key, hivemind's marker);
+        computed once, not on every announcement."""
         return RSASignatureValidator(self.private_key).local_public_key
 
     def dht_kwargs(self) -> dict[str, Any]:
