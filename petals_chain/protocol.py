@@ -9,7 +9,7 @@ from typing import AsyncIterator  # hivemind detects streams by typing.AsyncIter
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from petals_chain import wire
+from petals_chain import wire, wire_parts
 from petals_chain.errors import NotAllowedError
 from petals_chain.membership import check_allowed
 
@@ -44,6 +44,7 @@ class BlockService(_MembersOnly):
         refusal = self._refusal(context)
         if refusal is not None:
             yield refusal
+            await wire_parts.drain(requests)
             return
         async for response in self.impl.forward_stream(requests, context):
             yield response
@@ -53,6 +54,7 @@ class BlockService(_MembersOnly):
         refusal = self._refusal(context)
         if refusal is not None:
             yield refusal
+            await wire_parts.drain(requests)
             return
         async for response in self.impl.inference(requests, context):
             yield response

@@ -224,6 +224,13 @@ async def until_none(queue) -> AsyncIterator:
         yield item
 
 
+async def drain(messages: AsyncIterator) -> None:
+    """Drop what a refused caller still sends (no work, no memory) until it closes the stream:
+    closing a stream under a sender that is still writing parts breaks its pipe."""
+    async for _ in messages:
+        pass
+
+
 async def receive_one(messages: AsyncIterator, admit: Admit | None = None) -> Message:
     """Read messages until one group is complete (a reply on a stream); a bad group raises its
     typed error, a stream that ends mid-group raises StopAsyncIteration."""

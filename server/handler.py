@@ -218,10 +218,7 @@ class BlockServicer:
             if not isinstance(e, PetalsChainError):  # a bug must not take the server down: report it to this caller
                 logger.exception("unexpected error in rpc_forward_stream")
             yield wire.error_response(e)
-            # drop the parts still on their way (no memory, no work) until the caller closes the
-            # stream: closing it under a sender that is still writing breaks its pipe
-            async for _ in requests:
-                pass
+            await wire_parts.drain(requests)  # the parts still on their way
             return
         for response in wire_parts.to_messages({"type": "forward"}, (out,), reply=True):
             yield response
