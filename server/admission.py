@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from petals_chain.errors import AdmissionTimeoutError, OutOfCacheError, SchedulerPolicyError
 from server.memory import KVBudget
@@ -30,6 +30,7 @@ class _Waiter:
     request: AdmissionRequest
     key: str
     future: asyncio.Future
+    prefix_match: Callable[[], int] | None = None  # tokens of its prompt the prefix cache holds now
 
 
 class AdmissionQueue:
@@ -51,7 +52,7 @@ class AdmissionQueue:
         return len(self._waiting)
 
     async def reserve(self, key: str, nbytes: int, session_id: str, client_id: str,
-                      wait_s: float | None = None) -> float:
+                      wait_s: float | None = None, prefix_match: Callable[[], int] | None = None) -> float:
         """Reserve `nbytes` under `key`, waiting up to min(wait_s, the server's timeout) for memory.
         Returns the seconds waited; raises OutOfCacheError (queue full / no wait asked) or
         AdmissionTimeoutError (deadline passed)."""
@@ -68,7 +69,7 @@ class AdmissionQueue:
         start_s = self.clock()
         loop = asyncio.get_running_loop()
         waiter = _Waiter(AdmissionRequest(next(self._seq), session_id, client_id, nbytes, start_s), key,
-                         loop.create_future())
+                         loop.create_future(), prefix_match)
         self._waiting[key] = waiter
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
@@ -90,13 +91,15 @@ class AdmissionQueue:
     def on_release(self) -> None:
         """Memory freed: the policy hands it out among the waiting sessions that now fit."""
         while self._waiting:
-            free = self.budget.free_bytes
-            fits = [w.request for w in self._waiting.values() if w.request.kv_bytes <= free and not w.future.done()]
+            free = self.budget.available_bytes  # cached prefixes are evicted for it (LRU)
+            # the prefix match is asked now: the cache changes while a session waits (DLPM's locality)
+            fits = [replace(w.request, prefix_match_tokens=w.prefix_match()) if w.prefix_match else w.request
+                    for w in self._waiting.values() if w.request.kv_bytes <= free and not w.future.done()]
             if not fits:
                 return
             try:
                 chosen = self.scheduler.call_policy("admit", lambda p: p.admit(fits))
-                if chosen not in fits:
+                if not any(chosen is r for r in fits):
                     raise SchedulerPolicyError(f"the policy admitted {chosen!r}, which is not waiting")
             except SchedulerPolicyError as e:
                 for w in list(self._waiting.values()):
@@ -104,7 +107,7 @@ class AdmissionQueue:
                         w.future.set_exception(e)
                     self._waiting.pop(w.key, None)
                 return
-            waiter = next(w for w in self._waiting.values() if w.request is chosen)
+            waiter = next(w for w in self._waiting.values() if w.request.seq == chosen.seq)
             self._waiting.pop(waiter.key)
             self.budget.reserve(waiter.key, chosen.kv_bytes)
             waiter.future.set_result(None)

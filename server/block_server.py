@@ -35,6 +35,8 @@ from server.admission import AdmissionQueue
 from server.handler import BlockServicer, OpenSession
 from server.memory import KVBudget
 from server.policies import make_policy
+from server.prefix_cache import PrefixCache
+from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
 from server.emulation import maybe_slowed, real_range, slowed_times
 from server.service_log import ServiceLog
 from server.profiling import cached_block_times
@@ -65,6 +67,8 @@ class ServerConfig:
     admission_timeout_s: float = 10.0
     admission_queue: int = 64
     service_log: str | None = None  # JSONL path: one line per batch (bench_fairness reads it)
+    prefix_sharing: str = "client"  # prefix KV cache scope: client | swarm | off (server/prefix_cache.py)
+    prefix_cache_max_bytes: int | None = None
     max_step_tokens: int | None = None  # most tokens one step/forward request carries (None: max_length_tokens)
     announce_period_s: float = 2.0
     record_ttl_s: float = 6.0
@@ -90,6 +94,7 @@ class BlockServer:
         self.budget: KVBudget | None = None
         self.scheduler: StepScheduler | None = None
         self.admission: AdmissionQueue | None = None
+        self.prefix_cache: PrefixCache | None = None
         self.orchestrator = None
         if self.auto:  # measure on one block loaded for the purpose, before holding any
             probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
@@ -136,8 +141,11 @@ class BlockServer:
         scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
                                   on_batch=self.service_log.write if self.service_log else None)
         admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
+        prefix_cache = (None if c.prefix_sharing == "off" else
+                        PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))
         old = self.scheduler
         self.block_range, self.budget, self.scheduler, self.admission = block_range, budget, scheduler, admission
+        self.prefix_cache = prefix_cache
         if old is not None:
             old.stop()
 
@@ -226,7 +234,8 @@ class BlockServer:
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active,
             extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
-                   "admission_queue_length": len(self.admission), "auto": self.auto},
+                   "admission_queue_length": len(self.admission), "auto": self.auto,
+                   "prefix_cache": self.prefix_cache.view() if self.prefix_cache is not None else None},
         )
 
     def _announce(self, timeout_s: float = 10.0) -> None:

@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: refuse at once with out_of_cache)")
     p.add_argument("--admission-queue", type=int, default=64,
                    help="sessions that may wait for KV memory at once; more are refused with out_of_cache")
+    p.add_argument("--prefix-sharing", default="client", choices=["client", "swarm", "off"],
+                   help="prefix KV cache scope: client (default: a client reuses only prefixes of its own prompts; the "
+                        "key includes its authenticated peer id, so nobody can hit or time another's prompt), swarm "
+                        "(all clients share: more hits, but a hit's speed tells a client another sent that prefix, "
+                        "and clients' hashes are trusted: use only among trusted clients), off (no cache)")
+    p.add_argument("--prefix-cache-max", type=parse_size, default=None, metavar="SIZE",
+                   help="most memory the prefix cache may hold (default: whatever the budget has free; it is always "
+                        "evicted, LRU, before a session would be refused)")
     p.add_argument("--service-log", default=None, metavar="PATH",
                    help="append one JSON line per batch (clients served, tokens, backlog) for fairness measurements")
     p.add_argument("--max-step-tokens", type=int, default=None,
@@ -156,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             name=args.name, policy=args.policy, policy_args=policy_args, max_batch_tokens=args.max_batch_tokens,
             session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
             admission_queue=args.admission_queue, service_log=args.service_log,
+            prefix_sharing=args.prefix_sharing, prefix_cache_max_bytes=args.prefix_cache_max,
             max_step_tokens=args.max_step_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
             orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers,

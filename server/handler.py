@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import P2PContext
@@ -31,6 +31,7 @@ from petals_chain.errors import (
 from petals_chain.runtime.block_range import StepInput
 from petals_chain.runtime.kv_cache import SessionKV
 from server.memory import KVBudget
+from server.prefix_cache import PrefixPin, check_prefix_hashes
 from server.scheduler import StepScheduler
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,11 @@ class OpenSession:
     client_id: str
     kv: SessionKV
     reservation_key: str  # unique per stream: the scheduler's and the budget's key of this session
+    prefix_namespace: str = ""
+    prefix_hashes: list[str] = field(default_factory=list)  # chained chunk hashes of its prompt (client's)
+    prefix_pin: PrefixPin | None = None  # the cached prefix matched at open, until the first step
+    prefix_tokens: int = 0  # tokens its first step took from the cache
+    prefix_stored: int = 0  # chunks of its prompt offered to the cache so far
 
 
 class BlockServicer:
@@ -90,8 +96,12 @@ class BlockServicer:
                         if session is not None:
                             raise InvalidRequestError("this stream already has an open session")
                         session = await self._open(meta, client_id)
-                        yield wire.response({"type": "opened", "session_id": session.session_id,
-                                             "first_block": session.kv.first_block, "end_block": session.kv.end_block})
+                        opened = {"type": "opened", "session_id": session.session_id,
+                                  "first_block": session.kv.first_block, "end_block": session.kv.end_block}
+                        if session.prefix_pin is not None:  # how much of the prompt this hop holds
+                            opened["prefix_match_tokens"] = session.prefix_pin.tokens
+                            opened["prefix_chunk_tokens"] = session.prefix_pin.chunk_tokens
+                        yield wire.response(opened)
                     elif kind == "step":
                         if session is None:
                             raise UnknownSessionError("step before open: send an 'open' message first")
@@ -101,7 +111,8 @@ class BlockServicer:
                         if len(message.tensors) != 1:
                             raise InvalidRequestError(f"a step carries exactly one tensor, got {len(message.tensors)}")
                         t0 = time.perf_counter()
-                        out = await self._step(session, message.tensors[0])
+                        out = await self._step(session, message.tensors[0],
+                                               wire.field_of(meta, "prefix_tokens", int, default=0))
                         # server_s: this step's time inside the server (queue + batch compute), so a
                         # client can tell server time from network time (the Table 1 model check)
                         for response in wire_parts.to_messages(
@@ -123,6 +134,8 @@ class BlockServicer:
                 self._close(session)
 
     def _close(self, session: OpenSession) -> None:
+        if session.prefix_pin is not None and self.server.prefix_cache is not None:
+            self.server.prefix_cache.unpin(session.prefix_pin)
         self.scheduler.cancel_session(session.reservation_key)
         self.budget.release(session.reservation_key)
         self.server.on_session_closed(session)
@@ -164,19 +177,43 @@ class BlockServicer:
         nbytes = block_range.kv_bytes_per_block(max_length) * (block_range.end - first_block)
         wait_s = wire.field_of(meta, "admission_wait_s", float, default=None)
         key = f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}"
+        cache = self.server.prefix_cache
+        hashes = check_prefix_hashes(meta["prefix_hashes"]) if meta.get("prefix_hashes") is not None else []
+        namespace = cache.namespace(client_id, first_block) if cache is not None else ""
+        match = (lambda: cache.match(namespace, hashes) * cache.chunk_tokens) if cache is not None and hashes else None
         # waits in the admission queue while memory is full (OutOfCacheError / AdmissionTimeoutError)
-        await self.server.admission.reserve(key, nbytes, session_id, client_id, wait_s)
+        await self.server.admission.reserve(key, nbytes, session_id, client_id, wait_s, prefix_match=match)
         try:
             kv = block_range.allocate_kv(max_length, first_block)
         except Exception:
             self.budget.release(key)
             self.server.admission.on_release()
             raise
-        session = OpenSession(session_id, client_id, kv, key)
+        session = OpenSession(session_id, client_id, kv, key, namespace, hashes)
+        if cache is not None and hashes:
+            # pinned until the first step says how much of it the whole chain can use
+            session.prefix_pin = cache.pin(namespace, hashes, client_id)
+            cache.count_asked(client_id, len(hashes) * cache.chunk_tokens)
         self.server.on_session_opened(session)
         return session
 
-    async def _step(self, session: OpenSession, hidden: torch.Tensor) -> torch.Tensor:
+    async def _step(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int = 0) -> torch.Tensor:
+        cache = self.server.prefix_cache
+        if session.prefix_pin is not None and not session.prefix_pin.released:
+            # the first step: copy the part of the cached prefix that every hop holds (the client
+            # sends the minimum of the hops' matches), then let the cache evict it again
+            session.prefix_tokens = cache.take(session.prefix_pin, prefix_tokens, session.kv, session.client_id)
+        elif prefix_tokens:
+            raise InvalidRequestError("prefix_tokens is only valid in the first step of a session whose open sent "
+                                      "prefix_hashes to a server with a prefix cache (its open reply says so)")
+        out = await self._run_step(session, hidden)
+        if cache is not None and session.prefix_stored < len(session.prefix_hashes):
+            # offer the prompt's full chunks this session computed (no other step of it runs now)
+            cache.insert(session.prefix_namespace, session.prefix_hashes, session.kv)
+            session.prefix_stored = min(len(session.prefix_hashes), session.kv.past_tokens // cache.chunk_tokens)
+        return out
+
+    async def _run_step(self, session: OpenSession, hidden: torch.Tensor) -> torch.Tensor:
         step = StepInput(session.kv, hidden)
         self.server.block_range.validate_step(step)
         if hidden.dtype != self.server.block_range.dtype:
@@ -194,7 +231,8 @@ class BlockServicer:
                     future.set_result(result)
             loop.call_soon_threadsafe(settle)
 
-        self.scheduler.submit(session.reservation_key, session.client_id, step, deliver)
+        self.scheduler.submit(session.reservation_key, session.client_id, step, deliver,
+                              prefix_tokens=session.prefix_tokens)
         return await future
 
     # -- stateless forward ----------------------------------------------------------------
@@ -245,7 +283,7 @@ class BlockServicer:
             self.budget.reserve(key, block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - first_block))
             try:
                 temp = OpenSession(key, client_id, block_range.allocate_kv(seq.shape[0], first_block), key)
-                outputs.append(await self._step(temp, seq))
+                outputs.append(await self._run_step(temp, seq))
             finally:
                 self.budget.release(key)
                 self.server.admission.on_release()

@@ -16,126 +16,23 @@ more than `max_batch_tokens` rows: chunked prefill interleaves long prompts with
   smallest counter; counters are charged `w_in` per prefill token and `w_out` per decode token as
   work is scheduled (lines 24, 30). Theorem 4.4: two backlogged clients' service differs by at most
   2U, U = max(w_in L_input, w_out M) (eq. 2).
+- `dlpm`: Deficit Longest Prefix Match (`server/policy_dlpm.py`): deficit counters with quantum Q,
+  prefix locality first among clients with credit; bound 2(U + Q).
+
+The interface and the records it passes (`WorkItem`, `AdmissionRequest`) are in
+`server/policy_base.py`.
 """
 from __future__ import annotations
 
-import itertools
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from petals_chain.errors import InvalidRequestError
+from server.policy_base import AdmissionRequest, PolicyParam, SchedulingPolicy, WorkItem
+from server.policy_dlpm import DLPMPolicy
 
-
-@dataclass
-class WorkItem:
-    """A run of consecutive new tokens of one session's step, waiting for the server's compute."""
-
-    seq: int  # arrival order at this server (a cut remainder gets a new one)
-    session_id: str  # the server's key of the open session (unique per stream)
-    client_id: str  # the client's libp2p peer id, authenticated by the transport
-    n_tokens: int  # new tokens in this item (prefill chunk: many; decode: 1)
-    past_tokens: int  # tokens already in the session's cache when this item runs
-    enqueued_s: float
-    payload: Any = None  # the scheduler's job this item belongs to
-    row_offset: int = 0  # first row of the job's step that this item covers
-    is_prefill: bool = False  # prompt tokens (a step of several tokens, or a session's first)
-    deliver: Callable[[Any, BaseException | None], None] | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        self.is_prefill = self.is_prefill or self.n_tokens > 1 or self.past_tokens == 0
-
-    def split(self, head_tokens: int, seq: int) -> "WorkItem":
-        """Keep the first `head_tokens` rows here; return the rest as a new item (arrival `seq`)."""
-        if not 0 < head_tokens < self.n_tokens:
-            raise ValueError(f"cannot cut {head_tokens} of {self.n_tokens} tokens")
-        tail = WorkItem(seq, self.session_id, self.client_id, self.n_tokens - head_tokens,
-                        self.past_tokens + head_tokens, self.enqueued_s, self.payload,
-                        self.row_offset + head_tokens, True, self.deliver)
-        self.n_tokens = head_tokens
-        return tail
-
-
-@dataclass(frozen=True)
-class AdmissionRequest:
-    """A session that asked to open while the server's KV budget was full."""
-
-    seq: int
-    session_id: str
-    client_id: str
-    kv_bytes: int
-    enqueued_s: float
-
-
-@dataclass(frozen=True)
-class PolicyParam:
-    kind: type
-    default: Any
-    help: str
-    minimum: float | None = None
-
-
-class SchedulingPolicy(ABC):
-    """The interface the scheduler drives. Subclasses keep their own queue structure."""
-
-    name: str = ""
-    PARAMS: dict[str, PolicyParam] = {}
-
-    def __init__(self, **params: Any):
-        self.params = params
-        # one arrival order for new steps and cut remainders alike: the scheduler numbers submitted
-        # steps with next_seq() too, so a remainder sorts after exactly what arrived before the cut
-        self._seq = itertools.count()
-
-    # -- the waiting queue --------------------------------------------------------------------
-    @abstractmethod
-    def enqueue(self, item: WorkItem) -> None:
-        """An item joins the queue."""
-
-    @abstractmethod
-    def select(self, max_batch_tokens: int) -> list[WorkItem]:
-        """Take the next batch out of the queue: non-empty when work waits, at most one item per
-        session, at most `max_batch_tokens` tokens in all (cut a prefill with `take_within`)."""
-
-    @abstractmethod
-    def remove(self, session_id: str) -> list[WorkItem]:
-        """Take out every waiting item of a session (closed, cancelled, or failed) and return them."""
-
-    @abstractmethod
-    def drain(self) -> list[WorkItem]:
-        """Take out and return everything that waits."""
-
-    @abstractmethod
-    def __len__(self) -> int:
-        """Number of waiting items."""
-
-    # -- admission and accounting ---------------------------------------------------------------
-    def admit(self, waiting: Sequence[AdmissionRequest]) -> AdmissionRequest:
-        """Which of the sessions waiting to open (all fit the freed memory) gets it: the earliest."""
-        return min(waiting, key=lambda r: r.seq)
-
-    def on_served(self, item: WorkItem, service_s: float) -> None:
-        """The item's rows ran, in a batch that took `service_s`."""
-
-    def service_view(self) -> dict[str, float]:
-        """Per-client counters for status reporting (empty when the policy keeps none)."""
-        return {}
-
-    # -- helpers for subclasses ---------------------------------------------------------------
-    def next_seq(self) -> int:
-        """The next arrival number (submitted steps and cut remainders share it)."""
-        return next(self._seq)
-
-    def take_within(self, item: WorkItem, room_tokens: int) -> tuple[WorkItem | None, WorkItem | None]:
-        """(what runs now, what stays) for `item` in a batch with `room_tokens` left: a prefill
-        longer than the room is cut (chunked prefill); an item that cannot run now stays whole."""
-        if item.n_tokens <= room_tokens:
-            return item, None
-        if room_tokens <= 0 or not item.is_prefill:
-            return None, item
-        tail = item.split(room_tokens, self.next_seq())
-        return item, tail
+__all__ = ["AdmissionRequest", "PolicyParam", "SchedulingPolicy", "WorkItem", "FCFSPolicy", "VTCPolicy", "DLPMPolicy",
+           "POLICIES", "describe_policies", "parse_policy_args", "make_policy"]
 
 
 class FCFSPolicy(SchedulingPolicy):
@@ -304,7 +201,7 @@ class VTCPolicy(SchedulingPolicy):
         return dict(self.served)
 
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, VTCPolicy)}
+POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, VTCPolicy, DLPMPolicy)}
 
 
 def describe_policies() -> str:

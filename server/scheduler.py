@@ -84,7 +84,8 @@ class StepScheduler:
 
     # -- handler side ---------------------------------------------------------------------------
     def submit(self, session_id: str, client_id: str, step: StepInput,
-               deliver: Callable[[Any, BaseException | None], None]) -> None:
+               deliver: Callable[[Any, BaseException | None], None], prefix_tokens: int = 0) -> None:
+        """`prefix_tokens`: tokens of the session's prompt taken from the prefix cache (DLPM's locality)."""
         with self._cond:
             if self._stopped:
                 raise ServerUnavailableError("this server is shutting down; use another server")
@@ -95,7 +96,8 @@ class StepScheduler:
             if not ok:
                 self._fail_job(job, self._policy_error("next_seq", RuntimeError("no arrival number")))
                 return
-            item = WorkItem(seq, session_id, client_id, job.total_rows, step.kv.past_tokens, self.clock(), job)
+            item = WorkItem(seq, session_id, client_id, job.total_rows, step.kv.past_tokens, self.clock(), job,
+                            prefix_tokens=prefix_tokens)
             self._call_policy("enqueue", lambda: self.policy.enqueue(item))
             self._cond.notify()
 

@@ -1,0 +1,38 @@
+"""Prefix keys: chained hashes of a prompt's token ids, chunk by chunk (client and server agree on them).
+
+The prompt is cut into chunks of `PREFIX_CHUNK_TOKENS` ids; hash i = blake2b(hash i-1 || ids of
+chunk i), seeded with the model name, so one hash names the whole prefix up to its chunk and two
+prompts share hash i exactly when they share their first (i+1) chunks. Only full chunks are hashed.
+A server stores the KV of its blocks under these hashes (`server/prefix_cache.py`); it never sees
+the ids themselves.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+PREFIX_CHUNK_TOKENS = 16  # tokens per chunk; a hit is a multiple of it
+
+
+def prefix_hashes(token_ids: Sequence[int], model: str, chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> list[str]:
+    """Chained hashes (32 hex characters each) of the full chunks of `token_ids`."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    previous = hashlib.blake2b(f"petals-chain prefix v1|{model}|{chunk_tokens}".encode(), digest_size=16).digest()
+    out = []
+    for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
+        h = hashlib.blake2b(previous, digest_size=16)
+        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids[start:start + chunk_tokens]))
+        previous = h.digest()
+        out.append(h.hexdigest())
+    return out
+
+
+def usable_prefix_tokens(match_tokens: Sequence[int], prompt_tokens: int, chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> int:
+    """Tokens a chain can take from its hops' caches: the smallest match over the hops (a chain
+    reuses a prefix only as far as every hop holds it), in whole chunks, leaving at least one
+    prompt token to compute (the last position's logits come from running it)."""
+    if not match_tokens:
+        return 0
+    usable = min(min(match_tokens), prompt_tokens - 1)
+    return max(0, usable - usable % chunk_tokens)

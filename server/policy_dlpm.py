@@ -1,0 +1,126 @@
+"""DLPM: Deficit Longest Prefix Match (papers/dlpm-locality-aware-fair-scheduling.txt, Algorithm 1).
+
+Each client i has a deficit counter q_i (0 when it first appears, line 12). A batch is filled from
+the waiting work sorted by prefix locality (the longest prefix its session took from the prefix
+cache first, then arrival; line 16, SGLang's LPM order); an item joins only while its client's
+q_i > 0 (line 21) and is charged as it is scheduled (lines 23, 26): `w_in` per prompt token it
+computes (the "extend" tokens: a cached prefix is never sent, so it is never charged) and `w_out`
+per decode token. When a client's counter is spent, CheckRefill (lines 3-8) looks at the clients
+with waiting work: only when none of them has q > 0 does every client with q <= 0 get the quantum
+Q. So q_i stays in (-U, Q] (eq. 1-2 of Theorem A.1) and two continuously backlogged clients'
+service differs by at most 2(U + Q) (Theorem 4.1), U being the largest charge of one item
+(here w_in * max_batch_tokens for a prefill chunk, w_out for a decode step).
+
+Locality in this server lives mostly at admission: when KV memory frees, the waiting session to
+open is chosen among clients with q > 0 by the longest prefix the cache holds for it right now, so
+a client keeps being admitted while its quantum lasts and its cached prefix stays hot (VTC
+alternates clients and, when the cache cannot hold every client's prefix, evicts each one before
+it is used again). Admission charges nothing; the session's work is charged as it runs.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from petals_chain.errors import InvalidRequestError
+from server.policy_base import AdmissionRequest, PolicyParam, SchedulingPolicy, WorkItem
+
+
+class DLPMPolicy(SchedulingPolicy):
+    name = "dlpm"
+    PARAMS = {
+        "q": PolicyParam(float, 1024.0, "quantum Q: weighted tokens a client may take per round before others "
+                                        "are refilled (larger: more locality, looser bound 2(U+Q))", minimum=1.0),
+        "w_in": PolicyParam(float, 1.0, "cost of one computed prompt token (cached prefix tokens cost nothing)",
+                            minimum=0.0),
+        "w_out": PolicyParam(float, 2.0, "cost of one decode token", minimum=0.0),
+    }
+
+    def __init__(self, q: float = 1024.0, w_in: float = 1.0, w_out: float = 2.0):
+        super().__init__(q=q, w_in=w_in, w_out=w_out)
+        if not q > 0:
+            raise InvalidRequestError(f"dlpm's quantum q must be > 0, got {q}")
+        if w_in <= 0 and w_out <= 0:
+            raise InvalidRequestError("dlpm needs w_in > 0 or w_out > 0, otherwise no counter ever moves")
+        self.quantum = float(q)
+        self.w_in, self.w_out = float(w_in), float(w_out)
+        self.deficit: dict[str, float] = {}  # the paper's q_i, for every client seen (its list l)
+        self.served: dict[str, float] = {}  # weighted tokens scheduled per client
+        self.refills = 0
+        self._queue: dict[int, WorkItem] = {}  # seq -> item
+
+    def cost(self, item: WorkItem) -> float:
+        return (self.w_in if item.is_prefill else self.w_out) * item.n_tokens
+
+    def _check_refill(self, queued_clients: set[str]) -> None:
+        """Lines 3-8: refill only when no client with waiting work has credit left."""
+        if any(self.deficit[c] > 0 for c in queued_clients):
+            return
+        for client, q in self.deficit.items():
+            if q <= 0:
+                self.deficit[client] = q + self.quantum
+        self.refills += 1
+
+    def enqueue(self, item: WorkItem) -> None:
+        self.deficit.setdefault(item.client_id, 0.0)  # line 12
+        self._queue[item.seq] = item
+
+    def select(self, max_batch_tokens: int) -> list[WorkItem]:
+        batch: list[WorkItem] = []
+        sessions: set[str] = set()
+        room = max_batch_tokens
+        progressed = True
+        while room > 0 and progressed and self._queue:  # passes until nothing more can join (work conserving)
+            progressed = False
+            for seq in sorted(self._queue, key=lambda s: (-self._queue[s].prefix_tokens, s)):  # line 16
+                item = self._queue[seq]
+                if item.session_id in sessions:
+                    continue
+                client = item.client_id
+                if self.deficit[client] <= 0:  # line 20
+                    self._check_refill({it.client_id for it in self._queue.values()})
+                if self.deficit[client] <= 0:
+                    continue
+                run, rest = self.take_within(item, room)
+                if run is None:
+                    continue
+                del self._queue[seq]
+                if rest is not None:
+                    self._queue[rest.seq] = rest
+                charge = self.cost(run)  # lines 23 and 26, as the work is scheduled
+                self.deficit[client] -= charge
+                self.served[client] = self.served.get(client, 0.0) + charge
+                batch.append(run)
+                sessions.add(run.session_id)
+                room -= run.n_tokens
+                progressed = True
+                if room <= 0:
+                    break
+        return batch
+
+    def remove(self, session_id: str) -> list[WorkItem]:
+        gone = [seq for seq, it in self._queue.items() if it.session_id == session_id]
+        return [self._queue.pop(seq) for seq in gone]
+
+    def drain(self) -> list[WorkItem]:
+        items, self._queue = list(self._queue.values()), {}
+        return items
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def admit(self, waiting: Sequence[AdmissionRequest]) -> AdmissionRequest:
+        """Clients with credit first; among them the longest prefix the cache holds now (locality),
+        then arrival. When nobody waiting has credit, the one with the most (memory must not idle;
+        refills stay with `select`, where the service is charged)."""
+        for r in waiting:
+            self.deficit.setdefault(r.client_id, 0.0)
+        return min(waiting, key=lambda r: (self.deficit[r.client_id] <= 0,
+                                           0.0 if self.deficit[r.client_id] > 0 else -self.deficit[r.client_id],
+                                           -r.prefix_match_tokens, r.seq))
+
+    def service_view(self) -> dict[str, float]:
+        return dict(self.served)
+
+    def bound(self, max_batch_tokens: int) -> float:
+        """2(U + Q) of Theorem 4.1 for this server's batch budget."""
+        return 2 * (max(self.w_in * max_batch_tokens, self.w_out) + self.quantum)
+
