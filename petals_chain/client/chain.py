@@ -8,16 +8,29 @@ remote backend (`petals_chain.client.remote`) relays through servers over hivemi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from petals_chain.runtime.block_range import BlockRange, StepInput
 
 
+@dataclass(frozen=True)
+class PromptPrefix:
+    """The prompt a session opens with, so a chain can reuse its hops' cached prefix KV: token ids
+    (hashed into prefix keys, `petals_chain/prefix_keys.py`) and their embeddings (the input a hop
+    replacing a failed one needs to rebuild the skipped prefix)."""
+
+    token_ids: list[int]
+    hidden: torch.Tensor  # [len(token_ids), hidden]
+
+
 class ChainSession(ABC):
     """One generation session open on a whole chain."""
 
-    position: int = 0  # tokens already processed by every block
+    # tokens already processed by every block; after an open that reused a cached prompt prefix
+    # it starts at that prefix's length, so the first step carries only the rest of the prompt
+    position: int = 0
 
     @abstractmethod
     def step(self, hidden: torch.Tensor) -> torch.Tensor: ...
@@ -31,7 +44,8 @@ class ChainSession(ABC):
 
 class ChainBackend(ABC):
     @abstractmethod
-    def open_session(self, max_length: int) -> ChainSession: ...
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None) -> ChainSession:
+        """`prefix`: the prompt, offered for prefix reuse (backends without a cache ignore it)."""
 
     def shutdown(self) -> None:
         """Release whatever the backend holds (network peers, threads)."""
@@ -67,5 +81,5 @@ class LocalChain(ChainBackend):
             expected = r.end
         self.ranges = ranges
 
-    def open_session(self, max_length: int) -> ChainSession:
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None) -> ChainSession:
         return LocalChainSession(self.ranges, max_length)

@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from petals_chain.client.chain import ChainBackend, ChainSession, LocalChain
+from petals_chain.client.chain import ChainBackend, ChainSession, LocalChain, PromptPrefix
 from petals_chain.errors import InvalidRequestError
 from petals_chain.models.checkpoint import resolve_model_path
 from petals_chain.runtime.block_range import BlockRange
@@ -103,12 +103,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # -- sessions ----------------------------------------------------------------------------
     @contextmanager
-    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH):
+    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None):
         """`with model.inference_session(max_length=...) as s:` keeps the conversation cached on the chain;
-        every `generate` inside continues it (pass only the new tokens)."""
+        every `generate` inside continues it (pass only the new tokens). `prompt_ids` [n]: the first
+        prompt, offered to the servers' prefix caches (the session then starts past the reused part)."""
         if self._session is not None:
             raise InvalidRequestError("an inference session is already active on this model; close it first")
-        session = InferenceSession(self.backend.open_session(max_length), max_length)
+        prefix = None
+        if prompt_ids is not None:
+            prefix = PromptPrefix(prompt_ids.tolist(), self.head.embed_batched(prompt_ids))
+        session = InferenceSession(self.backend.open_session(max_length, prefix), max_length)
         self._session = session
         try:
             yield session
@@ -128,7 +132,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             full = torch.tensor([self._session.token_ids + input_ids[0].tolist()], dtype=torch.long)
             return self._generate_in(self._session, full, **kwargs)
         budget = max_length or (input_ids.shape[1] + int(kwargs.get("max_new_tokens") or 0)) or DEFAULT_MAX_LENGTH
-        with self.inference_session(max_length=budget) as session:
+        # the prompt goes with the open: hops that hold its prefix skip it (generate keeps only the
+        # last position's logits, so the skipped positions' logits are never needed)
+        with self.inference_session(max_length=budget, prompt_ids=input_ids[0]) as session:
             return self._generate_in(session, input_ids, **kwargs)
 
     def _generate_in(self, session: InferenceSession, full_ids: torch.Tensor, **kwargs):

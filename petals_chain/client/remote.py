@@ -5,6 +5,13 @@ second, and so on (the paper's tau_c model assumes this). Each hop keeps the his
 it was sent, so when a server fails the client asks its `ChainProvider` for a replacement of the
 chain from that hop on, replays the history through the replacement to rebuild its KV cache, and
 continues: the output is identical to a run without the failure.
+
+Prefix reuse: a session opened with its prompt (`PromptPrefix`) sends the prompt's chained chunk
+hashes with every hop's `open`; each hop answers how many tokens of it its cache holds
+(`prefix_match_tokens`); the chain uses the minimum over its hops (in whole chunks, leaving one
+prompt token), tells every hop that number with its first step (`prefix_tokens`), and sends only
+the rest of the prompt. A hop that replaces a failed one is opened without reuse and rebuilt from
+the prefix's embeddings (run statelessly through the hops before it) plus its replayed inputs.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerErr
 from petals_chain import wire, wire_parts
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
-from petals_chain.client.chain import ChainBackend, ChainSession
+from petals_chain.client.chain import ChainBackend, ChainSession, PromptPrefix
 from petals_chain.client.orchestrated import OrchestratorChainProvider
 from petals_chain.client.routing import ChainProvider, DhtChainProvider, Hop
 from petals_chain.dht_records import fetch_servers, model_key
@@ -33,6 +40,7 @@ from petals_chain.errors import (
     ServerUnavailableError,
 )
 from petals_chain.orchestrator_records import find_orchestrator
+from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS, prefix_hashes, usable_prefix_tokens
 from petals_chain.protocol import BlockService, ping_block_server_s
 from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
 
@@ -81,6 +89,8 @@ class HopStream:
     queue: asyncio.Queue
     responses: object  # async iterator of ExpertResponse
     inputs: list[torch.Tensor] = field(default_factory=list)  # everything sent to this hop, for replay
+    prefix_match_tokens: int = 0  # of the prompt, what this hop's prefix cache holds (its open reply)
+    prefix_tokens: int | None = None  # to send with its first step (then None): the chain's reuse
 
 
 class RemoteChain(ChainBackend):
@@ -88,13 +98,14 @@ class RemoteChain(ChainBackend):
                  provider: ChainProvider | None = None, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
                  max_failovers: int = 3, wait_for_chain_s: float = 20.0, use_orchestrator: bool = True,
                  acquire_timeout_s: float = 120.0, allowed_servers: frozenset[str] | list[str] | None = None,
-                 identity_path: str | None = None):
+                 identity_path: str | None = None, prefix_reuse: bool = True):
         self.model = model_key(model)
         self.num_blocks = config.num_hidden_layers
         self.dtype = dtype
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
         self.max_failovers = max_failovers
+        self.prefix_reuse = prefix_reuse  # send prompt prefix keys with opens (servers' prefix caches)
         # `identity_path`: a stable peer id, e.g. to be listed in a private swarm's --allowed-peers
         identity = ({"record_validators": swarm_validators()} if identity_path is None
                     else SwarmIdentity.load_or_create(identity_path).dht_kwargs())
@@ -159,8 +170,8 @@ class RemoteChain(ChainBackend):
             raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply")
         return reply.tensors[0]
 
-    def open_session(self, max_length: int) -> "RemoteChainSession":
-        return RemoteChainSession(self, max_length)
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None) -> "RemoteChainSession":
+        return RemoteChainSession(self, max_length, prefix if self.prefix_reuse else None)
 
     def shutdown(self) -> None:
         self.provider.close()
@@ -175,9 +186,12 @@ class RemoteChain(ChainBackend):
 
 
 class RemoteChainSession(ChainSession):
-    def __init__(self, chain: RemoteChain, max_length: int):
+    def __init__(self, chain: RemoteChain, max_length: int, prefix: PromptPrefix | None = None):
         self.chain = chain
         self.max_length = max_length
+        self.prefix = prefix
+        self.prefix_hashes = prefix_hashes(prefix.token_ids, chain.model) if prefix is not None else []
+        self.prefix_tokens = 0  # tokens of the prompt every hop took from its cache
         self.session_id = uuid.uuid4().hex
         self.position = 0
         self.failovers = 0
@@ -189,28 +203,44 @@ class RemoteChainSession(ChainSession):
         self.hop_timings: list[HopTiming] = []
         hops = chain.provider.find_chain(0, chain.num_blocks, max_length=max_length, session_id=self.session_id)
         try:
-            self.streams = self._open_hops(hops)
+            self.streams = self._open_hops(hops, self.prefix_hashes)
         except Exception:
             chain.provider.session_finished(hops, session_id=self.session_id)
             raise
+        if self.prefix_hashes:
+            self.prefix_tokens = usable_prefix_tokens([s.prefix_match_tokens for s in self.streams],
+                                                      len(self.prefix.token_ids))
+            for s in self.streams:
+                s.prefix_tokens = self.prefix_tokens
+            self.position = self.prefix_tokens  # the first step starts after the reused prefix
 
     # -- stream plumbing (runs on the background loop) ----------------------------------------
-    async def _open_one(self, hop: Hop) -> HopStream:
+    async def _open_one(self, hop: Hop, hashes: list[str]) -> HopStream:
         queue: asyncio.Queue = asyncio.Queue()
         responses = await self.chain.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
-        await queue.put(wire.request({"type": "open", "session_id": self.session_id, "max_length": self.max_length,
-                                      "entry_block": hop.start}))
+        request = {"type": "open", "session_id": self.session_id, "max_length": self.max_length, "entry_block": hop.start}
+        if hashes:
+            request["prefix_hashes"] = hashes
+        await queue.put(wire.request(request))
         meta = wire.unpack((await asyncio.wait_for(anext(responses), self.chain.open_timeout_s)).metadata)
         if meta.get("type") == "error":
             await queue.put(None)
         wire.raise_if_error(meta)
-        return HopStream(hop, queue, responses)
+        match = meta.get("prefix_match_tokens", 0)
+        # a server without a cache (or another chunk size) does not answer: nothing reused on this chain
+        if (not isinstance(match, int) or meta.get("prefix_chunk_tokens") != PREFIX_CHUNK_TOKENS
+                or not 0 <= match <= len(hashes) * PREFIX_CHUNK_TOKENS):
+            match = 0
+        return HopStream(hop, queue, responses, prefix_match_tokens=match)
 
     async def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         self._step_id += 1
         t0 = time.perf_counter()
-        for request in wire_parts.to_messages({"type": "step", "session_id": self.session_id,
-                                               "step_id": self._step_id}, (hidden,)):
+        meta = {"type": "step", "session_id": self.session_id, "step_id": self._step_id}
+        if stream.prefix_tokens is not None:  # its first step: how much of its cached prefix to take
+            meta["prefix_tokens"] = stream.prefix_tokens
+            stream.prefix_tokens = None
+        for request in wire_parts.to_messages(meta, (hidden,)):
             await stream.queue.put(request)
         try:
             reply = await asyncio.wait_for(wire_parts.receive_one(stream.responses), self.chain.step_timeout_s)
@@ -236,11 +266,11 @@ class RemoteChainSession(ChainSession):
                 raise
             raise server_error from e
 
-    def _open_hops(self, hops: list[Hop]) -> list[HopStream]:
+    def _open_hops(self, hops: list[Hop], hashes: list[str] | None = None) -> list[HopStream]:
         opened: list[HopStream] = []
         try:
             for hop in hops:
-                opened.append(self._run(self._open_one(hop), self.chain.open_timeout_s + 2))
+                opened.append(self._run(self._open_one(hop, hashes or []), self.chain.open_timeout_s + 2))
         except Exception:
             self._close_streams(opened)
             raise
@@ -316,7 +346,15 @@ class RemoteChainSession(ChainSession):
         logger.warning("server %s failed (%s); replacing blocks [%d, %d) with %s", failed.hop.describe(), error,
                        failed.hop.start, new_end, " -> ".join(h.describe() for h in new_hops))
         self._close_streams(self.streams[index:keep_from])
-        history = torch.cat(failed.inputs) if failed.inputs else None
+        inputs = list(failed.inputs)
+        if self.prefix_tokens:
+            # the failed hop took the prefix from its cache, the replacement cannot: rebuild its
+            # input for those tokens by running the prefix statelessly through the hops before it
+            x = self.prefix.hidden[:self.prefix_tokens].to(self.chain.dtype)
+            for stream in self.streams[:index]:
+                x = self._run(self.chain._forward_hop(stream.hop, x.unsqueeze(0)), self.chain.step_timeout_s + 2)[0]
+            inputs.insert(0, x)
+        history = torch.cat(inputs) if inputs else None
         replacement = self._open_hops(new_hops)
         if history is not None:
             x = history

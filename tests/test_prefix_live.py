@@ -1,0 +1,84 @@
+"""A live swarm with prefix caches: a second session sharing a prompt prefix reuses it on every hop
+(identical text to HF), another client gets no hit (scope client), and a failover after reuse
+rebuilds the replacement's prefix and still gives identical text."""
+from __future__ import annotations
+
+import pytest
+
+from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.local_swarm import LocalSwarm
+from tests.test_failover import KillAfter
+
+pytestmark = [pytest.mark.integration, pytest.mark.model]
+
+SYSTEM = ("You are a patient assistant for a small public library. You answer questions about opening hours, "
+          "borrowing rules and events in one or two short sentences, politely, without lists.\n")
+# continuations that run all 8 greedy tokens without reaching EOS (checked against HF below)
+QUESTIONS = ["Question: When does the library open on Saturday?\nAnswer: The library",
+             "Question: How many books may I borrow at once?\nAnswer: You",
+             "Question: Is there a reading club for children?\nAnswer: Yes, the"]
+
+
+def _client(swarm, identity, servers):
+    return DistributedModelForCausalLM.from_pretrained(
+        "smollm2-135m", initial_peers=swarm.initial_peers, use_orchestrator=False, identity_path=str(identity),
+        allowed_servers=[sp.peer_id for sp in servers])
+
+
+def _ask(model, ids, n=8, streamer=None):
+    with model.inference_session(max_length=ids.shape[1] + n + 1, prompt_ids=ids[0]) as session:
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, streamer=streamer)
+        return out, session.chain
+
+
+def _cache(model, sp):
+    return model.backend.server_info(sp.peer_id).extra["prefix_cache"]
+
+
+def test_prefix_reuse_across_sessions_scope_and_failover(smollm2_path, smollm2_hf, smollm2_tokenizer, tmp_path):
+    prompts = [smollm2_tokenizer(SYSTEM + q, return_tensors="pt").input_ids for q in QUESTIONS]
+    refs = [smollm2_hf.generate(ids, max_new_tokens=8, do_sample=False) for ids in prompts]
+    assert all(ref.shape[1] == ids.shape[1] + 8 for ref, ids in zip(refs, prompts))
+    shared = min(len(ids[0]) for ids in prompts)
+    assert shared >= 32
+    server_args = ["--num-threads", "1", "--policy", "dlpm", "--prefix-sharing", "client"]
+    with LocalSwarm("smollm2-135m", [(0, 12), (12, 30), (12, 30)], server_args=server_args) as swarm:
+        head, mid, spare = swarm.servers
+        alice = _client(swarm, tmp_path / "alice.key", [head, mid])
+        try:
+            out, chain = _ask(alice, prompts[0])
+            assert out.tolist() == refs[0].tolist() and chain.prefix_tokens == 0  # nothing cached yet
+            out, chain = _ask(alice, prompts[1])
+            assert chain.prefix_tokens >= 16 and chain.prefix_tokens % 16 == 0  # the system prompt, from both hops
+            assert out.tolist() == refs[1].tolist()
+            for sp in (head, mid):
+                stats = _cache(alice, sp)
+                assert stats["hit_tokens"] == chain.prefix_tokens and stats["sharing"] == "client"
+        finally:
+            alice.backend.shutdown()
+
+        bob = _client(swarm, tmp_path / "bob.key", [head, mid])
+        try:
+            out, chain = _ask(bob, prompts[1])
+            assert chain.prefix_tokens == 0  # alice's prompt is not bob's: no hit, no timing to learn
+            assert out.tolist() == refs[1].tolist()
+        finally:
+            bob.backend.shutdown()
+
+        alice = _client(swarm, tmp_path / "alice.key", [head, spare])  # the spare learns alice's prefix too
+        try:
+            assert _ask(alice, prompts[0])[0].tolist() == refs[0].tolist()
+        finally:
+            alice.backend.shutdown()
+
+        alice = _client(swarm, tmp_path / "alice.key", [head, mid, spare])
+        try:
+            ids = prompts[2]
+            with alice.inference_session(max_length=ids.shape[1] + 9, prompt_ids=ids[0]) as session:
+                assert session.chain.prefix_tokens >= 16
+                killer = KillAfter(swarm, session, n=3)
+                out = alice.generate(ids, max_new_tokens=8, do_sample=False, streamer=killer)
+                assert killer.killed is not None and session.chain.failovers == 1
+            assert out.tolist() == refs[2].tolist()  # the replacement rebuilt the prefix it did not hold
+        finally:
+            alice.backend.shutdown()
