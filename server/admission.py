@@ -61,7 +61,8 @@ class AdmissionQueue:
             return 0.0
         except OutOfCacheError as refused:
             wait_s = self.timeout_s if wait_s is None else min(max(0.0, wait_s), self.timeout_s)
-            if nbytes > self.budget.memory_budget_bytes - self.budget.weights_bytes or wait_s <= 0:
+            if nbytes > self.budget.memory_budget_bytes - self.budget.weights_bytes - self.budget.cache_floor_bytes \
+                    or wait_s <= 0:
                 raise
             if len(self._waiting) >= self.max_waiting:
                 raise OutOfCacheError(f"{refused} (and the admission queue is full: {self.max_waiting} sessions "
@@ -70,6 +71,7 @@ class AdmissionQueue:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(AdmissionRequest(next(self._seq), session_id, client_id, nbytes, start_s), key,
                          loop.create_future(), prefix_match)
+        self.scheduler.call_policy("admission_wait", lambda p: p.on_admission_wait(waiter.request))
         self._waiting[key] = waiter
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
@@ -85,6 +87,10 @@ class AdmissionQueue:
             raise
         finally:
             self._waiting.pop(key, None)
+            try:
+                self.scheduler.call_policy("admission_end", lambda p: p.on_admission_end(waiter.request))
+            except SchedulerPolicyError:
+                logger.exception("the policy failed to note the end of an admission wait")
         self.admitted_after_wait += 1
         return self.clock() - start_s
 

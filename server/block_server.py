@@ -69,6 +69,7 @@ class ServerConfig:
     service_log: str | None = None  # JSONL path: one line per batch (bench_fairness reads it)
     prefix_sharing: str = "client"  # prefix KV cache scope: client | swarm | off (server/prefix_cache.py)
     prefix_cache_max_bytes: int | None = None
+    prefix_cache_min_bytes: int = 0  # memory set aside for the prefix cache: sessions never take it
     max_step_tokens: int | None = None  # most tokens one step/forward request carries (None: max_length_tokens)
     announce_period_s: float = 2.0
     record_ttl_s: float = 6.0
@@ -137,7 +138,8 @@ class BlockServer:
         c = self.config
         block_range = maybe_slowed(BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
                                               model_path=self.path), c.emulate_slowdown)
-        budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start))
+        budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
+                          cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
         scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
                                   on_batch=self.service_log.write if self.service_log else None)
         admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)

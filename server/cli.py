@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-max", type=parse_size, default=None, metavar="SIZE",
                    help="most memory the prefix cache may hold (default: whatever the budget has free; it is always "
                         "evicted, LRU, before a session would be refused)")
+    p.add_argument("--prefix-cache-min", type=parse_size, default=0, metavar="SIZE",
+                   help="memory of --memory-budget set aside for the prefix cache: sessions never take it, so cached "
+                        "prefixes survive a full server (advertised free slots shrink by it; default 0)")
     p.add_argument("--service-log", default=None, metavar="PATH",
                    help="append one JSON line per batch (clients served, tokens, backlog) for fairness measurements")
     p.add_argument("--max-step-tokens", type=int, default=None,
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
             admission_queue=args.admission_queue, service_log=args.service_log,
             prefix_sharing=args.prefix_sharing, prefix_cache_max_bytes=args.prefix_cache_max,
+            prefix_cache_min_bytes=args.prefix_cache_min,
             max_step_tokens=args.max_step_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
             orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers,

@@ -7,6 +7,8 @@ never exceed `M_j`; but they are evictable: a session that would not fit first e
 cached prefixes (least recently used first) through the attached reclaimer, and only then is
 refused with `OutOfCacheError`. `available_bytes` (what `free_slots` advertises to the
 orchestrator) therefore counts evictable cache as free, so a granted session never waits on it.
+`cache_floor_bytes` (`--prefix-cache-min`) sets memory aside that sessions never take: the cache's
+guaranteed room (advertised slots shrink by it, so the orchestrator's accounting stays true).
 
 One re-entrant lock guards the budget and the prefix cache together (the cache uses `lock`), so a
 reservation that evicts and an insertion that reserves can never deadlock one another.
@@ -29,14 +31,17 @@ class Reclaimer(Protocol):
 
 
 class KVBudget:
-    def __init__(self, memory_budget_bytes: int, weights_bytes: int):
-        if weights_bytes > memory_budget_bytes:
+    def __init__(self, memory_budget_bytes: int, weights_bytes: int, cache_floor_bytes: int = 0):
+        if weights_bytes + cache_floor_bytes > memory_budget_bytes:
             raise OutOfCacheError(
-                f"the blocks alone take {weights_bytes / 2**20:.1f} MiB but --memory-budget is "
-                f"{memory_budget_bytes / 2**20:.1f} MiB; serve fewer blocks or raise --memory-budget")
+                f"the blocks take {weights_bytes / 2**20:.1f} MiB and the prefix cache's reserved room "
+                f"{cache_floor_bytes / 2**20:.1f} MiB but --memory-budget is {memory_budget_bytes / 2**20:.1f} MiB; "
+                "serve fewer blocks, lower --prefix-cache-min or raise --memory-budget")
         self.memory_budget_bytes = memory_budget_bytes
         self.weights_bytes = weights_bytes
+        self.cache_floor_bytes = cache_floor_bytes
         self._reserved: dict[str, int] = {}
+        self._cache_keys: set[str] = set()  # reservations of the prefix cache (evictable)
         self.lock = threading.RLock()  # shared with the prefix cache (see the module docstring)
         self.reclaimer: Reclaimer | None = None
 
@@ -50,17 +55,28 @@ class KVBudget:
         """Bytes no reservation holds (cached prefixes count as held)."""
         return self.memory_budget_bytes - self.weights_bytes - self.reserved_bytes
 
+    def _session_bytes(self) -> int:
+        return sum(n for k, n in self._reserved.items() if k not in self._cache_keys)
+
     @property
     def available_bytes(self) -> int:
-        """Bytes a session could get now: free plus what the reclaimer can evict."""
+        """Bytes a session could get now: free plus what the reclaimer can evict, never the room
+        set aside for the cache."""
         with self.lock:
             extra = self.reclaimer.evictable_bytes() if self.reclaimer is not None else 0
-            return self.free_bytes + extra
+            for_sessions = self.memory_budget_bytes - self.weights_bytes - self.cache_floor_bytes - self._session_bytes()
+            return max(0, min(self.free_bytes + extra, for_sessions))
 
-    def reserve(self, key: str, nbytes: int, *, reclaim: bool = True) -> None:
+    def reserve(self, key: str, nbytes: int, *, reclaim: bool = True, cache: bool = False) -> None:
+        """`cache`: a prefix-cache chunk (may use the cache's reserved room; evictable)."""
         with self.lock:
             if key in self._reserved:
                 raise OutOfCacheError(f"cache for {key!r} is already reserved")
+            if not cache and self._session_bytes() + nbytes > (
+                    self.memory_budget_bytes - self.weights_bytes - self.cache_floor_bytes):
+                raise OutOfCacheError(
+                    f"this session needs {nbytes / 2**20:.2f} MiB of KV cache but the server's sessions already hold "
+                    f"what its budget allows; retry later, use a smaller max_length, or pick another server")
             free = self.memory_budget_bytes - self.weights_bytes - sum(self._reserved.values())
             if nbytes > free and reclaim and self.reclaimer is not None:
                 self.reclaimer.evict(nbytes - free)  # calls release() for what it evicts (re-entrant lock)
@@ -70,10 +86,13 @@ class KVBudget:
                     f"this session needs {nbytes / 2**20:.2f} MiB of KV cache but only {free / 2**20:.2f} MiB of the "
                     f"server's budget is free; retry later, use a smaller max_length, or pick another server")
             self._reserved[key] = nbytes
+            if cache:
+                self._cache_keys.add(key)
 
     def release(self, key: str) -> None:
         with self.lock:
             self._reserved.pop(key, None)
+            self._cache_keys.discard(key)
 
     def free_slots(self, bytes_per_session: int) -> int:
         """Sessions of `bytes_per_session` that still fit, evicting cached prefixes if needed

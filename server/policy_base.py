@@ -102,6 +102,12 @@ class SchedulingPolicy(ABC):
         """Which of the sessions waiting to open (all fit the freed memory) gets it: the earliest."""
         return min(waiting, key=lambda r: r.seq)
 
+    def on_admission_wait(self, request: AdmissionRequest) -> None:
+        """A session started waiting for KV memory (its client has work waiting, e.g. for DLPM's refill)."""
+
+    def on_admission_end(self, request: AdmissionRequest) -> None:
+        """A waiting session was admitted, timed out, or went away."""
+
     def on_served(self, item: WorkItem, service_s: float) -> None:
         """The item's rows ran, in a batch that took `service_s`."""
 

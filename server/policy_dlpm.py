@@ -11,11 +11,18 @@ Q. So q_i stays in (-U, Q] (eq. 1-2 of Theorem A.1) and two continuously backlog
 service differs by at most 2(U + Q) (Theorem 4.1), U being the largest charge of one item
 (here w_in * max_batch_tokens for a prefill chunk, w_out for a decode step).
 
-Locality in this server lives mostly at admission: when KV memory frees, the waiting session to
-open is chosen among clients with q > 0 by the longest prefix the cache holds for it right now, so
-a client keeps being admitted while its quantum lasts and its cached prefix stays hot (VTC
-alternates clients and, when the cache cannot hold every client's prefix, evicts each one before
-it is used again). Admission charges nothing; the session's work is charged as it runs.
+In the paper a request waits until it is added to the running batch, which holds its KV; here a
+session first waits for KV memory (the admission queue) and then its steps wait for a batch. Both
+count as waiting work: a client with a session waiting for memory is "queued" for CheckRefill, and
+admission follows Algorithm 1's loop: waiting sessions in order of the longest prefix the cache
+holds for them right now, skipping clients without credit (refilling as above). So a client keeps
+being admitted while its quantum lasts and its cached prefix stays hot (VTC alternates clients
+and, when the cache cannot hold every client's prefix, evicts each one before it is used again).
+Admission charges nothing; the session's work is charged as it runs. Two departures keep memory
+and compute busy, as the paper's running batch never stalls: when no waiting session's client has
+credit, the one with the most credit is admitted; and batch room that no client with credit can use
+goes to the others' work in the same order (charged, so their counters go below zero and they wait
+longer for the next admission). Theorem 4.1's bound is about clients whose work waits for a batch.
 """
 from __future__ import annotations
 
@@ -46,13 +53,17 @@ class DLPMPolicy(SchedulingPolicy):
         self.served: dict[str, float] = {}  # weighted tokens scheduled per client
         self.refills = 0
         self._queue: dict[int, WorkItem] = {}  # seq -> item
+        self._admission_waiting: dict[str, int] = {}  # client -> sessions waiting for KV memory
 
     def cost(self, item: WorkItem) -> float:
         return (self.w_in if item.is_prefill else self.w_out) * item.n_tokens
 
-    def _check_refill(self, queued_clients: set[str]) -> None:
+    def _waiting_clients(self) -> set[str]:
+        return {it.client_id for it in self._queue.values()} | set(self._admission_waiting)
+
+    def _check_refill(self) -> None:
         """Lines 3-8: refill only when no client with waiting work has credit left."""
-        if any(self.deficit[c] > 0 for c in queued_clients):
+        if any(self.deficit[c] > 0 for c in self._waiting_clients()):
             return
         for client, q in self.deficit.items():
             if q <= 0:
@@ -67,18 +78,22 @@ class DLPMPolicy(SchedulingPolicy):
         batch: list[WorkItem] = []
         sessions: set[str] = set()
         room = max_batch_tokens
-        progressed = True
-        while room > 0 and progressed and self._queue:  # passes until nothing more can join (work conserving)
+        progressed, borrowing = True, False
+        while room > 0 and self._queue:
+            if not progressed:  # nothing with credit fits: the rest of the room goes to the others
+                if borrowing:
+                    break
+                borrowing = True
             progressed = False
             for seq in sorted(self._queue, key=lambda s: (-self._queue[s].prefix_tokens, s)):  # line 16
                 item = self._queue[seq]
                 if item.session_id in sessions:
                     continue
                 client = item.client_id
-                if self.deficit[client] <= 0:  # line 20
-                    self._check_refill({it.client_id for it in self._queue.values()})
-                if self.deficit[client] <= 0:
-                    continue
+                if self.deficit[client] <= 0 and not borrowing:  # line 20
+                    self._check_refill()
+                    if self.deficit[client] <= 0:
+                        continue
                 run, rest = self.take_within(item, room)
                 if run is None:
                     continue
@@ -107,15 +122,29 @@ class DLPMPolicy(SchedulingPolicy):
     def __len__(self) -> int:
         return len(self._queue)
 
+    def on_admission_wait(self, request: AdmissionRequest) -> None:
+        self.deficit.setdefault(request.client_id, 0.0)  # line 12
+        self._admission_waiting[request.client_id] = self._admission_waiting.get(request.client_id, 0) + 1
+
+    def on_admission_end(self, request: AdmissionRequest) -> None:
+        left = self._admission_waiting.get(request.client_id, 0) - 1
+        if left > 0:
+            self._admission_waiting[request.client_id] = left
+        else:
+            self._admission_waiting.pop(request.client_id, None)
+
     def admit(self, waiting: Sequence[AdmissionRequest]) -> AdmissionRequest:
-        """Clients with credit first; among them the longest prefix the cache holds now (locality),
-        then arrival. When nobody waiting has credit, the one with the most (memory must not idle;
-        refills stay with `select`, where the service is charged)."""
+        """Algorithm 1's loop over the sessions waiting for memory: longest cached prefix first
+        (locality), then arrival; a client without credit is skipped unless CheckRefill refills it.
+        When nobody waiting has credit, the one with the most (memory must not idle)."""
         for r in waiting:
             self.deficit.setdefault(r.client_id, 0.0)
-        return min(waiting, key=lambda r: (self.deficit[r.client_id] <= 0,
-                                           0.0 if self.deficit[r.client_id] > 0 else -self.deficit[r.client_id],
-                                           -r.prefix_match_tokens, r.seq))
+        for r in sorted(waiting, key=lambda r: (-r.prefix_match_tokens, r.seq)):
+            if self.deficit[r.client_id] <= 0:
+                self._check_refill()
+            if self.deficit[r.client_id] > 0:
+                return r
+        return min(waiting, key=lambda r: (-self.deficit[r.client_id], -r.prefix_match_tokens, r.seq))
 
     def service_view(self) -> dict[str, float]:
         return dict(self.served)

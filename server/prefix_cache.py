@@ -202,7 +202,7 @@ class PrefixCache:
                                 self.stats.insert_refused += 1
                                 break
                         try:
-                            self.budget.reserve(self._budget_key(key), nbytes)
+                            self.budget.reserve(self._budget_key(key), nbytes, cache=True)
                         except OutOfCacheError:
                             self.stats.insert_refused += 1
                             break

@@ -91,9 +91,29 @@ def test_dlpm_admits_credit_first_then_longest_prefix_then_arrival():
     reqs = [AdmissionRequest(0, "s0", "broke", 10, 0.0, prefix_match_tokens=512),
             AdmissionRequest(1, "s1", "rich", 10, 0.0, prefix_match_tokens=0),
             AdmissionRequest(2, "s2", "rich2", 10, 0.0, prefix_match_tokens=64)]
+    for r in reqs:
+        dlpm.on_admission_wait(r)
     assert dlpm.admit(reqs).session_id == "s2"
     assert dlpm.admit(reqs[:2]).session_id == "s1"
-    assert dlpm.admit(reqs[:1]).session_id == "s0"  # nobody with credit: memory is still handed out
+    # only the broke client fits: the others still wait with credit, so no refill, but memory is not left idle
+    assert dlpm.admit(reqs[:1]).session_id == "s0" and dlpm.deficit["broke"] == -3.0
+    for r in reqs[1:]:
+        dlpm.on_admission_end(r)
+    assert dlpm.admit(reqs[:1]).session_id == "s0" and dlpm.deficit["broke"] == 7.0  # CheckRefill: nobody has credit
+
+
+def test_dlpm_client_waiting_for_memory_holds_back_refills_but_not_the_batch():
+    """A running client out of credit is not refilled while another client waits for memory with
+    credit; its steps still use the batch room nobody with credit can use (charged below zero)."""
+    dlpm = DLPMPolicy(q=4.0, w_in=1.0, w_out=1.0)
+    sched, rng, _ = make(dlpm, budget=4)
+    res = Results()
+    dlpm.on_admission_wait(AdmissionRequest(0, "w", "waiter", 10, 0.0))
+    dlpm.deficit["waiter"] = 4.0
+    dlpm.deficit["runner"] = 0.0
+    submit(sched, res, "r0", FakeKV(0), 3, client="runner")
+    sched.run_once()
+    assert rng.batches[0][0][1] == 3 and dlpm.deficit["runner"] == -3.0 and dlpm.refills == 0
 
 
 def test_dlpm_params_are_validated():

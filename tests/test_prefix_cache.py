@@ -312,3 +312,21 @@ def test_generation_with_prefix_hits_equals_hf_smollm2(smollm2_path, smollm2_hf,
     finally:
         for _, sched, _ in hops:
             sched.stop()
+
+
+def test_cache_floor_is_kept_from_sessions_and_from_advertised_slots():
+    budget = KVBudget(weights_bytes=0, memory_budget_bytes=4 * CHUNK_BYTES, cache_floor_bytes=2 * CHUNK_BYTES)
+    cache = PrefixCache(budget, C)
+    ns = cache.namespace("a", 0)
+    assert budget.free_slots(CHUNK_BYTES) == 2
+    budget.reserve("s1", CHUNK_BYTES)
+    budget.reserve("s2", CHUNK_BYTES)
+    with pytest.raises(OutOfCacheError):
+        budget.reserve("s3", CHUNK_BYTES)  # free memory, but it is the cache's room
+    assert cache.insert(ns, _hashes(list(range(3 * C))), _kv(3 * C)) == 2  # the cache uses its room
+    budget.release("s2")
+    assert budget.free_slots(CHUNK_BYTES) == 1
+    budget.reserve("s2", CHUNK_BYTES)
+    assert len(cache) == 2 and problems(cache) == []  # the floor kept both chunks
+    with pytest.raises(OutOfCacheError):
+        KVBudget(weights_bytes=10, memory_budget_bytes=15, cache_floor_bytes=6)
