@@ -1,4 +1,4 @@
-"""Fairness of a block server's local scheduler on a live swarm: FCFS vs VTC, measured in one run.
+"""Fairness of a block server's local scheduler on a live swarm: FCFS vs VTC vs DLPM, measured in one run.
 
 For each policy a fresh one-server swarm (all blocks, `--max-batch-tokens`, `--service-log`) runs:
 
@@ -13,8 +13,12 @@ For each policy a fresh one-server swarm (all blocks, `--max-batch-tokens`, `--s
    still had steps waiting after each batch was chosen (the paper's backlog), next to the VTC
    paper's Theorem 4.4 bound 2U, U = max(w_in L_input, w_out M) with L_input = M = --max-batch-tokens
    (prompts run in chunks of at most M tokens).
+3. **shared prefix** (`scripts/fairness_prefix.py`): clients whose requests share a long system
+   prompt, on a server whose memory holds few sessions and less prefix cache than all clients'
+   prompts: VTC vs DLPM throughput (the DLPM paper: 2.87x), cache hit rate, service gap vs 2(U+Q).
 
-Writes results/fairness/bench_fairness.json and results/fairness/service_over_time.png.
+`--phases` picks which run (default: all three). Writes results/fairness/bench_fairness.json and
+results/fairness/service_over_time.png.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ sys.path.insert(0, str(REPO))
 from petals_chain.client.remote import RemoteChain  # noqa: E402
 from petals_chain.local_swarm import LocalSwarm  # noqa: E402
 from petals_chain.runtime.client_head import ClientHead  # noqa: E402
+from scripts import fairness_prefix  # noqa: E402
 
 LIGHT_PROMPT = "Name a colour of the rainbow."
 
@@ -297,8 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-prompt", type=int, default=256)
     p.add_argument("--gap-decode", type=int, default=8)
     p.add_argument("--gap-duration-s", type=float, default=90.0)
+    p.add_argument("--phases", default="flooder,gap,prefix",
+                   help="which phases run: flooder and gap (per --policies, together), prefix (per --prefix-policies)")
+    fairness_prefix.add_arguments(p)
     p.add_argument("--out", default=str(REPO / "results" / "fairness"))
     args = p.parse_args(argv)
+    phases = set(args.phases.split(","))
+    if not phases <= {"flooder", "gap", "prefix"} or ("flooder" in phases) != ("gap" in phases):
+        p.error("--phases takes flooder,gap (both or neither) and/or prefix")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -306,10 +317,14 @@ def main(argv: list[str] | None = None) -> int:
 
     path = resolve_model_path("smollm2-135m")
     head = ClientHead(path, model_path=path)
-    results = [run_policy(policy, args, head, out_dir) for policy in args.policies.split(",")]
+    results = [run_policy(policy, args, head, out_dir) for policy in args.policies.split(",")] \
+        if "flooder" in phases else []
+    prefix_results = [fairness_prefix.run_shared_prefix(policy, args, head, out_dir)
+                      for policy in args.prefix_policies.split(",")] if "prefix" in phases else []
     by = {r["policy"]: r for r in results}
-    summary = {"args": vars(args), "results": results}
+    summary = {"args": vars(args), "results": results, "shared_prefix": prefix_results}
     print("\n== summary (ratios within this run)")
+    summary.update(fairness_prefix.summarize(prefix_results))
     for r in results:
         f, g = r["flooder"], r["gap"]
         w = f["light_step_waits"]
@@ -328,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   slowdown {spec} / fcfs = {ratio:.3f} (goal <= 0.5); others' tokens waited per light step "
                   f"{spec} / fcfs = {wait_ratio if wait_ratio is None else round(wait_ratio, 3)}")
     (out_dir / "bench_fairness.json").write_text(json.dumps(summary, indent=1))
-    plot(results, out_dir / "service_over_time.png")
+    if results:
+        plot(results, out_dir / "service_over_time.png")
     print(f"wrote {out_dir / 'bench_fairness.json'} and {out_dir / 'service_over_time.png'}")
     return 0
 

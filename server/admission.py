@@ -47,6 +47,12 @@ class AdmissionQueue:
         self._seq = itertools.count()
         self.admitted_after_wait = 0
         self.timed_out = 0
+        # clients with a session waiting, replaced whole on every change: the scheduler thread reads it
+        self._waiting_clients: tuple[str, ...] = ()
+        scheduler.waiting_for_memory = lambda: sorted(set(self._waiting_clients))
+
+    def _note_waiting(self) -> None:
+        self._waiting_clients = tuple(w.request.client_id for w in self._waiting.values())
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -73,6 +79,7 @@ class AdmissionQueue:
                          loop.create_future(), prefix_match)
         self.scheduler.call_policy("admission_wait", lambda p: p.on_admission_wait(waiter.request))
         self._waiting[key] = waiter
+        self._note_waiting()
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
         except BaseException as e:
@@ -87,6 +94,7 @@ class AdmissionQueue:
             raise
         finally:
             self._waiting.pop(key, None)
+            self._note_waiting()
             try:
                 self.scheduler.call_policy("admission_end", lambda p: p.on_admission_end(waiter.request))
             except SchedulerPolicyError:
@@ -112,8 +120,10 @@ class AdmissionQueue:
                     if not w.future.done():
                         w.future.set_exception(e)
                     self._waiting.pop(w.key, None)
+                self._note_waiting()
                 return
             waiter = next(w for w in self._waiting.values() if w.request.seq == chosen.seq)
             self._waiting.pop(waiter.key)
+            self._note_waiting()
             self.budget.reserve(waiter.key, chosen.kv_bytes)
             waiter.future.set_result(None)

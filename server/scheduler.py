@@ -72,6 +72,8 @@ class StepScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
         self.on_batch = on_batch  # e.g. the --service-log writer; called outside the lock
+        # clients with sessions waiting for KV memory (the admission queue sets it), for the log
+        self.waiting_for_memory: Callable[[], list[str]] = list
         self.stats = SchedulerStats()
         self._jobs: dict[int, _Job] = {}  # submitted, not yet delivered
         self._cond = threading.Condition()
@@ -229,7 +231,8 @@ class StepScheduler:
             try:
                 self.on_batch({"t_s": start_s, "service_s": service_s, "ok": error is None,
                                "items": [[it.client_id, it.n_tokens, it.is_prefill] for it in batch],
-                               "backlogged": backlogged, "counters": self.policy.service_view()})
+                               "backlogged": backlogged, "waiting_for_memory": self.waiting_for_memory(),
+                               "counters": self.policy.service_view()})
             except Exception:
                 logger.exception("batch observer failed")
 

@@ -2,7 +2,8 @@
 
 Each line: `{"t_s": start (monotonic s), "service_s": batch wall time, "ok": bool,
 "items": [[client_id, n_tokens, is_prefill], ...], "backlogged": [client ids with steps still
-waiting while the batch ran], "counters": {client_id: weighted service the policy charged}}`.
+waiting while the batch ran], "waiting_for_memory": [client ids with a session waiting in the
+admission queue], "counters": {client_id: weighted service the policy charged}}`.
 `scripts/bench_fairness.py` reads it to measure service gaps between backlogged clients.
 """
 from __future__ import annotations

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
 from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.errors import InvalidRequestError
 from petals_chain.local_swarm import LocalSwarm
+from petals_chain.prefix_keys import prefix_hashes
+from tests.swarm_helpers import RawStream
 from tests.test_failover import KillAfter
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
@@ -62,6 +67,7 @@ def test_prefix_reuse_across_sessions_scope_and_failover(smollm2_path, smollm2_h
             out, chain = _ask(bob, prompts[1])
             assert chain.prefix_tokens == 0  # alice's prompt is not bob's: no hit, no timing to learn
             assert out.tolist() == refs[1].tolist()
+            _bad_prefix_fields_get_typed_errors(bob, head, prefix_hashes(prompts[1][0].tolist(), "smollm2-135m"))
         finally:
             bob.backend.shutdown()
 
@@ -82,3 +88,24 @@ def test_prefix_reuse_across_sessions_scope_and_failover(smollm2_path, smollm2_h
             assert out.tolist() == refs[2].tolist()  # the replacement rebuilt the prefix it did not hold
         finally:
             alice.backend.shutdown()
+
+
+def _bad_prefix_fields_get_typed_errors(model, server, hashes):
+    """Bad prefix fields at the RPC boundary: typed errors, and the stream keeps serving."""
+    stream = RawStream(model.backend, server.peer_id)
+    try:
+        for bad in ("abc", ["zz"], [1, 2], ["0" * 31]):
+            err = stream.expect_error({"type": "open", "session_id": "x", "max_length": 64, "prefix_hashes": bad})
+            assert isinstance(err, InvalidRequestError) and "prefix" in str(err)
+        reply, _ = stream.send({"type": "open", "session_id": "x", "max_length": 64, "prefix_hashes": hashes})
+        assert reply["type"] == "opened" and reply["prefix_match_tokens"] >= 16  # bob's own earlier prompt
+        hidden = torch.zeros(4, model.config.hidden_size)
+        for too_much in (reply["prefix_match_tokens"] + 16, 5, -16):
+            err = stream.expect_error({"type": "step", "session_id": "x", "prefix_tokens": too_much}, (hidden,))
+            assert isinstance(err, InvalidRequestError)
+        reply, (out,) = stream.send({"type": "step", "session_id": "x", "prefix_tokens": 16}, (hidden,))
+        assert reply["position"] == 20 and out.shape == hidden.shape
+        err = stream.expect_error({"type": "step", "session_id": "x", "prefix_tokens": 16}, (hidden,))
+        assert "first step" in str(err)  # only the first step may take cached tokens
+    finally:
+        stream.close()

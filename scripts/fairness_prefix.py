@@ -1,0 +1,193 @@
+"""The shared-prefix phase of scripts/bench_fairness.py: DLPM vs VTC with the servers' prefix KV cache.
+
+Workload (the DLPM paper's shape, per client): `--prefix-clients` clients (one libp2p peer each),
+each with its own long system prompt / few-shot block of `--prefix-tokens` tokens, run
+`--prefix-sessions-per-client` sessions in a loop: prompt = that block + a fresh random suffix of
+`--prefix-suffix` tokens, then `--prefix-decode` greedy decode steps, close, again. The server (all
+blocks, `--prefix-sharing client`) has memory for `--prefix-slots` sessions at once plus
+`--prefix-cache-room` system prompts of prefix cache (`--prefix-cache-min`), so sessions wait in
+its admission queue and the policy decides who opens next, and the cache cannot hold every
+client's prefix: the order of admissions decides the hit rate (the paper's locality).
+
+Measured over a window after a warm-up: completed sessions per second (throughput), the cache's hit
+rate (tokens taken from the cache / tokens of full chunks asked about, from the server's status),
+per-client completions, and from the server's batch log the largest service gap between two
+clients both backlogged against DLPM's 2(U + Q); backlogged here means with steps waiting after a
+batch was chosen or a session waiting for KV memory (both are the paper's waiting queue).
+"""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from itertools import combinations
+from pathlib import Path
+
+import torch
+
+from petals_chain.client.chain import PromptPrefix
+from petals_chain.client.remote import RemoteChain
+from petals_chain.local_swarm import LocalSwarm
+from petals_chain.runtime.block_range import BlockRange
+from petals_chain.runtime.client_head import ClientHead
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--prefix-policies", default="vtc,dlpm", help="policies of the shared-prefix phase (specs as --policies)")
+    p.add_argument("--prefix-clients", type=int, default=4)
+    p.add_argument("--prefix-sessions-per-client", type=int, default=2)
+    p.add_argument("--prefix-tokens", type=int, default=384, help="tokens of each client's shared system prompt")
+    p.add_argument("--prefix-suffix", type=int, default=16, help="fresh tokens after it in every request")
+    p.add_argument("--prefix-decode", type=int, default=8)
+    p.add_argument("--prefix-slots", type=int, default=2, help="sessions the server's memory holds at once")
+    p.add_argument("--prefix-cache-room", type=float, default=2.5,
+                   help="prefix cache room (--prefix-cache-min) in system prompts (fewer than --prefix-clients)")
+    p.add_argument("--prefix-q", type=float, default=2048.0, help="DLPM's quantum Q (weighted tokens)")
+    p.add_argument("--prefix-warmup-s", type=float, default=15.0)
+    p.add_argument("--prefix-duration-s", type=float, default=60.0)
+
+
+class PrefixClient:
+    """One client peer: `sessions` threads looping over requests that share its system prompt."""
+
+    def __init__(self, chain: RemoteChain, head: ClientHead, system: list[int], args, seed: int):
+        self.chain, self.head, self.system, self.args = chain, head, system, args
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        self.done: list[tuple[float, int, int]] = []  # (finish time, reused prefix tokens, prompt tokens)
+        self.failures = 0
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(args.prefix_sessions_per_client)]
+
+    def _prompt(self) -> list[int]:
+        with self._lock:
+            vocab = self.head.config.vocab_size
+            return self.system + [self.rng.randrange(2, vocab) for _ in range(self.args.prefix_suffix)]
+
+    def _run(self) -> None:
+        one = self.head.embed_tokens(torch.tensor([17]))
+        max_length = self.args.prefix_tokens + self.args.prefix_suffix + self.args.prefix_decode + 1
+        while not self.stop.is_set():
+            ids = self._prompt()
+            hidden = self.head.embed_tokens(torch.tensor(ids))
+            try:
+                session = self.chain.open_session(max_length, PromptPrefix(ids, hidden))
+                try:
+                    session.step(hidden[session.position:])  # only what the chain does not hold already
+                    for _ in range(self.args.prefix_decode):
+                        session.step(one)
+                finally:
+                    session.close()
+                with self._lock:
+                    self.done.append((time.monotonic(), session.prefix_tokens, len(ids)))
+            except Exception:
+                self.failures += 1
+                self.stop.wait(0.05)
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(300)
+
+
+def server_sizes(head: ClientHead, args) -> dict[str, int]:
+    """Memory budget for `--prefix-slots` sessions + `--prefix-cache-room` system prompts of cache."""
+    probe = BlockRange(head.model_path, 0, 1, model_path=head.model_path, config=head.config)
+    blocks = head.config.num_hidden_layers
+    max_length = args.prefix_tokens + args.prefix_suffix + args.prefix_decode + 1
+    per_token = probe.kv_bytes_per_block(1) * blocks
+    room = int(args.prefix_cache_room * per_token * args.prefix_tokens)
+    weights = probe.block_bytes * blocks
+    # a little slack under one more session, so exactly --prefix-slots fit
+    budget = weights + args.prefix_slots * per_token * max_length + room + per_token * max_length // 2
+    return {"budget": budget, "cache_room": room, "max_length": max_length, "per_token_bytes": per_token}
+
+
+def run_shared_prefix(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
+    from scripts.bench_fairness import max_backlogged_gap, read_log, service_by_client
+
+    policy, *params = spec.split(":")
+    log = out_dir / f"service_prefix_{spec.replace(':', '_').replace('=', '')}.jsonl"
+    log.unlink(missing_ok=True)
+    sizes = server_sizes(head, args)
+    server_args = ["--num-threads", str(args.num_threads), "--max-batch-tokens", str(args.max_batch_tokens),
+                   "--max-length", str(sizes["max_length"]), "--memory-budget", str(sizes["budget"]),
+                   "--prefix-cache-min", str(sizes["cache_room"]), "--prefix-sharing", "client",
+                   "--admission-timeout", "300", "--admission-queue", "256", "--policy", policy,
+                   "--policy-arg", f"w_in={args.w_in}", "--policy-arg", f"w_out={args.w_out}",
+                   "--service-log", str(log), "--no-orchestrator"]
+    if policy == "dlpm":
+        server_args += ["--policy-arg", f"q={args.prefix_q}"]
+    for param in params:
+        server_args += ["--policy-arg", param]
+    print(f"\n== shared prefix, {spec}: {args.prefix_clients} clients x {args.prefix_sessions_per_client} sessions, "
+          f"{args.prefix_tokens}-token system prompts, memory for {args.prefix_slots} sessions + "
+          f"{args.prefix_cache_room} prompts of cache", flush=True)
+    gen = random.Random(7)
+    vocab = head.config.vocab_size
+    systems = [[gen.randrange(2, vocab) for _ in range(args.prefix_tokens)] for _ in range(args.prefix_clients)]
+    with LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)], server_args=server_args) as swarm:
+        peer = swarm.servers[0].peer_id
+        chains = [RemoteChain("smollm2-135m", head.config, swarm.initial_peers, use_orchestrator=False,
+                              step_timeout_s=300, open_timeout_s=310) for _ in range(args.prefix_clients)]
+        names = {str(c.p2p.peer_id): f"c{i}" for i, c in enumerate(chains)}
+        clients = [PrefixClient(c, head, systems[i], args, seed=100 + i) for i, c in enumerate(chains)]
+        try:
+            for c in clients:
+                c.__enter__()
+            time.sleep(args.prefix_warmup_s)  # explicit warm-up window: the loops reach their steady state
+            before = chains[0].server_info(peer).extra["prefix_cache"]
+            t0 = time.monotonic()
+            time.sleep(args.prefix_duration_s)  # the measurement window: the load runs for this long
+            t1 = time.monotonic()
+            after = chains[0].server_info(peer).extra["prefix_cache"]
+        finally:
+            for c in clients:
+                c.stop.set()
+            for c in clients:
+                c.__exit__()
+            for c in chains:
+                c.shutdown()
+    done = {f"c{i}": [d for d in c.done if t0 <= d[0] < t1] for i, c in enumerate(clients)}
+    completed = sum(len(v) for v in done.values())
+    asked = after["asked_tokens"] - before["asked_tokens"]
+    hits = after["hit_tokens"] - before["hit_tokens"]
+    batches = [{**b, "backlogged": sorted(set(b["backlogged"]) | set(b.get("waiting_for_memory", ())))}
+               for b in read_log(log) if t0 <= b["t_s"] < t1]
+    u = max(args.w_in * args.max_batch_tokens, args.w_out)
+    q = args.prefix_q if policy == "dlpm" else 0.0
+    gaps = {f"{names.get(a, a[:8])}-{names.get(b, b[:8])}": max_backlogged_gap(batches, a, b, args.w_in, args.w_out)
+            for a, b in combinations(sorted(names), 2)}
+    worst = max(gaps.items(), key=lambda kv: kv[1][0]) if gaps else ("", (0.0, 0))
+    served = service_by_client(batches, t0, t1, args.w_in, args.w_out)
+    result = {
+        "policy": spec, "window_s": t1 - t0, "completed": completed, "sessions_per_s": completed / (t1 - t0),
+        "hit_rate": hits / asked if asked else 0.0, "hit_tokens": hits, "asked_tokens": asked,
+        "client_reused_tokens_mean": (sum(d[1] for v in done.values() for d in v) / completed) if completed else 0.0,
+        "completed_by_client": {k: len(v) for k, v in done.items()},
+        "service_by_client": {names.get(c, c[:8]): w for c, w in served.items()},
+        "failures": sum(c.failures for c in clients), "evicted_chunks": after["evicted_chunks"] - before["evicted_chunks"],
+        "max_gap_weighted_tokens": worst[1][0], "max_gap_pair": worst[0], "batches_both_backlogged": worst[1][1],
+        "batches": len(batches), "U": u, "Q": q, "bound_2_U_plus_Q": 2 * (u + q), "sizes": sizes}
+    print(f"   {completed} sessions in {t1 - t0:.0f} s = {result['sessions_per_s']:.3f}/s; cache hit rate "
+          f"{result['hit_rate']:.3f} ({hits}/{asked} tokens); per client {json.dumps(result['completed_by_client'])}; "
+          f"max backlogged gap {worst[1][0]:.0f} ({worst[0]}, {worst[1][1]} of {len(batches)} batches) vs "
+          f"2(U+Q) = {2 * (u + q):.0f}; failures {result['failures']}", flush=True)
+    return result
+
+
+def summarize(results: list[dict]) -> dict:
+    by = {r["policy"].split(":")[0]: r for r in results}
+    out = {}
+    if "vtc" in by and "dlpm" in by and by["vtc"]["sessions_per_s"] > 0:
+        out["throughput_ratio_dlpm_over_vtc"] = by["dlpm"]["sessions_per_s"] / by["vtc"]["sessions_per_s"]
+        print(f"   shared prefix: throughput dlpm / vtc = {out['throughput_ratio_dlpm_over_vtc']:.2f} (goal >= 2, "
+              f"paper 2.87); hit rate vtc {by['vtc']['hit_rate']:.3f}, dlpm {by['dlpm']['hit_rate']:.3f}; dlpm's max "
+              f"gap {by['dlpm']['max_gap_weighted_tokens']:.0f} vs 2(U+Q) = {by['dlpm']['bound_2_U_plus_Q']:.0f}")
+    return out
