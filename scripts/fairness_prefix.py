@@ -43,9 +43,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefix-slots", type=int, default=2, help="sessions the server's memory holds at once")
     p.add_argument("--prefix-cache-room", type=float, default=2.5,
                    help="prefix cache room (--prefix-cache-min) in system prompts (fewer than --prefix-clients)")
-    p.add_argument("--prefix-q", type=float, default=2048.0, help="DLPM's quantum Q (weighted tokens)")
+    p.add_argument("--prefix-q", type=float, default=1024.0, help="DLPM's quantum Q (weighted tokens)")
     p.add_argument("--prefix-warmup-s", type=float, default=15.0)
-    p.add_argument("--prefix-duration-s", type=float, default=60.0)
+    p.add_argument("--prefix-duration-s", type=float, default=90.0)
 
 
 class PrefixClient:

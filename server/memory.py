@@ -72,11 +72,11 @@ class KVBudget:
         with self.lock:
             if key in self._reserved:
                 raise OutOfCacheError(f"cache for {key!r} is already reserved")
-            if not cache and self._session_bytes() + nbytes > (
-                    self.memory_budget_bytes - self.weights_bytes - self.cache_floor_bytes):
+            for_sessions = self.memory_budget_bytes - self.weights_bytes - self.cache_floor_bytes - self._session_bytes()
+            if not cache and nbytes > for_sessions:  # cached prefixes are evicted for sessions, the floor never
                 raise OutOfCacheError(
-                    f"this session needs {nbytes / 2**20:.2f} MiB of KV cache but the server's sessions already hold "
-                    f"what its budget allows; retry later, use a smaller max_length, or pick another server")
+                    f"this session needs {nbytes / 2**20:.2f} MiB of KV cache but only {max(0, for_sessions) / 2**20:.2f} "
+                    f"MiB of the server's budget is free; retry later, use a smaller max_length, or pick another server")
             free = self.memory_budget_bytes - self.weights_bytes - sum(self._reserved.values())
             if nbytes > free and reclaim and self.reclaimer is not None:
                 self.reclaimer.evict(nbytes - free)  # calls release() for what it evicts (re-entrant lock)
