@@ -23,6 +23,11 @@ def parse_size(text: str) -> int:
     return value
 
 
+def parse_size_or_zero(text: str) -> int:
+    """parse_size that also takes 0 (for room that may be left out)."""
+    return 0 if text.strip() == "0" else parse_size(text)
+
+
 def parse_blocks(text: str) -> tuple[int, int] | str:
     if text.strip() == "auto":
         return "auto"
@@ -103,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-max", type=parse_size, default=None, metavar="SIZE",
                    help="most memory the prefix cache may hold (default: whatever the budget has free; it is always "
                         "evicted, LRU, before a session would be refused)")
-    p.add_argument("--prefix-cache-min", type=parse_size, default=0, metavar="SIZE",
+    p.add_argument("--prefix-cache-min", type=parse_size_or_zero, default=0, metavar="SIZE",
                    help="memory of --memory-budget set aside for the prefix cache: sessions never take it, so cached "
                         "prefixes survive a full server (advertised free slots shrink by it; default 0)")
     p.add_argument("--service-log", default=None, metavar="PATH",
