@@ -13,12 +13,13 @@ from orchestrator.service.measurements import LengthEstimator
 from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
 from orchestrator.service.registry import Overheads, ServerRecord, build_cluster, cluster_to_dict
 from orchestrator.cluster_io import cluster_from_dict
+from petals_chain.messages import Hop
 from petals_chain.wire import ServerInfo
 
 
 def hops(*peers):
     n = len(peers)
-    return tuple((p, i * 10, (i + 1) * 10) for i, p in enumerate(peers)) if n else ()
+    return tuple(Hop(p, i * 10, (i + 1) * 10) for i, p in enumerate(peers)) if n else ()
 
 
 def chains_cap6():
@@ -104,13 +105,13 @@ def test_waiter_timeout_and_exclusion_and_max_length():
     ds = DispatchState()
     ds.install_chains([(hops("a", "b"), 1, 1.0, 128), (hops("c", "d"), 1, 2.0, 4096)], 1, 0.0)
     g, _ = ds.acquire("s1", "c", 8, 0.0, timeout_s=10, exclude=frozenset({"a"}))
-    assert g.hops[0][0] == "c"  # the fast chain holds an excluded server
+    assert g.hops[0].peer_id == "c"  # the fast chain holds an excluded server
     g2, _ = ds.acquire("s2", "c", 1000, 0.0, timeout_s=10)  # too long for the fast chain
     assert g2 is None and ds.fits_any(1000) and not ds.fits_any(5000)
     assert ds.timeouts(9.0) == [] and ds.timeouts(10.0) == ["s2"] and ds.queue_length == 0
     # failover: a session that holds a lease re-acquires excluding its failed server
     g3, _ = ds.acquire("s1", "c", 8, 11.0, timeout_s=10, exclude=frozenset({"d"}))
-    assert g3.hops[0][0] == "a" and len(ds.leases) == 1
+    assert g3.hops[0].peer_id == "a" and len(ds.leases) == 1
 
 
 def test_dropped_server_takes_its_chains_and_leases():
@@ -134,7 +135,7 @@ def test_replan_drains_old_chains():
     old = [c for c in ds.chains.values() if not c.dispatchable]
     assert len(old) == 1 and old[0].in_use == 1 and old[0].capacity == 1
     g, _ = ds.acquire("x", "c", 8, 1.0, timeout_s=10)
-    assert g.hops[0][0] == "b" and g.plan_version == 2
+    assert g.hops[0].peer_id == "b" and g.plan_version == 2
     assert ds.acquire("y", "c", 8, 1.0, timeout_s=10)[0] is None  # the draining chain takes no one
     ds.release("old", 2.0)
     assert all(c.dispatchable for c in ds.chains.values())

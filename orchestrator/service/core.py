@@ -19,7 +19,7 @@ from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
-from orchestrator.service.dispatch_state import DispatchState, Grant
+from orchestrator.service.dispatch_state import DispatchState
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
 from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, build_cluster, cluster_to_dict,
@@ -27,7 +27,9 @@ from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, b
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
-from petals_chain.orchestrator_records import Assignment, OrchestratorInfo, announce_orchestrator
+from petals_chain.messages import Assignment, AssignmentStatus, ChainGrant, Hop
+from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
+from petals_chain.wire import ServerState
 from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.protocol import OrchestratorService, ping_block_server_s
 
@@ -149,7 +151,7 @@ class Orchestrator:
                 logger.exception("control loop iteration failed")
 
     def tick(self, now: float) -> None:
-        infos = {i.peer_id: i for i in fetch_servers(self.dht, self.model, states=("joining", "online"),
+        infos = {i.peer_id: i for i in fetch_servers(self.dht, self.model, states=(ServerState.JOINING, ServerState.ONLINE),
                                                         allowed=self.config.allowed_peers)}
         new = [p for p in infos if p not in self.records]
         for p in new:  # measure tau_c outside the lock: it takes round trips
@@ -185,7 +187,7 @@ class Orchestrator:
         self._maybe_plan(now)
         self._maybe_install(now)
 
-    def _safety_timeouts(self, now: float) -> list[Grant]:
+    def _safety_timeouts(self, now: float) -> list[ChainGrant]:
         """Waiters whose client vanished mid-wait (no RPC polls their future any more)."""
         from orchestrator.service.rpc import MAX_POLL_S
         for sid in self.ds.timeouts(now - 5.0) + self.ds.abandoned(now, 2 * MAX_POLL_S + 5.0):
@@ -211,7 +213,7 @@ class Orchestrator:
             self.last_change_s = now
             self.known_changed = True
             cur = self.current
-            grants: list[Grant] = []
+            grants: list[ChainGrant] = []
             if cur is not None and cur.installed and self.ds.mode == "router":
                 grants = self._install_router(cur, now, exclude=set(gone))
         for p in gone:
@@ -306,7 +308,7 @@ class Orchestrator:
                 if want is None:
                     continue
                 rec = self.records.get(p)
-                if rec is None or rec.info.state != "online" or (rec.info.start, rec.info.end) != want:
+                if rec is None or rec.info.state != ServerState.ONLINE or (rec.info.start, rec.info.end) != want:
                     return
             cur.installed = True
             if cur.plan.policy in ("petals", "bprr"):
@@ -315,8 +317,8 @@ class Orchestrator:
                 max_len = {p: self.records[p].info.max_length_tokens for p in cur.peers}
                 specs = []
                 for k in cur.chains:
-                    hops = tuple((cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
-                    specs.append((hops, k.capacity, k.service_time_s, min(max_len[h[0]] for h in hops)))
+                    hops = tuple(Hop(cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
+                    specs.append((hops, k.capacity, k.service_time_s, min(max_len[h.peer_id] for h in hops)))
                 grants = self.ds.install_chains(specs, cur.version, now)
             chains = self.ds.chain_views()
         self.log_event(f"plan v{cur.version} online: {len(chains)} chain(s) installed: " + "; ".join(
@@ -324,7 +326,7 @@ class Orchestrator:
             for ch in chains if ch["dispatchable"]))
         self.deliver(grants)
 
-    def _install_router(self, cur: PlanState, now: float, exclude: set[str] = frozenset()) -> list[Grant]:
+    def _install_router(self, cur: PlanState, now: float, exclude: set[str] = frozenset()) -> list[ChainGrant]:
         """Router mode: a per-request router over the plan's placement, without lost servers."""
         keep = [j for j, p in enumerate(cur.peers) if p not in exclude and p in self.records]
         cluster = Cluster(cur.cluster.service, tuple(cur.cluster.servers[j] for j in keep),
@@ -341,7 +343,7 @@ class Orchestrator:
         return self.ds.install_router(router, peers, max_len, cur.version, now)
 
     # -- dispatch helpers (called from RPC handlers on the loop) -------------------------------
-    def deliver(self, grants: list[Grant]) -> None:
+    def deliver(self, grants: list[ChainGrant]) -> None:
         for g in grants:
             fut = self.waiters.get(g.session_id)
             if fut is None:
@@ -356,9 +358,10 @@ class Orchestrator:
         with self.lock:
             cur = self.current
             if cur is None or peer_id not in cur.peers:
-                return Assignment("pending", cur.version if cur else 0)
+                return Assignment(AssignmentStatus.PENDING, cur.version if cur else 0)
             r = cur.assignment(peer_id)
-            return Assignment("unused", cur.version) if r is None else Assignment("assigned", cur.version, *r)
+            return (Assignment(AssignmentStatus.UNUSED, cur.version) if r is None
+                    else Assignment(AssignmentStatus.ASSIGNED, cur.version, *r))
 
     # -- views ---------------------------------------------------------------------------------
     def status(self) -> dict:
