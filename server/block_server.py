@@ -160,7 +160,8 @@ class BlockServer:
                 self._load(a.start, a.end)
                 self.assignment = a
                 return
-            if a is not None and a.status == AssignmentStatus.UNUSED and a.plan_version != getattr(self, "_unused_version", None):
+            if (a is not None and a.status == AssignmentStatus.UNUSED
+                    and a.plan_version != getattr(self, "_unused_version", None)):
                 self._unused_version = a.plan_version
                 print(f"standing by: {self.model_name} as {self.peer_id}: plan v{a.plan_version} leaves this "
                       "server without blocks; it will load blocks when a later plan assigns some", flush=True)
@@ -183,7 +184,8 @@ class BlockServer:
         """A later plan may move this server: reload when the range changes and no session is open."""
         while not self._stop.wait(max(2.0, self.config.assignment_poll_s)):
             a = self._ask_assignment()
-            if a is None or a.status != AssignmentStatus.ASSIGNED or (a.start, a.end) == (self.block_range.start, self.block_range.end):
+            if (a is None or a.status != AssignmentStatus.ASSIGNED
+                    or (a.start, a.end) == (self.block_range.start, self.block_range.end)):
                 continue
             with self._sessions_lock:
                 busy = bool(self.sessions)

@@ -151,8 +151,9 @@ class Orchestrator:
                 logger.exception("control loop iteration failed")
 
     def tick(self, now: float) -> None:
-        infos = {i.peer_id: i for i in fetch_servers(self.dht, self.model, states=(ServerState.JOINING, ServerState.ONLINE),
-                                                        allowed=self.config.allowed_peers)}
+        found = fetch_servers(self.dht, self.model, states=(ServerState.JOINING, ServerState.ONLINE),
+                              allowed=self.config.allowed_peers)
+        infos = {i.peer_id: i for i in found}
         new = [p for p in infos if p not in self.records]
         for p in new:  # measure tau_c outside the lock: it takes round trips
             self._rtt_tried[p] = now

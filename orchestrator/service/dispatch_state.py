@@ -276,7 +276,8 @@ class DispatchState:
             grants.append(self._grant(w, self.chains[cid], now_s))
         return grants
 
-    def release(self, session_id: str, now_s: float, *, input_tokens: int = 0, output_tokens: int = 0) -> list[ChainGrant]:
+    def release(self, session_id: str, now_s: float, *, input_tokens: int = 0,
+                output_tokens: int = 0) -> list[ChainGrant]:
         """The session ended: free its slot; returns the sessions that start now (queue head first).
         Reported lengths replace the expected ones in its client's service counter."""
         lease = self.leases.pop(session_id, None)

@@ -105,7 +105,8 @@ class OrchestratorChainProvider(ChainProvider):
         with self._lock:
             self.grants.pop(session_id, None)
         try:
-            Released.from_wire(self._call("rpc_release", Release(session_id, int(input_tokens), int(output_tokens)), 5.0))
+            release = Release(session_id, int(input_tokens), int(output_tokens))
+            Released.from_wire(self._call("rpc_release", release, 5.0))
         except PetalsChainError as e:  # the lease expires by itself; say so, do not fail the caller's close
             logger.warning("release of session %s failed: %s (its lease will expire)", session_id[:8], e)
 
