@@ -117,8 +117,9 @@ def validate_cluster(cluster: Cluster) -> None:
 
 
 @dataclass(frozen=True)
-class BlockRange:
-    """Half-open block range [start, end)."""
+class BlockInterval:
+    """Half-open block interval [start, end) of the system model (what holds a range's weights at
+    run time is another thing: `petals_chain.runtime.block_range.BlockRange`)."""
 
     start: int
     end: int
@@ -136,7 +137,7 @@ class BlockRange:
 class Placement:
     """Block placement (a, m): ``ranges[j]`` is server j's range, or None if j hosts nothing."""
 
-    ranges: tuple[BlockRange | None, ...]
+    ranges: tuple[BlockInterval | None, ...]
 
     def num_blocks(self, j: int) -> int:
         r = self.ranges[j]
@@ -158,7 +159,7 @@ class ChainSpec:
     capacity c_k (concurrent sessions) and mean service time T_k (eq. 2)."""
 
     servers: tuple[int, ...]
-    blocks: tuple[BlockRange, ...]
+    blocks: tuple[BlockInterval, ...]
     capacity: int
     service_time_s: float
 
@@ -217,7 +218,7 @@ def chain_from_path(cluster: Cluster, placement: Placement, path: Sequence[int],
         r = placement.ranges[j]
         if r is None or not (r.start <= prev_end < r.end):
             raise ValueError(f"path {list(path)} is not a valid chain at server {j}")
-        blocks.append(BlockRange(prev_end, r.end))
+        blocks.append(BlockInterval(prev_end, r.end))
         t += link_time_s(cluster.servers[j], r.end - prev_end)
         prev_end = r.end
     if prev_end != cluster.service.num_blocks:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from orchestrator.model import BlockRange, Cluster, InfeasibleClusterError, Placement, robust_floor_div
+from orchestrator.model import BlockInterval, Cluster, InfeasibleClusterError, Placement, robust_floor_div
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class _FullRun:
     everything a given c needs is a prefix of it (see GbpCrSweep)."""
 
     order: list[int]  # servers with m_j > 0, in line 1/3's order
-    ranges: list[BlockRange]  # per position in ``order``
+    ranges: list[BlockInterval]  # per position in ``order``
     chain_end_pos: list[int]  # position after the last server of each complete chain
     chain_times_s: list[float]
     nu_prefix: list[float]  # nu after each complete chain (line 8), summed in loop order
@@ -123,7 +123,7 @@ class GbpCrSweep:
         a, nu, T = 1, 0.0, 0.0  # line 2
         for pos, j in enumerate(order):
             a_j = min(a, L - m[j] + 1)  # line 4: shift the last server back so it ends at block L
-            ranges.append(BlockRange(a_j - 1, a_j - 1 + m[j]))
+            ranges.append(BlockInterval(a_j - 1, a_j - 1 + m[j]))
             T += t[j]  # line 5
             a = min(a + m[j] - 1, L) + 1  # line 6
             if a > L:  # line 7
@@ -151,7 +151,7 @@ class GbpCrSweep:
             return res if res.c == c else replace(res, c=c)
         n_used = run.chain_end_pos[k] if met else len(run.order)  # not met: a trailing group keeps its blocks
         n_chains = k + 1 if met else len(run.nu_prefix)
-        ranges: list[BlockRange | None] = [None] * len(m_arr)
+        ranges: list[BlockInterval | None] = [None] * len(m_arr)
         for j, r in zip(run.order[:n_used], run.ranges[:n_used]):
             ranges[j] = r
         chains, start = [], 0

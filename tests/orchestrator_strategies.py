@@ -7,7 +7,7 @@ import numpy as np
 
 from hypothesis import strategies as st
 
-from orchestrator.model import BlockRange, Cluster, Placement, Server, Service
+from orchestrator.model import BlockInterval, Cluster, Placement, Server, Service
 
 
 def make_cluster(memories, tau_c, tau_p, num_blocks, block_size=1.0, cache_size=0.1,
@@ -64,7 +64,7 @@ def placements(draw, cluster: Cluster):
             continue
         m = draw(st.integers(1, max_m))
         start = draw(st.integers(0, L - m))
-        ranges.append(BlockRange(start, start + m))
+        ranges.append(BlockInterval(start, start + m))
     return Placement(tuple(ranges))
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orchestrator.dispatch import JffcDispatcher
-from orchestrator.model import BlockRange, ChainSpec
+from orchestrator.model import BlockInterval, ChainSpec
 from orchestrator.planner import make_baseline_router, plan
 from orchestrator.service.dispatch_state import DispatchState
 from orchestrator.service.measurements import LengthEstimator
@@ -62,7 +62,7 @@ def test_capacity_never_exceeded_and_fifo_with_12_sessions():
 @given(st.lists(st.integers(0, 2), min_size=1, max_size=60), st.integers(0, 10_000))
 def test_same_choices_as_orchestrator_dispatch_jffc(ops, seed):
     """Without exclusions the online state makes JffcDispatcher's decisions, event by event."""
-    specs = [ChainSpec((0,), (BlockRange(0, 30),), cap, t) for _, cap, t, _ in chains_cap6()]
+    specs = [ChainSpec((0,), (BlockInterval(0, 30),), cap, t) for _, cap, t, _ in chains_cap6()]
     ref = JffcDispatcher(specs)
     ds = DispatchState()
     ds.install_chains(chains_cap6(), 1, 0.0)
@@ -199,7 +199,7 @@ def test_joining_record_without_blocks_is_valid_only_when_joining():
 
 
 def test_replan_keeps_busy_and_fixed_servers_unless_forced():
-    from orchestrator.model import BlockRange as R
+    from orchestrator.model import BlockInterval as R
     from orchestrator.service.registry import HeldRange, keep_held_ranges
     fresh = [R(0, 10), R(10, 30), None, R(0, 30)]
     peers = ["busy", "idle", "fixed", "same"]

@@ -31,7 +31,7 @@ import math
 import numpy as np
 
 from orchestrator.baselines.request_router import PerRequestRouter
-from orchestrator.model import BlockRange, Cluster, InfeasibleClusterError, Placement, robust_floor_div
+from orchestrator.model import BlockInterval, Cluster, InfeasibleClusterError, Placement, robust_floor_div
 from orchestrator.placement_gbp_cr import gbp_cr, max_capacity
 
 
@@ -60,7 +60,7 @@ def bprr_placement(cluster: Cluster, target_concurrency: int | None = None) -> P
                    key=lambda j: ((cluster.servers[j].tau_c_s + cluster.servers[j].tau_p_s * m[j]) / m[j], j))
     cap = np.zeros(L)
     rate = np.zeros(L)
-    ranges: list[BlockRange | None] = [None] * len(m)
+    ranges: list[BlockInterval | None] = [None] * len(m)
     for j in order:
         sv = cluster.servers[j]
         sessions = robust_floor_div(sv.memory_gb - s.block_size_gb * m[j], s.cache_size_gb) // m[j]
@@ -76,7 +76,7 @@ def bprr_placement(cluster: Cluster, target_concurrency: int | None = None) -> P
             def key(a):
                 return tuple(np.sort(cap[a:a + m[j]]))
         start = min(starts, key=lambda a: (key(a), a))
-        ranges[j] = BlockRange(start, start + m[j])
+        ranges[j] = BlockInterval(start, start + m[j])
         cap[start:start + m[j]] += sessions
         rate[start:start + m[j]] += sessions / (sv.tau_p_s + sv.tau_c_s / m[j])
     if np.any(cap == 0):

@@ -24,7 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from orchestrator.baselines.request_router import PerRequestRouter
-from orchestrator.model import BlockRange, Cluster, InfeasibleClusterError, Placement, residual_slots, robust_floor_div
+from orchestrator.model import (BlockInterval, Cluster, InfeasibleClusterError, Placement, residual_slots,
+                               robust_floor_div)
 
 PETALS_CACHE_SESSIONS = 2.0
 PETALS_STEP_OVERHEAD_S = 0.018
@@ -60,7 +61,7 @@ def petals_placement(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESS
     L = cluster.service.num_blocks
     m = petals_blocks(cluster, cache_sessions, max_blocks)
     throughput = np.zeros(L)
-    ranges: list[BlockRange | None] = [None] * len(m)
+    ranges: list[BlockInterval | None] = [None] * len(m)
     order = range(len(m)) if join_order is None else join_order
     if sorted(order) != list(range(len(m))):
         raise ValueError("join_order must be a permutation of the server indices")
@@ -73,7 +74,7 @@ def petals_placement(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESS
             key = tuple(np.sort(throughput[start:start + m[j]]))
             if best_key is None or key < best_key:
                 best_start, best_key = start, key
-        ranges[j] = BlockRange(best_start, best_start + m[j])
+        ranges[j] = BlockInterval(best_start, best_start + m[j])
         throughput[best_start:best_start + m[j]] += 1.0 / (sv.tau_p_s + sv.tau_c_s / m[j])
     if np.any(throughput == 0):
         missing = int(np.flatnonzero(throughput == 0)[0])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from orchestrator.model import BlockRange, Cluster, Server, Service
+from orchestrator.model import BlockInterval, Cluster, Server, Service
 from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
 from petals_chain.wire import ServerInfo
 
@@ -83,8 +83,8 @@ class HeldRange:
     busy: bool = False
 
 
-def keep_held_ranges(ranges: list[BlockRange | None], peers: list[str], held: dict[str, HeldRange], *,
-                     force: bool = False) -> tuple[list[BlockRange | None], list[str]]:
+def keep_held_ranges(ranges: list[BlockInterval | None], peers: list[str], held: dict[str, HeldRange], *,
+                     force: bool = False) -> tuple[list[BlockInterval | None], list[str]]:
     """Overlay on a fresh placement the ranges that must not move: fixed servers always, busy
     servers unless `force`. Returns the placement to install and the peers kept (pinned) where the
     fresh plan wanted something else. Pure."""
@@ -95,6 +95,6 @@ def keep_held_ranges(ranges: list[BlockRange | None], peers: list[str], held: di
         if h is None or not (h.fixed or (h.busy and not force)):
             continue
         if out[j] is None or (out[j].start, out[j].end) != (h.start, h.end):
-            out[j] = BlockRange(h.start, h.end)
+            out[j] = BlockInterval(h.start, h.end)
             pinned.append(p)
     return out, pinned
