@@ -39,14 +39,14 @@ class ServerArrays:
     """Per-server parameters as numpy arrays, built once per cluster by the c* search (which runs
     GBP-CR for every c in [1, c_max]) instead of once per c."""
 
-    memory_values_gb: tuple[float, ...]  # distinct memory sizes
-    memory_class: np.ndarray  # server -> index into memory_values_gb
+    memory_values: tuple[float, ...]  # distinct memory sizes
+    memory_class: np.ndarray  # server -> index into memory_values
     tau_c_s: np.ndarray
     tau_p_s: np.ndarray
 
 
 def server_arrays(cluster: Cluster) -> ServerArrays:
-    mem = np.array([sv.memory_gb for sv in cluster.servers], dtype=float)
+    mem = np.array([sv.memory for sv in cluster.servers], dtype=float)
     values, inverse = np.unique(mem, return_inverse=True)
     return ServerArrays(tuple(float(v) for v in values), inverse,
                         np.array([sv.tau_c_s for sv in cluster.servers], dtype=float),
@@ -55,8 +55,8 @@ def server_arrays(cluster: Cluster) -> ServerArrays:
 
 def _blocks_per_class(cluster: Cluster, c: int, arrays: ServerArrays) -> list[int]:
     s = cluster.service
-    per_block_gb = s.block_size_gb + s.cache_size_gb * c
-    return [min(robust_floor_div(v, per_block_gb), s.num_blocks) for v in arrays.memory_values_gb]
+    per_block = s.block_size + s.cache_size * c
+    return [min(robust_floor_div(v, per_block), s.num_blocks) for v in arrays.memory_values]
 
 
 def _blocks_array(cluster: Cluster, c: int, arrays: ServerArrays) -> np.ndarray:
@@ -72,8 +72,8 @@ def blocks_per_server(cluster: Cluster, c: int, arrays: ServerArrays | None = No
 def max_capacity(cluster: Cluster) -> int:
     """c_max = floor((max_j M_j - s_m) / s_c) (§3.1.3); 0 if no server can hold one block+slot."""
     s = cluster.service
-    best = max(sv.memory_gb for sv in cluster.servers)
-    return max(0, robust_floor_div(best - s.block_size_gb, s.cache_size_gb))
+    best = max(sv.memory for sv in cluster.servers)
+    return max(0, robust_floor_div(best - s.block_size, s.cache_size))
 
 
 def gbp_cr(cluster: Cluster, c: int) -> GbpCrResult:
@@ -176,6 +176,6 @@ def gbp_cr_or_raise(cluster: Cluster, c: int) -> GbpCrResult:
         total = sum(blocks_per_server(cluster, c))
         raise InfeasibleClusterError(
             f"with cache reservation c={c} the servers hold {total} blocks in total (each block needs "
-            f"{s.block_size_gb + s.cache_size_gb * c:.6g} GB), fewer than the model's {s.num_blocks}: "
+            f"{s.block_size + s.cache_size * c:.6g} in the cluster's memory unit), fewer than the model's {s.num_blocks}: "
             f"add servers or memory, or lower c")
     return res

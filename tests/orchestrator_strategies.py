@@ -58,7 +58,7 @@ def placements(draw, cluster: Cluster):
     L = cluster.service.num_blocks
     ranges = []
     for sv in cluster.servers:
-        max_m = min(L, int(sv.memory_gb // cluster.service.block_size_gb))
+        max_m = min(L, int(sv.memory // cluster.service.block_size))
         if max_m < 1 or draw(st.booleans()) is False and draw(st.booleans()):
             ranges.append(None)
             continue

@@ -44,8 +44,8 @@ def bprr_target_concurrency(cluster: Cluster) -> int:
                                      "cache slot per block; add servers or memory")
     x = cluster.arrival_rate_per_s * min(g.chain_times_s)
     r = math.ceil(x + math.sqrt(x))
-    cap_total = robust_floor_div(sum(sv.memory_gb for sv in cluster.servers) / s.num_blocks - s.block_size_gb,
-                                 s.cache_size_gb)
+    cap_total = robust_floor_div(sum(sv.memory for sv in cluster.servers) / s.num_blocks - s.block_size,
+                                 s.cache_size)
     return max(1, min(r, cap_total, max_capacity(cluster)))
 
 
@@ -54,8 +54,8 @@ def bprr_placement(cluster: Cluster, target_concurrency: int | None = None) -> P
     s = cluster.service
     L = s.num_blocks
     R = bprr_target_concurrency(cluster) if target_concurrency is None else target_concurrency
-    per_block = s.block_size_gb + s.cache_size_gb * R
-    m = [min(robust_floor_div(sv.memory_gb, per_block), L) for sv in cluster.servers]
+    per_block = s.block_size + s.cache_size * R
+    m = [min(robust_floor_div(sv.memory, per_block), L) for sv in cluster.servers]
     order = sorted((j for j in range(len(m)) if m[j] > 0),
                    key=lambda j: ((cluster.servers[j].tau_c_s + cluster.servers[j].tau_p_s * m[j]) / m[j], j))
     cap = np.zeros(L)
@@ -63,7 +63,7 @@ def bprr_placement(cluster: Cluster, target_concurrency: int | None = None) -> P
     ranges: list[BlockInterval | None] = [None] * len(m)
     for j in order:
         sv = cluster.servers[j]
-        sessions = robust_floor_div(sv.memory_gb - s.block_size_gb * m[j], s.cache_size_gb) // m[j]
+        sessions = robust_floor_div(sv.memory - s.block_size * m[j], s.cache_size) // m[j]
         starts = range(L - m[j] + 1)
         if np.any(cap < R):
             with np.errstate(divide="ignore"):
