@@ -70,6 +70,11 @@ def _check_session_id(session_id: str) -> None:
         raise InvalidRequestError(f"session_id must be a non-empty string of at most {MAX_SESSION_ID_CHARS} characters")
 
 
+def _check_max_length(max_length: int) -> None:
+    if max_length < 1:
+        raise InvalidRequestError(f"max_length must be >= 1, got {max_length}")
+
+
 # -- chains -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hop(WireRecord):
@@ -133,8 +138,7 @@ class Open(WireRecord):
     admission_wait_s: float | None = None
 
     def check(self) -> None:
-        if self.max_length < 1:
-            raise InvalidRequestError(f"max_length must be >= 1, got {self.max_length}")
+        _check_max_length(self.max_length)
 
 
 @dataclass
@@ -203,8 +207,7 @@ class Acquire(WireRecord):
 
     def check(self) -> None:
         _check_session_id(self.session_id)
-        if self.max_length < 1:
-            raise InvalidRequestError(f"max_length must be >= 1, got {self.max_length}")
+        _check_max_length(self.max_length)
 
 
 @dataclass
