@@ -109,7 +109,7 @@ def check_chain(hops: tuple[Hop, ...] | list[Hop]) -> None:
 @dataclass(frozen=True)
 class ChainGrant(WireRecord):
     """The chain a session may run on, with its lease (made by the dispatch state, sent by rpc_acquire).
-    `seq` is the admission order (1, 2, ...), which FIFO checks read."""
+    `extra["seq"]` is the admission order (1, 2, ...), which FIFO checks read (`seq`)."""
 
     session_id: str
     chain_id: int
@@ -118,11 +118,15 @@ class ChainGrant(WireRecord):
     service_time_s: float
     lease_ttl_s: float
     wait_s: float = 0.0
-    seq: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         check_chain(self.hops)
+
+    @property
+    def seq(self) -> int:
+        seq = self.extra.get("seq", 0)
+        return seq if isinstance(seq, int) else 0
 
 
 # -- inference stream ---------------------------------------------------------------------------

@@ -169,8 +169,13 @@ class ServerInfo(WireRecord):
 
 
 @dataclass
+class InfoRequest(WireRecord):
+    TYPE = MessageType.INFO
+
+
+@dataclass
 class InfoReply(WireRecord):
-    """rpc_info's answer (the request is any `{"type": "info"}`)."""
+    """rpc_info's answer (the server answers any request with it)."""
 
     TYPE = MessageType.INFO
     info: ServerInfo

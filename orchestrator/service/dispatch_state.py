@@ -258,7 +258,7 @@ class DispatchState:
         self.metrics.admitted += 1
         self.metrics.observe_wait(wait)
         return ChainGrant(w.session_id, ch.chain_id, self.plan_version, ch.hops, ch.service_time_s, self.lease_ttl_s,
-                          wait, seq=self.metrics.admitted)
+                          wait, extra={"seq": self.metrics.admitted})
 
     def _router_starts(self, starts, now_s: float) -> list[ChainGrant]:
         grants = []

@@ -121,8 +121,7 @@ class RemoteChain(ChainBackend):
         return ping_block_server_s(self.loop, self.p2p, peer_id)
 
     def server_info(self, peer_id: str) -> wire.ServerInfo:
-        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request({"type": wire.InfoReply.TYPE}), timeout=5.0),
-                             timeout_s=7.0)
+        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=5.0), timeout_s=7.0)
         return wire.decode_reply(wire.unpack(resp.metadata), wire.InfoReply).info
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
