@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class OrchestratorConfig:
     per_block_overhead_s: float = 0.001  # t_o of footnote 11 (the paper's ~1 ms)
     per_step_overhead_s: float = 0.0
     expected_servers: int = 0  # plan as soon as this many servers are measured (0: after settle_s)
+    expected_wait_s: float = 180.0  # ... or, when fewer are measured, this long after the first registration
     settle_s: float = 5.0  # plan once no new server appeared for this long
     replan_period_s: float = 60.0
     force_replan: bool = False  # move servers that hold live sessions too
@@ -84,6 +86,21 @@ class PlanState:
         return None if r is None else (r.start, r.end)
 
 
+def first_plan_due(now_s: float, measured: int, expected: int, last_change_s: float, settle_s: float,
+                   first_registration_s: float, expected_wait_s: float) -> bool:
+    """Whether to make the first plan with `measured` servers whose RTT is known.
+
+    Without `expected`, once no server appeared for `settle_s`. With it, once `expected` are measured,
+    or (settled) `expected_wait_s` after the first registration. Why not plan on settling alone: a
+    server still loading its weights can miss every RTT probe, and a first plan without it leaves it
+    idle until the next re-plan.
+    """
+    settled = now_s - last_change_s >= settle_s
+    if not expected:
+        return settled
+    return measured >= expected or (settled and now_s - first_registration_s >= expected_wait_s)
+
+
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, clock=time.monotonic):
         self.config = config
@@ -101,6 +118,7 @@ class Orchestrator:
         self.known_changed = False  # server set differs from the one of the current plan
         self.waiters: dict[str, asyncio.Future] = {}
         self._rtt_tried: dict[str, float] = {}
+        self.first_registration_s = math.inf
         self.events: list[str] = []
         self.http_port = 0
         self.identity = SwarmIdentity.load_or_create(config.identity_path)
@@ -157,6 +175,7 @@ class Orchestrator:
             rtt = self.measure_rtt(p)
             with self.lock:
                 self.records[p] = ServerRecord(infos[p], rtt, now)
+                self.first_registration_s = min(self.first_registration_s, now)
                 self.last_change_s = now
                 self.known_changed = True
             self.log_event(f"server {infos[p].name or p} registered: budget {infos[p].memory_budget_bytes / 2**20:.0f} MiB, "
@@ -239,9 +258,9 @@ class Orchestrator:
             return False
         cur = self.current
         if cur is None:
-            enough = self.config.expected_servers and len(measured) >= self.config.expected_servers
-            settled = now - self.last_change_s >= self.config.settle_s
-            return bool(enough or settled)
+            c = self.config
+            return first_plan_due(now, len(measured), c.expected_servers, self.last_change_s, c.settle_s,
+                                  self.first_registration_s, c.expected_wait_s)
         if not self.known_changed:
             return False
         stale = any(p not in self.records for p in cur.peers if cur.assignment(p))
