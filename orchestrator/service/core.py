@@ -117,6 +117,7 @@ class Orchestrator:
         self.last_change_s = self.clock()
         self.known_changed = False  # server set differs from the one of the current plan
         self.waiters: dict[str, asyncio.Future] = {}
+        self.delivered: dict[str, tuple[Grant, float]] = {}  # session -> (grant, when), until its client polls
         self._rtt_tried: dict[str, float] = {}
         self.first_registration_s = math.inf
         self.events: list[str] = []
@@ -207,6 +208,9 @@ class Orchestrator:
     def _safety_timeouts(self, now: float) -> list[Grant]:
         """Waiters whose client vanished mid-wait (no RPC polls their future any more)."""
         from orchestrator.service.rpc import MAX_POLL_S
+        with self.lock:
+            for sid in [sid for sid, (_, t) in self.delivered.items() if now - t > 2 * MAX_POLL_S + 5.0]:
+                del self.delivered[sid]  # never polled again: its lease expires without heartbeats
         for sid in self.ds.timeouts(now - 5.0) + self.ds.abandoned(now, 2 * MAX_POLL_S + 5.0):
             fut = self.waiters.pop(sid, None)
             if fut is not None:
@@ -361,11 +365,20 @@ class Orchestrator:
 
     # -- dispatch helpers (called from RPC handlers on the loop) -------------------------------
     def deliver(self, grants: list[Grant]) -> None:
-        for g in grants:
-            fut = self.waiters.get(g.session_id)
-            if fut is None:
-                continue  # its client stopped polling: the lease expires without heartbeats
-            fut.get_loop().call_soon_threadsafe(lambda f=fut, g=g: f.done() or f.set_result(g))
+        with self.lock:
+            for g in grants:
+                fut = self.waiters.get(g.session_id)
+                if fut is None:
+                    continue  # its client stopped polling: the lease expires without heartbeats
+                # Why also `delivered`: the future is resolved later on the event loop; a poll that
+                # runs before that finds the session neither waiting nor resolved.
+                self.delivered[g.session_id] = (g, self.clock())
+                fut.get_loop().call_soon_threadsafe(lambda f=fut, g=g: f.done() or f.set_result(g))
+
+    def take_delivered(self, session_id: str) -> Grant | None:
+        """A grant delivered to a waiter whose future may not be resolved yet (call under the lock)."""
+        entry = self.delivered.pop(session_id, None)
+        return None if entry is None else entry[0]
 
     def name_of(self, peer_id: str) -> str:
         rec = self.records.get(peer_id)

@@ -51,11 +51,15 @@ class OrchestratorRpc:
         now = orch.clock()
         with orch.lock:
             fut = orch.waiters.get(sid)
-            if fut is not None and fut.done():  # granted between two polls
+            delivered = orch.take_delivered(sid)
+            if delivered is not None:  # granted between two polls (its future may not be resolved yet)
+                orch.waiters.pop(sid, None)
+                return wire.response(self._grant_wire(delivered))
+            if fut is not None and fut.done():  # resolved between two polls
                 orch.waiters.pop(sid, None)
                 if fut.result() is not None:
                     return wire.response(self._grant_wire(fut.result()))
-                fut = None
+                fut = None  # it left the queue without a grant (timed out, abandoned): a new request
             if fut is None:  # a new request (or a replacement after failover)
                 if orch.current is None and orch.plan_error:
                     raise NoChainError(f"the orchestrator cannot plan for the servers it knows: {orch.plan_error}")
@@ -96,6 +100,7 @@ class OrchestratorRpc:
                     return wire.response({"type": "queued", "position": pos, "queue_length": orch.ds.queue_length})
         with orch.lock:
             orch.waiters.pop(sid, None)
+            orch.take_delivered(sid)
         if grant is None:
             raise AcquireTimeoutError("the session waited too long without polling and left the queue")
         return wire.response(self._grant_wire(grant))
@@ -109,6 +114,7 @@ class OrchestratorRpc:
         output_tokens = wire.field_of(meta, "output_tokens", int, default=0)
         with orch.lock:
             known = sid in orch.ds.leases
+            orch.delivered.pop(sid, None)
             if sid in orch.ds.queue:
                 orch.ds.cancel(sid)
                 fut = orch.waiters.pop(sid, None)
