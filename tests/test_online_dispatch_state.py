@@ -254,3 +254,22 @@ def test_a_waiter_whose_client_stops_polling_leaves_the_queue():
     assert ds.abandoned(24.0, 25.0) == []
     assert ds.abandoned(30.0, 25.0) == ["crashed"]
     assert [g.session_id for g in ds.release("running", 31.0)] == ["alive"]
+
+
+def test_first_plan_waits_for_the_expected_servers_measured_or_the_expected_wait():
+    from orchestrator.service.core import first_plan_due
+
+    # 9 expected, 6 measured (3 missed their RTT probes while loading), settled: wait
+    assert not first_plan_due(100.0, 6, 9, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
+                              expected_wait_s=180.0)
+    assert first_plan_due(100.0, 9, 9, last_change_s=99.0, settle_s=5.0, first_registration_s=0.0,
+                          expected_wait_s=180.0)  # all measured: at once, settled or not
+    assert first_plan_due(181.0, 6, 9, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
+                          expected_wait_s=180.0)  # gave up waiting: plan with the measured ones
+    assert not first_plan_due(181.0, 6, 9, last_change_s=179.0, settle_s=5.0, first_registration_s=0.0,
+                              expected_wait_s=180.0)  # ... but not while servers still arrive
+    # without --expected-servers: settling decides
+    assert not first_plan_due(12.0, 3, 0, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
+                              expected_wait_s=180.0)
+    assert first_plan_due(15.0, 3, 0, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
+                          expected_wait_s=180.0)

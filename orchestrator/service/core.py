@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class OrchestratorConfig:
     per_block_overhead_s: float = 0.001  # t_o of footnote 11 (the paper's ~1 ms)
     per_step_overhead_s: float = 0.0
     expected_servers: int = 0  # plan as soon as this many servers are measured (0: after settle_s)
+    expected_wait_s: float = 180.0  # ... or, when fewer are measured, this long after the first registration
     settle_s: float = 5.0  # plan once no new server appeared for this long
     replan_period_s: float = 60.0
     force_replan: bool = False  # move servers that hold live sessions too
@@ -86,6 +88,21 @@ class PlanState:
         return None if r is None else (r.start, r.end)
 
 
+def first_plan_due(now_s: float, measured: int, expected: int, last_change_s: float, settle_s: float,
+                   first_registration_s: float, expected_wait_s: float) -> bool:
+    """Whether to make the first plan with `measured` servers whose RTT is known.
+
+    Without `expected`, once no server appeared for `settle_s`. With it, once `expected` are measured,
+    or (settled) `expected_wait_s` after the first registration. Why not plan on settling alone: a
+    server still loading its weights can miss every RTT probe, and a first plan without it leaves it
+    idle until the next re-plan.
+    """
+    settled = now_s - last_change_s >= settle_s
+    if not expected:
+        return settled
+    return measured >= expected or (settled and now_s - first_registration_s >= expected_wait_s)
+
+
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, clock=time.monotonic):
         self.config = config
@@ -102,7 +119,9 @@ class Orchestrator:
         self.last_change_s = self.clock()
         self.known_changed = False  # server set differs from the one of the current plan
         self.waiters: dict[str, asyncio.Future] = {}
+        self.delivered: dict[str, tuple[ChainGrant, float]] = {}  # session -> (grant, when), until its client polls
         self._rtt_tried: dict[str, float] = {}
+        self.first_registration_s = math.inf
         self.events: list[str] = []
         self.http_port = 0
         self.identity = SwarmIdentity.load_or_create(config.identity_path)
@@ -160,6 +179,7 @@ class Orchestrator:
             rtt = self.measure_rtt(p)
             with self.lock:
                 self.records[p] = ServerRecord(infos[p], rtt, now)
+                self.first_registration_s = min(self.first_registration_s, now)
                 self.last_change_s = now
                 self.known_changed = True
             self.log_event(f"server {infos[p].name or p} registered: budget {infos[p].memory_budget_bytes / 2**20:.0f} MiB, "
@@ -191,6 +211,9 @@ class Orchestrator:
     def _safety_timeouts(self, now: float) -> list[ChainGrant]:
         """Waiters whose client vanished mid-wait (no RPC polls their future any more)."""
         from orchestrator.service.rpc import MAX_POLL_S
+        with self.lock:
+            for sid in [sid for sid, (_, t) in self.delivered.items() if now - t > 2 * MAX_POLL_S + 5.0]:
+                del self.delivered[sid]  # never polled again: its lease expires without heartbeats
         for sid in self.ds.timeouts(now - 5.0) + self.ds.abandoned(now, 2 * MAX_POLL_S + 5.0):
             fut = self.waiters.pop(sid, None)
             if fut is not None:
@@ -242,9 +265,9 @@ class Orchestrator:
             return False
         cur = self.current
         if cur is None:
-            enough = self.config.expected_servers and len(measured) >= self.config.expected_servers
-            settled = now - self.last_change_s >= self.config.settle_s
-            return bool(enough or settled)
+            c = self.config
+            return first_plan_due(now, len(measured), c.expected_servers, self.last_change_s, c.settle_s,
+                                  self.first_registration_s, c.expected_wait_s)
         if not self.known_changed:
             return False
         stale = any(p not in self.records for p in cur.peers if cur.assignment(p))
@@ -345,11 +368,20 @@ class Orchestrator:
 
     # -- dispatch helpers (called from RPC handlers on the loop) -------------------------------
     def deliver(self, grants: list[ChainGrant]) -> None:
-        for g in grants:
-            fut = self.waiters.get(g.session_id)
-            if fut is None:
-                continue  # its client stopped polling: the lease expires without heartbeats
-            fut.get_loop().call_soon_threadsafe(lambda f=fut, g=g: f.done() or f.set_result(g))
+        with self.lock:
+            for g in grants:
+                fut = self.waiters.get(g.session_id)
+                if fut is None:
+                    continue  # its client stopped polling: the lease expires without heartbeats
+                # Why also `delivered`: the future is resolved later on the event loop; a poll that
+                # runs before that finds the session neither waiting nor resolved.
+                self.delivered[g.session_id] = (g, self.clock())
+                fut.get_loop().call_soon_threadsafe(lambda f=fut, g=g: f.done() or f.set_result(g))
+
+    def take_delivered(self, session_id: str) -> ChainGrant | None:
+        """A grant delivered to a waiter whose future may not be resolved yet (call under the lock)."""
+        entry = self.delivered.pop(session_id, None)
+        return None if entry is None else entry[0]
 
     def name_of(self, peer_id: str) -> str:
         rec = self.records.get(peer_id)

@@ -44,11 +44,15 @@ class OrchestratorRpc:
         now = orch.clock()
         with orch.lock:
             fut = orch.waiters.get(sid)
-            if fut is not None and fut.done():  # granted between two polls
+            delivered = orch.take_delivered(sid)
+            if delivered is not None:  # granted between two polls (its future may not be resolved yet)
+                orch.waiters.pop(sid, None)
+                return self._granted(delivered)
+            if fut is not None and fut.done():  # resolved between two polls
                 orch.waiters.pop(sid, None)
                 if fut.result() is not None:
                     return self._granted(fut.result())
-                fut = None
+                fut = None  # it left the queue without a grant (timed out, abandoned): a new request
             if fut is None:  # a new request (or a replacement after failover)
                 if orch.current is None and orch.plan_error:
                     raise NoChainError(f"the orchestrator cannot plan for the servers it knows: {orch.plan_error}")
@@ -89,6 +93,7 @@ class OrchestratorRpc:
                     return wire.response(Queued(pos, orch.ds.queue_length))
         with orch.lock:
             orch.waiters.pop(sid, None)
+            orch.take_delivered(sid)
         if grant is None:
             raise AcquireTimeoutError("the session waited too long without polling and left the queue")
         return self._granted(grant)
@@ -100,6 +105,7 @@ class OrchestratorRpc:
         sid, input_tokens, output_tokens = msg.session_id, msg.input_tokens, msg.output_tokens
         with orch.lock:
             known = sid in orch.ds.leases
+            orch.delivered.pop(sid, None)
             if sid in orch.ds.queue:
                 orch.ds.cancel(sid)
                 fut = orch.waiters.pop(sid, None)
