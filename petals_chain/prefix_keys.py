@@ -11,7 +11,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from petals_chain.errors import InvalidRequestError
+
 PREFIX_CHUNK_TOKENS = 16  # tokens per chunk; a hit is a multiple of it
+MAX_PREFIX_HASHES = 4096  # bounds an open message: 4096 chunks of 16 tokens = 64k tokens
+HASH_CHARS = 32  # a hash is 32 hex characters (128 bits of blake2b)
 
 
 def prefix_hashes(token_ids: Sequence[int], model: str, chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> list[str]:
@@ -36,3 +40,14 @@ def usable_prefix_tokens(match_tokens: Sequence[int], prompt_tokens: int, chunk_
         return 0
     usable = min(min(match_tokens), prompt_tokens - 1)
     return max(0, usable - usable % chunk_tokens)
+
+
+def check_prefix_hashes(hashes: object) -> list[str]:
+    """An open message's `prefix_hashes`, validated: at most MAX_PREFIX_HASHES lowercase hex strings."""
+    if not isinstance(hashes, (list, tuple)) or len(hashes) > MAX_PREFIX_HASHES:
+        raise InvalidRequestError(f"prefix_hashes must be a list of at most {MAX_PREFIX_HASHES} hashes")
+    for h in hashes:
+        if not isinstance(h, str) or len(h) != HASH_CHARS or any(c not in "0123456789abcdef" for c in h):
+            raise InvalidRequestError(f"each prefix hash must be {HASH_CHARS} lowercase hex characters "
+                                      "(petals_chain.prefix_keys.prefix_hashes computes them)")
+    return list(hashes)

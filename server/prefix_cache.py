@@ -31,8 +31,6 @@ from petals_chain.runtime.kv_cache import SessionKV
 from server.memory import KVBudget
 
 SHARING_SCOPES = ("client", "swarm")
-MAX_PREFIX_HASHES = 4096  # bounds the open message: 4096 chunks of 16 tokens = 64k tokens
-HASH_CHARS = 32  # a hash is 32 hex characters (128 bits of blake2b)
 
 
 @dataclass
@@ -69,17 +67,6 @@ class PrefixCacheStats:
     evicted_chunks: int = 0
     insert_refused: int = 0  # chunks not stored: no memory even after eviction
     by_client: dict[str, list[int]] = field(default_factory=dict)  # client -> [hit tokens, asked tokens]
-
-
-def check_prefix_hashes(hashes: object) -> list[str]:
-    """The `prefix_hashes` field of an open message, validated: a list of hex strings."""
-    if not isinstance(hashes, list) or len(hashes) > MAX_PREFIX_HASHES:
-        raise InvalidRequestError(f"prefix_hashes must be a list of at most {MAX_PREFIX_HASHES} hashes")
-    for h in hashes:
-        if not isinstance(h, str) or len(h) != HASH_CHARS or any(c not in "0123456789abcdef" for c in h):
-            raise InvalidRequestError(f"each prefix hash must be {HASH_CHARS} lowercase hex characters "
-                                      "(petals_chain.prefix_keys.prefix_hashes computes them)")
-    return hashes
 
 
 class PrefixCache:

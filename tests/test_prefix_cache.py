@@ -17,7 +17,8 @@ from petals_chain.runtime.client_head import ClientHead
 from petals_chain.runtime.kv_cache import SessionKV
 from server.memory import KVBudget
 from server.policies import make_policy
-from server.prefix_cache import PrefixCache, check_prefix_hashes
+from petals_chain.prefix_keys import check_prefix_hashes
+from server.prefix_cache import PrefixCache
 from server.scheduler import StepScheduler
 
 C = 4  # chunk tokens in the unit tests

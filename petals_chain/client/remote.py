@@ -30,7 +30,7 @@ from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, ChainSession, PromptPrefix
 from petals_chain.client.orchestrated import OrchestratorChainProvider
-from petals_chain.client.routing import ChainProvider, DhtChainProvider, Hop
+from petals_chain.client.routing import ChainProvider, DhtChainProvider
 from petals_chain.dht_records import fetch_servers, model_key
 from petals_chain.errors import (
     InvalidRequestError,
@@ -39,6 +39,7 @@ from petals_chain.errors import (
     PetalsChainError,
     ServerUnavailableError,
 )
+from petals_chain.messages import Close, Forward, Hop, Open, Opened, Step, StepReply
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS, prefix_hashes, usable_prefix_tokens
 from petals_chain.protocol import BlockService, ping_block_server_s
@@ -131,10 +132,8 @@ class RemoteChain(ChainBackend):
         return ping_block_server_s(self.loop, self.p2p, peer_id)
 
     def server_info(self, peer_id: str) -> wire.ServerInfo:
-        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request({"type": "info"}), timeout=5.0), timeout_s=7.0)
-        meta = wire.unpack(resp.metadata)
-        wire.raise_if_error(meta)
-        return wire.ServerInfo.from_wire(meta.get("info"))
+        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=5.0), timeout_s=7.0)
+        return wire.decode_reply(wire.unpack(resp.metadata), wire.InfoReply).info
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward); with an
@@ -151,7 +150,7 @@ class RemoteChain(ChainBackend):
 
     async def _forward_hop(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:
         """One hop of a forward: unary when the tensor fits one message, else the streaming RPC."""
-        requests = wire_parts.to_messages({"type": "forward", "entry_block": hop.start}, (hidden,))
+        requests = wire_parts.to_messages(Forward(hop.start).to_wire(), (hidden,))
         stub = self.stub(hop.peer_id)
         if len(requests) == 1:
             reply = wire_parts.decode_single(await stub.rpc_forward(requests[0], timeout=self.step_timeout_s))
@@ -218,29 +217,27 @@ class RemoteChainSession(ChainSession):
     async def _open_one(self, hop: Hop, hashes: list[str]) -> HopStream:
         queue: asyncio.Queue = asyncio.Queue()
         responses = await self.chain.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
-        request = {"type": "open", "session_id": self.session_id, "max_length": self.max_length, "entry_block": hop.start}
-        if hashes:
-            request["prefix_hashes"] = hashes
-        await queue.put(wire.request(request))
+        await queue.put(wire.request(Open(self.session_id, self.max_length, hop.start, prefix_hashes=hashes or None)))
         meta = wire.unpack((await asyncio.wait_for(anext(responses), self.chain.open_timeout_s)).metadata)
-        if meta.get("type") == "error":
+        try:
+            opened = wire.decode_reply(meta, Opened)
+        except PetalsChainError as e:
             await queue.put(None)
-        wire.raise_if_error(meta)
-        match = meta.get("prefix_match_tokens", 0)
+            if isinstance(e, InvalidRequestError) and meta.get("type") != "error":  # not its typed refusal
+                raise ServerUnavailableError(f"server {hop.describe()} sent a malformed open reply: {e}") from e
+            raise
+        match = opened.prefix_match_tokens or 0
         # a server without a cache (or another chunk size) does not answer: nothing reused on this chain
-        if (not isinstance(match, int) or meta.get("prefix_chunk_tokens") != PREFIX_CHUNK_TOKENS
-                or not 0 <= match <= len(hashes) * PREFIX_CHUNK_TOKENS):
+        if opened.prefix_chunk_tokens != PREFIX_CHUNK_TOKENS or not 0 <= match <= len(hashes) * PREFIX_CHUNK_TOKENS:
             match = 0
         return HopStream(hop, queue, responses, prefix_match_tokens=match)
 
     async def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         self._step_id += 1
         t0 = time.perf_counter()
-        meta = {"type": "step", "session_id": self.session_id, "step_id": self._step_id}
-        if stream.prefix_tokens is not None:  # its first step: how much of its cached prefix to take
-            meta["prefix_tokens"] = stream.prefix_tokens
-            stream.prefix_tokens = None
-        for request in wire_parts.to_messages(meta, (hidden,)):
+        step = Step(self.session_id, self._step_id, prefix_tokens=stream.prefix_tokens)
+        stream.prefix_tokens = None  # only its first step takes cached tokens
+        for request in wire_parts.to_messages(step.to_wire(), (hidden,)):
             await stream.queue.put(request)
         try:
             reply = await asyncio.wait_for(wire_parts.receive_one(stream.responses), self.chain.step_timeout_s)
@@ -248,13 +245,15 @@ class RemoteChainSession(ChainSession):
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         client_s = time.perf_counter() - t0
         wire.raise_if_error(reply.meta)
+        try:
+            meta = StepReply.from_wire(reply.meta)
+        except InvalidRequestError as e:
+            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         if len(reply.tensors) != 1:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
-        server_s = reply.meta.get("server_s")
         self.hop_timings.append(HopTiming(
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
-            stream.hop.end - stream.hop.start, hidden.shape[0], client_s,
-            float(server_s) if isinstance(server_s, (int, float)) else None))
+            stream.hop.num_blocks, hidden.shape[0], client_s, meta.server_s))
         return reply.tensors[0]
 
     def _run(self, coro, timeout_s: float):
@@ -278,7 +277,7 @@ class RemoteChainSession(ChainSession):
 
     def _close_streams(self, streams: list[HopStream]) -> None:
         async def close(s: HopStream):
-            await s.queue.put(wire.request({"type": "close"}))
+            await s.queue.put(wire.request(Close()))
             await s.queue.put(None)
 
         for s in streams:
