@@ -331,3 +331,20 @@ def test_cache_floor_is_kept_from_sessions_and_from_advertised_slots():
     assert len(cache) == 2 and problems(cache) == []  # the floor kept both chunks
     with pytest.raises(OutOfCacheError):
         KVBudget(weights_bytes=10, memory_budget_bytes=15, cache_floor_bytes=6)
+
+
+def test_stream_messages_carry_the_prefix_fields_and_refuse_bad_ones():
+    from petals_chain.messages import Open, Opened, Step
+
+    hashes = _hashes(list(range(40)), chunk=16)
+    wire_open = Open("s", 64, 0, prefix_hashes=hashes).to_wire()
+    assert Open.from_wire(wire_open).prefix_hashes == hashes
+    assert "prefix_hashes" not in Open("s", 64).to_wire()  # absent unless asked: older servers read it as before
+    assert Opened.from_wire(Opened("s", 0, 6, 32, 16).to_wire()).prefix_match_tokens == 32
+    assert Step.from_wire({"type": "step", "session_id": "s", "prefix_tokens": 32}).prefix_tokens == 32
+    for bad in ("abc", ["zz"], [1], [hashes[0]] * 5000):
+        with pytest.raises(InvalidRequestError):
+            Open.from_wire({**wire_open, "prefix_hashes": bad})
+    for bad in ("16", 1.5, True):
+        with pytest.raises(InvalidRequestError):
+            Step.from_wire({"type": "step", "session_id": "s", "prefix_tokens": bad})
