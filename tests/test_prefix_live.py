@@ -1,6 +1,6 @@
 """A live swarm with prefix caches: a second session sharing a prompt prefix reuses it on every hop
 (identical text to HF), another client gets no hit (scope client), and a failover after reuse
-rebuilds the replacement's prefix and still gives identical text."""
+rebuilds the replacement's prefix and still gives identical text (span and whole-chain failover)."""
 from __future__ import annotations
 
 import pytest
@@ -47,8 +47,9 @@ def test_prefix_reuse_across_sessions_scope_and_failover(smollm2_path, smollm2_h
     shared = min(len(ids[0]) for ids in prompts)
     assert shared >= 32
     server_args = ["--num-threads", "1", "--policy", "dlpm", "--prefix-sharing", "client"]
-    with LocalSwarm("smollm2-135m", [(0, 12), (12, 30), (12, 30)], server_args=server_args) as swarm:
-        head, mid, spare = swarm.servers
+    ranges = [(0, 12), (12, 30), (12, 30), (12, 30)]
+    with LocalSwarm("smollm2-135m", ranges, server_args=server_args) as swarm:
+        head, mid, spare, spare2 = swarm.servers
         alice = _client(swarm, tmp_path / "alice.key", [head, mid])
         try:
             out, chain = _ask(alice, prompts[0])
@@ -71,23 +72,33 @@ def test_prefix_reuse_across_sessions_scope_and_failover(smollm2_path, smollm2_h
         finally:
             bob.backend.shutdown()
 
-        alice = _client(swarm, tmp_path / "alice.key", [head, spare])  # the spare learns alice's prefix too
-        try:
-            assert _ask(alice, prompts[0])[0].tolist() == refs[0].tolist()
-        finally:
-            alice.backend.shutdown()
+        for other in (spare, spare2):  # the spares learn alice's prefix too
+            alice = _client(swarm, tmp_path / "alice.key", [head, other])
+            try:
+                assert _ask(alice, prompts[0])[0].tolist() == refs[0].tolist()
+            finally:
+                alice.backend.shutdown()
 
-        alice = _client(swarm, tmp_path / "alice.key", [head, mid, spare])
-        try:
-            ids = prompts[2]
-            with alice.inference_session(max_length=ids.shape[1] + 9, prompt_ids=ids[0]) as session:
-                assert session.chain.prefix_tokens >= 16
-                killer = KillAfter(swarm, session, n=3)
-                out = alice.generate(ids, max_new_tokens=8, do_sample=False, streamer=killer)
-                assert killer.killed is not None and session.chain.failovers == 1
-            assert out.tolist() == refs[2].tolist()  # the replacement rebuilt the prefix it did not hold
-        finally:
-            alice.backend.shutdown()
+        # span failover (client-side routing): the replacement of the killed hop did not take the
+        # prefix from a cache; it is rebuilt from the prefix run statelessly through the head
+        survivors = _failover_after_reuse(swarm, tmp_path, [head, mid, spare], prompts[2], refs[2], whole_chain=False)
+        # whole-chain failover (what a session does with an orchestrator): replayed from block 0
+        _failover_after_reuse(swarm, tmp_path, [head, survivors[0], spare2], prompts[2], refs[2], whole_chain=True)
+
+
+def _failover_after_reuse(swarm, tmp_path, servers, ids, ref, whole_chain):
+    alice = _client(swarm, tmp_path / "alice.key", servers)
+    try:
+        alice.backend.provider.whole_chain_failover = whole_chain
+        with alice.inference_session(max_length=ids.shape[1] + 9, prompt_ids=ids[0]) as session:
+            assert session.chain.prefix_tokens >= 16
+            killer = KillAfter(swarm, session, n=3)
+            out = alice.generate(ids, max_new_tokens=8, do_sample=False, streamer=killer)
+            assert killer.killed is not None and session.chain.failovers == 1
+        assert out.tolist() == ref.tolist()  # identical text although the replacement held no prefix
+        return [sp for sp in servers[1:] if sp is not killer.killed]
+    finally:
+        alice.backend.shutdown()
 
 
 def _bad_prefix_fields_get_typed_errors(model, server, hashes):
