@@ -217,6 +217,8 @@ class BlockServer:
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
         with self._sessions_lock:
             active = len(self.sessions)
+            # measured from the sessions' KV tensors, independently of the reservations that admit them
+            allocated = sum(s.kv.nbytes for s in self.sessions.values())
         return ServerInfo(
             peer_id=self.peer_id, model=self.model_name, start=br.start, end=br.end, state=self.state,
             memory_budget_bytes=self.budget.memory_budget_bytes, block_bytes=br.block_bytes,
@@ -226,7 +228,10 @@ class BlockServer:
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active,
             extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
-                   "admission_queue_length": len(self.admission), "auto": self.auto},
+                   "admission_queue_length": len(self.admission), "auto": self.auto,
+                   # the memory accounting (bytes): weights + reserved KV must stay within memory_budget_bytes
+                   "weights_bytes": self.budget.weights_bytes, "kv_reserved_bytes": self.budget.reserved_bytes,
+                   "kv_peak_reserved_bytes": self.budget.peak_reserved_bytes, "kv_allocated_bytes": allocated},
         )
 
     def _announce(self, timeout_s: float = 10.0) -> None:

@@ -124,8 +124,8 @@ class BlockServicer:
 
     def _close(self, session: OpenSession) -> None:
         self.scheduler.cancel_session(session.reservation_key)
+        self.server.on_session_closed(session)  # before the release: allocated KV never exceeds reserved
         self.budget.release(session.reservation_key)
-        self.server.on_session_closed(session)
         self.server.admission.on_release()
 
     def _admit(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -21,6 +21,7 @@ class KVBudget:
         self.weights_bytes = weights_bytes
         self._reserved: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.peak_reserved_bytes = 0  # high-water mark of the reservations (reported; overload tests check it)
 
     @property
     def reserved_bytes(self) -> int:
@@ -41,6 +42,7 @@ class KVBudget:
                     f"this session needs {nbytes / 2**20:.2f} MiB of KV cache but only {free / 2**20:.2f} MiB of the "
                     f"server's budget is free; retry later, use a smaller max_length, or pick another server")
             self._reserved[key] = nbytes
+            self.peak_reserved_bytes = max(self.peak_reserved_bytes, sum(self._reserved.values()))
 
     def release(self, key: str) -> None:
         with self._lock:
