@@ -213,7 +213,12 @@ class BlockServicer:
             message = await wire_parts.receive_one(requests, admit=self._admit)
             out = await self._forward(message, context)
         except StopAsyncIteration:
-            return  # the caller closed the stream mid-request: nobody to answer
+            # the input ended mid-request: a caller that only half-closed still reads, and must get a
+            # typed error rather than a stream that ends without a word (if it is gone, this is dropped)
+            yield wire.error_response(InvalidRequestError(
+                "the forward stream ended before a whole request arrived; send every part of the hidden states "
+                "(wire_parts.to_messages) before ending the stream"))
+            return
         except Exception as e:
             if not isinstance(e, PetalsChainError):  # a bug must not take the server down: report it to this caller
                 logger.exception("unexpected error in rpc_forward_stream")

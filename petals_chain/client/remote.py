@@ -31,6 +31,7 @@ from petals_chain.errors import (
     OutOfCacheError,
     PetalsChainError,
     ServerUnavailableError,
+    SessionIdleTimeoutError,
 )
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, ping_block_server_s
@@ -59,6 +60,14 @@ def as_server_error(error: Exception, timeout_s: float) -> PetalsChainError | No
     if isinstance(error, TRANSPORT_ERRORS):  # connection reset, peer gone, p2p daemon errors
         return ServerUnavailableError(f"{type(error).__name__}: {error}")
     return None
+
+
+class _HopFailed(Exception):
+    """A hop of a stateless forward failed in a way another server may not (internal to forward)."""
+
+    def __init__(self, hop: Hop, error: PetalsChainError):
+        super().__init__(str(error))
+        self.hop, self.error = hop, error
 
 
 @dataclass(frozen=True)
@@ -129,13 +138,42 @@ class RemoteChain(ChainBackend):
         """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward); with an
         orchestrator it holds a chain slot for the call's duration."""
         sid = "forward-" + uuid.uuid4().hex
+        banned: set[str] = set()
         hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid)
         try:
-            for hop in hops:
-                hidden = self.loop.run(self._forward_hop(hop, hidden.to(self.dtype)),
-                                       timeout_s=self.step_timeout_s + 2)
+            for failovers in range(self.max_failovers + 1):
+                try:
+                    return self._forward_through(hops, hidden)
+                except _HopFailed as failed:
+                    # a stateless forward has no cache to rebuild: run it again on a chain without the
+                    # failed server (the same session id keeps an orchestrator's lease)
+                    if failovers == self.max_failovers:
+                        raise ServerUnavailableError(f"forward gave up after {self.max_failovers} failovers; last: "
+                                                     f"{failed.error}") from failed.error
+                    logger.warning("forward: server %s failed (%s); retrying on another chain",
+                                   failed.hop.describe(), failed.error)
+                    banned.add(failed.hop.peer_id)
+                    hops = self.provider.find_chain(0, self.num_blocks, exclude=frozenset(banned),
+                                                    max_length=hidden.shape[1], session_id=sid)
         finally:
             self.provider.session_finished(hops, session_id=sid)
+        raise AssertionError("unreachable")
+
+    def _forward_through(self, hops: list[Hop], hidden: torch.Tensor) -> torch.Tensor:
+        for hop in hops:
+            try:
+                hidden = self.loop.run(self._forward_hop(hop, hidden.to(self.dtype)), timeout_s=self.step_timeout_s + 2)
+            except CALLER_ERRORS:
+                raise
+            except Exception as e:
+                error = as_server_error(e, self.step_timeout_s)
+                if error is None:
+                    raise  # a local error: nobody's fault over there
+                if isinstance(error, (ServerUnavailableError, OutOfCacheError)):
+                    raise _HopFailed(hop, error) from e
+                if error is e:
+                    raise
+                raise error from e
         return hidden
 
     async def _forward_hop(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:
@@ -152,6 +190,11 @@ class RemoteChain(ChainBackend):
             replies = await stub.rpc_forward_stream(outgoing())
             try:
                 reply = await asyncio.wait_for(wire_parts.receive_one(replies), self.step_timeout_s)
+            except StopAsyncIteration:  # the stream ended before a whole reply: the server or the link went away
+                raise ServerUnavailableError(f"server {hop.describe()} closed the forward stream before its reply "
+                                             "(it died or the connection broke)") from None
+            except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
+                raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply: {e}") from e
             finally:
                 await replies.aclose()  # stops sending parts the server refused (early error reply)
         wire.raise_if_error(reply.meta)
@@ -181,6 +224,7 @@ class RemoteChainSession(ChainSession):
         self.session_id = uuid.uuid4().hex
         self.position = 0
         self.failovers = 0
+        self.reopens = 0  # streams reopened after the server's session_idle_timeout (not failovers)
         self.banned: set[str] = set()
         self.streams: list[HopStream] = []
         self._step_id = 0
@@ -265,10 +309,21 @@ class RemoteChainSession(ChainSession):
         x = x0 = hidden.to(self.chain.dtype)
         i = 0
         done_this_step: list[HopStream] = []
+        reopened_this_step: set[str] = set()
         while i < len(self.streams):
             stream = self.streams[i]
             try:
-                out = self._run(self._call(stream, x), self.chain.step_timeout_s + 2)
+                try:
+                    out = self._run(self._call(stream, x), self.chain.step_timeout_s + 2)
+                except SessionIdleTimeoutError as e:
+                    # the server closed a stream we left idle past its --session-idle-timeout: a healthy
+                    # server, so reopen there and replay (no ban, no failover); twice in a step is a fault
+                    if stream.hop.peer_id in reopened_this_step:
+                        raise ServerUnavailableError(f"server {stream.hop.describe()} closed the reopened "
+                                                     f"session at once: {e}") from e
+                    reopened_this_step.add(stream.hop.peer_id)
+                    self._reopen(i, e)
+                    continue  # retry hop i (reopened, cache rebuilt) with the same input
             except CALLER_ERRORS:
                 raise
             except (ServerUnavailableError, OutOfCacheError) as e:
@@ -290,6 +345,21 @@ class RemoteChainSession(ChainSession):
             self.input_tokens = hidden.shape[0]
         self.steps += 1
         return x
+
+    def _reopen(self, index: int, error: Exception) -> None:
+        """Open hop `index` again on the same server and replay what it had received (its KV cache
+        was freed when the server closed the idle stream). The chain and any lease stay as they are."""
+        old = self.streams[index]
+        self.reopens += 1
+        logger.info("server %s closed idle session %s (%s); reopening it and replaying %d tokens", old.hop.describe(),
+                    self.session_id[:8], error, sum(x.shape[0] for x in old.inputs))
+        self._close_streams([old])
+        (new,) = self._open_hops([old.hop])
+        if old.inputs:
+            history = torch.cat(old.inputs)
+            self._run(self._call(new, history), self.chain.step_timeout_s + 2)
+            new.inputs.append(history)
+        self.streams[index] = new
 
     def _failover(self, index: int, error: Exception) -> None:
         """Replace the failed hop `index` and rebuild the KV caches by replaying the inputs it had
