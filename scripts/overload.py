@@ -171,6 +171,7 @@ def client_loop(model: DistributedModelForCausalLM, prompts, refs, args, stop: t
                                                max_new_tokens=args.tokens, do_sample=False)[0].tolist()
             except PetalsChainError as e:
                 result["typed"] = type(e).__name__
+                result["message"] = str(e)
             except Exception as e:  # an untyped error is a bug: counted as lost (with where it came from)
                 import traceback
 
@@ -192,7 +193,7 @@ def client_loop(model: DistributedModelForCausalLM, prompts, refs, args, stop: t
             with tally.lock:
                 waits_s.append(time.monotonic() - t0)
         elif "typed" in result:
-            tally.add("failed", result["typed"])
+            tally.add("failed", result["typed"], result["message"])
         else:
             tally.add("lost", result["untyped"])
 
@@ -239,7 +240,7 @@ def run(args) -> dict:
     mean_session_s = sum(waits_s) / len(waits_s) if waits_s else None
     return {
         "started": c["started"], "completed": c["completed"], "failed": c["failed"], "lost": c["lost"],
-        "unfinished_clients": unfinished, "errors": dict(tally.errors),
+        "unfinished_clients": unfinished, "errors": dict(tally.errors), "error_examples": tally.examples,
         "capacity": capacity, "clients": n_clients, "factor": args.factor, "chains": len(status["chains"]),
         # sessions that completed per capacity slot: how many times the capacity turned over
         "turnovers": round(c["completed"] / max(1, capacity), 1),

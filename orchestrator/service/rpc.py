@@ -60,7 +60,8 @@ class OrchestratorRpc:
                 if orch.current is None and orch.plan_error:
                     raise NoChainError(f"the orchestrator cannot plan for the servers it knows: {orch.plan_error}")
                 has_chains = orch.current is not None and (orch.current.installed or bool(orch.ds.chains))
-                if has_chains and not orch.ds.fits_any(max_length):  # without chains yet: queue for the first plan
+                # without chains yet, or none dispatchable right now: queue for the next plan
+                if has_chains and orch.ds.refuses_length(max_length):
                     raise MaxLengthExceededError(
                         f"max_length={max_length} exceeds what every chain's servers accept; use a smaller max_length")
                 if sid in orch.ds.queue:

@@ -139,20 +139,28 @@ class RemoteChain(ChainBackend):
         orchestrator it holds a chain slot for the call's duration."""
         sid = "forward-" + uuid.uuid4().hex
         banned: set[str] = set()
+        retried: set[str] = set()
         hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid)
         try:
             for failovers in range(self.max_failovers + 1):
                 try:
                     return self._forward_through(hops, hidden)
                 except _HopFailed as failed:
-                    # a stateless forward has no cache to rebuild: run it again on a chain without the
-                    # failed server (the same session id keeps an orchestrator's lease)
                     if failovers == self.max_failovers:
                         raise ServerUnavailableError(f"forward gave up after {self.max_failovers} failovers; last: "
                                                      f"{failed.error}") from failed.error
+                    peer = failed.hop.peer_id
+                    # a stateless forward has no cache to rebuild, so it simply runs again: on the same
+                    # chain once if the server still answers (a stream that broke on a live server), else
+                    # on a chain without it (the same session id keeps an orchestrator's lease)
+                    if peer not in retried and self.ping_s(peer) is not None:
+                        retried.add(peer)
+                        logger.warning("forward: server %s failed (%s) but answers; retrying it once",
+                                       failed.hop.describe(), failed.error)
+                        continue
                     logger.warning("forward: server %s failed (%s); retrying on another chain",
                                    failed.hop.describe(), failed.error)
-                    banned.add(failed.hop.peer_id)
+                    banned.add(peer)
                     hops = self.provider.find_chain(0, self.num_blocks, exclude=frozenset(banned),
                                                     max_length=hidden.shape[1], session_id=sid)
         finally:
