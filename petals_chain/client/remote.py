@@ -141,12 +141,14 @@ class RemoteChain(ChainBackend):
         banned: set[str] = set()
         retried: set[str] = set()
         hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid)
+        failovers = 0
         try:
-            for failovers in range(self.max_failovers + 1):
+            while True:
                 try:
                     return self._forward_through(hops, hidden)
                 except _HopFailed as failed:
-                    if failovers == self.max_failovers:
+                    failovers += 1
+                    if failovers > self.max_failovers:
                         raise ServerUnavailableError(f"forward gave up after {self.max_failovers} failovers; last: "
                                                      f"{failed.error}") from failed.error
                     peer = failed.hop.peer_id
@@ -165,7 +167,6 @@ class RemoteChain(ChainBackend):
                                                     max_length=hidden.shape[1], session_id=sid)
         finally:
             self.provider.session_finished(hops, session_id=sid)
-        raise AssertionError("unreachable")
 
     def _forward_through(self, hops: list[Hop], hidden: torch.Tensor) -> torch.Tensor:
         for hop in hops:
