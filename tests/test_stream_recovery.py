@@ -3,6 +3,7 @@
 - a forward stream whose input ends mid-request gets a typed error reply (it used to end in silence,
   which the caller saw as `StopAsyncIteration`);
 - a stateless forward whose server is dead runs again on another chain (typed errors only);
+- a session whose server dies, and whose first replacement is dead too, fails over twice and goes on;
 - a multi-turn session left idle past the servers' `--session-idle-timeout` reopens its streams on
   the same servers and replays its history: the next turn equals HF, nobody is banned.
 """
@@ -27,7 +28,7 @@ IDLE_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def swarm(tiny_llama_path):
-    with LocalSwarm(str(tiny_llama_path), [(0, 6), (0, 6), (0, 6)],
+    with LocalSwarm(str(tiny_llama_path), [(0, 6)] * 5,
                     server_args=["--num-threads", "1", "--session-idle-timeout", str(IDLE_TIMEOUT_S)]) as s:
         yield s
 
@@ -107,7 +108,7 @@ class ListedChains(ChainProvider):
 def test_stateless_forward_fails_over_from_a_dead_server(swarm, client):
     chain = client.backend
     hidden = torch.randn(1, 12, client.config.hidden_size)
-    dead, alive = swarm.servers[2], swarm.servers[1]
+    dead, alive = swarm.servers[4], swarm.servers[3]
     expected = chain.forward(hidden)
     swarm.kill_server(dead)
     provider = ListedChains([dead.peer_id, alive.peer_id], chain.num_blocks)
@@ -118,3 +119,27 @@ def test_stateless_forward_fails_over_from_a_dead_server(swarm, client):
         chain.provider = previous
     assert provider.excludes == [frozenset(), frozenset({dead.peer_id})]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_a_dead_replacement_is_failed_over_too(swarm, client, hf):
+    """The server of a session dies, and so does the first replacement its provider offers (a record
+    that outlives its server): the session fails over again instead of failing."""
+    chain = client.backend
+    first, second, third = swarm.servers[0], swarm.servers[1], swarm.servers[2]
+    provider = ListedChains([first.peer_id, second.peer_id, third.peer_id], chain.num_blocks)
+    previous, chain.provider = chain.provider, provider
+    prompt = [7, 21, 3, 60, 12]
+    try:
+        with client.inference_session(max_length=32) as session:
+            out1 = client.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+            assert [h.peer_id for h in session.chain.hops] == [first.peer_id]
+            swarm.kill_server(first)
+            swarm.kill_server(second)
+            out2 = client.generate(torch.tensor([[9]]), max_new_tokens=3, do_sample=False)
+            assert session.chain.failovers == 2 and session.chain.banned == {first.peer_id, second.peer_id}
+            assert [h.peer_id for h in session.chain.hops] == [third.peer_id]
+    finally:
+        chain.provider = previous
+    ref1 = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+    ref2 = hf.generate(torch.tensor([ref1[0].tolist() + [9]]), max_new_tokens=3, do_sample=False)
+    assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist()

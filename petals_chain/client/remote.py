@@ -375,12 +375,24 @@ class RemoteChainSession(ChainSession):
         received. With client-side routing only the failed span is replaced: the new hops end at
         the start of a later hop, which is kept with its cache (or at the last block). An
         orchestrator's provider replaces the whole chain, replayed from block 0, so the session
-        always runs on the chain it is counted on."""
+        always runs on the chain it is counted on. A replacement that fails while it is opened or
+        replayed (e.g. a server killed moments ago that the records still list) is itself failed
+        over, within the same `max_failovers`."""
+        failed_peer = self.streams[index].hop.peer_id
+        while True:
+            self.failovers += 1
+            if self.failovers > self.chain.max_failovers:
+                raise ServerUnavailableError(f"giving up after {self.chain.max_failovers} failovers; last: "
+                                             f"{error}") from error
+            self.banned.add(failed_peer)
+            try:
+                self._replace(index, error)
+                return
+            except _HopFailed as failed:
+                failed_peer, error = failed.hop.peer_id, failed.error
+
+    def _replace(self, index: int, error: Exception) -> None:
         failed = self.streams[index]
-        self.failovers += 1
-        if self.failovers > self.chain.max_failovers:
-            raise ServerUnavailableError(f"giving up after {self.chain.max_failovers} failovers; last: {error}") from error
-        self.banned.add(failed.hop.peer_id)
         if self.chain.provider.whole_chain_failover:
             index, failed = 0, self.streams[0]
             new_hops = self.chain.provider.find_chain(0, self.chain.num_blocks, exclude=frozenset(self.banned),
@@ -396,13 +408,24 @@ class RemoteChainSession(ChainSession):
                        failed.hop.start, new_end, " -> ".join(h.describe() for h in new_hops))
         self._close_streams(self.streams[index:keep_from])
         history = torch.cat(failed.inputs) if failed.inputs else None
-        replacement = self._open_hops(new_hops)
-        if history is not None:
-            x = history
-            for stream in replacement:
-                x_out = self._run(self._call(stream, x), self.chain.step_timeout_s + 2)
-                stream.inputs.append(x)
-                x = x_out
+        replacement: list[HopStream] = []
+        hop = new_hops[0]
+        try:
+            for hop in new_hops:
+                replacement.append(self._run(self._open_one(hop), self.chain.open_timeout_s + 2))
+            if history is not None:
+                x = history
+                for stream in replacement:
+                    hop = stream.hop
+                    x_out = self._run(self._call(stream, x), self.chain.step_timeout_s + 2)
+                    stream.inputs.append(x)
+                    x = x_out
+        except (ServerUnavailableError, OutOfCacheError) as e:
+            self._close_streams(replacement)
+            raise _HopFailed(hop, e) from e
+        except BaseException:
+            self._close_streams(replacement)
+            raise
         self.streams = self.streams[:index] + replacement + self.streams[keep_from:]
 
     @property
