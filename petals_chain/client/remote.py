@@ -242,7 +242,20 @@ class RemoteChainSession(ChainSession):
         self.hop_timings: list[HopTiming] = []
         hops = chain.provider.find_chain(0, chain.num_blocks, max_length=max_length, session_id=self.session_id)
         try:
-            self.streams = self._open_hops(hops)
+            while True:
+                try:
+                    self.streams = self._open_hops(hops)
+                    break
+                except _HopFailed as failed:  # e.g. a server killed moments ago that the records still list
+                    self.failovers += 1
+                    if self.failovers > chain.max_failovers:
+                        raise ServerUnavailableError(f"no chain opened after {chain.max_failovers} failovers; last: "
+                                                     f"{failed.error}") from failed.error
+                    logger.warning("server %s failed while opening session %s (%s); asking for another chain",
+                                   failed.hop.describe(), self.session_id[:8], failed.error)
+                    self.banned.add(failed.hop.peer_id)
+                    hops = chain.provider.find_chain(0, chain.num_blocks, exclude=frozenset(self.banned),
+                                                     max_length=max_length, session_id=self.session_id)
         except Exception:
             chain.provider.session_finished(hops, session_id=self.session_id)
             raise
@@ -290,11 +303,17 @@ class RemoteChainSession(ChainSession):
             raise server_error from e
 
     def _open_hops(self, hops: list[Hop]) -> list[HopStream]:
+        """Streams opened on `hops`; a server's failure raises `_HopFailed` naming the hop (what was
+        opened is closed again)."""
         opened: list[HopStream] = []
+        hop = hops[0]
         try:
             for hop in hops:
                 opened.append(self._run(self._open_one(hop), self.chain.open_timeout_s + 2))
-        except Exception:
+        except (ServerUnavailableError, OutOfCacheError) as e:
+            self._close_streams(opened)
+            raise _HopFailed(hop, e) from e
+        except BaseException:
             self._close_streams(opened)
             raise
         return opened
@@ -363,7 +382,10 @@ class RemoteChainSession(ChainSession):
         logger.info("server %s closed idle session %s (%s); reopening it and replaying %d tokens", old.hop.describe(),
                     self.session_id[:8], error, sum(x.shape[0] for x in old.inputs))
         self._close_streams([old])
-        (new,) = self._open_hops([old.hop])
+        try:
+            (new,) = self._open_hops([old.hop])
+        except _HopFailed as failed:  # the step's caller fails it over
+            raise failed.error from failed
         if old.inputs:
             history = torch.cat(old.inputs)
             self._run(self._call(new, history), self.chain.step_timeout_s + 2)
@@ -408,11 +430,8 @@ class RemoteChainSession(ChainSession):
                        failed.hop.start, new_end, " -> ".join(h.describe() for h in new_hops))
         self._close_streams(self.streams[index:keep_from])
         history = torch.cat(failed.inputs) if failed.inputs else None
-        replacement: list[HopStream] = []
-        hop = new_hops[0]
+        replacement = self._open_hops(new_hops)  # raises _HopFailed: _failover tries another
         try:
-            for hop in new_hops:
-                replacement.append(self._run(self._open_one(hop), self.chain.open_timeout_s + 2))
             if history is not None:
                 x = history
                 for stream in replacement:
