@@ -58,6 +58,7 @@ class Lease:
     wait_s: float
     job_id: int = -1
     charged: float = 0.0  # fair queue: what the client's counter was charged at the grant
+    grant: Grant | None = None  # what the session was told (a poll that races the delivery reads it)
 
 
 @dataclass
@@ -276,8 +277,15 @@ class DispatchState:
                                           wait, w.job_id, charge)
         self.metrics.admitted += 1
         self.metrics.observe_wait(wait)
-        return Grant(w.session_id, ch.chain_id, ch.hops, ch.service_time_s, wait, self.plan_version,
-                     self.metrics.admitted)
+        grant = Grant(w.session_id, ch.chain_id, ch.hops, ch.service_time_s, wait, self.plan_version,
+                      self.metrics.admitted)
+        self.leases[w.session_id].grant = grant
+        return grant
+
+    def granted(self, session_id: str) -> Grant | None:
+        """The grant of a session that left the queue with a lease (None otherwise)."""
+        lease = self.leases.get(session_id)
+        return None if lease is None else lease.grant
 
     def _router_starts(self, starts, now_s: float) -> list[Grant]:
         grants = []

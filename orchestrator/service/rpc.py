@@ -74,7 +74,13 @@ class OrchestratorRpc:
                     fut.set_result(grant)
                 orch.deliver(others)
             elif sid not in orch.ds.queue:
-                raise InvalidRequestError(f"session {sid!r} is not waiting")
+                # granted by another thread (the control loop) whose delivery to `fut` is still on its
+                # way through call_soon_threadsafe: answer with the grant the lease records
+                grant = orch.ds.granted(sid)
+                if grant is None:
+                    raise InvalidRequestError(f"session {sid!r} is not waiting")
+                orch.waiters.pop(sid, None)
+                return wire.response(self._grant_wire(grant))
             orch.ds.touch(sid, now)
             deadline = orch.ds.queue[sid].deadline_s if sid in orch.ds.queue else now
         wait = max(0.0, min(poll_s, deadline - now))
@@ -84,6 +90,12 @@ class OrchestratorRpc:
             with orch.lock:
                 if fut.done():
                     grant = fut.result()
+                elif sid not in orch.ds.queue and orch.ds.granted(sid) is not None:
+                    grant = orch.ds.granted(sid)  # granted; the delivery to `fut` is still on its way
+                elif sid not in orch.ds.queue:  # another thread took it out (deadline, abandoned)
+                    orch.waiters.pop(sid, None)
+                    raise AcquireTimeoutError("the session left the orchestrator's queue (its deadline passed or "
+                                              "its client stopped polling); retry later or raise the timeout")
                 elif orch.clock() >= deadline:
                     orch.ds.cancel(sid)
                     orch.ds.metrics.timed_out += 1
