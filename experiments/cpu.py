@@ -58,4 +58,7 @@ class CpuMeter:
         total = lambda t: busy(t) + t.idle + getattr(t, "iowait", 0.0)  # noqa: E731
         n = os.cpu_count() or 1
         return {"wall_s": wall, "ours_cpu_s": used, "ours_cores": used / wall if wall > 0 else 0.0, "n_cpus": n,
-                "machine_busy": (busy(m1) - busy(m0)) / max(1e-9, total(m1) - total(m0))}
+                "machine_busy": (busy(m1) - busy(m0)) / max(1e-9, total(m1) - total(m0)),
+                # niced work (e.g. other jobs run with `nice -n 19` beside an experiment) gets CPU only
+                # when ours does not want it, but it is part of "busy"
+                "machine_nice": (m1.nice - m0.nice) / max(1e-9, total(m1) - total(m0))}

@@ -124,9 +124,15 @@ def summary_markdown(summary: dict) -> str:
     for p in pols:
         cpu = P[p].get("cpu")
         if cpu:
+            finished = P[p].get("finished") or 0
+            per_req = (f"; {cpu['ours_cpu_s'] / finished:.2f} CPU-s per finished request (the auto time scale "
+                       f"assumed {sc['cpu_s_per_request_estimate']:.2f})"
+                       if finished and sc.get("cpu_s_per_request_estimate") else "")
+            nice = (f", of which {100 * cpu['machine_nice']:.0f}% niced work of other users"
+                    if "machine_nice" in cpu else "")
             lines.append(f"- {p}: CPU during the replay: our processes {cpu['ours_cpu_s']:.0f} CPU-s over "
-                         f"{cpu['wall_s']:.0f} s = {cpu['ours_cores']:.2f} of {cpu['n_cpus']} cores; whole machine "
-                         f"busy {100 * cpu['machine_busy']:.0f}% (other users included)")
+                         f"{cpu['wall_s']:.0f} s = {cpu['ours_cores']:.2f} of {cpu['n_cpus']} cores{per_req}; whole "
+                         f"machine busy {100 * cpu['machine_busy']:.0f}% (other users included{nice})")
     for p, why in summary.get("not_run", {}).items():
         lines.append(f"- {p}: not run: {why}")
     lines += ["", "The paper's Table 1 (LLaMA-2-7B on 9 MIG GPUs, 1,000 requests) for comparison: mean response "

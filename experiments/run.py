@@ -86,7 +86,7 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
             unavailable[p] = r["unavailable"]
             continue
         s = report.policy_summary(r["records"], n_requests)
-        s.update({k: r.get(k) for k in ("c", "placement", "left_out_of_plan", "chains", "servers", "cpu", "startup_s",
+        s.update({k: r.get(k) for k in ("c", "placement", "left_out_of_plan", "unused_by_plan", "chains", "servers", "cpu", "startup_s",
                                         "final_metrics",
                                         "loadgen_exit", "loadgen_error", "loadgen_tail")})
         policies[p] = s

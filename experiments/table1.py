@@ -161,12 +161,16 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
         result["startup_s"] = time.monotonic() - t_start
         (out_dir / f"status_{policy}.json").write_text(json.dumps(status, indent=1))
         names = {s["peer_id"]: s["name"] for s in status["servers"]}
-        left_out = [s["name"] for s in status["servers"] if s["assigned"] is None and s["end"] <= s["start"]]
+        idle = [s for s in status["servers"] if s["assigned"] is None and s["end"] <= s["start"]]
+        left_out = [s["name"] for s in idle if s["rtt"] is None]
+        unused = [s["name"] for s in idle if s["rtt"] is not None]
         if left_out:
             print(f"[{policy}] not in the plan (no RTT measurement when it was made): {', '.join(left_out)}",
                   flush=True)
+        if unused:
+            print(f"[{policy}] measured but given no blocks by the plan: {', '.join(unused)}", flush=True)
         result.update(c=status["c"], placement={s["name"]: [s["start"], s["end"]] for s in status["servers"]},
-                      left_out_of_plan=left_out,
+                      left_out_of_plan=left_out, unused_by_plan=unused,
                       chains=[{"servers": [names.get(p, p) for p in k["servers"]], "blocks": k.get("blocks"),
                                "capacity": k["capacity"], "service_time_s": k["service_time"]}
                               for k in status["chains"]],

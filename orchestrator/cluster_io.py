@@ -29,8 +29,8 @@ def cluster_from_dict(d: Any) -> Cluster:
             blocks = int(blocks)
         else:
             raise InvalidClusterError(f"cluster: 'blocks' must be a positive integer, got {blocks!r}")
-    service = Service(num_blocks=blocks, block_size_gb=_number(d, "block_size", "cluster"),
-                      cache_size_gb=_number(d, "cache_size", "cluster"))
+    service = Service(num_blocks=blocks, block_size=_number(d, "block_size", "cluster"),
+                      cache_size=_number(d, "cache_size", "cluster"))
     servers_raw = d.get("servers")
     if not isinstance(servers_raw, list):
         raise InvalidClusterError("cluster: 'servers' must be a list of {name, memory, tau_c, tau_p} objects")
@@ -42,7 +42,7 @@ def cluster_from_dict(d: Any) -> Cluster:
         if "name" not in s:
             raise InvalidClusterError(f"{where}: missing field 'name'")
         rtt = _number(s, "rtt", where) if "rtt" in s else None
-        servers.append(Server(name=str(s["name"]), memory_gb=_number(s, "memory", where),
+        servers.append(Server(name=str(s["name"]), memory=_number(s, "memory", where),
                               tau_c_s=_number(s, "tau_c", where), tau_p_s=_number(s, "tau_p", where), rtt_s=rtt))
     rho_bar = _number(d, "rho_bar", "cluster") if "rho_bar" in d else 0.7
     return Cluster(service=service, servers=tuple(servers), arrival_rate_per_s=_number(d, "arrival_rate", "cluster"),

@@ -1,8 +1,10 @@
 """System model of the paper (§2.1): servers, service, cluster, placement, routing graph, chains.
 
 Conventions (see DESIGN.md):
-- memory quantities are in GB (``*_gb``); any single unit works as long as memory, block size and
-  cache size share it. Times are in seconds (``*_s``).
+- memory quantities (``memory``, ``block_size``, ``cache_size``) carry no unit in their names on
+  purpose: the paper's setup and `petals-chain plan` examples use GB, the live orchestrator bytes;
+  any single unit works as long as memory, block size and cache size share it. Times are in
+  seconds (``*_s``).
 - Block indices are 0-based and ranges half-open ``[start, end)``. The paper numbers blocks
   1..L and writes a server's range as ``{a_j, ..., a_j + m_j - 1}``; so ``start = a_j - 1`` and
   ``end = a_j - 1 + m_j``. The conversion happens only inside the algorithm modules.
@@ -52,7 +54,7 @@ class Server:
     PETALS baseline router."""
 
     name: str
-    memory_gb: float
+    memory: float
     tau_c_s: float
     tau_p_s: float
     rtt_s: float | None = None
@@ -63,8 +65,8 @@ class Service:
     """The served model: L blocks of size s_m, KV cache of s_c per block per session."""
 
     num_blocks: int
-    block_size_gb: float
-    cache_size_gb: float
+    block_size: float
+    cache_size: float
 
 
 @dataclass(frozen=True)
@@ -89,10 +91,10 @@ def validate_cluster(cluster: Cluster) -> None:
     s = cluster.service
     if not isinstance(s.num_blocks, int) or s.num_blocks < 1:
         raise InvalidClusterError(f"'blocks' must be a positive integer, got {s.num_blocks!r}")
-    if not s.block_size_gb > 0:
-        raise InvalidClusterError(f"'block_size' must be > 0, got {s.block_size_gb!r}")
-    if not s.cache_size_gb > 0:
-        raise InvalidClusterError(f"'cache_size' must be > 0, got {s.cache_size_gb!r}")
+    if not s.block_size > 0:
+        raise InvalidClusterError(f"'block_size' must be > 0, got {s.block_size!r}")
+    if not s.cache_size > 0:
+        raise InvalidClusterError(f"'cache_size' must be > 0, got {s.cache_size!r}")
     if not (cluster.arrival_rate_per_s > 0 and math.isfinite(cluster.arrival_rate_per_s)):
         raise InvalidClusterError(f"'arrival_rate' must be a positive number, got {cluster.arrival_rate_per_s!r}")
     if not 0 < cluster.rho_bar < 1:
@@ -104,8 +106,8 @@ def validate_cluster(cluster: Cluster) -> None:
         if sv.name in names:
             raise InvalidClusterError(f"server name {sv.name!r} appears twice: names must be unique")
         names.add(sv.name)
-        if not (sv.memory_gb >= 0 and math.isfinite(sv.memory_gb)):
-            raise InvalidClusterError(f"server {sv.name!r}: 'memory' must be a non-negative number, got {sv.memory_gb!r}")
+        if not (sv.memory >= 0 and math.isfinite(sv.memory)):
+            raise InvalidClusterError(f"server {sv.name!r}: 'memory' must be a non-negative number, got {sv.memory!r}")
         if not (sv.tau_c_s >= 0 and math.isfinite(sv.tau_c_s)):
             raise InvalidClusterError(f"server {sv.name!r}: 'tau_c' must be a non-negative number, got {sv.tau_c_s!r}")
         if not (sv.tau_p_s >= 0 and math.isfinite(sv.tau_p_s)):
@@ -117,8 +119,9 @@ def validate_cluster(cluster: Cluster) -> None:
 
 
 @dataclass(frozen=True)
-class BlockRange:
-    """Half-open block range [start, end)."""
+class BlockInterval:
+    """Half-open block interval [start, end) of the system model (what holds a range's weights at
+    run time is another thing: `petals_chain.runtime.block_range.BlockRange`)."""
 
     start: int
     end: int
@@ -136,7 +139,7 @@ class BlockRange:
 class Placement:
     """Block placement (a, m): ``ranges[j]`` is server j's range, or None if j hosts nothing."""
 
-    ranges: tuple[BlockRange | None, ...]
+    ranges: tuple[BlockInterval | None, ...]
 
     def num_blocks(self, j: int) -> int:
         r = self.ranges[j]
@@ -158,7 +161,7 @@ class ChainSpec:
     capacity c_k (concurrent sessions) and mean service time T_k (eq. 2)."""
 
     servers: tuple[int, ...]
-    blocks: tuple[BlockRange, ...]
+    blocks: tuple[BlockInterval, ...]
     capacity: int
     service_time_s: float
 
@@ -174,10 +177,10 @@ def residual_slots(cluster: Cluster, placement: Placement) -> list[int]:
         if r is None:
             out.append(0)
             continue
-        key = (sv.memory_gb, r.end - r.start)
+        key = (sv.memory, r.end - r.start)
         slots = by_memory_blocks.get(key)
         if slots is None:
-            slots = by_memory_blocks[key] = max(0, robust_floor_div(sv.memory_gb - s.block_size_gb * key[1], s.cache_size_gb))
+            slots = by_memory_blocks[key] = max(0, robust_floor_div(sv.memory - s.block_size * key[1], s.cache_size))
         out.append(slots)
     return out
 
@@ -217,7 +220,7 @@ def chain_from_path(cluster: Cluster, placement: Placement, path: Sequence[int],
         r = placement.ranges[j]
         if r is None or not (r.start <= prev_end < r.end):
             raise ValueError(f"path {list(path)} is not a valid chain at server {j}")
-        blocks.append(BlockRange(prev_end, r.end))
+        blocks.append(BlockInterval(prev_end, r.end))
         t += link_time_s(cluster.servers[j], r.end - prev_end)
         prev_end = r.end
     if prev_end != cluster.service.num_blocks:

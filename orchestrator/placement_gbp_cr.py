@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from orchestrator.model import BlockRange, Cluster, InfeasibleClusterError, Placement, robust_floor_div
+from orchestrator.model import BlockInterval, Cluster, InfeasibleClusterError, Placement, robust_floor_div
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,14 @@ class ServerArrays:
     """Per-server parameters as numpy arrays, built once per cluster by the c* search (which runs
     GBP-CR for every c in [1, c_max]) instead of once per c."""
 
-    memory_values_gb: tuple[float, ...]  # distinct memory sizes
-    memory_class: np.ndarray  # server -> index into memory_values_gb
+    memory_values: tuple[float, ...]  # distinct memory sizes
+    memory_class: np.ndarray  # server -> index into memory_values
     tau_c_s: np.ndarray
     tau_p_s: np.ndarray
 
 
 def server_arrays(cluster: Cluster) -> ServerArrays:
-    mem = np.array([sv.memory_gb for sv in cluster.servers], dtype=float)
+    mem = np.array([sv.memory for sv in cluster.servers], dtype=float)
     values, inverse = np.unique(mem, return_inverse=True)
     return ServerArrays(tuple(float(v) for v in values), inverse,
                         np.array([sv.tau_c_s for sv in cluster.servers], dtype=float),
@@ -55,8 +55,8 @@ def server_arrays(cluster: Cluster) -> ServerArrays:
 
 def _blocks_per_class(cluster: Cluster, c: int, arrays: ServerArrays) -> list[int]:
     s = cluster.service
-    per_block_gb = s.block_size_gb + s.cache_size_gb * c
-    return [min(robust_floor_div(v, per_block_gb), s.num_blocks) for v in arrays.memory_values_gb]
+    per_block = s.block_size + s.cache_size * c
+    return [min(robust_floor_div(v, per_block), s.num_blocks) for v in arrays.memory_values]
 
 
 def _blocks_array(cluster: Cluster, c: int, arrays: ServerArrays) -> np.ndarray:
@@ -72,8 +72,8 @@ def blocks_per_server(cluster: Cluster, c: int, arrays: ServerArrays | None = No
 def max_capacity(cluster: Cluster) -> int:
     """c_max = floor((max_j M_j - s_m) / s_c) (§3.1.3); 0 if no server can hold one block+slot."""
     s = cluster.service
-    best = max(sv.memory_gb for sv in cluster.servers)
-    return max(0, robust_floor_div(best - s.block_size_gb, s.cache_size_gb))
+    best = max(sv.memory for sv in cluster.servers)
+    return max(0, robust_floor_div(best - s.block_size, s.cache_size))
 
 
 def gbp_cr(cluster: Cluster, c: int) -> GbpCrResult:
@@ -87,7 +87,7 @@ class _FullRun:
     everything a given c needs is a prefix of it (see GbpCrSweep)."""
 
     order: list[int]  # servers with m_j > 0, in line 1/3's order
-    ranges: list[BlockRange]  # per position in ``order``
+    ranges: list[BlockInterval]  # per position in ``order``
     chain_end_pos: list[int]  # position after the last server of each complete chain
     chain_times_s: list[float]
     nu_prefix: list[float]  # nu after each complete chain (line 8), summed in loop order
@@ -123,7 +123,7 @@ class GbpCrSweep:
         a, nu, T = 1, 0.0, 0.0  # line 2
         for pos, j in enumerate(order):
             a_j = min(a, L - m[j] + 1)  # line 4: shift the last server back so it ends at block L
-            ranges.append(BlockRange(a_j - 1, a_j - 1 + m[j]))
+            ranges.append(BlockInterval(a_j - 1, a_j - 1 + m[j]))
             T += t[j]  # line 5
             a = min(a + m[j] - 1, L) + 1  # line 6
             if a > L:  # line 7
@@ -151,7 +151,7 @@ class GbpCrSweep:
             return res if res.c == c else replace(res, c=c)
         n_used = run.chain_end_pos[k] if met else len(run.order)  # not met: a trailing group keeps its blocks
         n_chains = k + 1 if met else len(run.nu_prefix)
-        ranges: list[BlockRange | None] = [None] * len(m_arr)
+        ranges: list[BlockInterval | None] = [None] * len(m_arr)
         for j, r in zip(run.order[:n_used], run.ranges[:n_used]):
             ranges[j] = r
         chains, start = [], 0
@@ -176,6 +176,6 @@ def gbp_cr_or_raise(cluster: Cluster, c: int) -> GbpCrResult:
         total = sum(blocks_per_server(cluster, c))
         raise InfeasibleClusterError(
             f"with cache reservation c={c} the servers hold {total} blocks in total (each block needs "
-            f"{s.block_size_gb + s.cache_size_gb * c:.6g} GB), fewer than the model's {s.num_blocks}: "
+            f"{s.block_size + s.cache_size * c:.6g} in the cluster's memory unit), fewer than the model's {s.num_blocks}: "
             f"add servers or memory, or lower c")
     return res

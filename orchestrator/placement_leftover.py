@@ -20,7 +20,7 @@ import numpy as np
 
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import GcaResult, gca
-from orchestrator.model import BlockRange, Cluster, Placement, total_service_rate_per_s
+from orchestrator.model import BlockInterval, Cluster, Placement, total_service_rate_per_s
 from orchestrator.placement_gbp_cr import blocks_per_server
 
 
@@ -63,7 +63,7 @@ def place_leftover(cluster: Cluster, placement: Placement, c: int, base: GcaResu
         m = m_c[j] or m_1[j]
         start = _tightest_window(_spare_sessions(cluster, Placement(tuple(ranges)), cur.residual_slots_after), m)
         trial = list(ranges)
-        trial[j] = BlockRange(start, start + m)
+        trial[j] = BlockInterval(start, start + m)
         trial_placement = Placement(tuple(trial))
         res = gca(cluster, trial_placement)
         new_rate = total_service_rate_per_s(res.chains)

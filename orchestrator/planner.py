@@ -109,7 +109,7 @@ def make_baseline_router(policy: str, cluster: Cluster, placement: Placement,
     deterministic."""
     o = options or BaselineOptions()
     if policy == "petals":
-        return PetalsRouter(cluster, placement, fixed_cache_gb_per_block=o.petals_fixed_cache_gb_per_block,
+        return PetalsRouter(cluster, placement, fixed_cache_per_block=o.petals_fixed_cache_per_block,
                             commit_at_arrival=o.commit_at_arrival)
     if policy == "bprr":
         return BprrRouter(cluster, placement, wait=o.bprr_wait, commit_at_arrival=o.commit_at_arrival)

@@ -91,7 +91,7 @@ def tune_c(cluster: Cluster, tuning: str = "lower", c_max: int | None = None) ->
         s = cluster.service
         raise InfeasibleClusterError(
             f"no complete chain for any c in [1, {hi}]: the servers cannot hold the model's "
-            f"{s.num_blocks} blocks of {s.block_size_gb:.6g} GB plus one cache slot each; "
+            f"{s.num_blocks} blocks of size {s.block_size:.6g} plus one cache slot each; "
             f"add servers or memory")
     return best, table
 

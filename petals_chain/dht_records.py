@@ -8,7 +8,7 @@ from hivemind.utils import get_dht_time
 
 from petals_chain.errors import InvalidRequestError
 from petals_chain.swarm_identity import SwarmIdentity
-from petals_chain.wire import ServerInfo
+from petals_chain.wire import ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def announce_server(dht: DHT, info: ServerInfo, owner: SwarmIdentity, ttl_s: flo
     return store_record(dht, servers_key(info.model), owner, info.to_wire(), ttl_s, timeout_s=timeout_s)
 
 
-def fetch_servers(dht: DHT, model: str, *, states: tuple[str, ...] = ("online",),
+def fetch_servers(dht: DHT, model: str, *, states: tuple[ServerState, ...] = (ServerState.ONLINE,),
                   allowed: frozenset[str] | None = None) -> list[ServerInfo]:
     """All unexpired ServerInfo records of `model` (malformed records are skipped with a warning);
     with `allowed` (a private swarm's members), only those of allowed peers."""

@@ -5,114 +5,140 @@ Errors that cross the wire carry a stable `code` so the receiving side can re-ra
 """
 from __future__ import annotations
 
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    """The stable code of each error type on the wire (a StrEnum: it is sent as its string)."""
+
+    ERROR = "error"
+    MODEL_NOT_FOUND = "model_not_found"
+    UNSUPPORTED_MODEL = "unsupported_model"
+    INVALID_REQUEST = "invalid_request"
+    UNKNOWN_SESSION = "unknown_session"
+    OUT_OF_CACHE = "out_of_cache"
+    MAX_LENGTH_EXCEEDED = "max_length_exceeded"
+    REQUEST_TOO_LARGE = "request_too_large"
+    SERVER_UNAVAILABLE = "server_unavailable"
+    NO_CHAIN = "no_chain"
+    ACQUIRE_TIMEOUT = "acquire_timeout"
+    ORCHESTRATOR_UNAVAILABLE = "orchestrator_unavailable"
+    UNKNOWN_LEASE = "unknown_lease"
+    SCHEDULER_POLICY_ERROR = "scheduler_policy_error"
+    SESSION_CLOSED = "session_closed"
+    SESSION_IDLE_TIMEOUT = "session_idle_timeout"
+    ADMISSION_TIMEOUT = "admission_timeout"
+    NOT_ALLOWED = "not_allowed"
+    IDENTITY_ERROR = "identity_error"
+
 
 class PetalsChainError(Exception):
     """Base class of all petals-chain errors."""
 
-    code = "error"
+    code = ErrorCode.ERROR
 
 
 class ModelNotFoundError(PetalsChainError):
-    code = "model_not_found"
+    code = ErrorCode.MODEL_NOT_FOUND
 
 
 class UnsupportedModelError(PetalsChainError):
-    code = "unsupported_model"
+    code = ErrorCode.UNSUPPORTED_MODEL
 
 
 class InvalidRequestError(PetalsChainError, ValueError):
     """The request is malformed: wrong shape, dtype, field or order of messages."""
 
-    code = "invalid_request"
+    code = ErrorCode.INVALID_REQUEST
 
 
 class UnknownSessionError(InvalidRequestError):
-    code = "unknown_session"
+    code = ErrorCode.UNKNOWN_SESSION
 
 
 class OutOfCacheError(PetalsChainError):
     """The server cannot reserve the KV cache a session asks for within its memory budget."""
 
-    code = "out_of_cache"
+    code = ErrorCode.OUT_OF_CACHE
 
 
 class MaxLengthExceededError(InvalidRequestError):
-    code = "max_length_exceeded"
+    code = ErrorCode.MAX_LENGTH_EXCEEDED
 
 
 class RequestTooLargeError(InvalidRequestError):
     """A step or forward carries more tokens than the server's advertised `max_step_tokens`."""
 
-    code = "request_too_large"
+    code = ErrorCode.REQUEST_TOO_LARGE
 
 
 class ServerUnavailableError(PetalsChainError):
     """A server did not answer, closed the stream, or died."""
 
-    code = "server_unavailable"
+    code = ErrorCode.SERVER_UNAVAILABLE
 
 
 class NoChainError(PetalsChainError):
     """No chain of servers covering all blocks can be found right now."""
 
-    code = "no_chain"
+    code = ErrorCode.NO_CHAIN
 
 
 class AcquireTimeoutError(PetalsChainError):
     """The orchestrator queued the session but no chain slot freed up within the timeout."""
 
-    code = "acquire_timeout"
+    code = ErrorCode.ACQUIRE_TIMEOUT
 
 
 class OrchestratorUnavailableError(PetalsChainError):
     """The orchestrator did not answer (it died, or is unreachable)."""
 
-    code = "orchestrator_unavailable"
+    code = ErrorCode.ORCHESTRATOR_UNAVAILABLE
 
 
 class UnknownLeaseError(InvalidRequestError):
     """The orchestrator holds no lease for this session (released, expired, or its chain vanished)."""
 
-    code = "unknown_lease"
+    code = ErrorCode.UNKNOWN_LEASE
 
 
 class SchedulerPolicyError(PetalsChainError):
     """The server's scheduling policy failed; the server failed the waiting steps and keeps serving."""
 
-    code = "scheduler_policy_error"
+    code = ErrorCode.SCHEDULER_POLICY_ERROR
 
 
 class SessionClosedError(PetalsChainError):
     """The session was closed (or its stream broke) while one of its steps waited."""
 
-    code = "session_closed"
+    code = ErrorCode.SESSION_CLOSED
 
 
 class SessionIdleTimeoutError(PetalsChainError):
     """The server closed a session whose client sent nothing for longer than its idle timeout."""
 
-    code = "session_idle_timeout"
+    code = ErrorCode.SESSION_IDLE_TIMEOUT
 
 
 class AdmissionTimeoutError(OutOfCacheError):
     """The session waited in the server's admission queue until its deadline without getting KV memory."""
 
-    code = "admission_timeout"
+    code = ErrorCode.ADMISSION_TIMEOUT
 
 
 class NotAllowedError(PetalsChainError):
     """The caller's peer id is not on the server's or orchestrator's --allowed-peers list."""
 
-    code = "not_allowed"
+    code = ErrorCode.NOT_ALLOWED
 
 
 class IdentityError(PetalsChainError):
     """A peer identity file cannot be read or written (local only, never sent over the wire)."""
 
-    code = "identity_error"
+    code = ErrorCode.IDENTITY_ERROR
 
 
-ERROR_TYPES: dict[str, type[PetalsChainError]] = {
+ERROR_TYPES: dict[ErrorCode, type[PetalsChainError]] = {
     cls.code: cls
     for cls in (
         PetalsChainError,

@@ -84,7 +84,7 @@ def ping_block_server_s(loop, p2p, peer_id: str, *, timeout_s: float = 3.0) -> f
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     start = time.perf_counter()
     try:
-        loop.run(stub.rpc_info(wire.request({"type": "info"}), timeout=timeout_s), timeout_s=timeout_s + 1)
+        loop.run(stub.rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s), timeout_s=timeout_s + 1)
     except Exception:
         return None
     return time.perf_counter() - start

@@ -1,13 +1,15 @@
 """One wire format for everything that crosses the network, validated at the boundary.
 
 Messages are hivemind `ExpertRequest`/`ExpertResponse` protobufs: `metadata` holds a msgpack map
-(never pickle), `tensors` hold raw tensors in the model dtype, in parts (`wire_parts`). Every record has explicit
-`to_wire()` / `from_wire()`; `from_wire` rejects missing or mistyped fields with
+(never pickle), `tensors` hold raw tensors in the model dtype, in parts (`wire_parts`). Every record is a
+`WireRecord` dataclass (`wire_record.py`: one `from_wire`/`to_wire` derived from its fields; the
+messages are in `messages.py`); `from_wire` rejects missing or mistyped fields with
 `InvalidRequestError`, so a bad message becomes a typed error reply, never a crash.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -16,13 +18,20 @@ from typing import Any
 import msgpack
 from hivemind.proto import runtime_pb2
 
-from petals_chain.errors import InvalidRequestError, PetalsChainError, error_from_code
+from petals_chain.errors import ErrorCode, InvalidRequestError, PetalsChainError, error_from_code
+from petals_chain.messages import ErrorReply, MessageType
+from petals_chain.wire_record import WireRecord, decode_value
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = "petals-chain/1"
-SERVER_STATES = ("joining", "online", "offline")
 MAX_METADATA_BYTES = 64 * 1024
+
+
+class ServerState(enum.StrEnum):
+    JOINING = "joining"
+    ONLINE = "online"
+    OFFLINE = "offline"
 
 
 def pack(meta: dict[str, Any]) -> bytes:
@@ -41,46 +50,42 @@ def unpack(data: bytes) -> dict[str, Any]:
     return meta
 
 
-def unpack_request(request, kind: str) -> dict[str, Any]:
-    """The metadata of a unary request that carries no tensors and whose `type` (if given) is `kind`;
-    anything else is a typed error, so a message meant for another RPC is never half-understood."""
+def decode_request(request, kind: type[WireRecord]) -> WireRecord:
+    """The typed message of a unary request that carries no tensors and whose `type` (if given) is
+    `kind.TYPE`; anything else is a typed error, so a message meant for another RPC is never half-understood."""
     meta = unpack(request.metadata)
-    if meta.get("type", kind) != kind:
-        raise InvalidRequestError(f"this RPC takes {kind!r} messages, got type {meta.get('type')!r}")
+    if meta.get("type", kind.TYPE) != kind.TYPE:
+        raise InvalidRequestError(f"this RPC takes {str(kind.TYPE)!r} messages, got type {meta.get('type')!r}")
     if len(request.tensors):
-        raise InvalidRequestError(f"{kind!r} messages carry no tensors, got {len(request.tensors)}")
-    return meta
+        raise InvalidRequestError(f"{str(kind.TYPE)!r} messages carry no tensors, got {len(request.tensors)}")
+    return kind.from_wire(meta)
 
 
 def field_of(meta: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = dataclasses.MISSING) -> Any:
-    """Read `meta[name]` and check its type (bool is not accepted where int is asked)."""
+    """Read `meta[name]` and check it as a record field of type `kind` would be (`wire_record.decode_value`)."""
     if name not in meta:
         if default is dataclasses.MISSING:
             raise InvalidRequestError(f"message lacks field {name!r}")
         return default
-    value = meta[name]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds:
-        raise InvalidRequestError(f"field {name!r} must be {kind}, got bool")
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kinds):
-        raise InvalidRequestError(f"field {name!r} must be {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
-    return value
+    return decode_value(name, meta[name], kind)
 
 
-def request(meta: dict[str, Any]) -> runtime_pb2.ExpertRequest:
+def _meta(message: WireRecord | dict[str, Any]) -> dict[str, Any]:
+    return message.to_wire() if isinstance(message, WireRecord) else message  # a raw map: fuzzers, old peers
+
+
+def request(message: WireRecord | dict[str, Any]) -> runtime_pb2.ExpertRequest:
     """A message without tensors (those go through `wire_parts.to_messages`, in parts)."""
-    return runtime_pb2.ExpertRequest(metadata=pack(meta))
+    return runtime_pb2.ExpertRequest(metadata=pack(_meta(message)))
 
 
-def response(meta: dict[str, Any]) -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(metadata=pack(meta))
+def response(message: WireRecord | dict[str, Any]) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=pack(_meta(message)))
 
 
 def error_response(error: Exception) -> runtime_pb2.ExpertResponse:
-    code = error.code if isinstance(error, PetalsChainError) else "error"
-    return response({"type": "error", "code": code, "message": str(error)})
+    code = error.code if isinstance(error, PetalsChainError) else ErrorCode.ERROR
+    return response(ErrorReply(code, str(error)))
 
 
 def replies_with_typed_errors(handler):
@@ -101,12 +106,21 @@ def replies_with_typed_errors(handler):
 
 
 def raise_if_error(meta: dict[str, Any]) -> None:
-    if meta.get("type") == "error":
-        raise error_from_code(str(meta.get("code", "error")), str(meta.get("message", "")))
+    if meta.get("type") == MessageType.ERROR:
+        raise error_from_code(str(meta.get("code", ErrorCode.ERROR)), str(meta.get("message", "")))
+
+
+def decode_reply(meta: dict[str, Any], kind: type[WireRecord]) -> WireRecord:
+    """A peer's reply as `kind` (its typed error raised as such); a reply that does not parse is the
+    peer's fault, so it surfaces as `InvalidRequestError` naming the field."""
+    raise_if_error(meta)
+    if meta.get("type") != kind.TYPE:
+        raise InvalidRequestError(f"expected a {str(kind.TYPE)!r} reply, got type {str(meta.get('type'))[:64]!r}")
+    return kind.from_wire(meta)
 
 
 @dataclass
-class ServerInfo:
+class ServerInfo(WireRecord):
     """What a server announces in the DHT (and returns from rpc_info).
 
     A server started with `--blocks auto` first announces itself as `joining` with
@@ -117,7 +131,7 @@ class ServerInfo:
     model: str
     start: int  # first block, 0-based
     end: int  # one past the last block
-    state: str  # joining | online | offline
+    state: ServerState
     memory_budget_bytes: int  # M_j
     block_bytes: int  # s_m
     kv_bytes_per_block: int  # s_c at max_length_tokens
@@ -139,30 +153,11 @@ class ServerInfo:
         if self.max_step_tokens <= 0:
             self.max_step_tokens = self.max_length_tokens
 
-    def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_wire(cls, data: Any) -> "ServerInfo":
-        if not isinstance(data, dict):
-            raise InvalidRequestError(f"ServerInfo must be a map, got {type(data).__name__}")
-        kinds = {"peer_id": str, "model": str, "start": int, "end": int, "state": str, "memory_budget_bytes": int,
-                 "block_bytes": int, "kv_bytes_per_block": int, "max_length_tokens": int, "free_kv_slots": int,
-                 "prefill_s_per_token": float, "decode_s_per_token": float}
-        values = {name: field_of(data, name, kind) for name, kind in kinds.items()}
-        optional = {"dtype": str, "quant": str, "name": str, "active_sessions": int, "version": str, "extra": dict,
-                    "max_step_tokens": int}
-        for name, kind in optional.items():
-            if name in data:
-                values[name] = field_of(data, name, kind)
-        info = cls(**values)
-        if info.state not in SERVER_STATES:
-            raise InvalidRequestError(f"unknown server state {info.state!r}")
-        if info.state == "joining" and info.start == info.end == 0:
-            return info  # a server that waits for its assignment holds no blocks yet
-        if not 0 <= info.start < info.end:
-            raise InvalidRequestError(f"bad block range [{info.start}, {info.end})")
-        return info
+    def check(self) -> None:
+        if self.state == ServerState.JOINING and self.start == self.end == 0:
+            return  # a server that waits for its assignment holds no blocks yet
+        if not 0 <= self.start < self.end:
+            raise InvalidRequestError(f"bad block range [{self.start}, {self.end})")
 
     @property
     def has_blocks(self) -> bool:
@@ -171,3 +166,16 @@ class ServerInfo:
     @property
     def num_blocks(self) -> int:
         return self.end - self.start
+
+
+@dataclass
+class InfoRequest(WireRecord):
+    TYPE = MessageType.INFO
+
+
+@dataclass
+class InfoReply(WireRecord):
+    """rpc_info's answer (the server answers any request with it)."""
+
+    TYPE = MessageType.INFO
+    info: ServerInfo

@@ -26,7 +26,7 @@ def random_cluster(num_servers: int, num_blocks: int, rng: np.random.Generator, 
     servers = []
     for j in range(num_servers):
         fast = rng.random() < 0.3
-        servers.append(Server(name=f"s{j}", memory_gb=80.0 if fast else 40.0,
+        servers.append(Server(name=f"s{j}", memory=80.0 if fast else 40.0,
                               tau_c_s=float(rng.uniform(0.2, 1.0)),
                               tau_p_s=(0.03 if fast else 0.109) * float(rng.uniform(0.9, 1.1))))
     return Cluster(Service(num_blocks, 1.32, 0.11), tuple(servers), arrival_rate_per_s=arrival_rate_per_s, rho_bar=0.7)

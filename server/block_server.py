@@ -27,10 +27,11 @@ from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.models.checkpoint import resolve_model_path
 from petals_chain import wire
 from petals_chain.errors import PetalsChainError
-from petals_chain.orchestrator_records import Assignment, find_orchestrator
+from petals_chain.messages import AssignmentReply, AssignmentRequest, AssignmentStatus
+from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, OrchestratorService
 from petals_chain.runtime.block_range import BlockRange
-from petals_chain.wire import ServerInfo
+from petals_chain.wire import ServerInfo, ServerState
 from server.admission import AdmissionQueue
 from server.handler import BlockServicer, OpenSession
 from server.memory import KVBudget
@@ -104,7 +105,7 @@ class BlockServer:
                                       config.emulate_slowdown)
         self.sessions: dict[str, OpenSession] = {}
         self._sessions_lock = threading.Lock()
-        self.state = "joining"
+        self.state = ServerState.JOINING
         self.identity = SwarmIdentity.load_or_create(config.identity_path)
         self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
                              **self.identity.dht_kwargs())
@@ -121,7 +122,7 @@ class BlockServer:
         except BaseException:
             self.shutdown()
             raise
-        self.state = "online"
+        self.state = ServerState.ONLINE
         self._announce()
         self._announcer = threading.Thread(target=self._announce_loop, name="announcer", daemon=True)
         self._announcer.start()
@@ -155,11 +156,12 @@ class BlockServer:
         logger.info("orchestrator %s found; waiting for an assignment", self.orchestrator.peer_id)
         while not self._stop.is_set():
             a = self._ask_assignment()
-            if a is not None and a.status == "assigned":
+            if a is not None and a.status == AssignmentStatus.ASSIGNED:
                 self._load(a.start, a.end)
                 self.assignment = a
                 return
-            if a is not None and a.status == "unused" and a.plan_version != getattr(self, "_unused_version", None):
+            if (a is not None and a.status == AssignmentStatus.UNUSED
+                    and a.plan_version != getattr(self, "_unused_version", None)):
                 self._unused_version = a.plan_version
                 print(f"standing by: {self.model_name} as {self.peer_id}: plan v{a.plan_version} leaves this "
                       "server without blocks; it will load blocks when a later plan assigns some", flush=True)
@@ -169,10 +171,8 @@ class BlockServer:
     def _ask_assignment(self):
         try:
             stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(self.orchestrator.peer_id))
-            resp = self.loop.run(stub.rpc_assignment(wire.request({"type": "assignment"}), timeout=5.0), timeout_s=7.0)
-            meta = wire.unpack(resp.metadata)
-            wire.raise_if_error(meta)
-            return Assignment.from_wire(meta.get("assignment"))
+            resp = self.loop.run(stub.rpc_assignment(wire.request(AssignmentRequest()), timeout=5.0), timeout_s=7.0)
+            return wire.decode_reply(wire.unpack(resp.metadata), AssignmentReply).assignment
         except Exception as e:
             logger.warning("asking the orchestrator for an assignment failed: %s", e)
             found = find_orchestrator(self.dht, self.model_name)  # it may have restarted under a new id
@@ -184,21 +184,22 @@ class BlockServer:
         """A later plan may move this server: reload when the range changes and no session is open."""
         while not self._stop.wait(max(2.0, self.config.assignment_poll_s)):
             a = self._ask_assignment()
-            if a is None or a.status != "assigned" or (a.start, a.end) == (self.block_range.start, self.block_range.end):
+            if (a is None or a.status != AssignmentStatus.ASSIGNED
+                    or (a.start, a.end) == (self.block_range.start, self.block_range.end)):
                 continue
             with self._sessions_lock:
                 busy = bool(self.sessions)
             if busy:
                 continue
             logger.info("plan v%d moves this server to blocks [%d, %d)", a.plan_version, a.start, a.end)
-            self.state = "joining"
+            self.state = ServerState.JOINING
             self._announce()
             try:
                 self._load(a.start, a.end)
             except Exception:
                 logger.exception("loading the assigned blocks failed")
                 continue
-            self.state = "online"
+            self.state = ServerState.ONLINE
             self._announce()
             print(f"serving {self.model_name} blocks [{a.start}, {a.end}) as {self.peer_id} (plan v{a.plan_version})",
                   flush=True)
@@ -209,7 +210,7 @@ class BlockServer:
         if br is None:  # --blocks auto, before the assignment: no blocks yet
             s_m, s_c, dtype = self._sizes
             return ServerInfo(
-                peer_id=self.peer_id, model=self.model_name, start=0, end=0, state="joining",
+                peer_id=self.peer_id, model=self.model_name, start=0, end=0, state=ServerState.JOINING,
                 memory_budget_bytes=self.config.memory_budget_bytes, block_bytes=s_m, kv_bytes_per_block=s_c,
                 max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
                 prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
@@ -262,7 +263,7 @@ class BlockServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        self.state = "offline"
+        self.state = ServerState.OFFLINE
         self._announce(timeout_s=3.0)
         if self.scheduler is not None:
             self.scheduler.stop()

@@ -19,6 +19,8 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from petals_chain import wire, wire_parts
+from petals_chain.messages import Close, Forward, Open, Opened, Step, StepReply, decode_tagged
+from petals_chain.wire import ServerState
 from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
@@ -59,7 +61,7 @@ class BlockServicer:
         return self.server.budget
 
     async def info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return wire.response({"type": "info", "info": self.server.info().to_wire()})
+        return wire.response(wire.InfoReply(self.server.info()))
 
     # -- inference stream ---------------------------------------------------------------------
     async def inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -84,35 +86,28 @@ class BlockServicer:
                 try:
                     if isinstance(message, PetalsChainError):  # a bad group (refused by its header, or malformed)
                         raise message
-                    meta = message.meta
-                    kind = wire.field_of(meta, "type", str)
-                    if kind == "open":
+                    msg = decode_tagged(message.meta, Open, Step, Close)
+                    if isinstance(msg, Open):
                         if session is not None:
                             raise InvalidRequestError("this stream already has an open session")
-                        session = await self._open(meta, client_id)
-                        yield wire.response({"type": "opened", "session_id": session.session_id,
-                                             "first_block": session.kv.first_block, "end_block": session.kv.end_block})
-                    elif kind == "step":
+                        session = await self._open(msg, client_id)
+                        yield wire.response(Opened(session.session_id, session.kv.first_block, session.kv.end_block))
+                    elif isinstance(msg, Step):
                         if session is None:
                             raise UnknownSessionError("step before open: send an 'open' message first")
-                        sid = wire.field_of(meta, "session_id", str)
-                        if sid != session.session_id:
-                            raise UnknownSessionError(f"unknown session {sid!r} on this stream")
+                        if msg.session_id != session.session_id:
+                            raise UnknownSessionError(f"unknown session {msg.session_id!r} on this stream")
                         if len(message.tensors) != 1:
                             raise InvalidRequestError(f"a step carries exactly one tensor, got {len(message.tensors)}")
                         t0 = time.perf_counter()
                         out = await self._step(session, message.tensors[0])
                         # server_s: this step's time inside the server (queue + batch compute), so a
                         # client can tell server time from network time (the Table 1 model check)
-                        for response in wire_parts.to_messages(
-                                {"type": "step", "session_id": sid, "step_id": meta.get("step_id"),
-                                 "position": session.kv.past_tokens, "server_s": time.perf_counter() - t0},
-                                (out,), reply=True):
+                        reply = StepReply(msg.session_id, msg.step_id, session.kv.past_tokens, time.perf_counter() - t0)
+                        for response in wire_parts.to_messages(reply.to_wire(), (out,), reply=True):
                             yield response
-                    elif kind == "close":
+                    else:  # Close
                         return
-                    else:
-                        raise InvalidRequestError(f"unknown message type {kind!r} (expected open, step or close)")
                 except PetalsChainError as e:
                     yield wire.error_response(e)
                 except Exception as e:  # a bug must not take the server down: report it to this client
@@ -144,16 +139,13 @@ class BlockServicer:
                 "(advertised in rpc_info); send the prompt in several steps, fewer forward rows at a time, or use "
                 "a server started with a larger --max-step-tokens")
 
-    async def _open(self, meta: dict, client_id: str) -> OpenSession:
+    async def _open(self, msg: Open, client_id: str) -> OpenSession:
         block_range = self.server.block_range
-        if block_range is None or self.server.state != "online":
+        if block_range is None or self.server.state != ServerState.ONLINE:
             raise ServerUnavailableError("this server holds no blocks right now (waiting for or loading its "
                                          "assignment); use another server")
-        session_id = wire.field_of(meta, "session_id", str)
-        max_length = wire.field_of(meta, "max_length", int)
-        first_block = wire.field_of(meta, "entry_block", int, default=block_range.start)
-        if max_length < 1:
-            raise InvalidRequestError(f"max_length must be >= 1, got {max_length}")
+        session_id, max_length = msg.session_id, msg.max_length
+        first_block = block_range.start if msg.entry_block is None else msg.entry_block
         if max_length > self.server.max_length_tokens:
             raise MaxLengthExceededError(
                 f"max_length={max_length} exceeds this server's limit of {self.server.max_length_tokens} tokens; "
@@ -162,7 +154,7 @@ class BlockServicer:
             raise InvalidRequestError(
                 f"entry_block {first_block} is outside this server's blocks [{block_range.start}, {block_range.end})")
         nbytes = block_range.kv_bytes_per_block(max_length) * (block_range.end - first_block)
-        wait_s = wire.field_of(meta, "admission_wait_s", float, default=None)
+        wait_s = msg.admission_wait_s
         key = f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}"
         # waits in the admission queue while memory is full (OutOfCacheError / AdmissionTimeoutError)
         await self.server.admission.reserve(key, nbytes, session_id, client_id, wait_s)
@@ -203,7 +195,7 @@ class BlockServicer:
         """Forward of whole sequences [batch, seq, hidden] without keeping a cache, in one message of
         at most MAX_PART_BYTES of tensors (larger ones come over forward_stream)."""
         message = wire_parts.decode_single(request, admit=self._admit)
-        (reply,) = wire_parts.to_messages({"type": "forward"}, (await self._forward(message, context),), reply=True)
+        (reply,) = wire_parts.to_messages(Forward().to_wire(), (await self._forward(message, context),), reply=True)
         return reply
 
     async def forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -225,7 +217,7 @@ class BlockServicer:
             yield wire.error_response(e)
             await wire_parts.drain(requests)  # the parts still on their way
             return
-        for response in wire_parts.to_messages({"type": "forward"}, (out,), reply=True):
+        for response in wire_parts.to_messages(Forward().to_wire(), (out,), reply=True):
             yield response
 
     async def _forward(self, message: wire_parts.Message, context: P2PContext) -> torch.Tensor:
@@ -233,9 +225,10 @@ class BlockServicer:
         block_range = self.server.block_range
         if block_range is None:
             raise ServerUnavailableError("this server holds no blocks yet; use another server")
-        if message.meta.get("type", "forward") != "forward":
+        if message.meta.get("type", Forward.TYPE) != Forward.TYPE:
             raise InvalidRequestError(f"rpc_forward takes 'forward' messages, got type {message.meta.get('type')!r}")
-        first_block = wire.field_of(message.meta, "entry_block", int, default=block_range.start)
+        entry_block = Forward.from_wire(message.meta).entry_block
+        first_block = block_range.start if entry_block is None else entry_block
         if len(message.tensors) != 1:
             raise InvalidRequestError(f"rpc_forward carries exactly one tensor, got {len(message.tensors)}")
         hidden = message.tensors[0]

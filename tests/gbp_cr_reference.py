@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from orchestrator.model import BlockRange, Cluster, Placement
+from orchestrator.model import BlockInterval, Cluster, Placement
 from orchestrator.placement_gbp_cr import GbpCrResult, blocks_per_server
 
 
@@ -19,7 +19,7 @@ def gbp_cr_loop(cluster: Cluster, c: int) -> GbpCrResult:
     t = [sv.tau_c_s + sv.tau_p_s * mj for sv, mj in zip(cluster.servers, m)]  # eq. (9)
     order = sorted((j for j in range(len(m)) if m[j] > 0), key=lambda j: (t[j] / m[j], j))  # line 1, 3
     target = cluster.arrival_rate_per_s / (cluster.rho_bar * c)
-    ranges: list[BlockRange | None] = [None] * len(m)
+    ranges: list[BlockInterval | None] = [None] * len(m)
     chains: list[tuple[int, ...]] = []
     chain_times: list[float] = []
     a, nu, T = 1, 0.0, 0.0  # line 2
@@ -27,7 +27,7 @@ def gbp_cr_loop(cluster: Cluster, c: int) -> GbpCrResult:
     met = False
     for j in order:
         a_j = min(a, L - m[j] + 1)  # line 4: shift the last server back so it ends at block L
-        ranges[j] = BlockRange(a_j - 1, a_j - 1 + m[j])
+        ranges[j] = BlockInterval(a_j - 1, a_j - 1 + m[j])
         group.append(j)
         T += t[j]  # line 5
         a = min(a + m[j] - 1, L) + 1  # line 6

@@ -7,7 +7,7 @@ import numpy as np
 
 from hypothesis import strategies as st
 
-from orchestrator.model import BlockRange, Cluster, Placement, Server, Service
+from orchestrator.model import BlockInterval, Cluster, Placement, Server, Service
 
 
 def make_cluster(memories, tau_c, tau_p, num_blocks, block_size=1.0, cache_size=0.1,
@@ -58,13 +58,13 @@ def placements(draw, cluster: Cluster):
     L = cluster.service.num_blocks
     ranges = []
     for sv in cluster.servers:
-        max_m = min(L, int(sv.memory_gb // cluster.service.block_size_gb))
+        max_m = min(L, int(sv.memory // cluster.service.block_size))
         if max_m < 1 or draw(st.booleans()) is False and draw(st.booleans()):
             ranges.append(None)
             continue
         m = draw(st.integers(1, max_m))
         start = draw(st.integers(0, L - m))
-        ranges.append(BlockRange(start, start + m))
+        ranges.append(BlockInterval(start, start + m))
     return Placement(tuple(ranges))
 
 

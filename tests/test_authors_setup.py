@@ -13,7 +13,7 @@ import orchestrator.sim.paper_setup as paper_setup
 from netem.topology import synthetic_rtt_ms
 from orchestrator.baselines.options import BaselineOptions
 from orchestrator.baselines.petals import PetalsRouter
-from orchestrator.model import BlockRange, Placement
+from orchestrator.model import BlockInterval, Placement
 from orchestrator.planner import make_baseline_router, plan
 from orchestrator.session_times import SessionShape, tau_c_s
 from orchestrator.sim import authors_setup as au
@@ -94,7 +94,7 @@ def test_petals_block_cap_and_fixed_cache():
 
 def single_block_pair():
     cl = make_cluster([1.1, 1.1], [0.1, 0.5], [0.1, 0.5], num_blocks=1)
-    return cl, Placement((BlockRange(0, 1), BlockRange(0, 1)))
+    return cl, Placement((BlockInterval(0, 1), BlockInterval(0, 1)))
 
 
 def test_bprr_active_mean_wait():

@@ -5,10 +5,11 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from orchestrator.service.dispatch_state import DispatchState
+from petals_chain.messages import Hop
 
 
 def hops(*peers):
-    return tuple((p, i * 10, (i + 1) * 10) for i, p in enumerate(peers))
+    return tuple(Hop(p, i * 10, (i + 1) * 10) for i, p in enumerate(peers))
 
 
 def chains():

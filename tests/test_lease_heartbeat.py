@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from petals_chain.client.orchestrated import OrchestratorChainProvider
-from petals_chain.orchestrator_records import ChainGrant
+from petals_chain.messages import ChainGrant, HeartbeatReply
 
 
 def _grant(chain_id: int) -> ChainGrant:
@@ -24,11 +24,11 @@ def test_release_during_heartbeat_is_not_a_lost_lease(provider, monkeypatch, cap
     provider.grants = {"released": _grant(1), "refailed": _grant(2), "lost": _grant(3)}
 
     def fake_call(method, meta, timeout_s):
-        assert method == "rpc_heartbeat" and sorted(meta["session_ids"]) == ["lost", "refailed", "released"]
+        assert method == "rpc_heartbeat" and sorted(meta.session_ids) == ["lost", "refailed", "released"]
         # while the heartbeat is in flight: one session is released, another fails over to a new grant
         provider.grants.pop("released")
         provider.grants["refailed"] = _grant(4)
-        return {"type": "heartbeat", "unknown": ["released", "refailed", "lost"]}
+        return HeartbeatReply(["released", "refailed", "lost"], lease_ttl_s=15.0).to_wire()
 
     monkeypatch.setattr(provider, "_call", fake_call)
     with caplog.at_level(logging.WARNING, logger="petals_chain.client.orchestrated"):

@@ -6,7 +6,7 @@ import torch
 
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.client.remote import RemoteChain
-from petals_chain.client.routing import Hop
+from petals_chain.messages import Hop
 from petals_chain.errors import InvalidRequestError, NotAllowedError, NoChainError
 from petals_chain.local_swarm import LocalSwarm
 from petals_chain.membership import parse_allowed_peers

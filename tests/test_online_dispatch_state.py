@@ -6,19 +6,20 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orchestrator.dispatch import JffcDispatcher
-from orchestrator.model import BlockRange, ChainSpec
+from orchestrator.model import BlockInterval, ChainSpec
 from orchestrator.planner import make_baseline_router, plan
 from orchestrator.service.dispatch_state import DispatchState
 from orchestrator.service.measurements import LengthEstimator
 from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
 from orchestrator.service.registry import Overheads, ServerRecord, build_cluster, cluster_to_dict
 from orchestrator.cluster_io import cluster_from_dict
+from petals_chain.messages import Hop
 from petals_chain.wire import ServerInfo
 
 
 def hops(*peers):
     n = len(peers)
-    return tuple((p, i * 10, (i + 1) * 10) for i, p in enumerate(peers)) if n else ()
+    return tuple(Hop(p, i * 10, (i + 1) * 10) for i, p in enumerate(peers)) if n else ()
 
 
 def chains_cap6():
@@ -61,7 +62,7 @@ def test_capacity_never_exceeded_and_fifo_with_12_sessions():
 @given(st.lists(st.integers(0, 2), min_size=1, max_size=60), st.integers(0, 10_000))
 def test_same_choices_as_orchestrator_dispatch_jffc(ops, seed):
     """Without exclusions the online state makes JffcDispatcher's decisions, event by event."""
-    specs = [ChainSpec((0,), (BlockRange(0, 30),), cap, t) for _, cap, t, _ in chains_cap6()]
+    specs = [ChainSpec((0,), (BlockInterval(0, 30),), cap, t) for _, cap, t, _ in chains_cap6()]
     ref = JffcDispatcher(specs)
     ds = DispatchState()
     ds.install_chains(chains_cap6(), 1, 0.0)
@@ -104,13 +105,13 @@ def test_waiter_timeout_and_exclusion_and_max_length():
     ds = DispatchState()
     ds.install_chains([(hops("a", "b"), 1, 1.0, 128), (hops("c", "d"), 1, 2.0, 4096)], 1, 0.0)
     g, _ = ds.acquire("s1", "c", 8, 0.0, timeout_s=10, exclude=frozenset({"a"}))
-    assert g.hops[0][0] == "c"  # the fast chain holds an excluded server
+    assert g.hops[0].peer_id == "c"  # the fast chain holds an excluded server
     g2, _ = ds.acquire("s2", "c", 1000, 0.0, timeout_s=10)  # too long for the fast chain
     assert g2 is None and ds.fits_any(1000) and not ds.fits_any(5000)
     assert ds.timeouts(9.0) == [] and ds.timeouts(10.0) == ["s2"] and ds.queue_length == 0
     # failover: a session that holds a lease re-acquires excluding its failed server
     g3, _ = ds.acquire("s1", "c", 8, 11.0, timeout_s=10, exclude=frozenset({"d"}))
-    assert g3.hops[0][0] == "a" and len(ds.leases) == 1
+    assert g3.hops[0].peer_id == "a" and len(ds.leases) == 1
 
 
 def test_dropped_server_takes_its_chains_and_leases():
@@ -149,7 +150,7 @@ def test_replan_drains_old_chains():
     old = [c for c in ds.chains.values() if not c.dispatchable]
     assert len(old) == 1 and old[0].in_use == 1 and old[0].capacity == 1
     g, _ = ds.acquire("x", "c", 8, 1.0, timeout_s=10)
-    assert g.hops[0][0] == "b" and g.plan_version == 2
+    assert g.hops[0].peer_id == "b" and g.plan_version == 2
     assert ds.acquire("y", "c", 8, 1.0, timeout_s=10)[0] is None  # the draining chain takes no one
     ds.release("old", 2.0)
     assert all(c.dispatchable for c in ds.chains.values())
@@ -213,7 +214,7 @@ def test_joining_record_without_blocks_is_valid_only_when_joining():
 
 
 def test_replan_keeps_busy_and_fixed_servers_unless_forced():
-    from orchestrator.model import BlockRange as R
+    from orchestrator.model import BlockInterval as R
     from orchestrator.service.registry import HeldRange, keep_held_ranges
     fresh = [R(0, 10), R(10, 30), None, R(0, 30)]
     peers = ["busy", "idle", "fixed", "same"]
@@ -268,3 +269,22 @@ def test_a_waiter_whose_client_stops_polling_leaves_the_queue():
     assert ds.abandoned(24.0, 25.0) == []
     assert ds.abandoned(30.0, 25.0) == ["crashed"]
     assert [g.session_id for g in ds.release("running", 31.0)] == ["alive"]
+
+
+def test_first_plan_waits_for_the_expected_servers_measured_or_the_expected_wait():
+    from orchestrator.service.core import first_plan_due
+
+    # 9 expected, 6 measured (3 missed their RTT probes while loading), settled: wait
+    assert not first_plan_due(100.0, 6, 9, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
+                              expected_wait_s=180.0)
+    assert first_plan_due(100.0, 9, 9, last_change_s=99.0, settle_s=5.0, first_registration_s=0.0,
+                          expected_wait_s=180.0)  # all measured: at once, settled or not
+    assert first_plan_due(181.0, 6, 9, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
+                          expected_wait_s=180.0)  # gave up waiting: plan with the measured ones
+    assert not first_plan_due(181.0, 6, 9, last_change_s=179.0, settle_s=5.0, first_registration_s=0.0,
+                              expected_wait_s=180.0)  # ... but not while servers still arrive
+    # without --expected-servers: settling decides
+    assert not first_plan_due(12.0, 3, 0, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
+                              expected_wait_s=180.0)
+    assert first_plan_due(15.0, 3, 0, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
+                          expected_wait_s=180.0)

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from orchestrator.baselines.bprr import BprrRouter, bprr_placement, bprr_target_concurrency
 from orchestrator.baselines.jffc_only import jffc_only_chains, jffc_only_placement
 from orchestrator.baselines.petals import PetalsRouter, petals_blocks, petals_placement
-from orchestrator.model import BlockRange, InfeasibleClusterError, Placement, residual_slots
+from orchestrator.model import BlockInterval, InfeasibleClusterError, Placement, residual_slots
 from orchestrator.planner import make_baseline_router
 from tests.orchestrator_strategies import clusters, make_cluster
 
@@ -33,7 +33,7 @@ def test_petals_uncovered_block_is_an_error():
 def single_block_pair():
     # two one-block servers A (fast) and B (slow) with one session each
     cl = make_cluster([1.1, 1.1], [0.1, 0.5], [0.1, 0.5], num_blocks=1)
-    return cl, Placement((BlockRange(0, 1), BlockRange(0, 1)))
+    return cl, Placement((BlockInterval(0, 1), BlockInterval(0, 1)))
 
 
 def test_petals_router_penalises_servers_without_cache():

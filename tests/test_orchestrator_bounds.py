@@ -4,11 +4,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orchestrator.bounds import exact_ctmc_mean_response_time, exact_k2_mean_response_time, theorem37_bounds
-from orchestrator.model import BlockRange, ChainSpec
+from orchestrator.model import BlockInterval, ChainSpec
 
 
 def chain(t, c):
-    return ChainSpec((0,), (BlockRange(0, 1),), c, t)
+    return ChainSpec((0,), (BlockInterval(0, 1),), c, t)
 
 
 def erlang_c_response_time(lam, mu, c):

@@ -4,12 +4,12 @@ from hypothesis import given, settings, strategies as st
 
 from orchestrator.bounds import exact_ctmc_mean_response_time, theorem37_bounds
 from orchestrator.dispatch import DISPATCHERS, Start, make_dispatcher
-from orchestrator.model import BlockRange, ChainSpec
+from orchestrator.model import BlockInterval, ChainSpec
 from tests.orchestrator_strategies import simulate
 
 
 def chain(t, c):
-    return ChainSpec((0,), (BlockRange(0, 1),), c, t)
+    return ChainSpec((0,), (BlockInterval(0, 1),), c, t)
 
 
 def test_jffc_algorithm_3_by_hand():

@@ -3,7 +3,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from orchestrator.cache_gca import gca, gca_or_raise
 from tests.gca_reference import gca_networkx
-from orchestrator.model import BlockRange, InfeasibleClusterError, Placement, chain_slot_usage, residual_slots
+from orchestrator.model import BlockInterval, InfeasibleClusterError, Placement, chain_slot_usage, residual_slots
 from orchestrator.placement_gbp_cr import gbp_cr
 from orchestrator.reference_optima import optimal_cache_allocation
 from tests.orchestrator_strategies import clusters, fig2_cluster, make_cluster, placements
@@ -24,7 +24,7 @@ def test_every_link_into_an_exhausted_server_is_removed():
     # otherwise the next shortest path 0->2 would get capacity floor(1/2) = 0.
     cl = make_cluster([1.1, 2.6, 2.4], [1.0, 1.0, 1.0], [0.5, 0.1, 0.1], num_blocks=3,
                       block_size=1.0, cache_size=0.1)
-    p = Placement((BlockRange(0, 1), BlockRange(0, 2), BlockRange(1, 3)))
+    p = Placement((BlockInterval(0, 1), BlockInterval(0, 2), BlockInterval(1, 3)))
     assert residual_slots(cl, p) == [1, 6, 4]
     for impl in (gca, gca_networkx):
         res = impl(cl, p)
@@ -34,7 +34,7 @@ def test_every_link_into_an_exhausted_server_is_removed():
 
 def test_no_chain_is_an_error():
     cl = make_cluster([1.0], [1.0], [1.0], num_blocks=2)
-    p = Placement((BlockRange(0, 1),))
+    p = Placement((BlockInterval(0, 1),))
     assert gca(cl, p).chains == ()
     with pytest.raises(InfeasibleClusterError):
         gca_or_raise(cl, p)

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from orchestrator.model import (SINK, SOURCE, BlockRange, InvalidClusterError, Placement, chain_from_path,
+from orchestrator.model import (SINK, SOURCE, BlockInterval, InvalidClusterError, Placement, chain_from_path,
                                 residual_slots, robust_floor_div, routing_links)
 from tests.orchestrator_strategies import make_cluster
 
@@ -25,13 +25,13 @@ def test_floor_div_exact_multiples(k, step):
 
 def test_residual_slots_eq3():
     cl = make_cluster([2.0, 3.0, 0.5], [1, 1, 1], [0.1, 0.1, 0.1], num_blocks=3, block_size=1.0, cache_size=0.1)
-    p = Placement((BlockRange(0, 1), BlockRange(1, 3), None))
+    p = Placement((BlockInterval(0, 1), BlockInterval(1, 3), None))
     assert residual_slots(cl, p) == [10, 10, 0]
 
 
 def test_routing_links_match_paper_condition():
     # a_j <= a_i + m_i <= a_j + m_j - 1  <=>  start_j <= end_i < end_j
-    p = Placement((BlockRange(0, 2), BlockRange(1, 3), BlockRange(2, 3), BlockRange(0, 3)))
+    p = Placement((BlockInterval(0, 2), BlockInterval(1, 3), BlockInterval(2, 3), BlockInterval(0, 3)))
     links = {(i, j): m for i, j, m in routing_links(p, 3)}
     assert links[(SOURCE, 0)] == 2 and links[(SOURCE, 3)] == 3
     assert (SOURCE, 1) not in links and (SOURCE, 2) not in links
@@ -42,7 +42,7 @@ def test_routing_links_match_paper_condition():
 
 def test_chain_service_time_eq2():
     cl = make_cluster([5, 5], [1.0, 2.0], [0.5, 0.25], num_blocks=4)
-    p = Placement((BlockRange(0, 3), BlockRange(1, 4)))
+    p = Placement((BlockInterval(0, 3), BlockInterval(1, 4)))
     k = chain_from_path(cl, p, [0, 1], capacity=2)
     assert [b.num_blocks for b in k.blocks] == [3, 1]  # each block at the first server hosting it
     assert k.service_time_s == pytest.approx(1.0 + 3 * 0.5 + 2.0 + 1 * 0.25)

@@ -61,7 +61,7 @@ def _check_plan(cluster, p):
     slots = residual_slots(cluster, p.placement)
     for j, r in enumerate(p.placement.ranges):
         if r is not None:  # blocks fit in memory
-            assert r.num_blocks * cluster.service.block_size_gb <= cluster.servers[j].memory_gb + 1e-9
+            assert r.num_blocks * cluster.service.block_size <= cluster.servers[j].memory + 1e-9
             assert 0 <= r.start < r.end <= L
     for k in p.chains:
         assert isinstance(k.capacity, int) and k.capacity >= 1

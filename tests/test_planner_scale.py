@@ -23,7 +23,7 @@ def random_cluster(rng: np.random.Generator, num_servers: int, num_blocks: int, 
     servers = []
     for j in range(num_servers):
         kind = rng.integers(3)
-        servers.append(Server(f"s{j}", memory_gb=(80.0, 40.0, 20.0)[kind], tau_c_s=float(rng.uniform(0.2, 1.0)),
+        servers.append(Server(f"s{j}", memory=(80.0, 40.0, 20.0)[kind], tau_c_s=float(rng.uniform(0.2, 1.0)),
                               tau_p_s=(0.03, 0.109, 0.175)[kind] * float(rng.uniform(0.9, 1.1))))
     return Cluster(Service(num_blocks, 1.32, 0.11), tuple(servers), arrival_rate_per_s=rate, rho_bar=0.7)
 

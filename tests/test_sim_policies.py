@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from orchestrator.bounds import exact_ctmc_mean_response_time, theorem37_bounds
-from orchestrator.model import BlockRange, ChainSpec
+from orchestrator.model import BlockInterval, ChainSpec
 from orchestrator.planner import plan
 from orchestrator.sim.paper_setup import draw_paper_instance, to_cluster
 from orchestrator.sim.policy_runs import poisson_workload, simulate_chains, simulate_plan
@@ -16,7 +16,7 @@ from netem.topology import synthetic_rtt_ms
 def _random_chains(rng: np.random.Generator, k: int) -> list[ChainSpec]:
     times = np.sort(rng.uniform(1.0, 6.0, k))
     caps = rng.integers(1, 6, k)
-    return [ChainSpec((i,), (BlockRange(0, 1),), int(c), float(t)) for i, (t, c) in enumerate(zip(times, caps))]
+    return [ChainSpec((i,), (BlockInterval(0, 1),), int(c), float(t)) for i, (t, c) in enumerate(zip(times, caps))]
 
 
 def _nu(chains) -> float:

@@ -31,7 +31,7 @@ import math
 import numpy as np
 
 from orchestrator.baselines.request_router import PerRequestRouter
-from orchestrator.model import BlockRange, Cluster, InfeasibleClusterError, Placement, robust_floor_div
+from orchestrator.model import BlockInterval, Cluster, InfeasibleClusterError, Placement, robust_floor_div
 from orchestrator.placement_gbp_cr import gbp_cr, max_capacity
 
 
@@ -44,8 +44,8 @@ def bprr_target_concurrency(cluster: Cluster) -> int:
                                      "cache slot per block; add servers or memory")
     x = cluster.arrival_rate_per_s * min(g.chain_times_s)
     r = math.ceil(x + math.sqrt(x))
-    cap_total = robust_floor_div(sum(sv.memory_gb for sv in cluster.servers) / s.num_blocks - s.block_size_gb,
-                                 s.cache_size_gb)
+    cap_total = robust_floor_div(sum(sv.memory for sv in cluster.servers) / s.num_blocks - s.block_size,
+                                 s.cache_size)
     return max(1, min(r, cap_total, max_capacity(cluster)))
 
 
@@ -54,16 +54,16 @@ def bprr_placement(cluster: Cluster, target_concurrency: int | None = None) -> P
     s = cluster.service
     L = s.num_blocks
     R = bprr_target_concurrency(cluster) if target_concurrency is None else target_concurrency
-    per_block = s.block_size_gb + s.cache_size_gb * R
-    m = [min(robust_floor_div(sv.memory_gb, per_block), L) for sv in cluster.servers]
+    per_block = s.block_size + s.cache_size * R
+    m = [min(robust_floor_div(sv.memory, per_block), L) for sv in cluster.servers]
     order = sorted((j for j in range(len(m)) if m[j] > 0),
                    key=lambda j: ((cluster.servers[j].tau_c_s + cluster.servers[j].tau_p_s * m[j]) / m[j], j))
     cap = np.zeros(L)
     rate = np.zeros(L)
-    ranges: list[BlockRange | None] = [None] * len(m)
+    ranges: list[BlockInterval | None] = [None] * len(m)
     for j in order:
         sv = cluster.servers[j]
-        sessions = robust_floor_div(sv.memory_gb - s.block_size_gb * m[j], s.cache_size_gb) // m[j]
+        sessions = robust_floor_div(sv.memory - s.block_size * m[j], s.cache_size) // m[j]
         starts = range(L - m[j] + 1)
         if np.any(cap < R):
             with np.errstate(divide="ignore"):
@@ -76,7 +76,7 @@ def bprr_placement(cluster: Cluster, target_concurrency: int | None = None) -> P
             def key(a):
                 return tuple(np.sort(cap[a:a + m[j]]))
         start = min(starts, key=lambda a: (key(a), a))
-        ranges[j] = BlockRange(start, start + m[j])
+        ranges[j] = BlockInterval(start, start + m[j])
         cap[start:start + m[j]] += sessions
         rate[start:start + m[j]] += sessions / (sv.tau_p_s + sv.tau_c_s / m[j])
     if np.any(cap == 0):

@@ -14,7 +14,8 @@ BPRR_WAITS: tuple[str, ...] = ("order-statistics", "active-mean")
 class BaselineOptions:
     """- ``petals_max_blocks``: per-server cap on the blocks a PETALS server takes (None = no cap;
       one entry per server, None entries uncapped).
-    - ``petals_fixed_cache_gb_per_block``: PETALS keeps this much KV cache per hosted block
+    - ``petals_fixed_cache_per_block``: PETALS keeps this much KV cache per hosted block (in the
+      cluster's memory unit)
       (slots = floor(m_j * it / s_c), at most eq. 3's), instead of all leftover memory.
     - ``bprr_wait``: "order-statistics" (exponential order statistics of the sessions on a server)
       or "active-mean" (mean service time of the server / sessions holding cache on it).
@@ -23,12 +24,12 @@ class BaselineOptions:
       enough room; otherwise a waiting job holds nothing."""
 
     petals_max_blocks: tuple[int | None, ...] | None = None
-    petals_fixed_cache_gb_per_block: float | None = None
+    petals_fixed_cache_per_block: float | None = None
     bprr_wait: str = "order-statistics"
     commit_at_arrival: bool = False
 
     def __post_init__(self) -> None:
         if self.bprr_wait not in BPRR_WAITS:
             raise ValueError(f"bprr_wait must be one of {BPRR_WAITS}, got {self.bprr_wait!r}")
-        if self.petals_fixed_cache_gb_per_block is not None and not self.petals_fixed_cache_gb_per_block > 0:
-            raise ValueError(f"petals_fixed_cache_gb_per_block must be > 0, got {self.petals_fixed_cache_gb_per_block!r}")
+        if self.petals_fixed_cache_per_block is not None and not self.petals_fixed_cache_per_block > 0:
+            raise ValueError(f"petals_fixed_cache_per_block must be > 0, got {self.petals_fixed_cache_per_block!r}")

@@ -24,7 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from orchestrator.baselines.request_router import PerRequestRouter
-from orchestrator.model import BlockRange, Cluster, InfeasibleClusterError, Placement, residual_slots, robust_floor_div
+from orchestrator.model import (BlockInterval, Cluster, InfeasibleClusterError, Placement, residual_slots,
+                               robust_floor_div)
 
 PETALS_CACHE_SESSIONS = 2.0
 PETALS_STEP_OVERHEAD_S = 0.018
@@ -34,8 +35,8 @@ PETALS_NO_CACHE_PENALTY_S = 10.0
 def petals_blocks(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS,
                   max_blocks: Sequence[int | None] | None = None) -> list[int]:
     s = cluster.service
-    per_block = s.block_size_gb + s.cache_size_gb * cache_sessions
-    m = [min(robust_floor_div(sv.memory_gb, per_block), s.num_blocks) for sv in cluster.servers]
+    per_block = s.block_size + s.cache_size * cache_sessions
+    m = [min(robust_floor_div(sv.memory, per_block), s.num_blocks) for sv in cluster.servers]
     if max_blocks is not None:
         if len(max_blocks) != len(m):
             raise ValueError(f"max_blocks has {len(max_blocks)} entries for {len(m)} servers")
@@ -43,11 +44,11 @@ def petals_blocks(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSION
     return m
 
 
-def petals_fixed_slots(cluster: Cluster, placement: Placement, cache_gb_per_block: float) -> list[int]:
-    """Cache slots of PETALS servers that keep ``cache_gb_per_block`` per hosted block:
+def petals_fixed_slots(cluster: Cluster, placement: Placement, cache_per_block: float) -> list[int]:
+    """Cache slots of PETALS servers that keep ``cache_per_block`` per hosted block:
     floor(m_j * it / s_c), at most eq. 3's M~_j."""
     s = cluster.service
-    return [min(robust_floor_div(placement.num_blocks(j) * cache_gb_per_block, s.cache_size_gb), full)
+    return [min(robust_floor_div(placement.num_blocks(j) * cache_per_block, s.cache_size), full)
             for j, full in enumerate(residual_slots(cluster, placement))]
 
 
@@ -60,7 +61,7 @@ def petals_placement(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESS
     L = cluster.service.num_blocks
     m = petals_blocks(cluster, cache_sessions, max_blocks)
     throughput = np.zeros(L)
-    ranges: list[BlockRange | None] = [None] * len(m)
+    ranges: list[BlockInterval | None] = [None] * len(m)
     order = range(len(m)) if join_order is None else join_order
     if sorted(order) != list(range(len(m))):
         raise ValueError("join_order must be a permutation of the server indices")
@@ -73,7 +74,7 @@ def petals_placement(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESS
             key = tuple(np.sort(throughput[start:start + m[j]]))
             if best_key is None or key < best_key:
                 best_start, best_key = start, key
-        ranges[j] = BlockRange(best_start, best_start + m[j])
+        ranges[j] = BlockInterval(best_start, best_start + m[j])
         throughput[best_start:best_start + m[j]] += 1.0 / (sv.tau_p_s + sv.tau_c_s / m[j])
     if np.any(throughput == 0):
         missing = int(np.flatnonzero(throughput == 0)[0])
@@ -87,9 +88,9 @@ class PetalsRouter(PerRequestRouter):
     name = "petals"
 
     def __init__(self, cluster: Cluster, placement: Placement, steps_per_session: int = 20,
-                 fixed_cache_gb_per_block: float | None = None, commit_at_arrival: bool = False):
+                 fixed_cache_per_block: float | None = None, commit_at_arrival: bool = False):
         self.steps = steps_per_session
-        slots = None if fixed_cache_gb_per_block is None else petals_fixed_slots(cluster, placement, fixed_cache_gb_per_block)
+        slots = None if fixed_cache_per_block is None else petals_fixed_slots(cluster, placement, fixed_cache_per_block)
         super().__init__(cluster, placement, total_slots=slots, commit_at_arrival=commit_at_arrival)
 
     def _link_cost(self, j: int, m: np.ndarray) -> np.ndarray:

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-step-overhead-ms", type=float, default=0.0, help="added to the measured RTT per step in tau_c")
     p.add_argument("--expected-servers", type=int, default=0,
                    help="plan as soon as this many servers registered (default: when none joined for --settle)")
+    p.add_argument("--expected-wait", type=float, default=180.0,
+                   help="with --expected-servers: plan with fewer measured servers after this many seconds (default 180)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds without a new server before the first plan")
     p.add_argument("--replan-period", type=float, default=60.0, help="slow time scale: seconds between re-plans")
     p.add_argument("--force-replan", action="store_true", help="re-planning may move servers that hold live sessions")
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         policy=args.policy, c=args.c, tuning=args.tuning, leftover_placement=args.leftover_placement, arrival_rate_per_s=args.arrival_rate, rho_bar=args.rho,
         mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
         per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3,
-        expected_servers=args.expected_servers, settle_s=args.settle, replan_period_s=args.replan_period,
+        expected_servers=args.expected_servers, expected_wait_s=args.expected_wait, settle_s=args.settle, replan_period_s=args.replan_period,
         force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, identity_path=args.identity_path,
         allowed_peers=allowed_peers))
     http = None

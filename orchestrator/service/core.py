@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
-from orchestrator.service.dispatch_state import DispatchState, Grant
+from orchestrator.service.dispatch_state import DispatchState
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
 from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, build_cluster, cluster_to_dict,
@@ -27,7 +28,9 @@ from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, b
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
-from petals_chain.orchestrator_records import Assignment, OrchestratorInfo, announce_orchestrator
+from petals_chain.messages import Assignment, AssignmentStatus, ChainGrant, Hop
+from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
+from petals_chain.wire import ServerState
 from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.protocol import OrchestratorService, ping_block_server_s
 
@@ -53,6 +56,7 @@ class OrchestratorConfig:
     per_block_overhead_s: float = 0.001  # t_o of footnote 11 (the paper's ~1 ms)
     per_step_overhead_s: float = 0.0
     expected_servers: int = 0  # plan as soon as this many servers are measured (0: after settle_s)
+    expected_wait_s: float = 180.0  # ... or, when fewer are measured, this long after the first registration
     settle_s: float = 5.0  # plan once no new server appeared for this long
     replan_period_s: float = 60.0
     force_replan: bool = False  # move servers that hold live sessions too
@@ -84,6 +88,21 @@ class PlanState:
         return None if r is None else (r.start, r.end)
 
 
+def first_plan_due(now_s: float, measured: int, expected: int, last_change_s: float, settle_s: float,
+                   first_registration_s: float, expected_wait_s: float) -> bool:
+    """Whether to make the first plan with `measured` servers whose RTT is known.
+
+    Without `expected`, once no server appeared for `settle_s`. With it, once `expected` are measured,
+    or (settled) `expected_wait_s` after the first registration. Why not plan on settling alone: a
+    server still loading its weights can miss every RTT probe, and a first plan without it leaves it
+    idle until the next re-plan.
+    """
+    settled = now_s - last_change_s >= settle_s
+    if not expected:
+        return settled
+    return measured >= expected or (settled and now_s - first_registration_s >= expected_wait_s)
+
+
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, clock=time.monotonic):
         self.config = config
@@ -100,7 +119,9 @@ class Orchestrator:
         self.last_change_s = self.clock()
         self.known_changed = False  # server set differs from the one of the current plan
         self.waiters: dict[str, asyncio.Future] = {}
+        self.delivered: dict[str, tuple[ChainGrant, float]] = {}  # session -> (grant, when), until its client polls
         self._rtt_tried: dict[str, float] = {}
+        self.first_registration_s = math.inf
         self.events: list[str] = []
         self.http_port = 0
         self.identity = SwarmIdentity.load_or_create(config.identity_path)
@@ -149,14 +170,16 @@ class Orchestrator:
                 logger.exception("control loop iteration failed")
 
     def tick(self, now: float) -> None:
-        infos = {i.peer_id: i for i in fetch_servers(self.dht, self.model, states=("joining", "online"),
-                                                        allowed=self.config.allowed_peers)}
+        found = fetch_servers(self.dht, self.model, states=(ServerState.JOINING, ServerState.ONLINE),
+                              allowed=self.config.allowed_peers)
+        infos = {i.peer_id: i for i in found}
         new = [p for p in infos if p not in self.records]
         for p in new:  # measure tau_c outside the lock: it takes round trips
             self._rtt_tried[p] = now
             rtt = self.measure_rtt(p)
             with self.lock:
                 self.records[p] = ServerRecord(infos[p], rtt, now)
+                self.first_registration_s = min(self.first_registration_s, now)
                 self.last_change_s = now
                 self.known_changed = True
             self.log_event(f"server {infos[p].name or p} registered: budget {infos[p].memory_budget_bytes / 2**20:.0f} MiB, "
@@ -185,9 +208,12 @@ class Orchestrator:
         self._maybe_plan(now)
         self._maybe_install(now)
 
-    def _safety_timeouts(self, now: float) -> list[Grant]:
+    def _safety_timeouts(self, now: float) -> list[ChainGrant]:
         """Waiters whose client vanished mid-wait (no RPC polls their future any more)."""
         from orchestrator.service.rpc import MAX_POLL_S
+        with self.lock:
+            for sid in [sid for sid, (_, t) in self.delivered.items() if now - t > 2 * MAX_POLL_S + 5.0]:
+                del self.delivered[sid]  # never polled again: its lease expires without heartbeats
         for sid in self.ds.timeouts(now - 5.0) + self.ds.abandoned(now, 2 * MAX_POLL_S + 5.0):
             fut = self.waiters.pop(sid, None)
             if fut is not None:
@@ -211,7 +237,7 @@ class Orchestrator:
             self.last_change_s = now
             self.known_changed = True
             cur = self.current
-            grants: list[Grant] = []
+            grants: list[ChainGrant] = []
             if cur is not None and cur.installed and self.ds.mode == "router":
                 grants = self._install_router(cur, now, exclude=set(gone))
         for p in gone:
@@ -239,9 +265,9 @@ class Orchestrator:
             return False
         cur = self.current
         if cur is None:
-            enough = self.config.expected_servers and len(measured) >= self.config.expected_servers
-            settled = now - self.last_change_s >= self.config.settle_s
-            return bool(enough or settled)
+            c = self.config
+            return first_plan_due(now, len(measured), c.expected_servers, self.last_change_s, c.settle_s,
+                                  self.first_registration_s, c.expected_wait_s)
         if not self.known_changed:
             return False
         stale = any(p not in self.records for p in cur.peers if cur.assignment(p))
@@ -306,7 +332,7 @@ class Orchestrator:
                 if want is None:
                     continue
                 rec = self.records.get(p)
-                if rec is None or rec.info.state != "online" or (rec.info.start, rec.info.end) != want:
+                if rec is None or rec.info.state != ServerState.ONLINE or (rec.info.start, rec.info.end) != want:
                     return
             cur.installed = True
             if cur.plan.policy in ("petals", "bprr"):
@@ -315,8 +341,8 @@ class Orchestrator:
                 max_len = {p: self.records[p].info.max_length_tokens for p in cur.peers}
                 specs = []
                 for k in cur.chains:
-                    hops = tuple((cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
-                    specs.append((hops, k.capacity, k.service_time_s, min(max_len[h[0]] for h in hops)))
+                    hops = tuple(Hop(cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
+                    specs.append((hops, k.capacity, k.service_time_s, min(max_len[h.peer_id] for h in hops)))
                 grants = self.ds.install_chains(specs, cur.version, now)
             chains = self.ds.chain_views()
         self.log_event(f"plan v{cur.version} online: {len(chains)} chain(s) installed: " + "; ".join(
@@ -324,7 +350,7 @@ class Orchestrator:
             for ch in chains if ch["dispatchable"]))
         self.deliver(grants)
 
-    def _install_router(self, cur: PlanState, now: float, exclude: set[str] = frozenset()) -> list[Grant]:
+    def _install_router(self, cur: PlanState, now: float, exclude: set[str] = frozenset()) -> list[ChainGrant]:
         """Router mode: a per-request router over the plan's placement, without lost servers."""
         keep = [j for j, p in enumerate(cur.peers) if p not in exclude and p in self.records]
         cluster = Cluster(cur.cluster.service, tuple(cur.cluster.servers[j] for j in keep),
@@ -341,12 +367,21 @@ class Orchestrator:
         return self.ds.install_router(router, peers, max_len, cur.version, now)
 
     # -- dispatch helpers (called from RPC handlers on the loop) -------------------------------
-    def deliver(self, grants: list[Grant]) -> None:
-        for g in grants:
-            fut = self.waiters.get(g.session_id)
-            if fut is None:
-                continue  # its client stopped polling: the lease expires without heartbeats
-            fut.get_loop().call_soon_threadsafe(lambda f=fut, g=g: f.done() or f.set_result(g))
+    def deliver(self, grants: list[ChainGrant]) -> None:
+        with self.lock:
+            for g in grants:
+                fut = self.waiters.get(g.session_id)
+                if fut is None:
+                    continue  # its client stopped polling: the lease expires without heartbeats
+                # Why also `delivered`: the future is resolved later on the event loop; a poll that
+                # runs before that finds the session neither waiting nor resolved.
+                self.delivered[g.session_id] = (g, self.clock())
+                fut.get_loop().call_soon_threadsafe(lambda f=fut, g=g: f.done() or f.set_result(g))
+
+    def take_delivered(self, session_id: str) -> ChainGrant | None:
+        """A grant delivered to a waiter whose future may not be resolved yet (call under the lock)."""
+        entry = self.delivered.pop(session_id, None)
+        return None if entry is None else entry[0]
 
     def name_of(self, peer_id: str) -> str:
         rec = self.records.get(peer_id)
@@ -356,9 +391,10 @@ class Orchestrator:
         with self.lock:
             cur = self.current
             if cur is None or peer_id not in cur.peers:
-                return Assignment("pending", cur.version if cur else 0)
+                return Assignment(AssignmentStatus.PENDING, cur.version if cur else 0)
             r = cur.assignment(peer_id)
-            return Assignment("unused", cur.version) if r is None else Assignment("assigned", cur.version, *r)
+            return (Assignment(AssignmentStatus.UNUSED, cur.version) if r is None
+                    else Assignment(AssignmentStatus.ASSIGNED, cur.version, *r))
 
     # -- views ---------------------------------------------------------------------------------
     def status(self) -> dict:

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from orchestrator.baselines.request_router import PerRequestRouter
+from petals_chain.messages import ChainGrant, Hop
 
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -35,7 +36,7 @@ WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 @dataclass
 class LiveChain:
     chain_id: int
-    hops: tuple[tuple[str, int, int], ...]  # (peer_id, start, end) in order
+    hops: tuple[Hop, ...]  # in block order
     capacity: int
     service_time_s: float
     max_length_tokens: int = 1 << 30
@@ -45,7 +46,7 @@ class LiveChain:
 
     @property
     def peers(self) -> tuple[str, ...]:
-        return tuple(h[0] for h in self.hops)
+        return tuple(h.peer_id for h in self.hops)
 
 
 @dataclass
@@ -58,7 +59,6 @@ class Lease:
     wait_s: float
     job_id: int = -1
     charged: float = 0.0  # fair queue: what the client's counter was charged at the grant
-    grant: Grant | None = None  # what the session was told (a poll that races the delivery reads it)
 
 
 @dataclass
@@ -71,17 +71,6 @@ class Waiter:
     deadline_s: float
     job_id: int = -1
     last_seen_s: float = 0.0  # last time its client polled (a client that stops polling is gone)
-
-
-@dataclass(frozen=True)
-class Grant:
-    session_id: str
-    chain_id: int
-    hops: tuple[tuple[str, int, int], ...]
-    service_time_s: float
-    wait_s: float
-    plan_version: int
-    seq: int = 0  # admission order (1, 2, ...): FIFO checks read it
 
 
 @dataclass
@@ -146,8 +135,8 @@ class DispatchState:
         self._route_chain.clear()
         self._job_session.clear()
 
-    def install_chains(self, chains: list[tuple[tuple[tuple[str, int, int], ...], int, float, int]],
-                       plan_version: int, now_s: float) -> list[Grant]:
+    def install_chains(self, chains: list[tuple[tuple[Hop, ...], int, float, int]],
+                       plan_version: int, now_s: float) -> list[ChainGrant]:
         """JFFC mode: `chains` = [(hops, capacity, service_time_s, max_length_tokens)], fastest first.
         Chains of earlier plans keep their sessions and drain. Returns grants to queued sessions."""
         self._retire_all()
@@ -160,7 +149,7 @@ class DispatchState:
         return self._serve_queue(now_s)
 
     def install_router(self, router: PerRequestRouter, peer_ids: list[str], max_length_tokens: dict[str, int],
-                       plan_version: int, now_s: float) -> list[Grant]:
+                       plan_version: int, now_s: float) -> list[ChainGrant]:
         """Router mode (petals, bprr): queued sessions are offered to the new router in FIFO order."""
         self._retire_all()
         self.plan_version = plan_version
@@ -202,10 +191,10 @@ class DispatchState:
         return any(c.dispatchable and c.max_length_tokens >= max_length for c in self.chains.values())
 
     def acquire(self, session_id: str, client_id: str, max_length: int, now_s: float, *, timeout_s: float,
-                exclude: frozenset[str] = frozenset()) -> tuple[Grant | None, list[Grant]]:
+                exclude: frozenset[str] = frozenset()) -> tuple[ChainGrant | None, list[ChainGrant]]:
         """Grant `session_id` a chain now, or queue it (returns None). A session that already holds a
         lease (failover) gives it back first; the grants of other sessions that this frees come second."""
-        others: list[Grant] = []
+        others: list[ChainGrant] = []
         if session_id in self.leases:
             others = self.release(session_id, now_s)
         if session_id in self.queue:
@@ -246,7 +235,7 @@ class DispatchState:
             waiters.sort(key=lambda w: (self.client_service.get(w.client_id, 0.0), held.get(w.client_id, 0)))
         return waiters
 
-    def _serve_queue(self, now_s: float) -> list[Grant]:
+    def _serve_queue(self, now_s: float) -> list[ChainGrant]:
         if self.router is not None:
             return []
         grants = []
@@ -266,7 +255,7 @@ class DispatchState:
                 break
         return grants
 
-    def _grant(self, w: Waiter, ch: LiveChain, now_s: float) -> Grant:
+    def _grant(self, w: Waiter, ch: LiveChain, now_s: float) -> ChainGrant:
         assert ch.in_use < ch.capacity or ch.route is not None
         del self.queue[w.session_id]
         ch.in_use += 1
@@ -277,17 +266,10 @@ class DispatchState:
                                           wait, w.job_id, charge)
         self.metrics.admitted += 1
         self.metrics.observe_wait(wait)
-        grant = Grant(w.session_id, ch.chain_id, ch.hops, ch.service_time_s, wait, self.plan_version,
-                      self.metrics.admitted)
-        self.leases[w.session_id].grant = grant
-        return grant
+        return ChainGrant(w.session_id, ch.chain_id, self.plan_version, ch.hops, ch.service_time_s, self.lease_ttl_s,
+                          wait, extra={"seq": self.metrics.admitted})
 
-    def granted(self, session_id: str) -> Grant | None:
-        """The grant of a session that left the queue with a lease (None otherwise)."""
-        lease = self.leases.get(session_id)
-        return None if lease is None else lease.grant
-
-    def _router_starts(self, starts, now_s: float) -> list[Grant]:
+    def _router_starts(self, starts, now_s: float) -> list[ChainGrant]:
         grants = []
         for st in starts:
             sid = self._job_session.pop(st.job_id)
@@ -295,15 +277,16 @@ class DispatchState:
             cid = self._route_chain.get(st.chain_id)
             if cid is None or cid not in self.chains:
                 spec = self.router.route(st.chain_id)
-                hops = tuple((self.router_peers[j], b.start, b.end) for j, b in zip(spec.servers, spec.blocks))
+                hops = tuple(Hop(self.router_peers[j], b.start, b.end) for j, b in zip(spec.servers, spec.blocks))
                 cid = self._new_chain_id()
-                max_len = min(self.router_max_length.get(p, 1 << 30) for p, _, _ in hops)
+                max_len = min(self.router_max_length.get(h.peer_id, 1 << 30) for h in hops)
                 self.chains[cid] = LiveChain(cid, hops, 0, spec.service_time_s, max_len, route=st.chain_id)
                 self._route_chain[st.chain_id] = cid
             grants.append(self._grant(w, self.chains[cid], now_s))
         return grants
 
-    def release(self, session_id: str, now_s: float, *, input_tokens: int = 0, output_tokens: int = 0) -> list[Grant]:
+    def release(self, session_id: str, now_s: float, *, input_tokens: int = 0,
+                output_tokens: int = 0) -> list[ChainGrant]:
         """The session ended: free its slot; returns the sessions that start now (queue head first).
         Reported lengths replace the expected ones in its client's service counter."""
         lease = self.leases.pop(session_id, None)
@@ -315,7 +298,7 @@ class DispatchState:
         self.metrics.released += 1
         return self._free(lease, now_s)
 
-    def _free(self, lease: Lease, now_s: float) -> list[Grant]:
+    def _free(self, lease: Lease, now_s: float) -> list[ChainGrant]:
         ch = self.chains.get(lease.chain_id)
         if ch is not None:
             ch.in_use -= 1
@@ -334,7 +317,7 @@ class DispatchState:
         lease.expires_s = now_s + self.lease_ttl_s
         return True
 
-    def expire(self, now_s: float) -> tuple[list[str], list[Grant]]:
+    def expire(self, now_s: float) -> tuple[list[str], list[ChainGrant]]:
         """Release leases past their expiry; returns (expired sessions, grants)."""
         expired, grants = [], []
         for sid, lease in list(self.leases.items()):
@@ -399,9 +382,9 @@ class DispatchState:
             if ch.route is not None and self.router is not None and ch.dispatchable:
                 # a per-request route has no fixed capacity: report the sessions it could hold right now
                 idx = {p: j for j, p in enumerate(self.router_peers)}
-                cap = ch.in_use + min(self.router.free_slots[idx[p]] // max(1, e - s) for p, s, e in ch.hops)
+                cap = ch.in_use + min(self.router.free_slots[idx[h.peer_id]] // max(1, h.num_blocks) for h in ch.hops)
             out.append({"chain_id": ch.chain_id, "servers": list(ch.peers),
-                        "blocks": [[s, e] for _, s, e in ch.hops], "capacity": cap, "in_use": ch.in_use,
+                        "blocks": [[h.start, h.end] for h in ch.hops], "capacity": cap, "in_use": ch.in_use,
                         "service_time": ch.service_time_s, "dispatchable": ch.dispatchable})
         return out
 

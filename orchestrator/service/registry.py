@@ -1,15 +1,15 @@
 """Server records (DHT announcements + the orchestrator's RTT measurements) -> the planner's
 `Cluster`. Pure: the service feeds records in, gets a Cluster and the peer id of each index.
 
-Units: memory, s_m and s_c in bytes (the model's `*_gb` fields accept any single unit); times in
-seconds. Server names in the Cluster are peer ids (unique); display names live in the records.
+Units: memory, s_m and s_c in bytes (the model's unit-free `memory`/`block_size`/`cache_size`
+accept any single unit); times in seconds. Server names in the Cluster are peer ids (unique); display names live in the records.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
-from orchestrator.model import BlockRange, Cluster, Server, Service
+from orchestrator.model import BlockInterval, Cluster, Server, Service
 from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
 from petals_chain.wire import ServerInfo
 
@@ -56,9 +56,9 @@ def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionSh
     servers = []
     for r in usable:
         tau_c, tau_p = server_params(r, shape, overheads)
-        servers.append(Server(name=r.peer_id, memory_gb=float(r.info.memory_budget_bytes), tau_c_s=tau_c,
+        servers.append(Server(name=r.peer_id, memory=float(r.info.memory_budget_bytes), tau_c_s=tau_c,
                               tau_p_s=tau_p, rtt_s=r.rtt_s))
-    cluster = Cluster(service=Service(num_blocks=num_blocks, block_size_gb=float(s_m), cache_size_gb=float(s_c)),
+    cluster = Cluster(service=Service(num_blocks=num_blocks, block_size=float(s_m), cache_size=float(s_c)),
                       servers=tuple(servers), arrival_rate_per_s=arrival_rate_per_s, rho_bar=rho_bar)
     return cluster, [r.peer_id for r in usable]
 
@@ -66,9 +66,9 @@ def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionSh
 def cluster_to_dict(cluster: Cluster) -> dict:
     """The cluster in `petals-chain plan --cluster` input form (docs/orchestrator.md)."""
     s = cluster.service
-    return {"blocks": s.num_blocks, "block_size": s.block_size_gb, "cache_size": s.cache_size_gb,
+    return {"blocks": s.num_blocks, "block_size": s.block_size, "cache_size": s.cache_size,
             "arrival_rate": cluster.arrival_rate_per_s, "rho_bar": cluster.rho_bar,
-            "servers": [{"name": sv.name, "memory": sv.memory_gb, "tau_c": sv.tau_c_s, "tau_p": sv.tau_p_s,
+            "servers": [{"name": sv.name, "memory": sv.memory, "tau_c": sv.tau_c_s, "tau_p": sv.tau_p_s,
                          **({"rtt": sv.rtt_s} if sv.rtt_s is not None else {})} for sv in cluster.servers]}
 
 
@@ -83,8 +83,8 @@ class HeldRange:
     busy: bool = False
 
 
-def keep_held_ranges(ranges: list[BlockRange | None], peers: list[str], held: dict[str, HeldRange], *,
-                     force: bool = False) -> tuple[list[BlockRange | None], list[str]]:
+def keep_held_ranges(ranges: list[BlockInterval | None], peers: list[str], held: dict[str, HeldRange], *,
+                     force: bool = False) -> tuple[list[BlockInterval | None], list[str]]:
     """Overlay on a fresh placement the ranges that must not move: fixed servers always, busy
     servers unless `force`. Returns the placement to install and the peers kept (pinned) where the
     fresh plan wanted something else. Pure."""
@@ -95,6 +95,6 @@ def keep_held_ranges(ranges: list[BlockRange | None], peers: list[str], held: di
         if h is None or not (h.fixed or (h.busy and not force)):
             continue
         if out[j] is None or (out[j].start, out[j].end) != (h.start, h.end):
-            out[j] = BlockRange(h.start, h.end)
+            out[j] = BlockInterval(h.start, h.end)
             pinned.append(p)
     return out, pinned

@@ -8,6 +8,7 @@ So a client notices a dead orchestrator within one poll, and a waiting session g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from hivemind.p2p import P2PContext
@@ -15,7 +16,8 @@ from hivemind.proto import runtime_pb2
 
 from petals_chain import wire
 from petals_chain.errors import AcquireTimeoutError, InvalidRequestError, MaxLengthExceededError, NoChainError
-from petals_chain.orchestrator_records import ChainGrant, GrantHop
+from petals_chain.messages import (Acquire, AssignmentReply, AssignmentRequest, ChainGrant, Granted, Heartbeat,
+                                   HeartbeatReply, Queued, Release, Released)
 
 logger = logging.getLogger(__name__)
 
@@ -26,36 +28,31 @@ class OrchestratorRpc:
     def __init__(self, orch):
         self.orch = orch  # orchestrator.service.core.Orchestrator
 
-    def _grant_wire(self, g) -> dict:
-        hops = [GrantHop(p, s, e, self.orch.name_of(p)) for p, s, e in g.hops]
-        return {"type": "granted", "grant": ChainGrant(g.session_id, g.chain_id, g.plan_version, hops,
-                                                       g.service_time_s, self.orch.config.lease_ttl_s,
-                                                       g.wait_s, extra={"seq": g.seq}).to_wire()}
+    def _granted(self, g: ChainGrant) -> runtime_pb2.ExpertResponse:
+        """The grant as sent: its hops carry the servers' names (for the client's logs)."""
+        hops = tuple(dataclasses.replace(h, name=self.orch.name_of(h.peer_id)) for h in g.hops)
+        return wire.response(Granted(dataclasses.replace(g, hops=hops)))
 
     @wire.replies_with_typed_errors
     async def acquire(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         orch = self.orch
-        meta = wire.unpack_request(request, "acquire")
-        sid = wire.field_of(meta, "session_id", str)
+        msg = wire.decode_request(request, Acquire)
+        sid, max_length, exclude = msg.session_id, msg.max_length, msg.exclude
         client_id = str(context.remote_id)
-        max_length = wire.field_of(meta, "max_length", int)
-        timeout_s = min(wire.field_of(meta, "timeout_s", float, default=60.0), orch.config.max_acquire_timeout_s)
-        poll_s = min(wire.field_of(meta, "poll_s", float, default=5.0), MAX_POLL_S)
-        exclude = wire.field_of(meta, "exclude", list, default=[])
-        if not sid or len(sid) > 128:
-            raise InvalidRequestError("session_id must be a non-empty string of at most 128 characters")
-        if max_length < 1:
-            raise InvalidRequestError(f"max_length must be >= 1, got {max_length}")
-        if not all(isinstance(p, str) for p in exclude):
-            raise InvalidRequestError("exclude must be a list of peer ids")
+        timeout_s = min(msg.timeout_s, orch.config.max_acquire_timeout_s)
+        poll_s = min(msg.poll_s, MAX_POLL_S)
         now = orch.clock()
         with orch.lock:
             fut = orch.waiters.get(sid)
-            if fut is not None and fut.done():  # granted between two polls
+            delivered = orch.take_delivered(sid)
+            if delivered is not None:  # granted between two polls (its future may not be resolved yet)
+                orch.waiters.pop(sid, None)
+                return self._granted(delivered)
+            if fut is not None and fut.done():  # resolved between two polls
                 orch.waiters.pop(sid, None)
                 if fut.result() is not None:
-                    return wire.response(self._grant_wire(fut.result()))
-                fut = None
+                    return self._granted(fut.result())
+                fut = None  # it left the queue without a grant (timed out, abandoned): a new request
             if fut is None:  # a new request (or a replacement after failover)
                 if orch.current is None and orch.plan_error:
                     raise NoChainError(f"the orchestrator cannot plan for the servers it knows: {orch.plan_error}")
@@ -73,25 +70,28 @@ class OrchestratorRpc:
                 if grant is not None:
                     fut.set_result(grant)
                 orch.deliver(others)
-            elif sid not in orch.ds.queue:
-                # granted by another thread (the control loop) whose delivery to `fut` is still on its
-                # way through call_soon_threadsafe: answer with the grant the lease records
-                grant = orch.ds.granted(sid)
-                if grant is None:
-                    raise InvalidRequestError(f"session {sid!r} is not waiting")
-                orch.waiters.pop(sid, None)
-                return wire.response(self._grant_wire(grant))
+            elif sid not in orch.ds.queue and sid not in orch.ds.leases:
+                raise InvalidRequestError(f"session {sid!r} is not waiting")
             orch.ds.touch(sid, now)
-            deadline = orch.ds.queue[sid].deadline_s if sid in orch.ds.queue else now
+            if sid in orch.ds.queue:
+                deadline = orch.ds.queue[sid].deadline_s
+            elif not fut.done() and sid in orch.ds.leases:  # granted on another thread, not delivered yet
+                deadline = now + poll_s
+            else:
+                deadline = now
         wait = max(0.0, min(poll_s, deadline - now))
         try:
             grant = await asyncio.wait_for(asyncio.shield(fut), wait) if not fut.done() else fut.result()
         except asyncio.TimeoutError:
             with orch.lock:
+                delivered = orch.take_delivered(sid)
                 if fut.done():
                     grant = fut.result()
-                elif sid not in orch.ds.queue and orch.ds.granted(sid) is not None:
-                    grant = orch.ds.granted(sid)  # granted; the delivery to `fut` is still on its way
+                elif delivered is not None:  # delivered by another thread; `fut` is resolved later
+                    grant = delivered
+                elif sid not in orch.ds.queue and sid in orch.ds.leases:
+                    # granted on another thread that has not delivered yet: the next poll gets it
+                    return wire.response(Queued(0, orch.ds.queue_length))
                 elif sid not in orch.ds.queue:  # another thread took it out (deadline, abandoned)
                     orch.waiters.pop(sid, None)
                     raise AcquireTimeoutError("the session left the orchestrator's queue (its deadline passed or "
@@ -106,22 +106,22 @@ class OrchestratorRpc:
                 else:
                     orch.ds.touch(sid, orch.clock())
                     pos = list(orch.ds.queue).index(sid) + 1
-                    return wire.response({"type": "queued", "position": pos, "queue_length": orch.ds.queue_length})
+                    return wire.response(Queued(pos, orch.ds.queue_length))
         with orch.lock:
             orch.waiters.pop(sid, None)
+            orch.take_delivered(sid)
         if grant is None:
             raise AcquireTimeoutError("the session waited too long without polling and left the queue")
-        return wire.response(self._grant_wire(grant))
+        return self._granted(grant)
 
     @wire.replies_with_typed_errors
     async def release(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         orch = self.orch
-        meta = wire.unpack_request(request, "release")
-        sid = wire.field_of(meta, "session_id", str)
-        input_tokens = wire.field_of(meta, "input_tokens", int, default=0)
-        output_tokens = wire.field_of(meta, "output_tokens", int, default=0)
+        msg = wire.decode_request(request, Release)
+        sid, input_tokens, output_tokens = msg.session_id, msg.input_tokens, msg.output_tokens
         with orch.lock:
             known = sid in orch.ds.leases
+            orch.delivered.pop(sid, None)
             if sid in orch.ds.queue:
                 orch.ds.cancel(sid)
                 fut = orch.waiters.pop(sid, None)
@@ -133,23 +133,19 @@ class OrchestratorRpc:
                 shape = orch.lengths.shape
                 orch.ds.expected_tokens = (shape.mean_input_tokens, shape.mean_output_tokens)
         orch.deliver(grants)
-        return wire.response({"type": "released", "known": known})
+        return wire.response(Released(known))
 
     @wire.replies_with_typed_errors
     async def heartbeat(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         orch = self.orch
-        meta = wire.unpack_request(request, "heartbeat")
-        sids = wire.field_of(meta, "session_ids", list)
-        if not all(isinstance(s, str) for s in sids):
-            raise InvalidRequestError("session_ids must be a list of strings")
+        sids = wire.decode_request(request, Heartbeat).session_ids
         now = orch.clock()
         with orch.lock:
             unknown = [s for s in sids if not orch.ds.heartbeat(s, now) and s not in orch.ds.queue]
-        return wire.response({"type": "heartbeat", "unknown": unknown, "lease_ttl_s": orch.config.lease_ttl_s})
+        return wire.response(HeartbeatReply(unknown, orch.config.lease_ttl_s))
 
     @wire.replies_with_typed_errors
     async def assignment(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        wire.unpack_request(request, "assignment")
-        a = self.orch.assignment_for(str(context.remote_id))
-        return wire.response({"type": "assignment", "assignment": a.to_wire()})
+        wire.decode_request(request, AssignmentRequest)
+        return wire.response(AssignmentReply(self.orch.assignment_for(str(context.remote_id))))
 

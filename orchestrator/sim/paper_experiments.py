@@ -103,7 +103,7 @@ def baseline_options(authors: AuthorsChoices, is_high) -> BaselineOptions:
     """The baselines' knobs for the authors' choices that are on (authors_setup)."""
     return BaselineOptions(
         petals_max_blocks=tuple(None if h else AUTHORS_PETALS_LOW_BLOCK_CAP for h in is_high) if authors.petals_block_cap else None,
-        petals_fixed_cache_gb_per_block=AUTHORS_PETALS_CACHE_GB_PER_BLOCK if authors.petals_fixed_cache else None,
+        petals_fixed_cache_per_block=AUTHORS_PETALS_CACHE_GB_PER_BLOCK if authors.petals_fixed_cache else None,
         bprr_wait="active-mean" if authors.bprr_active_wait else "order-statistics",
         commit_at_arrival=authors.commit_at_arrival)
 

@@ -11,6 +11,7 @@ the chain the orchestrator counts it on.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -18,10 +19,12 @@ import time
 from hivemind.p2p import PeerID
 
 from petals_chain import wire
-from petals_chain.client.routing import ChainProvider, Hop
+from petals_chain.client.routing import ChainProvider
 from petals_chain.errors import OrchestratorUnavailableError, PetalsChainError
-from petals_chain.orchestrator_records import ChainGrant
+from petals_chain.messages import (Acquire, ChainGrant, Granted, Heartbeat, HeartbeatReply, Queued, Release, Released,
+                                   decode_tagged)
 from petals_chain.protocol import OrchestratorService
+from petals_chain.wire_record import WireRecord
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ class OrchestratorChainProvider(ChainProvider):
         self._thread = threading.Thread(target=self._heartbeat_loop, name="lease-heartbeat", daemon=True)
         self._thread.start()
 
-    def _call(self, method: str, meta: dict, timeout_s: float) -> dict:
+    def _call(self, method: str, meta: WireRecord, timeout_s: float) -> dict:
         try:
             return self._call_once(method, meta, timeout_s)
         except OrchestratorUnavailableError:
@@ -67,7 +70,7 @@ class OrchestratorChainProvider(ChainProvider):
             self.orchestrator_peer_id = new
             return self._call_once(method, meta, timeout_s)
 
-    def _call_once(self, method: str, meta: dict, timeout_s: float) -> dict:
+    def _call_once(self, method: str, meta: WireRecord, timeout_s: float) -> dict:
         stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(self.orchestrator_peer_id))
         try:
             resp = self.loop.run(getattr(stub, method)(wire.request(meta), timeout=timeout_s), timeout_s=timeout_s + 2)
@@ -84,11 +87,11 @@ class OrchestratorChainProvider(ChainProvider):
         if not session_id:
             raise PetalsChainError("OrchestratorChainProvider.find_chain needs the session id")
         deadline = time.monotonic() + self.acquire_timeout_s
-        meta = {"type": "acquire", "session_id": session_id, "max_length": int(max_length or 1),
-                "timeout_s": float(self.acquire_timeout_s), "poll_s": float(self.poll_s), "exclude": sorted(exclude)}
+        meta = Acquire(session_id, int(max_length or 1), float(self.acquire_timeout_s), float(self.poll_s),
+                       sorted(exclude))
         while True:
             try:
-                out = self._call("rpc_acquire", meta, self.poll_s + self.rpc_margin_s)
+                out = decode_tagged(self._call("rpc_acquire", meta, self.poll_s + self.rpc_margin_s), Granted, Queued)
             except OrchestratorUnavailableError as e:
                 # no orchestrator answers (it died; a restarted one may not have announced itself yet):
                 # the session waits for one as it would wait in the queue, until its acquire deadline
@@ -99,25 +102,24 @@ class OrchestratorChainProvider(ChainProvider):
                 logger.warning("%s; asking again in %.0f s", e, self.retry_unavailable_s)
                 self._stop.wait(self.retry_unavailable_s)
                 continue
-            if out.get("type") == "granted":
-                grant = ChainGrant.from_wire(out.get("grant"))
+            if isinstance(out, Granted):
+                grant = out.grant
                 with self._lock:
                     self.grants[session_id] = grant
                     self.last_grant[session_id] = grant
                     self.granted_at_s[session_id] = time.monotonic()
                     self._heartbeat_period_s = max(0.5, grant.lease_ttl_s / 3)
-                hops = [Hop(h.peer_id, max(h.start, start), h.end, h.name) for h in grant.hops if h.end > start]
-                return hops
+                return [dataclasses.replace(h, start=max(h.start, start)) for h in grant.hops if h.end > start]
             if time.monotonic() > deadline + self.rpc_margin_s:  # the orchestrator should have said so
                 raise OrchestratorUnavailableError("the orchestrator kept the session queued past its timeout")
-            logger.debug("session %s queued at position %s", session_id[:8], out.get("position"))
+            logger.debug("session %s queued at position %s", session_id[:8], out.position)
 
     def session_finished(self, hops, *, session_id="", input_tokens=0, output_tokens=0):
         with self._lock:
             self.grants.pop(session_id, None)
         try:
-            self._call("rpc_release", {"type": "release", "session_id": session_id, "input_tokens": int(input_tokens),
-                                       "output_tokens": int(output_tokens)}, 5.0)
+            release = Release(session_id, int(input_tokens), int(output_tokens))
+            Released.from_wire(self._call("rpc_release", release, 5.0))
         except PetalsChainError as e:  # the lease expires by itself; say so, do not fail the caller's close
             logger.warning("release of session %s failed: %s (its lease will expire)", session_id[:8], e)
 
@@ -139,10 +141,10 @@ class OrchestratorChainProvider(ChainProvider):
             held = dict(self.grants)
         if not held:
             return []
-        out = self._call("rpc_heartbeat", {"type": "heartbeat", "session_ids": sorted(held)}, 5.0)
+        out = HeartbeatReply.from_wire(self._call("rpc_heartbeat", Heartbeat(sorted(held)), 5.0))
         lost = []
         with self._lock:
-            for sid in out.get("unknown", []):
+            for sid in out.unknown:
                 if sid in held and self.grants.get(sid) is held[sid]:
                     lost.append(sid)
                     # say it once: a lost lease is not renewed (a failover acquires a new one)

@@ -23,7 +23,7 @@ from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, ChainSession
 from petals_chain.client.orchestrated import OrchestratorChainProvider
-from petals_chain.client.routing import ChainProvider, DhtChainProvider, Hop
+from petals_chain.client.routing import ChainProvider, DhtChainProvider
 from petals_chain.dht_records import fetch_servers, model_key
 from petals_chain.errors import (
     InvalidRequestError,
@@ -33,6 +33,7 @@ from petals_chain.errors import (
     ServerUnavailableError,
     SessionIdleTimeoutError,
 )
+from petals_chain.messages import Close, Forward, Hop, Open, Opened, Step, StepReply
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, ping_block_server_s
 from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
@@ -129,10 +130,8 @@ class RemoteChain(ChainBackend):
         return ping_block_server_s(self.loop, self.p2p, peer_id)
 
     def server_info(self, peer_id: str) -> wire.ServerInfo:
-        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request({"type": "info"}), timeout=5.0), timeout_s=7.0)
-        meta = wire.unpack(resp.metadata)
-        wire.raise_if_error(meta)
-        return wire.ServerInfo.from_wire(meta.get("info"))
+        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=5.0), timeout_s=7.0)
+        return wire.decode_reply(wire.unpack(resp.metadata), wire.InfoReply).info
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward); with an
@@ -187,7 +186,7 @@ class RemoteChain(ChainBackend):
 
     async def _forward_hop(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:
         """One hop of a forward: unary when the tensor fits one message, else the streaming RPC."""
-        requests = wire_parts.to_messages({"type": "forward", "entry_block": hop.start}, (hidden,))
+        requests = wire_parts.to_messages(Forward(hop.start).to_wire(), (hidden,))
         stub = self.stub(hop.peer_id)
         if len(requests) == 1:
             reply = wire_parts.decode_single(await stub.rpc_forward(requests[0], timeout=self.step_timeout_s))
@@ -264,19 +263,21 @@ class RemoteChainSession(ChainSession):
     async def _open_one(self, hop: Hop) -> HopStream:
         queue: asyncio.Queue = asyncio.Queue()
         responses = await self.chain.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
-        await queue.put(wire.request({"type": "open", "session_id": self.session_id, "max_length": self.max_length,
-                                      "entry_block": hop.start}))
+        await queue.put(wire.request(Open(self.session_id, self.max_length, hop.start)))
         meta = wire.unpack((await asyncio.wait_for(anext(responses), self.chain.open_timeout_s)).metadata)
-        if meta.get("type") == "error":
+        try:
+            wire.decode_reply(meta, Opened)
+        except PetalsChainError as e:
             await queue.put(None)
-        wire.raise_if_error(meta)
+            if isinstance(e, InvalidRequestError) and meta.get("type") != "error":  # not its typed refusal
+                raise ServerUnavailableError(f"server {hop.describe()} sent a malformed open reply: {e}") from e
+            raise
         return HopStream(hop, queue, responses)
 
     async def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         self._step_id += 1
         t0 = time.perf_counter()
-        for request in wire_parts.to_messages({"type": "step", "session_id": self.session_id,
-                                               "step_id": self._step_id}, (hidden,)):
+        for request in wire_parts.to_messages(Step(self.session_id, self._step_id).to_wire(), (hidden,)):
             await stream.queue.put(request)
         try:
             reply = await asyncio.wait_for(wire_parts.receive_one(stream.responses), self.chain.step_timeout_s)
@@ -284,13 +285,15 @@ class RemoteChainSession(ChainSession):
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         client_s = time.perf_counter() - t0
         wire.raise_if_error(reply.meta)
+        try:
+            meta = StepReply.from_wire(reply.meta)
+        except InvalidRequestError as e:
+            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         if len(reply.tensors) != 1:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
-        server_s = reply.meta.get("server_s")
         self.hop_timings.append(HopTiming(
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
-            stream.hop.end - stream.hop.start, hidden.shape[0], client_s,
-            float(server_s) if isinstance(server_s, (int, float)) else None))
+            stream.hop.num_blocks, hidden.shape[0], client_s, meta.server_s))
         return reply.tensors[0]
 
     def _run(self, coro, timeout_s: float):
@@ -320,7 +323,7 @@ class RemoteChainSession(ChainSession):
 
     def _close_streams(self, streams: list[HopStream]) -> None:
         async def close(s: HopStream):
-            await s.queue.put(wire.request({"type": "close"}))
+            await s.queue.put(wire.request(Close()))
             await s.queue.put(None)
 
         for s in streams:

@@ -1,6 +1,7 @@
 """Choosing the chain of servers a session runs on, behind one small interface.
 
-`ChainProvider.find_chain(start, end, exclude)` returns hops that together process blocks
+`ChainProvider.find_chain(start, end, exclude)` returns hops (`messages.Hop`, the one chain type the
+orchestrator's grants use too) that together process blocks
 `[start, end)` in order. Until an orchestrator decides, the client picks the chain itself from the
 DHT records by minimum estimated latency, as PETALS does: Dijkstra over block boundaries, where
 using server s from boundary b costs its round trip plus its per-block decode time over the blocks
@@ -12,25 +13,12 @@ import heapq
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from petals_chain.errors import NoChainError
-from petals_chain.wire import ServerInfo
+from petals_chain.messages import Hop
+from petals_chain.wire import ServerInfo, ServerState
 
 NO_CACHE_PENALTY_S = 10.0
-
-
-@dataclass(frozen=True)
-class Hop:
-    """One server of a chain and the blocks `[start, end)` this session runs there."""
-
-    peer_id: str
-    start: int
-    end: int
-    name: str = ""
-
-    def describe(self) -> str:
-        return f"{self.name or self.peer_id[-6:]}[{self.start}:{self.end})"
 
 
 class ChainProvider(ABC):
@@ -66,7 +54,7 @@ def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Ca
     replace only a failed span and keep the hops after it, which start at those boundaries.
     """
     targets = ends if ends else frozenset({end})
-    usable = [s for s in servers if s.peer_id not in exclude and s.state == "online"
+    usable = [s for s in servers if s.peer_id not in exclude and s.state == ServerState.ONLINE
               and s.max_length_tokens >= max_length and s.end > start and s.start < end]
     best: dict[int, float] = {start: 0.0}
     prev: dict[int, tuple[int, ServerInfo]] = {}

@@ -1,0 +1,283 @@
+"""The typed messages of the inference stream and of the orchestrator's RPCs, and the chain type.
+
+Every message is a `WireRecord` dataclass (one generic `from_wire`/`to_wire`, `wire_record.py`)
+whose `TYPE` is the `type` tag on the wire; the wire format is the msgpack map it always was.
+
+- inference stream (server/handler.py <-> client/remote.py): `Open` -> `Opened`, `Step` -> `StepReply`
+  (with the hidden states as the group's tensor), `Close`; stateless `Forward`;
+- orchestrator (orchestrator/service/rpc.py <-> client/orchestrated.py): `Acquire` -> `Granted` |
+  `Queued`, `Release` -> `Released`, `Heartbeat` -> `HeartbeatReply`, `AssignmentRequest` ->
+  `AssignmentReply`; any RPC may answer `ErrorReply`.
+- `Hop` and `ChainGrant`: the one chain type shared by the orchestrator's dispatch state, its grants
+  on the wire and the client's routes (a route is a list of hops).
+
+Pure (no hivemind), so every package may import it.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from petals_chain.errors import InvalidRequestError
+from petals_chain.wire_record import WireRecord
+
+MAX_SESSION_ID_CHARS = 128
+
+
+class MessageType(enum.StrEnum):
+    OPEN = "open"
+    OPENED = "opened"
+    STEP = "step"
+    CLOSE = "close"
+    FORWARD = "forward"
+    INFO = "info"
+    ERROR = "error"
+    ACQUIRE = "acquire"
+    GRANTED = "granted"
+    QUEUED = "queued"
+    RELEASE = "release"
+    RELEASED = "released"
+    HEARTBEAT = "heartbeat"
+    ASSIGNMENT = "assignment"
+
+
+class AssignmentStatus(enum.StrEnum):
+    """`pending`: no plan covers this server yet (ask again); `assigned`: load [start, end);
+    `unused`: the plan leaves this server without blocks (ask again later)."""
+
+    PENDING = "pending"
+    ASSIGNED = "assigned"
+    UNUSED = "unused"
+
+
+def decode_tagged(meta: dict[str, Any], *kinds: type[WireRecord]) -> WireRecord:
+    """The message `meta` as the one of `kinds` whose TYPE its `type` tag names."""
+    if not isinstance(meta, dict):
+        raise InvalidRequestError(f"a message must be a map, got {type(meta).__name__}")
+    if "type" not in meta:
+        raise InvalidRequestError("message lacks field 'type'")
+    tag = meta["type"]
+    for kind in kinds:
+        if tag == kind.TYPE:
+            return kind.from_wire(meta)
+    raise InvalidRequestError(f"unknown message type {str(tag)[:64]!r} "
+                              f"(expected {', '.join(str(k.TYPE) for k in kinds)})")
+
+
+def _check_session_id(session_id: str) -> None:
+    if not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
+        raise InvalidRequestError(f"session_id must be a non-empty string of at most {MAX_SESSION_ID_CHARS} characters")
+
+
+def _check_max_length(max_length: int) -> None:
+    if max_length < 1:
+        raise InvalidRequestError(f"max_length must be >= 1, got {max_length}")
+
+
+# -- chains -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hop(WireRecord):
+    """One server of a chain and the blocks `[start, end)` a session runs there."""
+
+    peer_id: str
+    start: int
+    end: int
+    name: str = ""
+
+    def check(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise InvalidRequestError(f"bad hop range [{self.start}, {self.end})")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+    def describe(self) -> str:
+        return f"{self.name or self.peer_id[-6:]}[{self.start}:{self.end})"
+
+
+def check_chain(hops: tuple[Hop, ...] | list[Hop]) -> None:
+    """At least one hop, each starting where the previous one ends."""
+    if not hops:
+        raise InvalidRequestError("a chain needs at least one hop")
+    for a, b in zip(hops, hops[1:]):
+        if a.end != b.start:
+            raise InvalidRequestError(f"hops must be contiguous: [{a.start}, {a.end}) then [{b.start}, {b.end})")
+
+
+@dataclass(frozen=True)
+class ChainGrant(WireRecord):
+    """The chain a session may run on, with its lease (made by the dispatch state, sent by rpc_acquire).
+    `extra["seq"]` is the admission order (1, 2, ...), which FIFO checks read (`seq`)."""
+
+    session_id: str
+    chain_id: int
+    plan_version: int
+    hops: tuple[Hop, ...]
+    service_time_s: float
+    lease_ttl_s: float
+    wait_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        check_chain(self.hops)
+
+    @property
+    def seq(self) -> int:
+        seq = self.extra.get("seq", 0)
+        return seq if isinstance(seq, int) else 0
+
+
+# -- inference stream ---------------------------------------------------------------------------
+@dataclass
+class Open(WireRecord):
+    """Open a session on this stream: reserve KV cache for `max_length` tokens from `entry_block`
+    (default: the server's first block) to its last; wait at most `admission_wait_s` for memory."""
+
+    TYPE = MessageType.OPEN
+    session_id: str
+    max_length: int
+    entry_block: int | None = None
+    admission_wait_s: float | None = None
+
+    def check(self) -> None:
+        _check_max_length(self.max_length)
+
+
+@dataclass
+class Opened(WireRecord):
+    TYPE = MessageType.OPENED
+    session_id: str
+    first_block: int
+    end_block: int
+
+
+@dataclass
+class Step(WireRecord):
+    """One step's hidden states (the group's one tensor) for the open session."""
+
+    TYPE = MessageType.STEP
+    session_id: str
+    step_id: int | None = None
+
+
+@dataclass
+class StepReply(WireRecord):
+    """`server_s`: the step's time inside the server (queue + batch compute), so a client can tell
+    server time from network time (None from servers that do not report it)."""
+
+    TYPE = MessageType.STEP
+    session_id: str
+    step_id: int | None = None
+    position: int = 0
+    server_s: float | None = None
+
+
+@dataclass
+class Close(WireRecord):
+    """End the session (the server frees its cache); anything else in the message is ignored."""
+
+    TYPE = MessageType.CLOSE
+
+
+@dataclass
+class Forward(WireRecord):
+    """A stateless forward of [batch, seq, hidden] from `entry_block` (default: the first block);
+    the reply is a `Forward` with the output as its tensor."""
+
+    TYPE = MessageType.FORWARD
+    entry_block: int | None = None
+
+
+@dataclass
+class ErrorReply(WireRecord):
+    TYPE = MessageType.ERROR
+    code: str
+    message: str
+
+
+# -- orchestrator -------------------------------------------------------------------------------
+@dataclass
+class Acquire(WireRecord):
+    """Ask for a chain; `poll_s` bounds one long poll, `timeout_s` the whole wait in the queue."""
+
+    TYPE = MessageType.ACQUIRE
+    session_id: str
+    max_length: int
+    timeout_s: float = 60.0
+    poll_s: float = 5.0
+    exclude: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        _check_session_id(self.session_id)
+        _check_max_length(self.max_length)
+
+
+@dataclass
+class Granted(WireRecord):
+    TYPE = MessageType.GRANTED
+    grant: ChainGrant
+
+
+@dataclass
+class Queued(WireRecord):
+    TYPE = MessageType.QUEUED
+    position: int
+    queue_length: int
+
+
+@dataclass
+class Release(WireRecord):
+    """The session ended; its lengths refine the orchestrator's tau estimates and fair counters."""
+
+    TYPE = MessageType.RELEASE
+    session_id: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass
+class Released(WireRecord):
+    TYPE = MessageType.RELEASED
+    known: bool
+
+
+@dataclass
+class Heartbeat(WireRecord):
+    TYPE = MessageType.HEARTBEAT
+    session_ids: list[str]
+
+
+@dataclass
+class HeartbeatReply(WireRecord):
+    """`unknown`: the sessions the orchestrator holds no lease (nor queue place) for."""
+
+    TYPE = MessageType.HEARTBEAT
+    unknown: list[str]
+    lease_ttl_s: float
+
+
+@dataclass
+class Assignment(WireRecord):
+    """The block range the orchestrator assigned to a server (see `AssignmentStatus`)."""
+
+    status: AssignmentStatus
+    plan_version: int
+    start: int = 0
+    end: int = 0
+
+    def check(self) -> None:
+        if self.status == AssignmentStatus.ASSIGNED and not 0 <= self.start < self.end:
+            raise InvalidRequestError(f"bad assigned range [{self.start}, {self.end})")
+
+
+@dataclass
+class AssignmentRequest(WireRecord):
+    TYPE = MessageType.ASSIGNMENT
+
+
+@dataclass
+class AssignmentReply(WireRecord):
+    TYPE = MessageType.ASSIGNMENT
+    assignment: Assignment
