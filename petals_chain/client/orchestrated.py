@@ -4,10 +4,10 @@ find_chain(0, L) = rpc_acquire: JFFC's chain, or a wait in the central FIFO queu
 few seconds each, so a dead orchestrator is noticed within one poll; the session then waits for an
 orchestrator to answer again, the same one or a new one the DHT announces, until its acquire
 deadline, and only then gets `OrchestratorUnavailableError`), or `AcquireTimeoutError` after
-`acquire_timeout_s`. session_finished = rpc_release (with the session's input/output lengths,
-which refine the orchestrator's tau estimates). A heartbeat thread renews the leases of open sessions. On a server failure the session asks again with the failed
-server excluded and replaces its whole chain (`whole_chain_failover`), so it always runs on exactly
-the chain the orchestrator counts it on.
+`acquire_timeout_s`. session_finished = rpc_release (with the session's input/output lengths, which
+refine the orchestrator's tau estimates). A heartbeat thread renews the leases of open sessions. On
+a server failure the session asks again with the failed server excluded and replaces its whole chain
+(`whole_chain_failover`), so it always runs on exactly the chain the orchestrator counts it on.
 """
 from __future__ import annotations
 
