@@ -42,12 +42,15 @@ class Tally:
         self.lock = threading.Lock()
         self.counts = Counter()
         self.errors = Counter()
+        self.examples: dict[str, str] = {}  # the first message of each error type, to say what it was
 
-    def add(self, outcome: str, error: str | None = None) -> None:
+    def add(self, outcome: str, error: str | None = None, message: str = "") -> None:
         with self.lock:
             self.counts[outcome] += 1
             if error:
                 self.errors[error] += 1
+                if message and error not in self.examples:
+                    self.examples[error] = message[:300]
 
 
 def references(model: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -86,6 +89,7 @@ def client_loop(swarm: LocalSwarm, model: str, prompts, refs, new_tokens: int, s
                                                 do_sample=False)[0].tolist()
             except PetalsChainError as e:
                 result["typed"] = type(e).__name__
+                result["message"] = str(e)
             except Exception as e:  # an untyped error is a bug: counted as lost (with where it came from)
                 import traceback
 
@@ -102,7 +106,7 @@ def client_loop(swarm: LocalSwarm, model: str, prompts, refs, new_tokens: int, s
         elif "out" in result:
             tally.add("completed" if result["out"] == refs[i] else "lost", None if result["out"] == refs[i] else "wrong")
         elif "typed" in result:
-            tally.add("failed", result["typed"])
+            tally.add("failed", result["typed"], result["message"])
         else:
             tally.add("lost", result["untyped"])
     if client is not None:
@@ -187,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     c = tally.counts
     summary = {"started": c["started"], "completed": c["completed"], "failed": c["failed"], "lost": c["lost"],
                "kills": counts["kills"], "orchestrator_kills": counts["orchestrator_kills"],
-               "restarts": counts["restarts"], "errors": dict(tally.errors), "events": events,
+               "restarts": counts["restarts"], "errors": dict(tally.errors), "error_examples": tally.examples,
+               "events": events,
                "minutes": args.minutes, "model": args.model}
     print(json.dumps(summary), flush=True)
     return 1 if c["lost"] else 0

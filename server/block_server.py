@@ -228,6 +228,8 @@ class BlockServer:
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
         with self._sessions_lock:
             active = len(self.sessions)
+            # measured from the sessions' KV tensors, independently of the reservations that admit them
+            allocated = sum(s.kv.nbytes for s in self.sessions.values())
         return ServerInfo(
             peer_id=self.peer_id, model=self.model_name, start=br.start, end=br.end, state=self.state,
             memory_budget_bytes=self.budget.memory_budget_bytes, block_bytes=br.block_bytes,
@@ -238,7 +240,11 @@ class BlockServer:
             quant=br.quant, name=self.config.name, active_sessions=active,
             extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
                    "admission_queue_length": len(self.admission), "auto": self.auto,
-                   "prefix_cache": self.prefix_cache.view() if self.prefix_cache is not None else None},
+                   "prefix_cache": self.prefix_cache.view() if self.prefix_cache is not None else None,
+                   # the memory accounting (bytes): weights + reserved KV (sessions and cached prefixes)
+                   # must stay within memory_budget_bytes
+                   "weights_bytes": self.budget.weights_bytes, "kv_reserved_bytes": self.budget.reserved_bytes,
+                   "kv_peak_reserved_bytes": self.budget.peak_reserved_bytes, "kv_allocated_bytes": allocated},
         )
 
     def _announce(self, timeout_s: float = 10.0) -> None:

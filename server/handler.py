@@ -130,8 +130,8 @@ class BlockServicer:
         if session.prefix_pin is not None and self.server.prefix_cache is not None:
             self.server.prefix_cache.unpin(session.prefix_pin)
         self.scheduler.cancel_session(session.reservation_key)
+        self.server.on_session_closed(session)  # before the release: allocated KV never exceeds reserved
         self.budget.release(session.reservation_key)
-        self.server.on_session_closed(session)
         self.server.admission.on_release()
 
     def _admit(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -241,7 +241,12 @@ class BlockServicer:
             message = await wire_parts.receive_one(requests, admit=self._admit)
             out = await self._forward(message, context)
         except StopAsyncIteration:
-            return  # the caller closed the stream mid-request: nobody to answer
+            # the input ended mid-request: a caller that only half-closed still reads, and must get a
+            # typed error rather than a stream that ends without a word (if it is gone, this is dropped)
+            yield wire.error_response(InvalidRequestError(
+                "the forward stream ended before a whole request arrived; send every part of the hidden states "
+                "(wire_parts.to_messages) before ending the stream"))
+            return
         except Exception as e:
             if not isinstance(e, PetalsChainError):  # a bug must not take the server down: report it to this caller
                 logger.exception("unexpected error in rpc_forward_stream")

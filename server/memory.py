@@ -44,6 +44,7 @@ class KVBudget:
         self._cache_keys: set[str] = set()  # reservations of the prefix cache (evictable)
         self.lock = threading.RLock()  # shared with the prefix cache (see the module docstring)
         self.reclaimer: Reclaimer | None = None
+        self.peak_reserved_bytes = 0  # high-water mark of the reservations (reported; overload tests check it)
 
     @property
     def reserved_bytes(self) -> int:
@@ -88,6 +89,7 @@ class KVBudget:
             self._reserved[key] = nbytes
             if cache:
                 self._cache_keys.add(key)
+            self.peak_reserved_bytes = max(self.peak_reserved_bytes, sum(self._reserved.values()))
 
     def release(self, key: str) -> None:
         with self.lock:

@@ -127,6 +127,21 @@ def test_dropped_server_takes_its_chains_and_leases():
     assert [x.session_id for x in ds.release("s0", 2.0)] == ["new"]
 
 
+def test_no_live_chain_queues_instead_of_refusing_the_length():
+    """Churn can take a server out of every chain at once: that says nothing about lengths, so a new
+    session must queue for the next plan, not get MaxLengthExceededError (the soak's 100 failures)."""
+    ds = DispatchState()
+    ds.install_chains([(hops("a", "b"), 2, 1.0, 256)], 1, 0.0)
+    assert ds.refuses_length(300) and not ds.refuses_length(20)
+    ds.drop_servers({"b"})
+    assert not ds.chains and not ds.fits_any(20)
+    assert not ds.refuses_length(20) and not ds.refuses_length(300)
+    g, _ = ds.acquire("s", "c", 20, 1.0, timeout_s=10)
+    assert g is None and ds.queue_length == 1
+    grants = ds.install_chains([(hops("c", "d"), 1, 1.0, 256)], 2, 2.0)
+    assert [x.session_id for x in grants] == ["s"]
+
+
 def test_replan_drains_old_chains():
     ds = DispatchState()
     ds.install_chains([(hops("a"), 2, 1.0, 4096)], 1, 0.0)

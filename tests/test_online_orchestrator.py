@@ -303,17 +303,40 @@ def test_killed_server_takes_its_chains_and_sessions_fail_over(swarm, backend):
     fresh.close()
 
 
-def test_killed_orchestrator_gives_a_clear_error_within_seconds_then_a_new_one_takes_over(swarm, backend):
+def test_killed_orchestrator_new_sessions_wait_for_the_next_one_or_get_a_clear_error(swarm, backend, caplog):
     swarm.kill_orchestrator()
-    t0 = time.monotonic()
-    with pytest.raises(OrchestratorUnavailableError, match="did not answer"):
-        backend.open_session(max_length=64)
-    assert time.monotonic() - t0 < 15
-    # a new orchestrator: the servers ask it for assignments, the client finds it in the DHT
-    swarm.start_orchestrator(["--settle", "3", "--c", "3", "--arrival-rate", "2"])
-    wait_for(lambda: get_json(swarm.orchestrator_url + "status")["plan_installed"], 90, "the new plan online")
+    provider = backend.provider
+    patience_s = provider.acquire_timeout_s
+    provider.acquire_timeout_s = 3.0  # a short acquire deadline: the typed error, saying what to do
+    try:
+        with pytest.raises(OrchestratorUnavailableError, match="(?s)did not answer.*within the acquire timeout"):
+            backend.open_session(max_length=64)
+    finally:
+        provider.acquire_timeout_s = patience_s
+    # a session opened while no orchestrator answers waits for the next one (as it would in the queue)
+    provider.acquire_timeout_s = 300.0
+    opened: dict = {}
+
+    def open_one():
+        try:
+            opened["session"] = backend.open_session(max_length=64)
+        except Exception as e:  # reported by the assertion below
+            opened["error"] = e
+
+    waiter = threading.Thread(target=open_one, daemon=True)
+    try:
+        waiter.start()
+        wait_for(lambda: any("asking again" in r.getMessage() for r in caplog.records), 60,
+                 "the session to find no orchestrator")
+        # a new orchestrator: the servers ask it for assignments, the client finds it in the DHT
+        swarm.start_orchestrator(["--settle", "3", "--c", "3", "--arrival-rate", "2"])
+        wait_for(lambda: get_json(swarm.orchestrator_url + "status")["plan_installed"], 90, "the new plan online")
+        waiter.join(240)
+    finally:
+        provider.acquire_timeout_s = patience_s
+    assert not waiter.is_alive() and "session" in opened, opened
+    session = opened["session"]
     hidden = load_config(swarm_model_path()).hidden_size
-    session = backend.open_session(max_length=64)
     session.step(torch.randn(2, hidden))
     assert backend.provider.orchestrator_peer_id == swarm.orchestrator_peer_id
     session.close()

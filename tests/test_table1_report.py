@@ -7,7 +7,7 @@ import pytest
 
 from experiments import model_check, report
 from experiments.loadgen import hop_summary, prompt_ids
-from petals_chain.client.remote import HopTiming
+from petals_chain.client.remote_session import HopTiming
 
 
 def rec(i, arrival, start, end, out=3, gen=3, error=None, policy="proposed"):

@@ -176,6 +176,15 @@ class DispatchState:
         return "router" if self.router is not None else "chains"
 
     # -- sessions -----------------------------------------------------------------------------
+    def refuses_length(self, max_length: int) -> bool:
+        """True when sessions of `max_length` can never be granted by the installed chains: some chain
+        takes sessions now and none accepts that length. With no dispatchable chain (every chain lost a
+        server to churn, or all drain) nothing is known about lengths: the session queues for the next
+        plan instead of being refused with MaxLengthExceededError."""
+        if self.router is None and not any(c.dispatchable for c in self.chains.values()):
+            return False
+        return not self.fits_any(max_length)
+
     def fits_any(self, max_length: int) -> bool:
         if self.router is not None:
             return all(v >= max_length for v in self.router_max_length.values()) if self.router_max_length else False

@@ -57,7 +57,8 @@ class OrchestratorRpc:
                 if orch.current is None and orch.plan_error:
                     raise NoChainError(f"the orchestrator cannot plan for the servers it knows: {orch.plan_error}")
                 has_chains = orch.current is not None and (orch.current.installed or bool(orch.ds.chains))
-                if has_chains and not orch.ds.fits_any(max_length):  # without chains yet: queue for the first plan
+                # without chains yet, or none dispatchable right now: queue for the next plan
+                if has_chains and orch.ds.refuses_length(max_length):
                     raise MaxLengthExceededError(
                         f"max_length={max_length} exceeds what every chain's servers accept; use a smaller max_length")
                 if sid in orch.ds.queue:
@@ -69,17 +70,32 @@ class OrchestratorRpc:
                 if grant is not None:
                     fut.set_result(grant)
                 orch.deliver(others)
-            elif sid not in orch.ds.queue:
+            elif sid not in orch.ds.queue and sid not in orch.ds.leases:
                 raise InvalidRequestError(f"session {sid!r} is not waiting")
             orch.ds.touch(sid, now)
-            deadline = orch.ds.queue[sid].deadline_s if sid in orch.ds.queue else now
+            if sid in orch.ds.queue:
+                deadline = orch.ds.queue[sid].deadline_s
+            elif not fut.done() and sid in orch.ds.leases:  # granted on another thread, not delivered yet
+                deadline = now + poll_s
+            else:
+                deadline = now
         wait = max(0.0, min(poll_s, deadline - now))
         try:
             grant = await asyncio.wait_for(asyncio.shield(fut), wait) if not fut.done() else fut.result()
         except asyncio.TimeoutError:
             with orch.lock:
+                delivered = orch.take_delivered(sid)
                 if fut.done():
                     grant = fut.result()
+                elif delivered is not None:  # delivered by another thread; `fut` is resolved later
+                    grant = delivered
+                elif sid not in orch.ds.queue and sid in orch.ds.leases:
+                    # granted on another thread that has not delivered yet: the next poll gets it
+                    return wire.response(Queued(0, orch.ds.queue_length))
+                elif sid not in orch.ds.queue:  # another thread took it out (deadline, abandoned)
+                    orch.waiters.pop(sid, None)
+                    raise AcquireTimeoutError("the session left the orchestrator's queue (its deadline passed or "
+                                              "its client stopped polling); retry later or raise the timeout")
                 elif orch.clock() >= deadline:
                     orch.ds.cancel(sid)
                     orch.ds.metrics.timed_out += 1

@@ -1,12 +1,13 @@
 """`OrchestratorChainProvider`: the client asks the online orchestrator for chains.
 
 find_chain(0, L) = rpc_acquire: JFFC's chain, or a wait in the central FIFO queue (long polls of a
-few seconds each, so a dead orchestrator is noticed within one poll: `OrchestratorUnavailableError`),
-or `AcquireTimeoutError` after `acquire_timeout_s`. session_finished = rpc_release (with the
-session's input/output lengths, which refine the orchestrator's tau estimates). A heartbeat thread
-renews the leases of open sessions. On a server failure the session asks again with the failed
-server excluded and replaces its whole chain (`whole_chain_failover`), so it always runs on exactly
-the chain the orchestrator counts it on.
+few seconds each, so a dead orchestrator is noticed within one poll; the session then waits for an
+orchestrator to answer again, the same one or a new one the DHT announces, until its acquire
+deadline, and only then gets `OrchestratorUnavailableError`), or `AcquireTimeoutError` after
+`acquire_timeout_s`. session_finished = rpc_release (with the session's input/output lengths, which
+refine the orchestrator's tau estimates). A heartbeat thread renews the leases of open sessions. On
+a server failure the session asks again with the failed server excluded and replaces its whole chain
+(`whole_chain_failover`), so it always runs on exactly the chain the orchestrator counts it on.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class OrchestratorChainProvider(ChainProvider):
     whole_chain_failover = True
 
     def __init__(self, loop, p2p, orchestrator_peer_id: str, *, acquire_timeout_s: float = 120.0,
-                 poll_s: float = 5.0, rpc_margin_s: float = 5.0, rediscover=None):
+                 poll_s: float = 5.0, rpc_margin_s: float = 5.0, rediscover=None, retry_unavailable_s: float = 1.0):
         """`rediscover()` returns the peer id of the orchestrator the DHT announces now (or None):
         when the known one does not answer and the DHT names another, calls go there."""
         self.rediscover = rediscover
@@ -42,6 +43,7 @@ class OrchestratorChainProvider(ChainProvider):
         self.acquire_timeout_s = acquire_timeout_s
         self.poll_s = poll_s
         self.rpc_margin_s = rpc_margin_s
+        self.retry_unavailable_s = retry_unavailable_s  # between acquire attempts while no orchestrator answers
         self.grants: dict[str, ChainGrant] = {}
         self.last_grant: dict[str, ChainGrant] = {}  # kept after release, for callers that report waits
         self.granted_at_s: dict[str, float] = {}  # time.monotonic() when each grant arrived (kept after release)
@@ -88,7 +90,18 @@ class OrchestratorChainProvider(ChainProvider):
         meta = Acquire(session_id, int(max_length or 1), float(self.acquire_timeout_s), float(self.poll_s),
                        sorted(exclude))
         while True:
-            out = decode_tagged(self._call("rpc_acquire", meta, self.poll_s + self.rpc_margin_s), Granted, Queued)
+            try:
+                out = decode_tagged(self._call("rpc_acquire", meta, self.poll_s + self.rpc_margin_s), Granted, Queued)
+            except OrchestratorUnavailableError as e:
+                # no orchestrator answers (it died; a restarted one may not have announced itself yet):
+                # the session waits for one as it would wait in the queue, until its acquire deadline
+                if time.monotonic() + self.retry_unavailable_s > deadline:
+                    raise OrchestratorUnavailableError(
+                        f"{e} (no orchestrator answered within the acquire timeout of {self.acquire_timeout_s:.0f} s)"
+                    ) from None
+                logger.warning("%s; asking again in %.0f s", e, self.retry_unavailable_s)
+                self._stop.wait(self.retry_unavailable_s)
+                continue
             if isinstance(out, Granted):
                 grant = out.grant
                 with self._lock:

@@ -1,0 +1,152 @@
+"""Streams that end early or go idle: the client gets the reply or a typed error, and recovers.
+
+- a forward stream whose input ends mid-request gets a typed error reply (it used to end in silence,
+  which the caller saw as `StopAsyncIteration`);
+- a stateless forward whose server is dead runs again on another chain (typed errors only);
+- a session whose server dies, and whose first replacement is dead too, fails over twice and goes on;
+- a multi-turn session left idle past the servers' `--session-idle-timeout` reopens its streams on
+  the same servers and replays its history: the next turn equals HF, nobody is banned.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from petals_chain import wire_parts
+from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.client.routing import ChainProvider, Hop
+from petals_chain.errors import InvalidRequestError, error_from_code
+from petals_chain.local_swarm import LocalSwarm
+from tests.swarm_helpers import wait_for
+
+pytestmark = [pytest.mark.integration]
+
+IDLE_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_llama_path):
+    with LocalSwarm(str(tiny_llama_path), [(0, 6)] * 5,
+                    server_args=["--num-threads", "1", "--session-idle-timeout", str(IDLE_TIMEOUT_S)]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(swarm, tiny_llama_path):
+    model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
+                                                        step_timeout_s=60.0)
+    try:
+        yield model
+    finally:
+        model.backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+
+
+def test_forward_stream_cut_mid_request_gets_a_typed_error(swarm, client):
+    chain = client.backend
+    hidden = torch.randn(1, 40, client.config.hidden_size)
+    messages = wire_parts.to_messages({"type": "forward"}, (hidden,), part_bytes=2048)
+    assert len(messages) > 2
+
+    async def cut_stream():
+        async def outgoing():
+            for m in messages[:-1]:  # the last part never comes; the stream ends (half-closed) instead
+                yield m
+
+        replies = await chain.stub(swarm.servers[0].peer_id).rpc_forward_stream(outgoing())
+        try:
+            return await asyncio.wait_for(wire_parts.receive_one(replies), 20)
+        finally:
+            await replies.aclose()
+
+    reply = chain.loop.run(cut_stream(), timeout_s=25)
+    assert reply.meta.get("type") == "error"
+    error = error_from_code(reply.meta["code"], reply.meta["message"])
+    assert isinstance(error, InvalidRequestError) and "ended before a whole request" in str(error)
+    # the server keeps serving whole requests
+    assert chain.forward(hidden).shape == hidden.shape
+
+
+def test_idle_session_reopens_and_replays_after_the_servers_idle_timeout(swarm, client, hf):
+    chain = client.backend
+    first, second = [5, 17, 33, 9], [44, 2]
+    with client.inference_session(max_length=64) as session:
+        out1 = client.generate(torch.tensor([first]), max_new_tokens=5, do_sample=False)
+        peers = [h.peer_id for h in session.chain.hops]
+        # the servers close the silent session after IDLE_TIMEOUT_S: wait until they have (polling)
+        wait_for(lambda: all(chain.server_info(p).active_sessions == 0 for p in peers), 30 + IDLE_TIMEOUT_S,
+                 "the servers to close the idle session")
+        out2 = client.generate(torch.tensor([second]), max_new_tokens=5, do_sample=False)
+        assert session.chain.reopens == len(peers) and session.chain.failovers == 0
+        assert not session.chain.banned and [h.peer_id for h in session.chain.hops] == peers
+    ref1 = hf.generate(torch.tensor([first]), max_new_tokens=5, do_sample=False)
+    ref2 = hf.generate(torch.tensor([ref1[0].tolist() + second]), max_new_tokens=5, do_sample=False)
+    assert out1.tolist() == ref1.tolist()
+    assert out2.tolist() == ref2.tolist()
+
+
+class ListedChains(ChainProvider):
+    """Offers the listed single-hop chains in order, skipping excluded peers (records what it was asked)."""
+
+    def __init__(self, peers: list[str], num_blocks: int):
+        self.peers, self.num_blocks = peers, num_blocks
+        self.excludes: list[frozenset[str]] = []
+
+    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id=""):
+        self.excludes.append(exclude)
+        return [Hop(next(p for p in self.peers if p not in exclude), start, end)]
+
+
+def test_stateless_forward_fails_over_from_a_dead_server(swarm, client):
+    chain = client.backend
+    hidden = torch.randn(1, 12, client.config.hidden_size)
+    dead, alive = swarm.servers[4], swarm.servers[3]
+    expected = chain.forward(hidden)
+    swarm.kill_server(dead)
+    provider = ListedChains([dead.peer_id, alive.peer_id], chain.num_blocks)
+    previous, chain.provider = chain.provider, provider
+    try:
+        out = chain.forward(hidden)  # the dead server first: a typed failure, then the other one
+    finally:
+        chain.provider = previous
+    assert provider.excludes == [frozenset(), frozenset({dead.peer_id})]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_a_dead_replacement_is_failed_over_too(swarm, client, hf, caplog):
+    """The server of a session dies, and so does the first replacement its provider offers (a record
+    that outlives its server): the session fails over again instead of failing; a new session offered
+    the dead servers first opens on the live one. Death is noticed from the closed stream or the
+    refused dial, never by waiting for the step timeout."""
+    chain = client.backend
+    first, second, third = swarm.servers[0], swarm.servers[1], swarm.servers[2]
+    provider = ListedChains([first.peer_id, second.peer_id, third.peer_id], chain.num_blocks)
+    previous, chain.provider = chain.provider, provider
+    prompt = [7, 21, 3, 60, 12]
+    try:
+        with client.inference_session(max_length=32) as session:
+            out1 = client.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+            assert [h.peer_id for h in session.chain.hops] == [first.peer_id]
+            swarm.kill_server(first)
+            swarm.kill_server(second)
+            out2 = client.generate(torch.tensor([[9]]), max_new_tokens=3, do_sample=False)
+            assert session.chain.failovers == 2 and session.chain.banned == {first.peer_id, second.peer_id}
+            assert [h.peer_id for h in session.chain.hops] == [third.peer_id]
+        with client.inference_session(max_length=32) as fresh:
+            out3 = client.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+            assert fresh.chain.failovers == 2 and [h.peer_id for h in fresh.chain.hops] == [third.peer_id]
+    finally:
+        chain.provider = previous
+    ref1 = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+    ref2 = hf.generate(torch.tensor([ref1[0].tolist() + [9]]), max_new_tokens=3, do_sample=False)
+    assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist() and out3.tolist() == ref1.tolist()
+    reasons = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(reasons) >= 4 and not any("no reply within" in r for r in reasons), reasons
