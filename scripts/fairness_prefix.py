@@ -166,9 +166,14 @@ def run_shared_prefix(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
             for a, b in combinations(sorted(names), 2)}
     worst = max(gaps.items(), key=lambda kv: kv[1][0]) if gaps else ("", (0.0, 0))
     served = service_by_client(batches, t0, t1, args.w_in, args.w_out)
+    # load-independent work per finished session: tokens the server computed (cache hits are not sent)
+    computed = sum(item[1] for b in batches for item in b["items"])
+    busy_s = sum(b["service_s"] for b in batches)
     result = {
         "policy": spec, "window_s": t1 - t0, "completed": completed, "sessions_per_s": completed / (t1 - t0),
         "hit_rate": hits / asked if asked else 0.0, "hit_tokens": hits, "asked_tokens": asked,
+        "computed_tokens_per_session": computed / completed if completed else None,
+        "server_busy_s_per_session": busy_s / completed if completed else None,
         "client_reused_tokens_mean": (sum(d[1] for v in done.values() for d in v) / completed) if completed else 0.0,
         "completed_by_client": {k: len(v) for k, v in done.items()},
         "service_by_client": {names.get(c, c[:8]): w for c, w in served.items()},
@@ -176,7 +181,8 @@ def run_shared_prefix(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
         "max_gap_weighted_tokens": worst[1][0], "max_gap_pair": worst[0], "batches_both_backlogged": worst[1][1],
         "batches": len(batches), "U": u, "Q": q, "bound_2_U_plus_Q": 2 * (u + q), "sizes": sizes}
     print(f"   {completed} sessions in {t1 - t0:.0f} s = {result['sessions_per_s']:.3f}/s; cache hit rate "
-          f"{result['hit_rate']:.3f} ({hits}/{asked} tokens); per client {json.dumps(result['completed_by_client'])}; "
+          f"{result['hit_rate']:.3f} ({hits}/{asked} tokens); server computed "
+          f"{result['computed_tokens_per_session'] or float('nan'):.0f} tokens per session; per client {json.dumps(result['completed_by_client'])}; "
           f"max backlogged gap {worst[1][0]:.0f} ({worst[0]}, {worst[1][1]} of {len(batches)} batches) vs "
           f"2(U+Q) = {2 * (u + q):.0f}; failures {result['failures']}", flush=True)
     return result
@@ -190,4 +196,9 @@ def summarize(results: list[dict]) -> dict:
         print(f"   shared prefix: throughput dlpm / vtc = {out['throughput_ratio_dlpm_over_vtc']:.2f} (goal >= 2, "
               f"paper 2.87); hit rate vtc {by['vtc']['hit_rate']:.3f}, dlpm {by['dlpm']['hit_rate']:.3f}; dlpm's max "
               f"gap {by['dlpm']['max_gap_weighted_tokens']:.0f} vs 2(U+Q) = {by['dlpm']['bound_2_U_plus_Q']:.0f}")
+        if by["dlpm"]["computed_tokens_per_session"] and by["vtc"]["computed_tokens_per_session"]:
+            out["computed_tokens_per_session_ratio_vtc_over_dlpm"] = (by["vtc"]["computed_tokens_per_session"]
+                                                                    / by["dlpm"]["computed_tokens_per_session"])
+            print(f"   tokens the server computed per finished session: vtc / dlpm = "
+                  f"{out['computed_tokens_per_session_ratio_vtc_over_dlpm']:.2f} (does not move with the machine's load)")
     return out

@@ -351,8 +351,8 @@ class RemoteChainSession(ChainSession):
         if not self.prefix_tokens or stream.prefix_in_inputs:
             return list(stream.inputs)
         x = self.prefix.hidden[:self.prefix_tokens].to(self.chain.dtype)
-        for stream in self.streams[:index]:
-            x = self._run(self.chain._forward_hop(stream.hop, x.unsqueeze(0)), self.chain.step_timeout_s + 2)[0]
+        for before in self.streams[:index]:
+            x = self._run(self.chain._forward_hop(before.hop, x.unsqueeze(0)), self.chain.step_timeout_s + 2)[0]
         return [x, *stream.inputs]
 
     @property
