@@ -93,6 +93,29 @@ def test_idle_session_reopens_and_replays_after_the_servers_idle_timeout(swarm, 
     assert out2.tolist() == ref2.tolist()
 
 
+def test_idle_reopen_after_prefix_reuse_replays_the_prefix(swarm, client, hf):
+    """A hop that took the prompt's prefix from its cache and is then reopened after the idle
+    timeout never received those tokens: the client replays the prefix's input ahead of its history."""
+    chain = client.backend
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(5))  # 2 full chunks of 16
+    for _ in range(len(swarm.servers) + 1):  # each session teaches the server it used; one soon reuses
+        with client.inference_session(max_length=64, prompt_ids=ids[0]) as session:
+            out1 = client.generate(ids, max_new_tokens=3, do_sample=False)
+            if session.chain.prefix_tokens == 0:
+                continue
+            peers = [h.peer_id for h in session.chain.hops]
+            wait_for(lambda: all(chain.server_info(p).active_sessions == 0 for p in peers), 30 + IDLE_TIMEOUT_S,
+                     "the servers to close the idle session")
+            out2 = client.generate(torch.tensor([[7, 8]]), max_new_tokens=3, do_sample=False)
+            assert session.chain.reopens == len(peers) and session.chain.failovers == 0
+            break
+    else:
+        raise AssertionError("no session reused the cached prefix")
+    ref1 = hf.generate(ids, max_new_tokens=3, do_sample=False)
+    ref2 = hf.generate(torch.tensor([ref1[0].tolist() + [7, 8]]), max_new_tokens=3, do_sample=False)
+    assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist()
+
+
 class ListedChains(ChainProvider):
     """Offers the listed single-hop chains in order, skipping excluded peers (records what it was asked)."""
 
