@@ -93,7 +93,7 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
     summary = {"command": meta["command"], "where": where, "scale": meta["scale"], "config": meta["config"],
                "rtt_ms": meta["rtt_ms"], "rtt_anchor_indices": meta["rtt_anchor_indices"], "wall_s": wall_s,
                "policies": policies, "not_run": unavailable,
-               "improvement_vs_petals": report.improvements_vs(policies, "petals"), "paper": report.PAPER_TABLE1}
+               "change_vs_petals": report.changes_vs(policies, "petals"), "paper": report.PAPER_TABLE1}
     points = [pt for p, r in runs.items() if p != PETALS_22
               for pt in model_check.hop_points(r["records"], r.get("servers") or {})]
     table = model_check.error_table(points)

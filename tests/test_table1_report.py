@@ -28,12 +28,12 @@ def test_every_request_is_counted_and_failures_stay_out_of_the_statistics():
         assert key in s["response_s"] and key in s["wait_s"] and key in s["service_s"]
 
 
-def test_improvement_and_markdown():
+def test_change_vs_petals_and_markdown():
     pols = {p: report.policy_summary([rec(0, 0.0, w, w + 2.0, policy=p)], 1) for p, w in (("petals", 8.0),
                                                                                            ("proposed", 0.0))}
-    imp = report.improvements_vs(pols, "petals")
-    assert imp["proposed"]["mean_response"] == pytest.approx(0.8)  # 2 s vs 10 s
-    summary = {"where": "localhost", "command": "x", "policies": pols, "improvement_vs_petals": imp,
+    imp = report.changes_vs(pols, "petals")
+    assert imp["proposed"]["mean_response"] == pytest.approx(-0.8)  # 2 s vs 10 s: the paper's sign
+    summary = {"where": "localhost", "command": "x", "policies": pols, "change_vs_petals": imp,
                "scale": {"time_scale": 2.0, "length_scale": 0.0625, "output_scale": 1.0, "max_length_tokens": 1024,
                          "requests": 1, "offset": 0, "rate_per_s": 1.0, "trace_rate_per_s": 2.0,
                          "interarrival_cv": 1.0, "trace_interarrival_cv": 1.0, "mean_input_tokens": 1.0,
@@ -105,5 +105,5 @@ def test_results_are_recomputed_from_the_files_of_a_stopped_run(tmp_path):
     s = write_results(tmp_path)
     assert set(s["policies"]) == {"petals", "proposed"}
     assert s["policies"]["proposed"]["lost"] == 1 and "stopped" in s["policies"]["proposed"]["loadgen_error"]
-    assert s["improvement_vs_petals"]["proposed"]["mean_response"] == pytest.approx(2 / 3)
+    assert s["change_vs_petals"]["proposed"]["mean_response"] == pytest.approx(-2 / 3)
     assert (tmp_path / "summary.md").exists() and (tmp_path / "cdf.png").exists()
