@@ -28,24 +28,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from petals_chain.errors import InvalidRequestError
-from server.policy_base import AdmissionRequest, PolicyParam, SchedulingPolicy, WorkItem
+from server.policy_base import AdmissionRequest, ArrivalOrderPolicy, PolicyParam, SchedulingPolicy, WorkItem
 from server.policy_dlpm import DLPMPolicy
 
 __all__ = ["AdmissionRequest", "PolicyParam", "SchedulingPolicy", "WorkItem", "FCFSPolicy", "VTCPolicy", "DLPMPolicy",
            "POLICIES", "describe_policies", "parse_policy_args", "make_policy"]
 
 
-class FCFSPolicy(SchedulingPolicy):
+class FCFSPolicy(ArrivalOrderPolicy):
     """First come, first served: arrival order, batch filled up to the token budget."""
 
     name = "fcfs"
-
-    def __init__(self, **params: Any):
-        super().__init__(**params)
-        self._queue: dict[int, WorkItem] = {}  # seq -> item; dicts keep insertion order
-
-    def enqueue(self, item: WorkItem) -> None:
-        self._queue[item.seq] = item
 
     def select(self, max_batch_tokens: int) -> list[WorkItem]:
         batch: list[WorkItem] = []
@@ -67,17 +60,6 @@ class FCFSPolicy(SchedulingPolicy):
             if room <= 0:
                 break
         return batch
-
-    def remove(self, session_id: str) -> list[WorkItem]:
-        gone = [seq for seq, it in self._queue.items() if it.session_id == session_id]
-        return [self._queue.pop(seq) for seq in gone]
-
-    def drain(self) -> list[WorkItem]:
-        items, self._queue = list(self._queue.values()), {}
-        return items
-
-    def __len__(self) -> int:
-        return len(self._queue)
 
 
 class VTCPolicy(SchedulingPolicy):

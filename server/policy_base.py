@@ -129,3 +129,26 @@ class SchedulingPolicy(ABC):
             return None, item
         tail = item.split(room_tokens, self.next_seq())
         return item, tail
+
+
+class ArrivalOrderPolicy(SchedulingPolicy, ABC):
+    """A policy whose waiting items sit in one arrival-ordered map (FCFS, DLPM): the queue's
+    bookkeeping lives here once; subclasses decide what `select` takes."""
+
+    def __init__(self, **params: Any):
+        super().__init__(**params)
+        self._queue: dict[int, WorkItem] = {}  # seq -> item; dicts keep insertion order
+
+    def enqueue(self, item: WorkItem) -> None:
+        self._queue[item.seq] = item
+
+    def remove(self, session_id: str) -> list[WorkItem]:
+        gone = [seq for seq, it in self._queue.items() if it.session_id == session_id]
+        return [self._queue.pop(seq) for seq in gone]
+
+    def drain(self) -> list[WorkItem]:
+        items, self._queue = list(self._queue.values()), {}
+        return items
+
+    def __len__(self) -> int:
+        return len(self._queue)

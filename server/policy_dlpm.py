@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from petals_chain.errors import InvalidRequestError
-from server.policy_base import AdmissionRequest, PolicyParam, SchedulingPolicy, WorkItem
+from server.policy_base import AdmissionRequest, ArrivalOrderPolicy, PolicyParam, WorkItem
 
 
-class DLPMPolicy(SchedulingPolicy):
+class DLPMPolicy(ArrivalOrderPolicy):
     name = "dlpm"
     PARAMS = {
         "q": PolicyParam(float, 1024.0, "quantum Q: weighted tokens a client may take per round before others "
@@ -52,7 +52,6 @@ class DLPMPolicy(SchedulingPolicy):
         self.deficit: dict[str, float] = {}  # the paper's q_i, for every client seen (its list l)
         self.served: dict[str, float] = {}  # weighted tokens scheduled per client
         self.refills = 0
-        self._queue: dict[int, WorkItem] = {}  # seq -> item
         self._admission_waiting: dict[str, int] = {}  # client -> sessions waiting for KV memory
 
     def cost(self, item: WorkItem) -> float:
@@ -72,7 +71,7 @@ class DLPMPolicy(SchedulingPolicy):
 
     def enqueue(self, item: WorkItem) -> None:
         self.deficit.setdefault(item.client_id, 0.0)  # line 12
-        self._queue[item.seq] = item
+        super().enqueue(item)
 
     def select(self, max_batch_tokens: int) -> list[WorkItem]:
         batch: list[WorkItem] = []
@@ -110,17 +109,6 @@ class DLPMPolicy(SchedulingPolicy):
                 if room <= 0:
                     break
         return batch
-
-    def remove(self, session_id: str) -> list[WorkItem]:
-        gone = [seq for seq, it in self._queue.items() if it.session_id == session_id]
-        return [self._queue.pop(seq) for seq in gone]
-
-    def drain(self) -> list[WorkItem]:
-        items, self._queue = list(self._queue.values()), {}
-        return items
-
-    def __len__(self) -> int:
-        return len(self._queue)
 
     def on_admission_wait(self, request: AdmissionRequest) -> None:
         self.deficit.setdefault(request.client_id, 0.0)  # line 12

@@ -5,7 +5,6 @@ is in test_swarm.py)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -15,15 +14,9 @@ from petals_chain.runtime.row_batcher import RowBatcher
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.client.remote import as_server_error
 from petals_chain.errors import OutOfCacheError, ServerUnavailableError
+from tests.swarm_helpers import wait_for
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sun is a"]
-
-
-def _wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.005)
 
 
 def test_row_batcher_coalesces_concurrent_callers_and_keeps_rows_apart():
@@ -45,7 +38,7 @@ def test_row_batcher_coalesces_concurrent_callers_and_keeps_rows_apart():
     assert first_started.wait(10)
     for t in threads[1:]:
         t.start()
-    _wait_until(lambda: len(batcher._pending) == 3)
+    wait_for(lambda: len(batcher._pending) == 3, 10.0, "three callers pending in the batcher", period_s=0.005)
     release.set()
     for t in threads:
         t.join(10)
