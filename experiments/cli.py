@@ -9,6 +9,7 @@ import signal
 import sys
 
 from orchestrator.cli_args import positive_float
+from petals_chain.cli_args import CliParser, parse_size
 
 POLICIES = ("proposed", "petals", "bprr", "jffc-only", "petals-2.2")  # petals-2.2: real PETALS 2.2
 
@@ -23,13 +24,12 @@ def _policies(text: str) -> tuple[str, ...]:
 
 
 def _size(text: str) -> str:
-    from server.cli import parse_size
     parse_size(text)  # raises argparse.ArgumentTypeError with the fix-it message
     return text.strip()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="petals-chain experiment table1", description=(
+    p = CliParser(prog="petals-chain experiment table1", description=(
         "The paper's Table 1 on a live swarm: per policy a fresh swarm (DHT, orchestrator --policy P, 9 servers: "
         "3 fast, 6 slow) in emulated WAN hosts, replaying the scaled Azure code trace. Writes summary.json, "
         "summary.md, records_<policy>.jsonl, cdf.png and the model check under --out."))
@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: petals-chain experiment table1 [options]   (petals-chain experiment table1 --help)")
+        print("usage: petals-chain experiment EXPERIMENT [options]\n\nexperiments:\n"
+              "  table1  the paper's Table 1 on a live swarm: per policy a fresh swarm in emulated WAN hosts "
+              "replaying the scaled Azure trace\n\n`petals-chain experiment table1 --help` lists its options.")
         return 0
     if argv[0] != "table1":
         print(f"petals-chain experiment: unknown experiment {argv[0]!r}; available: table1", file=sys.stderr)

@@ -224,7 +224,7 @@ def run_petals_column(cfg: Table1Config, scale_info: dict, rtt_ms, out_dir: Path
                       hidden_size: int) -> dict:
     """Real PETALS 2.2 on the same hosts, trace and budgets (experiments/petals22.py), or why it cannot run."""
     from experiments import petals22
-    from server.cli import parse_size
+    from petals_chain.cli_args import parse_size
 
     python, model = petals22.petals_paths(cfg.petals_work)
     reason = petals22.why_unavailable(python, model)

@@ -120,8 +120,16 @@ def cmd_down(args) -> int:
     return 0
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse errors as one line (the project's CLI rule; netem imports nothing of petals_chain, whose
+    `cli_args.CliParser` does the same for the other commands)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="petals-chain netem", description=__doc__,
+    p = _OneLineParser(prog="petals-chain netem", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", help="create the hosts (namespaces) and links, print each host's address")

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import math
+
+# the positive-number types are the one set every command shares (light: no torch, no hivemind)
+from petals_chain.cli_args import positive_float, positive_int
+
+__all__ = ["parse_c", "positive_float", "positive_int"]
 
 
 def parse_c(text: str) -> int | None:
@@ -15,24 +19,4 @@ def parse_c(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"must be 'auto' or a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
     return value

@@ -9,10 +9,11 @@ from orchestrator.cluster_io import cluster_from_dict, plan_to_dict
 from orchestrator.planner import POLICIES, plan
 from orchestrator.tuning import TUNINGS
 from orchestrator.cli_args import parse_c
+from petals_chain.cli_args import CliParser
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="petals-chain plan",
+    parser = CliParser(prog="petals-chain plan",
                                      description="Plan block placement and server chains for a cluster (GBP-CR + GCA).")
     parser.add_argument("--cluster", required=True, help="cluster JSON file (schema: docs/orchestrator.md)")
     parser.add_argument("--policy", choices=POLICIES, default="proposed")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from petals_chain.cli_args import run_main
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("petals_chain.demo_cli:main", "start a local private swarm and generate through it"),
     "generate": ("petals_chain.generate_cli:main", "generate text locally through block ranges or through a swarm"),
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, func_name = SUBCOMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(rest) or 0)
+    return run_main(f"petals-chain {name}", func, rest)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,53 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
 import time
 import urllib.request
+from petals_chain.cli_args import CliParser, non_negative_int, one_line, parse_size, positive_int
 
 DEFAULT_BUDGETS = "300MiB,340MiB,380MiB,420MiB"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sun is a", "In 1492, Columbus",
            "Water boils at", "My favourite colour is", "A haiku about rain:", "The best way to learn is",
            "Photosynthesis is", "The three primary colors are", "A good cup of coffee"]
+
+
+def parse_budgets(text: str) -> list[str]:
+    """'300MiB,340MiB' -> ['300MiB', '340MiB'], each checked as a size (the servers get them as written)."""
+    budgets = [b.strip() for b in text.split(",") if b.strip()]
+    if not budgets:
+        raise argparse.ArgumentTypeError(f"no budget in {text!r}: use e.g. {DEFAULT_BUDGETS}")
+    for b in budgets:
+        parse_size(b)
+    return budgets
+
+
+def check_budgets(path, budgets_bytes: list[int], max_length_tokens: int) -> None:
+    """Refuse budgets that cannot serve the model, before any process starts: each server must hold
+    at least one block with one session's KV, and together they must hold every block with one
+    session each (a necessary condition; the orchestrator's plan may still need more for c > 1)."""
+    from petals_chain.errors import InvalidRequestError
+    from petals_chain.runtime.block_range import BlockRange
+
+    probe = BlockRange(path, 0, 1, model_path=path)  # sizes of one block, as a server measures them
+    s_m, s_c = probe.block_bytes, probe.kv_bytes_per_block(max_length_tokens)
+    num_blocks = probe.family.num_blocks(probe.config)
+    per_block = s_m + s_c
+    mib = 2**20
+    too_small = [b for b in budgets_bytes if b < per_block]
+    if too_small:
+        raise InvalidRequestError(
+            f"--budgets: {too_small[0] / mib:.0f} MiB cannot hold one block ({s_m / mib:.1f} MiB) with one session's "
+            f"KV at --max-length {max_length_tokens} ({s_c / mib:.2f} MiB); give every server at least "
+            f"{per_block / mib:.0f} MiB, e.g. --budgets {DEFAULT_BUDGETS}")
+    held = sum(b // per_block for b in budgets_bytes)
+    if held < num_blocks:
+        raise InvalidRequestError(
+            f"--budgets: together the servers hold {held} of the model's {num_blocks} blocks (each block "
+            f"{per_block / mib:.1f} MiB with one session's KV); add servers or memory, e.g. --budgets {DEFAULT_BUDGETS}")
 
 
 def _get(url: str) -> dict:
@@ -25,31 +62,24 @@ def _get(url: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="petals-chain demo", description=__doc__)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--budgets", default=DEFAULT_BUDGETS,
+    p = CliParser(prog="petals-chain demo", description=__doc__)
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
+    p.add_argument("--budgets", type=parse_budgets, default=parse_budgets(DEFAULT_BUDGETS),
                    help=f"comma-separated memory budgets, one server each (default {DEFAULT_BUDGETS})")
-    p.add_argument("--servers", type=int, default=None,
+    p.add_argument("--servers", type=positive_int, default=None,
                    help="number of servers (budgets cycle through --budgets; default: one per budget)")
     p.add_argument("--policy", default="proposed", choices=["proposed", "petals", "bprr", "jffc-only"])
     p.add_argument("--c", default="3", help="cache reservation c for the proposed policy: auto or N (default 3)")
-    p.add_argument("--sessions", type=int, default=8, help="concurrent sessions after the chat (default 8)")
-    p.add_argument("--session-tokens", type=int, default=12, help="tokens each concurrent session generates")
-    p.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--max-length", type=int, default=512, help="servers' --max-length (sets s_c)")
+    p.add_argument("--sessions", type=non_negative_int, default=8, help="concurrent sessions after the chat (default 8)")
+    p.add_argument("--session-tokens", type=positive_int, default=12, help="tokens each concurrent session generates")
+    p.add_argument("--prompt", default="Explain in three sentences why the sky is blue.", help="the chat's message")
+    p.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens of the chat's answer (default 48)")
+    p.add_argument("--max-length", type=positive_int, default=512, help="servers' --max-length (sets s_c)")
     p.add_argument("--keep-running", action="store_true", help="keep the swarm up (status page) until Ctrl-C")
     args = p.parse_args(argv)
-    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    budgets = args.budgets
     if args.servers is not None:
-        if args.servers < 1 or not budgets:
-            print("petals-chain demo: --servers must be >= 1", file=sys.stderr)
-            return 2
         budgets = [budgets[i % len(budgets)] for i in range(args.servers)]
-    if not budgets or args.max_new_tokens < 1 or args.sessions < 0 or args.session_tokens < 1:
-        print("petals-chain demo: need >= 1 budget, --max-new-tokens >= 1, --sessions >= 0, --session-tokens >= 1",
-              file=sys.stderr)
-        return 2
 
     def terminate(*_):
         raise KeyboardInterrupt
@@ -60,10 +90,11 @@ def main(argv: list[str]) -> int:
     from petals_chain.client.model import DistributedModelForCausalLM
     from petals_chain.errors import PetalsChainError
     from petals_chain.generate_cli import encode_prompt
-    from petals_chain.local_swarm import LocalSwarm
+    from petals_chain.local_swarm import LocalSwarm, SwarmStartError
     from petals_chain.models.checkpoint import resolve_model_path
 
     path = resolve_model_path(args.model)  # convert once here, not in every server
+    check_budgets(path, [parse_size(b) for b in budgets], args.max_length)  # before any process starts
     orch_args = ["--expected-servers", str(len(budgets)), "--policy", args.policy, "--c", args.c, "--arrival-rate", "2"]
     print(f"starting a local swarm on 127.0.0.1: DHT peer + orchestrator ({args.policy}) + {len(budgets)} servers "
           f"with --blocks auto and budgets {', '.join(budgets)} ...", flush=True)
@@ -129,7 +160,7 @@ def main(argv: list[str]) -> int:
                     except PetalsChainError as e:
                         errors.append(f"session {i}: {e}")
 
-                threads = [threading.Thread(target=run, args=(i,)) for i in range(args.sessions)]
+                threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(args.sessions)]
                 for t in threads:
                     t.start()
                     time.sleep(0.05)
@@ -154,10 +185,17 @@ def main(argv: list[str]) -> int:
             model = None
             print("shutting the swarm down ...", flush=True)
     except KeyboardInterrupt:
-        print("\ninterrupted: swarm stopped", file=sys.stderr)
-        return 130
+        # The swarm is stopped (LocalSwarm's exit ran). Leave now: the concurrent sessions' threads
+        # would otherwise go on asking a dead orchestrator for minutes, and stopping their event
+        # loops under them prints tracebacks. Our DHT child and its p2pd follow us (ParentBoundDHT).
+        print("\ninterrupted: swarm stopped", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+    except SwarmStartError as e:
+        print(f"petals-chain demo: {e.reason}", file=sys.stderr)
+        return 1
     except (PetalsChainError, RuntimeError) as e:
-        print(f"petals-chain demo: {e}", file=sys.stderr)
+        print(f"petals-chain demo: {one_line(e)}", file=sys.stderr)
         return 1
     finally:
         if model is not None:

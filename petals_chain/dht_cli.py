@@ -5,14 +5,15 @@ import argparse
 import signal
 import sys
 import threading
+from petals_chain.cli_args import CliParser, identity_path, listen_maddr, peer_maddr
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="petals-chain dht", description=__doc__)
-    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"],
+    p = CliParser(prog="petals-chain dht", description=__doc__)
+    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], type=listen_maddr,
                    help="multiaddrs to listen on (default /ip4/127.0.0.1/tcp/0; use /ip4/0.0.0.0/tcp/PORT to accept remote peers)")
-    p.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting a new one")
-    p.add_argument("--identity-path", default=None, help="file with a private key, for a stable peer id across restarts")
+    p.add_argument("--initial-peers", nargs="*", default=[], type=peer_maddr, help="join an existing DHT instead of starting a new one")
+    p.add_argument("--identity-path", default=None, type=identity_path, help="file with a private key, for a stable peer id across restarts")
     args = p.parse_args(argv)
     from petals_chain.process_signals import start_dht
     from petals_chain.swarm_identity import SwarmIdentity

@@ -30,6 +30,7 @@ class ErrorCode(enum.StrEnum):
     ADMISSION_TIMEOUT = "admission_timeout"
     NOT_ALLOWED = "not_allowed"
     IDENTITY_ERROR = "identity_error"
+    P2P_START_ERROR = "p2p_start_error"
 
 
 class PetalsChainError(Exception):
@@ -136,6 +137,13 @@ class IdentityError(PetalsChainError):
     """A peer identity file cannot be read or written (local only, never sent over the wire)."""
 
     code = ErrorCode.IDENTITY_ERROR
+
+
+class P2PStartError(PetalsChainError):
+    """The peer-to-peer daemon did not start: a bad listen address, or no initial peer answered
+    (local only: raised by `process_signals.start_dht` in place of hivemind's multi-line P2PDaemonError)."""
+
+    code = ErrorCode.P2P_START_ERROR
 
 
 ERROR_TYPES: dict[ErrorCode, type[PetalsChainError]] = {

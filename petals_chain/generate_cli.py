@@ -10,36 +10,48 @@ import sys
 import time
 
 from petals_chain.errors import PetalsChainError
+from petals_chain.cli_args import CliParser, identity_path, peer_maddr, positive_float, positive_int, probability
 
 
 def parse_ranges(text: str) -> list[tuple[int, int]]:
-    """'0:10,10:20,20:30' -> [(0, 10), (10, 20), (20, 30)]."""
+    """'0:10,10:20,20:30' -> [(0, 10), (10, 20), (20, 30)]: ranges that tile the blocks from 0 in order
+    (whether they end at the model's last block is checked once the model's config is read)."""
     ranges = []
     for part in text.split(","):
         try:
             start, end = (int(x) for x in part.split(":"))
         except ValueError:
             raise argparse.ArgumentTypeError(f"bad block range {part!r}: use START:END, e.g. 0:10,10:20,20:30") from None
+        expected = ranges[-1][1] if ranges else 0
+        if start != expected or end <= start:
+            raise argparse.ArgumentTypeError(
+                f"block ranges must tile the model from block 0 in order, each START < END; {part!r} should start "
+                f"at {expected} (e.g. 0:10,10:20,20:30)")
         ranges.append((start, end))
     return ranges
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="petals-chain generate", description=__doc__,
+    p = CliParser(prog="petals-chain generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
-    p.add_argument("--prompt", default="What is pipeline parallelism? Answer in two sentences.")
+    p.add_argument("--prompt", default="What is pipeline parallelism? Answer in two sentences.",
+                   help="the user's message (sent through the chat template unless --no-chat)")
     p.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--temperature", type=positive_float, default=0.7, help="with --sample: > 0 (default 0.7)")
+    p.add_argument("--top-p", type=probability, default=0.9, help="with --sample: nucleus mass in (0, 1] (default 0.9)")
+    p.add_argument("--repetition-penalty", type=positive_float, default=1.0,
+                   help="> 0; 1 (default) leaves the logits as they are")
+    p.add_argument("--seed", type=int, default=0, help="torch seed for --sample (default 0)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="client-side dtype")
     p.add_argument("--local-ranges", type=parse_ranges, default=parse_ranges("0:10,10:20,20:30"),
                    help="block ranges run in this process when no --initial-peers is given (default 0:10,10:20,20:30)")
-    p.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of swarm DHT peers")
+    p.add_argument("--initial-peers", nargs="*", default=None, type=peer_maddr, help="multiaddrs of swarm DHT peers")
+    p.add_argument("--identity-path", default=None, type=identity_path,
+                   help="this client's peer identity file (`petals-chain identity new PATH`): a stable peer id to "
+                        "list in a private swarm's --allowed-peers")
     return p
 
 
@@ -52,9 +64,6 @@ def encode_prompt(tokenizer, prompt: str, chat: bool):
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_new_tokens < 1:
-        print("petals-chain generate: --max-new-tokens must be >= 1", file=sys.stderr)
-        return 2
     import torch
     from transformers import AutoTokenizer, TextStreamer
 
@@ -64,7 +73,8 @@ def main(argv: list[str]) -> int:
     try:
         path = resolve_model_path(args.model)
         if args.initial_peers:
-            model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers, dtype=args.dtype)
+            model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
+                                                                dtype=args.dtype, identity_path=args.identity_path)
         else:
             model = DistributedModelForCausalLM.from_local_ranges(path, args.local_ranges, dtype=args.dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)

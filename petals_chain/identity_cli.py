@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from petals_chain.cli_args import CliParser
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="petals-chain identity", description=__doc__,
+    p = CliParser(prog="petals-chain identity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     new = sub.add_parser("new", help="write a new identity to PATH (refuses to overwrite) and print its peer id")

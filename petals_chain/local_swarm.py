@@ -29,6 +29,21 @@ def on_localhost(role: str) -> tuple[list[str], str]:
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout this module was imported from
 
 
+class SwarmStartError(RuntimeError):
+    """A process of the swarm did not start. `reason` is one line (the child's own last words, so a
+    user reads why, e.g. the server's refusal of its budget); `output` is the child's output tail."""
+
+    def __init__(self, what: str, lines: list[str]):
+        self.reason = f"{what}: {last_words(lines)}"
+        self.output = "\n".join(lines[-20:])
+        super().__init__(f"{self.reason}\n{self.output}" if self.output else self.reason)
+
+
+def last_words(lines: list[str]) -> str:
+    """The last non-empty line a child printed (its error, when it failed), or why there is none."""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "it printed nothing")
+
+
 @dataclass
 class ServerProcess:
     name: str
@@ -99,7 +114,7 @@ class LocalSwarm:
             ready = threading.Event()
             threading.Thread(target=_reader, args=(self.dht_process, lines, ready, "/p2p/"), daemon=True).start()
             if not ready.wait(60) or self.dht_process.poll() is not None:
-                raise RuntimeError("the DHT peer did not start:\n" + "\n".join(lines[-20:]))
+                raise SwarmStartError("the DHT peer did not start", lines)
             self.initial_peers = [next(line for line in lines if "/p2p/" in line).strip()]
             if self.orchestrator_args is not None:
                 self.start_orchestrator(self.orchestrator_args, timeout_s=self.start_timeout_s)
@@ -123,7 +138,7 @@ class LocalSwarm:
         threading.Thread(target=_reader, args=(self.orchestrator_process, self.orchestrator_lines, ready,
                                                "orchestrator ready"), daemon=True).start()
         if not ready.wait(timeout_s) or self.orchestrator_process.poll() is not None:
-            raise RuntimeError("the orchestrator did not start:\n" + "\n".join(self.orchestrator_lines[-20:]))
+            raise SwarmStartError("the orchestrator did not start", self.orchestrator_lines)
         line = next(line for line in self.orchestrator_lines if line.startswith("orchestrator ready"))
         self.orchestrator_peer_id = line.split(" as ")[1].split(",")[0].strip()
         self.orchestrator_url = line.rsplit("status ", 1)[1].strip()
@@ -155,10 +170,11 @@ class LocalSwarm:
         deadline = time.monotonic() + self.start_timeout_s
         for sp in servers or self.servers:
             if not sp._ready.wait(max(0.0, deadline - time.monotonic())) or not sp.alive:  # type: ignore[attr-defined]
-                raise RuntimeError(f"{sp.name} [{sp.start}:{sp.end}) did not start:\n" + "\n".join(sp.lines[-20:]))
+                state = "exited" if not sp.alive else f"not ready within {self.start_timeout_s:.0f} s"
+                raise SwarmStartError(f"{sp.name} [{sp.start}:{sp.end}) did not start ({state})", sp.lines)
             line = next((line for line in sp.lines if line.startswith(("serving ", "standing by: "))), None)
             if line is None:  # it ended (e.g. was killed) just as it was starting
-                raise RuntimeError(f"{sp.name} ended before it was ready:\n" + "\n".join(sp.lines[-20:]))
+                raise SwarmStartError(f"{sp.name} ended before it was ready", sp.lines)
             sp.peer_id = line.split(" as ")[1].split()[0].rstrip(":")
             if line.startswith("serving "):
                 rng = line.split("blocks [", 1)[1].split(")", 1)[0]

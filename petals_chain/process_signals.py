@@ -1,17 +1,36 @@
-"""Signal handling around the processes petals-chain starts.
+"""Signal handling and life cycle of the processes petals-chain starts.
 
-hivemind's DHT runs in a forked child process. A child inherits the parent's Python signal
-handlers; if those only set an Event of the parent (as a server's SIGTERM handler does), the child
-would ignore SIGTERM and a clean shutdown could hang. `start_dht` forks it with default handlers.
+hivemind's DHT runs in a forked child process, which starts the p2p daemon (p2pd) as its own
+child. Two things go wrong with hivemind's defaults:
+
+- A child inherits the parent's Python signal handlers; if those only set an Event of the parent
+  (as a server's SIGTERM handler does), the child would ignore SIGTERM and a clean shutdown could
+  hang. `start_dht` forks it with default handlers.
+- An operator's `kill -9 PID` of a server ends only that process: its DHT child and p2pd ran on,
+  orphaned, and kept the server's libp2p connections open, so clients saw a silent peer until
+  their 32-s step timeout instead of a closed stream. `start_dht`'s child watches its parent and,
+  when the parent is gone, kills its own children (p2pd) and exits (`_exit_with_parent`).
 """
 from __future__ import annotations
 
+import logging
+import os
+import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from hivemind.dht import DHT
+from hivemind.p2p import P2PDaemonError
+
+from petals_chain.errors import P2PStartError
+
+logger = logging.getLogger(__name__)
+# How often a DHT child checks that its parent lives: bounds how long a SIGKILLed server's p2pd
+# (and so its open connections) outlives it.
+PARENT_CHECK_PERIOD_S = 0.25
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM)
 
@@ -30,10 +49,58 @@ def default_signal_handlers() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+class ParentBoundDHT(DHT):
+    """hivemind's DHT whose child process (p2pd included) ends when the process that started it dies.
+
+    A watchdog thread rather than only PR_SET_PDEATHSIG: the parent-death signal fires when the
+    *thread* that forked exits (a client may start its DHT from a short-lived thread), and a signal
+    would kill the child without stopping its p2pd; polling getppid() has neither problem."""
+
+    def run(self) -> None:
+        threading.Thread(target=_exit_with_parent, args=(self._parent_pid,), name="exit-with-parent",
+                         daemon=True).start()
+        super().run()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_CHECK_PERIOD_S)
+    import psutil
+
+    # The parent is gone (e.g. kill -9): take our own children (p2pd) with us, then leave at once:
+    # a clean shutdown would talk to peers on behalf of a server that no longer exists.
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    os._exit(0)
+
+
 def start_dht(**dht_kwargs) -> DHT:
-    """`hivemind.dht.DHT(start=True, **dht_kwargs)` whose child process has default signal handlers."""
+    """`hivemind.dht.DHT(start=True, **dht_kwargs)` whose child process has default signal handlers
+    and ends with its parent; a daemon that does not start is a `P2PStartError` of one line."""
     with default_signal_handlers():
-        return DHT(start=True, **dht_kwargs)
+        try:
+            return ParentBoundDHT(start=True, **dht_kwargs)
+        except P2PDaemonError as e:
+            raise P2PStartError(describe_p2p_error(e, dht_kwargs.get("initial_peers") or [])) from None
+
+
+def describe_p2p_error(error: Exception, initial_peers: list) -> str:
+    """hivemind's P2PDaemonError (the daemon's log lines) as one line that says what to do."""
+    text = str(error)
+    # the daemon's lines start with a Go timestamp: "2026/11/23 07:03:38 failed to parse ..."
+    reasons = [re.sub(r"^(Daemon failed to start:\s*)?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s*", "", line).strip()
+               for line in text.splitlines() if line.strip()]
+    reason = next((r for r in reasons if r), text.strip() or type(error).__name__)
+    if "bootstrap peers" in reason:
+        peers = " ".join(str(p) for p in initial_peers)
+        return (f"none of the initial peers answered ({peers}): check that the address is the one "
+                "`petals-chain dht` printed, that the peer is running and that this host can reach it")
+    if "multiaddr" in reason:
+        return f"the p2p daemon refused an address: {reason}; use e.g. /ip4/0.0.0.0/tcp/31337"
+    return f"the p2p daemon did not start: {reason}"
 
 
 @contextmanager

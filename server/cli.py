@@ -8,19 +8,10 @@ import signal
 import sys
 import threading
 
-SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+from petals_chain.cli_args import (CliParser, identity_path, listen_maddr, non_negative_float, non_negative_int,
+                                   parse_size, peer_maddr, positive_float, positive_int, run_main)
 
-
-def parse_size(text: str) -> int:
-    """'2GiB' -> 2147483648; '500MB' -> 500000000; '1048576' -> 1048576."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 2GiB, 512MiB, 1.5GB or a byte count")
-    value = int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
+__all__ = ["build_parser", "main", "parse_size"]  # parse_size lives in petals_chain.cli_args (one parser of sizes)
 
 
 def parse_size_or_zero(text: str) -> int:
@@ -37,30 +28,10 @@ def parse_blocks(text: str) -> tuple[int, int] | str:
     return int(m.group(1)), int(m.group(2))
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     from server.policies import POLICIES, describe_policies  # light: no torch
 
-    p = argparse.ArgumentParser(
+    p = CliParser(
         prog="launch-server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="scheduling policies (--policy NAME) and their --policy-arg parameters:\n" + describe_policies())
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
@@ -69,17 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the default when an orchestrator of the model is in the DHT)")
     p.add_argument("--no-orchestrator", action="store_true",
                    help="ignore any orchestrator: serve the --blocks given (required then)")
-    p.add_argument("--orchestrator-wait", type=float, default=30.0,
+    p.add_argument("--orchestrator-wait", type=non_negative_float, default=30.0,
                    help="with --blocks auto: seconds to wait for an orchestrator to appear in the DHT")
-    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers (from `petals-chain dht`)")
+    p.add_argument("--initial-peers", nargs="+", required=True, type=peer_maddr,
+                   help="multiaddrs of DHT peers (from `petals-chain dht`)")
     p.add_argument("--memory-budget", type=parse_size, default=parse_size("2GiB"),
                    help="memory M_j this server offers for blocks + KV cache (default 2GiB)")
-    p.add_argument("--max-length", type=int, default=2048, help="longest session (tokens) this server accepts")
+    p.add_argument("--max-length", type=positive_int, default=2048, help="longest session (tokens) this server accepts")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
-    p.add_argument("--identity-path", default=None,
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], type=listen_maddr,
+                   help="multiaddrs to listen on")
+    p.add_argument("--identity-path", default=None, type=identity_path,
                    help="private key file for a stable peer id (`petals-chain identity new PATH` makes one)")
     p.add_argument("--allowed-peers", default=None, metavar="FILE",
                    help="private swarm: serve only the peer ids in FILE (one a line, # comments); clients and the "
@@ -98,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission-timeout", type=non_negative_float, default=10.0,
                    help="seconds a session may wait for KV memory in the admission queue when the budget is full "
                         "(0: refuse at once with out_of_cache)")
-    p.add_argument("--admission-queue", type=int, default=64,
+    p.add_argument("--admission-queue", type=non_negative_int, default=64,
                    help="sessions that may wait for KV memory at once; more are refused with out_of_cache")
     p.add_argument("--prefix-sharing", default="client", choices=["client", "swarm", "off"],
                    help="prefix KV cache scope: client (default: a client reuses only prefixes of its own prompts; the "
@@ -113,20 +86,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefixes survive a full server (advertised free slots shrink by it; default 0)")
     p.add_argument("--service-log", default=None, metavar="PATH",
                    help="append one JSON line per batch (clients served, tokens, backlog) for fairness measurements")
-    p.add_argument("--max-step-tokens", type=int, default=None,
+    p.add_argument("--max-step-tokens", type=positive_int, default=None,
                    help="most tokens (rows x sequence) one inference step or forward request may carry, advertised "
                         "in rpc_info; larger requests get a request_too_large error (default: --max-length)")
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--announce-period", type=float, default=2.0, help="seconds between DHT announcements")
+    p.add_argument("--num-threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--announce-period", type=positive_float, default=2.0, help="seconds between DHT announcements")
     p.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="K",
                    help="EMULATION, off by default: every batch (and the t_I/t_O profiling) runs for real, then "
                         "sleeps until it took K times its compute time, emulating a K-times slower device "
                         "(server/emulation.py; used by `petals-chain experiment table1`)")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("launch-server", _main, sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from petals_chain.errors import PetalsChainError
@@ -139,17 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2
-    if args.admission_queue < 0:
-        print("launch-server: --admission-queue must be >= 0", file=sys.stderr)
-        return 2
     from server.block_server import BlockServer, ServerConfig
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    if args.max_step_tokens is not None and args.max_step_tokens < 1:
-        print(f"launch-server: --max-step-tokens must be >= 1, got {args.max_step_tokens}", file=sys.stderr)
-        return 2
     if not args.emulate_slowdown >= 1.0:
         print(f"launch-server: --emulate-slowdown must be >= 1 (a slower device), got {args.emulate_slowdown}",
               file=sys.stderr)

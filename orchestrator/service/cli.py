@@ -10,14 +10,16 @@ import threading
 from orchestrator.planner import POLICIES
 from orchestrator.tuning import TUNINGS
 from orchestrator.cli_args import parse_c, positive_float
+from petals_chain.cli_args import CliParser, identity_path, listen_maddr, non_negative_float, non_negative_int, peer_maddr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="petals-chain orchestrator", description=__doc__)
+    p = CliParser(prog="petals-chain orchestrator", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
-    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers")
-    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"])
-    p.add_argument("--identity-path", default=None,
+    p.add_argument("--initial-peers", nargs="+", required=True, type=peer_maddr, help="multiaddrs of DHT peers")
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], type=listen_maddr,
+                   help="multiaddrs to listen on (default /ip4/0.0.0.0/tcp/0)")
+    p.add_argument("--identity-path", default=None, type=identity_path,
                    help="private key file for a stable peer id (`petals-chain identity new PATH` makes one)")
     p.add_argument("--allowed-peers", default=None, metavar="FILE",
                    help="private swarm: plan only with servers whose peer id is in FILE and answer only listed "
@@ -26,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="proposed = GBP-CR + GCA + JFFC; petals / bprr = their placement + per-request routing; "
                         "jffc-only = whole model per server + JFFC")
     p.add_argument("--c", type=parse_c, default=None, help="cache reservation of GBP-CR: auto (default) or N")
-    p.add_argument("--tuning", choices=TUNINGS, default="lower")
+    p.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for tuning c (default lower)")
     p.add_argument("--leftover-placement", action=argparse.BooleanOptionalAction, default=False,
                    help="give servers GBP-CR leaves idle blocks where GCA is tightest, kept only if that lowers neither "
                         "the total rate nor raises the Theorem 3.7 lower bound (default off: docs/results.md)")
@@ -34,28 +36,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rho", type=positive_float, default=0.7, help="target load rho_bar in (0, 1)")
     p.add_argument("--mean-input-tokens", type=positive_float, default=64.0, help="expected l_in (updated from finished sessions)")
     p.add_argument("--mean-output-tokens", type=positive_float, default=32.0, help="expected l_out (updated from finished sessions)")
-    p.add_argument("--per-block-overhead-ms", type=float, default=1.0, help="t_o of footnote 11 (default 1 ms)")
-    p.add_argument("--per-step-overhead-ms", type=float, default=0.0, help="added to the measured RTT per step in tau_c")
-    p.add_argument("--expected-servers", type=int, default=0,
+    p.add_argument("--per-block-overhead-ms", type=non_negative_float, default=1.0, help="t_o of footnote 11 (default 1 ms)")
+    p.add_argument("--per-step-overhead-ms", type=non_negative_float, default=0.0, help="added to the measured RTT per step in tau_c")
+    p.add_argument("--expected-servers", type=non_negative_int, default=0,
                    help="plan as soon as this many servers registered (default: when none joined for --settle)")
-    p.add_argument("--expected-wait", type=float, default=180.0,
+    p.add_argument("--expected-wait", type=non_negative_float, default=180.0,
                    help="with --expected-servers: plan with fewer measured servers after this many seconds (default 180)")
-    p.add_argument("--settle", type=float, default=5.0, help="seconds without a new server before the first plan")
-    p.add_argument("--replan-period", type=float, default=60.0, help="slow time scale: seconds between re-plans")
+    p.add_argument("--settle", type=non_negative_float, default=5.0, help="seconds without a new server before the first plan")
+    p.add_argument("--replan-period", type=positive_float, default=60.0, help="slow time scale: seconds between re-plans")
     p.add_argument("--force-replan", action="store_true", help="re-planning may move servers that hold live sessions")
     p.add_argument("--lease-ttl", type=positive_float, default=15.0, help="seconds a session lease lives without a heartbeat")
     p.add_argument("--queue", choices=["fifo", "fair"], default="fifo",
                    help="central queue order when no chain has a free slot: fifo (JFFC as in the paper) or fair "
                         "(the waiting session whose client received the least service goes first: VTC counters)")
-    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-host", default="127.0.0.1", help="address of the status page (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=0, help="status page port (0: pick a free one; -1: no HTTP)")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not -1 <= args.http_port <= 65535:
+        print(f"petals-chain orchestrator: --http-port must be in -1..65535, got {args.http_port}", file=sys.stderr)
+        return 2
     if not 0 < args.rho < 1:
         print("petals-chain orchestrator: --rho must lie in (0, 1)", file=sys.stderr)
         return 2

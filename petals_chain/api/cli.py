@@ -8,10 +8,11 @@ import socket
 import sys
 
 from petals_chain.api.admission import ADMISSION_POLICIES
+from petals_chain.cli_args import CliParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="petals-chain api", description=__doc__)
+    p = CliParser(prog="petals-chain api", description=__doc__)
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of swarm DHT peers")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port; default 8000)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from petals_chain.errors import InvalidRequestError
 from petals_chain.runtime.block_range import BlockRange, StepInput
 
 
@@ -77,7 +78,8 @@ class LocalChain(ChainBackend):
         expected = 0
         for r in ranges:
             if r.start != expected:
-                raise ValueError(f"block ranges must tile the model in order; got [{r.start}, {r.end}) after block {expected}")
+                raise InvalidRequestError(f"block ranges must tile the model in order; got [{r.start}, {r.end}) "
+                                          f"after block {expected}")
             expected = r.end
         self.ranges = ranges
 

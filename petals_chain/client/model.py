@@ -78,6 +78,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """All block ranges in this process: pipelined generation without a network."""
         path = resolve_model_path(model)
         head = ClientHead(path, dtype=dtype, model_path=path)
+        num_blocks = head.config.num_hidden_layers
+        if not ranges or ranges[-1][1] != num_blocks or any(not 0 <= s < e <= num_blocks for s, e in ranges):
+            raise InvalidRequestError(f"block ranges {ranges} do not tile the model's blocks [0, {num_blocks}): "
+                                      f"e.g. [(0, {num_blocks // 2}), ({num_blocks // 2}, {num_blocks})]")
         block_ranges = [BlockRange(path, s, e, dtype=dtype, quant=quant, config=head.config, model_path=path)
                         for s, e in ranges]
         return cls(head.config, head, LocalChain(block_ranges))
@@ -131,11 +135,24 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if self._session is not None:
             full = torch.tensor([self._session.token_ids + input_ids[0].tolist()], dtype=torch.long)
             return self._generate_in(self._session, full, **kwargs)
-        budget = max_length or (input_ids.shape[1] + int(kwargs.get("max_new_tokens") or 0)) or DEFAULT_MAX_LENGTH
+        if max_length is not None:
+            kwargs["max_length"] = max_length  # transformers' meaning: prompt + new tokens
+        budget = self._session_length(input_ids.shape[1], kwargs)
         # the prompt goes with the open: hops that hold its prefix skip it (generate keeps only the
         # last position's logits, so the skipped positions' logits are never needed)
         with self.inference_session(max_length=budget, prompt_ids=input_ids[0]) as session:
             return self._generate_in(session, input_ids, **kwargs)
+
+    def _session_length(self, prompt_tokens: int, kwargs: dict) -> int:
+        """The most tokens transformers' generate will hold with these arguments, resolved the way it does:
+        `max_new_tokens` (argument, else the generation config's), else `max_length` (argument, else the
+        config's; a prompt already that long still gets one new token). The session's KV is sized for it."""
+        config = kwargs.get("generation_config") or self.generation_config
+        max_new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        if max_new is not None:
+            return prompt_tokens + int(max_new)
+        max_length = kwargs.get("max_length") or getattr(config, "max_length", None) or DEFAULT_MAX_LENGTH
+        return max(int(max_length), prompt_tokens + 1)
 
     def _generate_in(self, session: InferenceSession, full_ids: torch.Tensor, **kwargs):
         self._session = session

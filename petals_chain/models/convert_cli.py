@@ -5,10 +5,11 @@ import argparse
 import time
 
 from petals_chain.models.checkpoint import resolve_model_path
+from petals_chain.cli_args import CliParser
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="petals-chain convert", description=__doc__)
+    parser = CliParser(prog="petals-chain convert", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m", help="model name or local checkpoint folder")
     args = parser.parse_args(argv)
     start_s = time.perf_counter()
