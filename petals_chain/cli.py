@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        print(f"petals-chain: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"petals-chain: unknown subcommand {name!r}; `petals-chain --help` lists them", file=sys.stderr)
         return 2
     module_name, func_name = SUBCOMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from petals_chain.cli_args import CliParser
+from petals_chain.cli_args import CliParser, identity_path
 
 
 def main(argv: list[str]) -> int:
@@ -17,13 +17,10 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     new = sub.add_parser("new", help="write a new identity to PATH (refuses to overwrite) and print its peer id")
-    new.add_argument("path")
+    new.add_argument("path", type=identity_path, help="where to write it (the folder must exist)")
     show = sub.add_parser("show", help="print the peer id of the identity in PATH")
-    show.add_argument("path")
+    show.add_argument("path", help="an identity file")
     args = p.parse_args(argv)
-    from petals_chain.errors import IdentityError
-    from petals_chain.swarm_identity import SwarmIdentity
-
     if args.action == "new" and os.path.exists(args.path):
         print(f"petals-chain identity: {args.path} exists; `petals-chain identity show {args.path}` prints its "
               "peer id (remove the file first to replace it)", file=sys.stderr)
@@ -32,6 +29,9 @@ def main(argv: list[str]) -> int:
         print(f"petals-chain identity: no file {args.path}; make one with `petals-chain identity new {args.path}`",
               file=sys.stderr)
         return 2
+    from petals_chain.errors import IdentityError  # after the checks: hivemind takes seconds to import
+    from petals_chain.swarm_identity import SwarmIdentity
+
     try:
         print(SwarmIdentity.load_or_create(args.path).peer_id)
     except IdentityError as e:

@@ -8,8 +8,8 @@ import signal
 import sys
 import threading
 
-from petals_chain.cli_args import (CliParser, identity_path, listen_maddr, non_negative_float, non_negative_int,
-                                   parse_size, peer_maddr, positive_float, positive_int, run_main)
+from petals_chain.cli_args import (LOG_LEVELS, CliParser, identity_path, listen_maddr, non_negative_float,
+                                   non_negative_int, parse_size, peer_maddr, positive_float, positive_int, run_main)
 
 __all__ = ["build_parser", "main", "parse_size"]  # parse_size lives in petals_chain.cli_args (one parser of sizes)
 
@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EMULATION, off by default: every batch (and the t_I/t_O profiling) runs for real, then "
                         "sleeps until it took K times its compute time, emulating a K-times slower device "
                         "(server/emulation.py; used by `petals-chain experiment table1`)")
-    p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                   help="Python logging level (default WARNING)")
     return p
 
 
@@ -105,6 +106,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    # checks of the flags alone first: they answer at once, before anything heavy is imported
+    if not args.emulate_slowdown >= 1.0:
+        print(f"launch-server: --emulate-slowdown must be >= 1 (a slower device), got {args.emulate_slowdown}",
+              file=sys.stderr)
+        return 2
+    if args.blocks is None and args.no_orchestrator:
+        print("launch-server: --no-orchestrator needs --blocks START:END", file=sys.stderr)
+        return 2
+    if args.blocks == "auto" and args.no_orchestrator:
+        print("launch-server: --blocks auto needs an orchestrator; drop --no-orchestrator", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from petals_chain.errors import PetalsChainError
     from server.policies import make_policy, parse_policy_args  # light: checks flags before torch loads
@@ -121,16 +133,6 @@ def _main(argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    if not args.emulate_slowdown >= 1.0:
-        print(f"launch-server: --emulate-slowdown must be >= 1 (a slower device), got {args.emulate_slowdown}",
-              file=sys.stderr)
-        return 2
-    if args.blocks is None and args.no_orchestrator:
-        print("launch-server: --no-orchestrator needs --blocks START:END", file=sys.stderr)
-        return 2
-    if args.blocks == "auto" and args.no_orchestrator:
-        print("launch-server: --blocks auto needs an orchestrator; drop --no-orchestrator", file=sys.stderr)
-        return 2
     if args.blocks is None:  # the default: an orchestrator decides (found in the DHT, else an error)
         args.blocks = "auto"
     start, end = (None, None) if args.blocks == "auto" else args.blocks

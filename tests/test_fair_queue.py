@@ -100,9 +100,10 @@ def test_fair_with_one_client_is_fifo_jffc(ops):
 def test_orchestrator_cli_queue_flag():
     from orchestrator.service.cli import build_parser
 
-    assert build_parser().parse_args(["--initial-peers", "x"]).queue == "fifo"  # the paper's JFFC by default
-    assert build_parser().parse_args(["--initial-peers", "x", "--queue", "fair"]).queue == "fair"
+    peer = "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"  # a well-formed address (the parser checks it)
+    assert build_parser().parse_args(["--initial-peers", peer]).queue == "fifo"  # the paper's JFFC by default
+    assert build_parser().parse_args(["--initial-peers", peer, "--queue", "fair"]).queue == "fair"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--initial-peers", "x", "--queue", "lifo"])
+        build_parser().parse_args(["--initial-peers", peer, "--queue", "lifo"])
     with pytest.raises(ValueError):
         DispatchState(queue="lifo")

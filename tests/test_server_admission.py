@@ -112,7 +112,7 @@ def test_idle_session_is_closed_and_its_kv_freed(swarm, client):
     (["--max-batch-tokens", "0"], "must be >= 1"),
 ])
 def test_launch_server_rejects_bad_policy_flags(args, message):
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "--initial-peers", "/ip4/127.0.0.1/tcp/1", *args],
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc", *args],
                           capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 

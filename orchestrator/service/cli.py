@@ -10,7 +10,8 @@ import threading
 from orchestrator.planner import POLICIES
 from orchestrator.tuning import TUNINGS
 from orchestrator.cli_args import parse_c, positive_float
-from petals_chain.cli_args import CliParser, identity_path, listen_maddr, non_negative_float, non_negative_int, peer_maddr
+from petals_chain.cli_args import (LOG_LEVELS, CliParser, identity_path, listen_maddr, non_negative_float,
+                                   non_negative_int, peer_maddr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the waiting session whose client received the least service goes first: VTC counters)")
     p.add_argument("--http-host", default="127.0.0.1", help="address of the status page (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=0, help="status page port (0: pick a free one; -1: no HTTP)")
-    p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                   help="Python logging level (default WARNING)")
     return p
 
 

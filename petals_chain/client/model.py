@@ -144,15 +144,25 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             return self._generate_in(session, input_ids, **kwargs)
 
     def _session_length(self, prompt_tokens: int, kwargs: dict) -> int:
-        """The most tokens transformers' generate will hold with these arguments, resolved the way it does:
-        `max_new_tokens` (argument, else the generation config's), else `max_length` (argument, else the
-        config's; a prompt already that long still gets one new token). The session's KV is sized for it."""
-        config = kwargs.get("generation_config") or self.generation_config
-        max_new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        """The most tokens transformers' generate will hold with these arguments, resolved as it does
+        (transformers 5, `GenerationMixin._prepare_generated_length`): `max_new_tokens` (argument, else
+        the generation configs') means prompt + that; else a `max_length` someone set is the total (a
+        prompt already that long makes HF refuse, so one token more is enough); else HF's global default
+        `max_length` (20) counts *new* tokens, capped by the model's positions. The KV is sized for it."""
+        configs = [c for c in (kwargs.get("generation_config"), self.generation_config) if c is not None]
+        max_new = kwargs.get("max_new_tokens")
+        for config in configs:
+            max_new = max_new if max_new is not None else getattr(config, "max_new_tokens", None)
         if max_new is not None:
             return prompt_tokens + int(max_new)
-        max_length = kwargs.get("max_length") or getattr(config, "max_length", None) or DEFAULT_MAX_LENGTH
-        return max(int(max_length), prompt_tokens + 1)
+        max_length = kwargs.get("max_length")
+        for config in configs:
+            max_length = max_length if max_length is not None else getattr(config, "max_length", None)
+        if max_length is not None:
+            return max(int(max_length), prompt_tokens + 1)
+        default_new = int(self.generation_config._get_default_generation_params()["max_length"])
+        positions = getattr(self.config, "max_position_embeddings", None)
+        return prompt_tokens + default_new if positions is None else min(prompt_tokens + default_new, positions)
 
     def _generate_in(self, session: InferenceSession, full_ids: torch.Tensor, **kwargs):
         self._session = session

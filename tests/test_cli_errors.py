@@ -1,0 +1,130 @@
+"""Bad input on every command: one line on stderr, exit code 2, no traceback, nothing started.
+
+Each case runs the real entry point as a user would (a subprocess: what reaches the terminal is
+what is checked, hivemind's and torch's own output included). Most cases are refused while the
+arguments are parsed, before torch or hivemind load; the few that need the model's config say so.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# a well-formed peer address nobody listens on (the peer id is a real one's format: Qm...)
+PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"
+NO_DIR_ID = "/nonexistent-petals-chain-dir/x.id"
+PC = [sys.executable, "-m", "petals_chain.cli"]
+LS = [sys.executable, "-m", "server.cli"]
+
+# (argv, a phrase the one line must contain). The issue's cases and their siblings, per command.
+CASES = [
+    # generate
+    (PC + ["generate", "--local-ranges", "0:10,12:30"], "should start at 10"),
+    (PC + ["generate", "--local-ranges", "0:10,x"], "bad block range"),
+    (PC + ["generate", "--sample", "--temperature", "-1"], "--temperature: must be a positive number"),
+    (PC + ["generate", "--sample", "--temperature", "0"], "--temperature: must be a positive number"),
+    (PC + ["generate", "--repetition-penalty", "0"], "--repetition-penalty: must be a positive number"),
+    (PC + ["generate", "--top-p", "5"], "--top-p: must lie in (0, 1]"),
+    (PC + ["generate", "--top-p", "nan"], "--top-p: expected a finite number"),
+    (PC + ["generate", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
+    (PC + ["generate", "--initial-peers", "garbage"], "bad peer address 'garbage'"),
+    (PC + ["generate", "--identity-path", NO_DIR_ID], "no folder"),
+    (PC + ["generate", "--dtype", "float8"], "invalid choice"),
+    # convert
+    (PC + ["convert", "--mdoel", "x"], "unrecognized arguments: --mdoel"),
+    # dht
+    (PC + ["dht", "--host-maddrs", "garbage"], "bad multiaddr 'garbage'"),
+    (PC + ["dht", "--initial-peers", "garbage"], "bad peer address"),
+    (PC + ["dht", "--initial-peers", "/ip4/127.0.0.1/tcp/5"], "no /p2p/PEERID part"),
+    (PC + ["dht", "--identity-path", NO_DIR_ID], "no folder"),
+    # launch-server
+    (LS, "the following arguments are required: --initial-peers"),
+    (LS + ["--initial-peers", "garbage"], "bad peer address"),
+    (LS + ["--initial-peers", PEER, "--host-maddrs", "garbage"], "bad multiaddr"),
+    (LS + ["--initial-peers", PEER, "--host-maddrs", "/ip4/1.2.3.4/tcp/99999"], "bad multiaddr"),
+    (LS + ["--initial-peers", PEER, "--memory-budget", "abc"], "bad size 'abc'"),
+    (LS + ["--initial-peers", PEER, "--blocks", "5:3"], "bad --blocks"),
+    (LS + ["--initial-peers", PEER, "--max-length", "0"], "--max-length: must be >= 1"),
+    (LS + ["--initial-peers", PEER, "--num-threads", "0"], "--num-threads: must be >= 1"),
+    (LS + ["--initial-peers", PEER, "--identity-path", NO_DIR_ID], "no folder"),
+    (LS + ["--initial-peers", PEER, "--no-orchestrator"], "--no-orchestrator needs --blocks"),
+    (LS + ["--initial-peers", PEER, "--log-level", "chatty"], "--log-level: invalid choice: 'CHATTY'"),
+    # orchestrator
+    (PC + ["orchestrator", "--initial-peers", "garbage"], "bad peer address"),
+    (PC + ["orchestrator", "--initial-peers", PEER, "--host-maddrs", "garbage"], "bad multiaddr"),
+    (PC + ["orchestrator", "--initial-peers", PEER, "--rho", "2"], "--rho must lie in (0, 1)"),
+    (PC + ["orchestrator", "--initial-peers", PEER, "--expected-servers", "-1"], "must be >= 0"),
+    (PC + ["orchestrator", "--initial-peers", PEER, "--http-port", "70000"], "--http-port must be in"),
+    # plan, simulate
+    (PC + ["plan", "--cluster", "/nonexistent.json"], "cannot read /nonexistent.json"),
+    (PC + ["plan", "--cluster", "examples/cluster.json", "--c", "0"], "--c: must be >= 1"),
+    (PC + ["simulate", "--cluster", "examples/cluster.json", "--jobs", "0"], "--jobs"),
+    # demo: refused before anything starts
+    (PC + ["demo", "--budgets", "abc"], "bad size 'abc'"),
+    (PC + ["demo", "--budgets", ","], "no budget"),
+    (PC + ["demo", "--servers", "0"], "--servers: must be >= 1"),
+    (PC + ["demo", "--sessions", "-1"], "--sessions: must be >= 0"),
+    # api
+    # (api: a bad --initial-peers is tests/test_api_units.py's, in-process)
+    (PC + ["api", "--initial-peers", PEER, "--port", "70000"], "--port must be in 0..65535"),
+    # identity, experiment, netem, the umbrella
+    (PC + ["identity", "show", "/nonexistent.id"], "no file /nonexistent.id"),
+    (PC + ["identity", "new"], "the following arguments are required: path"),
+    (PC + ["identity", "new", NO_DIR_ID], "no folder"),
+    (PC + ["experiment", "table1", "--requests", "0"], "need --requests >= 1"),
+    (PC + ["experiment", "table9"], "unknown experiment 'table9'"),
+    (PC + ["netem", "sideways"], "invalid choice"),
+    (PC + ["bogus"], "unknown subcommand 'bogus'"),
+]
+
+
+def run_cli(argv: list[str], timeout_s: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=env)
+
+
+def assert_one_line(proc: subprocess.CompletedProcess, phrase: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert phrase in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv, phrase", CASES, ids=[" ".join(a[3 if a[:3] == PC else 2:]) or "launch-server"
+                                                     for a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2(argv, phrase):
+    proc = run_cli(argv)
+    assert_one_line(proc, phrase)
+    assert "starting a local swarm" not in proc.stdout  # demo: refused before anything started
+
+
+def test_umbrella_lists_the_cli_cases():
+    """Every subcommand of `petals-chain` has at least one bad-input case above (new ones too)."""
+    from petals_chain.cli import SUBCOMMANDS
+
+    covered = {argv[3] for argv, _ in CASES if argv[:3] == PC}
+    assert set(SUBCOMMANDS) <= covered, set(SUBCOMMANDS) - covered
+
+
+def test_plan_into_a_closed_pipe_is_quiet():
+    """`petals-chain plan ... | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(f"{sys.executable} -m petals_chain.cli plan --cluster examples/cluster.json --table | head -1",
+                          shell=True, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert proc.stdout.strip() == "{" and proc.stderr == "", proc.stderr
+
+
+@pytest.mark.model
+def test_model_dependent_refusals_are_one_line():
+    """Checks that need the model (torch, its config): a model that is not there, ranges past its
+    last block, budgets that cannot hold it."""
+    assert_one_line(run_cli(PC + ["convert", "--model", "/nonexistent"]), "neither an embedded model")
+    assert_one_line(run_cli(PC + ["generate", "--local-ranges", "0:10,10:40"]), "do not tile the model's blocks [0, 30)")
+    proc = run_cli(PC + ["demo", "--budgets", "10MiB,10MiB"])
+    assert_one_line(proc, "cannot hold one block")
+    assert "starting a local swarm" not in proc.stdout
+    assert_one_line(run_cli(PC + ["demo", "--budgets", "20MiB"]), "hold 1 of the model's 30 blocks")
