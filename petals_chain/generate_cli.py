@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--identity-path", default=None, type=identity_path,
                    help="this client's peer identity file (`petals-chain identity new PATH`): a stable peer id to "
                         "list in a private swarm's --allowed-peers")
+    p.add_argument("--allowed-peers", default=None, metavar="FILE",
+                   help="use only servers (and an orchestrator) whose peer ids FILE lists (private swarm)")
     return p
 
 
@@ -73,8 +75,11 @@ def main(argv: list[str]) -> int:
     try:
         path = resolve_model_path(args.model)
         if args.initial_peers:
-            model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
-                                                                dtype=args.dtype, identity_path=args.identity_path)
+            from petals_chain.membership import load_allowed_peers
+
+            model = DistributedModelForCausalLM.from_pretrained(
+                args.model, initial_peers=args.initial_peers, dtype=args.dtype, identity_path=args.identity_path,
+                allowed_servers=load_allowed_peers(args.allowed_peers))
         else:
             model = DistributedModelForCausalLM.from_local_ranges(path, args.local_ranges, dtype=args.dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,172 @@
+"""The README's code blocks, run as written.
+
+Every ```bash / ```python block a user would run carries a marker line `<!-- readme-test: NAME -->`
+just above it (invisible on GitHub). `test_every_runnable_block_is_accounted_for` keeps this file
+in step with the README: a new or renamed block fails it until it is run here (RUN) or named with
+the test that covers it and why it is not run verbatim (COVERED_ELSEWHERE: root, hours, the suite
+itself). The blocks in RUN are read from the README at test time, so what runs is what it says.
+
+Run as written, with two substitutions a shared test machine needs, nothing else: the fixed ports
+(31337, 8000) become free ones, and the commands run in a scratch folder whose `.venv` is this
+interpreter's environment (so `.venv/bin/...` are the entry points of the code under test).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+FENCE = re.compile(r"<!-- readme-(test|output): ([a-z0-9-]+) -->\n```(\w*)\n(.*?)\n```", re.S)
+ANY_BLOCK = re.compile(r"^```(\w*)\n", re.M)
+
+RUN = {  # executed by a test in this file
+    "plan": "test_plan_block_prints_the_shown_output",
+    "api-gateway": "test_readme_walkthrough",
+    "api-openai": "test_readme_walkthrough",
+    "client-library": "test_readme_walkthrough",
+    "private-swarm": "test_readme_walkthrough",
+}
+COVERED_ELSEWHERE = {  # not run verbatim here: where the same commands are tested, and why
+    "quickstart": "make demo = `petals-chain demo` (tests/test_demo.py, fewer tokens); make test is this suite",
+    "swarm-across-hosts": "a multi-host template (A.A.A.A); the same commands on one host: tests/test_online_orchestrator.py",
+    "reproduce-paper": "minutes to 15 min; its --quick path: tests/test_sim_cli.py's smoke run of scripts/reproduce_paper.py",
+    "netem-steps": "needs root (network namespaces): tests/test_netem_swarm.py runs the same swarm on emulated hosts",
+    "netem-python": "needs root: tests/test_netem_emulation.py drives netem.Network the same way",
+    "table1": "minutes to hours: tests/test_table1_quick.py runs `experiment table1 --quick`'s path on a small scale",
+    "bench-fairness": "a benchmark (15 min); not part of the suite",
+    "bench-fairness-prefix": "a benchmark (6 min); not part of the suite",
+}
+
+
+def readme_blocks() -> dict[tuple[str, str], tuple[str, str]]:
+    """{(kind, name): (language, text)} of the marked blocks."""
+    blocks = {}
+    for kind, name, lang, text in FENCE.findall(README.read_text(encoding="utf-8")):
+        assert (kind, name) not in blocks, f"two README blocks are marked readme-{kind}: {name}"
+        blocks[(kind, name)] = (lang, text)
+    return blocks
+
+
+def test_every_runnable_block_is_accounted_for():
+    text = README.read_text(encoding="utf-8")
+    runnable = [m for m in ANY_BLOCK.finditer(text) if m.group(1) in ("bash", "sh", "python", "console")]
+    marked = {m.start() for m in FENCE.finditer(text)}
+    unmarked = [text[m.start():].splitlines()[1] for m in runnable
+                if not any(0 <= m.start() - start < 80 for start in marked)]
+    assert not unmarked, ("README blocks without a `<!-- readme-test: NAME -->` line above them (add one, and run "
+                          f"the block in tests/test_readme.py or list it in COVERED_ELSEWHERE): {unmarked}")
+    names = {name for kind, name in readme_blocks() if kind == "test"}
+    assert names == set(RUN) | set(COVERED_ELSEWHERE), names ^ (set(RUN) | set(COVERED_ELSEWHERE))
+    assert not set(RUN) & set(COVERED_ELSEWHERE)
+
+
+def test_plan_block_prints_the_shown_output(tmp_path):
+    blocks = readme_blocks()
+    _, command = blocks[("test", "plan")]
+    _, shown = blocks[("output", "plan")]
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=_scratch(tmp_path), env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == json.loads(shown)
+
+
+def _scratch(tmp_path: Path) -> Path:
+    """A folder laid out like a checkout after `make`: examples/ and .venv/ (this interpreter's env)."""
+    work = tmp_path / "repo"
+    work.mkdir(exist_ok=True)
+    if not (work / "examples").exists():
+        shutil.copytree(REPO / "examples", work / "examples")
+        (work / ".venv").symlink_to(Path(sys.prefix))
+    return work
+
+
+def _env() -> dict[str, str]:
+    # PYTHONPATH first: the entry points of .venv/bin import the code under test (this checkout)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.integration
+@pytest.mark.model
+def test_readme_walkthrough(tmp_path, smollm2_path):
+    """One swarm for the README's swarm blocks, in the order a reader runs them: the gateway's
+    block (DHT peer, a server of all blocks, the gateway, two curl calls), the `openai` client, the
+    client-library snippet, then the private swarm (a member-only server and a client that uses
+    only members), and the gateway block's own `kill %1 %2 %3`."""
+    blocks = readme_blocks()
+    dht_port, api_port = _free_port(), _free_port()
+    gateway = blocks[("test", "api-gateway")][1].replace("/tcp/31337", f"/tcp/{dht_port}").replace(
+        "--port 8000", f"--port {api_port}").replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
+    openai_py = blocks[("test", "api-openai")][1].replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
+    client_py = blocks[("test", "client-library")][1]
+    private = blocks[("test", "private-swarm")][1]
+    work = _scratch(tmp_path)
+    (work / "openai_example.py").write_text(openai_py)
+    (work / "client_example.py").write_text(client_py)
+    script = "\n".join([
+        "set -eu",
+        gateway,
+        "echo '=== openai'", ".venv/bin/python openai_example.py",
+        "echo; echo '=== client library'", ".venv/bin/python client_example.py",
+        "echo '=== private swarm'", private,
+        "echo '=== done'", "kill %1 %2 %3 %4",
+    ])
+    proc = subprocess.Popen(["bash", "-c", script], cwd=work, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:  # the block's background processes live in this process group
+        _kill_group(proc.pid)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    gateway_out, rest = out.split("=== openai", 1)
+    openai_out, rest = rest.split("=== client library", 1)
+    client_out, rest = rest.split("=== private swarm", 1)
+    private_out = rest.split("=== done", 1)[0]
+    chat, stream = gateway_out.strip().split("\n", 1)
+    assert json.loads(chat)["choices"][0]["message"]["content"] and "Paris" in chat
+    assert stream.rstrip().endswith("data: [DONE]")
+    assert "CompletionUsage(" in openai_out and "Paris" in openai_out
+    assert re.search(r"\[0:30\)", client_out), client_out  # s.chain.describe(): the one server's hop
+    assert "tokens/s" in private_out and "[chain: " in private_out, private_out
+    members = (work / "members.txt").read_text().split()
+    assert len(members) == 2 and all(m.startswith("Qm") for m in members)
+    server_line = next(line for line in (work / "logs" / "private-server.log").read_text().splitlines()
+                       if line.startswith("serving"))
+    assert members[0] in server_line  # the member-only server runs as the identity listed first
+    assert f"{members[0][-6:]}[0:30)" in private_out  # ... and the member client's chain went through it
+    assert "Traceback" not in err, err[-3000:]
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
