@@ -36,6 +36,8 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`argv=None`: run as the `petals-chain` program (exits the process when done, see `run_main`)."""
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, func_name = SUBCOMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    return run_main(f"petals-chain {name}", func, rest)
+    return run_main(f"petals-chain {name}", func, rest, exit_process=as_program)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,12 @@ class ParentBoundDHT(DHT):
     would kill the child without stopping its p2pd; polling getppid() has neither problem."""
 
     def run(self) -> None:
+        # Out of the parent's process group: a Ctrl-C in the terminal (SIGINT to the foreground
+        # group) reaches only the parent, which then shuts down in order (a server announces
+        # `offline` through this DHT first); otherwise p2pd died of the SIGINT at once and the
+        # parent's shutdown waited for timeouts on a dead daemon. A group kill still ends this
+        # process within PARENT_CHECK_PERIOD_S: its parent is gone.
+        os.setpgid(0, 0)
         threading.Thread(target=_exit_with_parent, args=(self._parent_pid,), name="exit-with-parent",
                          daemon=True).start()
         super().run()

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("launch-server", _main, sys.argv[1:] if argv is None else argv)
+    """`argv=None`: run as the `launch-server` program (exits the process when done, see `run_main`)."""
+    return run_main("launch-server", _main, sys.argv[1:] if argv is None else argv, exit_process=argv is None)
 
 
 def _main(argv: list[str]) -> int:
