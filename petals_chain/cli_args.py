@@ -78,6 +78,11 @@ def _run(prog: str, main: Callable[[list[str]], int | None], argv: list[str]) ->
     except KeyboardInterrupt:
         _say(f"{prog}: interrupted")
         return EXIT_INTERRUPTED
+    except SystemExit as e:  # argparse (--help, bad arguments) and signal handlers that end a command
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        _say(str(e.code))
+        return 1
 
 
 def _say(line: str) -> None:

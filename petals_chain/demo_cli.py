@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -82,9 +83,12 @@ def main(argv: list[str]) -> int:
         budgets = [budgets[i % len(budgets)] for i in range(args.servers)]
 
     def terminate(*_):
+        # The sessions' threads would log every retry against the stopping swarm: quiet them first.
+        logging.disable(logging.CRITICAL)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
     from transformers import AutoTokenizer, TextStreamer
 
     from petals_chain.client.model import DistributedModelForCausalLM

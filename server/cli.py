@@ -132,8 +132,17 @@ def _main(argv: list[str]) -> int:
     from server.block_server import BlockServer, ServerConfig
 
     stop = threading.Event()
+    started = threading.Event()
+
+    def on_signal(*_) -> None:
+        stop.set()
+        if not started.is_set():
+            # still loading blocks or waiting for the orchestrator's assignment (a standing-by
+            # server): unwind out of BlockServer's constructor, which shuts down what it started
+            raise KeyboardInterrupt
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     if args.blocks is None:  # the default: an orchestrator decides (found in the DHT, else an error)
         args.blocks = "auto"
     start, end = (None, None) if args.blocks == "auto" else args.blocks
@@ -155,6 +164,7 @@ def _main(argv: list[str]) -> int:
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2
+    started.set()
     info = server.info()
     print(f"serving {info.model} blocks [{info.start}, {info.end}) as {info.peer_id} "
           f"(s_m={info.block_bytes} B, s_c={info.kv_bytes_per_block} B at {info.max_length_tokens} tokens, "
