@@ -24,6 +24,7 @@ released like a finished session, so a crashed client's slot returns.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ from orchestrator.baselines.request_router import PerRequestRouter
 from petals_chain.messages import ChainGrant, Hop
 
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -266,6 +269,9 @@ class DispatchState:
                                           wait, w.job_id, charge)
         self.metrics.admitted += 1
         self.metrics.observe_wait(wait)
+        # the session id carries an API gateway's request id: this line ties a request to its chain
+        logger.info("session %s of %s: chain %s granted after %.3f s in the queue", w.session_id, w.client_id,
+                    ch.chain_id, wait)
         return ChainGrant(w.session_id, ch.chain_id, self.plan_version, ch.hops, ch.service_time_s, self.lease_ttl_s,
                           wait, extra={"seq": self.metrics.admitted})
 
