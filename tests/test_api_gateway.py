@@ -150,7 +150,7 @@ def test_completion_with_stop_and_seed(client, smollm2_hf, smollm2_tokenizer):
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),  # more than --max-concurrent 4
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, "max_tokens"),
@@ -183,7 +183,7 @@ def test_bad_request_wrong_key_unknown_model_via_openai(client, gateway):
 
 
 def test_disconnect_cancels_the_session_and_frees_its_slot(gateway):
-    cancelled_before = _metric(gateway, 'petals_chain_api_finished_total{finish_reason="cancelled"}')
+    cancelled_before = _metric(gateway, 'petals_chain:request_success_total{finished_reason="abort"')
     with _http("POST", gateway + "/chat/completions", {"model": MODEL, "max_tokens": 500, "temperature": 0,
                                                        "messages": [{"role": "user", "content": "Write a long story."}],
                                                        "stream": True}) as r:
@@ -191,7 +191,7 @@ def test_disconnect_cancels_the_session_and_frees_its_slot(gateway):
             if line.startswith(b"data: "):
                 break  # first chunk received: hang up
     deadline = time.monotonic() + 60
-    while _metric(gateway, 'petals_chain_api_finished_total{finish_reason="cancelled"}') == cancelled_before:
+    while _metric(gateway, 'petals_chain:request_success_total{finished_reason="abort"') == cancelled_before:
         assert time.monotonic() < deadline, "the session was not cancelled after the client disconnected"
         time.sleep(0.2)
     health = json.loads(_http("GET", gateway.removesuffix("/v1") + "/health").read())
@@ -199,15 +199,15 @@ def test_disconnect_cancels_the_session_and_frees_its_slot(gateway):
 
 
 def test_disconnect_during_a_non_streaming_request_cancels_it(gateway):
-    cancelled_before = _metric(gateway, 'petals_chain_api_finished_total{finish_reason="cancelled"}')
+    cancelled_before = _metric(gateway, 'petals_chain:request_success_total{finished_reason="abort"')
     with pytest.raises(OSError):  # the client gives up (socket timeout) and closes the connection
         _http("POST", gateway + "/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 500,
                                                  "temperature": 0}, timeout_s=3).read()
     deadline = time.monotonic() + 60
-    while _metric(gateway, 'petals_chain_api_finished_total{finish_reason="cancelled"}') == cancelled_before:
+    while _metric(gateway, 'petals_chain:request_success_total{finished_reason="abort"') == cancelled_before:
         assert time.monotonic() < deadline, "the session was not cancelled after the client disconnected"
         time.sleep(0.2)
-    assert _metric(gateway, 'petals_chain_api_requests_total{endpoint="/v1/completions",status="499"}') >= 1
+    assert _metric(gateway, 'petals_chain:http_requests_total{endpoint="/v1/completions",status="499"}') >= 1
 
 
 def test_concurrent_greedy_requests_each_equal_hf(client, smollm2_hf, smollm2_tokenizer):
