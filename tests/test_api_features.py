@@ -229,3 +229,62 @@ def test_tools_on_a_template_without_them_are_a_clear_400(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
                                        max_tokens=4, tools=[WEATHER_TOOL])
     assert e.value.body["param"] == "tools" and "--chat-template" in e.value.body["message"]
+
+
+def test_tool_calls_with_a_template_that_renders_tools(local_model, smollm2_path, smollm2_hf):
+    """A Hermes-style template (tests/data): the model, shown three calls, calls the tool for a
+    fourth city; the reply (plain and streamed) carries it as tool_calls, parsed from exactly
+    what transformers generates for the same prompt."""
+    from transformers import AutoTokenizer
+
+    from petals_chain.api.tools import parse_tool_calls
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer.chat_template = TOOL_TEMPLATE.read_text()
+    base, _, stop = _serve(local_model, tokenizer, max_concurrent=2)
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        def asked(city, i):
+            return [{"role": "user", "content": f"What is the weather in {city}?"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
+                        "name": "get_weather", "arguments": json.dumps({"city": city})}}]}]
+
+        messages = [*asked("Paris", 1), *asked("Berlin", 2), *asked("Madrid", 3),
+                    {"role": "user", "content": "What is the weather in Rome?"}]
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=40,
+                                           temperature=0)
+        template_messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+            c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+        ids = _chat_ids(tokenizer, template_messages, tools=[WEATHER_TOOL])
+        expected_text = tokenizer.decode(smollm2_hf.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1]:],
+                                         skip_special_tokens=True)
+        _, expected_calls = parse_tool_calls(expected_text)
+        assert expected_calls, f"the model did not call the tool: {expected_text!r}"  # the test means something
+        assert r.usage.prompt_tokens == ids.shape[1]  # the tools were rendered into the prompt
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+            [("function", "get_weather", {"city": "Rome"})]
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                                     max_tokens=40, temperature=0, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == ""  # nothing of the call leaks as text
+        streamed = [t for d in deltas for t in d.tool_calls or ()]
+        assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in streamed] == \
+            [(0, "get_weather", {"city": "Rome"})]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    finally:
+        stop()
+
+
+def test_ready_answers_503_with_the_backends_reason(served, local_model, monkeypatch):
+    base, gateway = served
+    assert _http("GET", base + "/ready").status == 200  # local block ranges are always dispatchable
+    monkeypatch.setattr(local_model.backend, "unready_reason", lambda: "no chain of online servers covers blocks")
+    gateway._ready = None  # forget the cached answer
+    r = _http("GET", base + "/ready")
+    body = json.loads(r.read())
+    assert r.status == 503 and body["status"] == "unavailable" and "covers blocks" in body["reason"]
+    assert _http("GET", base + "/health").status == 200  # liveness does not depend on the swarm
+    gateway._ready = None

@@ -27,7 +27,8 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="module")
 def swarm(smollm2_path):
-    with LocalSwarm(MODEL, [(0, 15), (15, 30)], server_args=["--num-threads", "1"]) as swarm:
+    # info logs: the servers' "session ... opened" lines carry the gateway's request ids
+    with LocalSwarm(MODEL, [(0, 15), (15, 30)], server_args=["--num-threads", "1", "--log-level", "info"]) as swarm:
         yield swarm
 
 
@@ -231,3 +232,38 @@ def test_concurrent_greedy_requests_each_equal_hf(client, smollm2_hf, smollm2_to
         t.join(240)
     assert not errors, errors
     assert [results[i] for i in range(len(questions))] == expected
+
+
+def test_ready_once_a_full_chain_is_dispatchable_and_health_is_liveness(gateway):
+    root = gateway.removesuffix("/v1")
+    r = _http("GET", root + "/ready")
+    assert r.status == 200 and json.loads(r.read())["status"] == "ready"
+    assert json.loads(_http("GET", root + "/health").read())["status"] == "ok"
+
+
+def test_request_id_reaches_every_servers_log(gateway, swarm, client):
+    r = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
+        extra_headers={"X-Request-Id": "trace-7f3a"})
+    assert r.headers["x-request-id"] == "trace-7f3a" and r.parse().id == "chatcmpl-trace-7f3a"
+    deadline = time.monotonic() + 30
+    while not all(any("session trace-7f3a." in line for line in s.lines) for s in swarm.servers):
+        assert time.monotonic() < deadline, "a server's log does not name the request id"
+        time.sleep(0.2)
+
+
+def test_second_chat_turn_reuses_the_first_turns_prefix_on_every_hop(gateway, client, smollm2_hf, smollm2_tokenizer):
+    history = "Remember these words: " + ", ".join(f"word{i}" for i in range(60)) + "."
+    messages = [{"role": "user", "content": history}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Which word came first?"}]
+    hits_before = _metric(gateway, "petals_chain:prefix_cache_hit_tokens_total")
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    hit = _metric(gateway, "petals_chain:prefix_cache_hit_tokens_total") - hits_before
+    first_prompt = first.usage.prompt_tokens
+    # every whole 16-token chunk of the first turn's prompt (its KV is what the first session cached)
+    assert first_prompt - 16 < hit <= first_prompt, (hit, first_prompt)
+    expected, _ = _hf_text(smollm2_hf, smollm2_tokenizer, smollm2_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"], 6)
+    assert second.choices[0].message.content == expected  # reuse changes nothing in the answer
