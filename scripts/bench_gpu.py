@@ -95,23 +95,27 @@ def chain_prefill_s(client, ids) -> float:
         return time.perf_counter() - t0
 
 
-def server_decode_compute_ms(path, dtype, n_blocks, steps: int = 50) -> dict[str, float]:
-    """A decode step of all blocks in-process, graphs on and off (what a server computes per token)."""
+def server_decode_compute_ms(path, dtype, n_blocks, sessions: int, steps: int = 50) -> dict[str, float]:
+    """A decode step of all blocks in-process, graphs on and off, for 1 session and for `sessions`
+    sessions batched (what a server computes per step, without the network or the client)."""
     result = {}
     for graphs in (True, False):
         br = BlockRange(path, 0, n_blocks, dtype=dtype, device="cuda", cuda_graphs=graphs)
-        kv = br.allocate_kv(steps + 40)
-        x = torch.randn(32, br.hidden_size, device="cuda")
-        br.forward([StepInput(kv, x)])
-        times = []
-        for i in range(steps):
-            sync()
-            t0 = time.perf_counter()
-            br.forward([StepInput(kv, x[i % 32:i % 32 + 1])])
-            sync()
-            times.append(time.perf_counter() - t0)
-        result["graphs" if graphs else "eager"] = 1e3 * statistics.median(times[5:])
-        del br, kv
+        for batch in (1, sessions):
+            kvs = [br.allocate_kv(steps + 40) for _ in range(batch)]
+            x = torch.randn(32, br.hidden_size, device="cuda")
+            br.forward([StepInput(kv, x) for kv in kvs])
+            times = []
+            for i in range(steps):
+                sync()
+                t0 = time.perf_counter()
+                br.forward([StepInput(kv, x[i % 32:i % 32 + 1]) for kv in kvs])
+                sync()
+                times.append(time.perf_counter() - t0)
+            result[("graphs" if graphs else "eager") + ("" if batch == 1 else f"_batch{batch}")] = \
+                1e3 * statistics.median(times[5:])
+            del kvs
+        del br
         gc.collect()
         torch.cuda.empty_cache()
     return result
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
 
     if "local" not in skip:
-        r["server_decode_compute_ms"] = server_decode_compute_ms(path, args.dtype, n_blocks)
+        r["server_decode_compute_ms"] = server_decode_compute_ms(path, args.dtype, n_blocks, args.sessions)
         for graphs in (True, False):
             local = DistributedModelForCausalLM.from_local_ranges(path, [(0, n_blocks)], dtype=args.dtype,
                                                                   device="cuda", cuda_graphs=graphs)

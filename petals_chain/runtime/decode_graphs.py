@@ -10,7 +10,8 @@ static: allocated once at open for the session's max length, §2.1 of the paper)
 of the position table; the position of each session is an input (a device tensor), which is why the
 attention of a captured step runs over the whole static cache with a mask instead of a slice
 (`family.write_and_attend` with `AttentionSegment.position`). A set is captured the second time it
-decodes together (a set seen once, e.g. sessions joining and leaving, stays eager), graphs are kept
+decodes together (`capture_after`, 3: sets that form by chance as concurrent clients' steps
+arrive at different times stay eager rather than each paying a capture), graphs are kept
 LRU up to `max_graphs`, and sets larger than `max_batch` or steps of more than one token per session
 (prefill, chunked prefill, speculative verification) run eagerly.
 """
@@ -62,7 +63,7 @@ class DecodeGraphs:
 
     def __init__(self, body: Callable[[torch.Tensor, torch.Tensor, list], torch.Tensor], *, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, version: Callable[[], int], max_batch: int = 16,
-                 max_graphs: int = 16, capture_after: int = 2):
+                 max_graphs: int = 16, capture_after: int = 3):
         self.body = body
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.version = version
