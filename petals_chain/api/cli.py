@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's (e.g. one that renders tools)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the client head (embeddings, LM head) runs")
     p.add_argument("--client-batch-rows", type=int, default=4096,
                    help="most rows in one batched embedding / LM-head call of concurrent sessions "
                         "(1: no cross-session batching, a baseline for benchmarks; default 4096)")
@@ -89,7 +90,8 @@ def main(argv: list[str]) -> int:
 
     try:
         model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
-                                                            dtype=args.dtype, max_batch_rows=args.client_batch_rows,
+                                                            dtype=args.dtype, device=args.device,
+                                                            max_batch_rows=args.client_batch_rows,
                                                             use_orchestrator=not args.no_orchestrator,
                                                             identity_path=args.identity_path,
                                                             allowed_servers=load_allowed_peers(args.allowed_peers))
