@@ -14,12 +14,18 @@ import sys
 import threading
 import time
 import urllib.request
+
 from petals_chain.cli_args import CliParser, non_negative_int, one_line, parse_size, positive_int
 
 DEFAULT_BUDGETS = "300MiB,340MiB,380MiB,420MiB"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sun is a", "In 1492, Columbus",
            "Water boils at", "My favourite colour is", "A haiku about rain:", "The best way to learn is",
            "Photosynthesis is", "The three primary colors are", "A good cup of coffee"]
+
+
+def get_policy_names() -> tuple[str, ...]:
+    from orchestrator.policies import POLICY_NAMES  # the registry (planner, simulator, service read it too)
+    return POLICY_NAMES
 
 
 def parse_budgets(text: str) -> list[str]:
@@ -69,7 +75,7 @@ def main(argv: list[str]) -> int:
                    help=f"comma-separated memory budgets, one server each (default {DEFAULT_BUDGETS})")
     p.add_argument("--servers", type=positive_int, default=None,
                    help="number of servers (budgets cycle through --budgets; default: one per budget)")
-    p.add_argument("--policy", default="proposed", choices=["proposed", "petals", "bprr", "jffc-only"])
+    p.add_argument("--policy", default="proposed", choices=get_policy_names())
     p.add_argument("--c", default="3", help="cache reservation c for the proposed policy: auto or N (default 3)")
     p.add_argument("--sessions", type=non_negative_int, default=8, help="concurrent sessions after the chat (default 8)")
     p.add_argument("--session-tokens", type=positive_int, default=12, help="tokens each concurrent session generates")
@@ -140,7 +146,8 @@ def main(argv: list[str]) -> int:
             print(f"\nchain: {chain}\n{new_tokens} tokens in {elapsed_s:.2f} s: {new_tokens / elapsed_s:.1f} tokens/s")
 
             if args.sessions:
-                routed = args.policy in ("petals", "bprr")
+                from orchestrator.policies import get_policy
+                routed = get_policy(args.policy).per_request
                 capacity = ("routes chosen per request" if routed else
                             f"total capacity {sum(k['capacity'] for k in status['chains'])}")
                 print(f"\n{args.sessions} concurrent sessions, {args.session_tokens} tokens each ({capacity}):",

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "list in a private swarm's --allowed-peers")
     p.add_argument("--allowed-peers", default=None, metavar="FILE",
                    help="use only servers (and an orchestrator) whose peer ids FILE lists (private swarm)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda[:N]: where the client head runs (and, without --initial-peers, the local ranges)")
     return p
 
 
@@ -78,10 +80,11 @@ def main(argv: list[str]) -> int:
             from petals_chain.membership import load_allowed_peers
 
             model = DistributedModelForCausalLM.from_pretrained(
-                args.model, initial_peers=args.initial_peers, dtype=args.dtype, identity_path=args.identity_path,
-                allowed_servers=load_allowed_peers(args.allowed_peers))
+                args.model, initial_peers=args.initial_peers, dtype=args.dtype, device=args.device,
+                identity_path=args.identity_path, allowed_servers=load_allowed_peers(args.allowed_peers))
         else:
-            model = DistributedModelForCausalLM.from_local_ranges(path, args.local_ranges, dtype=args.dtype)
+            model = DistributedModelForCausalLM.from_local_ranges(path, args.local_ranges, dtype=args.dtype,
+                                                                  device=args.device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         ids = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
         torch.manual_seed(args.seed)
