@@ -39,6 +39,7 @@ RUN = {  # executed by a test in this file
 }
 COVERED_ELSEWHERE = {  # not run verbatim here: where the same commands are tested, and why
     "quickstart": "make demo = `petals-chain demo` (tests/test_demo.py, fewer tokens); make test is this suite",
+    "gpu-host": "needs a CUDA GPU: tests/test_cuda.py (skips without one) runs servers and clients with --device cuda",
     "swarm-across-hosts": "a multi-host template (A.A.A.A); the same commands on one host: tests/test_online_orchestrator.py",
     "reproduce-paper": "minutes to 15 min; its --quick path: tests/test_sim_cli.py's smoke run of scripts/reproduce_paper.py",
     "netem-steps": "needs root (network namespaces): tests/test_netem_swarm.py runs the same swarm on emulated hosts",
