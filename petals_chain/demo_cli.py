@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     from petals_chain.errors import PetalsChainError
     from petals_chain.generate_cli import encode_prompt
     from petals_chain.local_swarm import LocalSwarm, SwarmStartError
-    from petals_chain.models.checkpoint import resolve_model_path
+    from petals_chain.models.checkpoint import cache_dir, resolve_model_path
 
     path = resolve_model_path(args.model)  # convert once here, not in every server
     check_budgets(path, [parse_size(b) for b in budgets], args.max_length)  # before any process starts
@@ -126,6 +126,8 @@ def main(argv: list[str]) -> int:
                 blocks = f"[{s['start']:2d}, {s['end']:2d})" if s["end"] > s["start"] else "unused  "
                 print(f"  {s['name']:8s} budget {s['memory'] / 2**20:5.0f} MiB  blocks {blocks}  "
                       f"tau_c {s['tau_c'] * 1e3:6.1f} ms  tau_p {s['tau_p'] * 1e3:6.2f} ms/block")
+            print(f"  (tau_p from each server's t_I/t_O: measured at its start, or read from "
+                  f"{cache_dir() / 'throughput.json'} if measured before; delete that file to measure again)")
             print("chains:" if args.policy in ("proposed", "jffc-only") else "chains (per-request routes, made on demand):")
             for k in status["chains"]:
                 print(f"  {' -> '.join(names.get(p, p[-8:]) for p in k['servers'])}  blocks {k['blocks']}  "

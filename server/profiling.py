@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,6 +65,10 @@ def cached_block_times(block_range: BlockRange, model_name: str, *, path: Path |
         fcntl.flock(lock, fcntl.LOCK_EX)
         cache = json.loads(path.read_text()) if path.is_file() else {}
         if key in cache:
+            # say so: a timing measured under load at an earlier start would otherwise look like this
+            # machine's speed forever (the orchestrator plans with it; the demo prints it as tau_p)
+            print(f"t_I/t_O from the cache {path} (measured at an earlier start as {key!r}); remove that entry "
+                  "or the file to measure again", file=sys.stderr, flush=True)
             return BlockTimes(**cache[key])
         times = measure_block_times(block_range)
         cache[key] = asdict(times)
