@@ -15,6 +15,7 @@ from petals_chain.cli_args import run_main
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("petals_chain.demo_cli:main", "start a local private swarm and generate through it"),
     "generate": ("petals_chain.generate_cli:main", "generate text locally through block ranges or through a swarm"),
+    "chat": ("petals_chain.chat_cli:main", "chat in the terminal through a swarm (or in-process): history, streaming, /clear"),
     "api": ("petals_chain.api.cli:main", "serve the OpenAI API (completions, chat, streaming) over a swarm"),
     "dht": ("petals_chain.dht_cli:main", "start a bootstrap DHT peer and print its multiaddr"),
     "identity": ("petals_chain.identity_cli:main", "make a peer identity file (stable peer id, signs DHT records) or show its peer id"),

@@ -34,6 +34,10 @@ CASES = [
     (PC + ["generate", "--initial-peers", "garbage"], "bad peer address 'garbage'"),
     (PC + ["generate", "--identity-path", NO_DIR_ID], "no folder"),
     (PC + ["generate", "--dtype", "float8"], "invalid choice"),
+    # chat
+    (PC + ["chat", "--top-p", "5"], "--top-p: must lie in (0, 1]"),
+    (PC + ["chat", "--max-length", "0"], "--max-length: must be >= 1"),
+    (PC + ["chat", "--identity-path", NO_DIR_ID], "no folder"),
     # convert
     (PC + ["convert", "--mdoel", "x"], "unrecognized arguments: --mdoel"),
     # dht

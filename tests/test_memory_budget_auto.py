@@ -24,6 +24,7 @@ def test_auto_budget_on_cuda_without_cuda_says_how_to_fix():
 def test_launch_server_parses_auto():
     from server.cli import build_parser
 
-    args = build_parser().parse_args(["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--memory-budget", "auto"])
+    peer = "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"  # well-formed (the parser checks it)
+    args = build_parser().parse_args(["--initial-peers", peer, "--memory-budget", "auto"])
     assert args.memory_budget == "auto"
-    assert build_parser().parse_args(["--initial-peers", "x", "--memory-budget", "3GiB"]).memory_budget == 3 * 2**30
+    assert build_parser().parse_args(["--initial-peers", peer, "--memory-budget", "3GiB"]).memory_budget == 3 * 2**30
