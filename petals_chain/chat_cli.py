@@ -11,10 +11,9 @@ their KV caches. Replies stream as they are generated.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from petals_chain.cli_args import (CliParser, identity_path, peer_maddr, positive_float, positive_int, probability)
+from petals_chain.cli_args import CliParser, identity_path, peer_maddr, positive_float, positive_int, probability
 
 PROMPT, CONTINUATION = ">>> ", "... "
 

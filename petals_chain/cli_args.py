@@ -105,44 +105,40 @@ def parse_size(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _whole_number(text, 1)
 
 
 def non_negative_int(text: str) -> int:
+    return _whole_number(text, 0)
+
+
+def _whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
 
 
 def positive_float(text: str) -> float:
-    value = _finite_float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
+    return _checked_float(text, lambda v: v > 0, "must be a positive number")
 
 
 def non_negative_float(text: str) -> float:
-    value = _finite_float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
+    return _checked_float(text, lambda v: v >= 0, "must be >= 0")
 
 
 def probability(text: str) -> float:
     """A probability mass such as top-p: in (0, 1]."""
+    return _checked_float(text, lambda v: 0 < v <= 1, "must lie in (0, 1]")
+
+
+def _checked_float(text: str, ok: Callable[[float], bool], requirement: str) -> float:
     value = _finite_float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text!r}")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{requirement}, got {text!r}")
     return value
 
 

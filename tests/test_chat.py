@@ -20,22 +20,6 @@ from petals_chain.chat_cli import Conversation, read_message
 from petals_chain.local_swarm import REPO_ROOT
 
 
-@pytest.fixture(scope="module")
-def tiny_chat_path(tmp_path_factory, smollm2_path):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    path = tmp_path_factory.mktemp("tiny-chat")
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 class Terminal:
     """A command on a pseudo-terminal: `expect` reads until a pattern shows, `send` types a line."""
 

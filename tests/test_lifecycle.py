@@ -8,13 +8,11 @@ users run them) keeps the servers cheap.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -25,22 +23,6 @@ from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 CTRL_C_DEADLINE_S = 5.0  # the promise for every long-running command
 ORPHAN_DEADLINE_S = 20.0  # torch_shm_manager leaves once its last client's socket closes
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_path(tmp_path_factory, smollm2_path) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    path = tmp_path_factory.mktemp("tiny-chat")
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
