@@ -28,6 +28,7 @@ from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, b
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
+from petals_chain.reachability import RelayRoutes
 from petals_chain.messages import Assignment, AssignmentStatus, ChainGrant, Hop
 from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
 from petals_chain.wire import ServerState
@@ -36,6 +37,7 @@ from petals_chain.protocol import OrchestratorService, ping_block_server_s
 
 logger = logging.getLogger(__name__)
 
+RELAY_REDIAL_S = 5.0  # a relayed server is re-dialed through its relays at most this often (RTT probes)
 RTT_RETRY_S = 15.0  # how often a server that did not answer the RTT probes is probed again
 
 
@@ -130,6 +132,7 @@ class Orchestrator:
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("orchestrator-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
+        self.relay_routes = RelayRoutes()  # servers behind NATs: dialed through their relays (reachability.py)
         from orchestrator.service.rpc import OrchestratorRpc
         self.servicer = OrchestratorService(OrchestratorRpc(self), config.allowed_peers)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
@@ -173,6 +176,7 @@ class Orchestrator:
         found = fetch_servers(self.dht, self.model, states=(ServerState.JOINING, ServerState.ONLINE),
                               allowed=self.config.allowed_peers)
         infos = {i.peer_id: i for i in found}
+        self.relay_routes.update(found)
         new = [p for p in infos if p not in self.records]
         for p in new:  # measure tau_c outside the lock: it takes round trips
             self._rtt_tried[p] = now
@@ -221,7 +225,9 @@ class Orchestrator:
         return []
 
     def measure_rtt(self, peer_id: str) -> float | None:
-        """Median round trip of rpc_info to the server (None when it does not answer)."""
+        """Median round trip of rpc_info to the server (None when it does not answer). A relayed server is
+        dialed through its relays first, so its RTT (and tau_c) includes the relay's extra hop, as clients see it."""
+        self.loop.run(self.relay_routes.connect(self.p2p, peer_id, min_interval_s=RELAY_REDIAL_S, via_relay_only=True))
         samples = [ping_block_server_s(self.loop, self.p2p, peer_id) for _ in range(self.config.rtt_probes)]
         samples = [x for x in samples if x is not None]
         return median(samples) if samples else None
@@ -413,7 +419,8 @@ class Orchestrator:
                                 "memory": i.memory_budget_bytes, "tau_p": tau_p, "tau_c": tau_c, "state": i.state,
                                 "rtt": rec.rtt_s, "t_I": i.prefill_s_per_token, "t_O": i.decode_s_per_token,
                                 "assigned": list(assigned) if assigned else None,
-                                "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False))})
+                                "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False)),
+                                "reachability": str(i.reachability)})
             return {
                 "model": self.model, "peer_id": self.peer_id, "policy": self.config.policy,
                 "plan_version": cur.version if cur else 0, "plan_installed": bool(cur and cur.installed),
