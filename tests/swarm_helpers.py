@@ -65,3 +65,24 @@ def wait_for(pred, timeout_s: float, what: str, period_s: float = 0.25):
             return value
         time.sleep(period_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def get_in_netns(netns: str, url: str, timeout_s: float = 10.0) -> bytes:
+    """GET `url` from inside network namespace `netns` (services listening on emulated hosts' addresses)."""
+    import http.client
+    import socket
+
+    from netem.system import socket_in_netns
+
+    hostport, _, path = url.split("//", 1)[1].partition("/")
+    addr, port = hostport.rsplit(":", 1)
+    sock = socket_in_netns(netns, socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    sock.connect((addr, int(port)))
+    conn = http.client.HTTPConnection(addr, int(port), timeout=timeout_s)
+    conn.sock = sock
+    try:
+        conn.request("GET", "/" + path)
+        return conn.getresponse().read()
+    finally:
+        conn.close()
