@@ -66,12 +66,13 @@ def cmd_up(args) -> int:
     topo = load_topology(args.topology, args.hosts, args.seed, args.data)
     net = Network(list(topo.hosts), [list(r) for r in topo.rtt_ms], backend=args.backend, bandwidth_bit_s=args.bandwidth,
                   jitter_ms=args.jitter_ms, loss=args.loss, name=args.name, seed=args.seed, detach=True,
-                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                  log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                  behind_nat=[topo.hosts[int(h)] if h.isdigit() else h for h in args.behind_nat])
     net.up()
     print(f"network {args.name}: {len(topo.hosts)} hosts, topology {topo.source}, backend {net.backend}"
           + (f", uplinks {args.bandwidth / 1e6:g} Mbit/s" if args.bandwidth else ""))
     for h in net.hosts:
-        print(f"{h}\t{net.address(h)}")
+        print(f"{h}\t{net.address(h)}" + (f"\tbehind NAT {net.wan_address(h)}" if net.behind_nat(h) else ""))
     if not args.no_measure:
         print(_fmt_matrix(net.hosts, net.state.rtt_ms, net.measure_rtt_ms(probes=3)))
     print(f"run commands inside a host: petals-chain netem exec {net.hosts[0]} -- CMD ...; "
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--jitter-ms", type=float, default=0.0)
     up.add_argument("--loss", type=float, default=0.0, help="packet loss probability per direction, in [0, 1)")
     up.add_argument("--no-measure", action="store_true", help="skip the RTT measurement after setup")
+    up.add_argument("--behind-nat", nargs="+", default=[], metavar="HOST",
+                    help="hosts (names or indices) that sit behind an emulated home NAT: they reach every host, "
+                         "nobody can connect to them (needs nft or iptables: make nat-tools)")
     ex = sub.add_parser("exec", help="run a command inside a host: exec [--name NAME] HOST -- CMD ...")
     ex.add_argument("host", help="host name (or index)")
     ex.add_argument("cmd", nargs="*", help="the command, after `--`")
