@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
 
+import pytest
 import torch
 
 from petals_chain import wire_parts
@@ -86,3 +88,29 @@ def get_in_netns(netns: str, url: str, timeout_s: float = 10.0) -> bytes:
         return conn.getresponse().read()
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def emulated_network(hosts: list[str], rtt_ms: list[list[float]], prefix: str, **network_kwargs):
+    """A `netem.Network` named `prefix` + a random suffix. Skips the test, saying why, where this machine
+    cannot emulate it (not root, no /dev/net/tun; no nft/iptables when `behind_nat` is given), and is
+    removed afterwards even when the test failed."""
+    import uuid
+
+    import netem
+    from netem.errors import MissingCapabilityError
+    from netem.nat import nat_tool
+    from netem.system import require_capabilities
+
+    try:
+        require_capabilities(tc=False, tun=True)
+        if network_kwargs.get("behind_nat"):
+            nat_tool()
+    except MissingCapabilityError as e:
+        pytest.skip(str(e))
+    name = prefix + uuid.uuid4().hex[:6]
+    try:
+        with netem.Network(hosts, rtt_ms, name=name, **network_kwargs) as net:
+            yield net
+    finally:
+        netem.cleanup(name)

@@ -13,16 +13,11 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 
-import netem
-from netem.errors import MissingCapabilityError
-from netem.nat import nat_tool
-from netem.system import require_capabilities
 from petals_chain.local_swarm import REPO_ROOT, LocalSwarm, _signal_group
-from tests.swarm_helpers import get_in_netns, wait_for
+from tests.swarm_helpers import emulated_network, get_in_netns, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -80,17 +75,8 @@ finally:
 
 @pytest.fixture(scope="module")
 def home_net():
-    try:
-        require_capabilities(tc=False, tun=True)
-        nat_tool()
-    except MissingCapabilityError as e:
-        pytest.skip(str(e))
-    name = "r" + uuid.uuid4().hex[:6]
-    try:
-        with netem.Network(HOSTS, topology(), name=name, behind_nat=["home"]) as net:
-            yield net
-    finally:
-        netem.cleanup(name)  # also after a failure inside the block
+    with emulated_network(HOSTS, topology(), "r", behind_nat=["home"]) as net:
+        yield net
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import socket
 import threading
-import uuid
 
 import pytest
 
-import netem
-from netem.errors import MissingCapabilityError
-from netem.nat import masquerade_programme, nat_tool
+from netem.nat import masquerade_programme
 from netem.state import owned_netns
-from netem.system import list_netns, require_capabilities, socket_in_netns
+from netem.system import list_netns, socket_in_netns
+from tests.swarm_helpers import emulated_network
 
 
 def test_masquerade_leaves_only_through_the_emulated_wan_device():
@@ -28,19 +26,11 @@ def test_masquerade_leaves_only_through_the_emulated_wan_device():
 
 @pytest.fixture
 def nat_net():
-    try:
-        require_capabilities(tc=False, tun=True)
-        nat_tool()
-    except MissingCapabilityError as e:
-        pytest.skip(str(e))
-    name = "n" + uuid.uuid4().hex[:6]
-    try:
-        with netem.Network(["a", "b", "home"], [[0, 10, 20], [10, 0, 30], [20, 30, 0]], name=name,
-                           behind_nat=["home"]) as net:
-            yield net
-    finally:
-        netem.cleanup(name)
-    assert not owned_netns(name, list_netns()), list_netns()
+    with emulated_network(["a", "b", "home"], [[0, 10, 20], [10, 0, 30], [20, 30, 0]], "n",
+                          behind_nat=["home"]) as net:
+        name = net.name
+        yield net
+    assert not owned_netns(name, list_netns()), list_netns()  # the private namespace went too
 
 
 def _connect(net, src: str, addr: str, port: int) -> str:

@@ -7,15 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 
 import netem
-from netem.errors import MissingCapabilityError
-from netem.system import require_capabilities
 from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
-from tests.swarm_helpers import get_in_netns, wait_for
+from tests.swarm_helpers import emulated_network, get_in_netns, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
@@ -61,12 +58,7 @@ finally:
 
 @pytest.fixture(scope="module")
 def wan():
-    try:
-        require_capabilities(tc=False, tun=True)
-    except MissingCapabilityError as e:
-        pytest.skip(str(e))
-    name = "s" + uuid.uuid4().hex[:6]
-    with netem.Network(HOSTS, topology(), name=name) as net:
+    with emulated_network(HOSTS, topology(), "s") as net:
         yield net
 
 
