@@ -41,6 +41,7 @@ from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
 from server.emulation import maybe_slowed, real_range, slowed_times
 from server.service_log import ServiceLog
 from server.profiling import cached_block_times
+from server.service_meter import ServiceMeter
 from server.scheduler import StepScheduler
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class BlockServer:
         self.max_length_tokens = config.max_length_tokens
         self.session_idle_timeout_s = config.session_idle_timeout_s
         self.service_log = ServiceLog(config.service_log) if config.service_log else None
+        self.meter = ServiceMeter()  # every batch's measured service, for the orchestrator's model
         self.max_step_tokens = config.max_step_tokens or config.max_length_tokens
         self.path = resolve_model_path(config.model)
         self.auto = config.start is None
@@ -142,7 +144,7 @@ class BlockServer:
         budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
                           cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
         scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
-                                  on_batch=self.service_log.write if self.service_log else None)
+                                  on_batch=self._on_batch)
         admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
         prefix_cache = (None if c.prefix_sharing == "off" else
                         PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))
@@ -151,6 +153,11 @@ class BlockServer:
         self.prefix_cache = prefix_cache
         if old is not None:
             old.stop()
+
+    def _on_batch(self, record: dict) -> None:
+        self.meter.on_batch(record)
+        if self.service_log is not None:
+            self.service_log.write(record)
 
     # -- orchestrator -------------------------------------------------------------------------
     def _join_orchestrator(self) -> None:
