@@ -80,6 +80,27 @@ def writable(layout: CgroupLayout) -> str | None:
     return None
 
 
+def parse_shares(text: str) -> tuple[float | None, dict[str, float]]:
+    """`0.25` (every host) or `KEY=0.25,KEY2=0.5` (per host or role; `*=0.1` for the rest) ->
+    (default share, per-key shares). Shares are cores per period, > 0."""
+    default, per = None, {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, eq, value = part.rpartition("=")
+        try:
+            share = float(value)
+        except ValueError:
+            share = float("nan")
+        if not share > 0:
+            raise NetemError(f"--cpu {text!r}: {part!r} is not a positive share of a core (e.g. 0.25, or fast=0.2)")
+        if not eq or key == "*":
+            default = share
+        else:
+            per[key] = share
+    if default is None and not per:
+        raise NetemError(f"--cpu {text!r}: give a share (0.25) or KEY=SHARE pairs")
+    return default, per
+
+
 def group_name(network: str, i: int) -> str:
     return f"{network}-h{i}"
 
