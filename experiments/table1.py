@@ -57,6 +57,10 @@ class Table1Config:
     # "off", or a spec: 0.25 for every host, or fast=0.2,slow=0.12,client=0.5 (roles or host names)
     cpu: str = "auto"
     device: str = "cpu"  # the servers' --device (cuda: the GPU variant)
+    # calibration warm-up before the replay: this many sessions per chain (not counted), then the
+    # orchestrator may re-plan once from the model fitted on them (0: plan from the start-up profile only)
+    warmup_per_chain: int = 2
+    warmup_timeout_s: float = 240.0
     deadline_s: float = 600.0
     command: str = ""
     extra: dict = field(default_factory=dict)
@@ -201,6 +205,56 @@ def host_cpu_use(after: dict, before: dict, wall_s: float) -> dict:
     return out
 
 
+def start_loadgen(cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: Path, policy: str) -> subprocess.Popen:
+    return launcher.popen("loadgen", [sys.executable, "-m", "experiments.loadgen", "--initial-peers",
+                                      *swarm.initial_peers, "--model", cfg.model, "--requests", str(req_file),
+                                      "--out", str(rec_file), "--policy", policy, "--seed", str(cfg.seed),
+                                      "--deadline", str(cfg.deadline_s)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**swarm.env},
+                          start_new_session=True)
+
+
+def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, requests, out_dir: Path,
+                       policy: str) -> dict:
+    """Run `warmup_per_chain` sessions per chain (the trace's first requests, 1 s apart; their records go
+    to warmup_<policy>.jsonl and count nowhere), wait until the orchestrator fitted every placed server
+    from them, then give it its one re-plan from the calibrated model (hold 5 s) and wait for that plan
+    to be online. Returns the /status the replay starts from."""
+    n = max(1, cfg.warmup_per_chain * sum(1 for k in status["chains"] if k["dispatchable"]))
+    warm = [{**r.to_dict(), "arrival_s": float(i)} for i, r in enumerate(requests[:n])]
+    req_file, rec_file = out_dir / f"warmup_requests_{policy}.json", out_dir / f"warmup_{policy}.jsonl"
+    req_file.write_text(json.dumps(warm))
+    url = swarm.orchestrator_url
+    v0 = status["plan_version"]
+    print(f"[{policy}] calibration warm-up: {n} sessions ...", flush=True)
+    gen = start_loadgen(cfg, launcher, swarm, req_file, rec_file, f"{policy}-warmup")
+    try:
+        gen.communicate(timeout=cfg.warmup_timeout_s)
+    except subprocess.TimeoutExpired:
+        gen.kill()
+        gen.communicate()
+    deadline = time.monotonic() + cfg.warmup_timeout_s
+    while time.monotonic() < deadline:  # fitted: every placed server's model is live, or the plan moved
+        st = launcher.fetch_json("orchestrator", url + "status")
+        placed = [s for s in st["servers"] if s["end"] > s["start"]]
+        if st["plan_version"] > v0 or all((s.get("model") or {}).get("source") == "live" for s in placed):
+            break
+        time.sleep(2.0)
+    t_fit = time.monotonic()
+    while time.monotonic() - t_fit < 45.0:  # the trigger holds 5 s and checks every 10 s
+        st = launcher.fetch_json("orchestrator", url + "status")
+        if st["plan_version"] > v0:
+            break
+        time.sleep(2.0)
+    if st["plan_version"] > v0:
+        print(f"[{policy}] the calibrated model re-planned (v{st['plan_version']}): waiting for it to be online",
+              flush=True)
+        st = wait_plan(launcher, url, swarm)
+    else:
+        print(f"[{policy}] the calibrated model kept the plan", flush=True)
+    return st
+
+
 def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:
     """The orchestrator's /status once its plan is online (every server it placed serves its range)."""
     deadline = time.monotonic() + timeout_s
@@ -229,7 +283,10 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
     orch_args = ["--policy", policy, "--expected-servers", str(cfg.servers), "--arrival-rate",
                  f"{scale_info['rate_per_s']:.6f}", "--rho", str(cfg.rho_bar), "--mean-input-tokens",
                  f"{scale_info['mean_input_tokens']:.3f}", "--mean-output-tokens", f"{scale_info['mean_output_tokens']:.3f}",
-                 "--lease-ttl", "60", "--replan-period", "1e9"]
+                 "--lease-ttl", "60", "--replan-period", "1e9",
+                 # the calibrated model may re-plan once, right after the warm-up, never during the replay
+                 "--model-replans", "1" if cfg.warmup_per_chain > 0 else "0", "--model-replan-period", "1",
+                 "--replan-hold", "5"]
     launcher = make_launcher(cfg, rtt_ms)
     swarm = LocalSwarm(cfg.model, [None] * cfg.servers, server_args=["--num-threads", "1", "--max-length",
                                                                      str(cfg.max_length_tokens)],
@@ -262,14 +319,20 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
         print(f"[{policy}] plan online after {result['startup_s']:.0f} s: c = {status['c']}, placement "
               + ", ".join(f"{k}={v}" for k, v in result["placement"].items()), flush=True)
         before, t_replay = launcher.cpu_report(), time.monotonic()
+        if cfg.warmup_per_chain > 0:
+            status = calibration_warmup(cfg, launcher, swarm, status, requests, out_dir, policy)
+            result["calibration"] = {"plan_version": status["plan_version"], "model_replans": status.get("model_replans"),
+                                     "c": status["c"], "servers": server_models(status),
+                                     "placement": {s["name"]: [s["start"], s["end"]] for s in status["servers"]}}
+            (out_dir / f"status_{policy}_calibrated.json").write_text(json.dumps(status, indent=1))
+            result.update(c=status["c"], placement=result["calibration"]["placement"],
+                          chains=[{"servers": [names.get(p, p) for p in k["servers"]], "blocks": k.get("blocks"),
+                                   "capacity": k["capacity"], "service_time_s": k["service_time"]}
+                                  for k in status["chains"] if k["dispatchable"]],
+                          servers=server_models(status))
         meter = CpuMeter([p.pid for p in [swarm.dht_process, swarm.orchestrator_process] if p]
                          + [s.process.pid for s in swarm.servers])
-        gen = launcher.popen("loadgen", [sys.executable, "-m", "experiments.loadgen", "--initial-peers",
-                                         *swarm.initial_peers, "--model", cfg.model, "--requests", str(req_file),
-                                         "--out", str(rec_file), "--policy", policy, "--seed", str(cfg.seed),
-                                         "--deadline", str(cfg.deadline_s)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**swarm.env},
-                             start_new_session=True)
+        gen = start_loadgen(cfg, launcher, swarm, req_file, rec_file, policy)
         meter.add(gen.pid)
         lines: list[str] = []
 

@@ -77,7 +77,7 @@ def offline_orchestrator(now):
     from orchestrator.service.registry import ServerRecord
     from petals_chain.wire import ServerInfo
     cfg = OrchestratorConfig(model="m", initial_peers=[], num_blocks=4, calibration_min_batches=10,
-                             replan_hold_s=30.0, replan_period_s=60.0)
+                             replan_hold_s=30.0, model_replan_period_s=60.0)
     orch = Orchestrator.offline(cfg, lambda: now[0])
     for k, peer in enumerate(("pa", "pb", "pc")):
         info = ServerInfo(peer, "m", 0, 4, "online", 1000 + 200 * k, 100, 10, 2048, 40, 1e-4, 1e-3, name=peer)

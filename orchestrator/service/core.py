@@ -73,6 +73,8 @@ class OrchestratorConfig:
     replan_enter: float = 0.2  # re-plan when the planned rate or c* moved by more than this (relative) ...
     replan_exit: float = 0.1  # ... re-armed only after it came back within this
     replan_hold_s: float = 30.0  # ... continuously for this long
+    model_replan_period_s: float = 300.0  # ... at most once per this (slower than churn: a re-plan may reload servers)
+    max_model_replans: int | None = None  # ... and at most this many times (None: no limit)
     max_acquire_timeout_s: float = 600.0
     rtt_probes: int = 5
     announce_period_s: float = 2.0
@@ -159,8 +161,9 @@ class Orchestrator:
         self._rtt_tried: dict[str, float] = {}
         self.windows: dict[str, ServiceWindow] = {}  # per server: its batches and hop costs (calibration)
         self.trigger = ReplanTrigger(config.replan_enter, config.replan_exit, config.replan_hold_s,
-                                     config.replan_period_s)
+                                     config.model_replan_period_s)
         self.model_moved = False  # the calibrated model moved the plan: re-plan (never forced)
+        self.model_replans = 0
         self._last_service_poll_s = -math.inf
         self._last_model_check_s = -math.inf
         self.first_registration_s = math.inf
@@ -279,6 +282,8 @@ class Orchestrator:
         with self.lock:
             cur = self.current
             if cur is None or not cur.installed or self.model_moved or not self.config.calibrate:
+                return
+            if self.config.max_model_replans is not None and self.model_replans >= self.config.max_model_replans:
                 return
             records = [r for r in self.records.values() if r.rtt_s is not None]
             cfg = self.config
@@ -412,6 +417,7 @@ class Orchestrator:
                 self.sessions.drop_servers(moving, now)
         self.current = PlanState(version, result, cluster, peers, placement, chains, created_s=now)
         self.known_changed = False
+        self.model_replans += int(self.model_moved)
         self.model_moved = False
         self.trigger.planned(result.total_rate_per_s, result.c, now)
         desc = ", ".join(f"{self.records[p].info.name or p[-8:]}=[{r.start},{r.end})" if r else
@@ -519,6 +525,7 @@ class Orchestrator:
                 "model": self.model, "peer_id": self.peer_id, "policy": self.config.policy,
                 "plan_version": cur.version if cur else 0, "plan_installed": bool(cur and cur.installed),
                 "c": cur.plan.c if cur else None, "plan_error": self.plan_error,
+                "model_replans": self.model_replans,
                 "num_blocks": self.config.num_blocks, "servers": servers,
                 "chains": self.sessions.chain_views(), "queue_length": self.sessions.queue_length,
                 "queue_order": self.sessions.queue_order, "sessions": len(self.sessions.leases),
