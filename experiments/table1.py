@@ -128,17 +128,19 @@ def server_args(cfg: Table1Config, shares: dict[str, float] | None = None) -> li
     return out
 
 
-def measured_block_times(model: str):
-    """t_I, t_O of one block with 1 thread, as a server measures them (cached in the same file)."""
+def measured_block_times(model: str, device: str = "cpu"):
+    """t_I, t_O (and t_o per step) of the whole model's range through the servers' real step path with
+    1 thread: the servers' own start-up profile (server/range_profile.py, cached in the same file)."""
     import torch
 
-    from petals_chain.models.checkpoint import resolve_model_path
+    from petals_chain.models.checkpoint import load_config, resolve_model_path
     from petals_chain.runtime.block_range import BlockRange
-    from server.profiling import cached_block_times
+    from server.range_profile import cached_range_profile
 
     torch.set_num_threads(1)
     path = resolve_model_path(model)
-    return cached_block_times(BlockRange(path, 0, 1, model_path=path), model), path
+    n = load_config(path).num_hidden_layers
+    return cached_range_profile(BlockRange(path, 0, n, device=device, model_path=path), model), path
 
 
 def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[workload.Scale, dict]:
