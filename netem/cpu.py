@@ -101,6 +101,32 @@ def parse_shares(text: str) -> tuple[float | None, dict[str, float]]:
     return default, per
 
 
+def own_cpu_share() -> float | None:
+    """The calling process's CPU quota in cores (cgroup v2 cpu.max or v1 cfs quota), None when unlimited."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            f = Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max"
+            try:
+                quota, period = f.read_text().split()
+                return None if quota == "max" else int(quota) / int(period)
+            except (OSError, ValueError):
+                continue
+        if "cpu" in controllers.split(","):
+            base = Path("/sys/fs/cgroup") / controllers / path.lstrip("/")
+            try:
+                quota = int((base / "cpu.cfs_quota_us").read_text())
+                period = int((base / "cpu.cfs_period_us").read_text())
+                return None if quota < 0 else quota / period
+            except (OSError, ValueError):
+                continue
+    return None
+
+
 def group_name(network: str, i: int) -> str:
     return f"{network}-h{i}"
 

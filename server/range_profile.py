@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from netem.cpu import own_cpu_share
 from petals_chain.models.checkpoint import cache_dir
 from petals_chain.runtime.block_range import StepInput
 
@@ -41,34 +42,8 @@ class RangeProfile:
     batches: int  # measured batches the fit used (warm-up excluded)
 
 
-def own_cpu_share() -> float | None:
-    """This process's CPU quota in cores (cgroup v2 cpu.max or v1 cfs quota), None when unlimited."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2
-            f = Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.max"
-            try:
-                quota, period = f.read_text().split()
-                return None if quota == "max" else int(quota) / int(period)
-            except (OSError, ValueError):
-                continue
-        if "cpu" in controllers.split(","):
-            base = Path("/sys/fs/cgroup") / controllers / path.lstrip("/")
-            try:
-                quota = int((base / "cpu.cfs_quota_us").read_text())
-                period = int((base / "cpu.cfs_period_us").read_text())
-                return None if quota < 0 else quota / period
-            except (OSError, ValueError):
-                continue
-    return None
-
-
 def profile_key(model_name: str, block_range, variant: str = "") -> str:
-    share = own_cpu_share()
+    share = own_cpu_share()  # an emulated host's CPU share (netem/cpu.py) makes another device
     return "|".join([PROFILE_VERSION, model_name, str(block_range.device), str(block_range.dtype).removeprefix("torch."),
                      block_range.quant, f"blocks={block_range.end - block_range.start}",
                      f"threads={torch.get_num_threads()}", f"cpu={'all' if share is None else f'{share:.3f}'}",

@@ -17,6 +17,15 @@ from server.scheduler import StepScheduler
 from server.service_meter import ServiceMeter
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """As servers run (`--num-threads 1` in the swarm tests): several threads thrash a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_every_batch_is_measured_and_served_by_cursor_as_typed_records(tiny_llama_path):
     br = BlockRange(tiny_llama_path, 0, 6)
     meter = ServiceMeter()
@@ -84,7 +93,7 @@ def test_a_process_reads_its_own_cpu_share():
     name = "s" + __import__("uuid").uuid4().hex[:6]
     try:
         share = netem_cpu.apply(name, {0: 0.3}, layout)[0]
-        code = "from server.range_profile import own_cpu_share; print(own_cpu_share())"
+        code = "from netem.cpu import own_cpu_share; print(own_cpu_share())"
         out = subprocess.run(netem_cpu.enter_argv(share.procs_files, [sys.executable, "-c", code]),
                              capture_output=True, text=True, timeout=60, check=True).stdout
         assert float(out) == pytest.approx(0.3)
