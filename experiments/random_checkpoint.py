@@ -2,7 +2,8 @@
 initialised checkpoint of a real model's shape, for the GPU variant of Table 1 (the paper serves
 LLaMA-2-7B; compute and memory depend on the shape, not on the weights' values, and the load
 generator sends random token ids). Written as sharded safetensors (`save_pretrained`), seeded.
-Llama-2-7B in float16: 13.5 GB on disk, about as much RAM while it is written.
+Llama-2-7B in bfloat16 (what `launch-server --dtype bfloat16` serves): 13.5 GB on disk, about as much
+RAM while it is written.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.random_checkpoint", description=__doc__)
     p.add_argument("out", help="checkpoint folder to write (must not exist)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-2-7b")
-    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     out = Path(args.out)

@@ -33,7 +33,7 @@ def run_table1(cfg: Table1Config) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     trace = load_azure_trace(cfg.data)
-    times, path = measured_block_times(cfg.model, cfg.device)
+    times, path = measured_block_times(cfg.model, cfg.device, cfg.dtype)
     num_blocks = load_config(path).num_hidden_layers
     scale, info = choose_scale(cfg, trace, num_blocks, times)
     info["num_blocks"] = num_blocks

@@ -57,6 +57,7 @@ class Table1Config:
     # "off", or a spec: 0.25 for every host, or fast=0.2,slow=0.12,client=0.5 (roles or host names)
     cpu: str = "auto"
     device: str = "cpu"  # the servers' --device (cuda: the GPU variant)
+    dtype: str = "float32"  # the servers' --dtype (bfloat16 for the GPU variant)
     # calibration warm-up before the replay: this many sessions per chain (not counted), then the
     # orchestrator may re-plan once from the model fitted on them (0: plan from the start-up profile only)
     warmup_per_chain: int = 2
@@ -116,7 +117,8 @@ def cpu_shares(cfg: Table1Config) -> tuple[dict[str, float] | None, str]:
 
 
 def server_args(cfg: Table1Config, shares: dict[str, float] | None = None) -> list[list[str]]:
-    dev = [] if cfg.device == "cpu" else ["--device", cfg.device]
+    dev = ([] if cfg.device == "cpu" else ["--device", cfg.device]) + \
+        ([] if cfg.dtype == "float32" else ["--dtype", cfg.dtype])
     out = []
     for n in server_names(cfg):
         if n.startswith("fast"):
@@ -128,7 +130,7 @@ def server_args(cfg: Table1Config, shares: dict[str, float] | None = None) -> li
     return out
 
 
-def measured_block_times(model: str, device: str = "cpu"):
+def measured_block_times(model: str, device: str = "cpu", dtype: str = "float32"):
     """t_I, t_O (and t_o per step) of the whole model's range through the servers' real step path with
     1 thread: the servers' own start-up profile (server/range_profile.py, cached in the same file)."""
     import torch
@@ -140,7 +142,7 @@ def measured_block_times(model: str, device: str = "cpu"):
     torch.set_num_threads(1)
     path = resolve_model_path(model)
     n = load_config(path).num_hidden_layers
-    return cached_range_profile(BlockRange(path, 0, n, device=device, model_path=path), model), path
+    return cached_range_profile(BlockRange(path, 0, n, device=device, dtype=dtype, model_path=path), model), path
 
 
 def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[workload.Scale, dict]:
