@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "writable; else --emulate-slowdown makes slow servers), off, 0.25 (every host), or "
                         "fast=0.2,slow=0.12,client=0.5 (roles or host names)")
     p.add_argument("--warmup-per-chain", type=int, default=2,
-                   help="calibration warm-up: sessions per chain before the replay (not counted); the orchestrator "
+                   help="calibration warm-up: sessions per placed server before the replay (not counted); the orchestrator "
                         "may then re-plan once from the service it measured (0: no warm-up, no calibrated re-plan)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the servers' --dtype")
     p.add_argument("--device", default="cpu", help="the servers' --device (cuda: the GPU variant; no CPU shares)")

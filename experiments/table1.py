@@ -220,11 +220,13 @@ def start_loadgen(cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: 
 
 def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, requests, out_dir: Path,
                        policy: str) -> dict:
-    """Run `warmup_per_chain` sessions per chain (the trace's first requests, 1 s apart; their records go
+    """Run `warmup_per_chain` sessions per placed server (the trace's first requests, 1 s apart; records go
     to warmup_<policy>.jsonl and count nowhere), wait until the orchestrator fitted every placed server
     from them, then give it its one re-plan from the calibrated model (hold 5 s) and wait for that plan
     to be online. Returns the /status the replay starts from."""
-    n = max(1, cfg.warmup_per_chain * sum(1 for k in status["chains"] if k["dispatchable"]))
+    # per placed server, not per chain: JFFC sends the first sessions to the fastest chains, and a
+    # per-request router has no chains yet; every placed server should see some of them
+    n = max(1, cfg.warmup_per_chain * sum(1 for s in status["servers"] if s["end"] > s["start"]))
     warm = [{**r.to_dict(), "arrival_s": float(i)} for i, r in enumerate(requests[:n])]
     req_file, rec_file = out_dir / f"warmup_requests_{policy}.json", out_dir / f"warmup_{policy}.jsonl"
     req_file.write_text(json.dumps(warm))
@@ -322,7 +324,6 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
                       servers=server_models(status))
         print(f"[{policy}] plan online after {result['startup_s']:.0f} s: c = {status['c']}, placement "
               + ", ".join(f"{k}={v}" for k, v in result["placement"].items()), flush=True)
-        before, t_replay = launcher.cpu_report(), time.monotonic()
         if cfg.warmup_per_chain > 0:
             status = calibration_warmup(cfg, launcher, swarm, status, requests, out_dir, policy)
             result["calibration"] = {"plan_version": status["plan_version"], "model_replans": status.get("model_replans"),
@@ -334,6 +335,7 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
                                    "capacity": k["capacity"], "service_time_s": k["service_time"]}
                                   for k in status["chains"] if k["dispatchable"]],
                           servers=server_models(status))
+        before, t_replay = launcher.cpu_report(), time.monotonic()
         meter = CpuMeter([p.pid for p in [swarm.dht_process, swarm.orchestrator_process] if p]
                          + [s.process.pid for s in swarm.servers])
         gen = start_loadgen(cfg, launcher, swarm, req_file, rec_file, policy)
