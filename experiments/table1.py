@@ -58,7 +58,7 @@ class Table1Config:
     cpu: str = "auto"
     device: str = "cpu"  # the servers' --device (cuda: the GPU variant)
     dtype: str = "float32"  # the servers' --dtype (bfloat16 for the GPU variant)
-    # calibration warm-up before the replay: this many sessions per chain (not counted), then the
+    # calibration warm-up before the replay: this many sessions per placed server (not counted), then the
     # orchestrator may re-plan once from the model fitted on them (0: plan from the start-up profile only)
     warmup_per_chain: int = 2
     warmup_timeout_s: float = 240.0
