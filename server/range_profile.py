@@ -63,6 +63,7 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
     start, end = block_range.start, block_range.end
     entries = sorted({start, (start + end) // 2})
     gen = torch.Generator().manual_seed(0)
+    device = torch.device(block_range.device)
     failures: list[BaseException] = []
 
     def deliver(_out, err):
@@ -77,10 +78,10 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
     def round_(scheduler: StepScheduler) -> None:
         for n in prefill_tokens:
             kv = block_range.allocate_kv(n + 1, first_block=start)
-            step(scheduler, kv, torch.randn(n, block_range.hidden_size, generator=gen).to(block_range.dtype))
+            step(scheduler, kv, torch.randn(n, block_range.hidden_size, generator=gen).to(device, block_range.dtype))
         for first in entries:
             kv = block_range.allocate_kv(1 + decode_steps, first_block=first)
-            x = torch.randn(1, block_range.hidden_size, generator=gen).to(block_range.dtype)
+            x = torch.randn(1, block_range.hidden_size, generator=gen).to(device, block_range.dtype)
             for _ in range(1 + decode_steps):  # the first token is a 1-token prefill, then decode steps
                 step(scheduler, kv, x)
 

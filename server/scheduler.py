@@ -68,7 +68,8 @@ class StepScheduler:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.block_range = executor
-        self._on_cuda = str(getattr(executor, "device", "cpu")).startswith("cuda")
+        self._device = torch.device(getattr(executor, "device", "cpu"))
+        self._on_cuda = self._device.type == "cuda"
         self.policy = policy
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
@@ -196,6 +197,8 @@ class StepScheduler:
             return 0
 
     def _run(self, batch: list[WorkItem], backlogged: list[str]) -> None:
+        if self._on_cuda:  # GPU work is asynchronous: what was queued before is not this batch's
+            torch.cuda.synchronize(self._device)
         start_s = self.clock()
         cpu0_s = time.process_time()  # the whole process: torch's intra-op threads do the work
         steps = [StepInput(it.payload.step.kv, it.payload.step.hidden[it.row_offset:it.row_offset + it.n_tokens])
@@ -203,7 +206,7 @@ class StepScheduler:
         try:
             outputs = self.block_range.forward(steps)
             if self._on_cuda:  # kernels run asynchronously: the batch ends when they do
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(self._device)
             error = None
         except Exception as e:  # a failed batch fails its steps, never the loop
             logger.exception("batch of %d steps failed", len(batch))
