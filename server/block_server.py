@@ -152,11 +152,32 @@ class BlockServer:
                         PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))
         old = self.scheduler
         # the start-up profile of exactly this range, through the real step path (cached per shape)
-        self.times = self._profile(real_range(block_range))
+        self.times = self._while_announcing(lambda: self._profile(real_range(block_range)))
         self.block_range, self.budget, self.scheduler, self.admission = block_range, budget, scheduler, admission
         self.prefix_cache = prefix_cache
         if old is not None:
             old.stop()
+
+    def _while_announcing(self, fn):
+        """Run `fn` (seconds: a profile on a loaded machine) while the record stays fresh in the DHT:
+        an `--blocks auto` server measures its range before the announcer thread runs, and a record
+        that expires (6 s) makes the orchestrator drop the server and re-plan."""
+        announcer = getattr(self, "_announcer", None)
+        if getattr(self, "dht", None) is None or (announcer is not None and announcer.is_alive()):
+            return fn()  # no DHT yet (a fixed range measures first), or the announcer already runs
+        done = threading.Event()
+
+        def keep_alive() -> None:
+            while not done.wait(self.config.announce_period_s):
+                self._announce()
+
+        t = threading.Thread(target=keep_alive, name="announce-while-profiling", daemon=True)
+        t.start()
+        try:
+            return fn()
+        finally:
+            done.set()
+            t.join(timeout=15)
 
     def _profile(self, block_range) -> BlockTimes:
         """t_I, t_O to announce: the range's start-up profile (an emulated slowdown scales it)."""
