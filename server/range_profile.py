@@ -4,6 +4,10 @@ warm-up excluded, and fitted with the orchestrator's own service model
 (orchestrator.service.calibration.fit_service: wall = t_o + t_I P + t_O D per batch, P and D the
 prefill and decode block-tokens).
 
+Timed by wall seconds on CUDA and under a CPU quota (the device's speed), by CPU seconds otherwise
+(`profile_clock`: a profile taken while other work shares the cores must not measure the neighbours
+and then live on in the cache).
+
 Why not one block in a tight loop (the former profile): its weights stay in the CPU's cache, while a
 real step streams every block's weights (x1.3-1.6 on the project machine), and it saw no per-step
 overhead at all. Prefills of two lengths and decode steps entering at two blocks make t_o, t_I and
@@ -47,14 +51,22 @@ def profile_key(model_name: str, block_range, variant: str = "") -> str:
     return "|".join([PROFILE_VERSION, model_name, str(block_range.device), str(block_range.dtype).removeprefix("torch."),
                      block_range.quant, f"blocks={block_range.end - block_range.start}",
                      f"threads={torch.get_num_threads()}", f"cpu={'all' if share is None else f'{share:.3f}'}",
+                     f"clock={profile_clock(block_range)}",
                      *([variant] if variant else [])])
 
 
+def profile_clock(block_range) -> str:
+    """What the profile times: "wall" on CUDA and under a CPU quota (the device's speed is what a
+    batch takes there), else "cpu" (the process's CPU seconds: on a CPU shared with other work, wall
+    time would measure the neighbours; a profile taken during an overload must not outlive it)."""
+    return "wall" if torch.device(block_range.device).type == "cuda" or own_cpu_share() is not None else "cpu"
+
+
 def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), decode_steps: int = 4,
-                  repeats: int = 3) -> RangeProfile:
+                  repeats: int = 3, clock: str = "wall") -> RangeProfile:
     """Prefills of two lengths from the first block, decode steps entering at the first and at the
     middle block, `repeats` times, through a StepScheduler batch each (after one warm-up round that
-    is not counted); the fit of the batches' wall times."""
+    is not counted); the fit of the batches' wall (or, `clock="cpu"`, CPU) seconds."""
     from orchestrator.service.calibration import fit_service
     from server.policies import make_policy
     from server.scheduler import StepScheduler
@@ -97,7 +109,7 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
         raise failures[0]
     recs = [r for r in meter.records() if r.decode_block_tokens or r.prefill_tokens > 1]
     fit = fit_service([r.prefill_block_tokens for r in recs], [r.decode_block_tokens for r in recs],
-                      [r.wall_s for r in recs])
+                      [r.wall_s if clock == "wall" else r.cpu_s for r in recs])
     if fit is None or fit.t_I_s is None:
         raise RuntimeError(f"the start-up profile of blocks [{start}, {end}) could not be fitted from "
                            f"{len(recs)} batches; check the range loads and runs")
@@ -120,7 +132,7 @@ def cached_range_profile(block_range, model_name: str, *, path: Path | None = No
         cache = json.loads(path.read_text()) if path.is_file() else {}
         if key in cache:
             return RangeProfile(**cache[key])
-        prof = measure_range(block_range)
+        prof = measure_range(block_range, clock=profile_clock(block_range))
         cache[key] = asdict(prof)
         path.write_text(json.dumps(cache, indent=2, sort_keys=True))
         return prof
