@@ -65,7 +65,10 @@ def test_the_range_profile_is_fitted_through_the_step_path_cached_by_shape_and_d
     br = BlockRange(tiny_llama_path, 0, 6)
     prof = range_profile.cached_range_profile(br, "tiny", path=tmp_path / "t.json")
     assert prof.blocks == 6 and prof.batches >= 6
-    assert prof.decode_s_per_token > 0 and prof.prefill_s_per_token > 0 and prof.step_overhead_s >= 0
+    # the tiny model's per-token costs are microseconds next to the per-step overhead: on a loaded
+    # machine any one term may fit to 0, but none is negative and the batches cost something
+    times = (prof.prefill_s_per_token, prof.decode_s_per_token, prof.step_overhead_s)
+    assert all(t >= 0 for t in times) and prof.decode_s_per_token + prof.step_overhead_s > 0
     key = range_profile.profile_key("tiny", br)
     assert "blocks=6" in key and "cpu=" in key and key.startswith(range_profile.PROFILE_VERSION)
     assert range_profile.profile_key("tiny", BlockRange(tiny_llama_path, 0, 3)) != key  # another block count
