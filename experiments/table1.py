@@ -119,6 +119,8 @@ def cpu_shares(cfg: Table1Config) -> tuple[dict[str, float] | None, str]:
 def server_args(cfg: Table1Config, shares: dict[str, float] | None = None) -> list[list[str]]:
     dev = ([] if cfg.device == "cpu" else ["--device", cfg.device]) + \
         ([] if cfg.dtype == "float32" else ["--dtype", cfg.dtype])
+    if shares:  # a host at a fraction of a core announces late when busy: a 15 s record, not 6 s, so the
+        dev = dev + ["--announce-period", "5"]  # orchestrator does not drop a starved server as gone
     out = []
     for n in server_names(cfg):
         if n.startswith("fast"):
