@@ -87,7 +87,9 @@ def swarm(home_net, tiny_llama_path):
     def placement(role: str):
         return home_net.prefix(host_of[role]), home_net.address(host_of[role])
 
-    with LocalSwarm(str(tiny_llama_path), [None, None], names=["pub", "home"], placement=placement,
+    # fixed ranges, both whole: the plan cannot leave the public server without blocks, so the session has
+    # somewhere to fail over to when the relay dies
+    with LocalSwarm(str(tiny_llama_path), [(0, 6), (0, 6)], names=["pub", "home"], placement=placement,
                     per_server_args=[["--emulate-slowdown", PUBLIC_SLOWDOWN], []],
                     server_args=["--num-threads", "1", "--max-length", "64", "--memory-budget", "64MiB"],
                     orchestrator_args=["--expected-servers", "2", "--replan-period", "3"]) as swarm:
@@ -115,7 +117,8 @@ def test_nat_server_is_found_planned_and_serves_exactly_and_fails_over_when_the_
         by_name = {s["name"]: s for s in st["servers"]}
         h = by_name.get("home")
         ok = (st.get("plan_installed") and h is not None and h["reachability"] == "relayed" and h["rtt"]
-              and h["rtt"] * 1e3 >= 2 * RELAY_LEG_MS - 2.0 and by_name.get("pub", {}).get("reachability") == "direct"
+              # relayed: 2 x 15 ms; a direct probe (4 ms + RPC overhead) stays well below one leg
+              and h["rtt"] * 1e3 >= RELAY_LEG_MS and by_name.get("pub", {}).get("reachability") == "direct"
               and any(home.peer_id in c["servers"] for c in st["chains"]))
         return st if ok else None
 
@@ -143,7 +146,12 @@ def test_nat_server_is_found_planned_and_serves_exactly_and_fails_over_when_the_
         swarm.dht_process.wait(timeout=30)
         client.stdin.write("go\n")
         client.stdin.flush()
-        out, err = client.communicate(timeout=120)
+        try:
+            out, err = client.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            client.kill()
+            out, err = client.communicate()
+            raise AssertionError("the client did not finish after the relay died: " + err[-4000:]) from None
     finally:
         if client.poll() is None:
             client.kill()

@@ -39,7 +39,6 @@ from petals_chain.protocol import OrchestratorService, fetch_service_records, pi
 
 logger = logging.getLogger(__name__)
 
-RELAY_REDIAL_S = 5.0  # a relayed server is re-dialed through its relays at most this often (RTT probes)
 RTT_RETRY_S = 15.0  # how often a server that did not answer the RTT probes is probed again
 
 
@@ -324,7 +323,9 @@ class Orchestrator:
     def measure_rtt(self, peer_id: str) -> float | None:
         """Median round trip of rpc_info to the server (None when it does not answer). A relayed server is
         dialed through its relays first, so its RTT (and tau_c) includes the relay's extra hop, as clients see it."""
-        self.loop.run(self.relay_routes.connect(self.p2p, peer_id, min_interval_s=RELAY_REDIAL_S, via_relay_only=True))
+        # every time, not throttled: the NATed server keeps re-opening its own direct connection (assignment
+        # polls, DHT stores), and a probe over that one would hide the relay's hop
+        self.loop.run(self.relay_routes.connect(self.p2p, peer_id, via_relay_only=True))
         samples = [ping_block_server_s(self.loop, self.p2p, peer_id) for _ in range(self.config.rtt_probes)]
         samples = [x for x in samples if x is not None]
         return median(samples) if samples else None
