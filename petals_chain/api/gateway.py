@@ -45,6 +45,7 @@ class GatewayConfig:
     queue_timeout_s: float = 60.0
     max_length: int = 2048  # prompt + completion tokens of one session
     admission: str = "fifo"
+    prompt_lookup_tokens: int = 0  # --speculative ngram:K (0: off)
 
 
 class Gateway:
@@ -82,7 +83,7 @@ class Gateway:
                                 f"prompt has {len(prompt_ids)} and max_tokens asks for {max_tokens}: shorten the "
                                 "prompt or lower max_tokens", param="max_tokens", code="context_length_exceeded")
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              stop=body.stop_list(), seed=body.seed)
+                              stop=body.stop_list(), seed=body.seed, prompt_lookup_tokens=self.config.prompt_lookup_tokens)
 
     def _chat_prompt(self, body: ChatRequest) -> list[int]:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
@@ -114,7 +115,7 @@ class Gateway:
             self.queue.release(user, len(prompt_ids), result.completion_tokens if result else 0)
             if result is not None:
                 self.metrics.generation(len(prompt_ids), result.completion_tokens, result.time_to_first_token_s,
-                                        result.finish_reason)
+                                        result.finish_reason, result.drafted_tokens, result.accepted_draft_tokens)
                 events.put_nowait(("done", result))
             else:
                 events.put_nowait(("error", fut.exception()))

@@ -21,6 +21,8 @@ class GatewayMetrics:
         self.ttft_buckets = [0] * len(TTFT_BUCKETS_S)
         self.ttft_sum_s = 0.0
         self.ttft_count = 0
+        self.drafted_tokens = 0  # speculative decoding (--speculative): draft tokens verified, and accepted
+        self.accepted_draft_tokens = 0
         self.active_sessions = 0
         self.waiting = 0
         self._recent: deque[tuple[float, int]] = deque()  # (finish time, completion tokens)
@@ -29,8 +31,11 @@ class GatewayMetrics:
         with self._lock:
             self.requests[(endpoint, status)] += 1
 
-    def generation(self, prompt_tokens: int, completion_tokens: int, ttft_s: float | None, finish_reason: str) -> None:
+    def generation(self, prompt_tokens: int, completion_tokens: int, ttft_s: float | None, finish_reason: str,
+                   drafted_tokens: int = 0, accepted_draft_tokens: int = 0) -> None:
         with self._lock:
+            self.drafted_tokens += drafted_tokens
+            self.accepted_draft_tokens += accepted_draft_tokens
             self.finished[finish_reason] += 1
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
@@ -60,6 +65,9 @@ class GatewayMetrics:
             lines += [f'{p}_finished_total{{finish_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
             lines += [f"# TYPE {p}_prompt_tokens_total counter", f"{p}_prompt_tokens_total {self.prompt_tokens}",
                       f"# TYPE {p}_completion_tokens_total counter", f"{p}_completion_tokens_total {self.completion_tokens}",
+                      f"# TYPE {p}_drafted_tokens_total counter", f"{p}_drafted_tokens_total {self.drafted_tokens}",
+                      f"# TYPE {p}_accepted_draft_tokens_total counter",
+                      f"{p}_accepted_draft_tokens_total {self.accepted_draft_tokens}",
                       f"# TYPE {p}_time_to_first_token_seconds histogram"]
             lines += [f'{p}_time_to_first_token_seconds_bucket{{le="{b}"}} {n}' for b, n in zip(TTFT_BUCKETS_S, self.ttft_buckets)]
             lines += [f'{p}_time_to_first_token_seconds_bucket{{le="+Inf"}} {self.ttft_count}',
