@@ -1,8 +1,8 @@
 """Benchmark speculative decoding by prompt lookup over a chain, plain greedy as the same-run baseline.
 
-One session at a time through a 3-server chain of SmolLM2-135M (blocks 0:10, 10:20, 20:30); the DHT,
-the servers and the client each on its own emulated host (netem, userspace backend), every pair at
-the same RTT (0 and 50 ms by default). Per task, the client generates greedily with HF's `generate`
+One session at a time through a 3-server chain of SmolLM2-135M (blocks 0:10, 10:20, 20:30); the
+servers and the client (with the DHT peer) each on its own emulated host (netem, userspace backend,
+`experiments.hosts.EmulatedHosts`), every pair at the same RTT (0 and 50 ms by default). Per task, the client generates greedily with HF's `generate`
 plainly and with `prompt_lookup_num_tokens=k` (k = 2, 4, 8) and records tokens/s, chain steps per
 token and accepted drafts, and checks that the output is identical to the plain run's.
 
@@ -84,39 +84,39 @@ def client(peer: str, new_tokens: int, ks: list[int]) -> None:
 
 
 def run(rtts_ms: list[float], new_tokens: int, ks: list[int]) -> list[dict]:
+    import numpy as np
+
     import netem
+    from experiments.hosts import EmulatedHosts
     from petals_chain.local_swarm import LocalSwarm
 
     name = "s" + uuid.uuid4().hex[:6]
-    hosts = ["dht", "s0", "s1", "s2", "client"]
-    uniform = lambda ms: [[0.0 if i == j else ms for j in range(len(hosts))] for i in range(len(hosts))]
+    servers = ["s0", "s1", "s2"]  # the DHT peer runs on the client's host (experiments.hosts)
+    uniform = lambda ms: (np.full((4, 4), ms) - np.diag(np.full(4, ms))).tolist()
     rows: list[dict] = []
+    hosts = EmulatedHosts(servers, np.array(uniform(rtts_ms[0])), backend="userspace", name=name)
     try:
-        with netem.Network(hosts, uniform(rtts_ms[0]), name=name, backend="userspace") as net:
-            def placement(role):
-                h = "dht" if role == "dht" else role.replace("server", "s")
-                return net.prefix(h), net.address(h)
-
-            with LocalSwarm("smollm2-135m", [(0, 10), (10, 20), (20, 30)], placement=placement,
-                            server_args=["--num-threads", "1", "--no-orchestrator"]) as swarm:
-                env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-                for ms in rtts_ms:
-                    net.set_rtt_ms(uniform(ms))
-                    load = os.getloadavg()[0]
-                    argv = [sys.executable, str(Path(__file__).resolve()), "--client", swarm.initial_peers[0],
-                            "--new-tokens", str(new_tokens), "--ks", ",".join(map(str, ks))]
-                    proc = subprocess.run(net.command("client", argv), capture_output=True, text=True, timeout=1800,
-                                          env=env)
-                    if proc.returncode != 0:
-                        raise RuntimeError(proc.stderr[-3000:])
-                    for line in proc.stdout.splitlines():
-                        if line.startswith("{"):
-                            row = {**json.loads(line), "rtt_ms": ms, "loadavg_1m_before": load}
-                            rows.append(row)
-                            print(f"RTT {ms:g} ms {row['task']:14s} k={row['k']}: {row['tokens'] / row['seconds']:6.2f} "
-                                  f"tok/s, {row['chain_steps'] / max(1, row['tokens']):.2f} steps/token, "
-                                  f"identical={row['identical_to_plain']}", flush=True)
+        with LocalSwarm("smollm2-135m", [(0, 10), (10, 20), (20, 30)], placement=hosts.placement,
+                        server_args=["--num-threads", "1", "--no-orchestrator"]) as swarm:
+            env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+            for ms in rtts_ms:
+                hosts.net.set_rtt_ms(uniform(ms))
+                load = os.getloadavg()[0]
+                argv = [sys.executable, str(Path(__file__).resolve()), "--client", swarm.initial_peers[0],
+                        "--new-tokens", str(new_tokens), "--ks", ",".join(map(str, ks))]
+                proc = hosts.popen("client", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                stdout, stderr = proc.communicate(timeout=1800)
+                if proc.returncode != 0:
+                    raise RuntimeError(stderr[-3000:])
+                for line in stdout.splitlines():
+                    if line.startswith("{"):
+                        row = {**json.loads(line), "rtt_ms": ms, "loadavg_1m_before": load}
+                        rows.append(row)
+                        print(f"RTT {ms:g} ms {row['task']:14s} k={row['k']}: {row['tokens'] / row['seconds']:6.2f} "
+                              f"tok/s, {row['chain_steps'] / max(1, row['tokens']):.2f} steps/token, "
+                              f"identical={row['identical_to_plain']}", flush=True)
     finally:
+        hosts.close()
         netem.cleanup(name)
     return rows
 

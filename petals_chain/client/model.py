@@ -219,7 +219,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                                       f"{len(ids)} input tokens")
         if len(ids) > session.max_length:
             raise InvalidRequestError(f"the session was opened with max_length={session.max_length} but would hold "
-                                      f"{len(ids)} tokens; open it with a larger max_length")
+                                      f"{len(ids)} tokens; open it with a larger max_length (speculative decoding "
+                                      "verifies up to k drafted tokens past the output: add k)")
         new = input_ids[0, start:]
         session.processed_ids = ids[:start]  # what the chain holds should this step fail
         hidden = session.chain.step(self.head.embed_batched(new), start_position=start)
