@@ -185,6 +185,9 @@ class BlockServicer:
             session.prefix_pin = cache.pin(namespace, hashes, client_id)
             cache.count_asked(client_id, len(hashes) * cache.chunk_tokens)
         self.server.on_session_opened(session)
+        # the session id carries an API gateway's request id: this line ties a request to this server
+        logger.info("session %s of %s opened on blocks [%d, %d) for %d tokens", session_id, client_id, first_block,
+                    block_range.end, max_length)
         return session
 
     async def _step(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int = 0,

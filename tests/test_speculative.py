@@ -166,7 +166,7 @@ def test_gateway_engine_prompt_lookup_greedy_identical_and_counted(tiny):
     from petals_chain.api.metrics import GatewayMetrics
 
     _, model = tiny
-    kwargs = dict(cancel=threading.Event(), on_text=lambda _: None)
+    kwargs = dict(cancel=threading.Event(), on_text=lambda delta, logprobs: None)
     plain = run_generation(model, _SpaceTokenizer(), REPETITIVE, SamplingParams(max_tokens=30, temperature=0), **kwargs)
     spec = run_generation(model, _SpaceTokenizer(), REPETITIVE,
                           SamplingParams(max_tokens=30, temperature=0, prompt_lookup_tokens=4), **kwargs)
@@ -180,12 +180,16 @@ def test_gateway_engine_prompt_lookup_greedy_identical_and_counted(tiny):
                                   SamplingParams(max_tokens=12, temperature=0.05, seed=seed, prompt_lookup_tokens=k),
                                   **kwargs) for k in (0, 3)]
         assert sampled[0].text == sampled[1].text
-    metrics = GatewayMetrics()
-    metrics.generation(len(REPETITIVE), spec.completion_tokens, spec.time_to_first_token_s, spec.finish_reason,
-                       spec.drafted_tokens, spec.accepted_draft_tokens)
-    text = metrics.render()
-    assert f"petals_chain_api_drafted_tokens_total {spec.drafted_tokens}" in text
-    assert f"petals_chain_api_accepted_draft_tokens_total {spec.accepted_draft_tokens}" in text
+    metrics = GatewayMetrics("tiny")
+    metrics.generation(prompt_tokens=len(REPETITIVE), completion_tokens=spec.completion_tokens,
+                       finish_reason=spec.finish_reason, ttft_s=spec.time_to_first_token_s,
+                       token_times_s=spec.token_times_s, e2e_s=1.0, hops=spec.hops, failovers=spec.failovers,
+                       prefix_hit_tokens=spec.prefix_hit_tokens, drafted_tokens=spec.drafted_tokens,
+                       accepted_draft_tokens=spec.accepted_draft_tokens)
+    text = metrics.render().decode()
+    assert f'petals_chain:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(spec.drafted_tokens)}' in text
+    assert (f'petals_chain:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} '
+            f'{float(spec.accepted_draft_tokens)}') in text
 
 
 @pytest.mark.parametrize("text,k", [("ngram:4", 4), ("ngram:1", 1)])

@@ -30,6 +30,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     prompt_lookup_tokens: int = 0  # speculative decoding by prompt lookup: up to K drafts per step (0: off)
+    top_logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k likeliest
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model (log_softmax of the LM head's logits,
+    before temperature / top-p), and the `top` likeliest tokens at that position, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -39,7 +50,11 @@ class GenerationResult:
     finish_reason: str = "length"  # "stop" (eos or a stop string), "length", "cancelled"
     time_to_first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)  # when each token was produced (clock)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
     chain: str = ""
+    hops: int = 0  # servers in the chain the session ran on
+    failovers: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens every hop took from its prefix cache
     drafted_tokens: int = 0  # prompt lookup: draft tokens verified, and those accepted
     accepted_draft_tokens: int = 0
 
@@ -71,11 +86,15 @@ class StopScanner:
 
 
 def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                   *, cancel: threading.Event, on_text: Callable[[str], None],
-                   clock: Callable[[], float] = time.perf_counter) -> GenerationResult:
-    """Generate for one request (blocking; run it in a worker thread). `on_text(delta)` gets each
-    piece of text as soon as it is safe to send. The session is closed (its chain released) on
-    every way out, cancellation and errors included."""
+                   *, cancel: threading.Event, on_text: Callable[[str, list[TokenLogprob]], None],
+                   session_id: str | None = None, clock: Callable[[], float] = time.perf_counter) -> GenerationResult:
+    """Generate for one request (blocking; run it in a worker thread). `on_text(delta, logprobs)`
+    gets each piece of text as soon as it is safe to send, with the logprobs of the tokens
+    generated since the previous call (empty unless `params.top_logprobs` is set). The session
+    opens with the prompt, so hops whose prefix caches hold its start skip it (a chat's next turn
+    resends the conversation); `session_id` (the request id in it) names the session in the
+    orchestrator's and servers' logs. The session is closed (its chain released) on every way
+    out, cancellation and errors included."""
     start_s = clock()
     generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                               else int.from_bytes(os.urandom(8), "little") >> 1)
@@ -90,6 +109,9 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
     result = GenerationResult()
     tokens = list(prompt_ids)
     generated: list[int] = []
+    pending: list[TokenLogprob] = []  # logprobs not yet handed out with a text delta
+    if params.top_logprobs is not None:
+        result.logprobs = []
     drafter = None
     if params.prompt_lookup_tokens > 0:
         # HF's own n-gram drafter (the one `generate(prompt_lookup_num_tokens=k)` uses)
@@ -102,8 +124,12 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
             return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0])
         return int(logits.argmax(dim=-1)[0])
 
-    with model.inference_session(max_length=len(prompt_ids) + params.max_tokens) as session:
+    with model.inference_session(max_length=len(prompt_ids) + params.max_tokens,
+                                 prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
+                                 session_id=session_id) as session:
         result.chain = session.chain.describe()
+        result.hops = session.chain.num_hops
+        result.prefix_hit_tokens = session.position  # the open skipped what every hop had cached
         while len(generated) < params.max_tokens and result.finish_reason == "length":
             if cancel.is_set():
                 result.finish_reason = "cancelled"
@@ -127,6 +153,10 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
             now_s = clock()
             for n, token in enumerate(step_tokens):
                 result.accepted_draft_tokens += n > 0  # a token after the first of a step was a draft
+                if result.logprobs is not None:
+                    entry = token_logprob(logits[n], token, params.top_logprobs)
+                    result.logprobs.append(entry)
+                    pending.append(entry)
                 if result.time_to_first_token_s is None:
                     result.time_to_first_token_s = now_s - start_s
                 result.token_times_s.append(now_s)
@@ -137,17 +167,27 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
                     break
                 delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True))
                 if delta:
-                    on_text(delta)
+                    on_text(delta, pending)
+                    pending = []
                 if scanner.stopped:
                     result.finish_reason = "stop"
                     break
+        result.failovers = getattr(session.chain, "failovers", 0)
     if result.finish_reason != "cancelled":
         delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True), final=True)
-        if delta:
-            on_text(delta)
+        if delta or pending:
+            on_text(delta, pending)
     result.text = scanner.sent
     result.completion_tokens = len(generated)
     return result
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s entry from one position's logits [vocab]: HF's `log_softmax` of the same logits."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top > 0 else None
+    alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

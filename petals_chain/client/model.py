@@ -102,23 +102,28 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_local_ranges(cls, model: str | Path, ranges: list[tuple[int, int]], *, dtype: str = "float32",
-                          quant: str = "none") -> "DistributedModelForCausalLM":
-        """All block ranges in this process: pipelined generation without a network."""
+                          quant: str = "none", device: str = "cpu",
+                          cuda_graphs: bool = True) -> "DistributedModelForCausalLM":
+        """All block ranges in this process: pipelined generation without a network. `device`: where
+        the block ranges and the client head run (e.g. "cuda")."""
         path = resolve_model_path(model)
-        head = ClientHead(path, dtype=dtype, model_path=path)
-        block_ranges = [BlockRange(path, s, e, dtype=dtype, quant=quant, config=head.config, model_path=path)
+        head = ClientHead(path, dtype=dtype, model_path=path, device=device)
+        block_ranges = [BlockRange(path, s, e, dtype=dtype, quant=quant, config=head.config, model_path=path,
+                                   device=device, cuda_graphs=cuda_graphs)
                         for s, e in ranges]
         return cls(head.config, head, LocalChain(block_ranges))
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, initial_peers: list[str], dtype: str = "float32",
-                        max_batch_rows: int = 4096, **remote_kwargs) -> "DistributedModelForCausalLM":
+                        max_batch_rows: int = 4096, device: str = "cpu", **remote_kwargs) -> "DistributedModelForCausalLM":
         """Client of a swarm: `initial_peers` are multiaddrs of DHT peers (e.g. printed by `petals-chain dht`).
-        `max_batch_rows` bounds the client head's cross-session batches (1 turns batching off)."""
+        `max_batch_rows` bounds the client head's cross-session batches (1 turns batching off).
+        `device`: where the client head (embeddings, final norm, LM head) runs; hidden states leave it
+        only at the wire, and logits come back on the device of the `input_ids` given."""
         from petals_chain.client.remote import RemoteChain
 
         path = resolve_model_path(model)
-        head = ClientHead(path, dtype=dtype, model_path=path, max_batch_rows=max_batch_rows)
+        head = ClientHead(path, dtype=dtype, model_path=path, max_batch_rows=max_batch_rows, device=device)
         backend = RemoteChain(model=str(model), config=head.config, initial_peers=initial_peers, dtype=head.dtype,
                               **remote_kwargs)
         return cls(head.config, head, backend)
@@ -131,16 +136,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # -- sessions ----------------------------------------------------------------------------
     @contextmanager
-    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None):
+    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None,
+                          session_id: str | None = None):
         """`with model.inference_session(max_length=...) as s:` keeps the conversation cached on the chain;
         every `generate` inside continues it (pass only the new tokens). `prompt_ids` [n]: the first
-        prompt, offered to the servers' prefix caches (the session then starts past the reused part)."""
+        prompt, offered to the servers' prefix caches (the session then starts past the reused part).
+        `session_id`: what the orchestrator and servers call the session (default: a random id)."""
         if self._session is not None:
             raise InvalidRequestError("an inference session is already active on this model; close it first")
         prefix = None
         if prompt_ids is not None:
             prefix = PromptPrefix(prompt_ids.tolist(), self.head.embed_batched(prompt_ids))
-        chain = self.backend.open_session(max_length, prefix)
+        chain = self.backend.open_session(max_length, prefix, session_id=session_id)
         # a reused prompt prefix is already on the chain
         reused = prompt_ids[:chain.position].tolist() if prompt_ids is not None else []
         session = InferenceSession(chain, max_length, reused)
@@ -229,8 +236,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         session.drafted_tokens += max(0, logits_to_keep - 1)  # assisted decoding keeps one logit per draft + 1
         if logits_to_keep > 0:
             hidden = hidden[-logits_to_keep:]
-        # a clone made outside inference mode: HF's assisted decoding edits the logits in place
-        logits = self.head.logits_batched(hidden).float().clone()
+        # on the ids' device (transformers' logits processors index the logits with the ids), and a
+        # copy made outside inference mode: HF's assisted decoding edits the logits in place
+        logits = self.head.logits_batched(hidden).to(input_ids.device, torch.float32, copy=True)
         return CausalLMOutputWithPast(logits=logits.unsqueeze(0))
 
 
