@@ -3,7 +3,8 @@
 One session at a time through a 3-server chain of SmolLM2-135M (blocks 0:10, 10:20, 20:30); the
 servers and the client (with the DHT peer) each on its own emulated host (netem, userspace backend,
 `experiments.hosts.EmulatedHosts`), every pair at the same RTT (0 and 50 ms by default). Per task, the client generates greedily with HF's `generate`
-plainly and with `prompt_lookup_num_tokens=k` (k = 2, 4, 8) and records tokens/s, chain steps per
+plainly and with `prompt_lookup_num_tokens=k` (k = 2, 4, 8) and records tokens/s (of the whole
+request, and of the decode phase after the first round, which includes the prompt), chain steps per
 token and accepted drafts, and checks that the output is identical to the plain run's.
 
 Tasks: (a) repetitive (rewrite given code with a name changed, answer by quoting a given passage),
@@ -50,6 +51,22 @@ TASKS = {
 }
 
 
+class FirstRound:
+    """A streamer that notes when the first round's tokens came (the prefill step's), and how many:
+    what follows is the decode phase, where speculation acts (the prefill costs every mode the same)."""
+
+    def __init__(self):
+        self.puts, self.at_s, self.tokens = 0, None, 0
+
+    def put(self, value):
+        self.puts += 1  # the first put is the prompt
+        if self.puts == 2:
+            self.at_s, self.tokens = time.perf_counter(), int(value.numel())
+
+    def end(self):
+        pass
+
+
 def client(peer: str, new_tokens: int, ks: list[int]) -> None:
     """Runs in the client's namespace: every task, plain then each k; one JSON line per run."""
     import torch
@@ -69,14 +86,16 @@ def client(peer: str, new_tokens: int, ks: list[int]) -> None:
             plain = None
             for k in [0, *ks]:
                 kwargs = {"prompt_lookup_num_tokens": k} if k else {}
+                first = FirstRound()
                 with model.inference_session(max_length=ids.shape[1] + new_tokens + k) as session:
                     t0 = time.perf_counter()
-                    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **kwargs)
+                    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=first, **kwargs)
                     seconds = time.perf_counter() - t0
                     stats = session.last_generate
+                decode = {"decode_seconds": seconds - (first.at_s - t0), "decode_tokens": stats.tokens - first.tokens}
                 if plain is None:
                     plain = out
-                print(json.dumps({"task": task, "kind": kind, "k": k, "seconds": seconds, **stats.to_json(),
+                print(json.dumps({"task": task, "kind": kind, "k": k, "seconds": seconds, **decode, **stats.to_json(),
                                   "identical_to_plain": out.tolist() == plain.tolist(),
                                   "prompt_tokens": ids.shape[1]}), flush=True)
     finally:
@@ -132,24 +151,28 @@ def summarize(rows: list[dict]) -> list[dict]:
             for k in sorted({r["k"] for r in sel}):
                 rk = [r for r in sel if r["k"] == k]
                 tokens, seconds = sum(r["tokens"] for r in rk), sum(r["seconds"] for r in rk)
+                decode_tok_per_s = sum(r["decode_tokens"] for r in rk) / sum(r["decode_seconds"] for r in rk)
                 by_k[k] = {"rtt_ms": ms, "kind": kind, "k": k, "tokens": tokens, "tok_per_s": tokens / seconds,
+                           "decode_tok_per_s": decode_tok_per_s,
                            "steps_per_token": sum(r["chain_steps"] for r in rk) / tokens,
                            "accepted_draft_tokens": sum(r["accepted_draft_tokens"] for r in rk),
                            "identical": all(r["identical_to_plain"] for r in rk),
                            "loadavg_1m": max(r["loadavg_1m_before"] for r in rk)}
             for k, s in by_k.items():
                 s["speedup_vs_plain"] = s["tok_per_s"] / by_k[0]["tok_per_s"]
+                s["decode_speedup_vs_plain"] = s["decode_tok_per_s"] / by_k[0]["decode_tok_per_s"]
                 out.append(s)
     return out
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| RTT | tasks | mode | tok/s | speedup vs plain | chain steps / token | accepted drafts | "
-             "identical output | load avg |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| RTT | tasks | mode | tok/s (whole request) | vs plain | decode tok/s | vs plain | chain steps / token | "
+             "accepted drafts | identical output | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         mode = "plain greedy" if s["k"] == 0 else f"prompt lookup k={s['k']}"
         lines.append(f"| {s['rtt_ms']:g} ms | {s['kind']} | {mode} | {s['tok_per_s']:.2f} | "
-                     f"{s['speedup_vs_plain']:.2f}x | {s['steps_per_token']:.2f} | {s['accepted_draft_tokens']} | "
+                     f"{s['speedup_vs_plain']:.2f}x | {s['decode_tok_per_s']:.2f} | {s['decode_speedup_vs_plain']:.2f}x | "
+                     f"{s['steps_per_token']:.2f} | {s['accepted_draft_tokens']} | "
                      f"{'yes' if s['identical'] else 'NO'} | {s['loadavg_1m']:.1f} |")
     return "\n".join(lines)
 
