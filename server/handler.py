@@ -67,7 +67,11 @@ class BlockServicer:
         return self.server.budget
 
     async def info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return wire.response(wire.InfoReply(self.server.info()))
+        try:  # any request gets the info; a well-formed one may also ask for the measured batches
+            since = wire.decode_request(request, wire.InfoRequest).service_since_seq
+        except PetalsChainError:
+            since = None
+        return wire.response(wire.InfoReply(self.server.info(), self.server.meter.since(since)))
 
     # -- inference stream ---------------------------------------------------------------------
     async def inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],

@@ -406,4 +406,4 @@ class RemoteChainSession(ChainSession):
         self._close_streams(self.streams)
         self.streams = []
         self.chain.provider.session_finished(hops, session_id=self.session_id, input_tokens=self.input_tokens,
-                                             output_tokens=self.steps)
+                                             output_tokens=self.steps, hop_timings=tuple(self.hop_timings))
