@@ -15,10 +15,10 @@ import subprocess
 import sys
 import time
 
-from netem import kernel
+from netem import cpu as netem_cpu, kernel, nat
 from netem.errors import MissingCapabilityError, NetemError, NetworkExistsError
 from netem.probe import measure_rtt_ms
-from netem.state import (DEFAULT_NAME, DEFAULT_SUBNET, NetworkState, host_addresses, owned_netns, read_state,
+from netem.state import (DEFAULT_NAME, DEFAULT_SUBNET, NetworkState, host_addresses, nat_addresses, owned_netns, read_state,
                          recorded_names, state_dir, state_path, write_state)
 from netem.system import kill_netns_processes, list_netns, require_capabilities, run
 from netem.topology import validate_rtt_matrix
@@ -86,6 +86,7 @@ def cleanup(name: str | None = None, *, directory=None, grace_s: float = 8.0) ->
             kill_netns_processes(ns, grace_s)
             run(["ip", "netns", "del", ns], check=False)
             removed.append(f"netns {ns}")
+        removed += netem_cpu.remove(nm)  # after the processes in them are gone
         path = state_path(nm, directory)
         for leftover in (path.with_suffix(".hub.log"), path.with_suffix(".hub.json"), path):
             if leftover.exists():
@@ -100,7 +101,12 @@ class Network:
     def __init__(self, hosts: list[str], rtt_ms: list[list[float]], *, backend: str = "auto",
                  bandwidth_bit_s: float | None = None, jitter_ms: float = 0.0, loss: float = 0.0,
                  name: str = DEFAULT_NAME, subnet: str = DEFAULT_SUBNET, seed: int = 0, state_directory=None,
-                 detach: bool = False, hub_realtime: bool = True, log=None):
+                 detach: bool = False, hub_realtime: bool = True, log=None,
+                 cpu: dict[str | int, float] | None = None, behind_nat: list[str] | None = None):
+        """`cpu`: host (name or index) -> CPU share in cores (e.g. 0.25) for the hosts that get one
+        (netem/cpu.py: cgroup v2 cpu.max or v1 cfs quota; cores pinned where there are enough).
+        `behind_nat`: hosts whose processes sit behind an emulated NAT router (netem/nat.py): they
+        can reach every host, but no host can open a connection to them."""
         rtt = validate_rtt_matrix(hosts, rtt_ms)
         if bandwidth_bit_s is not None and not bandwidth_bit_s > 0:
             raise NetemError(f"bandwidth_bit_s must be positive (got {bandwidth_bit_s})")
@@ -113,8 +119,12 @@ class Network:
         self.state = NetworkState(name=name, backend="", hosts=list(hosts), addresses=host_addresses(len(hosts), subnet),
                                   rtt_ms=rtt, subnet=subnet, bandwidth_bit_s=bandwidth_bit_s, jitter_ms=jitter_ms,
                                   loss=loss, seed=seed, owner_pid=os.getpid(), extra={"hub_realtime": hub_realtime})
+        self.state.behind_nat = sorted({self.state.index(h) for h in behind_nat or ()})
+        for i in self.state.behind_nat:
+            nat_addresses(i)  # refuses an index it cannot give a private subnet, before anything exists
         self._prev_sigterm = None
         self._up = False
+        self.cpu_shares = {self.state.index(h): float(v) for h, v in (cpu or {}).items()}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "Network":
@@ -128,6 +138,7 @@ class Network:
     def up(self) -> "Network":
         require_capabilities(tc=self.requested_backend != "userspace", tun=self.requested_backend != "kernel")
         st = self.state
+        tool = nat.nat_tool() if st.behind_nat else None  # missing tools: say so before creating anything
         if state_path(st.name, self.directory).exists() or owned_netns(st.name, list_netns()):
             raise NetworkExistsError(f"network {st.name!r} is already up (or a crashed run left it): "
                                      f"`petals-chain netem down --name {st.name}` removes it, or pick another name")
@@ -148,6 +159,18 @@ class Network:
                 kernel.apply(st)
             else:
                 self._start_hub()
+            for i in st.behind_nat:
+                nat.apply_nat(st, i, tool)
+            if st.behind_nat:
+                self.log(f"netem: behind NAT ({tool}): " + ", ".join(f"{st.hosts[i]} {st.process_address(i)}"
+                                                                     for i in st.behind_nat))
+            if self.cpu_shares:
+                shares = netem_cpu.apply(st.name, self.cpu_shares)
+                st.extra["cpu"] = {str(i): {"group": s.group, "cores": s.cores, "procs": list(s.procs_files),
+                                            "cpuset": s.cpuset} for i, s in shares.items()}
+                write_state(st, self.directory)
+                self.log("netem: CPU shares " + ", ".join(
+                    f"{st.hosts[i]}={s.cores:g}" + (f" (core {s.cpuset})" if s.cpuset else "") for i, s in shares.items()))
         except BaseException:
             self.down()
             raise
@@ -209,17 +232,32 @@ class Network:
         return self.state.name
 
     def address(self, host: str | int) -> str:
+        """The address the host's processes listen on: a private one for a host behind a NAT."""
+        return self.state.process_address(self.state.index(host))
+
+    def wan_address(self, host: str | int) -> str:
+        """The host's address on the emulated WAN (its router's, for a host behind a NAT)."""
         return self.state.addresses[self.state.index(host)]
 
     def netns(self, host: str | int) -> str:
-        return self.state.netns(self.state.index(host))
+        """The namespace the host's processes run in (the private one behind a NAT)."""
+        return self.state.process_netns(self.state.index(host))
+
+    def behind_nat(self, host: str | int) -> bool:
+        return self.state.index(host) in self.state.behind_nat
 
     def command(self, host: str | int, argv: list[str]) -> list[str]:
         return command_in(self.state, host, argv)
 
     def prefix(self, host: str | int) -> list[str]:
-        """The argv prefix that runs a command inside the host (`prefix(h) + argv == command(h, argv)`)."""
-        return ["ip", "netns", "exec", self.state.netns(self.state.index(host))]
+        """The argv prefix that runs a command inside the host (`prefix(h) + argv == command(h, argv)`):
+        in its namespace, and in its CPU groups when it has a share."""
+        return _host_prefix(self.state, host)
+
+    def cpu_report(self) -> dict[str, dict]:
+        """Per host with a CPU share: the share (cores), the pinned core, CPU seconds used so far and
+        seconds held back by the quota (the experiment turns them into measured use)."""
+        return cpu_report(self.state)
 
     def popen(self, host: str | int, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command(host, argv), **popen_kwargs)
@@ -250,11 +288,31 @@ class Network:
         return net
 
 
+def _host_prefix(state: NetworkState, host: str | int) -> list[str]:
+    i = state.index(host)
+    base = ["ip", "netns", "exec", state.process_netns(i)]  # behind a NAT: its private namespace
+    share = state.extra.get("cpu", {}).get(str(i))
+    # the cgroup wrapper runs outside the namespace: `ip netns exec` remounts /sys for the namespace
+    return base if share is None else netem_cpu.enter_argv(tuple(share["procs"]), base)
+
+
+def cpu_report(state: NetworkState) -> dict[str, dict]:
+    shares = state.extra.get("cpu", {})
+    if not shares:
+        return {}
+    layout = netem_cpu.detect()
+    return {state.hosts[int(i)]: {"cores": s["cores"], "cpuset": s["cpuset"],
+                                  "cpu_s": netem_cpu.usage_s(layout, s["group"]),
+                                  "throttled_s": netem_cpu.throttled_s(layout, s["group"])}
+            for i, s in shares.items()}
+
+
 def command_in(state: NetworkState, host: str | int, argv: list[str]) -> list[str]:
-    """argv run inside the host's namespace (`ip netns exec`), keeping the caller's user, cwd and env."""
+    """argv run inside the host's namespace (`ip netns exec`) and CPU groups, keeping the caller's
+    user, cwd and env."""
     if not argv:
         raise NetemError("no command given to run inside the host")
-    return ["ip", "netns", "exec", state.netns(state.index(host)), *argv]  # same as Network.prefix
+    return [*_host_prefix(state, host), *argv]  # same as Network.prefix
 
 
 def measure_state_rtt_ms(state: NetworkState, probes: int = 5) -> list[list[float]]:

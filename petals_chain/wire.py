@@ -34,6 +34,13 @@ class ServerState(enum.StrEnum):
     OFFLINE = "offline"
 
 
+class Reachability(enum.StrEnum):
+    """How peers reach a server (petals_chain/reachability.py)."""
+    DIRECT = "direct"  # at its own addresses
+    RELAYED = "relayed"  # behind a NAT/firewall: through the libp2p relays in `relay_maddrs`
+    UNKNOWN = "unknown"  # no peer could check; it runs as a direct peer
+
+
 def pack(meta: dict[str, Any]) -> bytes:
     return msgpack.packb(meta, use_bin_type=True)
 
@@ -148,6 +155,10 @@ class ServerInfo(WireRecord):
     # most tokens (rows x sequence) one inference step or forward request may carry; larger ones get
     # RequestTooLargeError before any work (0 when constructed: the same as max_length_tokens)
     max_step_tokens: int = 0
+    # how peers reach it, from its dial-back check at start; a relayed server lists `<relay>/p2p-circuit`
+    # addresses that clients and the orchestrator connect through (petals_chain/reachability.py)
+    reachability: Reachability = Reachability.DIRECT
+    relay_maddrs: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.max_step_tokens <= 0:
@@ -169,8 +180,27 @@ class ServerInfo(WireRecord):
 
 
 @dataclass
+class BatchService(WireRecord):
+    """One batch a server ran, as it measured it (on CUDA after a synchronize): the orchestrator's
+    calibrated service model (orchestrator/service/calibration.py) fits these. A block-token is one
+    token through one block (a step entering mid-range runs fewer blocks)."""
+
+    seq: int  # per server process, from 0: the orchestrator reads by cursor
+    wall_s: float
+    cpu_s: float  # CPU seconds the server process used during the batch (all its threads)
+    sessions: int
+    blocks: int  # most blocks one step of the batch ran
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_block_tokens: int
+    decode_block_tokens: int
+
+
+@dataclass
 class InfoRequest(WireRecord):
     TYPE = MessageType.INFO
+    # with a cursor, the reply carries the batches after it (None: none; -1: all the server keeps)
+    service_since_seq: int | None = None
 
 
 @dataclass
@@ -179,3 +209,4 @@ class InfoReply(WireRecord):
 
     TYPE = MessageType.INFO
     info: ServerInfo
+    service: list[BatchService] | None = None  # batches after the request's cursor, oldest first

@@ -12,6 +12,7 @@ only while it holds no session.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -22,6 +23,8 @@ from hivemind.p2p import PeerID
 
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
+from petals_chain.reachability import (UnreachableError, check_reachability, circuit_maddrs, p2pd_flags,
+                                       relayed_dht_kwargs, serve_dial_back)
 from petals_chain.dht_records import announce_server, model_key
 from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.models.checkpoint import resolve_model_path
@@ -31,7 +34,7 @@ from petals_chain.messages import AssignmentReply, AssignmentRequest, Assignment
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, OrchestratorService
 from petals_chain.runtime.block_range import BlockRange
-from petals_chain.wire import ServerInfo, ServerState
+from petals_chain.wire import Reachability, ServerInfo, ServerState
 from server.admission import AdmissionQueue
 from server.handler import BlockServicer, OpenSession
 from server.memory import KVBudget
@@ -40,7 +43,9 @@ from server.prefix_cache import PrefixCache
 from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
 from server.emulation import maybe_slowed, real_range, slowed_times
 from server.service_log import ServiceLog
-from server.profiling import cached_block_times
+from server.profiling import BlockTimes
+from server.range_profile import RangeProfile, cached_range_profile, disagrees, forget_profile
+from server.service_meter import ServiceMeter
 from server.scheduler import StepScheduler
 
 logger = logging.getLogger(__name__)
@@ -79,6 +84,9 @@ class ServerConfig:
     emulate_slowdown: float = 1.0  # EMULATION (server/emulation.py): batches take this many times their compute
     cuda_graphs: bool = True  # on CUDA: replay captured graphs for decode steps (runtime/decode_graphs.py)
     assignment_poll_s: float = 1.0
+    announce_maddrs: list[str] = field(default_factory=list)  # --announce-maddrs / --public-maddrs
+    use_relay: bool = True  # False (--no-relay): an unreachable server stops instead of joining through relays
+    relay_service: bool = True  # False (--no-relay-service): a reachable server refuses to relay for others
 
 
 class BlockServer:
@@ -90,6 +98,9 @@ class BlockServer:
         self.max_length_tokens = config.max_length_tokens
         self.session_idle_timeout_s = config.session_idle_timeout_s
         self.service_log = ServiceLog(config.service_log) if config.service_log else None
+        self.meter = ServiceMeter()  # every batch's measured service, for the orchestrator's model
+        self.profile: RangeProfile | None = None  # the start-up profile of the loaded range (or the probe)
+        self._profile_checked_seq = -1
         self.max_step_tokens = config.max_step_tokens or config.max_length_tokens
         self.path = resolve_model_path(config.model)
         self.auto = config.start is None
@@ -102,25 +113,30 @@ class BlockServer:
         if self.auto:  # measure on one block loaded for the purpose, before holding any
             probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
                                model_path=self.path)
-            self.times = slowed_times(cached_block_times(probe, self.model_name), config.emulate_slowdown)
+            self.times = self._profile(probe)
             self._sizes = (probe.block_bytes, probe.kv_bytes_per_block(self.max_length_tokens),
                            str(probe.dtype).removeprefix("torch."))
             del probe
         else:
             self._load(config.start, config.end)
-            self.times = slowed_times(cached_block_times(real_range(self.block_range), self.model_name),
-                                      config.emulate_slowdown)
         self.sessions: dict[str, OpenSession] = {}
         self._sessions_lock = threading.Lock()
         self.state = ServerState.JOINING
         self.identity = SwarmIdentity.load_or_create(config.identity_path)
-        self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                             **self.identity.dht_kwargs())
+        self.reachability, self.relay_maddrs = self._check_reachability()
+        relayed = self.reachability == Reachability.RELAYED
+        with p2pd_flags(relay_service=config.relay_service and not relayed):
+            self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
+                                 announce_maddrs=config.announce_maddrs or None, use_relay=config.use_relay,
+                                 **(relayed_dht_kwargs(config.initial_peers) if relayed else {}),
+                                 **self.identity.dht_kwargs())
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("server-p2p")
         self.servicer = BlockService(BlockServicer(self), config.allowed_peers)
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
+        if not relayed:  # a reachable server checks others' reachability too
+            self.loop.run(serve_dial_back(self.p2p), timeout_s=30)
         self._stop = threading.Event()
         try:
             self._announce()
@@ -136,6 +152,30 @@ class BlockServer:
         if self.auto:
             threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
 
+    def _check_reachability(self) -> tuple[Reachability, tuple[str, ...]]:
+        """Ask the initial peers to dial this host back (petals_chain/reachability.py); log the verdict.
+        Loopback-only listeners (a swarm on one machine) need no check."""
+        c = self.config
+        if all("/ip4/127." in m for m in c.host_maddrs) or not c.initial_peers:
+            return Reachability.DIRECT, ()
+        check = asyncio.run(check_reachability(c.initial_peers, c.host_maddrs, c.announce_maddrs or None))
+        relays = circuit_maddrs(c.initial_peers)
+        if check.reachability == Reachability.RELAYED and not c.use_relay:
+            raise UnreachableError(
+                f"this server is not reachable from the swarm (dial-back: {check.detail}) and --no-relay forbids "
+                "joining through a relay: forward a TCP port to this host, listen on it (--host-maddrs "
+                "/ip4/0.0.0.0/tcp/PORT) and announce it (--announce-maddrs /ip4/PUBLIC_IP/tcp/PORT), or drop --no-relay")
+        if check.reachability == Reachability.RELAYED and not relays:
+            raise UnreachableError(f"this server is not reachable (dial-back: {check.detail}) and no initial peer "
+                                   "has a /p2p/ id to relay through: pass full multiaddrs as --initial-peers")
+        verdict = {Reachability.DIRECT: "reachable directly",
+                   Reachability.RELAYED: "NOT reachable directly (NAT or firewall): joining through relays "
+                                         + ", ".join(relays),
+                   Reachability.UNKNOWN: "unknown (no peer answered the dial-back request): running as a direct peer"}
+        print(f"reachability: {check.reachability} - {verdict[check.reachability]} (dial-back: {check.detail})",
+              flush=True)
+        return check.reachability, relays if check.reachability == Reachability.RELAYED else ()
+
     def _load(self, start: int, end: int) -> None:
         c = self.config
         block_range = maybe_slowed(BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
@@ -143,15 +183,74 @@ class BlockServer:
         budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
                           cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
         scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
-                                  on_batch=self.service_log.write if self.service_log else None)
+                                  on_batch=self._on_batch)
         admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
         prefix_cache = (None if c.prefix_sharing == "off" else
                         PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))
         old = self.scheduler
+        # the start-up profile of exactly this range, through the real step path (cached per shape)
+        self.times = self._while_announcing(lambda: self._profile(real_range(block_range)))
         self.block_range, self.budget, self.scheduler, self.admission = block_range, budget, scheduler, admission
         self.prefix_cache = prefix_cache
         if old is not None:
             old.stop()
+
+    def _while_announcing(self, fn):
+        """Run `fn` (seconds: a profile on a loaded machine) while the record stays fresh in the DHT:
+        an `--blocks auto` server measures its range before the announcer thread runs, and a record
+        that expires (6 s) makes the orchestrator drop the server and re-plan."""
+        announcer = getattr(self, "_announcer", None)
+        if getattr(self, "dht", None) is None or (announcer is not None and announcer.is_alive()):
+            return fn()  # no DHT yet (a fixed range measures first), or the announcer already runs
+        done = threading.Event()
+
+        def keep_alive() -> None:
+            while not done.wait(self.config.announce_period_s):
+                self._announce()
+
+        t = threading.Thread(target=keep_alive, name="announce-while-profiling", daemon=True)
+        t.start()
+        try:
+            return fn()
+        finally:
+            done.set()
+            t.join(timeout=15)
+
+    def _profile(self, block_range) -> BlockTimes:
+        """t_I, t_O to announce: the range's start-up profile (an emulated slowdown scales it)."""
+        self.profile = cached_range_profile(block_range, self.model_name)
+        return slowed_times(BlockTimes(self.profile.prefill_s_per_token, self.profile.decode_s_per_token),
+                            self.config.emulate_slowdown)
+
+    def check_profile(self, min_batches: int = 100) -> bool:
+        """Compare the cached start-up profile with live service (the fit of this range's recent batches);
+        when they disagree, drop the cache entry so the next start measures instead of trusting it.
+        Returns whether it dropped it."""
+        from orchestrator.service.calibration import fit_service
+        br, prof = self.block_range, self.profile
+        if br is None or prof is None or prof.blocks != br.end - br.start:
+            return False
+        recs = [r for r in self.meter.records() if r.seq > self._profile_checked_seq]
+        if len(recs) < min_batches:
+            return False
+        self._profile_checked_seq = recs[-1].seq
+        fit = fit_service([r.prefill_block_tokens for r in recs], [r.decode_block_tokens for r in recs],
+                          [r.wall_s for r in recs])
+        if fit is None or fit.t_O_s <= 0:
+            return False
+        live_t_O = fit.t_O_s / self.config.emulate_slowdown  # the emulation's sleep is not the device's
+        if not disagrees(prof, live_t_O, fit.samples):
+            return False
+        dropped = forget_profile(real_range(br), self.model_name)
+        logger.warning("live service (t_O %.3f ms per block-token over %d batches) disagrees with the cached start-up "
+                       "profile (%.3f ms): %s", live_t_O * 1e3, fit.samples, prof.decode_s_per_token * 1e3,
+                       "dropped it; the next start measures again" if dropped else "it was already gone")
+        return dropped
+
+    def _on_batch(self, record: dict) -> None:
+        self.meter.on_batch(record)
+        if self.service_log is not None:
+            self.service_log.write(record)
 
     # -- orchestrator -------------------------------------------------------------------------
     def _join_orchestrator(self) -> None:
@@ -225,7 +324,8 @@ class BlockServer:
                 memory_budget_bytes=self.config.memory_budget_bytes, block_bytes=s_m, kv_bytes_per_block=s_c,
                 max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
                 prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
-                dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True})
+                dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True},
+                reachability=self.reachability, relay_maddrs=self.relay_maddrs)
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
         with self._sessions_lock:
             active = len(self.sessions)
@@ -238,7 +338,8 @@ class BlockServer:
             max_step_tokens=self.max_step_tokens,
             free_kv_slots=self.budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
-            quant=br.quant, name=self.config.name, active_sessions=active,
+            quant=br.quant, name=self.config.name, active_sessions=active, reachability=self.reachability,
+            relay_maddrs=self.relay_maddrs,
             extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
                    "admission_queue_length": len(self.admission), "auto": self.auto,
                    "prefix_cache": self.prefix_cache.view() if self.prefix_cache is not None else None,
@@ -262,6 +363,10 @@ class BlockServer:
     def _announce_loop(self) -> None:
         while not self._stop.wait(self.config.announce_period_s):
             self._announce()
+            try:
+                self.check_profile()
+            except Exception:  # a check must never stop the announcements
+                logger.exception("checking the start-up profile against live service failed")
 
     def on_session_opened(self, session: OpenSession) -> None:
         with self._sessions_lock:

@@ -23,6 +23,21 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
            "#7f7f7f")
 
 
+def _model_cells(m: dict | None) -> str:
+    """Model vs measured of one server: the start-up profile's t_O against the one fitted from live
+    batches, the fitted per-step overhead, the measured per-hop cost, how well the fit describes the
+    batches (median |measured / model - 1|) and the CPU share its batches took."""
+    if not m:
+        return "<td></td>" * 5
+    a, f = m.get("announced") or {}, m.get("fitted")
+    t_o = "" if f is None else _ms(f["t_o"])
+    fitted = "not yet" if f is None else _ms(f["t_O"])
+    resid = "" if f is None else f'{100 * f["median_abs_rel_residual"]:.0f}% ({f["samples"]} batches)'
+    cpu = "" if m.get("cpu_per_wall") is None else f'{m["cpu_per_wall"]:.2f}'
+    return (f'<td>{_ms(a.get("t_O"))} / {fitted}</td><td>{t_o}</td><td>{_ms(m.get("hop_cost"))}</td>'
+            f'<td>{resid}</td><td>{cpu}</td>')
+
+
 def metrics_text(orch) -> str:
     with orch.lock:
         ds = orch.sessions
@@ -78,6 +93,14 @@ def _ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.1f} ms"
 
 
+def _relayed_mark(server: dict) -> str:
+    """A server behind a NAT, reached through a libp2p relay (its RTT and tau_c include the relay's hop)."""
+    if server.get("reachability") != "relayed":
+        return ""
+    return (' <span class="relayed" title="behind a NAT or firewall: reached through a libp2p relay; its RTT and '
+            'tau_c include the relay\'s extra hop">relayed</span>')
+
+
 def status_html(status: dict) -> str:
     L = status["num_blocks"]
     colors = {s["peer_id"]: PALETTE[i % len(PALETTE)] for i, s in enumerate(status["servers"])}
@@ -94,11 +117,11 @@ def status_html(status: dict) -> str:
                     f'<td class="r">[{s["start"]}, {s["end"]}) {html.escape(s["state"])}</td></tr>')
     head = "".join(f'<td class="h">{b if b % 5 == 0 else ""}</td>' for b in range(L))
     srv_rows = "".join(
-        f'<tr><td><span class="sw" style="background:{colors[s["peer_id"]]}"></span>{html.escape(names[s["peer_id"]])}</td>'
+        f'<tr><td><span class="sw" style="background:{colors[s["peer_id"]]}"></span>{html.escape(names[s["peer_id"]])}{_relayed_mark(s)}</td>'
         f'<td class="mono">{html.escape(s["peer_id"][-12:])}</td><td>{html.escape(s["state"])}</td>'
         f'<td>[{s["start"]}, {s["end"]})</td><td>{s["memory"] / 2**20:.0f} MiB</td>'
         f'<td>{_ms(s["rtt"])}</td><td>{_ms(s["tau_c"])}</td><td>{_ms(s["tau_p"])}</td>'
-        f'<td>{s["active_sessions"]}</td></tr>' for s in status["servers"])
+        f'<td>{s["active_sessions"]}</td>{_model_cells(s.get("model"))}</tr>' for s in status["servers"])
     chain_rows = "".join(
         f'<tr><td>{c["chain_id"]}</td><td>{" &rarr; ".join(html.escape(names.get(p, p[-8:])) for p in c["servers"])}</td>'
         f'<td>{", ".join(f"[{a},{b})" for a, b in c["blocks"])}</td><td>{c["in_use"]} / {c["capacity"]}</td>'
@@ -112,6 +135,7 @@ def status_html(status: dict) -> str:
 <style>
 body {{ font-family: sans-serif; margin: 16px; color: #222; background: #ffffff; }}
 h1 {{ font-size: 20px; margin: 0 0 8px 0; }} h2 {{ font-size: 16px; margin: 16px 0 6px 0; }}
+.relayed {{ font-size: 11px; background: #fde8c8; border: 1px solid #e0a050; border-radius: 3px; padding: 0 3px; }}
 table {{ border-collapse: collapse; }} td, th {{ padding: 2px 6px; font-size: 13px; text-align: left; }}
 table.map td.b {{ height: 22px; padding: 0; border: 1px solid #ffffff; }}
 table.map td.h {{ font-size: 10px; padding: 0; color: #777; }}
@@ -133,7 +157,9 @@ table.list td, table.list th {{ border-bottom: 1px solid #ddd; }}
 <th>service time</th><th>dispatchable</th></tr>{chain_rows}</table>
 <h2>Servers</h2>
 <table class="list"><tr><th>name</th><th>peer</th><th>state</th><th>blocks</th><th>memory</th><th>RTT</th>
-<th>&tau;<sub>c</sub></th><th>&tau;<sub>p</sub> (per block)</th><th>sessions (server-reported)</th></tr>{srv_rows}</table>
+<th>&tau;<sub>c</sub></th><th>&tau;<sub>p</sub> (per block)</th><th>sessions (server-reported)</th>
+<th>t<sub>O</sub> start-up / fitted</th><th>t<sub>o</sub> / step</th><th>hop cost / step</th><th>fit residual</th>
+<th>CPU / wall</th></tr>{srv_rows}</table>
 <h2>Events</h2><ul>{events}</ul>
 </body></html>
 """
