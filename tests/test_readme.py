@@ -45,6 +45,9 @@ COVERED_ELSEWHERE = {  # not run verbatim here: where the same commands are test
     "netem-steps": "needs root (network namespaces): tests/test_netem_swarm.py runs the same swarm on emulated hosts",
     "netem-python": "needs root: tests/test_netem_emulation.py drives netem.Network the same way",
     "table1": "minutes to hours: tests/test_table1_quick.py runs `experiment table1 --quick`'s path on a small scale",
+    "speculative": "continues the client-library snippet (its model, ids; a draft model): tests/test_speculative.py "
+                   "and tests/test_speculative_live.py run these calls",
+    "table1-gpu": "needs a CUDA GPU and hours; the same driver on CPU: tests/test_table1_quick.py",
     "bench-fairness": "a benchmark (15 min); not part of the suite",
     "bench-fairness-prefix": "a benchmark (6 min); not part of the suite",
 }
