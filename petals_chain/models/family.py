@@ -1,11 +1,17 @@
 """What a model family must provide to be served block by block, and the registry of families.
 
-A family is one file (see `llama.py`): how to build one transformer block, which checkpoint tensors
-belong to a block or to the client side, the KV layout, and a forward over a flattened batch of
-several sessions' tokens that reads/writes each session's static KV cache.
+A family is one module in `petals_chain/models/families/` (see `families/llama.py`): how to build
+one transformer block, which checkpoint tensors belong to a block or to the client side, the KV
+layout, and a forward over a flattened batch of several sessions' tokens that reads/writes each
+session's static KV cache (`models/attention.py:segment_attention` does the per-session part).
+The registry imports every module of that folder on first use, so adding a family never edits
+this file.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,27 +43,38 @@ class ModelFamily(ABC):
     name: str
     model_types: tuple[str, ...]
 
+    def check_config(self, config) -> None:
+        """Raise `UnsupportedModelError` (saying what to do) for a config this family cannot serve exactly."""
+
     @abstractmethod
     def num_blocks(self, config) -> int: ...
 
     @abstractmethod
-    def block_tensor_names(self, config, index: int) -> list[str]: ...
+    def block_prefix(self, index: int) -> str:
+        """Checkpoint name prefix of block `index`'s tensors, e.g. 'model.layers.3.'."""
+
+    def block_tensor_names(self, config, index: int) -> list[str]:
+        """Checkpoint names of block `index`'s tensors (by default: the block module's own keys under its prefix)."""
+        return [self.block_prefix(index) + k for k in self.make_block(config, index).state_dict()]
 
     @abstractmethod
     def make_block(self, config, index: int) -> nn.Module:
         """An empty block (weights on the meta device) to be filled with `load_state_dict(assign=True)`."""
 
-    @abstractmethod
-    def block_state_key(self, config, index: int, tensor_name: str) -> str:
-        """Map a checkpoint tensor name to the block module's own state-dict key."""
+    def block_state(self, config, index: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The block module's state dict from its checkpoint tensors (by default: names minus the prefix;
+        a family whose checkpoint layout differs from its module's, e.g. Mixtral's experts, converts here)."""
+        prefix = self.block_prefix(index)
+        return {name[len(prefix):]: t for name, t in tensors.items()}
 
     @abstractmethod
-    def kv_heads_and_dim(self, config) -> tuple[int, int]: ...
+    def kv_heads_and_dim(self, config) -> tuple[int, int]:
+        """(KV heads, head dim) of one block's cache: what `s_c` (KV bytes per block per token) is made of."""
 
     @abstractmethod
     def position_encoder(self, config) -> Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, ...]]:
         """A function (positions, dtype) -> per-row position features (e.g. rotary cos/sin), each with
-        first dimension len(positions). Built once per runtime object."""
+        first dimension len(positions), on `positions`' device. Built once per runtime object."""
 
     @abstractmethod
     def block_forward(
@@ -68,29 +85,61 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def client_tensor_names(self, config) -> dict[str, str]:
-        """Checkpoint names of the client-side tensors: keys 'embed', 'norm', 'lm_head'."""
+        """Checkpoint names of the client-side tensors by role (what `make_client_modules` reads)."""
 
     @abstractmethod
     def make_client_modules(self, config, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, nn.Module, nn.Module]:
         """(embedding, final norm, lm head) built from the tensors named by `client_tensor_names`."""
 
 
-_FAMILIES: dict[str, ModelFamily] = {}
+class FamilyRegistry:
+    """model_type -> family. Family modules are discovered (imported) once, on the first lookup."""
+
+    def __init__(self, package: str):
+        self._package = package
+        self._families: dict[str, ModelFamily] = {}
+        self._discovered = False
+        self._lock = threading.Lock()
+
+    def register(self, family: ModelFamily) -> ModelFamily:
+        for model_type in family.model_types:
+            if model_type in self._families and self._families[model_type] is not family:
+                raise ValueError(f"model type {model_type!r} is registered twice "
+                                 f"({self._families[model_type].name} and {family.name})")
+            self._families[model_type] = family
+        return family
+
+    def _discover(self) -> None:
+        with self._lock:
+            if self._discovered:
+                return
+            package = importlib.import_module(self._package)
+            for module in pkgutil.iter_modules(package.__path__):
+                importlib.import_module(f"{self._package}.{module.name}")  # registers itself
+            self._discovered = True
+
+    def model_types(self) -> list[str]:
+        self._discover()
+        return sorted(self._families)
+
+    def get(self, config) -> ModelFamily:
+        self._discover()
+        model_type = getattr(config, "model_type", None)
+        family = self._families.get(model_type)
+        if family is None:
+            raise UnsupportedModelError(
+                f"model type {model_type!r} is not supported; supported: {sorted(self._families)}. "
+                "Add a family module under petals_chain/models/families/ to serve it.")
+        family.check_config(config)
+        return family
+
+
+REGISTRY = FamilyRegistry("petals_chain.models.families")
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
-    for model_type in family.model_types:
-        _FAMILIES[model_type] = family
-    return family
+    return REGISTRY.register(family)
 
 
 def get_family(config) -> ModelFamily:
-    from petals_chain.models import llama  # noqa: F401  (registers itself)
-
-    family = _FAMILIES.get(getattr(config, "model_type", None))
-    if family is None:
-        raise UnsupportedModelError(
-            f"model type {getattr(config, 'model_type', None)!r} is not supported; supported: {sorted(_FAMILIES)}. "
-            "Add a family module under petals_chain/models/ to serve it."
-        )
-    return family
+    return REGISTRY.get(config)

@@ -62,8 +62,7 @@ class BlockRange:
             names = self.family.block_tensor_names(self.config, index)
             tensors = read_tensors(self.model_path, names, dtype=self.dtype)
             block = self.family.make_block(self.config, index)
-            state = {self.family.block_state_key(self.config, index, n): t for n, t in tensors.items()}
-            block.load_state_dict(state, assign=True, strict=True)
+            block.load_state_dict(self.family.block_state(self.config, index, tensors), assign=True, strict=True)
             block = block.to(self.device).eval().requires_grad_(False)
             self.blocks[index] = quantize_linears(block, quant, self.dtype, self.device)
 
