@@ -30,6 +30,7 @@ class ErrorCode(enum.StrEnum):
     ADMISSION_TIMEOUT = "admission_timeout"
     NOT_ALLOWED = "not_allowed"
     IDENTITY_ERROR = "identity_error"
+    UNKNOWN_ADAPTER = "unknown_adapter"
 
 
 class PetalsChainError(Exception):
@@ -60,6 +61,12 @@ class OutOfCacheError(PetalsChainError):
     """The server cannot reserve the KV cache a session asks for within its memory budget."""
 
     code = ErrorCode.OUT_OF_CACHE
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """The session asked for a LoRA adapter this server (or chain) does not serve."""
+
+    code = ErrorCode.UNKNOWN_ADAPTER
 
 
 class MaxLengthExceededError(InvalidRequestError):
@@ -159,6 +166,7 @@ ERROR_TYPES: dict[ErrorCode, type[PetalsChainError]] = {
         SessionIdleTimeoutError,
         AdmissionTimeoutError,
         NotAllowedError,
+        UnknownAdapterError,
     )
 }
 

@@ -62,3 +62,22 @@ def load_hf(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def save_random_lora(base_path: Path, path: Path, target_modules: list[str], *, r: int = 4, alpha: float = 8.0,
+                     use_rslora: bool = False, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter of the checkpoint at `base_path` with random A and B (peft's default
+    initialisation zeroes B, which would make any adapter look exact), saved in peft's format."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, use_rslora=use_rslora,
+                        init_lora_weights=False)
+    get_peft_model(load_hf(base_path), config).save_pretrained(path)
+    return path
+
+
+def load_hf_with_lora(base_path: Path, adapter_path: Path):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_hf(base_path), adapter_path).eval()

@@ -44,17 +44,19 @@ class ChainSession(ABC):
 
 class ChainBackend(ABC):
     @abstractmethod
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None) -> ChainSession:
-        """`prefix`: the prompt, offered for prefix reuse (backends without a cache ignore it)."""
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None,
+                     adapter: str | None = None) -> ChainSession:
+        """`prefix`: the prompt, offered for prefix reuse (backends without a cache ignore it);
+        `adapter`: the LoRA adapter every hop runs this session with (None: the base model)."""
 
     def shutdown(self) -> None:
         """Release whatever the backend holds (network peers, threads)."""
 
 
 class LocalChainSession(ChainSession):
-    def __init__(self, ranges: list[BlockRange], max_length: int):
+    def __init__(self, ranges: list[BlockRange], max_length: int, adapter: str | None = None):
         self.ranges = ranges
-        self.kvs = [r.allocate_kv(max_length) for r in ranges]
+        self.kvs = [r.allocate_kv(max_length, adapter=adapter) for r in ranges]
         self.position = 0
 
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -81,5 +83,6 @@ class LocalChain(ChainBackend):
             expected = r.end
         self.ranges = ranges
 
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None) -> ChainSession:
-        return LocalChainSession(self.ranges, max_length)
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None,
+                     adapter: str | None = None) -> ChainSession:
+        return LocalChainSession(self.ranges, max_length, adapter)

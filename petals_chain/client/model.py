@@ -53,11 +53,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _supports_cache_class = False
 
-    def __init__(self, config, head: ClientHead, backend: ChainBackend):
+    def __init__(self, config, head: ClientHead, backend: ChainBackend, active_adapter: str | None = None):
         config.use_cache = False  # the chain keeps the KV cache, not transformers
         super().__init__(config)
         self.head = head
         self.backend = backend
+        # the LoRA adapter sessions run with unless `inference_session(adapter=...)` says otherwise
+        self.active_adapter = active_adapter
         # The active session is per thread: concurrent `generate` calls on one model object (the
         # README promises threads work; the API gateway runs one request per thread) each run
         # their own session instead of stepping on one another's.
@@ -74,26 +76,31 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_local_ranges(cls, model: str | Path, ranges: list[tuple[int, int]], *, dtype: str = "float32",
-                          quant: str = "none") -> "DistributedModelForCausalLM":
-        """All block ranges in this process: pipelined generation without a network."""
+                          quant: str = "none", adapters: list[str | Path] = (),
+                          active_adapter: str | None = None) -> "DistributedModelForCausalLM":
+        """All block ranges in this process: pipelined generation without a network. `adapters`: PEFT
+        LoRA folders every range loads; `active_adapter`: the one sessions use by default."""
         path = resolve_model_path(model)
         head = ClientHead(path, dtype=dtype, model_path=path)
-        block_ranges = [BlockRange(path, s, e, dtype=dtype, quant=quant, config=head.config, model_path=path)
-                        for s, e in ranges]
-        return cls(head.config, head, LocalChain(block_ranges))
+        block_ranges = [BlockRange(path, s, e, dtype=dtype, quant=quant, config=head.config, model_path=path,
+                                   adapters=adapters) for s, e in ranges]
+        return cls(head.config, head, LocalChain(block_ranges), active_adapter)
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, initial_peers: list[str], dtype: str = "float32",
-                        max_batch_rows: int = 4096, **remote_kwargs) -> "DistributedModelForCausalLM":
+                        max_batch_rows: int = 4096, active_adapter: str | None = None,
+                        **remote_kwargs) -> "DistributedModelForCausalLM":
         """Client of a swarm: `initial_peers` are multiaddrs of DHT peers (e.g. printed by `petals-chain dht`).
-        `max_batch_rows` bounds the client head's cross-session batches (1 turns batching off)."""
+        `max_batch_rows` bounds the client head's cross-session batches (1 turns batching off).
+        `active_adapter`: the LoRA adapter (as servers name it: its folder name) sessions run with;
+        only chains whose every server serves it are used."""
         from petals_chain.client.remote import RemoteChain
 
         path = resolve_model_path(model)
         head = ClientHead(path, dtype=dtype, model_path=path, max_batch_rows=max_batch_rows)
         backend = RemoteChain(model=str(model), config=head.config, initial_peers=initial_peers, dtype=head.dtype,
                               **remote_kwargs)
-        return cls(head.config, head, backend)
+        return cls(head.config, head, backend, active_adapter)
 
     def get_input_embeddings(self):
         return self.head.embed
@@ -103,16 +110,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # -- sessions ----------------------------------------------------------------------------
     @contextmanager
-    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None):
+    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None,
+                          adapter: str | None = None):
         """`with model.inference_session(max_length=...) as s:` keeps the conversation cached on the chain;
         every `generate` inside continues it (pass only the new tokens). `prompt_ids` [n]: the first
-        prompt, offered to the servers' prefix caches (the session then starts past the reused part)."""
+        prompt, offered to the servers' prefix caches (the session then starts past the reused part).
+        `adapter`: this session's LoRA adapter (default: the model's `active_adapter`)."""
         if self._session is not None:
             raise InvalidRequestError("an inference session is already active on this model; close it first")
         prefix = None
         if prompt_ids is not None:
             prefix = PromptPrefix(prompt_ids.tolist(), self.head.embed_batched(prompt_ids))
-        session = InferenceSession(self.backend.open_session(max_length, prefix), max_length)
+        adapter = adapter if adapter is not None else self.active_adapter
+        session = InferenceSession(self.backend.open_session(max_length, prefix, adapter), max_length)
         self._session = session
         try:
             yield session

@@ -15,6 +15,7 @@ from petals_chain.errors import InvalidRequestError, MaxLengthExceededError
 from petals_chain.models.checkpoint import load_config, read_tensors, resolve_model_path
 from petals_chain.models.family import AttentionSegment, get_family
 from petals_chain.runtime.kv_cache import SessionKV, kv_bytes_per_block
+from petals_chain.runtime.lora import LoraRows, adapter_name, attach_adapter, check_adapter, load_adapter_blocks
 from petals_chain.runtime.quantization import module_bytes, quantize_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,7 +42,9 @@ class BlockRange:
     """Blocks `[start, end)` of a causal LM, ready to run sessions' steps."""
 
     def __init__(self, model: str | Path, start: int, end: int, *, dtype: str | torch.dtype = "float32",
-                 quant: str = "none", device: str = "cpu", config=None, model_path: Path | None = None):
+                 quant: str = "none", device: str = "cpu", config=None, model_path: Path | None = None,
+                 adapters: list[str | Path] = ()):
+        """`adapters`: PEFT LoRA folders, each served under its folder name (`runtime/lora.py`)."""
         self.model_path = model_path or resolve_model_path(model)
         self.config = config or load_config(self.model_path)
         self.family = get_family(self.config)
@@ -65,6 +68,17 @@ class BlockRange:
             block.load_state_dict(self.family.block_state(self.config, index, tensors), assign=True, strict=True)
             block = block.to(self.device).eval().requires_grad_(False)
             self.blocks[index] = quantize_linears(block, quant, self.dtype, self.device)
+        self.lora_rows = LoraRows()  # set around each block call by `forward` (its only writer)
+        self.adapters: list[str] = []
+        for path in adapters:
+            name = adapter_name(path)
+            if name in self.adapters:
+                raise InvalidRequestError(f"two adapters are named {name!r} (adapters are named by their folder); "
+                                          "rename one folder")
+            prefixes = {i: self.family.block_prefix(i) for i in range(start, end)}
+            for index, weights in load_adapter_blocks(path, prefixes, self.dtype).items():
+                attach_adapter(self.blocks[index], weights, self.lora_rows)
+            self.adapters.append(name)
 
     # -- sizes the orchestrator plans with -------------------------------------------------
     @cached_property
@@ -78,7 +92,10 @@ class BlockRange:
         return kv_bytes_per_block(self.kv_heads, self.head_dim, max_length_tokens, self.dtype)
 
     # -- sessions --------------------------------------------------------------------------
-    def allocate_kv(self, max_length_tokens: int, first_block: int | None = None) -> SessionKV:
+    def allocate_kv(self, max_length_tokens: int, first_block: int | None = None,
+                    adapter: str | None = None) -> SessionKV:
+        """A session's cache; `adapter`: the LoRA adapter its steps run with (None: the base model)."""
+        check_adapter(adapter, self.adapters)
         first = self.start if first_block is None else first_block
         if not self.start <= first < self.end:
             raise InvalidRequestError(
@@ -86,7 +103,7 @@ class BlockRange:
         if max_length_tokens <= 0:
             raise InvalidRequestError(f"max_length must be positive, got {max_length_tokens}")
         return SessionKV.allocate(first, self.end, self.kv_heads, self.head_dim, max_length_tokens,
-                                  self.dtype, self.device)
+                                  self.dtype, self.device, adapter=adapter)
 
     def validate_step(self, step: StepInput) -> None:
         h = step.hidden
@@ -138,10 +155,18 @@ class BlockRange:
                     starts.append(acc)
                     acc += sizes[i]
             segments = []
+            adapter_rows: dict[str, list[int]] = {}
             for row_start, i in zip(starts, active):
                 k, v = steps[i].kv.block_views(index)
                 segments.append(AttentionSegment(row_start, sizes[i], steps[i].kv.past_tokens, k, v))
-            out = self.family.block_forward(self.blocks[index], sub_hidden, sub_features, segments)
+                if steps[i].kv.adapter is not None:
+                    adapter_rows.setdefault(steps[i].kv.adapter, []).extend(range(row_start, row_start + sizes[i]))
+            self.lora_rows.groups = [(name, torch.tensor(rows_of, device=self.device))
+                                     for name, rows_of in adapter_rows.items()]
+            try:
+                out = self.family.block_forward(self.blocks[index], sub_hidden, sub_features, segments)
+            finally:
+                self.lora_rows.groups = []
             if rows is None:
                 hidden = out
             else:
@@ -151,9 +176,10 @@ class BlockRange:
         return list(torch.split(hidden, sizes))
 
     @torch.inference_mode()
-    def forward_stateless(self, hidden: torch.Tensor, first_block: int | None = None) -> torch.Tensor:
+    def forward_stateless(self, hidden: torch.Tensor, first_block: int | None = None,
+                          adapter: str | None = None) -> torch.Tensor:
         """Forward of whole sequences without keeping a cache: hidden [batch, seq, hidden] -> same shape."""
         if hidden.dim() != 3:
             raise InvalidRequestError(f"hidden states must have shape [batch, seq, {self.hidden_size}], got {tuple(hidden.shape)}")
-        steps = [StepInput(self.allocate_kv(hidden.shape[1], first_block), seq) for seq in hidden]
+        steps = [StepInput(self.allocate_kv(hidden.shape[1], first_block, adapter), seq) for seq in hidden]
         return torch.stack(self.forward(steps))
