@@ -148,6 +148,7 @@ class ServerInfo(WireRecord):
     # most tokens (rows x sequence) one inference step or forward request may carry; larger ones get
     # RequestTooLargeError before any work (0 when constructed: the same as max_length_tokens)
     max_step_tokens: int = 0
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters served (names sessions open with)
 
     def __post_init__(self):
         if self.max_step_tokens <= 0:

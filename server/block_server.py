@@ -31,6 +31,7 @@ from petals_chain.messages import AssignmentReply, AssignmentRequest, Assignment
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, OrchestratorService
 from petals_chain.runtime.block_range import BlockRange
+from petals_chain.runtime.lora import adapter_name
 from petals_chain.wire import ServerInfo, ServerState
 from server.admission import AdmissionQueue
 from server.handler import BlockServicer, OpenSession
@@ -57,6 +58,7 @@ class ServerConfig:
     dtype: str = "float32"
     quant: str = "none"
     device: str = "cpu"
+    adapters: list[str] = field(default_factory=list)  # PEFT LoRA folders (petals_chain/runtime/lora.py)
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     identity_path: str | None = None
     allowed_peers: frozenset[str] | None = None  # private swarm: only these peers may call (None: anyone)
@@ -138,7 +140,7 @@ class BlockServer:
     def _load(self, start: int, end: int) -> None:
         c = self.config
         block_range = maybe_slowed(BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
-                                              model_path=self.path), c.emulate_slowdown)
+                                              model_path=self.path, adapters=c.adapters), c.emulate_slowdown)
         budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
                           cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
         scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
@@ -224,7 +226,8 @@ class BlockServer:
                 memory_budget_bytes=self.config.memory_budget_bytes, block_bytes=s_m, kv_bytes_per_block=s_c,
                 max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
                 prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
-                dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True})
+                dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True},
+                adapters=[adapter_name(a) for a in self.config.adapters])
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
         with self._sessions_lock:
             active = len(self.sessions)
@@ -237,7 +240,7 @@ class BlockServer:
             max_step_tokens=self.max_step_tokens,
             free_kv_slots=self.budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
-            quant=br.quant, name=self.config.name, active_sessions=active,
+            quant=br.quant, name=self.config.name, active_sessions=active, adapters=list(br.adapters),
             extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
                    "admission_queue_length": len(self.admission), "auto": self.auto,
                    "prefix_cache": self.prefix_cache.view() if self.prefix_cache is not None else None,

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--adapters", nargs="+", default=[], metavar="PATH",
+                   help="PEFT LoRA adapter folders to serve for the hosted blocks; a session picks one by its folder "
+                        "name (client: active_adapter=NAME), sessions with different adapters batch together")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
     p.add_argument("--identity-path", default=None,
                    help="private key file for a stable peer id (`petals-chain identity new PATH` makes one)")
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         server = BlockServer(ServerConfig(
             model=args.model, start=start, end=end, initial_peers=args.initial_peers,
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
-            quant=args.quant, device=args.device, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
+            quant=args.quant, device=args.device, adapters=args.adapters, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
             name=args.name, policy=args.policy, policy_args=policy_args, max_batch_tokens=args.max_batch_tokens,
             session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
             admission_queue=args.admission_queue, service_log=args.service_log,

@@ -28,6 +28,7 @@ from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, b
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
+from petals_chain.errors import UnknownAdapterError
 from petals_chain.messages import Assignment, AssignmentStatus, ChainGrant, Hop
 from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
 from petals_chain.wire import ServerState
@@ -382,6 +383,14 @@ class Orchestrator:
         """A grant delivered to a waiter whose future may not be resolved yet (call under the lock)."""
         entry = self.delivered.pop(session_id, None)
         return None if entry is None else entry[0]
+
+    def peers_without_adapter(self, adapter: str) -> set[str]:
+        """Servers a session with LoRA `adapter` must not use; UnknownAdapterError when none serves it."""
+        served = sorted({a for rec in self.records.values() for a in rec.info.adapters})
+        if adapter not in served:
+            raise UnknownAdapterError(f"no server of this swarm serves adapter {adapter!r}; served adapters: "
+                                      f"{served or 'none'}. Choose one of them, or start servers with --adapters PATH")
+        return {p for p, rec in self.records.items() if adapter not in rec.info.adapters}
 
     def name_of(self, peer_id: str) -> str:
         rec = self.records.get(peer_id)

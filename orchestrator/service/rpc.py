@@ -37,7 +37,7 @@ class OrchestratorRpc:
     async def acquire(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         orch = self.orch
         msg = wire.decode_request(request, Acquire)
-        sid, max_length, exclude = msg.session_id, msg.max_length, msg.exclude
+        sid, max_length, exclude = msg.session_id, msg.max_length, set(msg.exclude)
         client_id = str(context.remote_id)
         timeout_s = min(msg.timeout_s, orch.config.max_acquire_timeout_s)
         poll_s = min(msg.poll_s, MAX_POLL_S)
@@ -65,6 +65,8 @@ class OrchestratorRpc:
                     orch.ds.cancel(sid)
                 fut = asyncio.get_running_loop().create_future()
                 orch.waiters[sid] = fut
+                if msg.adapter is not None:  # JFFC picks among chains whose every server serves the adapter
+                    exclude |= orch.peers_without_adapter(msg.adapter)
                 grant, others = orch.ds.acquire(sid, client_id, max_length, now, timeout_s=timeout_s,
                                                 exclude=frozenset(exclude))
                 if grant is not None:
