@@ -93,3 +93,35 @@ def test_adapters_the_runtime_cannot_serve_are_refused(lora_models, tmp_path):
         BlockRange(base, 0, 2, model_path=base, adapters=[dora])
     with pytest.raises(Exception, match="not a PEFT adapter folder"):
         BlockRange(base, 0, 2, model_path=base, adapters=[tmp_path])
+
+
+class _DigitsTokenizer:
+    """Token ids as space-separated numbers: enough tokenizer for the gateway's generation loop."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+def test_gateway_model_names_pick_the_adapter(lora_models):
+    from petals_chain.api.engine import SamplingParams, run_generation
+    from petals_chain.api.gateway import Gateway, GatewayConfig
+    from petals_chain.api.openai_schema import APIError
+
+    base, adapters = lora_models["llama"]
+    model = DistributedModelForCausalLM.from_local_ranges(base, [(0, 6)], adapters=adapters)
+    gateway = Gateway(model, _DigitsTokenizer(), GatewayConfig(model_name="tiny", adapters=["alpha", "beta"]))
+    try:
+        assert gateway._model_names() == ["tiny", "tiny:alpha", "tiny:beta"]
+        assert gateway._check_model("tiny") is None and gateway._check_model("tiny:beta") == "beta"
+        with pytest.raises(APIError, match="'tiny:gamma' does not exist.*'tiny:alpha', 'tiny:beta'"):
+            gateway._check_model("tiny:gamma")
+        ids = _ids(6, 5)
+        result = run_generation(model, _DigitsTokenizer(), ids.tolist(), SamplingParams(max_tokens=5, temperature=0.0),
+                                cancel=__import__("threading").Event(), on_text=lambda _: None, adapter="beta")
+        ref = load_hf_with_lora(base, adapters[1]).generate(ids.unsqueeze(0), max_new_tokens=5, do_sample=False,
+                                                            eos_token_id=None)
+        assert result.text == " ".join(str(t) for t in ref[0, 6:].tolist())
+    finally:
+        gateway.shutdown()

@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission", default="fifo", choices=sorted(ADMISSION_POLICIES),
                    help="order of waiting requests across API keys (default fifo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--adapters", nargs="+", default=[], metavar="NAME",
+                   help="LoRA adapters (names servers list, from their --adapters folders) offered as models "
+                        "'MODEL:NAME'; a request's model picks its session's adapter")
     p.add_argument("--client-batch-rows", type=int, default=4096,
                    help="most rows in one batched embedding / LM-head call of concurrent sessions "
                         "(1: no cross-session batching, a baseline for benchmarks; default 4096)")
@@ -86,7 +89,7 @@ def main(argv: list[str]) -> int:
         return 2
     tokenizer = AutoTokenizer.from_pretrained(model.head.model_path)
     keys = {key: f"key{i}" for i, key in enumerate(args.api_key)}  # labels, so metrics never show a key
-    gateway = Gateway(model, tokenizer, GatewayConfig(model_name=args.model, api_keys=keys,
+    gateway = Gateway(model, tokenizer, GatewayConfig(model_name=args.model, api_keys=keys, adapters=args.adapters,
                                                       max_concurrent=args.max_concurrent,
                                                       queue_timeout_s=args.queue_timeout, max_length=args.max_length,
                                                       admission=args.admission))

@@ -68,10 +68,10 @@ class StopScanner:
 
 def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: list[int], params: SamplingParams,
                    *, cancel: threading.Event, on_text: Callable[[str], None],
-                   clock: Callable[[], float] = time.perf_counter) -> GenerationResult:
+                   clock: Callable[[], float] = time.perf_counter, adapter: str | None = None) -> GenerationResult:
     """Generate for one request (blocking; run it in a worker thread). `on_text(delta)` gets each
     piece of text as soon as it is safe to send. The session is closed (its chain released) on
-    every way out, cancellation and errors included."""
+    every way out, cancellation and errors included. `adapter`: the session's LoRA adapter."""
     start_s = clock()
     generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                               else int.from_bytes(os.urandom(8), "little") >> 1)
@@ -86,7 +86,7 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
     result = GenerationResult()
     tokens = list(prompt_ids)
     generated: list[int] = []
-    with model.inference_session(max_length=len(prompt_ids) + params.max_tokens) as session:
+    with model.inference_session(max_length=len(prompt_ids) + params.max_tokens, adapter=adapter) as session:
         result.chain = session.chain.describe()
         while len(generated) < params.max_tokens:
             if cancel.is_set():

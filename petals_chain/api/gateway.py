@@ -45,6 +45,7 @@ class GatewayConfig:
     queue_timeout_s: float = 60.0
     max_length: int = 2048  # prompt + completion tokens of one session
     admission: str = "fifo"
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters offered as models named 'MODEL:ADAPTER'
 
 
 class Gateway:
@@ -69,10 +70,16 @@ class Gateway:
                                 "'Authorization: Bearer KEY'", code="invalid_api_key")
         return user
 
-    def _check_model(self, name: str) -> None:
-        if name != self.config.model_name:
+    def _model_names(self) -> list[str]:
+        return [self.config.model_name] + [f"{self.config.model_name}:{a}" for a in self.config.adapters]
+
+    def _check_model(self, name: str) -> str | None:
+        """The LoRA adapter a request's model name asks for ('MODEL:ADAPTER'), None for the base model."""
+        if name not in self._model_names():
             raise APIError(404, f"The model '{name}' does not exist; this gateway serves "
-                                f"'{self.config.model_name}' (GET /v1/models)", param="model", code="model_not_found")
+                                f"{', '.join(repr(n) for n in self._model_names())} (GET /v1/models)",
+                           param="model", code="model_not_found")
+        return name.partition(":")[2] or None
 
     def _params(self, body, prompt_ids: list[int]) -> SamplingParams:
         room = self.config.max_length - len(prompt_ids)
@@ -90,7 +97,7 @@ class Gateway:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
 
-    async def _start(self, user: str, prompt_ids: list[int], params: SamplingParams):
+    async def _start(self, user: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None):
         """Admit the request, start its session in a worker thread; returns (events queue, cancel flag).
         The slot goes back when the thread is done, whatever happens to the HTTP side."""
         self.metrics.waiting += 1
@@ -105,7 +112,7 @@ class Gateway:
         cancel = threading.Event()
 
         def work() -> GenerationResult:
-            return run_generation(self.model, self.tokenizer, prompt_ids, params, cancel=cancel,
+            return run_generation(self.model, self.tokenizer, prompt_ids, params, cancel=cancel, adapter=adapter,
                                   on_text=lambda d: loop.call_soon_threadsafe(events.put_nowait, ("text", d)))
 
         def finished(fut) -> None:
@@ -184,11 +191,11 @@ class Gateway:
 
     async def completions(self, request: Request, body: CompletionRequest):
         user = self._user(request)
-        self._check_model(body.model)
+        adapter = self._check_model(body.model)
         prompt_ids = list(self.tokenizer(body.prompt)["input_ids"])
         params = self._params(body, prompt_ids)
         rid, created = "cmpl-" + uuid.uuid4().hex, now_s()
-        events, cancel = await self._start(user, prompt_ids, params)
+        events, cancel = await self._start(user, prompt_ids, params, adapter)
         if not body.stream:
             r = await self._collect(request, events, cancel)
             return completion_body(rid, body.model, created, r.text, r.finish_reason,
@@ -207,11 +214,11 @@ class Gateway:
 
     async def chat(self, request: Request, body: ChatRequest):
         user = self._user(request)
-        self._check_model(body.model)
+        adapter = self._check_model(body.model)
         prompt_ids = self._chat_prompt(body)
         params = self._params(body, prompt_ids)
         rid, created = "chatcmpl-" + uuid.uuid4().hex, now_s()
-        events, cancel = await self._start(user, prompt_ids, params)
+        events, cancel = await self._start(user, prompt_ids, params, adapter)
         if not body.stream:
             r = await self._collect(request, events, cancel)
             return chat_body(rid, body.model, created, r.text, r.finish_reason, usage(len(prompt_ids), r.completion_tokens))
@@ -269,13 +276,13 @@ class Gateway:
         @app.get("/v1/models")
         async def models(request: Request):
             gw._user(request)
-            return {"object": "list", "data": [gw._model_card()]}
+            return {"object": "list", "data": [gw._model_card(n) for n in gw._model_names()]}
 
         @app.get("/v1/models/{name}")
         async def model(name: str, request: Request):
             gw._user(request)
             gw._check_model(name)
-            return gw._model_card()
+            return gw._model_card(name)
 
         @app.post("/v1/completions")
         async def completions(request: Request, body: CompletionRequest):
@@ -287,8 +294,8 @@ class Gateway:
 
         return app
 
-    def _model_card(self) -> dict:
-        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "petals-chain"}
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "petals-chain"}
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
