@@ -1,13 +1,12 @@
 """Every served family (tests/family_checkpoints.py) is exact against HF in-process: chained block
 ranges, chunked prefill, mid-range entry, sessions batched together (prefills and decodes in one
-call), multi-turn generate; and its KV bytes per token come from its config. The same families
-through real servers: tests/test_families_live.py."""
+call); and its KV bytes per token come from its config. Multi-turn sessions, concurrency and
+prefix reuse through real servers: tests/test_families_live.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.errors import UnsupportedModelError
 from petals_chain.models.family import REGISTRY, get_family
 from petals_chain.runtime.block_range import BlockRange, StepInput
@@ -92,22 +91,6 @@ def test_batched_sessions_match_hf(tiny_family_path, variant):
             got[3].append(int(head.logits(outs[3])[-1].argmax()))
     assert got[:3] == refs[:3]
     assert got[3] == refs[3][:len(got[3])]
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_multi_turn_generate_matches_hf(tiny_family_path, variant):
-    path = tiny_family_path(variant)
-    hf = load_hf(path)
-    model = DistributedModelForCausalLM.from_local_ranges(path, [(0, 2), (2, 4)])
-    first, second = _ids(6, seed=3).unsqueeze(0), _ids(4, seed=4).unsqueeze(0)
-    kw = dict(max_new_tokens=5, do_sample=False, eos_token_id=None)
-    with model.inference_session(max_length=32):
-        turn1 = model.generate(first, **kw)
-        turn2 = model.generate(second, **kw)
-    ref1 = hf.generate(first, **kw)
-    ref2 = hf.generate(torch.cat([ref1, second], dim=1), **kw)
-    assert turn1.tolist() == ref1.tolist()
-    assert turn2.tolist() == ref2.tolist()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

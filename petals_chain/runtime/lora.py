@@ -9,6 +9,7 @@ block range around each block call), so sessions with different adapters, or non
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,9 +85,10 @@ def load_adapter_blocks(path: str | Path, block_prefixes: dict[int, str], dtype:
     return out
 
 
-class LoraRows:
+class LoraRows(threading.local):
     """Which rows of the current block call use which adapter; the block range (its only writer)
-    sets it around each block call, the block's `LoraLinear`s read it."""
+    sets it around each block call, the block's `LoraLinear`s read it. Per thread: threads of one
+    process may run the same block range's forward at once (in-process chains, the gateway)."""
 
     def __init__(self):
         self.groups: list[tuple[str, torch.Tensor]] = []  # (adapter, row indices)
