@@ -78,7 +78,8 @@ def test_orchestrator_excludes_servers_without_the_adapter():
         info = ServerInfo(peer, "m", 0, 1, ServerState.ONLINE, 1, 1, 1, 8, 1, 0.1, 0.1, adapters=adapters)
         return SimpleNamespace(info=info)
 
-    orch = SimpleNamespace(records={"a": record("a", ["x", "y"]), "b": record("b", ["y"]), "c": record("c", [])})
+    orch = SimpleNamespace(records={"a": record("a", ["x", "y"]), "b": record("b", ["y"]), "c": record("c", [])},
+                           lock=threading.RLock())
     assert Orchestrator.peers_without_adapter(orch, "x") == {"b", "c"}
     assert Orchestrator.peers_without_adapter(orch, "y") == {"c"}
     with pytest.raises(UnknownAdapterError, match=r"'z'.*\['x', 'y'\]"):
