@@ -79,6 +79,7 @@ class ServerConfig:
     num_threads: int | None = None
     orchestrator_wait_s: float = 30.0
     emulate_slowdown: float = 1.0  # EMULATION (server/emulation.py): batches take this many times their compute
+    cuda_graphs: bool = True  # on CUDA: replay captured graphs for decode steps (runtime/decode_graphs.py)
     assignment_poll_s: float = 1.0
 
 
@@ -140,7 +141,8 @@ class BlockServer:
     def _load(self, start: int, end: int) -> None:
         c = self.config
         block_range = maybe_slowed(BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
-                                              model_path=self.path, adapters=c.adapters), c.emulate_slowdown)
+                                              model_path=self.path, cuda_graphs=c.cuda_graphs,
+                                              adapters=c.adapters), c.emulate_slowdown)
         budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
                           cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
         scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,

@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapters", nargs="+", default=[], metavar="NAME",
                    help="LoRA adapters (names servers list, from their --adapters folders) offered as models "
                         "'MODEL:NAME'; a request's model picks its session's adapter")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the client head (embeddings, LM head) runs")
     p.add_argument("--client-batch-rows", type=int, default=4096,
                    help="most rows in one batched embedding / LM-head call of concurrent sessions "
                         "(1: no cross-session batching, a baseline for benchmarks; default 4096)")
@@ -80,7 +81,8 @@ def main(argv: list[str]) -> int:
 
     try:
         model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
-                                                            dtype=args.dtype, max_batch_rows=args.client_batch_rows,
+                                                            dtype=args.dtype, device=args.device,
+                                                            max_batch_rows=args.client_batch_rows,
                                                             use_orchestrator=not args.no_orchestrator,
                                                             identity_path=args.identity_path,
                                                             allowed_servers=load_allowed_peers(args.allowed_peers))

@@ -4,7 +4,9 @@ Every family computes its queries/keys/values for all rows at once (the batching
 `segment_attention`, which writes each session's new keys/values into its cache and attends per
 session. What families differ in is passed as arguments: GQA/MQA (fewer KV heads than query heads),
 a sliding window (Mistral, Qwen2), ALiBi slopes (BLOOM) instead of rotary positions.
-Every tensor made here is made on the queries' device, so the same code runs on CPU and CUDA.
+Every tensor made here is made on the queries' device, so the same code runs on CPU and CUDA; a
+CUDA-graph decode step (`AttentionSegment.position` set, runtime/decode_graphs.py) attends over the
+whole static cache with a mask so that no shape depends on the position.
 """
 from __future__ import annotations
 
@@ -35,8 +37,41 @@ def _segment_mask(n_queries: int, past_tokens: int, device: torch.device, slidin
         visible &= key_pos > query_pos - sliding_window  # transformers' sliding_window_overlay
     if slopes is None:
         return visible
-    bias = slopes.to(dtype).view(-1, 1, 1) * key_pos.to(dtype)  # [heads, 1, total]
-    return bias.masked_fill(~visible, float("-inf"))  # [heads, n_queries, total]
+    return _alibi_bias(slopes, key_pos, dtype).masked_fill(~visible, float("-inf"))  # [heads, n_queries, total]
+
+
+def _alibi_bias(slopes: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """slope_h * key position [heads, 1, keys], computed in float32 and cast as transformers does."""
+    return (slopes.view(-1, 1, 1) * key_pos.view(1, 1, -1).to(torch.float32)).to(dtype)
+
+
+def _graph_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seg: AttentionSegment,
+                  scale: float, sliding_window: int | None, slopes: torch.Tensor | None) -> torch.Tensor:
+    """One decode token at a position held in a device tensor (capturable in a CUDA graph): the KV
+    write is an index_copy at that position and attention runs over the whole static cache with an
+    additive mask hiding positions after it (and before the window), so no shape depends on the
+    position. query [1, heads, dim] -> [1, heads, dim]."""
+    pos = seg.position
+    seg.key_cache.index_copy_(1, pos, key.transpose(0, 1))
+    seg.value_cache.index_copy_(1, pos, value.transpose(0, 1))
+    kv_heads, length, dim = seg.key_cache.shape
+    heads = query.shape[1]
+    # GQA without repeating the cache: the `heads // kv_heads` query heads that share a KV head become
+    # that head's query rows (a decode token's rows all see the same positions)
+    q = query[0].view(kv_heads, heads // kv_heads, dim).unsqueeze(0)
+    key_pos = torch.arange(length, device=pos.device)
+    visible = key_pos <= pos
+    if sliding_window is not None:
+        visible &= key_pos > pos - sliding_window
+    if slopes is None:
+        mask = torch.zeros(length, dtype=q.dtype, device=pos.device).masked_fill_(~visible, float("-inf"))
+        mask = mask.view(1, 1, 1, length)
+    else:  # a bias per query head, laid out as q: [1, kv_heads, heads per KV head, length]
+        bias = _alibi_bias(slopes, key_pos, q.dtype).view(kv_heads, heads // kv_heads, length)
+        mask = bias.masked_fill(~visible, float("-inf")).unsqueeze(0)
+    o = F.scaled_dot_product_attention(q, seg.key_cache.unsqueeze(0), seg.value_cache.unsqueeze(0),
+                                       attn_mask=mask, scale=scale)
+    return o[0].reshape(1, heads, dim)
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[AttentionSegment], *,
@@ -49,6 +84,9 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
     out = torch.empty_like(q)
     for seg in segments:
         r0, r1 = seg.row_start, seg.row_start + seg.n_tokens
+        if seg.position is not None:
+            out[r0:r1] = _graph_decode(q[r0:r1], k[r0:r1], v[r0:r1], seg, scale, sliding_window, alibi)
+            continue
         p0, p1 = seg.past_tokens, seg.past_tokens + seg.n_tokens
         seg.key_cache[:, p0:p1] = k[r0:r1].transpose(0, 1)
         seg.value_cache[:, p0:p1] = v[r0:r1].transpose(0, 1)

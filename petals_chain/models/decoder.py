@@ -11,20 +11,7 @@ import torch
 from torch import nn
 
 from petals_chain.models.attention import segment_attention
-from petals_chain.models.family import ModelFamily
-
-
-def rotary_encoder(rotary: nn.Module):
-    """(positions, dtype) -> (cos, sin) [rows, rotary_dim] from one of transformers' rotary modules,
-    moved to the positions' device on first use (rotary modules hold only `inv_freq` buffers)."""
-
-    def encode(positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        if rotary.inv_freq.device != positions.device:
-            rotary.to(positions.device)
-        cos, sin = rotary(torch.empty(0, dtype=dtype, device=positions.device), positions.view(1, -1))
-        return cos[0], sin[0]
-
-    return encode
+from petals_chain.models.family import ModelFamily, RotaryTable
 
 
 def embedding(config, weight: torch.Tensor) -> nn.Embedding:
@@ -74,8 +61,8 @@ class RotaryDecoderFamily(ModelFamily):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return config.num_key_value_heads, head_dim
 
-    def position_encoder(self, config):
-        return rotary_encoder(self.rotary_class(config))
+    def position_encoder(self, config, device):
+        return RotaryTable(self.rotary_class(config).to(device), device)
 
     def sliding_window(self, block: nn.Module) -> int | None:
         """Keys a query may see (the most recent ones), None for all."""

@@ -13,7 +13,6 @@ import importlib
 import pkgutil
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,48 @@ class AttentionSegment:
     past_tokens: int
     key_cache: torch.Tensor  # [kv_heads, max_length, head_dim]
     value_cache: torch.Tensor
+    # Set only in a CUDA-graph decode step (runtime/decode_graphs.py): a one-element long tensor on the
+    # cache's device holding `past_tokens`, so one captured graph serves every position. Then
+    # n_tokens == 1 and `past_tokens` is not read.
+    position: torch.Tensor | None = None
+
+
+class PositionEncoder:
+    """Per-row position features of a family (rotary cos/sin; nothing for ALiBi-style families).
+
+    `reserve(n)` is called with the largest position + 1 before any call that reaches it, so an
+    encoder can keep a table and a call never grows it (a grow inside a CUDA-graph capture would be
+    lost on replay)."""
+
+    def reserve(self, n_positions: int) -> None:
+        pass
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return ()
+
+
+class RotaryTable(PositionEncoder):
+    """Rotary cos/sin for positions [0, capacity), computed on the device by the model's own rotary
+    module (so whatever rope scaling it implements is kept) and indexed per step instead of
+    recomputed. The table is float32, as transformers computes it, and cast per call: the values
+    equal a direct call's (each entry is one product and a cos/sin, independent of the others)."""
+
+    def __init__(self, rotary: nn.Module, device: torch.device):
+        self.rotary = rotary
+        self.device = torch.device(device)
+        self.capacity = 0
+        self.cos = self.sin = torch.empty(0, device=self.device)
+
+    def reserve(self, n_positions: int) -> None:
+        if n_positions <= self.capacity:
+            return
+        capacity = max(n_positions, 2 * self.capacity, 256)
+        positions = torch.arange(capacity, device=self.device).view(1, -1)
+        cos, sin = self.rotary(torch.empty(0, dtype=torch.float32, device=self.device), positions)
+        self.cos, self.sin, self.capacity = cos[0], sin[0], capacity
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return self.cos.index_select(0, positions).to(dtype), self.sin.index_select(0, positions).to(dtype)
 
 
 class ModelFamily(ABC):
@@ -72,9 +113,11 @@ class ModelFamily(ABC):
         """(KV heads, head dim) of one block's cache: what `s_c` (KV bytes per block per token) is made of."""
 
     @abstractmethod
-    def position_encoder(self, config) -> Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, ...]]:
+    def position_encoder(self, config, device: torch.device) -> PositionEncoder:
         """A function (positions, dtype) -> per-row position features (e.g. rotary cos/sin), each with
-        first dimension len(positions), on `positions`' device. Built once per runtime object."""
+        first dimension len(positions), on `device` (where `positions` live). Built once per runtime
+        object; it must not allocate per call what it can cache, and must be capturable in a CUDA graph
+        (no host sync) once warmed up for the positions it will see."""
 
     @abstractmethod
     def block_forward(

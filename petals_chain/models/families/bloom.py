@@ -9,7 +9,19 @@ from transformers.models.bloom.modeling_bloom import BloomBlock
 
 from petals_chain.models.attention import alibi_slopes, segment_attention
 from petals_chain.models.decoder import embedding, lm_head, norm_with, tied_lm_head_name
-from petals_chain.models.family import ModelFamily, register_family
+from petals_chain.models.family import ModelFamily, PositionEncoder, register_family
+
+
+class AlibiSlopes(PositionEncoder):
+    """ALiBi's bias depends only on key positions inside each session's cache, so the one feature is
+    the per-head slopes, made once on the device and handed to every row (a view, no copy; a decode
+    captured in a CUDA graph reads the same tensor)."""
+
+    def __init__(self, num_heads: int, device: torch.device):
+        self.slopes = alibi_slopes(num_heads, torch.device(device))
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return (self.slopes.expand(positions.shape[0], -1),)  # [rows, heads], float32
 
 
 class BloomFamily(ModelFamily):
@@ -29,9 +41,8 @@ class BloomFamily(ModelFamily):
     def kv_heads_and_dim(self, config) -> tuple[int, int]:
         return config.n_head, config.hidden_size // config.n_head
 
-    def position_encoder(self, config):
-        # ALiBi needs no per-row features: its bias depends only on key positions inside the cache
-        return lambda positions, dtype: ()
+    def position_encoder(self, config, device):
+        return AlibiSlopes(config.n_head, device)
 
     def block_forward(self, block, hidden, features, segments):
         attn = block.self_attention
@@ -40,8 +51,7 @@ class BloomFamily(ModelFamily):
         x = block.input_layernorm(hidden)
         qkv = attn.query_key_value(x).view(rows, attn.num_heads, 3, attn.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        out = segment_attention(q, k, v, segments, scale=attn.inv_norm_factor,
-                                alibi=alibi_slopes(attn.num_heads, hidden.device))
+        out = segment_attention(q, k, v, segments, scale=attn.inv_norm_factor, alibi=features[0][0])
         hidden = attn.dense(out.reshape(rows, -1)) + (x if post_ln_residual else hidden)
         x = block.post_attention_layernorm(hidden)
         return block.mlp(x, x if post_ln_residual else hidden)  # BloomMLP adds its residual itself

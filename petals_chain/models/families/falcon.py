@@ -14,8 +14,8 @@ from transformers.models.falcon.modeling_falcon import FalconDecoderLayer, Falco
 
 from petals_chain.errors import UnsupportedModelError
 from petals_chain.models.attention import segment_attention
-from petals_chain.models.decoder import embedding, lm_head, norm_with, rotary_encoder, tied_lm_head_name
-from petals_chain.models.family import ModelFamily, register_family
+from petals_chain.models.decoder import embedding, lm_head, norm_with, tied_lm_head_name
+from petals_chain.models.family import ModelFamily, RotaryTable, register_family
 
 
 class FalconFamily(ModelFamily):
@@ -49,8 +49,8 @@ class FalconFamily(ModelFamily):
             return config.num_kv_heads, head_dim
         return (1 if config.multi_query else config.num_attention_heads), head_dim
 
-    def position_encoder(self, config):
-        return rotary_encoder(FalconRotaryEmbedding(config))
+    def position_encoder(self, config, device):
+        return RotaryTable(FalconRotaryEmbedding(config).to(device), device)
 
     @staticmethod
     def _split_qkv(config, qkv: torch.Tensor, heads: int, head_dim: int):
