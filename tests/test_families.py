@@ -12,6 +12,7 @@ from petals_chain.models.family import REGISTRY, get_family
 from petals_chain.runtime.block_range import BlockRange, StepInput
 from tests.exactness_helpers import chain_logits_per_step, chain_ranges, hf_logits_per_step
 from tests.family_checkpoints import VARIANTS, VOCAB, load_hf
+from tests.test_device_placement import FactoryCallsWithoutDevice, assert_graph_decode_equals_eager, run_every_step_kind
 
 LOGIT_TOLERANCE = 1e-5  # float32
 # (KV heads, head dim) each variant's cache must have: Falcon's caches hold the real KV heads only
@@ -109,23 +110,9 @@ def test_every_tensor_on_the_device_and_graph_decode_equals_eager(tiny_family_pa
     """What tests/test_device_placement.py checks for Llama, for every family: no tensor made without
     a device on any step path, and the CUDA-graph decode body (whole-cache attention under a position
     mask: sliding windows and ALiBi included) computes what the eager decode computes."""
-    from tests.test_device_placement import FactoryCallsWithoutDevice, run_every_step_kind
-
     path = tiny_family_path(variant)
     rng = BlockRange(path, 0, 4, model_path=path)
     with FactoryCallsWithoutDevice() as mode:
         run_every_step_kind(rng)
     assert mode.calls == []
-    g = torch.Generator().manual_seed(1)
-    kvs_eager = [rng.allocate_kv(24), rng.allocate_kv(24, first_block=2)]
-    kvs_graph = [rng.allocate_kv(24), rng.allocate_kv(24, first_block=2)]
-    prompts = [torch.randn(7, rng.hidden_size, generator=g), torch.randn(3, rng.hidden_size, generator=g)]
-    for kvs in (kvs_eager, kvs_graph):
-        rng.forward([StepInput(kv, p) for kv, p in zip(kvs, prompts)])
-    for _ in range(4):  # past the 5- and 6-token windows
-        x = torch.randn(2, rng.hidden_size, generator=g)
-        eager = torch.cat(rng.forward([StepInput(kv, x[i:i + 1]) for i, kv in enumerate(kvs_eager)]))
-        graph = rng._graph_body(x, torch.tensor([kv.past_tokens for kv in kvs_graph]), kvs_graph)
-        for kv in kvs_graph:
-            kv.past_tokens += 1
-        torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+    assert_graph_decode_equals_eager(rng, decode_steps=4)  # past the 5- and 6-token windows

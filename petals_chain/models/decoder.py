@@ -65,8 +65,10 @@ class RotaryDecoderFamily(ModelFamily):
         return RotaryTable(self.rotary_class(config).to(device), device)
 
     def sliding_window(self, block: nn.Module) -> int | None:
-        """Keys a query may see (the most recent ones), None for all."""
-        return None
+        """Keys a query may see (the most recent ones), None for all: Qwen2's attention modules carry
+        their layer's window (`layer_types`), Mistral's and Mixtral's read the config's, Llama has none."""
+        attn = block.self_attn
+        return getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
 
     def mlp(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return block.mlp(x)

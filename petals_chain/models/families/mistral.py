@@ -18,8 +18,5 @@ class MistralFamily(RotaryDecoderFamily):
     rotary_class = MistralRotaryEmbedding
     norm_class = MistralRMSNorm
 
-    def sliding_window(self, block):
-        return getattr(block.self_attn.config, "sliding_window", None)
-
 
 MISTRAL = register_family(MistralFamily())

@@ -15,8 +15,5 @@ class Qwen2Family(RotaryDecoderFamily):
     rotary_class = Qwen2RotaryEmbedding
     norm_class = Qwen2RMSNorm
 
-    def sliding_window(self, block):
-        return block.self_attn.sliding_window  # set per layer by Qwen2Attention from config.layer_types
-
 
 QWEN2 = register_family(Qwen2Family())
