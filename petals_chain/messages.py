@@ -245,13 +245,25 @@ class Queued(WireRecord):
 
 
 @dataclass
+class HopReport(WireRecord):
+    """A finished session's network time with one server: the sum over its steps of (client time -
+    server time), so the orchestrator learns the per-hop framework cost beyond its RTT probe."""
+
+    peer_id: str
+    steps: int
+    comm_s: float
+
+
+@dataclass
 class Release(WireRecord):
-    """The session ended; its lengths refine the orchestrator's tau estimates and fair counters."""
+    """The session ended; its lengths refine the orchestrator's tau estimates and fair counters,
+    its hops' network times the per-hop cost in tau_c."""
 
     TYPE = MessageType.RELEASE
     session_id: str
     input_tokens: int = 0
     output_tokens: int = 0
+    hops: list[HopReport] | None = None
 
 
 @dataclass

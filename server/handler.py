@@ -68,7 +68,11 @@ class BlockServicer:
         return self.server.budget
 
     async def info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return wire.response(wire.InfoReply(self.server.info()))
+        try:  # any request gets the info; a well-formed one may also ask for the measured batches
+            since = wire.decode_request(request, wire.InfoRequest).service_since_seq
+        except PetalsChainError:
+            since = None
+        return wire.response(wire.InfoReply(self.server.info(), self.server.meter.since(since)))
 
     # -- inference stream ---------------------------------------------------------------------
     async def inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -188,6 +192,9 @@ class BlockServicer:
             session.prefix_pin = cache.pin(namespace, hashes, client_id)
             cache.count_asked(client_id, len(hashes) * cache.chunk_tokens)
         self.server.on_session_opened(session)
+        # the session id carries an API gateway's request id: this line ties a request to this server
+        logger.info("session %s of %s opened on blocks [%d, %d) for %d tokens", session_id, client_id, first_block,
+                    block_range.end, max_length)
         return session
 
     async def _step(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int = 0) -> torch.Tensor:

@@ -119,7 +119,7 @@ def test_gateway_model_names_pick_the_adapter(lora_models):
             gateway._check_model("tiny:gamma")
         ids = _ids(6, 5)
         result = run_generation(model, _DigitsTokenizer(), ids.tolist(), SamplingParams(max_tokens=5, temperature=0.0),
-                                cancel=__import__("threading").Event(), on_text=lambda _: None, adapter="beta")
+                                cancel=__import__("threading").Event(), on_text=lambda *_: None, adapter="beta")
         ref = load_hf_with_lora(base, adapters[1]).generate(ids.unsqueeze(0), max_new_tokens=5, do_sample=False,
                                                             eos_token_id=None)
         assert result.text == " ".join(str(t) for t in ref[0, 6:].tolist())

@@ -116,18 +116,20 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # -- sessions ----------------------------------------------------------------------------
     @contextmanager
     def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None,
-                          adapter: str | None = None):
+                          adapter: str | None = None, session_id: str | None = None):
         """`with model.inference_session(max_length=...) as s:` keeps the conversation cached on the chain;
         every `generate` inside continues it (pass only the new tokens). `prompt_ids` [n]: the first
         prompt, offered to the servers' prefix caches (the session then starts past the reused part).
-        `adapter`: this session's LoRA adapter (default: the model's `active_adapter`)."""
+        `adapter`: this session's LoRA adapter (default: the model's `active_adapter`).
+        `session_id`: what the orchestrator and servers call the session (default: a random id)."""
         if self._session is not None:
             raise InvalidRequestError("an inference session is already active on this model; close it first")
         prefix = None
         if prompt_ids is not None:
             prefix = PromptPrefix(prompt_ids.tolist(), self.head.embed_batched(prompt_ids))
         adapter = adapter if adapter is not None else self.active_adapter
-        session = InferenceSession(self.backend.open_session(max_length, prefix, adapter), max_length)
+        session = InferenceSession(self.backend.open_session(max_length, prefix, adapter, session_id=session_id),
+                                   max_length)
         self._session = session
         try:
             yield session

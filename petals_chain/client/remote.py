@@ -19,10 +19,11 @@ from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, PromptPrefix
 from petals_chain.client.orchestrated import OrchestratorChainProvider
 from petals_chain.client.remote_session import CALLER_ERRORS, HopFailed, RemoteChainSession, as_server_error
-from petals_chain.client.routing import ChainProvider, DhtChainProvider
+from petals_chain.client.routing import ChainProvider, DhtChainProvider, min_latency_chain
 from petals_chain.dht_records import fetch_servers, model_key
 from petals_chain.errors import (
     InvalidRequestError,
+    NoChainError,
     OutOfCacheError,
     ServerUnavailableError,
 )
@@ -54,6 +55,7 @@ class RemoteChain(ChainBackend):
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         # a private swarm: records of servers (and of an orchestrator) not on this list are ignored
         allowed = None if allowed_servers is None else frozenset(allowed_servers)
+        self.allowed_servers = allowed
         self.orchestrator = (find_orchestrator(self.dht, self.model, allowed)
                              if provider is None and use_orchestrator else None)
         if provider is None and self.orchestrator is not None:
@@ -152,11 +154,24 @@ class RemoteChain(ChainBackend):
             raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply")
         return reply.tensors[0]
 
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None,
-                     adapter: str | None = None) -> "RemoteChainSession":
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, adapter: str | None = None, *,
+                     session_id: str | None = None) -> "RemoteChainSession":
         """`prefix`: the prompt, offered to the hops' prefix caches (`remote_session.py`); `adapter`:
         the LoRA adapter of the session (only servers that list it are used)."""
-        return RemoteChainSession(self, max_length, prefix if self.prefix_reuse else None, adapter)
+        return RemoteChainSession(self, max_length, prefix if self.prefix_reuse else None, adapter,
+                                  session_id=session_id)
+
+    def unready_reason(self) -> str | None:
+        """None once the DHT lists online servers that cover every block (a chain the provider
+        can dispatch), else the reason; with an orchestrator, also that it is still announced."""
+        servers = fetch_servers(self.dht, self.model, allowed=self.allowed_servers)
+        try:
+            min_latency_chain(servers, 0, self.num_blocks, lambda _peer: 0.0)
+        except NoChainError as e:
+            return f"model {self.model}: {e}"
+        if self.orchestrator is not None and find_orchestrator(self.dht, self.model, self.allowed_servers) is None:
+            return f"the orchestrator of {self.model} is no longer announced in the DHT"
+        return None
 
     def shutdown(self) -> None:
         self.provider.close()

@@ -102,14 +102,14 @@ class HopStream:
 
 class RemoteChainSession(ChainSession):
     def __init__(self, chain: RemoteChain, max_length: int, prefix: PromptPrefix | None = None,
-                 adapter: str | None = None):
+                 adapter: str | None = None, *, session_id: str | None = None):
         self.chain = chain
         self.max_length = max_length
         self.adapter = adapter  # the LoRA adapter every hop runs this session with (None: base model)
         self.prefix = prefix
         self.prefix_hashes = prefix_hashes(prefix.token_ids, chain.model) if prefix is not None else []
         self.prefix_tokens = 0  # tokens of the prompt every hop took from its cache
-        self.session_id = uuid.uuid4().hex
+        self.session_id = session_id or uuid.uuid4().hex
         self.position = 0
         self.failovers = 0
         self.reopens = 0  # streams reopened after the server's session_idle_timeout (not failovers)
@@ -228,6 +228,10 @@ class RemoteChainSession(ChainSession):
                 pass
 
     # -- the session API ------------------------------------------------------------------------
+    @property
+    def num_hops(self) -> int:
+        return len(self.streams)
+
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.position + hidden.shape[0] > self.max_length:
             raise MaxLengthExceededError(f"session opened with max_length={self.max_length} cannot take "
@@ -375,4 +379,4 @@ class RemoteChainSession(ChainSession):
         self._close_streams(self.streams)
         self.streams = []
         self.chain.provider.session_finished(hops, session_id=self.session_id, input_tokens=self.input_tokens,
-                                             output_tokens=self.steps)
+                                             output_tokens=self.steps, hop_timings=tuple(self.hop_timings))

@@ -40,8 +40,9 @@ class ChainProvider(ABC):
                                adapter=adapter)
 
     def session_finished(self, hops: list[Hop], *, session_id: str = "", input_tokens: int = 0,
-                         output_tokens: int = 0) -> None:
-        """Called when a session on `hops` ends (an orchestrator frees its slot)."""
+                         output_tokens: int = 0, hop_timings: tuple = ()) -> None:
+        """Called when a session on `hops` ends (an orchestrator frees its slot); `hop_timings`:
+        its steps' `HopTiming`s (the orchestrator learns the per-hop network cost from them)."""
 
     def close(self) -> None:
         """Stop background work (heartbeats)."""
