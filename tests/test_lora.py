@@ -96,32 +96,40 @@ def test_adapters_the_runtime_cannot_serve_are_refused(lora_models, tmp_path):
 
 
 class _DigitsTokenizer:
-    """Token ids as space-separated numbers: enough tokenizer for the gateway's generation loop."""
+    """Text is token ids as space-separated numbers: enough tokenizer for the gateway's completions."""
 
     eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [int(t) for t in text.split()]}
 
     def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(i) for i in ids)
+        return "".join(f" {i}" for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [str(i) for i in ids]
 
 
 def test_gateway_model_names_pick_the_adapter(lora_models):
-    from petals_chain.api.engine import SamplingParams, run_generation
-    from petals_chain.api.gateway import Gateway, GatewayConfig
-    from petals_chain.api.openai_schema import APIError
+    """Through the gateway's HTTP API (in process, the official client): model 'MODEL:ADAPTER' runs
+    the session with that adapter (greedy text equals HF + peft); /v1/models lists each adapter;
+    an unknown one is a 404 naming what is served."""
+    from tests.test_api_features import MODEL, _serve, openai
 
     base, adapters = lora_models["llama"]
-    model = DistributedModelForCausalLM.from_local_ranges(base, [(0, 6)], adapters=adapters)
-    gateway = Gateway(model, _DigitsTokenizer(), GatewayConfig(model_name="tiny", adapters=["alpha", "beta"]))
+    model = DistributedModelForCausalLM.from_local_ranges(base, [(0, 3), (3, 6)], adapters=adapters)
+    url, _, stop = _serve(model, _DigitsTokenizer(), adapters=["alpha", "beta"])
     try:
-        assert gateway._model_names() == ["tiny", "tiny:alpha", "tiny:beta"]
-        assert gateway._check_model("tiny") is None and gateway._check_model("tiny:beta") == "beta"
-        with pytest.raises(APIError, match="'tiny:gamma' does not exist.*'tiny:alpha', 'tiny:beta'"):
-            gateway._check_model("tiny:gamma")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [MODEL, f"{MODEL}:alpha", f"{MODEL}:beta"]
         ids = _ids(6, 5)
-        result = run_generation(model, _DigitsTokenizer(), ids.tolist(), SamplingParams(max_tokens=5, temperature=0.0),
-                                cancel=__import__("threading").Event(), on_text=lambda *_: None, adapter="beta")
-        ref = load_hf_with_lora(base, adapters[1]).generate(ids.unsqueeze(0), max_new_tokens=5, do_sample=False,
-                                                            eos_token_id=None)
-        assert result.text == " ".join(str(t) for t in ref[0, 6:].tolist())
+        for name, hf in ((None, load_hf(base)), ("beta", load_hf_with_lora(base, adapters[1]))):
+            ref = hf.generate(ids.unsqueeze(0), max_new_tokens=5, do_sample=False)[0, 6:]  # its eos: the config's
+            out = client.completions.create(model=MODEL + (f":{name}" if name else ""), max_tokens=5, temperature=0,
+                                            prompt=" ".join(str(i) for i in ids.tolist()))
+            assert out.choices[0].text == "".join(f" {t}" for t in ref.tolist()), name
+        with pytest.raises(openai.NotFoundError, match=f"{MODEL}:gamma.*'{MODEL}:alpha', '{MODEL}:beta'"):
+            client.completions.create(model=f"{MODEL}:gamma", prompt="5 6", max_tokens=2)
     finally:
-        gateway.shutdown()
+        stop()
