@@ -168,12 +168,21 @@ class Opened(WireRecord):
 class Step(WireRecord):
     """One step's hidden states (the group's one tensor) for the open session. The first step may
     carry `prefix_tokens`: how many tokens of its cached prefix the server takes first (the minimum
-    of the chain's hops' matches); the hidden states are then the prompt after them."""
+    of the chain's hops' matches); the hidden states are then the prompt after them.
+    `start_position`: the position of this step's first token. Below the session's current length it
+    rolls the session back (KV rollback): the server keeps its static cache and overwrites from there,
+    so speculative decoding can drop rejected draft tokens and a chat client can regenerate its last
+    turn without reopening. Absent: continue where the session is."""
 
     TYPE = MessageType.STEP
     session_id: str
     step_id: int | None = None
     prefix_tokens: int | None = None
+    start_position: int | None = None
+
+    def check(self) -> None:
+        if self.start_position is not None and self.start_position < 0:
+            raise InvalidRequestError(f"start_position must be >= 0, got {self.start_position}")
 
 
 @dataclass
