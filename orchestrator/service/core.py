@@ -30,6 +30,7 @@ from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, b
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
+from petals_chain.reachability import RelayRoutes
 from petals_chain.messages import Assignment, AssignmentStatus, Hop
 from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
 from petals_chain.wire import ServerState
@@ -169,6 +170,7 @@ class Orchestrator:
         self.first_registration_s = math.inf
         self.events: list[str] = []
         self.http_port = 0
+        self.relay_routes = RelayRoutes()  # servers behind NATs: dialed through their relays (reachability.py)
 
     # -- announcements ----------------------------------------------------------------------
     def info(self) -> OrchestratorInfo:
@@ -205,6 +207,7 @@ class Orchestrator:
         found = fetch_servers(self.dht, self.model, states=(ServerState.JOINING, ServerState.ONLINE),
                               allowed=self.config.allowed_peers)
         infos = {i.peer_id: i for i in found}
+        self.relay_routes.update(found)
         new = [p for p in infos if p not in self.records]
         for p in new:  # measure tau_c outside the lock: it takes round trips
             self._rtt_tried[p] = now
@@ -327,7 +330,11 @@ class Orchestrator:
                 "source": "live" if f is not None else "announced"}
 
     def measure_rtt(self, peer_id: str) -> float | None:
-        """Median round trip of rpc_info to the server (None when it does not answer)."""
+        """Median round trip of rpc_info to the server (None when it does not answer). A relayed server is
+        dialed through its relays first, so its RTT (and tau_c) includes the relay's extra hop, as clients see it."""
+        # every time, not throttled: the NATed server keeps re-opening its own direct connection (assignment
+        # polls, DHT stores), and a probe over that one would hide the relay's hop
+        self.loop.run(self.relay_routes.connect(self.p2p, peer_id, via_relay_only=True))
         samples = [ping_block_server_s(self.loop, self.p2p, peer_id) for _ in range(self.config.rtt_probes)]
         samples = [x for x in samples if x is not None]
         return median(samples) if samples else None
@@ -529,7 +536,8 @@ class Orchestrator:
                                 "t_o": None if f is None else f.t_o_s, "hop_cost": rec.hop_cost_s,
                                 "model": self.model_view(p),
                                 "assigned": list(assigned) if assigned else None,
-                                "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False))})
+                                "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False)),
+                                "reachability": str(i.reachability)})
             return {
                 "model": self.model, "peer_id": self.peer_id, "policy": self.config.policy,
                 "plan_version": cur.version if cur else 0, "plan_installed": bool(cur and cur.installed),
