@@ -10,8 +10,8 @@ client round trip later. The loop takes whatever waits at once, so with concurre
 used to run the first arrival alone and the rest as the next batch, and stayed in that split (one
 session, then seven, then one... measured through the API gateway: 2.5 sessions per batch with 8
 concurrent requests). Before a batch, the loop therefore waits for sessions it expects back (each
-session's delivery-to-next-step gap, averaged) if they are due within `gather_fraction` of the
-last batch's service time, and never longer: a session at another hop of a long chain, or idle,
+session's delivery-to-next-step gap, averaged) if they are due within `gather_fraction` of a
+batch's service time (averaged over recent batches), and never longer: a session at another hop of a long chain, or idle,
 is not expected that soon and costs no wait.
 
 A broken policy never kills the loop: when a hook raises, or `select` answers with nothing while
@@ -81,7 +81,7 @@ class StepScheduler:
         self.gather_fraction = gather_fraction  # 0: never wait for expected sessions
         self._delivered_s: dict[str, float] = {}  # session -> when its last step was delivered (not back yet)
         self._return_s: dict[str, float] = {}  # session -> average gap from a delivery to its next step
-        self._last_service_s = 0.0
+        self._service_s = 0.0  # batch service time, averaged over recent batches (the gathering window's unit)
         self.gather_waits = 0  # batches that waited for expected sessions (stats)
         self.block_range = executor
         self.policy = policy
@@ -176,9 +176,9 @@ class StepScheduler:
     def _gather(self) -> None:
         """Wait (under the lock, woken by every submit) for sessions expected back within the
         gathering window; see the module docstring."""
-        if self.gather_fraction <= 0 or self._last_service_s <= 0:
+        if self.gather_fraction <= 0 or self._service_s <= 0:
             return
-        window_s = self.gather_fraction * self._last_service_s
+        window_s = self.gather_fraction * self._service_s
         deadline_s = self.clock() + window_s
         waited = False
         while not self._stopped:
@@ -249,7 +249,9 @@ class StepScheduler:
         service_s = self.clock() - start_s
         finished: list[tuple[_Job, torch.Tensor | None, BaseException | None]] = []
         with self._cond:
-            self._last_service_s = service_s
+            # averaged: one short batch (a lone session's) must not shrink the window that would
+            # let the next batch gather everyone
+            self._service_s = service_s if not self._service_s else 0.5 * (self._service_s + service_s)
             st = self.stats
             st.batches += 1
             st.busy_s += service_s

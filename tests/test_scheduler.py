@@ -360,7 +360,7 @@ def test_gathering_never_waits_past_its_window_and_forgets_overdue_sessions():
     thread = _gather_in_thread(sched)
     thread.join(0.2)
     assert thread.is_alive()
-    clock.advance(0.011)  # past the window (half of the last 20 ms batch): b does not come
+    clock.advance(0.011)  # past the window (half of the 20 ms batches): b does not come
     with sched._cond:
         sched._cond.notify_all()  # what the wait's own timeout does in real time
     thread.join(10)
