@@ -56,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-budget", type=_size, default="240MiB", help="slow servers' --memory-budget")
     p.add_argument("--slow-slowdown", type=positive_float, default=175 / 109,
                    help="slow servers' launch-server --emulate-slowdown (default 175/109, the paper's ratio)")
+    p.add_argument("--cpu", default="auto", metavar="SHARES",
+                   help="a CPU share (cores) per emulated host: auto (default: fast servers f, slow f / "
+                        "--slow-slowdown, client 0.5, together 0.9 x --cpus, when netem runs on CPU and cgroups are "
+                        "writable; else --emulate-slowdown makes slow servers), off, 0.25 (every host), or "
+                        "fast=0.2,slow=0.12,client=0.5 (roles or host names)")
+    p.add_argument("--warmup-per-chain", type=int, default=2,
+                   help="calibration warm-up: sessions per placed server before the replay (not counted); the orchestrator "
+                        "may then re-plan once from the service it measured (0: no warm-up, no calibrated re-plan)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the servers' --dtype")
+    p.add_argument("--device", default="cpu", help="the servers' --device (cuda: the GPU variant; no CPU shares)")
     p.add_argument("--no-netem", action="store_true",
                    help="run every process on 127.0.0.1 without WAN emulation (results are labelled so)")
     p.add_argument("--netem-backend", default="auto", choices=["auto", "kernel", "userspace"])
@@ -105,7 +115,7 @@ def main(argv: list[str]) -> int:
         output_scale=args.output_scale, max_length_tokens=args.max_length, target_load=args.target_load,
         n_cpus=args.cpus, fast_budget=args.fast_budget, slow_budget=args.slow_budget,
         slow_slowdown=args.slow_slowdown, netem=not args.no_netem, netem_backend=args.netem_backend,
-        netem_name=args.netem_name,
+        netem_name=args.netem_name, cpu=args.cpu, device=args.device, dtype=args.dtype, warmup_per_chain=args.warmup_per_chain,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest))
     try:

@@ -43,6 +43,10 @@ class _Hosts(abc.ABC):
                              text=True, timeout=30, check=True)
         return json.loads(out.stdout)
 
+    def cpu_report(self) -> dict:
+        """Per host with a CPU share: share, CPU seconds used, seconds throttled (none without shares)."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -70,7 +74,8 @@ def ripe_atlas_hosts_rtt_ms(rtt_matrix_ms: np.ndarray, n_hosts: int, seed: int) 
 class EmulatedHosts(_Hosts):
     """Host `client` and one host per server name, in one `netem.Network` (its RTT matrix in that order)."""
 
-    def __init__(self, server_names: list[str], rtt_ms: np.ndarray, *, backend: str = "auto", name: str):
+    def __init__(self, server_names: list[str], rtt_ms: np.ndarray, *, backend: str = "auto", name: str,
+                 cpu: dict[str, float] | None = None):
         import netem
 
         if not hasattr(netem, "Network"):
@@ -80,12 +85,13 @@ class EmulatedHosts(_Hosts):
         if rtt_ms.shape != (len(self.hosts), len(self.hosts)):
             raise ValueError(f"rtt matrix {rtt_ms.shape} does not match {len(self.hosts)} hosts")
         self.rtt_ms = rtt_ms
-        self.net = netem.Network(self.hosts, rtt_ms.tolist(), backend=backend, name=name)
+        self.net = netem.Network(self.hosts, rtt_ms.tolist(), backend=backend, name=name, cpu=cpu)
         try:
             self.net.__enter__()
         except netem.NetemError as e:
             raise EmulationUnavailableError(f"WAN emulation could not start: {e}; or run with --no-netem") from e
-        self.label = f"netem ({self.net.backend} backend): {len(self.hosts)} emulated hosts, RIPE Atlas RTTs"
+        self.label = (f"netem ({self.net.backend} backend): {len(self.hosts)} emulated hosts, RIPE Atlas RTTs"
+                      + (", a CPU share each" if cpu else ""))
         self.name = name
 
     def host_of(self, role: str) -> str:
@@ -98,6 +104,9 @@ class EmulatedHosts(_Hosts):
     def placement(self, role: str) -> tuple[list[str], str]:
         host = self.host_of(role)
         return self.net.prefix(host), self.net.address(host)
+
+    def cpu_report(self) -> dict:
+        return self.net.cpu_report()
 
     def close(self) -> None:
         self.net.__exit__(None, None, None)

@@ -4,10 +4,13 @@ orchestrator's model of footnote 11.
 Per hop of every finished request the load generator recorded the client's time of each step and
 the server's own time (queue + compute; `server_s` in the step reply), so
 - compute, measured: the server's time of the prefill step, and summed over the decode steps;
-  model: m (t_o + t_I l_in) and m t_O (l_out - 1), with the server's t_I, t_O (measured at its
-  start, emulated slowdown included) and m its blocks in the chain;
+  model: the orchestrator's at the end of the run: with a calibrated fit, t_o + m t_I l_in and
+  (l_out - 1)(t_o + m t_O), t_o per step and server; without one, m (t_o + t_I l_in) and
+  m t_O (l_out - 1) with the start-up t_I, t_O and the per-block t_o default; m = the hop's blocks;
 - communication, measured: client time - server time (prefill step; decode steps summed);
-  model: one RTT and (l_out - 1) RTTs (tau_c = l_out RTT), RTT as the orchestrator measured it.
+  model: one and (l_out - 1) times RTT + the measured per-hop cost (tau_c = l_out (RTT + hop cost)),
+  RTT as the orchestrator measured it.
+`model_error` (summary.json): per server, measured / model - 1 of the means over lone requests.
 "Lone" requests ran while no other request was in service: there the server time is compute
 only; under load it includes waiting for the server's batch.
 """
@@ -42,13 +45,19 @@ def hop_points(records: list[dict], servers: dict[str, dict]) -> list[dict]:
             if s is None or h["prefill_server_s"] is None or h["decode_server_s"] is None or s.get("rtt_s") is None:
                 continue
             m, l_in, n_dec = h["blocks"], h["prefill_tokens"], h["decode_steps"]
+            hop = s.get("hop_cost_s") or 0.0
+            t_o = s.get("t_o")
+            if t_o is None:  # the start-up model: footnote 11's t_o per block
+                pre, dec = m * (T_O_S + s["t_I"] * l_in), m * s["t_O"] * n_dec
+            else:  # calibrated: t_o per step and server
+                pre, dec = t_o + m * s["t_I"] * l_in, n_dec * (t_o + m * s["t_O"])
             pts.append({
                 "policy": r["policy"], "index": r["index"], "server": h["name"], "lone": r["index"] in lone,
                 "measured": {"prefill_compute": h["prefill_server_s"], "decode_compute": h["decode_server_s"],
                              "prefill_comm": h["prefill_client_s"] - h["prefill_server_s"],
                              "decode_comm": h["decode_client_s"] - h["decode_server_s"]},
-                "model": {"prefill_compute": m * (T_O_S + s["t_I"] * l_in), "decode_compute": m * s["t_O"] * n_dec,
-                          "prefill_comm": s["rtt_s"], "decode_comm": s["rtt_s"] * n_dec}})
+                "model": {"prefill_compute": pre, "decode_compute": dec,
+                          "prefill_comm": s["rtt_s"] + hop, "decode_comm": (s["rtt_s"] + hop) * n_dec}})
     return pts
 
 
@@ -73,6 +82,29 @@ def error_table(points: list[dict]) -> dict:
                           "median_rel_error": float(np.median(meas[keep] / mod[keep] - 1))}
             out.setdefault(subset, {})[server] = row
     return out
+
+
+MODEL_ERROR_QUANTITIES = ("prefill_compute", "decode_compute", "decode_comm")
+
+
+def model_error(table: dict) -> dict:
+    """summary.json's `model_error`: per server, measured / model - 1 (of the means over requests alone
+    in the system) of prefill compute, decode compute and decode communication."""
+    return {server: {q: row[q]["rel_error_of_means"] for q in MODEL_ERROR_QUANTITIES if q in row}
+            for server, row in table.get("lone", {}).items()}
+
+
+def model_error_markdown(errors: dict, bound: float = 0.25) -> str:
+    if not errors:
+        return "Model error: no request ran alone in the system, so none is computed.\n"
+    lines = [f"Model error (measured / model - 1, requests alone in the system; goal |decode_compute| <= {bound:.2f}):",
+             "", "| server | " + " | ".join(MODEL_ERROR_QUANTITIES) + " |", "|---|" + "---|" * len(MODEL_ERROR_QUANTITIES)]
+    for server, row in errors.items():
+        cells = [f"{row[q]:+.2f}" if q in row else "—" for q in MODEL_ERROR_QUANTITIES]
+        if "decode_compute" in row and abs(row["decode_compute"]) > bound:
+            cells[1] += " (over the bound)"
+        lines.append(f"| {server} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def error_markdown(table: dict) -> str:

@@ -86,6 +86,10 @@ def _pct(x) -> str:
     return "—" if x is None else f"{100 * x:.1f}%"
 
 
+def _cores(x) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
 def summary_markdown(summary: dict) -> str:
     pols = [p for p in POLICY_ORDER if p in summary["policies"]] + \
         [p for p in summary["policies"] if p not in POLICY_ORDER]
@@ -134,6 +138,15 @@ def summary_markdown(summary: dict) -> str:
             lines.append(f"- {p}: CPU during the replay: our processes {cpu['ours_cpu_s']:.0f} CPU-s over "
                          f"{cpu['wall_s']:.0f} s = {cpu['ours_cores']:.2f} of {cpu['n_cpus']} cores{per_req}; whole "
                          f"machine busy {100 * cpu['machine_busy']:.0f}% (other users included{nice})")
+    shares = sc.get("cpu_shares")
+    lines.append(f"- CPU isolation: {sc.get('cpu_shares_reason') or 'none (a run before CPU shares existed)'}")
+    for p in pols:
+        hc = P[p].get("host_cpu")
+        if hc:
+            lines.append(f"- {p}: CPU share / measured use per host during the replay (cores): "
+                         + ", ".join(f"{h} {v['share_cores']:.3f} / {_cores(v['used_cores'])}" for h, v in hc.items()))
+    if shares is None and sc.get("slow_servers_emulated_slowdown"):
+        lines.append(f"- slow servers: launch-server --emulate-slowdown {sc['slow_servers_emulated_slowdown']:.3f}")
     for p, why in summary.get("not_run", {}).items():
         lines.append(f"- {p}: not run: {why}")
     lines += ["", "The paper's Table 1 (LLaMA-2-7B on 9 MIG GPUs, 1,000 requests) for comparison: mean response "

@@ -33,7 +33,7 @@ def run_table1(cfg: Table1Config) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     trace = load_azure_trace(cfg.data)
-    times, path = measured_block_times(cfg.model)
+    times, path = measured_block_times(cfg.model, cfg.device, cfg.dtype)
     num_blocks = load_config(path).num_hidden_layers
     scale, info = choose_scale(cfg, trace, num_blocks, times)
     info["num_blocks"] = num_blocks
@@ -86,7 +86,8 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
             unavailable[p] = r["unavailable"]
             continue
         s = report.policy_summary(r["records"], n_requests)
-        s.update({k: r.get(k) for k in ("c", "placement", "left_out_of_plan", "unused_by_plan", "chains", "servers", "cpu", "startup_s",
+        s.update({k: r.get(k) for k in ("c", "placement", "left_out_of_plan", "unused_by_plan", "chains", "servers",
+                                        "final_servers", "host_cpu", "cpu", "startup_s",
                                         "final_metrics",
                                         "loadgen_exit", "loadgen_error", "loadgen_tail")})
         policies[p] = s
@@ -95,12 +96,14 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
                "policies": policies, "not_run": unavailable,
                "change_vs_petals": report.changes_vs(policies, "petals"), "paper": report.PAPER_TABLE1}
     points = [pt for p, r in runs.items() if p != PETALS_22
-              for pt in model_check.hop_points(r["records"], r.get("servers") or {})]
+              for pt in model_check.hop_points(r["records"], r.get("final_servers") or r.get("servers") or {})]
     table = model_check.error_table(points)
     summary["model_check"] = table
+    summary["model_error"] = model_check.model_error(table)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     md = report.summary_markdown(summary)
-    md += "\n## Model check (paper Figs. 9-10)\n\n" + model_check.error_markdown(table)
+    md += ("\n## Model check (paper Figs. 9-10)\n\n" + model_check.model_error_markdown(summary["model_error"]) + "\n"
+           + model_check.error_markdown(table))
     (out / "summary.md").write_text(md)
     (out / "model_check.json").write_text(json.dumps({"points": points, "errors": table}))
     report.cdf_plot({p: r["records"] for p, r in runs.items() if r["records"]}, out / "cdf.png",

@@ -53,6 +53,15 @@ class Table1Config:
     rtt_data: str | None = None
     out: str = "results/table1"
     petals_work: str | None = None  # PETALS 2.2 environment built by ../shared/anchors/petals_2_2_cpu.sh
+    # compute isolation (netem/cpu.py): "auto" (shares when netem runs on CPU with writable cgroups),
+    # "off", or a spec: 0.25 for every host, or fast=0.2,slow=0.12,client=0.5 (roles or host names)
+    cpu: str = "auto"
+    device: str = "cpu"  # the servers' --device (cuda: the GPU variant)
+    dtype: str = "float32"  # the servers' --dtype (bfloat16 for the GPU variant)
+    # calibration warm-up before the replay: this many sessions per placed server (not counted), then the
+    # orchestrator may re-plan once from the model fitted on them (0: plan from the start-up profile only)
+    warmup_per_chain: int = 2
+    warmup_timeout_s: float = 240.0
     deadline_s: float = 600.0
     command: str = ""
     extra: dict = field(default_factory=dict)
@@ -62,23 +71,80 @@ def server_names(cfg: Table1Config) -> list[str]:
     return [f"fast{i}" if i < cfg.fast_servers else f"slow{i - cfg.fast_servers}" for i in range(cfg.servers)]
 
 
-def server_args(cfg: Table1Config) -> list[list[str]]:
-    return [["--memory-budget", cfg.fast_budget] if n.startswith("fast") else
-            ["--memory-budget", cfg.slow_budget, "--emulate-slowdown", f"{cfg.slow_slowdown:.4f}"]
-            for n in server_names(cfg)]
+CLIENT_CPU_SHARE = 0.5  # the client host: DHT peer, orchestrator, load generator (embeddings, LM head)
+HEADROOM = 0.9  # of the cores: the delay hub and the kernel need some too
 
 
-def measured_block_times(model: str):
-    """t_I, t_O of one block with 1 thread, as a server measures them (cached in the same file)."""
+def cpu_shares(cfg: Table1Config) -> tuple[dict[str, float] | None, str]:
+    """Host -> CPU share (cores) and why. With shares, slow servers are slow by their share (fast share /
+    slow_slowdown) and run no --emulate-slowdown: a CPU quota makes an emulated host an independent
+    device of a stated speed, as a MIG slice is, where sleeping after each batch (the emulation) left
+    all servers competing for the same cores. Without them (no netem, a CUDA device, cgroups not
+    writable, --cpu off) the emulated slowdown stays: a CPU quota does not slow GPU kernels."""
+    hosts = ["client", *server_names(cfg)]
+    if cfg.cpu == "off":
+        return None, "--cpu off: hosts share the machine's cores; slow servers by --emulate-slowdown"
+    if not cfg.netem:
+        return None, "no CPU shares without netem hosts (--no-netem); slow servers by --emulate-slowdown"
+    if cfg.device != "cpu":
+        return None, f"no CPU shares on {cfg.device}: a CPU quota does not slow GPU kernels; slow servers by --emulate-slowdown"
+    if cfg.cpu == "auto":
+        from netem import cpu as netem_cpu
+        try:
+            why = netem_cpu.writable(netem_cpu.detect())
+        except netem_cpu.CpuLimitUnavailableError as e:
+            why = str(e)
+        if why:
+            return None, f"no CPU shares ({why}); slow servers by --emulate-slowdown"
+        n_fast = cfg.fast_servers
+        n_slow = cfg.servers - n_fast
+        # fast f, slow f / ratio, client 0.5: together HEADROOM of the cores, so no host waits for another
+        fast = (HEADROOM * cfg.n_cpus - CLIENT_CPU_SHARE) / (n_fast + n_slow / cfg.slow_slowdown)
+        if fast <= 0.02:
+            return None, f"{cfg.n_cpus:g} cores are too few for {cfg.servers} servers' shares; slow servers by --emulate-slowdown"
+        shares = {"client": CLIENT_CPU_SHARE, "fast": min(1.0, fast), "slow": min(1.0, fast) / cfg.slow_slowdown}
+        default = None
+    else:
+        from netem.cpu import parse_shares
+        default, shares = parse_shares(cfg.cpu)
+    out = {}
+    for h in hosts:
+        role = "client" if h == "client" else ("fast" if h.startswith("fast") else "slow")
+        share = shares.get(h, shares.get(role, default))
+        if share is not None:
+            out[h] = float(share)
+    return out or None, "CPU shares per host (cores): " + ", ".join(f"{h}={v:.3f}" for h, v in out.items())
+
+
+def server_args(cfg: Table1Config, shares: dict[str, float] | None = None) -> list[list[str]]:
+    dev = ([] if cfg.device == "cpu" else ["--device", cfg.device]) + \
+        ([] if cfg.dtype == "float32" else ["--dtype", cfg.dtype])
+    if shares:  # a host at a fraction of a core announces late when busy: a 15 s record, not 6 s, so the
+        dev = dev + ["--announce-period", "5"]  # orchestrator does not drop a starved server as gone
+    out = []
+    for n in server_names(cfg):
+        if n.startswith("fast"):
+            out.append(["--memory-budget", cfg.fast_budget, *dev])
+        elif shares and n in shares:  # slow by its smaller CPU share
+            out.append(["--memory-budget", cfg.slow_budget, *dev])
+        else:
+            out.append(["--memory-budget", cfg.slow_budget, "--emulate-slowdown", f"{cfg.slow_slowdown:.4f}", *dev])
+    return out
+
+
+def measured_block_times(model: str, device: str = "cpu", dtype: str = "float32"):
+    """t_I, t_O (and t_o per step) of the whole model's range through the servers' real step path with
+    1 thread: the servers' own start-up profile (server/range_profile.py, cached in the same file)."""
     import torch
 
-    from petals_chain.models.checkpoint import resolve_model_path
+    from petals_chain.models.checkpoint import load_config, resolve_model_path
     from petals_chain.runtime.block_range import BlockRange
-    from server.profiling import cached_block_times
+    from server.range_profile import cached_range_profile
 
     torch.set_num_threads(1)
     path = resolve_model_path(model)
-    return cached_block_times(BlockRange(path, 0, 1, model_path=path), model), path
+    n = load_config(path).num_hidden_layers
+    return cached_range_profile(BlockRange(path, 0, n, device=device, dtype=dtype, model_path=path), model), path
 
 
 def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[workload.Scale, dict]:
@@ -90,12 +156,16 @@ def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[work
     w = workload.cpu_s_per_request(times.prefill_s_per_token, times.decode_s_per_token, num_blocks,
                                    s["mean_input_tokens"], s["mean_output_tokens"],
                                    step_overhead_cpu_s=cfg.step_overhead_cpu_s, hops=hops)
+    shares, _ = cpu_shares(cfg)
+    # with shares the servers' compute is what their shares add up to, not the machine's cores
+    capacity = sum(v for h, v in shares.items() if h != "client") if shares else cfg.n_cpus
     if cfg.time_scale is None:
-        ts = workload.auto_time_scale(s["rate_per_s"], w, cfg.n_cpus, cfg.target_load)
+        ts = workload.auto_time_scale(s["rate_per_s"], w, capacity, cfg.target_load)
         reason = (f"time scale auto: W = {w:.2f} CPU-s per request (footnote 11 with t_I = "
                   f"{times.prefill_s_per_token * 1e3:.3f} ms, t_O = {times.decode_s_per_token * 1e3:.3f} ms per token "
-                  f"per block on 1 thread, L = {num_blocks}, + {cfg.step_overhead_cpu_s * 1e3:.0f} ms per step and hop), "
-                  f"target CPU load {cfg.target_load} of {cfg.n_cpus:g} cores.")
+                  f"per block measured through the whole range's step path on 1 thread, L = {num_blocks}, "
+                  f"+ {cfg.step_overhead_cpu_s * 1e3:.0f} ms per step and hop), target CPU load {cfg.target_load} of "
+                  f"{capacity:.2f} cores ({'the servers CPU shares' if shares else 'the machine'}).")
     else:
         ts, reason = cfg.time_scale, "time scale given by --time-scale."
     scale = workload.Scale(ts, cfg.length_scale, cfg.output_scale, cfg.max_length_tokens)
@@ -103,8 +173,9 @@ def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[work
     info = {**scale.to_dict(), **workload.summary(scaled), "offset": cfg.offset, "trace_rate_per_s": s["rate_per_s"],
             "trace_interarrival_cv": s["interarrival_cv"], "cpu_s_per_request_estimate": w,
             "offered_cpu_load_estimate": workload.offered_load(workload.rate_per_s([r.arrival_s for r in scaled]), w,
-                                                               cfg.n_cpus),
-            "time_scale_reason": reason, "slow_servers_emulated_slowdown": cfg.slow_slowdown,
+                                                               capacity),
+            "server_cpu_capacity": capacity, "cpu_shares": shares, "cpu_shares_reason": cpu_shares(cfg)[1],
+            "time_scale_reason": reason, "slow_servers_emulated_slowdown": None if shares else cfg.slow_slowdown,
             "fast_budget": cfg.fast_budget, "slow_budget": cfg.slow_budget}
     return scale, {**info, "_requests": scaled}
 
@@ -115,7 +186,81 @@ def make_launcher(cfg: Table1Config, rtt_ms):
         return Localhost()
     from experiments.hosts import EmulatedHosts
     return EmulatedHosts(server_names(cfg), rtt_ms, backend=cfg.netem_backend,
-                         name=cfg.netem_name or f"t1{uuid.uuid4().hex[:5]}")
+                         name=cfg.netem_name or f"t1{uuid.uuid4().hex[:5]}", cpu=cpu_shares(cfg)[0])
+
+
+def server_models(status: dict) -> dict:
+    """Per server name, the orchestrator's model from its /status: t_I, t_O (fitted when it had live
+    batches), t_o per step (fitted; None: the per-block default), per-hop cost, RTT, tau_p, tau_c."""
+    return {s["name"]: {"t_I": s["t_I"], "t_O": s["t_O"], "t_o": s.get("t_o"), "hop_cost_s": s.get("hop_cost"),
+                        "rtt_s": s["rtt"], "tau_p": s["tau_p"], "tau_c": s["tau_c"], "memory": s["memory"],
+                        "model_source": (s.get("model") or {}).get("source", "announced")}
+            for s in status["servers"]}
+
+
+def host_cpu_use(after: dict, before: dict, wall_s: float) -> dict:
+    """Per host with a share: the share and the cores it used during the replay (measured by its cgroup)."""
+    out = {}
+    for h, a in after.items():
+        b = before.get(h, {})
+        used = None if a.get("cpu_s") is None or b.get("cpu_s") is None else a["cpu_s"] - b["cpu_s"]
+        held = (None if a.get("throttled_s") is None or b.get("throttled_s") is None
+                else a["throttled_s"] - b["throttled_s"])
+        out[h] = {"share_cores": a["cores"], "cpuset": a.get("cpuset"), "cpu_s": used,
+                  "used_cores": None if used is None or wall_s <= 0 else used / wall_s, "throttled_s": held}
+    return out
+
+
+def start_loadgen(cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: Path, policy: str) -> subprocess.Popen:
+    return launcher.popen("loadgen", [sys.executable, "-m", "experiments.loadgen", "--initial-peers",
+                                      *swarm.initial_peers, "--model", cfg.model, "--requests", str(req_file),
+                                      "--out", str(rec_file), "--policy", policy, "--seed", str(cfg.seed),
+                                      "--deadline", str(cfg.deadline_s)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**swarm.env},
+                          start_new_session=True)
+
+
+def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, requests, out_dir: Path,
+                       policy: str) -> dict:
+    """Run `warmup_per_chain` sessions per placed server (the trace's first requests, 1 s apart; records go
+    to warmup_<policy>.jsonl and count nowhere), wait until the orchestrator fitted every placed server
+    from them, then give it its one re-plan from the calibrated model (hold 5 s) and wait for that plan
+    to be online. Returns the /status the replay starts from."""
+    # per placed server, not per chain: JFFC sends the first sessions to the fastest chains, and a
+    # per-request router has no chains yet; every placed server should see some of them
+    n = max(1, cfg.warmup_per_chain * sum(1 for s in status["servers"] if s["end"] > s["start"]))
+    warm = [{**r.to_dict(), "arrival_s": float(i)} for i, r in enumerate(requests[:n])]
+    req_file, rec_file = out_dir / f"warmup_requests_{policy}.json", out_dir / f"warmup_{policy}.jsonl"
+    req_file.write_text(json.dumps(warm))
+    url = swarm.orchestrator_url
+    v0 = status["plan_version"]
+    print(f"[{policy}] calibration warm-up: {n} sessions ...", flush=True)
+    gen = start_loadgen(cfg, launcher, swarm, req_file, rec_file, f"{policy}-warmup")
+    try:
+        gen.communicate(timeout=cfg.warmup_timeout_s)
+    except subprocess.TimeoutExpired:
+        gen.kill()
+        gen.communicate()
+    deadline = time.monotonic() + cfg.warmup_timeout_s
+    while time.monotonic() < deadline:  # fitted: every placed server's model is live, or the plan moved
+        st = launcher.fetch_json("orchestrator", url + "status")
+        placed = [s for s in st["servers"] if s["end"] > s["start"]]
+        if st["plan_version"] > v0 or all((s.get("model") or {}).get("source") == "live" for s in placed):
+            break
+        time.sleep(2.0)
+    t_fit = time.monotonic()
+    while time.monotonic() - t_fit < 45.0:  # the trigger holds 5 s and checks every 10 s
+        st = launcher.fetch_json("orchestrator", url + "status")
+        if st["plan_version"] > v0:
+            break
+        time.sleep(2.0)
+    if st["plan_version"] > v0:
+        print(f"[{policy}] the calibrated model re-planned (v{st['plan_version']}): waiting for it to be online",
+              flush=True)
+        st = wait_plan(launcher, url, swarm)
+    else:
+        print(f"[{policy}] the calibrated model kept the plan", flush=True)
+    return st
 
 
 def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:
@@ -146,11 +291,15 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
     orch_args = ["--policy", policy, "--expected-servers", str(cfg.servers), "--arrival-rate",
                  f"{scale_info['rate_per_s']:.6f}", "--rho", str(cfg.rho_bar), "--mean-input-tokens",
                  f"{scale_info['mean_input_tokens']:.3f}", "--mean-output-tokens", f"{scale_info['mean_output_tokens']:.3f}",
-                 "--lease-ttl", "60", "--replan-period", "1e9"]
+                 "--lease-ttl", "60", "--replan-period", "1e9",
+                 # the calibrated model may re-plan once, right after the warm-up, never during the replay
+                 "--model-replans", "1" if cfg.warmup_per_chain > 0 else "0", "--model-replan-period", "1",
+                 "--replan-hold", "5"]
     launcher = make_launcher(cfg, rtt_ms)
     swarm = LocalSwarm(cfg.model, [None] * cfg.servers, server_args=["--num-threads", "1", "--max-length",
                                                                      str(cfg.max_length_tokens)],
-                       per_server_args=server_args(cfg), orchestrator_args=orch_args, placement=launcher.placement,
+                       per_server_args=server_args(cfg, cpu_shares(cfg)[0]), orchestrator_args=orch_args,
+                       placement=launcher.placement,
                        names=server_names(cfg), env=THREAD_ENV, start_timeout_s=600)
     result: dict = {"policy": policy, "where": launcher.label}
     try:
@@ -174,18 +323,24 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
                       chains=[{"servers": [names.get(p, p) for p in k["servers"]], "blocks": k.get("blocks"),
                                "capacity": k["capacity"], "service_time_s": k["service_time"]}
                               for k in status["chains"]],
-                      servers={s["name"]: {"t_I": s["t_I"], "t_O": s["t_O"], "rtt_s": s["rtt"], "tau_p": s["tau_p"],
-                                           "tau_c": s["tau_c"], "memory": s["memory"]} for s in status["servers"]})
+                      servers=server_models(status))
         print(f"[{policy}] plan online after {result['startup_s']:.0f} s: c = {status['c']}, placement "
               + ", ".join(f"{k}={v}" for k, v in result["placement"].items()), flush=True)
+        if cfg.warmup_per_chain > 0:
+            status = calibration_warmup(cfg, launcher, swarm, status, requests, out_dir, policy)
+            result["calibration"] = {"plan_version": status["plan_version"], "model_replans": status.get("model_replans"),
+                                     "c": status["c"], "servers": server_models(status),
+                                     "placement": {s["name"]: [s["start"], s["end"]] for s in status["servers"]}}
+            (out_dir / f"status_{policy}_calibrated.json").write_text(json.dumps(status, indent=1))
+            result.update(c=status["c"], placement=result["calibration"]["placement"],
+                          chains=[{"servers": [names.get(p, p) for p in k["servers"]], "blocks": k.get("blocks"),
+                                   "capacity": k["capacity"], "service_time_s": k["service_time"]}
+                                  for k in status["chains"] if k["dispatchable"]],
+                          servers=server_models(status))
+        before, t_replay = launcher.cpu_report(), time.monotonic()
         meter = CpuMeter([p.pid for p in [swarm.dht_process, swarm.orchestrator_process] if p]
                          + [s.process.pid for s in swarm.servers])
-        gen = launcher.popen("loadgen", [sys.executable, "-m", "experiments.loadgen", "--initial-peers",
-                                         *swarm.initial_peers, "--model", cfg.model, "--requests", str(req_file),
-                                         "--out", str(rec_file), "--policy", policy, "--seed", str(cfg.seed),
-                                         "--deadline", str(cfg.deadline_s)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**swarm.env},
-                             start_new_session=True)
+        gen = start_loadgen(cfg, launcher, swarm, req_file, rec_file, policy)
         meter.add(gen.pid)
         lines: list[str] = []
 
@@ -205,11 +360,15 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
             gen.kill()
             result["loadgen_error"] = f"load generator killed after {limit_s:.0f} s"
         result["cpu"] = meter.report()
+        result["host_cpu"] = host_cpu_use(launcher.cpu_report(), before, time.monotonic() - t_replay)
         result["loadgen_exit"] = gen.wait(timeout=30)
         if result["loadgen_exit"] != 0:
             result["loadgen_tail"] = lines[-20:]
         try:
-            result["final_metrics"] = launcher.fetch_json("orchestrator", swarm.orchestrator_url + "status")["metrics"]
+            final = launcher.fetch_json("orchestrator", swarm.orchestrator_url + "status")
+            result["final_metrics"] = final["metrics"]
+            # the orchestrator's model as it stood at the end (fitted from live service): the model check's
+            result["final_servers"] = server_models(final)
         except Exception as e:  # noqa: BLE001 - the summary says so; records are what count
             result["final_metrics"] = {"error": str(e)}
     finally:

@@ -16,7 +16,8 @@ import sys
 import numpy as np
 
 from netem.errors import NetemError, TopologyError
-from netem.network import BACKENDS, Network, cleanup, command_in, hub_alive, measure_state_rtt_ms
+from netem.cpu import parse_shares
+from netem.network import BACKENDS, Network, cleanup, command_in, cpu_report, hub_alive, measure_state_rtt_ms
 from netem.state import DEFAULT_NAME, read_state
 from netem.topology import (DataNotFoundError, RIPE_ATLAS_FILENAME, Topology, load_topology_json, resolve_data_file,
                             ripe_topology, synthetic_topology)
@@ -64,9 +65,17 @@ def _fmt_matrix(hosts, target, measured) -> str:
 
 def cmd_up(args) -> int:
     topo = load_topology(args.topology, args.hosts, args.seed, args.data)
+    cpu = None
+    if args.cpu:
+        default, per = parse_shares(args.cpu)
+        unknown = sorted(set(per) - set(topo.hosts))
+        if unknown:
+            raise NetemError(f"--cpu names hosts this topology does not have: {', '.join(unknown)} "
+                             f"(hosts: {', '.join(topo.hosts)})")
+        cpu = {h: per.get(h, default) for h in topo.hosts if per.get(h, default) is not None}
     net = Network(list(topo.hosts), [list(r) for r in topo.rtt_ms], backend=args.backend, bandwidth_bit_s=args.bandwidth,
                   jitter_ms=args.jitter_ms, loss=args.loss, name=args.name, seed=args.seed, detach=True,
-                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                  log=lambda msg: print(msg, file=sys.stderr, flush=True), cpu=cpu)
     net.up()
     print(f"network {args.name}: {len(topo.hosts)} hosts, topology {topo.source}, backend {net.backend}"
           + (f", uplinks {args.bandwidth / 1e6:g} Mbit/s" if args.bandwidth else ""))
@@ -101,7 +110,7 @@ def cmd_status(args) -> int:
         measured, rc = measure_state_rtt_ms(st, probes=args.probes), 0
     if args.json:
         clean = [[None if math.isnan(x) else x for x in row] for row in measured]
-        print(json.dumps({"backend": st.backend, "name": st.name,
+        print(json.dumps({"backend": st.backend, "name": st.name, "cpu": cpu_report(st),
                           "hosts": [{"name": h, "address": a, "netns": st.netns(i)}
                                     for i, (h, a) in enumerate(zip(st.hosts, st.addresses))],
                           "bandwidth_bit_s": st.bandwidth_bit_s,
@@ -136,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--jitter-ms", type=float, default=0.0)
     up.add_argument("--loss", type=float, default=0.0, help="packet loss probability per direction, in [0, 1)")
     up.add_argument("--no-measure", action="store_true", help="skip the RTT measurement after setup")
+    up.add_argument("--cpu", default=None, metavar="SHARES",
+                    help="a CPU share (cores) per host: 0.25 for every host, or HOST=0.5,HOST2=0.25 (*=0.1 for the "
+                         "rest); cgroup v2 cpu.max or v1 cfs quota, cores pinned where there are enough")
     ex = sub.add_parser("exec", help="run a command inside a host: exec [--name NAME] HOST -- CMD ...")
     ex.add_argument("host", help="host name (or index)")
     ex.add_argument("cmd", nargs="*", help="the command, after `--`")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from netem import kernel
+from netem import cpu as netem_cpu, kernel
 from netem.errors import MissingCapabilityError, NetemError, NetworkExistsError
 from netem.probe import measure_rtt_ms
 from netem.state import (DEFAULT_NAME, DEFAULT_SUBNET, NetworkState, host_addresses, owned_netns, read_state,
@@ -86,6 +86,7 @@ def cleanup(name: str | None = None, *, directory=None, grace_s: float = 8.0) ->
             kill_netns_processes(ns, grace_s)
             run(["ip", "netns", "del", ns], check=False)
             removed.append(f"netns {ns}")
+        removed += netem_cpu.remove(nm)  # after the processes in them are gone
         path = state_path(nm, directory)
         for leftover in (path.with_suffix(".hub.log"), path.with_suffix(".hub.json"), path):
             if leftover.exists():
@@ -100,7 +101,10 @@ class Network:
     def __init__(self, hosts: list[str], rtt_ms: list[list[float]], *, backend: str = "auto",
                  bandwidth_bit_s: float | None = None, jitter_ms: float = 0.0, loss: float = 0.0,
                  name: str = DEFAULT_NAME, subnet: str = DEFAULT_SUBNET, seed: int = 0, state_directory=None,
-                 detach: bool = False, hub_realtime: bool = True, log=None):
+                 detach: bool = False, hub_realtime: bool = True, log=None,
+                 cpu: dict[str | int, float] | None = None):
+        """`cpu`: host (name or index) -> CPU share in cores (e.g. 0.25) for the hosts that get one
+        (netem/cpu.py: cgroup v2 cpu.max or v1 cfs quota; cores pinned where there are enough)."""
         rtt = validate_rtt_matrix(hosts, rtt_ms)
         if bandwidth_bit_s is not None and not bandwidth_bit_s > 0:
             raise NetemError(f"bandwidth_bit_s must be positive (got {bandwidth_bit_s})")
@@ -115,6 +119,7 @@ class Network:
                                   loss=loss, seed=seed, owner_pid=os.getpid(), extra={"hub_realtime": hub_realtime})
         self._prev_sigterm = None
         self._up = False
+        self.cpu_shares = {self.state.index(h): float(v) for h, v in (cpu or {}).items()}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "Network":
@@ -148,6 +153,13 @@ class Network:
                 kernel.apply(st)
             else:
                 self._start_hub()
+            if self.cpu_shares:
+                shares = netem_cpu.apply(st.name, self.cpu_shares)
+                st.extra["cpu"] = {str(i): {"group": s.group, "cores": s.cores, "procs": list(s.procs_files),
+                                            "cpuset": s.cpuset} for i, s in shares.items()}
+                write_state(st, self.directory)
+                self.log("netem: CPU shares " + ", ".join(
+                    f"{st.hosts[i]}={s.cores:g}" + (f" (core {s.cpuset})" if s.cpuset else "") for i, s in shares.items()))
         except BaseException:
             self.down()
             raise
@@ -218,8 +230,14 @@ class Network:
         return command_in(self.state, host, argv)
 
     def prefix(self, host: str | int) -> list[str]:
-        """The argv prefix that runs a command inside the host (`prefix(h) + argv == command(h, argv)`)."""
-        return ["ip", "netns", "exec", self.state.netns(self.state.index(host))]
+        """The argv prefix that runs a command inside the host (`prefix(h) + argv == command(h, argv)`):
+        in its namespace, and in its CPU groups when it has a share."""
+        return _host_prefix(self.state, host)
+
+    def cpu_report(self) -> dict[str, dict]:
+        """Per host with a CPU share: the share (cores), the pinned core, CPU seconds used so far and
+        seconds held back by the quota (the experiment turns them into measured use)."""
+        return cpu_report(self.state)
 
     def popen(self, host: str | int, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command(host, argv), **popen_kwargs)
@@ -250,11 +268,31 @@ class Network:
         return net
 
 
+def _host_prefix(state: NetworkState, host: str | int) -> list[str]:
+    i = state.index(host)
+    base = ["ip", "netns", "exec", state.netns(i)]
+    share = state.extra.get("cpu", {}).get(str(i))
+    # the cgroup wrapper runs outside the namespace: `ip netns exec` remounts /sys for the namespace
+    return base if share is None else netem_cpu.enter_argv(tuple(share["procs"]), base)
+
+
+def cpu_report(state: NetworkState) -> dict[str, dict]:
+    shares = state.extra.get("cpu", {})
+    if not shares:
+        return {}
+    layout = netem_cpu.detect()
+    return {state.hosts[int(i)]: {"cores": s["cores"], "cpuset": s["cpuset"],
+                                  "cpu_s": netem_cpu.usage_s(layout, s["group"]),
+                                  "throttled_s": netem_cpu.throttled_s(layout, s["group"])}
+            for i, s in shares.items()}
+
+
 def command_in(state: NetworkState, host: str | int, argv: list[str]) -> list[str]:
-    """argv run inside the host's namespace (`ip netns exec`), keeping the caller's user, cwd and env."""
+    """argv run inside the host's namespace (`ip netns exec`) and CPU groups, keeping the caller's
+    user, cwd and env."""
     if not argv:
         raise NetemError("no command given to run inside the host")
-    return ["ip", "netns", "exec", state.netns(state.index(host)), *argv]  # same as Network.prefix
+    return [*_host_prefix(state, host), *argv]  # same as Network.prefix
 
 
 def measure_state_rtt_ms(state: NetworkState, probes: int = 5) -> list[list[float]]:

@@ -136,18 +136,18 @@ class JffcDispatcher(Dispatcher):
             self._take(k)
         return [self._start(job_id, k)]
 
-    def _waiting_in_order(self) -> list[int]:
-        jobs = list(self._queue)
-        return jobs if self._order is None else self._order(jobs)
-
     def on_completion(self, job_id: int) -> list[Start]:
         k = self._job_chain.pop(job_id)
         if k in self._disabled:
             return []
         # line 7-8: the first waiting job (in queue order) that may use chain k takes the freed slot
-        for w in self._waiting_in_order():
-            allowed = self._queue[w]
-            if allowed is None or k in allowed:
+        if self._queue:
+            if self._order is None:  # FIFO: no copy of the queue per event (the simulator's hot path)
+                w = next((j for j, allowed in self._queue.items() if allowed is None or k in allowed), None)
+            else:
+                w = next((j for j in self._order(list(self._queue))
+                          if self._queue[j] is None or k in self._queue[j]), None)
+            if w is not None:
                 del self._queue[w]
                 return [self._start(w, k)]
         self._busy[k] -= 1

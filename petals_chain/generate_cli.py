@@ -6,6 +6,7 @@ Without --initial-peers the block ranges run in this process (pipelined, no netw
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -42,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of swarm DHT peers")
     p.add_argument("--device", default="cpu",
                    help="cpu or cuda[:N]: where the client head runs (and, without --initial-peers, the local ranges)")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
+                   help="speculative decoding by prompt lookup: draft up to K tokens copied from n-grams of the "
+                        "context, verified in one chain step (HF's prompt_lookup_num_tokens; 0: off)")
+    p.add_argument("--stats", action="store_true",
+                   help='print a final JSON line {"tokens", "chain_steps", "accepted_draft_tokens"}')
     return p
 
 
@@ -56,6 +62,9 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         print("petals-chain generate: --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
+    if args.prompt_lookup < 0:
+        print("petals-chain generate: --prompt-lookup must be >= 0 (0: off)", file=sys.stderr)
         return 2
     import torch
     from transformers import AutoTokenizer, TextStreamer
@@ -78,14 +87,21 @@ def main(argv: list[str]) -> int:
                           repetition_penalty=args.repetition_penalty, eos_token_id=tokenizer.eos_token_id)
         if args.sample:
             gen_kwargs.update(temperature=args.temperature, top_p=args.top_p)
+        if args.prompt_lookup:
+            gen_kwargs.update(prompt_lookup_num_tokens=args.prompt_lookup)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         start_s = time.perf_counter()
-        with model.inference_session(max_length=ids.shape[1] + args.max_new_tokens) as session:
+        # + K: a verification step may hold up to K drafted tokens past the output
+        with model.inference_session(max_length=ids.shape[1] + args.max_new_tokens + args.prompt_lookup) as session:
             out = model.generate(ids, streamer=streamer, **gen_kwargs)
             chain = session.chain.describe()
+            stats = session.last_generate
         elapsed_s = time.perf_counter() - start_s
         new_tokens = out.shape[1] - ids.shape[1]
         print(f"\n[chain: {chain}] {new_tokens} tokens in {elapsed_s:.2f} s ({new_tokens / elapsed_s:.1f} tokens/s)")
+        if args.stats:
+            stats = stats.to_json()
+            print(json.dumps({k: stats[k] for k in ("tokens", "chain_steps", "accepted_draft_tokens")}))
         model.backend.shutdown()
     except PetalsChainError as e:
         print(f"petals-chain generate: {e}", file=sys.stderr)

@@ -168,12 +168,21 @@ class Opened(WireRecord):
 class Step(WireRecord):
     """One step's hidden states (the group's one tensor) for the open session. The first step may
     carry `prefix_tokens`: how many tokens of its cached prefix the server takes first (the minimum
-    of the chain's hops' matches); the hidden states are then the prompt after them."""
+    of the chain's hops' matches); the hidden states are then the prompt after them.
+    `start_position`: the position of this step's first token. Below the session's current length it
+    rolls the session back (KV rollback): the server keeps its static cache and overwrites from there,
+    so speculative decoding can drop rejected draft tokens and a chat client can regenerate its last
+    turn without reopening. Absent: continue where the session is."""
 
     TYPE = MessageType.STEP
     session_id: str
     step_id: int | None = None
     prefix_tokens: int | None = None
+    start_position: int | None = None
+
+    def check(self) -> None:
+        if self.start_position is not None and self.start_position < 0:
+            raise InvalidRequestError(f"start_position must be >= 0, got {self.start_position}")
 
 
 @dataclass
@@ -242,13 +251,25 @@ class Queued(WireRecord):
 
 
 @dataclass
+class HopReport(WireRecord):
+    """A finished session's network time with one server: the sum over its steps of (client time -
+    server time), so the orchestrator learns the per-hop framework cost beyond its RTT probe."""
+
+    peer_id: str
+    steps: int
+    comm_s: float
+
+
+@dataclass
 class Release(WireRecord):
-    """The session ended; its lengths refine the orchestrator's tau estimates and fair counters."""
+    """The session ended; its lengths refine the orchestrator's tau estimates and fair counters,
+    its hops' network times the per-hop cost in tau_c."""
 
     TYPE = MessageType.RELEASE
     session_id: str
     input_tokens: int = 0
     output_tokens: int = 0
+    hops: list[HopReport] | None = None
 
 
 @dataclass

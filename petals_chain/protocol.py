@@ -88,3 +88,15 @@ def ping_block_server_s(loop, p2p, peer_id: str, *, timeout_s: float = 3.0) -> f
     except Exception:
         return None
     return time.perf_counter() - start
+
+
+def fetch_service_records(loop, p2p, peer_id: str, since_seq: int, *, timeout_s: float = 3.0):
+    """The batches a block server ran after `since_seq` (`wire.BatchService`, oldest first) from its
+    rpc_info; None when it does not answer. The orchestrator's calibrated model reads them."""
+    stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
+    try:
+        resp = loop.run(stub.rpc_info(wire.request(wire.InfoRequest(service_since_seq=since_seq)), timeout=timeout_s),
+                        timeout_s=timeout_s + 1)
+        return wire.decode_reply(wire.unpack(resp.metadata), wire.InfoReply).service or []
+    except Exception:
+        return None

@@ -169,8 +169,27 @@ class ServerInfo(WireRecord):
 
 
 @dataclass
+class BatchService(WireRecord):
+    """One batch a server ran, as it measured it (on CUDA after a synchronize): the orchestrator's
+    calibrated service model (orchestrator/service/calibration.py) fits these. A block-token is one
+    token through one block (a step entering mid-range runs fewer blocks)."""
+
+    seq: int  # per server process, from 0: the orchestrator reads by cursor
+    wall_s: float
+    cpu_s: float  # CPU seconds the server process used during the batch (all its threads)
+    sessions: int
+    blocks: int  # most blocks one step of the batch ran
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_block_tokens: int
+    decode_block_tokens: int
+
+
+@dataclass
 class InfoRequest(WireRecord):
     TYPE = MessageType.INFO
+    # with a cursor, the reply carries the batches after it (None: none; -1: all the server keeps)
+    service_since_seq: int | None = None
 
 
 @dataclass
@@ -179,3 +198,4 @@ class InfoReply(WireRecord):
 
     TYPE = MessageType.INFO
     info: ServerInfo
+    service: list[BatchService] | None = None  # batches after the request's cursor, oldest first

@@ -40,7 +40,9 @@ from server.prefix_cache import PrefixCache
 from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
 from server.emulation import maybe_slowed, real_range, slowed_times
 from server.service_log import ServiceLog
-from server.profiling import cached_block_times
+from server.profiling import BlockTimes
+from server.range_profile import RangeProfile, cached_range_profile, disagrees, forget_profile
+from server.service_meter import ServiceMeter
 from server.scheduler import StepScheduler
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,9 @@ class BlockServer:
         self.max_length_tokens = config.max_length_tokens
         self.session_idle_timeout_s = config.session_idle_timeout_s
         self.service_log = ServiceLog(config.service_log) if config.service_log else None
+        self.meter = ServiceMeter()  # every batch's measured service, for the orchestrator's model
+        self.profile: RangeProfile | None = None  # the start-up profile of the loaded range (or the probe)
+        self._profile_checked_seq = -1
         self.max_step_tokens = config.max_step_tokens or config.max_length_tokens
         self.path = resolve_model_path(config.model)
         self.auto = config.start is None
@@ -103,14 +108,12 @@ class BlockServer:
         if self.auto:  # measure on one block loaded for the purpose, before holding any
             probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
                                model_path=self.path)
-            self.times = slowed_times(cached_block_times(probe, self.model_name), config.emulate_slowdown)
+            self.times = self._profile(probe)
             self._sizes = (probe.block_bytes, probe.kv_bytes_per_block(self.max_length_tokens),
                            str(probe.dtype).removeprefix("torch."))
             del probe
         else:
             self._load(config.start, config.end)
-            self.times = slowed_times(cached_block_times(real_range(self.block_range), self.model_name),
-                                      config.emulate_slowdown)
         self.sessions: dict[str, OpenSession] = {}
         self._sessions_lock = threading.Lock()
         self.state = ServerState.JOINING
@@ -144,15 +147,74 @@ class BlockServer:
         budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
                           cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
         scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
-                                  gather_fraction=c.batch_gather, on_batch=self.service_log.write if self.service_log else None)
+                                  gather_fraction=c.batch_gather, on_batch=self._on_batch)
         admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
         prefix_cache = (None if c.prefix_sharing == "off" else
                         PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))
         old = self.scheduler
+        # the start-up profile of exactly this range, through the real step path (cached per shape)
+        self.times = self._while_announcing(lambda: self._profile(real_range(block_range)))
         self.block_range, self.budget, self.scheduler, self.admission = block_range, budget, scheduler, admission
         self.prefix_cache = prefix_cache
         if old is not None:
             old.stop()
+
+    def _while_announcing(self, fn):
+        """Run `fn` (seconds: a profile on a loaded machine) while the record stays fresh in the DHT:
+        an `--blocks auto` server measures its range before the announcer thread runs, and a record
+        that expires (6 s) makes the orchestrator drop the server and re-plan."""
+        announcer = getattr(self, "_announcer", None)
+        if getattr(self, "dht", None) is None or (announcer is not None and announcer.is_alive()):
+            return fn()  # no DHT yet (a fixed range measures first), or the announcer already runs
+        done = threading.Event()
+
+        def keep_alive() -> None:
+            while not done.wait(self.config.announce_period_s):
+                self._announce()
+
+        t = threading.Thread(target=keep_alive, name="announce-while-profiling", daemon=True)
+        t.start()
+        try:
+            return fn()
+        finally:
+            done.set()
+            t.join(timeout=15)
+
+    def _profile(self, block_range) -> BlockTimes:
+        """t_I, t_O to announce: the range's start-up profile (an emulated slowdown scales it)."""
+        self.profile = cached_range_profile(block_range, self.model_name)
+        return slowed_times(BlockTimes(self.profile.prefill_s_per_token, self.profile.decode_s_per_token),
+                            self.config.emulate_slowdown)
+
+    def check_profile(self, min_batches: int = 100) -> bool:
+        """Compare the cached start-up profile with live service (the fit of this range's recent batches);
+        when they disagree, drop the cache entry so the next start measures instead of trusting it.
+        Returns whether it dropped it."""
+        from orchestrator.service.calibration import fit_service
+        br, prof = self.block_range, self.profile
+        if br is None or prof is None or prof.blocks != br.end - br.start:
+            return False
+        recs = [r for r in self.meter.records() if r.seq > self._profile_checked_seq]
+        if len(recs) < min_batches:
+            return False
+        self._profile_checked_seq = recs[-1].seq
+        fit = fit_service([r.prefill_block_tokens for r in recs], [r.decode_block_tokens for r in recs],
+                          [r.wall_s for r in recs])
+        if fit is None or fit.t_O_s <= 0:
+            return False
+        live_t_O = fit.t_O_s / self.config.emulate_slowdown  # the emulation's sleep is not the device's
+        if not disagrees(prof, live_t_O, fit.samples):
+            return False
+        dropped = forget_profile(real_range(br), self.model_name)
+        logger.warning("live service (t_O %.3f ms per block-token over %d batches) disagrees with the cached start-up "
+                       "profile (%.3f ms): %s", live_t_O * 1e3, fit.samples, prof.decode_s_per_token * 1e3,
+                       "dropped it; the next start measures again" if dropped else "it was already gone")
+        return dropped
+
+    def _on_batch(self, record: dict) -> None:
+        self.meter.on_batch(record)
+        if self.service_log is not None:
+            self.service_log.write(record)
 
     # -- orchestrator -------------------------------------------------------------------------
     def _join_orchestrator(self) -> None:
@@ -263,6 +325,10 @@ class BlockServer:
     def _announce_loop(self) -> None:
         while not self._stop.wait(self.config.announce_period_s):
             self._announce()
+            try:
+                self.check_profile()
+            except Exception:  # a check must never stop the announcements
+                logger.exception("checking the start-up profile against live service failed")
 
     def on_session_opened(self, session: OpenSession) -> None:
         with self._sessions_lock:

@@ -67,7 +67,11 @@ class BlockServicer:
         return self.server.budget
 
     async def info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return wire.response(wire.InfoReply(self.server.info()))
+        try:  # any request gets the info; a well-formed one may also ask for the measured batches
+            since = wire.decode_request(request, wire.InfoRequest).service_since_seq
+        except PetalsChainError:
+            since = None
+        return wire.response(wire.InfoReply(self.server.info(), self.server.meter.since(since)))
 
     # -- inference stream ---------------------------------------------------------------------
     async def inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -109,7 +113,7 @@ class BlockServicer:
                         if len(message.tensors) != 1:
                             raise InvalidRequestError(f"a step carries exactly one tensor, got {len(message.tensors)}")
                         t0 = time.perf_counter()
-                        out = await self._step(session, message.tensors[0], msg.prefix_tokens or 0)
+                        out = await self._step(session, message.tensors[0], msg.prefix_tokens or 0, msg.start_position)
                         # server_s: this step's time inside the server (queue + batch compute), so a
                         # client can tell server time from network time (the Table 1 model check)
                         reply = StepReply(msg.session_id, msg.step_id, session.kv.past_tokens, time.perf_counter() - t0)
@@ -190,7 +194,8 @@ class BlockServicer:
                     block_range.end, max_length)
         return session
 
-    async def _step(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int = 0) -> torch.Tensor:
+    async def _step(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int = 0,
+                    start_position: int | None = None) -> torch.Tensor:
         cache = self.server.prefix_cache
         if session.prefix_pin is not None and not session.prefix_pin.released:
             # the first step: copy the part of the cached prefix that every hop holds (the client
@@ -199,12 +204,31 @@ class BlockServicer:
         elif prefix_tokens:
             raise InvalidRequestError("prefix_tokens is only valid in the first step of a session whose open sent "
                                       "prefix_hashes to a server with a prefix cache (its open reply says so)")
+        if start_position is not None:
+            self._roll_back(session, start_position)
         out = await self._run_step(session, hidden)
         if cache is not None and session.prefix_stored < len(session.prefix_hashes):
             # offer the prompt's full chunks this session computed (no other step of it runs now)
             cache.insert(session.prefix_namespace, session.prefix_hashes, session.kv)
             session.prefix_stored = min(len(session.prefix_hashes), session.kv.past_tokens // cache.chunk_tokens)
         return out
+
+    def _roll_back(self, session: OpenSession, start_position: int) -> None:
+        """KV rollback: the step starts at `start_position` (at most the session's length). The static
+        cache stays allocated and the step overwrites it from there; the prompt's chunk hashes are cut to
+        the chunks still below it, so positions that now hold other tokens are never offered to the
+        prefix cache under the prompt's keys (chunks offered earlier are copies, still valid)."""
+        kv = session.kv
+        if not 0 <= start_position <= kv.past_tokens:
+            raise InvalidRequestError(
+                f"start_position={start_position} is past this session's {kv.past_tokens} processed tokens; a step "
+                "may only restart at or before the current position (send the missing tokens first)")
+        kv.past_tokens = start_position
+        cache = self.server.prefix_cache
+        kept = start_position // cache.chunk_tokens if cache is not None else 0
+        if kept < len(session.prefix_hashes):
+            del session.prefix_hashes[kept:]
+            session.prefix_stored = min(session.prefix_stored, kept)
 
     async def _run_step(self, session: OpenSession, hidden: torch.Tensor) -> torch.Tensor:
         step = StepInput(session.kv, hidden)

@@ -84,6 +84,8 @@ class StepScheduler:
         self._service_s = 0.0  # batch service time, averaged over recent batches (the gathering window's unit)
         self.gather_waits = 0  # batches that waited for expected sessions (stats)
         self.block_range = executor
+        self._device = torch.device(getattr(executor, "device", "cpu"))
+        self._on_cuda = self._device.type == "cuda"
         self.policy = policy
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
@@ -236,17 +238,30 @@ class StepScheduler:
             return f"select returned {tokens} tokens, over the budget of {self.max_batch_tokens}"
         return None
 
+    def _blocks_of(self, job: _Job) -> int:
+        """Blocks this step runs here (a session may enter mid-range); 0 for executors without blocks."""
+        try:
+            return int(self.block_range.end - job.step.kv.first_block)
+        except AttributeError:
+            return 0
+
     def _run(self, batch: list[WorkItem], backlogged: list[str]) -> None:
+        if self._on_cuda:  # GPU work is asynchronous: what was queued before is not this batch's
+            torch.cuda.synchronize(self._device)
         start_s = self.clock()
+        cpu0_s = time.process_time()  # the whole process: torch's intra-op threads do the work
         steps = [StepInput(it.payload.step.kv, it.payload.step.hidden[it.row_offset:it.row_offset + it.n_tokens])
                  for it in batch]
         try:
             outputs = self.block_range.forward(steps)
+            if self._on_cuda:  # kernels run asynchronously: the batch ends when they do
+                torch.cuda.synchronize(self._device)
             error = None
         except Exception as e:  # a failed batch fails its steps, never the loop
             logger.exception("batch of %d steps failed", len(batch))
             outputs, error = [None] * len(batch), e
         service_s = self.clock() - start_s
+        cpu_s = time.process_time() - cpu0_s
         finished: list[tuple[_Job, torch.Tensor | None, BaseException | None]] = []
         with self._cond:
             # averaged: one short batch (a lone session's) must not shrink the window that would
@@ -282,8 +297,9 @@ class StepScheduler:
             job.deliver(result, err)
         if self.on_batch is not None:
             try:
-                self.on_batch({"t_s": start_s, "service_s": service_s, "ok": error is None,
+                self.on_batch({"t_s": start_s, "service_s": service_s, "cpu_s": cpu_s, "ok": error is None,
                                "items": [[it.client_id, it.n_tokens, it.is_prefill] for it in batch],
+                               "blocks": [self._blocks_of(it.payload) for it in batch],
                                "backlogged": backlogged, "waiting_for_memory": self.waiting_for_memory(),
                                "counters": self.policy.service_view()})
             except Exception:

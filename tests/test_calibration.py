@@ -70,3 +70,64 @@ def test_replan_trigger_waits_for_the_minimum_interval():
     assert t.observe(2.0, 2, now_s=60.0)
     with pytest.raises(ValueError):
         ReplanTrigger(enter=0.1, exit=0.2)
+
+
+def offline_orchestrator(now):
+    from orchestrator.service.core import Orchestrator, OrchestratorConfig
+    from orchestrator.service.registry import ServerRecord
+    from petals_chain.wire import ServerInfo
+    cfg = OrchestratorConfig(model="m", initial_peers=[], num_blocks=4, calibration_min_batches=10,
+                             replan_hold_s=30.0, model_replan_period_s=60.0)
+    orch = Orchestrator.offline(cfg, lambda: now[0])
+    for k, peer in enumerate(("pa", "pb", "pc")):
+        info = ServerInfo(peer, "m", 0, 4, "online", 1000 + 200 * k, 100, 10, 2048, 40, 1e-4, 1e-3, name=peer)
+        orch.records[peer] = ServerRecord(info, rtt_s=0.002)
+    return orch
+
+
+def test_the_orchestrator_replans_when_the_fitted_model_moves_the_plan_and_shows_model_vs_measured():
+    from petals_chain.messages import HopReport
+    now = [0.0]
+    orch = offline_orchestrator(now)
+    orch._plan(now[0])
+    orch.current.installed = True
+    first = orch.current.plan
+    # live service: decode 3x slower than the start-up profile said, 1.5 ms per step, 30 batches each
+    for peer, w in (("pa", 0), ("pb", 0), ("pc", 0)):
+        for seq in range(30):
+            dec = 4 * (1 + seq % 4)
+            orch.window(peer).add_batch(seq, 0 if seq % 5 else 64 * 4, 0 if not seq % 5 else dec,
+                                        1.5e-3 + (1e-4 * 64 * 4 if not seq % 5 else 3e-3 * dec), 0.5e-3)
+    orch.release("s", 10, 5, [HopReport("pa", 5, 5 * 0.0045)])  # 4.5 ms per step against a 2 ms RTT
+    orch.refit()
+    view = orch.status()["servers"]
+    pa = next(s for s in view if s["peer_id"] == "pa")
+    assert pa["model"]["source"] == "live" and pa["t_O"] == pytest.approx(3e-3, rel=0.05)
+    assert pa["model"]["announced"]["t_O"] == 1e-3 and pa["t_o"] == pytest.approx(1.5e-3, rel=0.1)
+    assert pa["hop_cost"] == pytest.approx(2.5e-3)
+    shape = orch.lengths.shape
+    assert pa["tau_c"] == pytest.approx(shape.mean_output_tokens * (0.002 + 2.5e-3 + pa["t_o"]))
+    now[0] = 10.0
+    orch.check_model(now[0])  # the difference appears: armed, not yet due
+    assert not orch.model_moved and not orch._plan_due(now[0])
+    now[0] = 61.0
+    orch.check_model(now[0])  # held 51 s > 30 s and 61 s since the plan > 60 s: due
+    assert orch.model_moved and orch._plan_due(now[0])
+    orch._plan(now[0])
+    assert orch.current.version == 2 and not orch.model_moved
+    assert orch.current.plan.total_rate_per_s < 0.8 * first.total_rate_per_s
+    now[0] = 200.0
+    orch.current.installed = True
+    orch.check_model(now[0])  # the model did not move since: no re-plan
+    assert not orch.model_moved
+
+
+def test_without_calibration_the_orchestrator_plans_from_the_announced_profile():
+    now = [0.0]
+    orch = offline_orchestrator(now)
+    orch.config.calibrate = False
+    for seq in range(30):
+        orch.window("pa").add_batch(seq, 0, 8, 1e-3 + 8 * 5e-3, 1e-3)
+    orch.refit()
+    pa = next(s for s in orch.status()["servers"] if s["peer_id"] == "pa")
+    assert pa["model"]["source"] == "announced" and pa["t_O"] == 1e-3

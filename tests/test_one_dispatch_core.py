@@ -60,16 +60,8 @@ def test_simulator_and_service_make_identical_decisions(caps_times, name, seed, 
 def bare_orchestrator(clock):
     """The orchestrator's RPC-facing surface without a DHT or control thread."""
     from orchestrator.service.core import Orchestrator, OrchestratorConfig
-    orch = Orchestrator.__new__(Orchestrator)
-    orch.config = OrchestratorConfig(model="m", initial_peers=[], num_blocks=20, lease_ttl_s=30.0)
-    orch.clock = clock
-    orch.lock = threading.RLock()
-    orch.records = {}
-    orch.sessions = Sessions(lease_ttl_s=30.0, lock=orch.lock)
+    orch = Orchestrator.offline(OrchestratorConfig(model="m", initial_peers=[], num_blocks=20, lease_ttl_s=30.0), clock)
     orch.sessions.install_chains(live_chains([(1, 1.0)]), 1, clock())
-    from orchestrator.service.measurements import LengthEstimator
-    from orchestrator.session_times import SessionShape
-    orch.lengths = LengthEstimator(SessionShape(64, 32))
     return orch
 
 

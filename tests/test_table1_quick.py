@@ -61,7 +61,8 @@ def test_quick_mode_end_to_end(tmp_path):
     out = tmp_path / "table1"
     # --quick: two policies; fewer requests and a fixed time scale keep the test bounded
     argv = [sys.executable, "-m", "petals_chain.cli", "experiment", "table1", "--quick", "--requests", "6",
-            "--time-scale", "3", "--deadline", "240", "--out", str(out), "--netem-name", net_name] + \
+            "--time-scale", "3", "--deadline", "240", "--warmup-per-chain", "1", "--out", str(out),
+            "--netem-name", net_name] + \
         ([] if netem_ok else ["--no-netem"])
     env = {**os.environ, "TABLE1_TEST_MARKER": marker, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -105,4 +106,16 @@ def test_quick_mode_end_to_end(tmp_path):
             else:
                 assert r["error"].split(":")[0]
     assert summary["policies"]["proposed"]["c"] >= 1
+    assert isinstance(summary["model_error"], dict)  # empty when no request ran alone
+    for policy, s in summary["policies"].items():  # the model the results are checked against: the fitted one
+        assert s["final_servers"] and any(v["model_source"] == "live" for v in s["final_servers"].values()), policy
+        if netem_ok and sc.get("cpu_shares"):  # each host's share and its measured use
+            assert set(s["host_cpu"]) == set(sc["cpu_shares"]) and all(
+                v["used_cores"] is not None and v["used_cores"] <= v["share_cores"] * 1.2 + 0.05
+                for v in s["host_cpu"].values()), s["host_cpu"]
+    from netem import cpu as netem_cpu
+    try:
+        assert not netem_cpu.owned_groups(net_name, netem_cpu.detect())  # the groups went with the network
+    except netem_cpu.CpuLimitUnavailableError:
+        pass
     assert (out / "cdf.png").stat().st_size > 1000 and "| metric |" in (out / "summary.md").read_text()

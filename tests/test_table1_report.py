@@ -107,3 +107,48 @@ def test_results_are_recomputed_from_the_files_of_a_stopped_run(tmp_path):
     assert s["policies"]["proposed"]["lost"] == 1 and "stopped" in s["policies"]["proposed"]["loadgen_error"]
     assert s["change_vs_petals"]["proposed"]["mean_response"] == pytest.approx(-2 / 3)
     assert (tmp_path / "summary.md").exists() and (tmp_path / "cdf.png").exists()
+
+
+def test_model_check_with_the_calibrated_model_and_model_error_in_the_summary():
+    recs = [{**rec(0, 0.0, 0.0, 1.0), "hops": [{"name": "slow0", "blocks": 10, "prefill_tokens": 100,
+                                                  "prefill_client_s": 0.25, "prefill_server_s": 0.2, "decode_steps": 4,
+                                                  "decode_client_s": 0.6, "decode_server_s": 0.44}]}]
+    # fitted: t_o 10 ms per step and server (not per block), hop cost 10 ms beyond the 30 ms RTT
+    servers = {"slow0": {"t_I": 1e-4, "t_O": 1e-3, "t_o": 0.01, "hop_cost_s": 0.01, "rtt_s": 0.03}}
+    pts = model_check.hop_points(recs, servers)
+    m = pts[0]["model"]
+    assert m["prefill_compute"] == pytest.approx(0.01 + 10 * 1e-4 * 100)
+    assert m["decode_compute"] == pytest.approx(4 * (0.01 + 10 * 1e-3))
+    assert m["decode_comm"] == pytest.approx(4 * 0.04) and m["prefill_comm"] == pytest.approx(0.04)
+    errors = model_check.model_error(model_check.error_table(pts))
+    assert set(errors["slow0"]) == {"prefill_compute", "decode_compute", "decode_comm"}
+    assert errors["slow0"]["decode_compute"] == pytest.approx(0.44 / 0.08 - 1)
+    assert errors["slow0"]["decode_comm"] == pytest.approx(0.16 / 0.16 - 1, abs=1e-9)
+    md = model_check.model_error_markdown(errors)
+    assert "slow0" in md and "over the bound" in md
+
+
+def test_cpu_shares_replace_the_emulated_slowdown_where_cgroups_allow(monkeypatch):
+    from experiments.table1 import Table1Config, cpu_shares, server_args
+    from netem import cpu as netem_cpu
+
+    monkeypatch.setattr(netem_cpu, "detect", lambda: netem_cpu.CgroupLayout(1, None, None, None))
+    monkeypatch.setattr(netem_cpu, "writable", lambda layout: None)
+    cfg = Table1Config(servers=9, fast_servers=3, n_cpus=2.0)
+    shares, why = cpu_shares(cfg)
+    assert set(shares) == {"client", *(f"fast{i}" for i in range(3)), *(f"slow{i}" for i in range(6))}
+    assert sum(shares.values()) == pytest.approx(0.9 * 2.0)  # together within the cores: no host waits for another
+    assert shares["fast0"] / shares["slow0"] == pytest.approx(cfg.slow_slowdown)  # the paper's slow/fast ratio
+    args = server_args(cfg, shares)
+    assert all("--emulate-slowdown" not in a for a in args)
+    # where shares cannot make slow servers slow, the emulated slowdown stays
+    for cfg2, word in ((Table1Config(cpu="off"), "off"), (Table1Config(netem=False), "no-netem"),
+                       (Table1Config(device="cuda"), "GPU kernels")):
+        shares2, why2 = cpu_shares(cfg2)
+        assert shares2 is None and word in why2
+        assert sum("--emulate-slowdown" in a for a in server_args(cfg2, shares2)) == cfg2.servers - cfg2.fast_servers
+    monkeypatch.setattr(netem_cpu, "writable", lambda layout: "read-only /sys/fs/cgroup")
+    assert cpu_shares(cfg) == (None, "no CPU shares (read-only /sys/fs/cgroup); slow servers by --emulate-slowdown")
+    explicit, _ = cpu_shares(Table1Config(cpu="fast=0.3,slow=0.1,slow5=0.2"))
+    assert explicit["fast2"] == 0.3 and explicit["slow0"] == 0.1 and explicit["slow5"] == 0.2 and "client" not in explicit
+    assert server_args(Table1Config(device="cuda"))[0][-2:] == ["--device", "cuda"]

@@ -29,7 +29,7 @@ from scipy.optimize import nnls
 
 @dataclass(frozen=True)
 class ServiceFit:
-    t_I_s: float  # prefill seconds per token per block
+    t_I_s: float | None  # prefill seconds per token per block (None: no prefill batch in the window)
     t_O_s: float  # decode seconds per token per block
     t_o_s: float  # seconds per step (per batch) on this server, whatever its blocks
     samples: int
@@ -47,7 +47,7 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     if len(y) < 3 or not (d > 0).any():
         return None
     cols = [np.ones_like(y), p, d]
-    use = [0, 1, 2] if (p > 0).any() else [0, 2]  # without prefill batches t_I is unknown: left at 0
+    use = [0, 1, 2] if (p > 0).any() else [0, 2]  # without prefill batches t_I is unknown
     X = np.stack([cols[i] for i in use], axis=1)
     # scale columns so the weights of the IRLS do not depend on units
     scale = np.maximum(np.abs(X).max(axis=0), 1e-12)
@@ -61,7 +61,7 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     coef = dict(zip(use, beta / scale))
     pred = X @ (beta / scale)
     rel = np.abs(y - pred) / y
-    return ServiceFit(t_I_s=float(coef.get(1, 0.0)), t_O_s=float(coef.get(2, 0.0)), t_o_s=float(coef.get(0, 0.0)),
+    return ServiceFit(t_I_s=float(coef[1]) if 1 in coef else None, t_O_s=float(coef.get(2, 0.0)), t_o_s=float(coef.get(0, 0.0)),
                       samples=int(len(y)), median_abs_rel_residual=float(np.median(rel)))
 
 

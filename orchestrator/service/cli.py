@@ -51,6 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", choices=["fifo", "fair"], default="fifo",
                    help="central queue order when no chain has a free slot: fifo (JFFC as in the paper) or fair "
                         "(the waiting session whose client received the least service goes first: VTC counters)")
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan from each server's live service (t_I, t_O and per-step t_o fitted from its batches, "
+                        "the clients' measured per-hop cost in tau_c) once it ran enough batches; --no-calibrate "
+                        "plans from the start-up profile and the flags only")
+    p.add_argument("--replan-threshold", type=positive_float, default=0.2,
+                   help="re-plan when the calibrated model moves the planned rate or c* by more than this "
+                        "(relative) for 30 s; re-armed below half of it (default 0.2)")
+    p.add_argument("--model-replan-period", type=positive_float, default=300.0,
+                   help="at most one re-plan asked by the calibrated model per this many seconds (default 300)")
+    p.add_argument("--model-replans", type=int, default=None,
+                   help="at most this many re-plans asked by the calibrated model (default: no limit; the Table 1 "
+                        "experiment allows 1, after its calibration warm-up)")
+    p.add_argument("--replan-hold", type=float, default=30.0,
+                   help="seconds the calibrated model must keep the plan moved before it re-plans (default 30)")
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=0, help="status page port (0: pick a free one; -1: no HTTP)")
     p.add_argument("--log-level", default="WARNING")
@@ -90,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
         per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3,
         expected_servers=args.expected_servers, expected_wait_s=args.expected_wait, settle_s=args.settle, replan_period_s=args.replan_period,
-        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, identity_path=args.identity_path,
+        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, calibrate=args.calibrate,
+        replan_enter=args.replan_threshold, replan_exit=args.replan_threshold / 2,
+        model_replan_period_s=args.model_replan_period, replan_hold_s=args.replan_hold,
+        max_model_replans=args.model_replans, identity_path=args.identity_path,
         allowed_peers=allowed_peers))
     http = None
     if args.http_port >= 0:

@@ -21,6 +21,7 @@ from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
 from orchestrator.policies import get_policy
+from orchestrator.service.calibration import ReplanTrigger, ServiceWindow
 from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
@@ -33,7 +34,7 @@ from petals_chain.messages import Assignment, AssignmentStatus, Hop
 from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
 from petals_chain.wire import ServerState
 from petals_chain.swarm_identity import SwarmIdentity
-from petals_chain.protocol import OrchestratorService, ping_block_server_s
+from petals_chain.protocol import OrchestratorService, fetch_service_records, ping_block_server_s
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,16 @@ class OrchestratorConfig:
     lease_ttl_s: float = 15.0
     queue: str = "fifo"  # central queue order: fifo (JFFC, the paper) or fair (VTC counters per client)
     dispatch: str = "jffc"  # chain dispatcher (orchestrator.dispatch) for policies over static chains
+    # the calibrated service model (orchestrator/service/calibration.py)
+    calibrate: bool = True  # plan from live service fits once a server has enough batches
+    service_poll_s: float = 2.0  # how often servers' batch records are read
+    calibration_min_batches: int = 20
+    model_check_s: float = 10.0  # how often the calibrated model's plan is compared with the installed one
+    replan_enter: float = 0.2  # re-plan when the planned rate or c* moved by more than this (relative) ...
+    replan_exit: float = 0.1  # ... re-armed only after it came back within this
+    replan_hold_s: float = 30.0  # ... continuously for this long
+    model_replan_period_s: float = 300.0  # ... at most once per this (slower than churn: a re-plan may reload servers)
+    max_model_replans: int | None = None  # ... and at most this many times (None: no limit)
     max_acquire_timeout_s: float = 600.0
     rtt_probes: int = 5
     announce_period_s: float = 2.0
@@ -107,6 +118,31 @@ def first_plan_due(now_s: float, measured: int, expected: int, last_change_s: fl
 
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, clock=time.monotonic):
+        self._init_state(config, clock)
+        self.identity = SwarmIdentity.load_or_create(config.identity_path)
+        self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
+                             **self.identity.dht_kwargs())
+        self.peer_id = str(self.dht.peer_id)
+        self.loop = BackgroundLoop("orchestrator-p2p")
+        self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
+        from orchestrator.service.rpc import OrchestratorRpc
+        self.servicer = OrchestratorService(OrchestratorRpc(self), config.allowed_peers)
+        self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
+        self._stop = threading.Event()
+        self._announce()
+        self._control = threading.Thread(target=self._control_loop, name="orchestrator-control", daemon=True)
+        self._control.start()
+
+    @classmethod
+    def offline(cls, config: OrchestratorConfig, clock) -> "Orchestrator":
+        """The orchestrator's state and decisions without a DHT, RPCs or control thread (tests drive
+        `tick`-level methods with their own clock)."""
+        orch = cls.__new__(cls)
+        orch._init_state(config, clock)
+        orch.peer_id = "offline"
+        return orch
+
+    def _init_state(self, config: OrchestratorConfig, clock) -> None:
         self.config = config
         self.clock = clock
         self.model = model_key(config.model)
@@ -123,22 +159,16 @@ class Orchestrator:
         self.last_change_s = self.clock()
         self.known_changed = False  # server set differs from the one of the current plan
         self._rtt_tried: dict[str, float] = {}
+        self.windows: dict[str, ServiceWindow] = {}  # per server: its batches and hop costs (calibration)
+        self.trigger = ReplanTrigger(config.replan_enter, config.replan_exit, config.replan_hold_s,
+                                     config.model_replan_period_s)
+        self.model_moved = False  # the calibrated model moved the plan: re-plan (never forced)
+        self.model_replans = 0
+        self._last_service_poll_s = -math.inf
+        self._last_model_check_s = -math.inf
         self.first_registration_s = math.inf
         self.events: list[str] = []
         self.http_port = 0
-        self.identity = SwarmIdentity.load_or_create(config.identity_path)
-        self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                             **self.identity.dht_kwargs())
-        self.peer_id = str(self.dht.peer_id)
-        self.loop = BackgroundLoop("orchestrator-p2p")
-        self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
-        from orchestrator.service.rpc import OrchestratorRpc
-        self.servicer = OrchestratorService(OrchestratorRpc(self), config.allowed_peers)
-        self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
-        self._stop = threading.Event()
-        self._announce()
-        self._control = threading.Thread(target=self._control_loop, name="orchestrator-control", daemon=True)
-        self._control.start()
 
     # -- announcements ----------------------------------------------------------------------
     def info(self) -> OrchestratorInfo:
@@ -201,6 +231,12 @@ class Orchestrator:
                     self.records[p].rtt_s = rtt
         if lost:
             self.drop_servers(lost, now, why="left the DHT")
+        if now - self._last_service_poll_s >= self.config.service_poll_s:
+            self._last_service_poll_s = now
+            self.collect_service()
+        if now - self._last_model_check_s >= self.config.model_check_s:
+            self._last_model_check_s = now
+            self.check_model(now)
         with self.lock:
             expired, _ = self.sessions.expire(now)
             # waiters whose client vanished mid-wait: no RPC polls them any more
@@ -210,6 +246,76 @@ class Orchestrator:
             self.log_event(f"lease of session {sid[:8]} expired (no heartbeat): slot returned")
         self._maybe_plan(now)
         self._maybe_install(now)
+
+    # -- the calibrated model ---------------------------------------------------------------------
+    def window(self, peer_id: str) -> ServiceWindow:
+        w = self.windows.get(peer_id)
+        if w is None:
+            w = self.windows[peer_id] = ServiceWindow(min_batches=self.config.calibration_min_batches)
+        return w
+
+    def collect_service(self) -> None:
+        """Read each serving server's new batch records (outside the lock: round trips), refit."""
+        with self.lock:
+            peers = {p: self.window(p).last_seq for p, r in self.records.items() if r.info.has_blocks}
+        for p, since in peers.items():
+            got = fetch_service_records(self.loop, self.p2p, p, since)
+            if got is None:
+                continue
+            with self.lock:
+                w = self.window(p)
+                if got and got[-1].seq < w.last_seq:  # the server restarted its count
+                    w.last_seq = -1
+                for b in got:
+                    w.add_batch(b.seq, b.prefill_block_tokens, b.decode_block_tokens, b.wall_s, b.cpu_s)
+        self.refit()
+
+    def refit(self) -> None:
+        with self.lock:
+            for p, rec in self.records.items():
+                w = self.windows.get(p)
+                rec.fit = w.fit() if (w is not None and self.config.calibrate) else None
+                rec.hop_cost_s = w.hop_cost if (w is not None and self.config.calibrate) else None
+
+    def check_model(self, now: float) -> None:
+        """Would the calibrated model plan differently enough to re-plan? (hysteresis: ReplanTrigger)"""
+        with self.lock:
+            cur = self.current
+            if cur is None or not cur.installed or self.model_moved or not self.config.calibrate:
+                return
+            if self.config.max_model_replans is not None and self.model_replans >= self.config.max_model_replans:
+                return
+            records = [r for r in self.records.values() if r.rtt_s is not None]
+            cfg = self.config
+            try:
+                cluster, _ = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
+                                           cfg.rho_bar, self.overheads)
+            except ValueError:
+                return
+        try:
+            p = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
+        except ValueError:
+            return
+        with self.lock:
+            if self.trigger.observe(p.total_rate_per_s, p.c, now):
+                ref_rate, ref_c = self.trigger.reference
+                self.model_moved = True
+                moved = (f"planned rate {ref_rate:.3g} -> {p.total_rate_per_s:.3g}/s, c* {ref_c} -> {p.c}")
+            else:
+                return
+        self.log_event(f"the calibrated service model moved the plan ({moved}): re-planning")
+
+    def model_view(self, peer_id: str) -> dict:
+        """Model vs measured for /status: the announced start-up profile, the live fit, the hop cost."""
+        rec, w = self.records.get(peer_id), self.windows.get(peer_id)
+        f = rec.fit if rec else None
+        return {"announced": {"t_I": rec.info.prefill_s_per_token, "t_O": rec.info.decode_s_per_token} if rec else None,
+                "fitted": None if f is None else {"t_I": f.t_I_s, "t_O": f.t_O_s, "t_o": f.t_o_s, "samples": f.samples,
+                                                  "median_abs_rel_residual": f.median_abs_rel_residual},
+                "hop_cost": rec.hop_cost_s if rec else None,
+                "batches": 0 if w is None else len(w.batches),
+                "cpu_per_wall": None if w is None else w.cpu_per_wall,
+                "source": "live" if f is not None else "announced"}
 
     def measure_rtt(self, peer_id: str) -> float | None:
         """Median round trip of rpc_info to the server (None when it does not answer)."""
@@ -257,6 +363,8 @@ class Orchestrator:
             c = self.config
             return first_plan_due(now, len(measured), c.expected_servers, self.last_change_s, c.settle_s,
                                   self.first_registration_s, c.expected_wait_s)
+        if self.model_moved:
+            return True  # the trigger already waited its hold and the minimum interval
         if not self.known_changed:
             return False
         stale = any(p not in self.records for p in cur.peers if cur.assignment(p))
@@ -287,7 +395,9 @@ class Orchestrator:
             if info.has_blocks:
                 busy = bool(self.sessions.sessions_on(p) or info.active_sessions)
                 held[p] = HeldRange(info.start, info.end, fixed=not info.extra.get("auto", False), busy=busy)
-        ranges, pinned = keep_held_ranges(list(result.placement.ranges), peers, held, force=cfg.force_replan)
+        # a re-plan the model asked for never moves a server that holds sessions (it would drop them)
+        ranges, pinned = keep_held_ranges(list(result.placement.ranges), peers, held,
+                                          force=cfg.force_replan and not self.model_moved)
         pinned = [self.records[p].info.name or p[-8:] for p in pinned]
         placement = Placement(tuple(ranges))
         if pinned:  # chains over the placement servers will really hold
@@ -307,6 +417,9 @@ class Orchestrator:
                 self.sessions.drop_servers(moving, now)
         self.current = PlanState(version, result, cluster, peers, placement, chains, created_s=now)
         self.known_changed = False
+        self.model_replans += int(self.model_moved)
+        self.model_moved = False
+        self.trigger.planned(result.total_rate_per_s, result.c, now)
         desc = ", ".join(f"{self.records[p].info.name or p[-8:]}=[{r.start},{r.end})" if r else
                          f"{self.records[p].info.name or p[-8:]}=unused" for p, r in zip(peers, placement.ranges))
         self.log_event(f"plan v{version} ({cfg.policy}, c={result.c}): {desc}"
@@ -356,9 +469,14 @@ class Orchestrator:
         self.sessions.install_router(router, peers, max_len, cur.version, now)
 
     # -- called from RPC handlers on the loop ---------------------------------------------------
-    def release(self, session_id: str, input_tokens: int, output_tokens: int) -> bool:
-        """A session ended: its slot frees; its lengths update the expected ones. Returns whether it held a lease."""
+    def release(self, session_id: str, input_tokens: int, output_tokens: int, hops=None) -> bool:
+        """A session ended: its slot frees; its lengths update the expected ones, its hops' network
+        times the per-hop cost. Returns whether it held a lease."""
         with self.lock:
+            for h in hops or ():
+                rec = self.records.get(h.peer_id)
+                if rec is not None and rec.rtt_s is not None and h.steps > 0:
+                    self.window(h.peer_id).add_hop(h.comm_s / h.steps, rec.rtt_s)
             known = session_id in self.sessions.leases
             self.sessions.release(session_id, self.clock(), input_tokens=input_tokens, output_tokens=output_tokens)
             if known:
@@ -393,15 +511,21 @@ class Orchestrator:
                 except ValueError:
                     tau_c, tau_p = None, None
                 assigned = cur.assignment(p) if cur else None
+                f = rec.fit
                 servers.append({"peer_id": p, "name": i.name, "start": i.start, "end": i.end,
                                 "memory": i.memory_budget_bytes, "tau_p": tau_p, "tau_c": tau_c, "state": i.state,
-                                "rtt": rec.rtt_s, "t_I": i.prefill_s_per_token, "t_O": i.decode_s_per_token,
+                                "rtt": rec.rtt_s,
+                                "t_I": i.prefill_s_per_token if f is None or f.t_I_s is None else f.t_I_s,
+                                "t_O": i.decode_s_per_token if f is None else f.t_O_s,
+                                "t_o": None if f is None else f.t_o_s, "hop_cost": rec.hop_cost_s,
+                                "model": self.model_view(p),
                                 "assigned": list(assigned) if assigned else None,
                                 "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False))})
             return {
                 "model": self.model, "peer_id": self.peer_id, "policy": self.config.policy,
                 "plan_version": cur.version if cur else 0, "plan_installed": bool(cur and cur.installed),
                 "c": cur.plan.c if cur else None, "plan_error": self.plan_error,
+                "model_replans": self.model_replans,
                 "num_blocks": self.config.num_blocks, "servers": servers,
                 "chains": self.sessions.chain_views(), "queue_length": self.sessions.queue_length,
                 "queue_order": self.sessions.queue_order, "sessions": len(self.sessions.leases),

@@ -23,6 +23,21 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
            "#7f7f7f")
 
 
+def _model_cells(m: dict | None) -> str:
+    """Model vs measured of one server: the start-up profile's t_O against the one fitted from live
+    batches, the fitted per-step overhead, the measured per-hop cost, how well the fit describes the
+    batches (median |measured / model - 1|) and the CPU share its batches took."""
+    if not m:
+        return "<td></td>" * 5
+    a, f = m.get("announced") or {}, m.get("fitted")
+    t_o = "" if f is None else _ms(f["t_o"])
+    fitted = "not yet" if f is None else _ms(f["t_O"])
+    resid = "" if f is None else f'{100 * f["median_abs_rel_residual"]:.0f}% ({f["samples"]} batches)'
+    cpu = "" if m.get("cpu_per_wall") is None else f'{m["cpu_per_wall"]:.2f}'
+    return (f'<td>{_ms(a.get("t_O"))} / {fitted}</td><td>{t_o}</td><td>{_ms(m.get("hop_cost"))}</td>'
+            f'<td>{resid}</td><td>{cpu}</td>')
+
+
 def metrics_text(orch) -> str:
     with orch.lock:
         ds = orch.sessions
@@ -98,7 +113,7 @@ def status_html(status: dict) -> str:
         f'<td class="mono">{html.escape(s["peer_id"][-12:])}</td><td>{html.escape(s["state"])}</td>'
         f'<td>[{s["start"]}, {s["end"]})</td><td>{s["memory"] / 2**20:.0f} MiB</td>'
         f'<td>{_ms(s["rtt"])}</td><td>{_ms(s["tau_c"])}</td><td>{_ms(s["tau_p"])}</td>'
-        f'<td>{s["active_sessions"]}</td></tr>' for s in status["servers"])
+        f'<td>{s["active_sessions"]}</td>{_model_cells(s.get("model"))}</tr>' for s in status["servers"])
     chain_rows = "".join(
         f'<tr><td>{c["chain_id"]}</td><td>{" &rarr; ".join(html.escape(names.get(p, p[-8:])) for p in c["servers"])}</td>'
         f'<td>{", ".join(f"[{a},{b})" for a, b in c["blocks"])}</td><td>{c["in_use"]} / {c["capacity"]}</td>'
@@ -133,7 +148,9 @@ table.list td, table.list th {{ border-bottom: 1px solid #ddd; }}
 <th>service time</th><th>dispatchable</th></tr>{chain_rows}</table>
 <h2>Servers</h2>
 <table class="list"><tr><th>name</th><th>peer</th><th>state</th><th>blocks</th><th>memory</th><th>RTT</th>
-<th>&tau;<sub>c</sub></th><th>&tau;<sub>p</sub> (per block)</th><th>sessions (server-reported)</th></tr>{srv_rows}</table>
+<th>&tau;<sub>c</sub></th><th>&tau;<sub>p</sub> (per block)</th><th>sessions (server-reported)</th>
+<th>t<sub>O</sub> start-up / fitted</th><th>t<sub>o</sub> / step</th><th>hop cost / step</th><th>fit residual</th>
+<th>CPU / wall</th></tr>{srv_rows}</table>
 <h2>Events</h2><ul>{events}</ul>
 </body></html>
 """

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from orchestrator.model import BlockInterval, Cluster, Server, Service
+from orchestrator.service.calibration import ServiceFit
 from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
 from petals_chain.wire import ServerInfo
 
@@ -21,6 +22,8 @@ class ServerRecord:
     info: ServerInfo  # the latest announcement
     rtt_s: float | None = None  # median RTT measured by the orchestrator (None: not measured yet / unreachable)
     last_seen_s: float = 0.0
+    fit: ServiceFit | None = None  # the calibrated model from live service (None: the announced t_I, t_O)
+    hop_cost_s: float | None = None  # measured per-hop framework cost per step beyond the RTT
 
     @property
     def peer_id(self) -> str:
@@ -34,12 +37,19 @@ class Overheads:
 
 
 def server_params(record: ServerRecord, shape: SessionShape, overheads: Overheads) -> tuple[float, float]:
-    """(tau_c_s, tau_p_s) of one server."""
+    """(tau_c_s, tau_p_s) of one server. With a calibrated fit: t_I, t_O fitted from live service,
+    and the fitted per-step t_o plus the measured per-hop cost join the RTT in every step of tau_c
+    (they are paid once per step and server, whatever its blocks); the per-block t_o flag then no
+    longer applies. Without one: the announced start-up profile and the flags."""
     if record.rtt_s is None:
         raise ValueError(f"server {record.peer_id} has no RTT measurement yet")
-    i = record.info
-    return (tau_c_s(record.rtt_s, shape, overheads.per_step_s),
-            tau_p_s(i.prefill_s_per_token, i.decode_s_per_token, shape, overheads.per_block_s))
+    i, f = record.info, record.fit
+    per_step_s = overheads.per_step_s + (record.hop_cost_s or 0.0)
+    if f is None:
+        return (tau_c_s(record.rtt_s, shape, per_step_s),
+                tau_p_s(i.prefill_s_per_token, i.decode_s_per_token, shape, overheads.per_block_s))
+    t_I = i.prefill_s_per_token if f.t_I_s is None else f.t_I_s
+    return tau_c_s(record.rtt_s, shape, per_step_s + f.t_o_s), tau_p_s(t_I, f.t_O_s, shape, 0.0)
 
 
 def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionShape, arrival_rate_per_s: float,

@@ -49,7 +49,7 @@ class OrchestratorRpc:
     @wire.replies_with_typed_errors
     async def release(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         msg = wire.decode_request(request, Release)
-        return wire.response(Released(self.orch.release(msg.session_id, msg.input_tokens, msg.output_tokens)))
+        return wire.response(Released(self.orch.release(msg.session_id, msg.input_tokens, msg.output_tokens, msg.hops)))
 
     @wire.replies_with_typed_errors
     async def heartbeat(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:

@@ -486,7 +486,10 @@ class Sessions:
         entry = self._wakers.pop(session_id, None)
         if entry is not None:
             loop, ev = entry
-            loop.call_soon_threadsafe(ev.set)
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # its loop is closed (shutdown): nobody waits any more
+                pass
 
     async def poll(self, session_id: str, client_id: str, max_length: int, *, timeout_s: float, poll_s: float,
                    exclude: frozenset[str], clock: Callable[[], float]) -> ChainGrant | Queued:
@@ -516,9 +519,11 @@ class Sessions:
             await asyncio.wait_for(ev.wait(), max(0.0, min(poll_s, deadline - now)))
         except asyncio.TimeoutError:
             pass
+        finally:  # also when the RPC is cancelled: no waker outlives its poll
+            with self.lock:
+                if self._wakers.get(session_id, (None, None))[1] is ev:
+                    del self._wakers[session_id]
         with self.lock:
-            if self._wakers.get(session_id, (None, None))[1] is ev:
-                del self._wakers[session_id]
             g = self.take_grant(session_id)
             if g is not None:
                 return g

@@ -37,7 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-peers", default=None, metavar="FILE",
                    help="use only servers and orchestrators whose peer ids this file lists (private swarm)")
     p.add_argument("--no-orchestrator", action="store_true", help="route client-side even if the DHT names an orchestrator")
+    p.add_argument("--speculative", type=parse_speculative, default=0, metavar="ngram:K",
+                   help="speculative decoding: ngram:K drafts up to K tokens by prompt lookup, verified in one chain "
+                        "step (exact greedy output, same sampling distribution; default off)")
     return p
+
+
+def parse_speculative(text: str) -> int:
+    """'ngram:K' -> K (draft tokens per step by prompt lookup)."""
+    kind, _, k = text.partition(":")
+    if kind != "ngram" or not k.isdigit() or int(k) < 1:
+        raise argparse.ArgumentTypeError(f"bad --speculative {text!r}: use ngram:K with K >= 1, e.g. ngram:4")
+    return int(k)
 
 
 def main(argv: list[str]) -> int:
@@ -105,7 +116,7 @@ def main(argv: list[str]) -> int:
     gateway = Gateway(model, tokenizer, GatewayConfig(model_name=args.model, api_keys=keys,
                                                       max_concurrent=args.max_concurrent,
                                                       queue_timeout_s=args.queue_timeout, max_length=args.max_length,
-                                                      admission=args.admission))
+                                                      admission=args.admission, prompt_lookup_tokens=args.speculative))
     port = sock.getsockname()[1]
     routing = "orchestrator" if getattr(model.backend, "orchestrator", None) else "client-side routing"
     print(f"api ready at http://{args.host}:{port}/v1 (model {args.model}, {routing}, "

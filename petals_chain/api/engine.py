@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from petals_chain.client.model import DistributedModelForCausalLM
 
@@ -28,6 +29,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    prompt_lookup_tokens: int = 0  # speculative decoding by prompt lookup: up to K drafts per step (0: off)
     top_logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k likeliest
 
 
@@ -53,6 +55,8 @@ class GenerationResult:
     hops: int = 0  # servers in the chain the session ran on
     failovers: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens every hop took from its prefix cache
+    drafted_tokens: int = 0  # prompt lookup: draft tokens verified, and those accepted
+    accepted_draft_tokens: int = 0
 
 
 class StopScanner:
@@ -108,43 +112,66 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
     pending: list[TokenLogprob] = []  # logprobs not yet handed out with a text delta
     if params.top_logprobs is not None:
         result.logprobs = []
+    drafter = None
+    if params.prompt_lookup_tokens > 0:
+        # HF's own n-gram drafter (the one `generate(prompt_lookup_num_tokens=k)` uses)
+        drafter = PromptLookupCandidateGenerator(num_output_tokens=params.prompt_lookup_tokens,
+                                                 max_length=len(prompt_ids) + params.max_tokens)
+
+    def pick(ids: list[int], logits: torch.Tensor) -> int:
+        if params.temperature > 0:
+            scores = warpers(torch.tensor([ids], dtype=torch.long), logits)
+            return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0])
+        return int(logits.argmax(dim=-1)[0])
+
     with model.inference_session(max_length=len(prompt_ids) + params.max_tokens,
                                  prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
                                  session_id=session_id) as session:
         result.chain = session.chain.describe()
         result.hops = session.chain.num_hops
         result.prefix_hit_tokens = session.position  # the open skipped what every hop had cached
-        while len(generated) < params.max_tokens:
+        while len(generated) < params.max_tokens and result.finish_reason == "length":
             if cancel.is_set():
                 result.finish_reason = "cancelled"
                 break
-            ids = torch.tensor([tokens], dtype=torch.long)
-            logits = model(ids, logits_to_keep=1).logits[:, -1, :]
-            if params.temperature > 0:
-                scores = warpers(ids, logits)
-                token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0])
-            else:
-                token = int(logits.argmax(dim=-1)[0])
-            if result.logprobs is not None:
-                entry = token_logprob(logits[0], token, params.top_logprobs)
-                result.logprobs.append(entry)
-                pending.append(entry)
+            draft: list[int] = []
+            if drafter is not None:
+                candidates, _ = drafter.get_candidates(torch.tensor([tokens], dtype=torch.long))
+                # never verify past the request's budget: the last token of a step is the model's own
+                draft = candidates[0, len(tokens):].tolist()[:params.max_tokens - len(generated) - 1]
+            # one chain step verifies every draft; the session rolls back the rejected ones by itself
+            logits = model(torch.tensor([tokens + draft], dtype=torch.long), logits_to_keep=len(draft) + 1).logits[0]
+            # Standard acceptance with a point-mass draft: pick position i's token as plain decoding would
+            # (argmax, or a sample of the model's distribution there) and keep going while it equals the
+            # draft: greedy output is identical, sampled output has the model's distribution.
+            step_tokens: list[int] = []
+            for i in range(len(draft) + 1):
+                step_tokens.append(pick(tokens + step_tokens, logits[i:i + 1]))
+                if i == len(draft) or step_tokens[-1] != draft[i]:
+                    break
+            result.drafted_tokens += len(draft)
             now_s = clock()
-            if result.time_to_first_token_s is None:
-                result.time_to_first_token_s = now_s - start_s
-            result.token_times_s.append(now_s)
-            tokens.append(token)
-            generated.append(token)
-            if token in eos:
-                result.finish_reason = "stop"
-                break
-            delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True))
-            if delta:
-                on_text(delta, pending)
-                pending = []
-            if scanner.stopped:
-                result.finish_reason = "stop"
-                break
+            for n, token in enumerate(step_tokens):
+                result.accepted_draft_tokens += n > 0  # a token after the first of a step was a draft
+                if result.logprobs is not None:
+                    entry = token_logprob(logits[n], token, params.top_logprobs)
+                    result.logprobs.append(entry)
+                    pending.append(entry)
+                if result.time_to_first_token_s is None:
+                    result.time_to_first_token_s = now_s - start_s
+                result.token_times_s.append(now_s)
+                tokens.append(token)
+                generated.append(token)
+                if token in eos:
+                    result.finish_reason = "stop"
+                    break
+                delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True))
+                if delta:
+                    on_text(delta, pending)
+                    pending = []
+                if scanner.stopped:
+                    result.finish_reason = "stop"
+                    break
         result.failovers = getattr(session.chain, "failovers", 0)
     if result.finish_reason != "cancelled":
         delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True), final=True)

@@ -56,6 +56,7 @@ class GatewayConfig:
     queue_timeout_s: float = 60.0
     max_length: int = 2048  # prompt + completion tokens of one session
     admission: str = "fifo"
+    prompt_lookup_tokens: int = 0  # --speculative ngram:K (0: off)
 
 
 class Gateway:
@@ -102,7 +103,8 @@ class Gateway:
             logger.info("n=%d with temperature 0: the choices will be identical", body.n)
         return [SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                stop=body.stop_list(), seed=None if body.seed is None else body.seed + i,
-                               top_logprobs=body.top_logprobs_count()) for i in range(body.n)]
+                               top_logprobs=body.top_logprobs_count(),
+                               prompt_lookup_tokens=self.config.prompt_lookup_tokens) for i in range(body.n)]
 
     def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], bool]:
         """The prompt's token ids, and whether the reply is parsed for tool calls."""
@@ -172,7 +174,8 @@ class Gateway:
                                     finish_reason=result.finish_reason, ttft_s=result.time_to_first_token_s,
                                     token_times_s=result.token_times_s, e2e_s=time.perf_counter() - arrived_s,
                                     hops=result.hops, failovers=result.failovers,
-                                    prefix_hit_tokens=result.prefix_hit_tokens)
+                                    prefix_hit_tokens=result.prefix_hit_tokens, drafted_tokens=result.drafted_tokens,
+                                    accepted_draft_tokens=result.accepted_draft_tokens)
             logger.info("session %s (%s): %d prompt tokens (%d from prefix caches), %d generated, %s, chain %s",
                         session_id, user, len(prompt_ids), result.prefix_hit_tokens, result.completion_tokens,
                         result.finish_reason, result.chain)

@@ -71,14 +71,21 @@ class GatewayMetrics:
         self.prefix_queried_tokens = Counter(PREFIX + "prefix_cache_queries",
                                              "Prompt tokens offered to the chain's prefix caches.",
                                              ["model_name"], registry=r).labels(**m)
+        # speculative decoding (--speculative): draft tokens verified in chain steps, and those accepted
+        self.drafted_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified (speculative).",
+                                      ["model_name"], registry=r).labels(**m)
+        self.accepted_draft_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens",
+                                             "Draft tokens accepted (speculative).", ["model_name"], registry=r).labels(**m)
 
     def request(self, endpoint: str, status: int) -> None:
         self.http_requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def generation(self, *, prompt_tokens: int, completion_tokens: int, finish_reason: str,
                    ttft_s: float | None, token_times_s: list[float], e2e_s: float, hops: int, failovers: int,
-                   prefix_hit_tokens: int) -> None:
+                   prefix_hit_tokens: int, drafted_tokens: int = 0, accepted_draft_tokens: int = 0) -> None:
         """One finished session (one choice of a request)."""
+        self.drafted_tokens.inc(drafted_tokens)
+        self.accepted_draft_tokens.inc(accepted_draft_tokens)
         self.prompt_tokens.inc(prompt_tokens)
         self.prefix_queried_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from petals_chain.errors import InvalidRequestError
 from petals_chain.runtime.block_range import BlockRange, StepInput
 
 
@@ -39,7 +40,19 @@ class ChainSession(ABC):
         return 1
 
     @abstractmethod
-    def step(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def step(self, hidden: torch.Tensor, start_position: int | None = None) -> torch.Tensor:
+        """Run `hidden` [n, hidden] at positions `[start, start + n)` and return the last block's output.
+        `start_position` (default: `position`) may be below `position`: the chain rolls back to it first
+        (KV rollback: every hop overwrites its cache from there), e.g. to drop rejected draft tokens."""
+
+    def check_start(self, start_position: int | None) -> int:
+        """The step's start position, validated: at most what the chain holds."""
+        if start_position is None:
+            return self.position
+        if not 0 <= start_position <= self.position:
+            raise InvalidRequestError(f"a step may start at a position in [0, {self.position}] (what the chain "
+                                      f"holds), got {start_position}")
+        return start_position
 
     @abstractmethod
     def close(self) -> None: ...
@@ -75,7 +88,11 @@ class LocalChainSession(ChainSession):
     def num_hops(self) -> int:
         return len(self.ranges)
 
-    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, start_position: int | None = None) -> torch.Tensor:
+        start = self.check_start(start_position)
+        for kv in self.kvs:
+            kv.past_tokens = start  # the static caches are overwritten from there
+        self.position = start
         for block_range, kv in zip(self.ranges, self.kvs):
             hidden = block_range.forward([StepInput(kv, hidden)])[0]
         self.position += hidden.shape[0]

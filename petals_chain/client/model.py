@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,13 +25,40 @@ from petals_chain.runtime.client_head import ClientHead
 DEFAULT_MAX_LENGTH = 2048
 
 
+@dataclass(frozen=True)
+class GenerateStats:
+    """One `generate` call: `tokens` generated in `chain_steps` chain steps. Every step yields its
+    accepted drafts plus one token of the model's own, so `accepted_draft_tokens = tokens - chain_steps`
+    (0 without speculation)."""
+
+    tokens: int
+    chain_steps: int
+    drafted_tokens: int
+
+    @property
+    def accepted_draft_tokens(self) -> int:
+        return self.tokens - self.chain_steps
+
+    def to_json(self) -> dict[str, int]:
+        return {"tokens": self.tokens, "chain_steps": self.chain_steps,
+                "accepted_draft_tokens": self.accepted_draft_tokens, "drafted_tokens": self.drafted_tokens}
+
+
 class InferenceSession:
     """A multi-turn session: tokens stay cached on the chain between `generate` calls."""
 
-    def __init__(self, chain_session: ChainSession, max_length: int):
+    def __init__(self, chain_session: ChainSession, max_length: int, processed_ids: list[int] | None = None):
         self.chain = chain_session
         self.max_length = max_length
-        self.token_ids: list[int] = []  # every token of the conversation, processed or not yet
+        # every token of the conversation, processed or not yet; the next `generate` continues it. Assign
+        # a shorter or edited list to regenerate or edit the last turn: the chain keeps the shared prefix
+        self.token_ids: list[int] = []
+        # the tokens the chain holds, in order (len == chain.position): a forward whose ids share only
+        # a prefix with them rolls the chain back to that prefix (rejected drafts, an edited turn)
+        self.processed_ids: list[int] = list(processed_ids or [])
+        self.chain_steps = 0  # forwards through the chain (each one step of every hop)
+        self.drafted_tokens = 0  # draft tokens sent for verification (speculative decoding)
+        self.last_generate: GenerateStats | None = None  # of the latest `generate` in this session
         self.closed = False
 
     @property
@@ -119,7 +147,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         prefix = None
         if prompt_ids is not None:
             prefix = PromptPrefix(prompt_ids.tolist(), self.head.embed_batched(prompt_ids))
-        session = InferenceSession(self.backend.open_session(max_length, prefix, session_id=session_id), max_length)
+        chain = self.backend.open_session(max_length, prefix, session_id=session_id)
+        # a reused prompt prefix is already on the chain
+        reused = prompt_ids[:chain.position].tolist() if prompt_ids is not None else []
+        session = InferenceSession(chain, max_length, reused)
         self._session = session
         try:
             yield session
@@ -128,7 +159,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             session.close()
 
     def generate(self, input_ids: torch.Tensor | None = None, *, max_length: int | None = None, **kwargs):
-        """transformers' generate, run through the chain. Batch size 1 (one session per sequence)."""
+        """transformers' generate, run through the chain. Batch size 1 (one session per sequence).
+        Speculative decoding is HF's own: `prompt_lookup_num_tokens=k` or `assistant_model=draft`; each
+        round verifies every drafted token in one chain step and the chain rolls back the rejected ones."""
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise InvalidRequestError("generate takes input_ids of shape [1, n]: one sequence per session "
                                       "(run several sessions, e.g. in threads, for several sequences)")
@@ -139,6 +172,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             full = torch.tensor([self._session.token_ids + input_ids[0].tolist()], dtype=torch.long)
             return self._generate_in(self._session, full, **kwargs)
         budget = max_length or (input_ids.shape[1] + int(kwargs.get("max_new_tokens") or 0)) or DEFAULT_MAX_LENGTH
+        # HF's prompt lookup may draft past max_length (its cut is on the index it copies from): the
+        # verification step then holds up to k more tokens than the output
+        budget += int(kwargs.get("prompt_lookup_num_tokens") or 0)
         # the prompt goes with the open: hops that hold its prefix skip it (generate keeps only the
         # last position's logits, so the skipped positions' logits are never needed)
         with self.inference_session(max_length=budget, prompt_ids=input_ids[0]) as session:
@@ -148,39 +184,70 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self._session = session
         kwargs.setdefault("pad_token_id", self.config.pad_token_id if self.config.pad_token_id is not None
                           else self.config.eos_token_id)
+        if kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None:
+            # HF's assisted decoding insists on a cache it can crop: it gets an empty DynamicCache that
+            # only passes through `forward`; the chain holds the real KV and drops rejected drafts by
+            # itself, seeing that the next ids share only a prefix with what it processed
+            kwargs["use_cache"] = True
+        steps, drafted = session.chain_steps, session.drafted_tokens
         out = super().generate(full_ids, attention_mask=torch.ones_like(full_ids), **kwargs)
         session.token_ids = out[0].tolist()
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        session.last_generate = GenerateStats(sequences.shape[1] - full_ids.shape[1], session.chain_steps - steps,
+                                              session.drafted_tokens - drafted)
         return out
 
-    def prepare_inputs_for_generation(self, input_ids, logits_to_keep: int = 0, **kwargs):
-        return {"input_ids": input_ids, "logits_to_keep": logits_to_keep}
+    def prepare_inputs_for_generation(self, input_ids, logits_to_keep: int = 0, past_key_values=None, **kwargs):
+        return {"input_ids": input_ids, "logits_to_keep": logits_to_keep, "past_key_values": past_key_values}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0,
-                **kwargs) -> CausalLMOutputWithPast:
+                past_key_values=None, **kwargs) -> CausalLMOutputWithPast:
         """Feed the chain the tokens it has not seen yet and return logits [1, n, vocab] for the last
         `logits_to_keep` of them (0: all new positions). transformers' generate passes 1, so a
         700-token prefill runs the LM head on one position, not 700."""
         session = self._session
         if session is None:
             with self.inference_session(max_length=input_ids.shape[1]) as s:
-                return self._forward_in(s, input_ids, logits_to_keep)
-        return self._forward_in(session, input_ids, logits_to_keep)
+                out = self._forward_in(s, input_ids, logits_to_keep)
+        else:
+            out = self._forward_in(session, input_ids, logits_to_keep)
+        out.past_key_values = past_key_values  # HF's placeholder cache (assisted decoding), untouched
+        return out
 
     def _forward_in(self, session: InferenceSession, input_ids: torch.Tensor,
                     logits_to_keep: int = 0) -> CausalLMOutputWithPast:
-        done = session.position
-        new = input_ids[0, done:]
-        if new.numel() == 0:
-            raise InvalidRequestError("no new tokens to process: the session already holds this whole sequence")
-        if done + new.numel() > session.max_length:
+        ids = input_ids[0].tolist()
+        # Run from where `ids` leave what the chain holds (rolling it back when they differ), and at
+        # least the positions whose logits are asked for: a sequence the chain already holds whole
+        # (a regenerated turn) recomputes its last token, which costs one token, not the prompt.
+        start = min(_common_prefix_tokens(ids, session.processed_ids), session.position, len(ids) - max(1, logits_to_keep))
+        if start < 0:
+            raise InvalidRequestError(f"logits_to_keep={logits_to_keep} asks for more positions than the "
+                                      f"{len(ids)} input tokens")
+        if len(ids) > session.max_length:
             raise InvalidRequestError(f"the session was opened with max_length={session.max_length} but would hold "
-                                      f"{done + new.numel()} tokens; open it with a larger max_length")
-        hidden = session.chain.step(self.head.embed_batched(new))
+                                      f"{len(ids)} tokens; open it with a larger max_length (speculative decoding "
+                                      "verifies up to k drafted tokens past the output: add k)")
+        new = input_ids[0, start:]
+        session.processed_ids = ids[:start]  # what the chain holds should this step fail
+        hidden = session.chain.step(self.head.embed_batched(new), start_position=start)
+        session.processed_ids = ids
+        session.chain_steps += 1
+        session.drafted_tokens += max(0, logits_to_keep - 1)  # assisted decoding keeps one logit per draft + 1
         if logits_to_keep > 0:
             hidden = hidden[-logits_to_keep:]
-        # on the ids' device: transformers' logits processors index the logits with the ids
-        logits = self.head.logits_batched(hidden).float().to(input_ids.device)
+        # on the ids' device (transformers' logits processors index the logits with the ids), and a
+        # copy made outside inference mode: HF's assisted decoding edits the logits in place
+        logits = self.head.logits_batched(hidden).to(input_ids.device, torch.float32, copy=True)
         return CausalLMOutputWithPast(logits=logits.unsqueeze(0))
+
+
+def _common_prefix_tokens(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 # PETALS' name for the same class, so `from petals_chain import AutoDistributedModelForCausalLM` reads as in PETALS.

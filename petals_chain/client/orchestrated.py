@@ -21,13 +21,24 @@ from hivemind.p2p import PeerID
 from petals_chain import wire
 from petals_chain.client.routing import ChainProvider
 from petals_chain.errors import OrchestratorUnavailableError, PetalsChainError
-from petals_chain.messages import (Acquire, ChainGrant, Granted, Heartbeat, HeartbeatReply, Queued, Release, Released,
+from petals_chain.messages import (Acquire, HopReport, ChainGrant, Granted, Heartbeat, HeartbeatReply, Queued, Release, Released,
                                    decode_tagged)
 from petals_chain.protocol import OrchestratorService
 from petals_chain.wire_record import WireRecord
 
 logger = logging.getLogger(__name__)
 
+
+
+def hop_reports(hop_timings) -> list[HopReport] | None:
+    """Per server: steps and summed (client - server) time of the steps that reported a server time."""
+    acc: dict[str, list] = {}
+    for t in hop_timings:
+        if t.server_s is not None:
+            a = acc.setdefault(t.peer_id, [0, 0.0])
+            a[0] += 1
+            a[1] += max(0.0, t.client_s - t.server_s)
+    return [HopReport(p, n, s) for p, (n, s) in acc.items()] or None
 
 class OrchestratorChainProvider(ChainProvider):
     whole_chain_failover = True
@@ -114,11 +125,11 @@ class OrchestratorChainProvider(ChainProvider):
                 raise OrchestratorUnavailableError("the orchestrator kept the session queued past its timeout")
             logger.debug("session %s queued at position %s", session_id[:8], out.position)
 
-    def session_finished(self, hops, *, session_id="", input_tokens=0, output_tokens=0):
+    def session_finished(self, hops, *, session_id="", input_tokens=0, output_tokens=0, hop_timings=()):
         with self._lock:
             self.grants.pop(session_id, None)
         try:
-            release = Release(session_id, int(input_tokens), int(output_tokens))
+            release = Release(session_id, int(input_tokens), int(output_tokens), hop_reports(hop_timings))
             Released.from_wire(self._call("rpc_release", release, 5.0))
         except PetalsChainError as e:  # the lease expires by itself; say so, do not fail the caller's close
             logger.warning("release of session %s failed: %s (its lease will expire)", session_id[:8], e)

@@ -67,6 +67,17 @@ def as_server_error(error: Exception, timeout_s: float) -> PetalsChainError | No
     return None
 
 
+def _first_rows(tensors: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """The first `rows` rows of the concatenation of `tensors`, kept as a list of (cut) tensors."""
+    kept: list[torch.Tensor] = []
+    for t in tensors:
+        if rows <= 0:
+            break
+        kept.append(t[:rows])
+        rows -= t.shape[0]
+    return kept
+
+
 class HopFailed(Exception):
     """A hop of a stateless forward failed in a way another server may not (internal to forward)."""
 
@@ -112,6 +123,7 @@ class RemoteChainSession(ChainSession):
         self.position = 0
         self.failovers = 0
         self.reopens = 0  # streams reopened after the server's session_idle_timeout (not failovers)
+        self.rollbacks = 0  # steps that restarted below `position` (rejected drafts, an edited last turn)
         self.banned: set[str] = set()
         self.streams: list[HopStream] = []
         self._step_id = 0
@@ -163,10 +175,10 @@ class RemoteChainSession(ChainSession):
             match = 0
         return HopStream(hop, queue, responses, prefix_match_tokens=match)
 
-    async def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
+    async def _call(self, stream: HopStream, hidden: torch.Tensor, start_position: int | None = None) -> torch.Tensor:
         self._step_id += 1
         t0 = time.perf_counter()
-        step = Step(self.session_id, self._step_id, prefix_tokens=stream.prefix_tokens)
+        step = Step(self.session_id, self._step_id, prefix_tokens=stream.prefix_tokens, start_position=start_position)
         stream.prefix_tokens = None  # only its first step takes cached tokens
         for request in wire_parts.to_messages(step.to_wire(), (hidden,)):
             await stream.queue.put(request)
@@ -182,6 +194,10 @@ class RemoteChainSession(ChainSession):
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         if len(reply.tensors) != 1:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
+        if start_position is not None and meta.position != start_position + hidden.shape[0]:
+            # after a rollback every hop must hold exactly what the client does
+            raise ServerUnavailableError(f"server {stream.hop.describe()} holds {meta.position} tokens after a step "
+                                         f"from {start_position} with {hidden.shape[0]}; it ignored the rollback")
         self.hop_timings.append(HopTiming(
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
             stream.hop.num_blocks, hidden.shape[0], client_s, meta.server_s))
@@ -228,10 +244,14 @@ class RemoteChainSession(ChainSession):
     def num_hops(self) -> int:
         return len(self.streams)
 
-    def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.position + hidden.shape[0] > self.max_length:
+    def step(self, hidden: torch.Tensor, start_position: int | None = None) -> torch.Tensor:
+        start = self.check_start(start_position)
+        if start + hidden.shape[0] > self.max_length:
             raise MaxLengthExceededError(f"session opened with max_length={self.max_length} cannot take "
-                                         f"{self.position + hidden.shape[0]} tokens")
+                                         f"{start + hidden.shape[0]} tokens")
+        rollback = start < self.position
+        if rollback:
+            self._roll_back(start)
         x = x0 = hidden.to(self.chain.dtype)
         i = 0
         done_this_step: list[HopStream] = []
@@ -240,7 +260,9 @@ class RemoteChainSession(ChainSession):
             stream = self.streams[i]
             try:
                 try:
-                    out = self._run(self._call(stream, x), self.chain.step_timeout_s + 2)
+                    # a rollback step tells every hop where it starts (a replacement replayed meanwhile
+                    # already holds exactly that many tokens, so it is right for it too)
+                    out = self._run(self._call(stream, x, start if rollback else None), self.chain.step_timeout_s + 2)
                 except SessionIdleTimeoutError as e:
                     # the server closed a stream we left idle past its --session-idle-timeout: a healthy
                     # server, so reopen there and replay (no ban, no failover); twice in a step is a fault
@@ -271,6 +293,18 @@ class RemoteChainSession(ChainSession):
             self.input_tokens = hidden.shape[0]
         self.steps += 1
         return x
+
+    def _roll_back(self, start: int) -> None:
+        """Cut what the session remembers to the first `start` tokens, so a replay after a later
+        failover or reopen rebuilds exactly what the hops hold after the rollback step: every hop's
+        replay history, and the reused prompt prefix when the rollback reaches into it. The hops
+        themselves roll back with the step, which carries `start_position`."""
+        for stream in self.streams:
+            held_before = 0 if stream.prefix_in_inputs else self.prefix_tokens  # positions not in `inputs`
+            stream.inputs = _first_rows(stream.inputs, max(0, start - held_before))
+        self.prefix_tokens = min(self.prefix_tokens, start)
+        self.position = start
+        self.rollbacks += 1
 
     def _reopen(self, index: int, error: Exception) -> None:
         """Open hop `index` again on the same server and replay what it had received (its KV cache
@@ -372,4 +406,4 @@ class RemoteChainSession(ChainSession):
         self._close_streams(self.streams)
         self.streams = []
         self.chain.provider.session_finished(hops, session_id=self.session_id, input_tokens=self.input_tokens,
-                                             output_tokens=self.steps)
+                                             output_tokens=self.steps, hop_timings=tuple(self.hop_timings))

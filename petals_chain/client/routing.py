@@ -38,8 +38,9 @@ class ChainProvider(ABC):
         return self.find_chain(start, max(ends), exclude=exclude, max_length=max_length, session_id=session_id)
 
     def session_finished(self, hops: list[Hop], *, session_id: str = "", input_tokens: int = 0,
-                         output_tokens: int = 0) -> None:
-        """Called when a session on `hops` ends (an orchestrator frees its slot)."""
+                         output_tokens: int = 0, hop_timings: tuple = ()) -> None:
+        """Called when a session on `hops` ends (an orchestrator frees its slot); `hop_timings`:
+        its steps' `HopTiming`s (the orchestrator learns the per-hop network cost from them)."""
 
     def close(self) -> None:
         """Stop background work (heartbeats)."""

@@ -1,0 +1,159 @@
+"""The start-up profile: what a step through this server's whole hosted range costs, measured through
+the server's real step path (a `StepScheduler` batch over `BlockRange.forward`, CUDA synchronized),
+warm-up excluded, and fitted with the orchestrator's own service model
+(orchestrator.service.calibration.fit_service: wall = t_o + t_I P + t_O D per batch, P and D the
+prefill and decode block-tokens).
+
+Timed by wall seconds on CUDA and under a CPU quota (the device's speed), by CPU seconds otherwise
+(`profile_clock`: a profile taken while other work shares the cores must not measure the neighbours
+and then live on in the cache).
+
+Why not one block in a tight loop (the former profile): its weights stay in the CPU's cache, while a
+real step streams every block's weights (x1.3-1.6 on the project machine), and it saw no per-step
+overhead at all. Prefills of two lengths and decode steps entering at two blocks make t_o, t_I and
+t_O separable.
+
+The profile is cached in `<cache>/throughput.json` under a key of model, device, dtype, quantization,
+block count, torch threads and the process's CPU quota (an emulated host's share: netem/cpu.py), so
+servers of another speed never share an entry; `forget_profile` drops an entry the live service
+contradicted, so the next start measures again instead of trusting it.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from netem.cpu import own_cpu_share
+from petals_chain.models.checkpoint import cache_dir
+from petals_chain.runtime.block_range import StepInput
+
+logger = logging.getLogger(__name__)
+
+PROFILE_VERSION = "range-v1"  # entries of the one-block profile (no version) are never read
+
+
+@dataclass(frozen=True)
+class RangeProfile:
+    prefill_s_per_token: float  # t_I, per block
+    decode_s_per_token: float  # t_O, per block
+    step_overhead_s: float  # t_o, per step of this server whatever its blocks
+    blocks: int
+    batches: int  # measured batches the fit used (warm-up excluded)
+
+
+def profile_key(model_name: str, block_range, variant: str = "") -> str:
+    share = own_cpu_share()  # an emulated host's CPU share (netem/cpu.py) makes another device
+    return "|".join([PROFILE_VERSION, model_name, str(block_range.device), str(block_range.dtype).removeprefix("torch."),
+                     block_range.quant, f"blocks={block_range.end - block_range.start}",
+                     f"threads={torch.get_num_threads()}", f"cpu={'all' if share is None else f'{share:.3f}'}",
+                     f"clock={profile_clock(block_range)}",
+                     *([variant] if variant else [])])
+
+
+def profile_clock(block_range) -> str:
+    """What the profile times: "wall" on CUDA and under a CPU quota (the device's speed is what a
+    batch takes there), else "cpu" (the process's CPU seconds: on a CPU shared with other work, wall
+    time would measure the neighbours; a profile taken during an overload must not outlive it)."""
+    return "wall" if torch.device(block_range.device).type == "cuda" or own_cpu_share() is not None else "cpu"
+
+
+def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), decode_steps: int = 4,
+                  repeats: int = 3, clock: str = "wall") -> RangeProfile:
+    """Prefills of two lengths from the first block, decode steps entering at the first and at the
+    middle block, `repeats` times, through a StepScheduler batch each (after one warm-up round that
+    is not counted); the fit of the batches' wall (or, `clock="cpu"`, CPU) seconds."""
+    from orchestrator.service.calibration import fit_service
+    from server.policies import make_policy
+    from server.scheduler import StepScheduler
+    from server.service_meter import ServiceMeter
+
+    start, end = block_range.start, block_range.end
+    entries = sorted({start, (start + end) // 2})
+    gen = torch.Generator().manual_seed(0)
+    device = torch.device(block_range.device)
+    failures: list[BaseException] = []
+
+    def deliver(_out, err):
+        if err is not None:
+            failures.append(err)
+
+    def step(scheduler: StepScheduler, kv, x) -> None:  # one batch: submitted, then run on this thread
+        scheduler.submit("profile", "profile", StepInput(kv, x), deliver)
+        while scheduler.run_once():
+            pass
+
+    def round_(scheduler: StepScheduler) -> None:
+        for n in prefill_tokens:
+            kv = block_range.allocate_kv(n + 1, first_block=start)
+            step(scheduler, kv, torch.randn(n, block_range.hidden_size, generator=gen).to(device, block_range.dtype))
+        for first in entries:
+            kv = block_range.allocate_kv(1 + decode_steps, first_block=first)
+            x = torch.randn(1, block_range.hidden_size, generator=gen).to(device, block_range.dtype)
+            for _ in range(1 + decode_steps):  # the first token is a 1-token prefill, then decode steps
+                step(scheduler, kv, x)
+
+    meter = ServiceMeter()
+    warm = StepScheduler(block_range, make_policy("fcfs"), start_thread=False)
+    round_(warm)  # weights paged in, allocator warmed: not counted
+    sched = StepScheduler(block_range, make_policy("fcfs"), start_thread=False, on_batch=meter.on_batch)
+    for _ in range(repeats):
+        round_(sched)
+    warm.stop()
+    sched.stop()
+    if failures:
+        raise failures[0]
+    recs = [r for r in meter.records() if r.decode_block_tokens or r.prefill_tokens > 1]
+    fit = fit_service([r.prefill_block_tokens for r in recs], [r.decode_block_tokens for r in recs],
+                      [r.wall_s if clock == "wall" else r.cpu_s for r in recs])
+    if fit is None or fit.t_I_s is None:
+        raise RuntimeError(f"the start-up profile of blocks [{start}, {end}) could not be fitted from "
+                           f"{len(recs)} batches; check the range loads and runs")
+    return RangeProfile(fit.t_I_s, fit.t_O_s, fit.t_o_s, end - start, fit.samples)
+
+
+def _cache_path(path: Path | None) -> Path:
+    return path or cache_dir() / "throughput.json"
+
+
+def cached_range_profile(block_range, model_name: str, *, path: Path | None = None,
+                         variant: str = "") -> RangeProfile:
+    """The cached profile of this range's shape on this device and CPU share, or a fresh measurement
+    (then cached). `variant` tells apart ranges that time differently on the same device."""
+    path = _cache_path(path)
+    key = profile_key(model_name, block_range, variant)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = json.loads(path.read_text()) if path.is_file() else {}
+        if key in cache:
+            return RangeProfile(**cache[key])
+        prof = measure_range(block_range, clock=profile_clock(block_range))
+        cache[key] = asdict(prof)
+        path.write_text(json.dumps(cache, indent=2, sort_keys=True))
+        return prof
+
+
+def forget_profile(block_range, model_name: str, *, path: Path | None = None, variant: str = "") -> bool:
+    """Drop the cached entry of this range (the live service disagreed with it): the next start measures."""
+    path = _cache_path(path)
+    key = profile_key(model_name, block_range, variant)
+    if not path.is_file():
+        return False
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = json.loads(path.read_text())
+        if cache.pop(key, None) is None:
+            return False
+        path.write_text(json.dumps(cache, indent=2, sort_keys=True))
+        return True
+
+
+def disagrees(profile: RangeProfile, live_t_O_s: float, live_samples: int, *, tolerance: float = 0.5,
+              min_samples: int = 50) -> bool:
+    """Whether live service contradicts the cached profile (decode per block-token off by > tolerance)."""
+    return live_samples >= min_samples and abs(live_t_O_s / profile.decode_s_per_token - 1.0) > tolerance

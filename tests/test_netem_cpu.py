@@ -1,0 +1,88 @@
+"""CPU shares for emulated hosts (netem/cpu.py): a share is applied (a busy process gets about its
+share of a core), reported, and removed by cleanup, also after a crash. Needs writable cgroups
+(and, for the network test, root with /dev/net/tun); skips saying why otherwise. Every group and
+network is removed in a finally/fixture even when a test fails."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+import netem
+from netem import cpu as netem_cpu
+from netem.errors import MissingCapabilityError
+from netem.system import require_capabilities
+
+BUSY_S = 1.5
+BUSY = f"import time\nt = time.time()\nwhile time.time() - t < {BUSY_S}: pass"
+
+
+@pytest.fixture
+def layout():
+    try:
+        lay = netem_cpu.detect()
+    except netem_cpu.CpuLimitUnavailableError as e:
+        pytest.skip(str(e))
+    why = netem_cpu.writable(lay)
+    if why:
+        pytest.skip(why)
+    return lay
+
+
+def test_a_share_caps_a_busy_process_and_cleanup_removes_the_groups(layout):
+    name = "c" + uuid.uuid4().hex[:6]
+    try:
+        shares = netem_cpu.apply(name, {0: 0.2, 1: 1.0}, layout)
+        assert {s.cores for s in shares.values()} == {0.2, 1.0}
+        assert len(netem_cpu.owned_groups(name, layout)) >= 2
+        procs = [subprocess.Popen(netem_cpu.enter_argv(shares[i].procs_files, [sys.executable, "-c", BUSY]))
+                 for i in (0, 1)]
+        for p in procs:
+            assert p.wait(timeout=60) == 0
+        capped, free = (netem_cpu.usage_s(layout, shares[i].group) for i in (0, 1))
+        # the capped host got at most its fifth of a core (plus the interpreter's start-up, also
+        # capped); how much more the whole-core host got depends on how busy the machine is, so only
+        # its accounting is checked
+        assert 0 < capped <= 0.2 * (BUSY_S + 1.0) + 0.1, capped
+        assert free > 0 and netem_cpu.throttled_s(layout, shares[0].group) is not None
+        quota = (layout.cpu / netem_cpu.PARENT / shares[0].group /
+                 ("cpu.max" if layout.version == 2 else "cpu.cfs_quota_us")).read_text().split()[0]
+        assert int(quota) == 20_000  # 0.2 of the 100 ms period
+    finally:
+        removed = netem_cpu.remove(name, layout)
+    assert removed and not netem_cpu.owned_groups(name, layout)
+
+
+def test_a_network_host_with_a_share_runs_in_its_groups_and_down_removes_them(layout):
+    try:
+        require_capabilities(tc=False, tun=True)
+    except MissingCapabilityError as e:
+        pytest.skip(str(e))
+    name = "c" + uuid.uuid4().hex[:6]
+    try:
+        with netem.Network(["a", "b"], [[0, 10], [10, 0]], backend="userspace", name=name, cpu={"a": 0.25}) as net:
+            assert net.prefix("b")[:3] == ["ip", "netns", "exec"]  # no share: no group
+            out = subprocess.run(net.command("a", ["cat", "/proc/self/cgroup"]), capture_output=True, text=True,
+                                 timeout=30, check=True).stdout
+            assert f"{name}-h0" in out
+            subprocess.run(net.command("a", [sys.executable, "-c", BUSY]), timeout=60, check=True)
+            report = net.cpu_report()
+            assert set(report) == {"a"} and report["a"]["cores"] == 0.25
+            assert 0 < report["a"]["cpu_s"] <= 0.25 * (BUSY_S + 1.0) + 0.1
+        assert not netem_cpu.owned_groups(name, layout)
+    finally:
+        netem.cleanup(name)
+    assert not netem_cpu.owned_groups(name, layout)
+
+
+def test_cleanup_removes_the_groups_a_crashed_run_left(layout):
+    name = "c" + uuid.uuid4().hex[:6]
+    netem_cpu.apply(name, {3: 0.5}, layout)  # as if `up` died right after making them
+    try:
+        assert netem_cpu.owned_groups(name, layout)
+        netem.cleanup(name)
+        assert not netem_cpu.owned_groups(name, layout)
+    finally:
+        netem_cpu.remove(name, layout)

@@ -1,0 +1,104 @@
+"""Servers measure their real service: every batch's record (scheduler -> ServiceMeter -> rpc_info's
+typed BatchService list), and the start-up profile of the whole hosted range through the real step
+path, cached by shape and CPU share and dropped when live service disagrees (tiny random Llama)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from petals_chain import wire
+from petals_chain.runtime.block_range import BlockRange, StepInput
+from server import range_profile
+from server.policies import make_policy
+from server.scheduler import StepScheduler
+from server.service_meter import ServiceMeter
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """As servers run (`--num-threads 1` in the swarm tests): several threads thrash a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_every_batch_is_measured_and_served_by_cursor_as_typed_records(tiny_llama_path):
+    br = BlockRange(tiny_llama_path, 0, 6)
+    meter = ServiceMeter()
+    sched = StepScheduler(br, make_policy("fcfs"), start_thread=False, on_batch=meter.on_batch)
+    done = []
+    a, b = br.allocate_kv(16), br.allocate_kv(16, first_block=3)  # b enters mid-range: 3 blocks
+    sched.submit("a", "c", StepInput(a, torch.randn(5, br.hidden_size)), lambda out, err: done.append(err))
+    sched.submit("b", "c", StepInput(b, torch.randn(2, br.hidden_size)), lambda out, err: done.append(err))
+    while sched.run_once():
+        pass
+    sched.submit("a", "c", StepInput(a, torch.randn(1, br.hidden_size)), lambda out, err: done.append(err))
+    while sched.run_once():
+        pass
+    sched.stop()
+    assert done == [None, None, None]
+    recs = meter.records()
+    assert [r.seq for r in recs] == list(range(len(recs)))
+    assert sum(r.prefill_tokens for r in recs) == 7 and sum(r.decode_tokens for r in recs) == 1
+    assert sum(r.prefill_block_tokens for r in recs) == 5 * 6 + 2 * 3 and sum(r.decode_block_tokens for r in recs) == 6
+    assert all(r.wall_s > 0 and r.cpu_s >= 0 and r.sessions >= 1 for r in recs)
+    # rpc_info: the records after a cursor, typed on the wire; no cursor, no records
+    reply = wire.InfoReply.from_wire(wire.InfoReply(_info(), meter.since(recs[0].seq)).to_wire())
+    assert [r.seq for r in reply.service] == [r.seq for r in recs[1:]]
+    assert isinstance(reply.service[0], wire.BatchService)
+    assert meter.since(None) is None and "service" not in wire.InfoReply(_info(), None).to_wire()
+    req = wire.decode_request(wire.request(wire.InfoRequest(service_since_seq=-1)), wire.InfoRequest)
+    assert req.service_since_seq == -1
+    assert wire.decode_request(wire.request({}), wire.InfoRequest).service_since_seq is None  # an older client
+
+
+def _info():
+    return wire.ServerInfo("p", "m", 0, 6, "online", 1, 1, 1, 64, 1, 1e-4, 1e-3)
+
+
+def test_the_range_profile_is_fitted_through_the_step_path_cached_by_shape_and_dropped_on_disagreement(
+        tiny_llama_path, tmp_path, monkeypatch):
+    br = BlockRange(tiny_llama_path, 0, 6)
+    prof = range_profile.cached_range_profile(br, "tiny", path=tmp_path / "t.json")
+    assert prof.blocks == 6 and prof.batches >= 6
+    # the tiny model's per-token costs are microseconds next to the per-step overhead: on a loaded
+    # machine any one term may fit to 0, but none is negative and the batches cost something
+    times = (prof.prefill_s_per_token, prof.decode_s_per_token, prof.step_overhead_s)
+    assert all(t >= 0 for t in times) and prof.decode_s_per_token + prof.step_overhead_s > 0
+    key = range_profile.profile_key("tiny", br)
+    assert "blocks=6" in key and "cpu=" in key and key.startswith(range_profile.PROFILE_VERSION)
+    assert range_profile.profile_key("tiny", BlockRange(tiny_llama_path, 0, 3)) != key  # another block count
+
+    def no_measuring(*a, **k):
+        raise AssertionError("a cached profile must not be measured again")
+    monkeypatch.setattr(range_profile, "measure_range", no_measuring)
+    assert range_profile.cached_range_profile(br, "tiny", path=tmp_path / "t.json") == prof
+    assert not range_profile.disagrees(prof, prof.decode_s_per_token * 1.2, 500)
+    assert not range_profile.disagrees(prof, prof.decode_s_per_token * 3, 10)  # too few batches to say
+    assert range_profile.disagrees(prof, prof.decode_s_per_token * 3, 500)
+    assert range_profile.forget_profile(br, "tiny", path=tmp_path / "t.json")
+    with pytest.raises(AssertionError, match="measured again"):
+        range_profile.cached_range_profile(br, "tiny", path=tmp_path / "t.json")
+
+
+def test_a_process_reads_its_own_cpu_share():
+    from netem import cpu as netem_cpu
+    try:
+        layout = netem_cpu.detect()
+    except netem_cpu.CpuLimitUnavailableError as e:
+        pytest.skip(str(e))
+    if netem_cpu.writable(layout):
+        pytest.skip(netem_cpu.writable(layout))
+    name = "s" + __import__("uuid").uuid4().hex[:6]
+    try:
+        share = netem_cpu.apply(name, {0: 0.3}, layout)[0]
+        code = "from netem.cpu import own_cpu_share; print(own_cpu_share())"
+        out = subprocess.run(netem_cpu.enter_argv(share.procs_files, [sys.executable, "-c", code]),
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        assert float(out) == pytest.approx(0.3)
+    finally:
+        netem_cpu.remove(name, layout)
