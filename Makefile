@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup demo generate test test-fast browser clean
+.PHONY: setup demo generate test test-fast browser nat-tools clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "petals-chain needs Python >= 3.11 (set PYTHON=python3.11)"'
@@ -39,6 +39,11 @@ test-fast: setup
 # Headless Chromium for the status-page screenshot test (skipped with a reason when absent). Needs root.
 browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
+
+# nftables for the emulated NAT (netem behind_nat; tests/test_netem_nat.py, tests/test_nat_relay.py skip
+# with the reason when neither nft nor iptables is present). Needs root.
+nat-tools:
+	@command -v nft >/dev/null || command -v iptables >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends nftables)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

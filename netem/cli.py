@@ -75,12 +75,13 @@ def cmd_up(args) -> int:
         cpu = {h: per.get(h, default) for h in topo.hosts if per.get(h, default) is not None}
     net = Network(list(topo.hosts), [list(r) for r in topo.rtt_ms], backend=args.backend, bandwidth_bit_s=args.bandwidth,
                   jitter_ms=args.jitter_ms, loss=args.loss, name=args.name, seed=args.seed, detach=True,
-                  log=lambda msg: print(msg, file=sys.stderr, flush=True), cpu=cpu)
+                  log=lambda msg: print(msg, file=sys.stderr, flush=True), cpu=cpu,
+                  behind_nat=[topo.hosts[int(h)] if h.isdigit() else h for h in args.behind_nat])
     net.up()
     print(f"network {args.name}: {len(topo.hosts)} hosts, topology {topo.source}, backend {net.backend}"
           + (f", uplinks {args.bandwidth / 1e6:g} Mbit/s" if args.bandwidth else ""))
     for h in net.hosts:
-        print(f"{h}\t{net.address(h)}")
+        print(f"{h}\t{net.address(h)}" + (f"\tbehind NAT {net.wan_address(h)}" if net.behind_nat(h) else ""))
     if not args.no_measure:
         print(_fmt_matrix(net.hosts, net.state.rtt_ms, net.measure_rtt_ms(probes=3)))
     print(f"run commands inside a host: petals-chain netem exec {net.hosts[0]} -- CMD ...; "
@@ -145,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--jitter-ms", type=float, default=0.0)
     up.add_argument("--loss", type=float, default=0.0, help="packet loss probability per direction, in [0, 1)")
     up.add_argument("--no-measure", action="store_true", help="skip the RTT measurement after setup")
+    up.add_argument("--behind-nat", nargs="+", default=[], metavar="HOST",
+                    help="hosts (names or indices) that sit behind an emulated home NAT: they reach every host, "
+                         "nobody can connect to them (needs nft or iptables: make nat-tools)")
     up.add_argument("--cpu", default=None, metavar="SHARES",
                     help="a CPU share (cores) per host: 0.25 for every host, or HOST=0.5,HOST2=0.25 (*=0.1 for the "
                          "rest); cgroup v2 cpu.max or v1 cfs quota, cores pinned where there are enough")

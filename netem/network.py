@@ -15,10 +15,10 @@ import subprocess
 import sys
 import time
 
-from netem import cpu as netem_cpu, kernel
+from netem import cpu as netem_cpu, kernel, nat
 from netem.errors import MissingCapabilityError, NetemError, NetworkExistsError
 from netem.probe import measure_rtt_ms
-from netem.state import (DEFAULT_NAME, DEFAULT_SUBNET, NetworkState, host_addresses, owned_netns, read_state,
+from netem.state import (DEFAULT_NAME, DEFAULT_SUBNET, NetworkState, host_addresses, nat_addresses, owned_netns, read_state,
                          recorded_names, state_dir, state_path, write_state)
 from netem.system import kill_netns_processes, list_netns, require_capabilities, run
 from netem.topology import validate_rtt_matrix
@@ -102,9 +102,11 @@ class Network:
                  bandwidth_bit_s: float | None = None, jitter_ms: float = 0.0, loss: float = 0.0,
                  name: str = DEFAULT_NAME, subnet: str = DEFAULT_SUBNET, seed: int = 0, state_directory=None,
                  detach: bool = False, hub_realtime: bool = True, log=None,
-                 cpu: dict[str | int, float] | None = None):
+                 cpu: dict[str | int, float] | None = None, behind_nat: list[str] | None = None):
         """`cpu`: host (name or index) -> CPU share in cores (e.g. 0.25) for the hosts that get one
-        (netem/cpu.py: cgroup v2 cpu.max or v1 cfs quota; cores pinned where there are enough)."""
+        (netem/cpu.py: cgroup v2 cpu.max or v1 cfs quota; cores pinned where there are enough).
+        `behind_nat`: hosts whose processes sit behind an emulated NAT router (netem/nat.py): they
+        can reach every host, but no host can open a connection to them."""
         rtt = validate_rtt_matrix(hosts, rtt_ms)
         if bandwidth_bit_s is not None and not bandwidth_bit_s > 0:
             raise NetemError(f"bandwidth_bit_s must be positive (got {bandwidth_bit_s})")
@@ -117,6 +119,9 @@ class Network:
         self.state = NetworkState(name=name, backend="", hosts=list(hosts), addresses=host_addresses(len(hosts), subnet),
                                   rtt_ms=rtt, subnet=subnet, bandwidth_bit_s=bandwidth_bit_s, jitter_ms=jitter_ms,
                                   loss=loss, seed=seed, owner_pid=os.getpid(), extra={"hub_realtime": hub_realtime})
+        self.state.behind_nat = sorted({self.state.index(h) for h in behind_nat or ()})
+        for i in self.state.behind_nat:
+            nat_addresses(i)  # refuses an index it cannot give a private subnet, before anything exists
         self._prev_sigterm = None
         self._up = False
         self.cpu_shares = {self.state.index(h): float(v) for h, v in (cpu or {}).items()}
@@ -133,6 +138,7 @@ class Network:
     def up(self) -> "Network":
         require_capabilities(tc=self.requested_backend != "userspace", tun=self.requested_backend != "kernel")
         st = self.state
+        tool = nat.nat_tool() if st.behind_nat else None  # missing tools: say so before creating anything
         if state_path(st.name, self.directory).exists() or owned_netns(st.name, list_netns()):
             raise NetworkExistsError(f"network {st.name!r} is already up (or a crashed run left it): "
                                      f"`petals-chain netem down --name {st.name}` removes it, or pick another name")
@@ -153,6 +159,11 @@ class Network:
                 kernel.apply(st)
             else:
                 self._start_hub()
+            for i in st.behind_nat:
+                nat.apply_nat(st, i, tool)
+            if st.behind_nat:
+                self.log(f"netem: behind NAT ({tool}): " + ", ".join(f"{st.hosts[i]} {st.process_address(i)}"
+                                                                     for i in st.behind_nat))
             if self.cpu_shares:
                 shares = netem_cpu.apply(st.name, self.cpu_shares)
                 st.extra["cpu"] = {str(i): {"group": s.group, "cores": s.cores, "procs": list(s.procs_files),
@@ -221,10 +232,19 @@ class Network:
         return self.state.name
 
     def address(self, host: str | int) -> str:
+        """The address the host's processes listen on: a private one for a host behind a NAT."""
+        return self.state.process_address(self.state.index(host))
+
+    def wan_address(self, host: str | int) -> str:
+        """The host's address on the emulated WAN (its router's, for a host behind a NAT)."""
         return self.state.addresses[self.state.index(host)]
 
     def netns(self, host: str | int) -> str:
-        return self.state.netns(self.state.index(host))
+        """The namespace the host's processes run in (the private one behind a NAT)."""
+        return self.state.process_netns(self.state.index(host))
+
+    def behind_nat(self, host: str | int) -> bool:
+        return self.state.index(host) in self.state.behind_nat
 
     def command(self, host: str | int, argv: list[str]) -> list[str]:
         return command_in(self.state, host, argv)
@@ -270,7 +290,7 @@ class Network:
 
 def _host_prefix(state: NetworkState, host: str | int) -> list[str]:
     i = state.index(host)
-    base = ["ip", "netns", "exec", state.netns(i)]
+    base = ["ip", "netns", "exec", state.process_netns(i)]  # behind a NAT: its private namespace
     share = state.extra.get("cpu", {}).get(str(i))
     # the cgroup wrapper runs outside the namespace: `ip netns exec` remounts /sys for the namespace
     return base if share is None else netem_cpu.enter_argv(tuple(share["procs"]), base)

@@ -50,6 +50,18 @@ def tun_dev(name: str, i: int) -> str:
     return f"{name}-t{i}"
 
 
+def nat_netns(name: str, i: int) -> str:
+    """A host behind an emulated NAT runs here; NAME-h<i> is then its router (netem/nat.py)."""
+    return f"{name}-n{i}"
+
+
+def nat_addresses(i: int) -> tuple[str, str]:
+    """(router, host) addresses of host i's private /24 behind its NAT: 192.168.<i+1>.1 and .2."""
+    if not 0 <= i <= 253:
+        raise NetemError(f"host index {i}: only hosts 0..253 can sit behind an emulated NAT")
+    return f"192.168.{i + 1}.1", f"192.168.{i + 1}.2"
+
+
 def veth_host_dev(name: str, i: int) -> str:
     return f"{name}-e{i}"
 
@@ -63,8 +75,9 @@ def bridge_dev(name: str) -> str:
 
 
 def owned_netns(name: str, existing: list[str]) -> list[str]:
-    """The namespaces in `existing` that network `name` created: exactly NAME-h<i>, NAME-sw, NAME-probe."""
-    pat = re.compile(rf"^{re.escape(name)}-(h\d+|sw|probe)$")
+    """The namespaces in `existing` that network `name` created: exactly NAME-h<i>, NAME-n<i>, NAME-sw,
+    NAME-probe."""
+    pat = re.compile(rf"^{re.escape(name)}-(h\d+|n\d+|sw|probe)$")
     return [ns for ns in existing if pat.match(ns)]
 
 
@@ -95,9 +108,19 @@ class NetworkState:
     hub_pid: int | None = None
     owner_pid: int | None = None
     extra: dict = field(default_factory=dict)
+    behind_nat: list[int] = field(default_factory=list)  # host indices whose processes sit behind a NAT router
 
     def netns(self, i: int) -> str:
+        """Host i's WAN namespace (its router's, when it sits behind a NAT)."""
         return host_netns(self.name, i)
+
+    def process_netns(self, i: int) -> str:
+        """Where host i's processes run: its private namespace behind the NAT, else its WAN namespace."""
+        return nat_netns(self.name, i) if i in self.behind_nat else host_netns(self.name, i)
+
+    def process_address(self, i: int) -> str:
+        """The address host i's processes listen on (a private one behind a NAT)."""
+        return nat_addresses(i)[1] if i in self.behind_nat else self.addresses[i]
 
     def index(self, host: str | int) -> int:
         if isinstance(host, int) and 0 <= host < len(self.hosts):

@@ -34,6 +34,13 @@ class ServerState(enum.StrEnum):
     OFFLINE = "offline"
 
 
+class Reachability(enum.StrEnum):
+    """How peers reach a server (petals_chain/reachability.py)."""
+    DIRECT = "direct"  # at its own addresses
+    RELAYED = "relayed"  # behind a NAT/firewall: through the libp2p relays in `relay_maddrs`
+    UNKNOWN = "unknown"  # no peer could check; it runs as a direct peer
+
+
 def pack(meta: dict[str, Any]) -> bytes:
     return msgpack.packb(meta, use_bin_type=True)
 
@@ -148,6 +155,10 @@ class ServerInfo(WireRecord):
     # most tokens (rows x sequence) one inference step or forward request may carry; larger ones get
     # RequestTooLargeError before any work (0 when constructed: the same as max_length_tokens)
     max_step_tokens: int = 0
+    # how peers reach it, from its dial-back check at start; a relayed server lists `<relay>/p2p-circuit`
+    # addresses that clients and the orchestrator connect through (petals_chain/reachability.py)
+    reachability: Reachability = Reachability.DIRECT
+    relay_maddrs: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.max_step_tokens <= 0:

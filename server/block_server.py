@@ -12,6 +12,7 @@ only while it holds no session.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -22,6 +23,8 @@ from hivemind.p2p import PeerID
 
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
+from petals_chain.reachability import (UnreachableError, check_reachability, circuit_maddrs, p2pd_flags,
+                                       relayed_dht_kwargs, serve_dial_back)
 from petals_chain.dht_records import announce_server, model_key
 from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.models.checkpoint import resolve_model_path
@@ -31,7 +34,7 @@ from petals_chain.messages import AssignmentReply, AssignmentRequest, Assignment
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, OrchestratorService
 from petals_chain.runtime.block_range import BlockRange
-from petals_chain.wire import ServerInfo, ServerState
+from petals_chain.wire import Reachability, ServerInfo, ServerState
 from server.admission import AdmissionQueue
 from server.handler import BlockServicer, OpenSession
 from server.memory import KVBudget
@@ -82,6 +85,9 @@ class ServerConfig:
     emulate_slowdown: float = 1.0  # EMULATION (server/emulation.py): batches take this many times their compute
     cuda_graphs: bool = True  # on CUDA: replay captured graphs for decode steps (runtime/decode_graphs.py)
     assignment_poll_s: float = 1.0
+    announce_maddrs: list[str] = field(default_factory=list)  # --announce-maddrs / --public-maddrs
+    use_relay: bool = True  # False (--no-relay): an unreachable server stops instead of joining through relays
+    relay_service: bool = True  # False (--no-relay-service): a reachable server refuses to relay for others
 
 
 class BlockServer:
@@ -118,13 +124,20 @@ class BlockServer:
         self._sessions_lock = threading.Lock()
         self.state = ServerState.JOINING
         self.identity = SwarmIdentity.load_or_create(config.identity_path)
-        self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                             **self.identity.dht_kwargs())
+        self.reachability, self.relay_maddrs = self._check_reachability()
+        relayed = self.reachability == Reachability.RELAYED
+        with p2pd_flags(relay_service=config.relay_service and not relayed):
+            self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
+                                 announce_maddrs=config.announce_maddrs or None, use_relay=config.use_relay,
+                                 **(relayed_dht_kwargs(config.initial_peers) if relayed else {}),
+                                 **self.identity.dht_kwargs())
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("server-p2p")
         self.servicer = BlockService(BlockServicer(self), config.allowed_peers)
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
+        if not relayed:  # a reachable server checks others' reachability too
+            self.loop.run(serve_dial_back(self.p2p), timeout_s=30)
         self._stop = threading.Event()
         try:
             self._announce()
@@ -139,6 +152,30 @@ class BlockServer:
         self._announcer.start()
         if self.auto:
             threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
+
+    def _check_reachability(self) -> tuple[Reachability, tuple[str, ...]]:
+        """Ask the initial peers to dial this host back (petals_chain/reachability.py); log the verdict.
+        Loopback-only listeners (a swarm on one machine) need no check."""
+        c = self.config
+        if all("/ip4/127." in m for m in c.host_maddrs) or not c.initial_peers:
+            return Reachability.DIRECT, ()
+        check = asyncio.run(check_reachability(c.initial_peers, c.host_maddrs, c.announce_maddrs or None))
+        relays = circuit_maddrs(c.initial_peers)
+        if check.reachability == Reachability.RELAYED and not c.use_relay:
+            raise UnreachableError(
+                f"this server is not reachable from the swarm (dial-back: {check.detail}) and --no-relay forbids "
+                "joining through a relay: forward a TCP port to this host, listen on it (--host-maddrs "
+                "/ip4/0.0.0.0/tcp/PORT) and announce it (--announce-maddrs /ip4/PUBLIC_IP/tcp/PORT), or drop --no-relay")
+        if check.reachability == Reachability.RELAYED and not relays:
+            raise UnreachableError(f"this server is not reachable (dial-back: {check.detail}) and no initial peer "
+                                   "has a /p2p/ id to relay through: pass full multiaddrs as --initial-peers")
+        verdict = {Reachability.DIRECT: "reachable directly",
+                   Reachability.RELAYED: "NOT reachable directly (NAT or firewall): joining through relays "
+                                         + ", ".join(relays),
+                   Reachability.UNKNOWN: "unknown (no peer answered the dial-back request): running as a direct peer"}
+        print(f"reachability: {check.reachability} - {verdict[check.reachability]} (dial-back: {check.detail})",
+              flush=True)
+        return check.reachability, relays if check.reachability == Reachability.RELAYED else ()
 
     def _load(self, start: int, end: int) -> None:
         c = self.config
@@ -288,7 +325,8 @@ class BlockServer:
                 memory_budget_bytes=self.config.memory_budget_bytes, block_bytes=s_m, kv_bytes_per_block=s_c,
                 max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
                 prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
-                dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True})
+                dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True},
+                reachability=self.reachability, relay_maddrs=self.relay_maddrs)
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
         with self._sessions_lock:
             active = len(self.sessions)
@@ -301,7 +339,8 @@ class BlockServer:
             max_step_tokens=self.max_step_tokens,
             free_kv_slots=self.budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
-            quant=br.quant, name=self.config.name, active_sessions=active,
+            quant=br.quant, name=self.config.name, active_sessions=active, reachability=self.reachability,
+            relay_maddrs=self.relay_maddrs,
             extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
                    "admission_queue_length": len(self.admission), "auto": self.auto,
                    "prefix_cache": self.prefix_cache.view() if self.prefix_cache is not None else None,

@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs "
                         "(petals_chain/runtime/decode_graphs.py); for debugging and comparisons")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
+    p.add_argument("--announce-maddrs", "--public-maddrs", nargs="+", default=None, metavar="MADDR",
+                   help="addresses other peers should dial, for a host with a known public address or a forwarded "
+                        "port, e.g. /ip4/203.0.113.7/tcp/31337 (explicit port, also in --host-maddrs)")
+    p.add_argument("--no-relay", action="store_true",
+                   help="never use libp2p relays: a server the dial-back check finds unreachable stops with the reason "
+                        "instead of joining through a relay")
+    p.add_argument("--no-relay-service", action="store_true",
+                   help="a reachable server relays for servers behind NATs by default; this refuses")
     p.add_argument("--identity-path", default=None,
                    help="private key file for a stable peer id (`petals-chain identity new PATH` makes one)")
     p.add_argument("--allowed-peers", default=None, metavar="FILE",
@@ -195,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             max_step_tokens=args.max_step_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
             orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers,
-            emulate_slowdown=args.emulate_slowdown, cuda_graphs=not args.no_cuda_graphs))
+            emulate_slowdown=args.emulate_slowdown, cuda_graphs=not args.no_cuda_graphs,
+            announce_maddrs=args.announce_maddrs or [], use_relay=not args.no_relay,
+            relay_service=not args.no_relay_service))
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
 
+import pytest
 import torch
 
 from petals_chain import wire_parts
@@ -65,3 +67,50 @@ def wait_for(pred, timeout_s: float, what: str, period_s: float = 0.25):
             return value
         time.sleep(period_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def get_in_netns(netns: str, url: str, timeout_s: float = 10.0) -> bytes:
+    """GET `url` from inside network namespace `netns` (services listening on emulated hosts' addresses)."""
+    import http.client
+    import socket
+
+    from netem.system import socket_in_netns
+
+    hostport, _, path = url.split("//", 1)[1].partition("/")
+    addr, port = hostport.rsplit(":", 1)
+    sock = socket_in_netns(netns, socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    sock.connect((addr, int(port)))
+    conn = http.client.HTTPConnection(addr, int(port), timeout=timeout_s)
+    conn.sock = sock
+    try:
+        conn.request("GET", "/" + path)
+        return conn.getresponse().read()
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def emulated_network(hosts: list[str], rtt_ms: list[list[float]], prefix: str, **network_kwargs):
+    """A `netem.Network` named `prefix` + a random suffix. Skips the test, saying why, where this machine
+    cannot emulate it (not root, no /dev/net/tun; no nft/iptables when `behind_nat` is given), and is
+    removed afterwards even when the test failed."""
+    import uuid
+
+    import netem
+    from netem.errors import MissingCapabilityError
+    from netem.nat import nat_tool
+    from netem.system import require_capabilities
+
+    try:
+        require_capabilities(tc=False, tun=True)
+        if network_kwargs.get("behind_nat"):
+            nat_tool()
+    except MissingCapabilityError as e:
+        pytest.skip(str(e))
+    name = prefix + uuid.uuid4().hex[:6]
+    try:
+        with netem.Network(hosts, rtt_ms, name=name, **network_kwargs) as net:
+            yield net
+    finally:
+        netem.cleanup(name)

@@ -3,21 +3,16 @@ namespace listening on that host's address, a client in a sixth; generation equa
 orchestrator's measured RTTs match the emulated ones, and its tau_c grows with them as the model says."""
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
-import uuid
 
 import pytest
 
 import netem
-from netem.errors import MissingCapabilityError
-from netem.system import require_capabilities, socket_in_netns
 from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
-from tests.swarm_helpers import wait_for
+from tests.swarm_helpers import emulated_network, get_in_netns, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
@@ -42,18 +37,7 @@ def topology() -> list[list[float]]:
 
 def get_json_in(net: netem.Network, host: str, url: str) -> dict:
     """GET a JSON page from inside `host` (the orchestrator listens on an emulated address)."""
-    hostport = url.split("//", 1)[1].split("/", 1)[0]
-    addr, port = hostport.rsplit(":", 1)
-    sock = socket_in_netns(net.netns(host), socket.AF_INET, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect((addr, int(port)))
-    conn = http.client.HTTPConnection(addr, int(port), timeout=10)
-    conn.sock = sock
-    try:
-        conn.request("GET", "/" + url.split("//", 1)[1].split("/", 1)[1])
-        return json.loads(conn.getresponse().read())
-    finally:
-        conn.close()
+    return json.loads(get_in_netns(net.netns(host), url))
 
 
 CLIENT = """
@@ -74,12 +58,7 @@ finally:
 
 @pytest.fixture(scope="module")
 def wan():
-    try:
-        require_capabilities(tc=False, tun=True)
-    except MissingCapabilityError as e:
-        pytest.skip(str(e))
-    name = "s" + uuid.uuid4().hex[:6]
-    with netem.Network(HOSTS, topology(), name=name) as net:
+    with emulated_network(HOSTS, topology(), "s") as net:
         yield net
 
 

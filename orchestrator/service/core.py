@@ -30,6 +30,7 @@ from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, b
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
+from petals_chain.reachability import RelayRoutes
 from petals_chain.messages import Assignment, AssignmentStatus, Hop
 from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
 from petals_chain.wire import ServerState
@@ -169,6 +170,7 @@ class Orchestrator:
         self.first_registration_s = math.inf
         self.events: list[str] = []
         self.http_port = 0
+        self.relay_routes = RelayRoutes()  # servers behind NATs: dialed through their relays (reachability.py)
 
     # -- announcements ----------------------------------------------------------------------
     def info(self) -> OrchestratorInfo:
@@ -205,6 +207,7 @@ class Orchestrator:
         found = fetch_servers(self.dht, self.model, states=(ServerState.JOINING, ServerState.ONLINE),
                               allowed=self.config.allowed_peers)
         infos = {i.peer_id: i for i in found}
+        self.relay_routes.update(found)
         new = [p for p in infos if p not in self.records]
         for p in new:  # measure tau_c outside the lock: it takes round trips
             self._rtt_tried[p] = now
@@ -258,24 +261,33 @@ class Orchestrator:
         """Read each serving server's new batch records (outside the lock: round trips), refit."""
         with self.lock:
             peers = {p: self.window(p).last_seq for p, r in self.records.items() if r.info.has_blocks}
+        changed = []
         for p, since in peers.items():
             got = fetch_service_records(self.loop, self.p2p, p, since)
-            if got is None:
+            if not got:
                 continue
             with self.lock:
                 w = self.window(p)
-                if got and got[-1].seq < w.last_seq:  # the server restarted its count
+                if got[-1].seq < w.last_seq:  # the server restarted its count
                     w.last_seq = -1
                 for b in got:
                     w.add_batch(b.seq, b.prefill_block_tokens, b.decode_block_tokens, b.wall_s, b.cpu_s)
-        self.refit()
+            changed.append(p)
+        self.refit(changed)
 
-    def refit(self) -> None:
+    def refit(self, peers: list[str] | None = None) -> None:
+        """Fit the windows of `peers` (default: all) outside the lock (the RPC handlers share it; only
+        this thread adds batches), then publish the fits and every server's current hop cost."""
+        on = self.config.calibrate
+        with self.lock:
+            todo = {p: self.windows[p] for p in (self.records if peers is None else peers) if p in self.windows}
+        fits = {p: (w.fit() if on else None) for p, w in todo.items()}
         with self.lock:
             for p, rec in self.records.items():
                 w = self.windows.get(p)
-                rec.fit = w.fit() if (w is not None and self.config.calibrate) else None
-                rec.hop_cost_s = w.hop_cost if (w is not None and self.config.calibrate) else None
+                if p in fits:
+                    rec.fit = fits[p]
+                rec.hop_cost_s = w.hop_cost if (w is not None and on) else None
 
     def check_model(self, now: float) -> None:
         """Would the calibrated model plan differently enough to re-plan? (hysteresis: ReplanTrigger)"""
@@ -318,7 +330,11 @@ class Orchestrator:
                 "source": "live" if f is not None else "announced"}
 
     def measure_rtt(self, peer_id: str) -> float | None:
-        """Median round trip of rpc_info to the server (None when it does not answer)."""
+        """Median round trip of rpc_info to the server (None when it does not answer). A relayed server is
+        dialed through its relays first, so its RTT (and tau_c) includes the relay's extra hop, as clients see it."""
+        # every time, not throttled: the NATed server keeps re-opening its own direct connection (assignment
+        # polls, DHT stores), and a probe over that one would hide the relay's hop
+        self.loop.run(self.relay_routes.connect(self.p2p, peer_id, via_relay_only=True))
         samples = [ping_block_server_s(self.loop, self.p2p, peer_id) for _ in range(self.config.rtt_probes)]
         samples = [x for x in samples if x is not None]
         return median(samples) if samples else None
@@ -520,7 +536,8 @@ class Orchestrator:
                                 "t_o": None if f is None else f.t_o_s, "hop_cost": rec.hop_cost_s,
                                 "model": self.model_view(p),
                                 "assigned": list(assigned) if assigned else None,
-                                "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False))})
+                                "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False)),
+                                "reachability": str(i.reachability)})
             return {
                 "model": self.model, "peer_id": self.peer_id, "policy": self.config.policy,
                 "plan_version": cur.version if cur else 0, "plan_installed": bool(cur and cur.installed),

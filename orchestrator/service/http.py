@@ -93,6 +93,14 @@ def _ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.1f} ms"
 
 
+def _relayed_mark(server: dict) -> str:
+    """A server behind a NAT, reached through a libp2p relay (its RTT and tau_c include the relay's hop)."""
+    if server.get("reachability") != "relayed":
+        return ""
+    return (' <span class="relayed" title="behind a NAT or firewall: reached through a libp2p relay; its RTT and '
+            'tau_c include the relay\'s extra hop">relayed</span>')
+
+
 def status_html(status: dict) -> str:
     L = status["num_blocks"]
     colors = {s["peer_id"]: PALETTE[i % len(PALETTE)] for i, s in enumerate(status["servers"])}
@@ -109,7 +117,7 @@ def status_html(status: dict) -> str:
                     f'<td class="r">[{s["start"]}, {s["end"]}) {html.escape(s["state"])}</td></tr>')
     head = "".join(f'<td class="h">{b if b % 5 == 0 else ""}</td>' for b in range(L))
     srv_rows = "".join(
-        f'<tr><td><span class="sw" style="background:{colors[s["peer_id"]]}"></span>{html.escape(names[s["peer_id"]])}</td>'
+        f'<tr><td><span class="sw" style="background:{colors[s["peer_id"]]}"></span>{html.escape(names[s["peer_id"]])}{_relayed_mark(s)}</td>'
         f'<td class="mono">{html.escape(s["peer_id"][-12:])}</td><td>{html.escape(s["state"])}</td>'
         f'<td>[{s["start"]}, {s["end"]})</td><td>{s["memory"] / 2**20:.0f} MiB</td>'
         f'<td>{_ms(s["rtt"])}</td><td>{_ms(s["tau_c"])}</td><td>{_ms(s["tau_p"])}</td>'
@@ -127,6 +135,7 @@ def status_html(status: dict) -> str:
 <style>
 body {{ font-family: sans-serif; margin: 16px; color: #222; background: #ffffff; }}
 h1 {{ font-size: 20px; margin: 0 0 8px 0; }} h2 {{ font-size: 16px; margin: 16px 0 6px 0; }}
+.relayed {{ font-size: 11px; background: #fde8c8; border: 1px solid #e0a050; border-radius: 3px; padding: 0 3px; }}
 table {{ border-collapse: collapse; }} td, th {{ padding: 2px 6px; font-size: 13px; text-align: left; }}
 table.map td.b {{ height: 22px; padding: 0; border: 1px solid #ffffff; }}
 table.map td.h {{ font-size: 10px; padding: 0; color: #777; }}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 import torch
@@ -30,9 +31,11 @@ from petals_chain.errors import (
 from petals_chain.messages import Forward, Hop
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, ping_block_server_s
+from petals_chain.reachability import RelayRoutes
 from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
 
 logger = logging.getLogger(__name__)
+RELAY_RECORDS_REFRESH_S = 5.0  # servers' records are re-read for relay routes at most this often
 
 class RemoteChain(ChainBackend):
     def __init__(self, model: str, config, initial_peers: list[str], dtype: torch.dtype = torch.float32, *,
@@ -64,12 +67,29 @@ class RemoteChain(ChainBackend):
                 rediscover=lambda: getattr(find_orchestrator(self.dht, self.model, allowed), "peer_id", None))
         self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model, allowed=allowed), self.ping_s,
                                                      wait_for_chain_s=wait_for_chain_s)
+        self._allowed = allowed
+        self.relay_routes = RelayRoutes()
+        self._records_read_s = -1e18
+
+    def dial_relayed(self, peer_ids: list[str]) -> None:
+        """Connect to the relayed servers among `peer_ids` through their relays before talking to them
+        (petals_chain/reachability.py); this client learns who is relayed from the servers' DHT records,
+        read again when a peer is new to it (at most every RELAY_RECORDS_REFRESH_S)."""
+        now = time.monotonic()
+        if (any(p not in self.relay_routes.known for p in peer_ids)
+                and now - self._records_read_s >= RELAY_RECORDS_REFRESH_S):
+            self._records_read_s = now
+            self.relay_routes.update(fetch_servers(self.dht, self.model, allowed=self._allowed))
+        for p in peer_ids:
+            if self.relay_routes.relayed(p):
+                self.loop.run(self.relay_routes.connect(self.p2p, p), timeout_s=15)
 
     def stub(self, peer_id: str):
         return BlockService.get_stub(self.p2p, PeerID.from_base58(peer_id))
 
     def ping_s(self, peer_id: str) -> float | None:
         """Round trip of rpc_info, or None when the peer does not answer within 3 s."""
+        self.dial_relayed([peer_id])
         return ping_block_server_s(self.loop, self.p2p, peer_id)
 
     def server_info(self, peer_id: str) -> wire.ServerInfo:
@@ -87,6 +107,7 @@ class RemoteChain(ChainBackend):
         try:
             while True:
                 try:
+                    self.dial_relayed([h.peer_id for h in hops])
                     return self._forward_through(hops, hidden)
                 except HopFailed as failed:
                     failovers += 1

@@ -217,6 +217,7 @@ class RemoteChainSession(ChainSession):
         `HopFailed` naming the hop (what was opened is closed again)."""
         opened: list[HopStream] = []
         hop = hops[0]
+        self.chain.dial_relayed([h.peer_id for h in hops])  # servers behind NATs: through their relays
         try:
             for hop in hops:
                 opened.append(self._run(self._open_one(hop, hashes or []), self.chain.open_timeout_s + 2))
