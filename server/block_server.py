@@ -71,6 +71,7 @@ class ServerConfig:
     policy: str = "fcfs"
     policy_args: dict = field(default_factory=dict)  # checked by server.policies.parse_policy_args
     max_batch_tokens: int = 2048
+    batch_gather: float = 0.5  # StepScheduler's gather_fraction (0: never wait for expected sessions)
     session_idle_timeout_s: float = 300.0
     admission_timeout_s: float = 10.0
     admission_queue: int = 64
@@ -186,7 +187,7 @@ class BlockServer:
         budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
                           cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
         scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
-                                  on_batch=self._on_batch)
+                                  gather_fraction=c.batch_gather, on_batch=self._on_batch)
         admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
         prefix_cache = (None if c.prefix_sharing == "off" else
                         PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))

@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="token budget of one batched forward; longer prompts run in chunks of at most this many "
                         "tokens, interleaved with other sessions' steps (chunked prefill)")
+    p.add_argument("--batch-gather", type=non_negative_float, default=0.5, metavar="FRACTION",
+                   help="before a batch, wait for sessions expected back with their next step within this "
+                        "fraction of the last batch's time, so concurrent sessions share batches (0: never wait; "
+                        "default 0.5; server/scheduler.py)")
     p.add_argument("--session-idle-timeout", type=non_negative_float, default=300.0,
                    help="seconds a session's stream may stay silent before the server closes it and frees its KV "
                         "(0: never)")
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
             quant=args.quant, device=args.device, adapters=args.adapters, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
             name=args.name, policy=args.policy, policy_args=policy_args, max_batch_tokens=args.max_batch_tokens,
-            session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
+            batch_gather=args.batch_gather, session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
             admission_queue=args.admission_queue, service_log=args.service_log,
             prefix_sharing=args.prefix_sharing, prefix_cache_max_bytes=args.prefix_cache_max,
             prefix_cache_min_bytes=args.prefix_cache_min,
