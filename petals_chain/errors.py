@@ -31,6 +31,7 @@ class ErrorCode(enum.StrEnum):
     NOT_ALLOWED = "not_allowed"
     IDENTITY_ERROR = "identity_error"
     P2P_START_ERROR = "p2p_start_error"
+    UNKNOWN_ADAPTER = "unknown_adapter"
 
 
 class PetalsChainError(Exception):
@@ -61,6 +62,12 @@ class OutOfCacheError(PetalsChainError):
     """The server cannot reserve the KV cache a session asks for within its memory budget."""
 
     code = ErrorCode.OUT_OF_CACHE
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """The session asked for a LoRA adapter this server (or chain) does not serve."""
+
+    code = ErrorCode.UNKNOWN_ADAPTER
 
 
 class MaxLengthExceededError(InvalidRequestError):
@@ -167,6 +174,7 @@ ERROR_TYPES: dict[ErrorCode, type[PetalsChainError]] = {
         SessionIdleTimeoutError,
         AdmissionTimeoutError,
         NotAllowedError,
+        UnknownAdapterError,
     )
 }
 

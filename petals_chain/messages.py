@@ -144,6 +144,7 @@ class Open(WireRecord):
     entry_block: int | None = None
     admission_wait_s: float | None = None
     prefix_hashes: list[str] | None = None
+    adapter: str | None = None  # the LoRA adapter (a name the server lists) the session runs with
 
     def check(self) -> None:
         _check_max_length(self.max_length)
@@ -211,6 +212,7 @@ class Forward(WireRecord):
 
     TYPE = MessageType.FORWARD
     entry_block: int | None = None
+    adapter: str | None = None
 
 
 @dataclass
@@ -231,6 +233,7 @@ class Acquire(WireRecord):
     timeout_s: float = 60.0
     poll_s: float = 5.0
     exclude: list[str] = field(default_factory=list)
+    adapter: str | None = None  # only chains whose every server serves this LoRA adapter
 
     def check(self) -> None:
         _check_session_id(self.session_id)

@@ -155,6 +155,7 @@ class ServerInfo(WireRecord):
     # most tokens (rows x sequence) one inference step or forward request may carry; larger ones get
     # RequestTooLargeError before any work (0 when constructed: the same as max_length_tokens)
     max_step_tokens: int = 0
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters served (names sessions open with)
     # how peers reach it, from its dial-back check at start; a relayed server lists `<relay>/p2p-circuit`
     # addresses that clients and the orchestrator connect through (petals_chain/reachability.py)
     reachability: Reachability = Reachability.DIRECT

@@ -124,7 +124,7 @@ def prefix_reuse(client: OpenAI, model: str, tokenizer, history_tokens: int, rou
         ttft2, _ = chat_ttft_s(client, model, messages, 16)
         firsts.append(ttft1)
         seconds.append(ttft2)
-    prompt_tokens = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    prompt_tokens = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
     return {"history_tokens": history_tokens, "second_turn_prompt_tokens": prompt_tokens,
             "first_turn_ttft_s": firsts, "second_turn_ttft_s": seconds,
             "ratio": statistics.median(seconds) / statistics.median(firsts)}

@@ -34,6 +34,7 @@ from petals_chain.messages import AssignmentReply, AssignmentRequest, Assignment
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, OrchestratorService
 from petals_chain.runtime.block_range import BlockRange
+from petals_chain.runtime.lora import adapter_name
 from petals_chain.wire import Reachability, ServerInfo, ServerState
 from server.admission import AdmissionQueue
 from server.handler import BlockServicer, OpenSession
@@ -62,6 +63,7 @@ class ServerConfig:
     dtype: str = "float32"
     quant: str = "none"
     device: str = "cpu"
+    adapters: list[str] = field(default_factory=list)  # PEFT LoRA folders (petals_chain/runtime/lora.py)
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     identity_path: str | None = None
     allowed_peers: frozenset[str] | None = None  # private swarm: only these peers may call (None: anyone)
@@ -69,6 +71,7 @@ class ServerConfig:
     policy: str = "fcfs"
     policy_args: dict = field(default_factory=dict)  # checked by server.policies.parse_policy_args
     max_batch_tokens: int = 2048
+    batch_gather: float = 0.5  # StepScheduler's gather_fraction (0: never wait for expected sessions)
     session_idle_timeout_s: float = 300.0
     admission_timeout_s: float = 10.0
     admission_queue: int = 64
@@ -179,11 +182,12 @@ class BlockServer:
     def _load(self, start: int, end: int) -> None:
         c = self.config
         block_range = maybe_slowed(BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
-                                              model_path=self.path, cuda_graphs=c.cuda_graphs), c.emulate_slowdown)
+                                              model_path=self.path, cuda_graphs=c.cuda_graphs,
+                                              adapters=c.adapters), c.emulate_slowdown)
         budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
                           cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
         scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
-                                  on_batch=self._on_batch)
+                                  gather_fraction=c.batch_gather, on_batch=self._on_batch)
         admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
         prefix_cache = (None if c.prefix_sharing == "off" else
                         PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))
@@ -325,6 +329,7 @@ class BlockServer:
                 max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
                 prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
                 dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True},
+                adapters=[adapter_name(a) for a in self.config.adapters],
                 reachability=self.reachability, relay_maddrs=self.relay_maddrs)
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
         with self._sessions_lock:
@@ -338,8 +343,8 @@ class BlockServer:
             max_step_tokens=self.max_step_tokens,
             free_kv_slots=self.budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
-            quant=br.quant, name=self.config.name, active_sessions=active, reachability=self.reachability,
-            relay_maddrs=self.relay_maddrs,
+            quant=br.quant, name=self.config.name, active_sessions=active, adapters=list(br.adapters),
+            reachability=self.reachability, relay_maddrs=self.relay_maddrs,
             extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
                    "admission_queue_length": len(self.admission), "auto": self.auto,
                    "prefix_cache": self.prefix_cache.view() if self.prefix_cache is not None else None,

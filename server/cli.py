@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--adapters", nargs="+", default=[], metavar="PATH",
+                   help="PEFT LoRA adapter folders to serve for the hosted blocks; a session picks one by its folder "
+                        "name (client: active_adapter=NAME), sessions with different adapters batch together")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs "
                         "(petals_chain/runtime/decode_graphs.py); for debugging and comparisons")
@@ -81,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="token budget of one batched forward; longer prompts run in chunks of at most this many "
                         "tokens, interleaved with other sessions' steps (chunked prefill)")
+    p.add_argument("--batch-gather", type=non_negative_float, default=0.5, metavar="FRACTION",
+                   help="before a batch, wait for sessions expected back with their next step within this "
+                        "fraction of the last batch's time, so concurrent sessions share batches (0: never wait; "
+                        "default 0.5; server/scheduler.py)")
     p.add_argument("--session-idle-timeout", type=non_negative_float, default=300.0,
                    help="seconds a session's stream may stay silent before the server closes it and frees its KV "
                         "(0: never)")
@@ -173,9 +180,9 @@ def _main(argv: list[str]) -> int:
         server = BlockServer(ServerConfig(
             model=args.model, start=start, end=end, initial_peers=args.initial_peers,
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
-            quant=args.quant, device=args.device, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
+            quant=args.quant, device=args.device, adapters=args.adapters, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
             name=args.name, policy=args.policy, policy_args=policy_args, max_batch_tokens=args.max_batch_tokens,
-            session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
+            batch_gather=args.batch_gather, session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
             admission_queue=args.admission_queue, service_log=args.service_log,
             prefix_sharing=args.prefix_sharing, prefix_cache_max_bytes=args.prefix_cache_max,
             prefix_cache_min_bytes=args.prefix_cache_min,

@@ -32,6 +32,7 @@ from petals_chain.errors import (
 )
 from petals_chain.runtime.block_range import StepInput
 from petals_chain.runtime.kv_cache import SessionKV
+from petals_chain.runtime.lora import check_adapter
 from server.memory import KVBudget
 from server.prefix_cache import PrefixPin
 from server.scheduler import StepScheduler
@@ -168,17 +169,19 @@ class BlockServicer:
         if not block_range.start <= first_block < block_range.end:
             raise InvalidRequestError(
                 f"entry_block {first_block} is outside this server's blocks [{block_range.start}, {block_range.end})")
+        check_adapter(msg.adapter, block_range.adapters)  # before any memory is reserved
         nbytes = block_range.kv_bytes_per_block(max_length) * (block_range.end - first_block)
         wait_s = msg.admission_wait_s
         key = f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}"
         cache = self.server.prefix_cache
         hashes = list(msg.prefix_hashes or ())  # checked by Open.check
-        namespace = cache.namespace(client_id, first_block) if cache is not None else ""
+        # a prefix's KV depends on the adapter it was computed with: never shared across adapters
+        namespace = cache.namespace(client_id, first_block, msg.adapter) if cache is not None else ""
         match = (lambda: cache.match(namespace, hashes) * cache.chunk_tokens) if cache is not None and hashes else None
         # waits in the admission queue while memory is full (OutOfCacheError / AdmissionTimeoutError)
         await self.server.admission.reserve(key, nbytes, session_id, client_id, wait_s, prefix_match=match)
         try:
-            kv = block_range.allocate_kv(max_length, first_block)
+            kv = block_range.allocate_kv(max_length, first_block, msg.adapter)
         except Exception:
             self.budget.release(key)
             self.server.admission.on_release()
@@ -290,7 +293,9 @@ class BlockServicer:
             raise ServerUnavailableError("this server holds no blocks yet; use another server")
         if message.meta.get("type", Forward.TYPE) != Forward.TYPE:
             raise InvalidRequestError(f"rpc_forward takes 'forward' messages, got type {message.meta.get('type')!r}")
-        entry_block = Forward.from_wire(message.meta).entry_block
+        request = Forward.from_wire(message.meta)
+        entry_block = request.entry_block
+        check_adapter(request.adapter, block_range.adapters)
         first_block = block_range.start if entry_block is None else entry_block
         if len(message.tensors) != 1:
             raise InvalidRequestError(f"rpc_forward carries exactly one tensor, got {len(message.tensors)}")
@@ -305,7 +310,8 @@ class BlockServicer:
             key = f"{client_id}/forward-{uuid.uuid4().hex[:8]}-{row}"
             self.budget.reserve(key, block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - first_block))
             try:
-                temp = OpenSession(key, client_id, block_range.allocate_kv(seq.shape[0], first_block), key)
+                temp = OpenSession(key, client_id, block_range.allocate_kv(seq.shape[0], first_block, request.adapter),
+                                   key)
                 outputs.append(await self._run_step(temp, seq))
             finally:
                 self.budget.release(key)

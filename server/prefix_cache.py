@@ -87,9 +87,9 @@ class PrefixCache:
         budget.reclaimer = self
 
     # -- keys -------------------------------------------------------------------------------
-    def namespace(self, client_id: str, first_block: int) -> str:
+    def namespace(self, client_id: str, first_block: int, adapter: str | None = None) -> str:
         owner = client_id if self.sharing == "client" else "*"
-        return f"{owner}|{first_block}"
+        return f"{owner}|{first_block}" + (f"|{adapter}" if adapter is not None else "")
 
     @property
     def cached_bytes(self) -> int:

@@ -88,6 +88,18 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
         while scheduler.run_once():
             pass
 
+    def batched_decode(scheduler: StepScheduler, n: int) -> None:
+        """One batch of `n` sessions' decode steps: with a single block, decode block-tokens vary only
+        with the batch size, and without that variation t_o and t_O cannot be told apart."""
+        x = torch.randn(1, block_range.hidden_size, generator=gen).to(device, block_range.dtype)
+        kvs = [block_range.allocate_kv(3, first_block=start) for _ in range(n)]
+        for kv in kvs:
+            step(scheduler, kv, x)  # each session's first token
+        for i, kv in enumerate(kvs):
+            scheduler.submit(f"profile-{i}", "profile", StepInput(kv, x), deliver)
+        while scheduler.run_once():
+            pass
+
     def round_(scheduler: StepScheduler) -> None:
         for n in prefill_tokens:
             kv = block_range.allocate_kv(n + 1, first_block=start)
@@ -97,6 +109,7 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
             x = torch.randn(1, block_range.hidden_size, generator=gen).to(device, block_range.dtype)
             for _ in range(1 + decode_steps):  # the first token is a 1-token prefill, then decode steps
                 step(scheduler, kv, x)
+        batched_decode(scheduler, 3)
 
     meter = ServiceMeter()
     warm = StepScheduler(block_range, make_policy("fcfs"), start_thread=False)

@@ -5,6 +5,15 @@ Handlers `submit` a validated step with a `deliver(result, error)` callback. The
 lock. A step longer than the batch budget runs in chunks (the policy cuts it), interleaved with
 other sessions' steps; its rows are delivered together once the last chunk ran, in order.
 
+Gathering: a session whose step was just delivered usually comes back with its next step one
+client round trip later. The loop takes whatever waits at once, so with concurrent sessions it
+used to run the first arrival alone and the rest as the next batch, and stayed in that split (one
+session, then seven, then one... measured through the API gateway: 2.5 sessions per batch with 8
+concurrent requests). Before a batch, the loop therefore waits for sessions it expects back (each
+session's delivery-to-next-step gap, averaged) if they are due within `gather_fraction` of a
+batch's service time (averaged over recent batches), and never longer: a session at another hop of a long chain, or idle,
+is not expected that soon and costs no wait.
+
 A broken policy never kills the loop: when a hook raises, or `select` answers with nothing while
 work waits, or with a batch that breaks the contract (unknown items, two items of one session,
 rows out of order, over the token budget), every waiting step fails with `SchedulerPolicyError`
@@ -64,9 +73,16 @@ class StepScheduler:
 
     def __init__(self, executor, policy: SchedulingPolicy, *, max_batch_tokens: int = 2048,
                  clock: Callable[[], float] = time.monotonic, start_thread: bool = True,
-                 on_batch: Callable[[dict], None] | None = None):
+                 on_batch: Callable[[dict], None] | None = None, gather_fraction: float = 0.5):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if gather_fraction < 0:
+            raise ValueError(f"gather_fraction must be >= 0, got {gather_fraction}")
+        self.gather_fraction = gather_fraction  # 0: never wait for expected sessions
+        self._delivered_s: dict[str, float] = {}  # session -> when its last step was delivered (not back yet)
+        self._return_s: dict[str, float] = {}  # session -> average gap from a delivery to its next step
+        self._service_s = 0.0  # batch service time, averaged over recent batches (the gathering window's unit)
+        self.gather_waits = 0  # batches that waited for expected sessions (stats)
         self.block_range = executor
         self._device = torch.device(getattr(executor, "device", "cpu"))
         self._on_cuda = self._device.type == "cuda"
@@ -93,6 +109,11 @@ class StepScheduler:
         with self._cond:
             if self._stopped:
                 raise ServerUnavailableError("this server is shutting down; use another server")
+            delivered_s = self._delivered_s.pop(session_id, None)
+            if delivered_s is not None:
+                gap_s = self.clock() - delivered_s
+                prev_s = self._return_s.get(session_id)
+                self._return_s[session_id] = gap_s if prev_s is None else 0.5 * (prev_s + gap_s)
             job_id = next(self._job_ids)
             job = _Job(job_id, session_id, client_id, step, deliver)
             ok, seq = self._call_policy("next_seq", self.policy.next_seq)
@@ -108,6 +129,8 @@ class StepScheduler:
     def cancel_session(self, session_id: str) -> None:
         """The session closed or its stream broke: its waiting work leaves the queue."""
         with self._cond:
+            self._delivered_s.pop(session_id, None)
+            self._return_s.pop(session_id, None)
             ok, items = self._call_policy("remove", lambda: self.policy.remove(session_id))
             for item in items if ok else ():
                 self._fail_job(item.payload, SessionClosedError("the session was closed before this step ran"))
@@ -149,7 +172,33 @@ class StepScheduler:
                     self._cond.wait()
                 if self._stopped:
                     return
+                self._gather()
             self.run_once()
+
+    def _gather(self) -> None:
+        """Wait (under the lock, woken by every submit) for sessions expected back within the
+        gathering window; see the module docstring."""
+        if self.gather_fraction <= 0 or self._service_s <= 0:
+            return
+        window_s = self.gather_fraction * self._service_s
+        deadline_s = self.clock() + window_s
+        waited = False
+        while not self._stopped:
+            now_s = self.clock()
+            if sum(j.total_rows - j.rows_done for j in self._jobs.values()) >= self.max_batch_tokens:
+                break  # the batch is full anyway
+            due_s = []
+            for session_id, delivered_s in list(self._delivered_s.items()):
+                expected_s = delivered_s + self._return_s.get(session_id, float("inf"))
+                if expected_s + window_s < now_s:  # overdue: idle, or gone elsewhere; stop expecting it
+                    del self._delivered_s[session_id]
+                elif expected_s <= deadline_s:
+                    due_s.append(expected_s)
+            if not due_s or now_s >= deadline_s:
+                break
+            waited = True
+            self._cond.wait(timeout=deadline_s - now_s)
+        self.gather_waits += waited
 
     def run_once(self) -> int:
         """Select and run one batch; returns the number of items it ran (0: nothing waited, or the
@@ -215,6 +264,9 @@ class StepScheduler:
         cpu_s = time.process_time() - cpu0_s
         finished: list[tuple[_Job, torch.Tensor | None, BaseException | None]] = []
         with self._cond:
+            # averaged: one short batch (a lone session's) must not shrink the window that would
+            # let the next batch gather everyone
+            self._service_s = service_s if not self._service_s else 0.5 * (self._service_s + service_s)
             st = self.stats
             st.batches += 1
             st.busy_s += service_s
@@ -240,6 +292,7 @@ class StepScheduler:
                     st.steps += 1
                     result = job.outputs[0] if len(job.outputs) == 1 else torch.cat(job.outputs)
                     finished.append((job, result, None))
+                    self._delivered_s[job.session_id] = self.clock()
         for job, result, err in finished:
             job.deliver(result, err)
         if self.on_batch is not None:

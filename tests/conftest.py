@@ -60,3 +60,19 @@ def tiny_chat_path(tmp_path_factory, smollm2_path) -> Path:
     LlamaForCausalLM(config).eval().save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_family_path(tmp_path_factory):
+    """`tiny_family_path(variant)`: a tiny random checkpoint of that family variant
+    (tests/family_checkpoints.py), built once per test session."""
+    from tests.family_checkpoints import save_tiny
+
+    built: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in built:
+            built[variant] = save_tiny(variant, tmp_path_factory.mktemp(f"tiny-{variant}"))
+        return built[variant]
+
+    return get

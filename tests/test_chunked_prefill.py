@@ -11,6 +11,7 @@ from petals_chain.runtime.block_range import BlockRange, StepInput
 from petals_chain.runtime.client_head import ClientHead
 from server.policies import make_policy
 from server.scheduler import StepScheduler
+from tests.exactness_helpers import hf_logits_per_step
 
 
 def _step(sched: StepScheduler, name: str, kv, hidden: torch.Tensor) -> torch.Tensor:
@@ -35,17 +36,6 @@ def _generate(sched, head, rng, name, ids, steps, out):
         logits.append(head.logits(_step(sched, name, kv, head.embed_tokens(torch.tensor([tokens[-1]])))))
         tokens.append(int(logits[-1][-1].argmax()))
     out[name] = (logits, tokens)
-
-
-def _hf(hf, ids, steps):
-    o = hf(ids.unsqueeze(0), use_cache=True)
-    logits, past, tokens = [o.logits[0]], o.past_key_values, [int(o.logits[0, -1].argmax())]
-    for _ in range(steps):
-        o = hf(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
-        past = o.past_key_values
-        logits.append(o.logits[0])
-        tokens.append(int(o.logits[0, -1].argmax()))
-    return logits, tokens
 
 
 def _run_concurrently(sched, head, rng, prompts, steps):
@@ -75,7 +65,7 @@ def test_chunked_prefill_matches_hf_tiny(tiny_llama_path, policy):
         sched.stop()
     assert sched.stats.max_batch_tokens_seen <= 7
     for name, ids in prompts.items():
-        ref_logits, ref_tokens = _hf(hf, ids, 6)
+        ref_logits, ref_tokens = hf_logits_per_step(hf, ids, 6)
         logits, tokens = out[name]
         assert tokens == ref_tokens
         worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
@@ -97,7 +87,7 @@ def test_chunked_prefill_matches_hf_smollm2(smollm2_path, smollm2_hf, smollm2_to
         sched.stop()
     assert prompts["long"].shape[0] > 16  # it really was chunked
     for name, ids in prompts.items():
-        ref_logits, ref_tokens = _hf(smollm2_hf, ids, 8)
+        ref_logits, ref_tokens = hf_logits_per_step(smollm2_hf, ids, 8)
         logits, tokens = out[name]
         assert tokens == ref_tokens
         worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))

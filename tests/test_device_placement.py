@@ -80,14 +80,19 @@ def test_the_recorder_catches_a_tensor_made_without_a_device():
 def test_graph_decode_body_equals_the_eager_decode(tiny_llama_path):
     """The captured decode (whole-cache attention with a position mask, KV written by index_copy)
     computes what the eager decode computes, and writes the same KV."""
-    br = BlockRange(tiny_llama_path, 0, 6, model_path=tiny_llama_path)
+    assert_graph_decode_equals_eager(BlockRange(tiny_llama_path, 0, 6, model_path=tiny_llama_path), decode_steps=3)
+
+
+def assert_graph_decode_equals_eager(br: BlockRange, decode_steps: int) -> None:
+    """Two sessions (one entering at the range's third block) decode `decode_steps` tokens eagerly
+    and through the graph body; outputs and written KV agree."""
     g = torch.Generator().manual_seed(1)
-    kvs_eager = [br.allocate_kv(24), br.allocate_kv(24, first_block=2)]
-    kvs_graph = [br.allocate_kv(24), br.allocate_kv(24, first_block=2)]
+    kvs_eager = [br.allocate_kv(24), br.allocate_kv(24, first_block=br.start + 2)]
+    kvs_graph = [br.allocate_kv(24), br.allocate_kv(24, first_block=br.start + 2)]
     prompts = [torch.randn(7, br.hidden_size, generator=g), torch.randn(3, br.hidden_size, generator=g)]
     for kvs in (kvs_eager, kvs_graph):
         br.forward([StepInput(kv, p) for kv, p in zip(kvs, prompts)])
-    for _ in range(3):
+    for _ in range(decode_steps):
         x = torch.randn(2, br.hidden_size, generator=g)
         eager = torch.cat(br.forward([StepInput(kv, x[i:i + 1]) for i, kv in enumerate(kvs_eager)]))
         positions = torch.tensor([kv.past_tokens for kv in kvs_graph])

@@ -6,55 +6,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from petals_chain.client.model import DistributedModelForCausalLM
-from petals_chain.runtime.block_range import BlockRange, StepInput
-from petals_chain.runtime.client_head import ClientHead
+from petals_chain.runtime.block_range import StepInput
+from tests.exactness_helpers import chain_ranges, chain_logits_per_step, hf_logits_per_step
 
 QUANT_TOLERANCE = {"nf4": 0.35, "int8": 0.12}  # relative L2 error of the final hidden state, stated in README
-
-
-def _chain(path, ranges, **kw):
-    head = ClientHead(path, model_path=path, dtype=kw.get("dtype", "float32"))
-    return head, [BlockRange(path, s, e, model_path=path, config=head.config, **kw) for s, e in ranges]
-
-
-def _run(head, ranges, kvs, ids):
-    x = head.embed_tokens(ids)
-    for r, kv in zip(ranges, kvs):
-        x = r.forward([StepInput(kv, x)])[0]
-    return x
-
-
-def _hf_logits_per_step(hf, ids, steps):
-    """Reference: HF with its own cache, prefill then `steps` greedy decode steps."""
-    out = hf(ids.unsqueeze(0), use_cache=True)
-    logits, past = [out.logits[0]], out.past_key_values
-    tokens = [int(out.logits[0, -1].argmax())]
-    for _ in range(steps):
-        out = hf(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        logits.append(out.logits[0])
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return logits, tokens
-
-
-def _chain_logits_per_step(head, ranges, ids, steps, max_length):
-    """Ours: prefill then `steps` greedy decode steps through the chained ranges."""
-    kvs = [r.allocate_kv(max_length) for r in ranges]
-    logits = [head.logits(_run(head, ranges, kvs, ids))]
-    tokens = [int(logits[0][-1].argmax())]
-    for _ in range(steps):
-        logits.append(head.logits(_run(head, ranges, kvs, torch.tensor([tokens[-1]]))))
-        tokens.append(int(logits[-1][-1].argmax()))
-    return logits, tokens
 
 
 @pytest.mark.model
 @torch.inference_mode()
 def test_three_ranges_match_hf_smollm2(smollm2_path, smollm2_hf, smollm2_tokenizer):
     ids = smollm2_tokenizer("The three primary colors are", return_tensors="pt").input_ids[0]
-    ref_logits, ref_tokens = _hf_logits_per_step(smollm2_hf, ids, steps=20)
-    head, ranges = _chain(smollm2_path, [(0, 10), (10, 20), (20, 30)])
-    logits, tokens = _chain_logits_per_step(head, ranges, ids, steps=20, max_length=64)
+    ref_logits, ref_tokens = hf_logits_per_step(smollm2_hf, ids, steps=20)
+    head, ranges = chain_ranges(smollm2_path, [(0, 10), (10, 20), (20, 30)])
+    logits, tokens = chain_logits_per_step(head, ranges, ids, steps=20, max_length=64)
     worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
     assert worst <= 1e-4, f"max abs logit diff {worst}"
     assert tokens == ref_tokens
@@ -90,14 +54,14 @@ def test_generation_options_match_hf(smollm2_path, smollm2_hf, smollm2_tokenizer
 def test_tiny_llama_ranges_match_hf_and_entry_midrange(tiny_llama_path):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
     ids = torch.randint(2, 128, (11,), generator=torch.Generator().manual_seed(1))
-    ref_logits, ref_tokens = _hf_logits_per_step(hf, ids, steps=8)
-    head, ranges = _chain(tiny_llama_path, [(0, 2), (2, 5), (5, 6)])
-    logits, tokens = _chain_logits_per_step(head, ranges, ids, steps=8, max_length=32)
+    ref_logits, ref_tokens = hf_logits_per_step(hf, ids, steps=8)
+    head, ranges = chain_ranges(tiny_llama_path, [(0, 2), (2, 5), (5, 6)])
+    logits, tokens = chain_logits_per_step(head, ranges, ids, steps=8, max_length=32)
     assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) <= 1e-4
     assert tokens == ref_tokens
     # A session that enters a server's range mid-way ([0,3) elsewhere, then blocks 3..5 of a [2,6) server)
     # computes the same thing: the server skips the blocks before its entry block.
-    head2, (first, second) = _chain(tiny_llama_path, [(0, 3), (2, 6)])
+    head2, (first, second) = chain_ranges(tiny_llama_path, [(0, 3), (2, 6)])
     kv1, kv2 = first.allocate_kv(32), second.allocate_kv(32, first_block=3)
     assert kv2.num_blocks == 3
     x = first.forward([StepInput(kv1, head2.embed_tokens(ids))])[0]
@@ -108,7 +72,7 @@ def test_tiny_llama_ranges_match_hf_and_entry_midrange(tiny_llama_path):
 @torch.inference_mode()
 def test_batched_decode_equals_separate_runs(tiny_llama_path):
     """3 sessions with different prompt lengths: one batched step per token == 3 separate runs."""
-    head, (rng,) = _chain(tiny_llama_path, [(0, 6)])
+    head, (rng,) = chain_ranges(tiny_llama_path, [(0, 6)])
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, 128, (n,), generator=gen) for n in (3, 9, 5)]
 
@@ -131,7 +95,7 @@ def test_batched_decode_equals_separate_runs(tiny_llama_path):
 @torch.inference_mode()
 def test_mixed_prefill_and_decode_in_one_batch(tiny_llama_path):
     """A prefill of one session and a decode step of another in the same call stay independent."""
-    head, (rng,) = _chain(tiny_llama_path, [(0, 6)])
+    head, (rng,) = chain_ranges(tiny_llama_path, [(0, 6)])
     a, b = torch.randint(2, 128, (7,)), torch.randint(2, 128, (4,))
     kv_a, kv_b = rng.allocate_kv(16), rng.allocate_kv(16)
     rng.forward([StepInput(kv_a, head.embed_tokens(a[:-1]))])
@@ -145,8 +109,8 @@ def test_mixed_prefill_and_decode_in_one_batch(tiny_llama_path):
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
 @torch.inference_mode()
 def test_quantized_blocks_within_tolerance(tiny_llama_path, quant):
-    head, (full,) = _chain(tiny_llama_path, [(0, 6)])
-    _, (quantized,) = _chain(tiny_llama_path, [(0, 6)], quant=quant)
+    head, (full,) = chain_ranges(tiny_llama_path, [(0, 6)])
+    _, (quantized,) = chain_ranges(tiny_llama_path, [(0, 6)], quant=quant)
     assert quantized.block_bytes < full.block_bytes
     x = head.embed_tokens(torch.randint(2, 128, (12,), generator=torch.Generator().manual_seed(3)))
     ref = full.forward_stateless(x.unsqueeze(0))[0]
@@ -157,8 +121,8 @@ def test_quantized_blocks_within_tolerance(tiny_llama_path, quant):
 
 @torch.inference_mode()
 def test_bfloat16_close_to_float32(tiny_llama_path):
-    head, (full,) = _chain(tiny_llama_path, [(0, 6)])
-    _, (half,) = _chain(tiny_llama_path, [(0, 6)], dtype="bfloat16")
+    head, (full,) = chain_ranges(tiny_llama_path, [(0, 6)])
+    _, (half,) = chain_ranges(tiny_llama_path, [(0, 6)], dtype="bfloat16")
     x = head.embed_tokens(torch.randint(2, 128, (8,)))
     ref = full.forward_stateless(x.unsqueeze(0))[0]
     got = half.forward_stateless(x.to(torch.bfloat16).unsqueeze(0))[0].float()

@@ -312,3 +312,63 @@ def test_policy_args_are_validated():
         make_policy("lottery")
     with pytest.raises(InvalidRequestError):
         make_policy("vtc", {"w_in": 0.0, "w_out": 0.0})
+
+
+def _two_sessions_in_step(gather_fraction: float):
+    """Sessions a and b ran two rounds together (1 ms client round trips, 20 ms batches); a is
+    back for round three, b is due 1 ms later. Returns (sched, rng, clock, res, kvs)."""
+    sched, rng, clock = make()
+    sched.gather_fraction = gather_fraction
+    res, kvs = Results(), {"a": FakeKV(), "b": FakeKV()}
+    for _ in range(2):
+        for name in "ab":
+            submit(sched, res, name, kvs[name], 1)
+        run_all(sched)
+        clock.advance(0.001)
+    submit(sched, res, "a", kvs["a"], 1)
+    return sched, rng, clock, res, kvs
+
+
+def _gather_in_thread(sched) -> threading.Thread:
+    def gather():
+        with sched._cond:
+            sched._gather()
+
+    thread = threading.Thread(target=gather, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("gather_fraction, batch", [(0.0, ["a"]), (0.5, ["a", "b"])])
+def test_gathering_waits_for_a_session_expected_back(gather_fraction, batch):
+    sched, rng, clock, res, kvs = _two_sessions_in_step(gather_fraction)
+    thread = _gather_in_thread(sched)
+    thread.join(0.2)
+    assert thread.is_alive() == bool(gather_fraction)  # waiting for b only when gathering
+    if not gather_fraction:
+        sched.run_once()  # the loop runs a at once, alone
+    submit(sched, res, "b", kvs["b"], 1)  # b's step arrives: a wait ends (no timeout involved)
+    thread.join(10)
+    assert not thread.is_alive() and sched.gather_waits == int(bool(gather_fraction))
+    if gather_fraction:
+        sched.run_once()
+    assert [k for k, _ in rng.batches[2]] == [id(kvs[n]) for n in batch]
+
+
+def test_gathering_never_waits_past_its_window_and_forgets_overdue_sessions():
+    sched, rng, clock, res, kvs = _two_sessions_in_step(0.5)
+    thread = _gather_in_thread(sched)
+    thread.join(0.2)
+    assert thread.is_alive()
+    clock.advance(0.011)  # past the window (half of the 20 ms batches): b does not come
+    with sched._cond:
+        sched._cond.notify_all()  # what the wait's own timeout does in real time
+    thread.join(10)
+    assert not thread.is_alive()
+    sched.run_once()
+    assert [k for k, _ in rng.batches[-1]] == [id(kvs["a"])]
+    clock.advance(0.05)  # b is now overdue by more than a window: no batch waits for it any more
+    submit(sched, res, "a", kvs["a"], 1)
+    with sched._cond:
+        sched._gather()  # returns at once (a thread would hang here if it waited)
+    assert "b" not in sched._delivered_s

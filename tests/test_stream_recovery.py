@@ -123,7 +123,7 @@ class ListedChains(ChainProvider):
         self.peers, self.num_blocks = peers, num_blocks
         self.excludes: list[frozenset[str]] = []
 
-    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id=""):
+    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
         self.excludes.append(exclude)
         return [Hop(next(p for p in self.peers if p not in exclude), start, end)]
 

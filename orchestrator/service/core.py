@@ -30,6 +30,7 @@ from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, b
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
+from petals_chain.errors import UnknownAdapterError
 from petals_chain.reachability import RelayRoutes
 from petals_chain.messages import Assignment, AssignmentStatus, Hop
 from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
@@ -261,24 +262,33 @@ class Orchestrator:
         """Read each serving server's new batch records (outside the lock: round trips), refit."""
         with self.lock:
             peers = {p: self.window(p).last_seq for p, r in self.records.items() if r.info.has_blocks}
+        changed = []
         for p, since in peers.items():
             got = fetch_service_records(self.loop, self.p2p, p, since)
-            if got is None:
+            if not got:
                 continue
             with self.lock:
                 w = self.window(p)
-                if got and got[-1].seq < w.last_seq:  # the server restarted its count
+                if got[-1].seq < w.last_seq:  # the server restarted its count
                     w.last_seq = -1
                 for b in got:
                     w.add_batch(b.seq, b.prefill_block_tokens, b.decode_block_tokens, b.wall_s, b.cpu_s)
-        self.refit()
+            changed.append(p)
+        self.refit(changed)
 
-    def refit(self) -> None:
+    def refit(self, peers: list[str] | None = None) -> None:
+        """Fit the windows of `peers` (default: all) outside the lock (the RPC handlers share it; only
+        this thread adds batches), then publish the fits and every server's current hop cost."""
+        on = self.config.calibrate
+        with self.lock:
+            todo = {p: self.windows[p] for p in (self.records if peers is None else peers) if p in self.windows}
+        fits = {p: (w.fit() if on else None) for p, w in todo.items()}
         with self.lock:
             for p, rec in self.records.items():
                 w = self.windows.get(p)
-                rec.fit = w.fit() if (w is not None and self.config.calibrate) else None
-                rec.hop_cost_s = w.hop_cost if (w is not None and self.config.calibrate) else None
+                if p in fits:
+                    rec.fit = fits[p]
+                rec.hop_cost_s = w.hop_cost if (w is not None and on) else None
 
     def check_model(self, now: float) -> None:
         """Would the calibrated model plan differently enough to re-plan? (hysteresis: ReplanTrigger)"""
@@ -491,6 +501,15 @@ class Orchestrator:
                 shape = self.lengths.shape
                 self.sessions.expected_tokens = (shape.mean_input_tokens, shape.mean_output_tokens)
             return known
+
+    def peers_without_adapter(self, adapter: str) -> set[str]:
+        """Servers a session with LoRA `adapter` must not use; UnknownAdapterError when none serves it."""
+        with self.lock:
+            served = sorted({a for rec in self.records.values() for a in rec.info.adapters})
+            if adapter not in served:
+                raise UnknownAdapterError(f"no server of this swarm serves adapter {adapter!r}; served adapters: "
+                                          f"{served or 'none'}. Choose one of them, or start servers with --adapters PATH")
+            return {p for p, rec in self.records.items() if adapter not in rec.info.adapters}
 
     def name_of(self, peer_id: str) -> str:
         rec = self.records.get(peer_id)

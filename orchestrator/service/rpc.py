@@ -38,9 +38,12 @@ class OrchestratorRpc:
     async def acquire(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         msg = wire.decode_request(request, Acquire)
         orch = self.orch
+        exclude = frozenset(msg.exclude)
+        if msg.adapter is not None:  # JFFC picks among chains whose every server serves the adapter
+            exclude |= orch.peers_without_adapter(msg.adapter)
         out = await orch.sessions.poll(msg.session_id, str(context.remote_id), msg.max_length,
                                        timeout_s=min(msg.timeout_s, orch.config.max_acquire_timeout_s),
-                                       poll_s=min(msg.poll_s, MAX_POLL_S), exclude=frozenset(msg.exclude),
+                                       poll_s=min(msg.poll_s, MAX_POLL_S), exclude=exclude,
                                        clock=orch.clock)
         if isinstance(out, Waiting):
             return wire.response(Queued(out.position, out.queue_length))

@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's (e.g. one that renders tools)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--adapters", nargs="+", default=[], metavar="NAME",
+                   help="LoRA adapters (names servers list, from their --adapters folders) offered as models "
+                        "'MODEL:NAME'; a request's model picks its session's adapter")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the client head (embeddings, LM head) runs")
     p.add_argument("--client-batch-rows", type=int, default=4096,
                    help="most rows in one batched embedding / LM-head call of concurrent sessions "
@@ -114,7 +117,7 @@ def main(argv: list[str]) -> int:
     if args.chat_template is not None:
         tokenizer.chat_template = template_text
     keys = {key: f"key{i}" for i, key in enumerate(args.api_key)}  # labels, so metrics never show a key
-    gateway = Gateway(model, tokenizer, GatewayConfig(model_name=args.model, api_keys=keys,
+    gateway = Gateway(model, tokenizer, GatewayConfig(model_name=args.model, api_keys=keys, adapters=args.adapters,
                                                       max_concurrent=args.max_concurrent,
                                                       queue_timeout_s=args.queue_timeout, max_length=args.max_length,
                                                       admission=args.admission, prompt_lookup_tokens=args.speculative))

@@ -87,14 +87,15 @@ class StopScanner:
 
 def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: list[int], params: SamplingParams,
                    *, cancel: threading.Event, on_text: Callable[[str, list[TokenLogprob]], None],
-                   session_id: str | None = None, clock: Callable[[], float] = time.perf_counter) -> GenerationResult:
+                   session_id: str | None = None, clock: Callable[[], float] = time.perf_counter,
+                   adapter: str | None = None) -> GenerationResult:
     """Generate for one request (blocking; run it in a worker thread). `on_text(delta, logprobs)`
     gets each piece of text as soon as it is safe to send, with the logprobs of the tokens
     generated since the previous call (empty unless `params.top_logprobs` is set). The session
     opens with the prompt, so hops whose prefix caches hold its start skip it (a chat's next turn
     resends the conversation); `session_id` (the request id in it) names the session in the
     orchestrator's and servers' logs. The session is closed (its chain released) on every way
-    out, cancellation and errors included."""
+    out, cancellation and errors included. `adapter`: the session's LoRA adapter."""
     start_s = clock()
     generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                               else int.from_bytes(os.urandom(8), "little") >> 1)
@@ -126,7 +127,7 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
 
     with model.inference_session(max_length=len(prompt_ids) + params.max_tokens,
                                  prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
-                                 session_id=session_id) as session:
+                                 adapter=adapter, session_id=session_id) as session:
         result.chain = session.chain.describe()
         result.hops = session.chain.num_hops
         result.prefix_hit_tokens = session.position  # the open skipped what every hop had cached

@@ -56,6 +56,7 @@ class GatewayConfig:
     queue_timeout_s: float = 60.0
     max_length: int = 2048  # prompt + completion tokens of one session
     admission: str = "fifo"
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters offered as models named 'MODEL:ADAPTER'
     prompt_lookup_tokens: int = 0  # --speculative ngram:K (0: off)
 
 
@@ -82,10 +83,16 @@ class Gateway:
                                 "'Authorization: Bearer KEY'", code="invalid_api_key")
         return user
 
-    def _check_model(self, name: str) -> None:
-        if name != self.config.model_name:
+    def _model_names(self) -> list[str]:
+        return [self.config.model_name] + [f"{self.config.model_name}:{a}" for a in self.config.adapters]
+
+    def _check_model(self, name: str) -> str | None:
+        """The LoRA adapter a request's model name asks for ('MODEL:ADAPTER'), None for the base model."""
+        if name not in self._model_names():
             raise APIError(404, f"The model '{name}' does not exist; this gateway serves "
-                                f"'{self.config.model_name}' (GET /v1/models)", param="model", code="model_not_found")
+                                f"{', '.join(repr(n) for n in self._model_names())} (GET /v1/models)",
+                           param="model", code="model_not_found")
+        return name.partition(":")[2] or None
 
     def _params(self, body, prompt_ids: list[int]) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i samples with seed + i (each
@@ -127,7 +134,8 @@ class Gateway:
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
         return list(ids), bool(offered)
 
-    async def _start(self, request: Request, user: str, prompt_ids: list[int], params: list[SamplingParams]):
+    async def _start(self, request: Request, user: str, prompt_ids: list[int], params: list[SamplingParams],
+                     adapter: str | None = None):
         """Admit each choice and start its session in a worker thread; returns (events queue of
         (choice index, kind, value), cancel flag shared by the choices). A choice's slot goes back
         when its thread is done, whatever happens to the HTTP side."""
@@ -151,13 +159,15 @@ class Gateway:
                 self.metrics.waiting -= 1
             self.metrics.queue_time.observe(time.perf_counter() - queued_s)
             self._submit(loop, events, cancel, user, prompt_ids, choice_params, index,
-                         f"{request_id}.{index}.{uuid.uuid4().hex[:8]}", arrived_s)
+                         f"{request_id}.{index}.{uuid.uuid4().hex[:8]}", arrived_s, adapter)
         return events, cancel
 
     def _submit(self, loop, events: asyncio.Queue, cancel: threading.Event, user: str, prompt_ids: list[int],
-                params: SamplingParams, index: int, session_id: str, arrived_s: float) -> None:
+                params: SamplingParams, index: int, session_id: str, arrived_s: float,
+                adapter: str | None = None) -> None:
         def work() -> GenerationResult:
             return run_generation(self.model, self.tokenizer, prompt_ids, params, cancel=cancel, session_id=session_id,
+                                  adapter=adapter,
                                   on_text=lambda d, lp: loop.call_soon_threadsafe(events.put_nowait,
                                                                                   (index, "text", (d, lp))))
 
@@ -281,11 +291,11 @@ class Gateway:
     # -- the endpoints ---------------------------------------------------------------------------
     async def completions(self, request: Request, body: CompletionRequest):
         user = self._user(request)
-        self._check_model(body.model)
+        adapter = self._check_model(body.model)
         prompt_ids = list(self.tokenizer(body.prompt)["input_ids"])
         params = self._params(body, prompt_ids)
         rid, created = "cmpl-" + request.state.request_id, now_s()
-        events, cancel = await self._start(request, user, prompt_ids, params)
+        events, cancel = await self._start(request, user, prompt_ids, params, adapter)
         if not body.stream:
             results = await self._collect(request, events, cancel, body.n)
             return completion_body(rid, body.model, created,
@@ -313,11 +323,11 @@ class Gateway:
 
     async def chat(self, request: Request, body: ChatRequest):
         user = self._user(request)
-        self._check_model(body.model)
+        adapter = self._check_model(body.model)
         prompt_ids, with_tools = self._chat_prompt(body)
         params = self._params(body, prompt_ids)
         rid, created = "chatcmpl-" + request.state.request_id, now_s()
-        events, cancel = await self._start(request, user, prompt_ids, params)
+        events, cancel = await self._start(request, user, prompt_ids, params, adapter)
         if not body.stream:
             results = await self._collect(request, events, cancel, body.n)
             choices = []
@@ -416,13 +426,13 @@ class Gateway:
         @app.get("/v1/models")
         async def models(request: Request):
             gw._user(request)
-            return {"object": "list", "data": [gw._model_card()]}
+            return {"object": "list", "data": [gw._model_card(n) for n in gw._model_names()]}
 
         @app.get("/v1/models/{name}")
         async def model(name: str, request: Request):
             gw._user(request)
             gw._check_model(name)
-            return gw._model_card()
+            return gw._model_card(name)
 
         @app.post("/v1/completions")
         async def completions(request: Request, body: CompletionRequest):
@@ -434,8 +444,8 @@ class Gateway:
 
         return app
 
-    def _model_card(self) -> dict:
-        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "petals-chain"}
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "petals-chain"}
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -63,9 +63,10 @@ class ChainSession(ABC):
 
 class ChainBackend(ABC):
     @abstractmethod
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, *,
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, adapter: str | None = None, *,
                      session_id: str | None = None) -> ChainSession:
-        """`prefix`: the prompt, offered for prefix reuse (backends without a cache ignore it).
+        """`prefix`: the prompt, offered for prefix reuse (backends without a cache ignore it);
+        `adapter`: the LoRA adapter every hop runs this session with (None: the base model).
         `session_id`: the id the chain's orchestrator and servers know (and log) the session by
         (an API request's id in it ties their logs to the request); default a fresh random one."""
 
@@ -79,9 +80,9 @@ class ChainBackend(ABC):
 
 
 class LocalChainSession(ChainSession):
-    def __init__(self, ranges: list[BlockRange], max_length: int):
+    def __init__(self, ranges: list[BlockRange], max_length: int, adapter: str | None = None):
         self.ranges = ranges
-        self.kvs = [r.allocate_kv(max_length) for r in ranges]
+        self.kvs = [r.allocate_kv(max_length, adapter=adapter) for r in ranges]
         self.position = 0
 
     @property
@@ -117,6 +118,6 @@ class LocalChain(ChainBackend):
             expected = r.end
         self.ranges = ranges
 
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, *,
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, adapter: str | None = None, *,
                      session_id: str | None = None) -> ChainSession:
-        return LocalChainSession(self.ranges, max_length)
+        return LocalChainSession(self.ranges, max_length, adapter)

@@ -81,11 +81,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _supports_cache_class = False
 
-    def __init__(self, config, head: ClientHead, backend: ChainBackend):
+    def __init__(self, config, head: ClientHead, backend: ChainBackend, active_adapter: str | None = None):
         config.use_cache = False  # the chain keeps the KV cache, not transformers
         super().__init__(config)
         self.head = head
         self.backend = backend
+        # the LoRA adapter sessions run with unless `inference_session(adapter=...)` says otherwise
+        self.active_adapter = active_adapter
         # The active session is per thread: concurrent `generate` calls on one model object (the
         # README promises threads work; the API gateway runs one request per thread) each run
         # their own session instead of stepping on one another's.
@@ -102,10 +104,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_local_ranges(cls, model: str | Path, ranges: list[tuple[int, int]], *, dtype: str = "float32",
-                          quant: str = "none", device: str = "cpu",
-                          cuda_graphs: bool = True) -> "DistributedModelForCausalLM":
+                          quant: str = "none", device: str = "cpu", cuda_graphs: bool = True,
+                          adapters: list[str | Path] = (), active_adapter: str | None = None,
+                          ) -> "DistributedModelForCausalLM":
         """All block ranges in this process: pipelined generation without a network. `device`: where
-        the block ranges and the client head run (e.g. "cuda")."""
+        the block ranges and the client head run (e.g. "cuda"). `adapters`: PEFT LoRA folders every
+        range loads; `active_adapter`: the one sessions use by default."""
         path = resolve_model_path(model)
         head = ClientHead(path, dtype=dtype, model_path=path, device=device)
         num_blocks = head.config.num_hidden_layers
@@ -113,24 +117,27 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise InvalidRequestError(f"block ranges {ranges} do not tile the model's blocks [0, {num_blocks}): "
                                       f"e.g. [(0, {num_blocks // 2}), ({num_blocks // 2}, {num_blocks})]")
         block_ranges = [BlockRange(path, s, e, dtype=dtype, quant=quant, config=head.config, model_path=path,
-                                   device=device, cuda_graphs=cuda_graphs)
+                                   device=device, cuda_graphs=cuda_graphs, adapters=adapters)
                         for s, e in ranges]
-        return cls(head.config, head, LocalChain(block_ranges))
+        return cls(head.config, head, LocalChain(block_ranges), active_adapter)
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, initial_peers: list[str], dtype: str = "float32",
-                        max_batch_rows: int = 4096, device: str = "cpu", **remote_kwargs) -> "DistributedModelForCausalLM":
+                        max_batch_rows: int = 4096, device: str = "cpu", active_adapter: str | None = None,
+                        **remote_kwargs) -> "DistributedModelForCausalLM":
         """Client of a swarm: `initial_peers` are multiaddrs of DHT peers (e.g. printed by `petals-chain dht`).
         `max_batch_rows` bounds the client head's cross-session batches (1 turns batching off).
         `device`: where the client head (embeddings, final norm, LM head) runs; hidden states leave it
-        only at the wire, and logits come back on the device of the `input_ids` given."""
+        only at the wire, and logits come back on the device of the `input_ids` given.
+        `active_adapter`: the LoRA adapter (as servers name it: its folder name) sessions run with;
+        only chains whose every server serves it are used."""
         from petals_chain.client.remote import RemoteChain
 
         path = resolve_model_path(model)
         head = ClientHead(path, dtype=dtype, model_path=path, max_batch_rows=max_batch_rows, device=device)
         backend = RemoteChain(model=str(model), config=head.config, initial_peers=initial_peers, dtype=head.dtype,
                               **remote_kwargs)
-        return cls(head.config, head, backend)
+        return cls(head.config, head, backend, active_adapter)
 
     def get_input_embeddings(self):
         return self.head.embed
@@ -141,17 +148,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # -- sessions ----------------------------------------------------------------------------
     @contextmanager
     def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None,
-                          session_id: str | None = None):
+                          adapter: str | None = None, session_id: str | None = None):
         """`with model.inference_session(max_length=...) as s:` keeps the conversation cached on the chain;
         every `generate` inside continues it (pass only the new tokens). `prompt_ids` [n]: the first
         prompt, offered to the servers' prefix caches (the session then starts past the reused part).
+        `adapter`: this session's LoRA adapter (default: the model's `active_adapter`).
         `session_id`: what the orchestrator and servers call the session (default: a random id)."""
         if self._session is not None:
             raise InvalidRequestError("an inference session is already active on this model; close it first")
         prefix = None
         if prompt_ids is not None:
             prefix = PromptPrefix(prompt_ids.tolist(), self.head.embed_batched(prompt_ids))
-        chain = self.backend.open_session(max_length, prefix, session_id=session_id)
+        adapter = adapter if adapter is not None else self.active_adapter
+        chain = self.backend.open_session(max_length, prefix, adapter, session_id=session_id)
         # a reused prompt prefix is already on the chain
         reused = prompt_ids[:chain.position].tolist() if prompt_ids is not None else []
         session = InferenceSession(chain, max_length, reused)

@@ -94,12 +94,12 @@ class OrchestratorChainProvider(ChainProvider):
         wire.raise_if_error(out)
         return out
 
-    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id=""):
+    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
         if not session_id:
             raise PetalsChainError("OrchestratorChainProvider.find_chain needs the session id")
         deadline = time.monotonic() + self.acquire_timeout_s
         meta = Acquire(session_id, int(max_length or 1), float(self.acquire_timeout_s), float(self.poll_s),
-                       sorted(exclude))
+                       sorted(exclude), adapter)
         while True:
             try:
                 out = decode_tagged(self._call("rpc_acquire", meta, self.poll_s + self.rpc_margin_s), Granted, Queued)

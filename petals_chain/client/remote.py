@@ -96,19 +96,19 @@ class RemoteChain(ChainBackend):
         resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=5.0), timeout_s=7.0)
         return wire.decode_reply(wire.unpack(resp.metadata), wire.InfoReply).info
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward); with an
-        orchestrator it holds a chain slot for the call's duration."""
+    def forward(self, hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
+        """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward), with the LoRA
+        `adapter` if given; with an orchestrator it holds a chain slot for the call's duration."""
         sid = "forward-" + uuid.uuid4().hex
         banned: set[str] = set()
         retried: set[str] = set()
-        hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid)
+        hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid, adapter=adapter)
         failovers = 0
         try:
             while True:
                 try:
                     self.dial_relayed([h.peer_id for h in hops])
-                    return self._forward_through(hops, hidden)
+                    return self._forward_through(hops, hidden, adapter)
                 except HopFailed as failed:
                     failovers += 1
                     if failovers > self.max_failovers:
@@ -127,14 +127,15 @@ class RemoteChain(ChainBackend):
                                    failed.hop.describe(), failed.error)
                     banned.add(peer)
                     hops = self.provider.find_chain(0, self.num_blocks, exclude=frozenset(banned),
-                                                    max_length=hidden.shape[1], session_id=sid)
+                                                    max_length=hidden.shape[1], session_id=sid, adapter=adapter)
         finally:
             self.provider.session_finished(hops, session_id=sid)
 
-    def _forward_through(self, hops: list[Hop], hidden: torch.Tensor) -> torch.Tensor:
+    def _forward_through(self, hops: list[Hop], hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
         for hop in hops:
             try:
-                hidden = self.loop.run(self._forward_hop(hop, hidden.to(self.dtype)), timeout_s=self.step_timeout_s + 2)
+                hidden = self.loop.run(self._forward_hop(hop, hidden.to(self.dtype), adapter),
+                                       timeout_s=self.step_timeout_s + 2)
             except CALLER_ERRORS:
                 raise
             except Exception as e:
@@ -148,9 +149,9 @@ class RemoteChain(ChainBackend):
                 raise error from e
         return hidden
 
-    async def _forward_hop(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:
+    async def _forward_hop(self, hop: Hop, hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
         """One hop of a forward: unary when the tensor fits one message, else the streaming RPC."""
-        requests = wire_parts.to_messages(Forward(hop.start).to_wire(), (hidden,))
+        requests = wire_parts.to_messages(Forward(hop.start, adapter).to_wire(), (hidden,))
         stub = self.stub(hop.peer_id)
         if len(requests) == 1:
             reply = wire_parts.decode_single(await stub.rpc_forward(requests[0], timeout=self.step_timeout_s))
@@ -174,10 +175,12 @@ class RemoteChain(ChainBackend):
             raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply")
         return reply.tensors[0]
 
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, *,
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, adapter: str | None = None, *,
                      session_id: str | None = None) -> "RemoteChainSession":
-        """`prefix`: the prompt, offered to the hops' prefix caches (`remote_session.py`)."""
-        return RemoteChainSession(self, max_length, prefix if self.prefix_reuse else None, session_id=session_id)
+        """`prefix`: the prompt, offered to the hops' prefix caches (`remote_session.py`); `adapter`:
+        the LoRA adapter of the session (only servers that list it are used)."""
+        return RemoteChainSession(self, max_length, prefix if self.prefix_reuse else None, adapter,
+                                  session_id=session_id)
 
     def unready_reason(self) -> str | None:
         """None once the DHT lists online servers that cover every block (a chain the provider

@@ -112,10 +112,11 @@ class HopStream:
 
 
 class RemoteChainSession(ChainSession):
-    def __init__(self, chain: RemoteChain, max_length: int, prefix: PromptPrefix | None = None, *,
-                 session_id: str | None = None):
+    def __init__(self, chain: RemoteChain, max_length: int, prefix: PromptPrefix | None = None,
+                 adapter: str | None = None, *, session_id: str | None = None):
         self.chain = chain
         self.max_length = max_length
+        self.adapter = adapter  # the LoRA adapter every hop runs this session with (None: base model)
         self.prefix = prefix
         self.prefix_hashes = prefix_hashes(prefix.token_ids, chain.model) if prefix is not None else []
         self.prefix_tokens = 0  # tokens of the prompt every hop took from its cache
@@ -130,7 +131,8 @@ class RemoteChainSession(ChainSession):
         self.input_tokens = 0  # tokens of the first step (the prompt)
         self.steps = 0
         self.hop_timings: list[HopTiming] = []
-        hops = chain.provider.find_chain(0, chain.num_blocks, max_length=max_length, session_id=self.session_id)
+        hops = chain.provider.find_chain(0, chain.num_blocks, max_length=max_length, session_id=self.session_id,
+                                         adapter=adapter)
         try:
             while True:
                 try:
@@ -145,7 +147,8 @@ class RemoteChainSession(ChainSession):
                                    failed.hop.describe(), self.session_id[:8], failed.error)
                     self.banned.add(failed.hop.peer_id)
                     hops = chain.provider.find_chain(0, chain.num_blocks, exclude=frozenset(self.banned),
-                                                     max_length=max_length, session_id=self.session_id)
+                                                     max_length=max_length, session_id=self.session_id,
+                                                     adapter=adapter)
         except Exception:
             chain.provider.session_finished(hops, session_id=self.session_id)
             raise
@@ -160,7 +163,8 @@ class RemoteChainSession(ChainSession):
     async def _open_one(self, hop: Hop, hashes: list[str]) -> HopStream:
         queue: asyncio.Queue = asyncio.Queue()
         responses = await self.chain.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
-        await queue.put(wire.request(Open(self.session_id, self.max_length, hop.start, prefix_hashes=hashes or None)))
+        await queue.put(wire.request(Open(self.session_id, self.max_length, hop.start, prefix_hashes=hashes or None,
+                                          adapter=self.adapter)))
         meta = wire.unpack((await asyncio.wait_for(anext(responses), self.chain.open_timeout_s)).metadata)
         try:
             opened = wire.decode_reply(meta, Opened)
@@ -353,11 +357,13 @@ class RemoteChainSession(ChainSession):
         if self.chain.provider.whole_chain_failover:
             index, failed = 0, self.streams[0]
             new_hops = self.chain.provider.find_chain(0, self.chain.num_blocks, exclude=frozenset(self.banned),
-                                                      max_length=self.max_length, session_id=self.session_id)
+                                                      max_length=self.max_length, session_id=self.session_id,
+                                                      adapter=self.adapter)
         else:
             ends = frozenset({s.hop.start for s in self.streams[index + 1:]} | {self.chain.num_blocks})
             new_hops = self.chain.provider.find_span(failed.hop.start, ends, exclude=frozenset(self.banned),
-                                                     max_length=self.max_length, session_id=self.session_id)
+                                                     max_length=self.max_length, session_id=self.session_id,
+                                                     adapter=self.adapter)
         new_end = new_hops[-1].end
         keep_from = next((i for i in range(index + 1, len(self.streams)) if self.streams[i].hop.start == new_end),
                          len(self.streams))
@@ -392,7 +398,8 @@ class RemoteChainSession(ChainSession):
             return list(stream.inputs)
         x = self.prefix.hidden[:self.prefix_tokens].to(self.chain.dtype)
         for before in self.streams[:index]:
-            x = self._run(self.chain._forward_hop(before.hop, x.unsqueeze(0)), self.chain.step_timeout_s + 2)[0]
+            x = self._run(self.chain._forward_hop(before.hop, x.unsqueeze(0), self.adapter),
+                          self.chain.step_timeout_s + 2)[0]
         return [x, *stream.inputs]
 
     @property

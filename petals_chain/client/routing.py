@@ -14,7 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from petals_chain.errors import NoChainError
+from petals_chain.errors import NoChainError, UnknownAdapterError
 from petals_chain.messages import Hop
 from petals_chain.wire import ServerInfo, ServerState
 
@@ -28,14 +28,16 @@ class ChainProvider(ABC):
 
     @abstractmethod
     def find_chain(self, start: int, end: int, *, exclude: frozenset[str] = frozenset(),
-                   max_length: int = 0, session_id: str = "") -> list[Hop]:
-        """Hops covering `[start, end)`; raises NoChainError when none exists."""
+                   max_length: int = 0, session_id: str = "", adapter: str | None = None) -> list[Hop]:
+        """Hops covering `[start, end)`, each serving the LoRA `adapter` if one is asked for;
+        raises NoChainError when none exists."""
 
     def find_span(self, start: int, ends: frozenset[int], *, exclude: frozenset[str] = frozenset(),
-                  max_length: int = 0, session_id: str = "") -> list[Hop]:
+                  max_length: int = 0, session_id: str = "", adapter: str | None = None) -> list[Hop]:
         """Hops from `start` to any boundary in `ends` (failover of one span); by default the
         longest span, i.e. a new chain to `max(ends)`."""
-        return self.find_chain(start, max(ends), exclude=exclude, max_length=max_length, session_id=session_id)
+        return self.find_chain(start, max(ends), exclude=exclude, max_length=max_length, session_id=session_id,
+                               adapter=adapter)
 
     def session_finished(self, hops: list[Hop], *, session_id: str = "", input_tokens: int = 0,
                          output_tokens: int = 0, hop_timings: tuple = ()) -> None:
@@ -48,15 +50,21 @@ class ChainProvider(ABC):
 
 def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Callable[[str], float | None],
                       *, exclude: frozenset[str] = frozenset(), max_length: int = 0,
-                      ends: frozenset[int] | None = None) -> list[Hop]:
+                      ends: frozenset[int] | None = None, adapter: str | None = None) -> list[Hop]:
     """Dijkstra over block boundaries `start..end` (pure; `rtt_s(peer)` is None for unreachable peers).
 
     With `ends`, the chain may stop at any of those boundaries (all <= `end`): failover uses it to
     replace only a failed span and keep the hops after it, which start at those boundaries.
+    With `adapter`, only servers that list that LoRA adapter are used.
     """
     targets = ends if ends else frozenset({end})
+    if adapter is not None and servers and not any(adapter in s.adapters for s in servers):
+        served = sorted({a for s in servers for a in s.adapters})
+        raise UnknownAdapterError(f"no server of this model serves adapter {adapter!r}; served adapters: "
+                                  f"{served or 'none'}. Choose one of them, or start servers with --adapters PATH")
     usable = [s for s in servers if s.peer_id not in exclude and s.state == ServerState.ONLINE
-              and s.max_length_tokens >= max_length and s.end > start and s.start < end]
+              and s.max_length_tokens >= max_length and s.end > start and s.start < end
+              and (adapter is None or adapter in s.adapters)]
     best: dict[int, float] = {start: 0.0}
     prev: dict[int, tuple[int, ServerInfo]] = {}
     heap = [(0.0, start)]
@@ -81,8 +89,10 @@ def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Ca
     reached = [t for t in targets if t in best]
     if not reached:
         covered = sorted((s.start, s.end) for s in usable)
-        raise NoChainError(f"no chain of online servers covers blocks [{start}, {end}) (usable servers hold "
-                           f"{covered or 'nothing'}); start servers for the missing blocks or wait for them to join")
+        serving = f" serving adapter {adapter!r}" if adapter is not None else ""
+        raise NoChainError(f"no chain of online servers{serving} covers blocks [{start}, {end}) (usable servers hold "
+                           f"{covered or 'nothing'}); start servers for the missing blocks"
+                           f"{' with --adapters' if adapter is not None else ''} or wait for them to join")
     hops, b = [], min(reached, key=lambda t: best[t])
     while b != start:
         a, s = prev[b]
@@ -110,15 +120,15 @@ class DhtChainProvider(ChainProvider):
             cached = self._rtt[peer_id] = (now, self.ping_s(peer_id))
         return cached[1]
 
-    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id=""):
-        return self.find_span(start, frozenset({end}), exclude=exclude, max_length=max_length)
+    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
+        return self.find_span(start, frozenset({end}), exclude=exclude, max_length=max_length, adapter=adapter)
 
-    def find_span(self, start, ends, *, exclude=frozenset(), max_length=0, session_id=""):
+    def find_span(self, start, ends, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
         deadline = self.clock() + self.wait_for_chain_s
         while True:
             try:
                 return min_latency_chain(self.fetch_servers(), start, max(ends), self._rtt_s, exclude=exclude,
-                                         max_length=max_length, ends=ends)
+                                         max_length=max_length, ends=ends, adapter=adapter)
             except NoChainError:
                 if self.clock() >= deadline:
                     raise

@@ -1,16 +1,21 @@
 """What a model family must provide to be served block by block, and the registry of families.
 
-A family is one file (see `llama.py`): how to build one transformer block, which checkpoint tensors
-belong to a block or to the client side, the KV layout, and a forward over a flattened batch of
-several sessions' tokens that reads/writes each session's static KV cache.
+A family is one module in `petals_chain/models/families/` (see `families/llama.py`): how to build
+one transformer block, which checkpoint tensors belong to a block or to the client side, the KV
+layout, and a forward over a flattened batch of several sessions' tokens that reads/writes each
+session's static KV cache (`models/attention.py:segment_attention` does the per-session part).
+The registry imports every module of that folder on first use, so adding a family never edits
+this file.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from petals_chain.errors import UnsupportedModelError
@@ -73,75 +78,39 @@ class RotaryTable(PositionEncoder):
         return self.cos.index_select(0, positions).to(dtype), self.sin.index_select(0, positions).to(dtype)
 
 
-def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seg: AttentionSegment,
-                     scale: float) -> torch.Tensor:
-    """Store a segment's new keys/values in its static cache and attend its queries over the cache.
-
-    query [n, heads, dim], key/value [n, kv_heads, dim] (the segment's rows); returns [n, heads, dim].
-    Shared by the families whose attention is plain softmax(QK^T)V with GQA over a static cache.
-    """
-    if seg.position is not None:
-        return _graph_decode_attention(query, key, value, seg, scale)
-    p0, p1 = seg.past_tokens, seg.past_tokens + seg.n_tokens
-    seg.key_cache[:, p0:p1] = key.transpose(0, 1)
-    seg.value_cache[:, p0:p1] = value.transpose(0, 1)
-    keys, values = seg.key_cache[:, :p1], seg.value_cache[:, :p1]
-    q = query.transpose(0, 1)  # [heads, n, dim]
-    if seg.n_tokens == 1:
-        mask, causal = None, False  # a single new token sees every cached position
-    elif p0 == 0:
-        mask, causal = None, True
-    else:
-        # query i sits at absolute position p0 + i and may see keys 0..p0+i (bottom-right aligned);
-        # made on the cache's device: a CPU mask beside CUDA queries fails inside SDPA
-        mask = torch.ones(seg.n_tokens, p1, dtype=torch.bool, device=keys.device).tril(diagonal=p0)
-        causal = False
-    o = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                       attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)
-
-
-def _graph_decode_attention(query, key, value, seg: AttentionSegment, scale: float) -> torch.Tensor:
-    """One decode token at a position held in a device tensor (capturable in a CUDA graph): the KV
-    write is an index_copy at that position and attention runs over the whole static cache with an
-    additive mask hiding positions after it, so no shape depends on the position."""
-    pos = seg.position
-    seg.key_cache.index_copy_(1, pos, key.transpose(0, 1))
-    seg.value_cache.index_copy_(1, pos, value.transpose(0, 1))
-    kv_heads, length, dim = seg.key_cache.shape
-    heads = query.shape[1]
-    # GQA without repeating the cache: the `heads // kv_heads` query heads that share a KV head become
-    # that head's query rows (a decode token's rows all see the same positions, so one mask serves them)
-    q = query[0].view(kv_heads, heads // kv_heads, dim).unsqueeze(0)
-    visible = torch.arange(length, device=pos.device) <= pos
-    mask = torch.zeros(length, dtype=q.dtype, device=pos.device).masked_fill_(~visible, float("-inf"))
-    o = F.scaled_dot_product_attention(q, seg.key_cache.unsqueeze(0), seg.value_cache.unsqueeze(0),
-                                       attn_mask=mask.view(1, 1, 1, length), scale=scale)
-    return o[0].reshape(1, heads, dim)
-
-
 class ModelFamily(ABC):
     """A model architecture served block by block."""
 
     name: str
     model_types: tuple[str, ...]
 
+    def check_config(self, config) -> None:
+        """Raise `UnsupportedModelError` (saying what to do) for a config this family cannot serve exactly."""
+
     @abstractmethod
     def num_blocks(self, config) -> int: ...
 
     @abstractmethod
-    def block_tensor_names(self, config, index: int) -> list[str]: ...
+    def block_prefix(self, index: int) -> str:
+        """Checkpoint name prefix of block `index`'s tensors, e.g. 'model.layers.3.'."""
+
+    def block_tensor_names(self, config, index: int) -> list[str]:
+        """Checkpoint names of block `index`'s tensors (by default: the block module's own keys under its prefix)."""
+        return [self.block_prefix(index) + k for k in self.make_block(config, index).state_dict()]
 
     @abstractmethod
     def make_block(self, config, index: int) -> nn.Module:
         """An empty block (weights on the meta device) to be filled with `load_state_dict(assign=True)`."""
 
-    @abstractmethod
-    def block_state_key(self, config, index: int, tensor_name: str) -> str:
-        """Map a checkpoint tensor name to the block module's own state-dict key."""
+    def block_state(self, config, index: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The block module's state dict from its checkpoint tensors (by default: names minus the prefix;
+        a family whose checkpoint layout differs from its module's, e.g. Mixtral's experts, converts here)."""
+        prefix = self.block_prefix(index)
+        return {name[len(prefix):]: t for name, t in tensors.items()}
 
     @abstractmethod
-    def kv_heads_and_dim(self, config) -> tuple[int, int]: ...
+    def kv_heads_and_dim(self, config) -> tuple[int, int]:
+        """(KV heads, head dim) of one block's cache: what `s_c` (KV bytes per block per token) is made of."""
 
     @abstractmethod
     def position_encoder(self, config, device: torch.device) -> PositionEncoder:
@@ -159,29 +128,61 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def client_tensor_names(self, config) -> dict[str, str]:
-        """Checkpoint names of the client-side tensors: keys 'embed', 'norm', 'lm_head'."""
+        """Checkpoint names of the client-side tensors by role (what `make_client_modules` reads)."""
 
     @abstractmethod
     def make_client_modules(self, config, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, nn.Module, nn.Module]:
         """(embedding, final norm, lm head) built from the tensors named by `client_tensor_names`."""
 
 
-_FAMILIES: dict[str, ModelFamily] = {}
+class FamilyRegistry:
+    """model_type -> family. Family modules are discovered (imported) once, on the first lookup."""
+
+    def __init__(self, package: str):
+        self._package = package
+        self._families: dict[str, ModelFamily] = {}
+        self._discovered = False
+        self._lock = threading.Lock()
+
+    def register(self, family: ModelFamily) -> ModelFamily:
+        for model_type in family.model_types:
+            if model_type in self._families and self._families[model_type] is not family:
+                raise ValueError(f"model type {model_type!r} is registered twice "
+                                 f"({self._families[model_type].name} and {family.name})")
+            self._families[model_type] = family
+        return family
+
+    def _discover(self) -> None:
+        with self._lock:
+            if self._discovered:
+                return
+            package = importlib.import_module(self._package)
+            for module in pkgutil.iter_modules(package.__path__):
+                importlib.import_module(f"{self._package}.{module.name}")  # registers itself
+            self._discovered = True
+
+    def model_types(self) -> list[str]:
+        self._discover()
+        return sorted(self._families)
+
+    def get(self, config) -> ModelFamily:
+        self._discover()
+        model_type = getattr(config, "model_type", None)
+        family = self._families.get(model_type)
+        if family is None:
+            raise UnsupportedModelError(
+                f"model type {model_type!r} is not supported; supported: {sorted(self._families)}. "
+                "Add a family module under petals_chain/models/families/ to serve it.")
+        family.check_config(config)
+        return family
+
+
+REGISTRY = FamilyRegistry("petals_chain.models.families")
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
-    for model_type in family.model_types:
-        _FAMILIES[model_type] = family
-    return family
+    return REGISTRY.register(family)
 
 
 def get_family(config) -> ModelFamily:
-    from petals_chain.models import llama  # noqa: F401  (registers itself)
-
-    family = _FAMILIES.get(getattr(config, "model_type", None))
-    if family is None:
-        raise UnsupportedModelError(
-            f"model type {getattr(config, 'model_type', None)!r} is not supported; supported: {sorted(_FAMILIES)}. "
-            "Add a family module under petals_chain/models/ to serve it."
-        )
-    return family
+    return REGISTRY.get(config)

@@ -16,6 +16,7 @@ from petals_chain.models.checkpoint import load_config, read_tensors, resolve_mo
 from petals_chain.models.family import AttentionSegment, get_family
 from petals_chain.runtime.decode_graphs import DecodeGraphs, attention_backends
 from petals_chain.runtime.kv_cache import SessionKV, kv_bytes_per_block
+from petals_chain.runtime.lora import LoraRows, adapter_name, attach_adapter, check_adapter, load_adapter_blocks
 from petals_chain.runtime.quantization import module_bytes, quantize_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +44,8 @@ class BlockRange:
 
     def __init__(self, model: str | Path, start: int, end: int, *, dtype: str | torch.dtype = "float32",
                  quant: str = "none", device: str | torch.device = "cpu", config=None, model_path: Path | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, adapters: list[str | Path] = ()):
+        """`adapters`: PEFT LoRA folders, each served under its folder name (`runtime/lora.py`)."""
         self.model_path = model_path or resolve_model_path(model)
         self.config = config or load_config(self.model_path)
         self.family = get_family(self.config)
@@ -64,12 +66,22 @@ class BlockRange:
             names = self.family.block_tensor_names(self.config, index)
             tensors = read_tensors(self.model_path, names, dtype=self.dtype)
             block = self.family.make_block(self.config, index)
-            state = {self.family.block_state_key(self.config, index, n): t for n, t in tensors.items()}
-            block.load_state_dict(state, assign=True, strict=True)
+            block.load_state_dict(self.family.block_state(self.config, index, tensors), assign=True, strict=True)
             block = block.eval().requires_grad_(False)
             # Quantize while the weights are still on the CPU: bitsandbytes quantizes a weight when it
             # moves from the CPU to the device, so a block moved first would keep serving bf16 weights.
             self.blocks[index] = quantize_linears(block, quant, self.dtype, self.device).to(self.device)
+        self.lora_rows = LoraRows()  # set around each block call by `_run_blocks` (its only writer)
+        self.adapters: list[str] = []
+        for path in adapters:
+            name = adapter_name(path)
+            if name in self.adapters:
+                raise InvalidRequestError(f"two adapters are named {name!r} (adapters are named by their folder); "
+                                          "rename one folder")
+            prefixes = {i: self.family.block_prefix(i) for i in range(start, end)}
+            for index, weights in load_adapter_blocks(path, prefixes, self.dtype).items():
+                attach_adapter(self.blocks[index], weights, self.lora_rows)
+            self.adapters.append(name)
         # CUDA graphs of decode steps (runtime/decode_graphs.py): on CUDA unless turned off, and not
         # for bitsandbytes layers (int8's matmul syncs with the host: its capture fails, measured on
         # an H100 with bitsandbytes 0.50.2, so quantized ranges decode eagerly)
@@ -89,7 +101,10 @@ class BlockRange:
         return kv_bytes_per_block(self.kv_heads, self.head_dim, max_length_tokens, self.dtype)
 
     # -- sessions --------------------------------------------------------------------------
-    def allocate_kv(self, max_length_tokens: int, first_block: int | None = None) -> SessionKV:
+    def allocate_kv(self, max_length_tokens: int, first_block: int | None = None,
+                    adapter: str | None = None) -> SessionKV:
+        """A session's cache; `adapter`: the LoRA adapter its steps run with (None: the base model)."""
+        check_adapter(adapter, self.adapters)
         first = self.start if first_block is None else first_block
         if not self.start <= first < self.end:
             raise InvalidRequestError(
@@ -100,7 +115,7 @@ class BlockRange:
         # graph replay, which must not reallocate what a captured graph reads)
         self._encode_positions.reserve(max_length_tokens)
         return SessionKV.allocate(first, self.end, self.kv_heads, self.head_dim, max_length_tokens,
-                                  self.dtype, self.device)
+                                  self.dtype, self.device, adapter=adapter)
 
     def validate_step(self, step: StepInput) -> None:
         h = step.hidden
@@ -125,7 +140,8 @@ class BlockRange:
         The linear layers see all sessions' rows at once (that is the batching gain); attention
         runs per session against its own cache. A session that entered mid-range skips blocks
         before its entry block. On CUDA, a decode step (one token per session) of a set of sessions
-        seen before replays a captured CUDA graph instead (runtime/decode_graphs.py).
+        seen before replays a captured CUDA graph instead (runtime/decode_graphs.py), unless a
+        session uses a LoRA adapter (its rows are chosen per step on the host).
         """
         if not steps:
             return []
@@ -133,7 +149,8 @@ class BlockRange:
             self.validate_step(step)
         sizes = [s.hidden.shape[0] for s in steps]
         with attention_backends(self.device):
-            out = self.graphs.run(steps) if self.graphs is not None and max(sizes) == 1 else None
+            graphable = self.graphs is not None and max(sizes) == 1 and all(s.kv.adapter is None for s in steps)
+            out = self.graphs.run(steps) if graphable else None
             if out is None:
                 hidden = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])
                 self._encode_positions.reserve(max(s.kv.past_tokens + n for s, n in zip(steps, sizes)))
@@ -175,11 +192,19 @@ class BlockRange:
                     starts.append(acc)
                     acc += sizes[i]
             segments = []
+            adapter_rows: dict[str, list[int]] = {}
             for row_start, i in zip(starts, active):
                 k, v = kvs[i].block_views(index)
                 position = None if positions is None else positions[i:i + 1]
                 segments.append(AttentionSegment(row_start, sizes[i], kvs[i].past_tokens, k, v, position))
-            out = self.family.block_forward(self.blocks[index], sub_hidden, sub_features, segments)
+                if kvs[i].adapter is not None:
+                    adapter_rows.setdefault(kvs[i].adapter, []).extend(range(row_start, row_start + sizes[i]))
+            self.lora_rows.groups = [(name, torch.tensor(rows_of, device=self.device))
+                                     for name, rows_of in adapter_rows.items()]
+            try:
+                out = self.family.block_forward(self.blocks[index], sub_hidden, sub_features, segments)
+            finally:
+                self.lora_rows.groups = []
             if rows is None:
                 hidden = out
             else:
@@ -187,9 +212,10 @@ class BlockRange:
         return list(torch.split(hidden, sizes))
 
     @torch.inference_mode()
-    def forward_stateless(self, hidden: torch.Tensor, first_block: int | None = None) -> torch.Tensor:
+    def forward_stateless(self, hidden: torch.Tensor, first_block: int | None = None,
+                          adapter: str | None = None) -> torch.Tensor:
         """Forward of whole sequences without keeping a cache: hidden [batch, seq, hidden] -> same shape."""
         if hidden.dim() != 3:
             raise InvalidRequestError(f"hidden states must have shape [batch, seq, {self.hidden_size}], got {tuple(hidden.shape)}")
-        steps = [StepInput(self.allocate_kv(hidden.shape[1], first_block), seq) for seq in hidden]
+        steps = [StepInput(self.allocate_kv(hidden.shape[1], first_block, adapter), seq) for seq in hidden]
         return torch.stack(self.forward(steps))

@@ -9,7 +9,7 @@ table, its own input/output buffers. So a graph belongs to one *set of sessions*
 static: allocated once at open for the session's max length, §2.1 of the paper) and to one version
 of the position table; each session's position is an input (a device tensor), which is why the
 attention of a captured step runs over the whole static cache with a mask instead of a slice
-(`family.write_and_attend` with `AttentionSegment.position`).
+(`models/attention.py:segment_attention` with `AttentionSegment.position`).
 
 Concurrent clients' steps reach a server at different times, so the sessions of one batch change
 from step to step. A graph is therefore captured for the sessions that decoded *recently* (within

@@ -21,6 +21,7 @@ class SessionKV:
     keys: torch.Tensor  # [blocks, kv_heads, max_length, head_dim]
     values: torch.Tensor
     past_tokens: int = 0
+    adapter: str | None = None  # the LoRA adapter this session's KV is computed with (None: base model)
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -28,10 +29,11 @@ class SessionKV:
 
     @classmethod
     def allocate(cls, first_block: int, end_block: int, kv_heads: int, head_dim: int, max_length_tokens: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "SessionKV":
+                 dtype: torch.dtype, device: torch.device | str = "cpu", adapter: str | None = None) -> "SessionKV":
         shape = (end_block - first_block, kv_heads, max_length_tokens, head_dim)
         return cls(first_block, end_block, max_length_tokens,
-                   torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   adapter=adapter)
 
     @property
     def num_blocks(self) -> int:
