@@ -32,16 +32,11 @@ from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import BlockService, OrchestratorService
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.wire import ServerInfo, ServerState
-from server.admission import AdmissionQueue
-from server.handler import BlockServicer, OpenSession
-from server.memory import KVBudget
-from server.policies import make_policy
-from server.prefix_cache import PrefixCache
-from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
-from server.emulation import maybe_slowed, real_range, slowed_times
+from server.handler import BlockServicer, ServicerLimits
+from server.emulation import real_range, slowed_times
 from server.service_log import ServiceLog
 from server.profiling import cached_block_times
-from server.scheduler import StepScheduler
+from server.serving_stack import StackSlot, build_stack
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +87,7 @@ class BlockServer:
         self.max_step_tokens = config.max_step_tokens or config.max_length_tokens
         self.path = resolve_model_path(config.model)
         self.auto = config.start is None
-        self.block_range: BlockRange | None = None
-        self.budget: KVBudget | None = None
-        self.scheduler: StepScheduler | None = None
-        self.admission: AdmissionQueue | None = None
-        self.prefix_cache: PrefixCache | None = None
+        self.stacks = StackSlot()  # the serving stack (server/serving_stack.py): one value, swapped whole
         self.orchestrator = None
         if self.auto:  # measure on one block loaded for the purpose, before holding any
             probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
@@ -107,17 +98,16 @@ class BlockServer:
             del probe
         else:
             self._load(config.start, config.end)
-            self.times = slowed_times(cached_block_times(real_range(self.block_range), self.model_name),
-                                      config.emulate_slowdown)
-        self.sessions: dict[str, OpenSession] = {}
-        self._sessions_lock = threading.Lock()
+            self.times = slowed_times(cached_block_times(real_range(self.stacks.current.block_range),
+                                                         self.model_name), config.emulate_slowdown)
         self.state = ServerState.JOINING
         self.identity = SwarmIdentity.load_or_create(config.identity_path)
         self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
                              **self.identity.dht_kwargs())
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("server-p2p")
-        self.servicer = BlockService(BlockServicer(self), config.allowed_peers)
+        limits = ServicerLimits(self.max_length_tokens, self.max_step_tokens, self.session_idle_timeout_s)
+        self.servicer = BlockService(BlockServicer(limits, self.stacks, self.info), config.allowed_peers)
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         self._stop = threading.Event()
@@ -128,7 +118,7 @@ class BlockServer:
         except BaseException:
             self.shutdown()
             raise
-        self.state = ServerState.ONLINE
+        self._set_state(ServerState.ONLINE)
         self._announce()
         self._announcer = threading.Thread(target=self._announce_loop, name="announcer", daemon=True)
         self._announcer.start()
@@ -136,21 +126,17 @@ class BlockServer:
             threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
 
     def _load(self, start: int, end: int) -> None:
-        c = self.config
-        block_range = maybe_slowed(BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
-                                              model_path=self.path), c.emulate_slowdown)
-        budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
-                          cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
-        scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
-                                  on_batch=self.service_log.write if self.service_log else None)
-        admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
-        prefix_cache = (None if c.prefix_sharing == "off" else
-                        PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))
-        old = self.scheduler
-        self.block_range, self.budget, self.scheduler, self.admission = block_range, budget, scheduler, admission
-        self.prefix_cache = prefix_cache
+        """Build a stack for [start, end) and swap it in; the old one (which holds no session: a move
+        waits for that) stops after the swap, so no handler ever sees a half-replaced stack."""
+        stack = build_stack(self.config, self.path, start, end,
+                            on_batch=self.service_log.write if self.service_log else None)
+        old = self.stacks.swap(stack)
         if old is not None:
             old.stop()
+
+    def _set_state(self, state: ServerState) -> None:
+        self.state = state
+        self.stacks.set_accepting(state == ServerState.ONLINE)
 
     # -- orchestrator -------------------------------------------------------------------------
     def _join_orchestrator(self) -> None:
@@ -194,30 +180,29 @@ class BlockServer:
         """A later plan may move this server: reload when the range changes and no session is open."""
         while not self._stop.wait(max(2.0, self.config.assignment_poll_s)):
             a = self._ask_assignment()
+            stack = self.stacks.current
             if (a is None or a.status != AssignmentStatus.ASSIGNED
-                    or (a.start, a.end) == (self.block_range.start, self.block_range.end)):
+                    or (a.start, a.end) == (stack.block_range.start, stack.block_range.end)):
                 continue
-            with self._sessions_lock:
-                busy = bool(self.sessions)
-            if busy:
+            if len(stack.sessions):
                 continue
             logger.info("plan v%d moves this server to blocks [%d, %d)", a.plan_version, a.start, a.end)
-            self.state = ServerState.JOINING
+            self._set_state(ServerState.JOINING)
             self._announce()
             try:
                 self._load(a.start, a.end)
             except Exception:
                 logger.exception("loading the assigned blocks failed")
                 continue
-            self.state = ServerState.ONLINE
+            self._set_state(ServerState.ONLINE)
             self._announce()
             print(f"serving {self.model_name} blocks [{a.start}, {a.end}) as {self.peer_id} (plan v{a.plan_version})",
                   flush=True)
 
     # -- records ------------------------------------------------------------------------------
     def info(self) -> ServerInfo:
-        br = self.block_range
-        if br is None:  # --blocks auto, before the assignment: no blocks yet
+        stack = self.stacks.current  # one read: the whole record describes one stack
+        if stack is None:  # --blocks auto, before the assignment: no blocks yet
             s_m, s_c, dtype = self._sizes
             return ServerInfo(
                 peer_id=self.peer_id, model=self.model_name, start=0, end=0, state=ServerState.JOINING,
@@ -225,26 +210,26 @@ class BlockServer:
                 max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
                 prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
                 dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True})
+        br, budget = stack.block_range, stack.budget
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
-        with self._sessions_lock:
-            active = len(self.sessions)
-            # measured from the sessions' KV tensors, independently of the reservations that admit them
-            allocated = sum(s.kv.nbytes for s in self.sessions.values())
+        active = len(stack.sessions)
+        # measured from the sessions' KV tensors, independently of the reservations that admit them
+        allocated = stack.sessions.allocated_bytes()
         return ServerInfo(
             peer_id=self.peer_id, model=self.model_name, start=br.start, end=br.end, state=self.state,
-            memory_budget_bytes=self.budget.memory_budget_bytes, block_bytes=br.block_bytes,
+            memory_budget_bytes=budget.memory_budget_bytes, block_bytes=br.block_bytes,
             kv_bytes_per_block=br.kv_bytes_per_block(self.max_length_tokens), max_length_tokens=self.max_length_tokens,
             max_step_tokens=self.max_step_tokens,
-            free_kv_slots=self.budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
+            free_kv_slots=budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active,
-            extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
-                   "admission_queue_length": len(self.admission), "auto": self.auto,
-                   "prefix_cache": self.prefix_cache.view() if self.prefix_cache is not None else None,
+            extra={"queue_length": stack.scheduler.queue_length, "policy": stack.scheduler.policy.name,
+                   "admission_queue_length": len(stack.admission), "auto": self.auto,
+                   "prefix_cache": stack.prefix_cache.view() if stack.prefix_cache is not None else None,
                    # the memory accounting (bytes): weights + reserved KV (sessions and cached prefixes)
                    # must stay within memory_budget_bytes
-                   "weights_bytes": self.budget.weights_bytes, "kv_reserved_bytes": self.budget.reserved_bytes,
-                   "kv_peak_reserved_bytes": self.budget.peak_reserved_bytes, "kv_allocated_bytes": allocated},
+                   "weights_bytes": budget.weights_bytes, "kv_reserved_bytes": budget.reserved_bytes,
+                   "kv_peak_reserved_bytes": budget.peak_reserved_bytes, "kv_allocated_bytes": allocated},
         )
 
     def _announce(self, timeout_s: float = 10.0) -> None:
@@ -262,23 +247,16 @@ class BlockServer:
         while not self._stop.wait(self.config.announce_period_s):
             self._announce()
 
-    def on_session_opened(self, session: OpenSession) -> None:
-        with self._sessions_lock:
-            self.sessions[session.reservation_key] = session
-
-    def on_session_closed(self, session: OpenSession) -> None:
-        with self._sessions_lock:
-            self.sessions.pop(session.reservation_key, None)
-
     # -- shutdown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
-        self.state = ServerState.OFFLINE
+        self._set_state(ServerState.OFFLINE)
         self._announce(timeout_s=3.0)
-        if self.scheduler is not None:
-            self.scheduler.stop()
+        stack = self.stacks.current
+        if stack is not None:
+            stack.stop()
         try:
             self.loop.run(self.servicer.remove_p2p_handlers(self.p2p), timeout_s=5)
         except Exception:

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +20,7 @@ from hivemind.proto import runtime_pb2
 
 from petals_chain import wire, wire_parts
 from petals_chain.messages import Close, Forward, Open, Opened, Step, StepReply, decode_tagged
-from petals_chain.wire import ServerState
+from petals_chain.wire import ServerInfo
 from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
@@ -32,42 +32,68 @@ from petals_chain.errors import (
 )
 from petals_chain.runtime.block_range import StepInput
 from petals_chain.runtime.kv_cache import SessionKV
-from server.memory import KVBudget
 from server.prefix_cache import PrefixPin
-from server.scheduler import StepScheduler
+from server.reservation import SessionReservation
+from server.serving_stack import ServingStack, StackSlot
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ServicerLimits:
+    """What the servicer enforces besides its stack's budget (advertised in rpc_info)."""
+
+    max_length_tokens: int
+    max_step_tokens: int
+    session_idle_timeout_s: float
+
+
 @dataclass
 class OpenSession:
+    """One stream's session: what it holds (`reservation`) and where its prefix reuse stands."""
+
     session_id: str
-    client_id: str
-    kv: SessionKV
-    reservation_key: str  # unique per stream: the scheduler's and the budget's key of this session
+    reservation: SessionReservation
     prefix_namespace: str = ""
     prefix_hashes: list[str] = field(default_factory=list)  # chained chunk hashes of its prompt (client's)
-    prefix_pin: PrefixPin | None = None  # the cached prefix matched at open, until the first step
     prefix_tokens: int = 0  # tokens its first step took from the cache
     prefix_stored: int = 0  # chunks of its prompt offered to the cache so far
 
+    @property
+    def stack(self) -> ServingStack:
+        return self.reservation.stack
+
+    @property
+    def kv(self) -> SessionKV:
+        return self.reservation.kv
+
+    @property
+    def client_id(self) -> str:
+        return self.reservation.client_id
+
+    @property
+    def prefix_pin(self) -> PrefixPin | None:
+        return self.reservation.prefix_pin
+
 
 class BlockServicer:
-    """Implementation behind `petals_chain.protocol.BlockService`."""
+    """Implementation behind `petals_chain.protocol.BlockService`. It sees the server through three
+    typed things only: its limits, the slot holding the current serving stack (and whether it takes
+    new sessions), and `info()` for rpc_info."""
 
-    def __init__(self, server):
-        self.server = server  # server.server.BlockServer (info, block range, budget, scheduler)
+    def __init__(self, limits: ServicerLimits, stacks: StackSlot, info: Callable[[], ServerInfo]):
+        self.limits = limits
+        self.stacks = stacks
+        self._info = info
 
-    @property
-    def scheduler(self) -> StepScheduler:
-        return self.server.scheduler
-
-    @property
-    def budget(self) -> KVBudget:
-        return self.server.budget
+    def _stack(self, what: str) -> ServingStack:
+        stack = self.stacks.current
+        if stack is None:
+            raise ServerUnavailableError(f"this server holds no blocks right now ({what}); use another server")
+        return stack
 
     async def info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return wire.response(wire.InfoReply(self.server.info()))
+        return wire.response(wire.InfoReply(self._info()))
 
     # -- inference stream ---------------------------------------------------------------------
     async def inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -75,7 +101,7 @@ class BlockServicer:
         client_id = str(context.remote_id)
         session: OpenSession | None = None
         incoming = wire_parts.assembled(requests, admit=self._admit).__aiter__()  # tensors arrive in parts
-        idle_timeout_s = self.server.session_idle_timeout_s
+        idle_timeout_s = self.limits.session_idle_timeout_s
         try:
             while True:
                 try:
@@ -127,68 +153,50 @@ class BlockServicer:
                 self._close(session)
 
     def _close(self, session: OpenSession) -> None:
-        if session.prefix_pin is not None and self.server.prefix_cache is not None:
-            self.server.prefix_cache.unpin(session.prefix_pin)
-        self.scheduler.cancel_session(session.reservation_key)
-        self.server.on_session_closed(session)  # before the release: allocated KV never exceeds reserved
-        self.budget.release(session.reservation_key)
-        self.server.admission.on_release()
+        session.reservation.release()
 
     def _admit(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Refuse a step's or forward's hidden states by their header, before the rest arrives or
         any memory is allocated: the limit is `max_step_tokens` (advertised in rpc_info)."""
-        block_range = self.server.block_range
-        if block_range is None:
-            raise ServerUnavailableError("this server holds no blocks right now; use another server")
+        block_range = self._stack("waiting for or loading its assignment").block_range
         if len(shape) not in (2, 3) or shape[-1] != block_range.hidden_size:
             raise InvalidRequestError(f"hidden states must be [tokens, {block_range.hidden_size}] (a step) or "
                                       f"[batch, seq, {block_range.hidden_size}] (a forward), got {list(shape)}")
         tokens = math.prod(shape[:-1])
-        if tokens > self.server.max_step_tokens:
+        if tokens > self.limits.max_step_tokens:
             raise RequestTooLargeError(
-                f"{tokens} tokens in one request exceed this server's max_step_tokens={self.server.max_step_tokens} "
+                f"{tokens} tokens in one request exceed this server's max_step_tokens={self.limits.max_step_tokens} "
                 "(advertised in rpc_info); send the prompt in several steps, fewer forward rows at a time, or use "
                 "a server started with a larger --max-step-tokens")
 
     async def _open(self, msg: Open, client_id: str) -> OpenSession:
-        block_range = self.server.block_range
-        if block_range is None or self.server.state != ServerState.ONLINE:
+        stack = self.stacks.current
+        if stack is None or not self.stacks.accepting:
             raise ServerUnavailableError("this server holds no blocks right now (waiting for or loading its "
                                          "assignment); use another server")
+        block_range = stack.block_range
         session_id, max_length = msg.session_id, msg.max_length
         first_block = block_range.start if msg.entry_block is None else msg.entry_block
-        if max_length > self.server.max_length_tokens:
+        if max_length > self.limits.max_length_tokens:
             raise MaxLengthExceededError(
-                f"max_length={max_length} exceeds this server's limit of {self.server.max_length_tokens} tokens; "
+                f"max_length={max_length} exceeds this server's limit of {self.limits.max_length_tokens} tokens; "
                 "use a smaller max_length or a server started with a larger --max-length")
         if not block_range.start <= first_block < block_range.end:
             raise InvalidRequestError(
                 f"entry_block {first_block} is outside this server's blocks [{block_range.start}, {block_range.end})")
         nbytes = block_range.kv_bytes_per_block(max_length) * (block_range.end - first_block)
-        wait_s = msg.admission_wait_s
-        key = f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}"
-        cache = self.server.prefix_cache
-        hashes = list(msg.prefix_hashes or ())  # checked by Open.check
+        cache = stack.prefix_cache
+        hashes = list(msg.prefix_hashes or ()) if cache is not None else []  # checked by Open.check
         namespace = cache.namespace(client_id, first_block) if cache is not None else ""
-        match = (lambda: cache.match(namespace, hashes) * cache.chunk_tokens) if cache is not None and hashes else None
         # waits in the admission queue while memory is full (OutOfCacheError / AdmissionTimeoutError)
-        await self.server.admission.reserve(key, nbytes, session_id, client_id, wait_s, prefix_match=match)
-        try:
-            kv = block_range.allocate_kv(max_length, first_block)
-        except Exception:
-            self.budget.release(key)
-            self.server.admission.on_release()
-            raise
-        session = OpenSession(session_id, client_id, kv, key, namespace, hashes)
-        if cache is not None and hashes:
-            # pinned until the first step says how much of it the whole chain can use
-            session.prefix_pin = cache.pin(namespace, hashes, client_id)
-            cache.count_asked(client_id, len(hashes) * cache.chunk_tokens)
-        self.server.on_session_opened(session)
-        return session
+        reservation = await SessionReservation.acquire(
+            stack, key=f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}", session_id=session_id, client_id=client_id,
+            nbytes=nbytes, max_length=max_length, first_block=first_block, wait_s=msg.admission_wait_s,
+            prefix_namespace=namespace, prefix_hashes=hashes)
+        return OpenSession(session_id, reservation, namespace, hashes)
 
     async def _step(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int = 0) -> torch.Tensor:
-        cache = self.server.prefix_cache
+        cache = session.stack.prefix_cache
         if session.prefix_pin is not None and not session.prefix_pin.released:
             # the first step: copy the part of the cached prefix that every hop holds (the client
             # sends the minimum of the hops' matches), then let the cache evict it again
@@ -196,18 +204,20 @@ class BlockServicer:
         elif prefix_tokens:
             raise InvalidRequestError("prefix_tokens is only valid in the first step of a session whose open sent "
                                       "prefix_hashes to a server with a prefix cache (its open reply says so)")
-        out = await self._run_step(session, hidden)
+        out = await self._run_step(session.stack, session.reservation.key, session.client_id, session.kv, hidden,
+                                   session.prefix_tokens)
         if cache is not None and session.prefix_stored < len(session.prefix_hashes):
             # offer the prompt's full chunks this session computed (no other step of it runs now)
             cache.insert(session.prefix_namespace, session.prefix_hashes, session.kv)
             session.prefix_stored = min(len(session.prefix_hashes), session.kv.past_tokens // cache.chunk_tokens)
         return out
 
-    async def _run_step(self, session: OpenSession, hidden: torch.Tensor) -> torch.Tensor:
-        step = StepInput(session.kv, hidden)
-        self.server.block_range.validate_step(step)
-        if hidden.dtype != self.server.block_range.dtype:
-            raise InvalidRequestError(f"hidden states must be {self.server.block_range.dtype}, got {hidden.dtype}")
+    async def _run_step(self, stack: ServingStack, key: str, client_id: str, kv: SessionKV, hidden: torch.Tensor,
+                        prefix_tokens: int = 0) -> torch.Tensor:
+        step = StepInput(kv, hidden)
+        stack.block_range.validate_step(step)
+        if hidden.dtype != stack.block_range.dtype:
+            raise InvalidRequestError(f"hidden states must be {stack.block_range.dtype}, got {hidden.dtype}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -221,8 +231,7 @@ class BlockServicer:
                     future.set_result(result)
             loop.call_soon_threadsafe(settle)
 
-        self.scheduler.submit(session.reservation_key, session.client_id, step, deliver,
-                              prefix_tokens=session.prefix_tokens)
+        stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens)
         return await future
 
     # -- stateless forward ----------------------------------------------------------------
@@ -258,9 +267,8 @@ class BlockServicer:
 
     async def _forward(self, message: wire_parts.Message, context: P2PContext) -> torch.Tensor:
         client_id = str(context.remote_id)
-        block_range = self.server.block_range
-        if block_range is None:
-            raise ServerUnavailableError("this server holds no blocks yet; use another server")
+        stack = self._stack("waiting for or loading its assignment")
+        block_range = stack.block_range
         if message.meta.get("type", Forward.TYPE) != Forward.TYPE:
             raise InvalidRequestError(f"rpc_forward takes 'forward' messages, got type {message.meta.get('type')!r}")
         entry_block = Forward.from_wire(message.meta).entry_block
@@ -270,17 +278,19 @@ class BlockServicer:
         hidden = message.tensors[0]
         if hidden.dim() != 3 or hidden.shape[0] < 1:
             raise InvalidRequestError(f"rpc_forward takes [batch, seq, {block_range.hidden_size}], got {tuple(hidden.shape)}")
-        if hidden.shape[1] > self.server.max_length_tokens:
+        if hidden.shape[1] > self.limits.max_length_tokens:
             raise MaxLengthExceededError(f"sequence of {hidden.shape[1]} tokens exceeds this server's "
-                                         f"limit of {self.server.max_length_tokens}")
+                                         f"limit of {self.limits.max_length_tokens}")
         outputs = []
         for row, seq in enumerate(hidden):
             key = f"{client_id}/forward-{uuid.uuid4().hex[:8]}-{row}"
-            self.budget.reserve(key, block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - first_block))
+            # no wait for memory: a forward that does not fit now is refused (OutOfCacheError)
+            row_reservation = await SessionReservation.acquire(
+                stack, key=key, session_id=key, client_id=client_id,
+                nbytes=block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - first_block),
+                max_length=seq.shape[0], first_block=first_block, wait_s=0.0, register=False)
             try:
-                temp = OpenSession(key, client_id, block_range.allocate_kv(seq.shape[0], first_block), key)
-                outputs.append(await self._run_step(temp, seq))
+                outputs.append(await self._run_step(stack, key, client_id, row_reservation.kv, seq))
             finally:
-                self.budget.release(key)
-                self.server.admission.on_release()
+                row_reservation.release()
         return torch.stack(outputs)

@@ -64,7 +64,8 @@ class StepScheduler:
 
     def __init__(self, executor, policy: SchedulingPolicy, *, max_batch_tokens: int = 2048,
                  clock: Callable[[], float] = time.monotonic, start_thread: bool = True,
-                 on_batch: Callable[[dict], None] | None = None):
+                 on_batch: Callable[[dict], None] | None = None,
+                 waiting_for_memory: Callable[[], list[str]] = list):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.block_range = executor
@@ -72,8 +73,9 @@ class StepScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
         self.on_batch = on_batch  # e.g. the --service-log writer; called outside the lock
-        # clients with sessions waiting for KV memory (the admission queue sets it), for the log
-        self.waiting_for_memory: Callable[[], list[str]] = list
+        # clients with sessions waiting for KV memory (the admission queue's, wired by
+        # server/serving_stack.py:build_stack), for the log
+        self.waiting_for_memory = waiting_for_memory
         self.stats = SchedulerStats()
         self._jobs: dict[int, _Job] = {}  # submitted, not yet delivered
         self._cond = threading.Condition()
