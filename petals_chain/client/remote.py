@@ -6,29 +6,22 @@ failures live in `remote_session.py`; this module finds the servers and runs sta
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 
 import torch
-from hivemind.p2p import PeerID
 
-from petals_chain import wire, wire_parts
+from petals_chain import wire
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, PromptPrefix
 from petals_chain.client.orchestrated import OrchestratorChainProvider
-from petals_chain.client.remote_session import CALLER_ERRORS, HopFailed, RemoteChainSession, as_server_error
+from petals_chain.client.hop_client import FailoverPolicy, HopClient, HopFailed, as_server_error  # noqa: F401
+from petals_chain.client.remote_session import RemoteChainSession
 from petals_chain.client.routing import ChainProvider, DhtChainProvider
 from petals_chain.dht_records import fetch_servers, model_key
-from petals_chain.errors import (
-    InvalidRequestError,
-    OutOfCacheError,
-    ServerUnavailableError,
-)
-from petals_chain.messages import Forward, Hop
 from petals_chain.orchestrator_records import find_orchestrator
-from petals_chain.protocol import BlockService, ping_block_server_s
+from petals_chain.protocol import ping_block_server_s
 from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
 
 logger = logging.getLogger(__name__)
@@ -52,6 +45,7 @@ class RemoteChain(ChainBackend):
         self.dht = start_dht(initial_peers=initial_peers, client_mode=True, **identity)
         self.loop = BackgroundLoop("client-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
+        self.hops = HopClient(self.loop, self.p2p, step_timeout_s=step_timeout_s, open_timeout_s=open_timeout_s)
         # a private swarm: records of servers (and of an orchestrator) not on this list are ignored
         allowed = None if allowed_servers is None else frozenset(allowed_servers)
         self.orchestrator = (find_orchestrator(self.dht, self.model, allowed)
@@ -64,7 +58,7 @@ class RemoteChain(ChainBackend):
                                                      wait_for_chain_s=wait_for_chain_s)
 
     def stub(self, peer_id: str):
-        return BlockService.get_stub(self.p2p, PeerID.from_base58(peer_id))
+        return self.hops.stub(peer_id)
 
     def ping_s(self, peer_id: str) -> float | None:
         """Round trip of rpc_info, or None when the peer does not answer within 3 s."""
@@ -78,78 +72,24 @@ class RemoteChain(ChainBackend):
         """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward); with an
         orchestrator it holds a chain slot for the call's duration."""
         sid = "forward-" + uuid.uuid4().hex
-        banned: set[str] = set()
-        retried: set[str] = set()
+        # a stateless forward has no cache to rebuild, so it simply runs again: on the same chain once
+        # if the server still answers (a stream that broke on a live server), else on a chain without
+        # it (the same session id keeps an orchestrator's lease)
+        policy = FailoverPolicy(self.max_failovers, ping_s=self.ping_s)
         hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid)
-        failovers = 0
         try:
             while True:
                 try:
-                    return self._forward_through(hops, hidden)
+                    x = hidden
+                    for hop in hops:
+                        x = self.hops.forward(hop, x.to(self.dtype))
+                    return x
                 except HopFailed as failed:
-                    failovers += 1
-                    if failovers > self.max_failovers:
-                        raise ServerUnavailableError(f"forward gave up after {self.max_failovers} failovers; last: "
-                                                     f"{failed.error}") from failed.error
-                    peer = failed.hop.peer_id
-                    # a stateless forward has no cache to rebuild, so it simply runs again: on the same
-                    # chain once if the server still answers (a stream that broke on a live server), else
-                    # on a chain without it (the same session id keeps an orchestrator's lease)
-                    if peer not in retried and self.ping_s(peer) is not None:
-                        retried.add(peer)
-                        logger.warning("forward: server %s failed (%s) but answers; retrying it once",
-                                       failed.hop.describe(), failed.error)
-                        continue
-                    logger.warning("forward: server %s failed (%s); retrying on another chain",
-                                   failed.hop.describe(), failed.error)
-                    banned.add(peer)
-                    hops = self.provider.find_chain(0, self.num_blocks, exclude=frozenset(banned),
-                                                    max_length=hidden.shape[1], session_id=sid)
+                    if not policy.on_failure(failed, "forward"):
+                        hops = self.provider.find_chain(0, self.num_blocks, exclude=policy.exclude,
+                                                        max_length=hidden.shape[1], session_id=sid)
         finally:
             self.provider.session_finished(hops, session_id=sid)
-
-    def _forward_through(self, hops: list[Hop], hidden: torch.Tensor) -> torch.Tensor:
-        for hop in hops:
-            try:
-                hidden = self.loop.run(self._forward_hop(hop, hidden.to(self.dtype)), timeout_s=self.step_timeout_s + 2)
-            except CALLER_ERRORS:
-                raise
-            except Exception as e:
-                error = as_server_error(e, self.step_timeout_s)
-                if error is None:
-                    raise  # a local error: nobody's fault over there
-                if isinstance(error, (ServerUnavailableError, OutOfCacheError)):
-                    raise HopFailed(hop, error) from e
-                if error is e:
-                    raise
-                raise error from e
-        return hidden
-
-    async def _forward_hop(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:
-        """One hop of a forward: unary when the tensor fits one message, else the streaming RPC."""
-        requests = wire_parts.to_messages(Forward(hop.start).to_wire(), (hidden,))
-        stub = self.stub(hop.peer_id)
-        if len(requests) == 1:
-            reply = wire_parts.decode_single(await stub.rpc_forward(requests[0], timeout=self.step_timeout_s))
-        else:
-            async def outgoing():
-                for request in requests:
-                    yield request
-
-            replies = await stub.rpc_forward_stream(outgoing())
-            try:
-                reply = await asyncio.wait_for(wire_parts.receive_one(replies), self.step_timeout_s)
-            except StopAsyncIteration:  # the stream ended before a whole reply: the server or the link went away
-                raise ServerUnavailableError(f"server {hop.describe()} closed the forward stream before its reply "
-                                             "(it died or the connection broke)") from None
-            except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
-                raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply: {e}") from e
-            finally:
-                await replies.aclose()  # stops sending parts the server refused (early error reply)
-        wire.raise_if_error(reply.meta)
-        if len(reply.tensors) != 1:
-            raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply")
-        return reply.tensors[0]
 
     def open_session(self, max_length: int, prefix: PromptPrefix | None = None) -> "RemoteChainSession":
         """`prefix`: the prompt, offered to the hops' prefix caches (`remote_session.py`)."""

@@ -16,63 +16,23 @@ statelessly through the hops before it, and replayed ahead of its history.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
-from petals_chain import wire, wire_parts
 from petals_chain.client.chain import ChainSession, PromptPrefix
-from petals_chain.errors import (
-    InvalidRequestError,
-    MaxLengthExceededError,
-    OutOfCacheError,
-    PetalsChainError,
-    ServerUnavailableError,
-    SessionIdleTimeoutError,
-)
-from petals_chain.messages import Close, Hop, Open, Opened, Step, StepReply
-from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS, prefix_hashes, usable_prefix_tokens
+from petals_chain.client.hop_client import FailoverPolicy, HopFailed, HopStream
+from petals_chain.errors import MaxLengthExceededError, ServerUnavailableError, SessionIdleTimeoutError
+from petals_chain.messages import Hop, Open, Step
+from petals_chain.prefix_keys import prefix_hashes, usable_prefix_tokens
 
 if TYPE_CHECKING:
     from petals_chain.client.remote import RemoteChain
 
 logger = logging.getLogger(__name__)
-
-# Errors that are the caller's fault: retrying on another server would fail the same way.
-CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
-# What a dead, slow or unreachable server looks like to the transport. Anything else raised while
-# talking to a server is a local error (a bug or misuse in this process, e.g. two threads reading
-# one stream) and propagates as it is: it must never get a healthy server banned.
-TRANSPORT_ERRORS = (TimeoutError, asyncio.TimeoutError, StopAsyncIteration, ConnectionError, EOFError, OSError,
-                    P2PHandlerError, P2PDaemonError)
-
-
-def as_server_error(error: Exception, timeout_s: float) -> PetalsChainError | None:
-    """The typed error a failure while talking to a server stands for, or None for a local error
-    (which the caller re-raises unchanged, so no failover bans the server for it)."""
-    if isinstance(error, PetalsChainError):
-        return error  # the server's typed reply, or ours: the caller decides what it means
-    if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
-        return ServerUnavailableError(f"no reply within {timeout_s:.0f} s")
-    if isinstance(error, StopAsyncIteration):
-        return ServerUnavailableError("the server closed the stream")
-    if isinstance(error, TRANSPORT_ERRORS):  # connection reset, peer gone, p2p daemon errors
-        return ServerUnavailableError(f"{type(error).__name__}: {error}")
-    return None
-
-
-class HopFailed(Exception):
-    """A hop of a stateless forward failed in a way another server may not (internal to forward)."""
-
-    def __init__(self, hop: Hop, error: PetalsChainError):
-        super().__init__(str(error))
-        self.hop, self.error = hop, error
 
 
 @dataclass(frozen=True)
@@ -89,17 +49,6 @@ class HopTiming:
     server_s: float | None
 
 
-@dataclass
-class HopStream:
-    hop: Hop
-    queue: asyncio.Queue
-    responses: object  # async iterator of ExpertResponse
-    inputs: list[torch.Tensor] = field(default_factory=list)  # everything sent to this hop, for replay
-    prefix_match_tokens: int = 0  # of the prompt, what this hop's prefix cache holds (its open reply)
-    prefix_tokens: int | None = None  # to send with its first step (then None): the chain's reuse
-    prefix_in_inputs: bool = False  # `inputs` start with the reused prefix (a hop rebuilt by replay)
-
-
 class RemoteChainSession(ChainSession):
     def __init__(self, chain: RemoteChain, max_length: int, prefix: PromptPrefix | None = None):
         self.chain = chain
@@ -109,9 +58,8 @@ class RemoteChainSession(ChainSession):
         self.prefix_tokens = 0  # tokens of the prompt every hop took from its cache
         self.session_id = uuid.uuid4().hex
         self.position = 0
-        self.failovers = 0
+        self.failover = FailoverPolicy(chain.max_failovers)  # one budget for open and steps
         self.reopens = 0  # streams reopened after the server's session_idle_timeout (not failovers)
-        self.banned: set[str] = set()
         self.streams: list[HopStream] = []
         self._step_id = 0
         self.input_tokens = 0  # tokens of the first step (the prompt)
@@ -124,14 +72,8 @@ class RemoteChainSession(ChainSession):
                     self.streams = self._open_hops(hops, self.prefix_hashes)
                     break
                 except HopFailed as failed:  # e.g. a server killed moments ago that the records still list
-                    self.failovers += 1
-                    if self.failovers > chain.max_failovers:
-                        raise ServerUnavailableError(f"no chain opened after {chain.max_failovers} failovers; last: "
-                                                     f"{failed.error}") from failed.error
-                    logger.warning("server %s failed while opening session %s (%s); asking for another chain",
-                                   failed.hop.describe(), self.session_id[:8], failed.error)
-                    self.banned.add(failed.hop.peer_id)
-                    hops = chain.provider.find_chain(0, chain.num_blocks, exclude=frozenset(self.banned),
+                    self.failover.on_failure(failed, f"opening session {self.session_id[:8]}")
+                    hops = chain.provider.find_chain(0, chain.num_blocks, exclude=self.failover.exclude,
                                                      max_length=max_length, session_id=self.session_id)
         except Exception:
             chain.provider.session_finished(hops, session_id=self.session_id)
@@ -143,84 +85,41 @@ class RemoteChainSession(ChainSession):
                 s.prefix_tokens = self.prefix_tokens
             self.position = self.prefix_tokens  # the first step starts after the reused prefix
 
-    # -- stream plumbing (runs on the background loop) ----------------------------------------
-    async def _open_one(self, hop: Hop, hashes: list[str]) -> HopStream:
-        queue: asyncio.Queue = asyncio.Queue()
-        responses = await self.chain.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
-        await queue.put(wire.request(Open(self.session_id, self.max_length, hop.start, prefix_hashes=hashes or None)))
-        meta = wire.unpack((await asyncio.wait_for(anext(responses), self.chain.open_timeout_s)).metadata)
-        try:
-            opened = wire.decode_reply(meta, Opened)
-        except PetalsChainError as e:
-            await queue.put(None)
-            if isinstance(e, InvalidRequestError) and meta.get("type") != "error":  # not its typed refusal
-                raise ServerUnavailableError(f"server {hop.describe()} sent a malformed open reply: {e}") from e
-            raise
-        match = opened.prefix_match_tokens or 0
-        # a server without a cache (or another chunk size) does not answer: nothing reused on this chain
-        if opened.prefix_chunk_tokens != PREFIX_CHUNK_TOKENS or not 0 <= match <= len(hashes) * PREFIX_CHUNK_TOKENS:
-            match = 0
-        return HopStream(hop, queue, responses, prefix_match_tokens=match)
+    # -- stream plumbing ----------------------------------------------------------------------
+    @property
+    def failovers(self) -> int:
+        return self.failover.failovers
 
-    async def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def banned(self) -> set[str]:
+        return self.failover.banned
+
+    def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
+        """One step of `stream`'s hop (raises HopFailed, or the server's other typed errors)."""
         self._step_id += 1
-        t0 = time.perf_counter()
         step = Step(self.session_id, self._step_id, prefix_tokens=stream.prefix_tokens)
         stream.prefix_tokens = None  # only its first step takes cached tokens
-        for request in wire_parts.to_messages(step.to_wire(), (hidden,)):
-            await stream.queue.put(request)
-        try:
-            reply = await asyncio.wait_for(wire_parts.receive_one(stream.responses), self.chain.step_timeout_s)
-        except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
-            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
-        client_s = time.perf_counter() - t0
-        wire.raise_if_error(reply.meta)
-        try:
-            meta = StepReply.from_wire(reply.meta)
-        except InvalidRequestError as e:
-            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
-        if len(reply.tensors) != 1:
-            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
+        result = self.chain.hops.step(stream, step, hidden)
         self.hop_timings.append(HopTiming(
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
-            stream.hop.num_blocks, hidden.shape[0], client_s, meta.server_s))
-        return reply.tensors[0]
-
-    def _run(self, coro, timeout_s: float):
-        try:
-            return self.chain.loop.run(coro, timeout_s=timeout_s)
-        except Exception as e:
-            server_error = as_server_error(e, timeout_s)
-            if server_error is None or server_error is e:
-                raise
-            raise server_error from e
+            stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s))
+        return result.output
 
     def _open_hops(self, hops: list[Hop], hashes: list[str] | None = None) -> list[HopStream]:
         """Streams opened on `hops` (offering the prompt's `hashes`); a server's failure raises
         `HopFailed` naming the hop (what was opened is closed again)."""
         opened: list[HopStream] = []
-        hop = hops[0]
         try:
             for hop in hops:
-                opened.append(self._run(self._open_one(hop, hashes or []), self.chain.open_timeout_s + 2))
-        except (ServerUnavailableError, OutOfCacheError) as e:
-            self._close_streams(opened)
-            raise HopFailed(hop, e) from e
+                opened.append(self.chain.hops.open(hop, Open(self.session_id, self.max_length, hop.start,
+                                                             prefix_hashes=hashes or None)))
         except BaseException:
             self._close_streams(opened)
             raise
         return opened
 
     def _close_streams(self, streams: list[HopStream]) -> None:
-        async def close(s: HopStream):
-            await s.queue.put(wire.request(Close()))
-            await s.queue.put(None)
-
-        for s in streams:
-            try:
-                self.chain.loop.run(close(s), timeout_s=2)
-            except Exception:
-                pass
+        self.chain.hops.close(streams)
 
     # -- the session API ------------------------------------------------------------------------
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -235,27 +134,25 @@ class RemoteChainSession(ChainSession):
             stream = self.streams[i]
             try:
                 try:
-                    out = self._run(self._call(stream, x), self.chain.step_timeout_s + 2)
+                    out = self._call(stream, x)
                 except SessionIdleTimeoutError as e:
                     # the server closed a stream we left idle past its --session-idle-timeout: a healthy
                     # server, so reopen there and replay (no ban, no failover); twice in a step is a fault
                     if stream.hop.peer_id in reopened_this_step:
-                        raise ServerUnavailableError(f"server {stream.hop.describe()} closed the reopened "
-                                                     f"session at once: {e}") from e
+                        raise HopFailed(stream.hop, ServerUnavailableError(
+                            f"server {stream.hop.describe()} closed the reopened session at once: {e}")) from e
                     reopened_this_step.add(stream.hop.peer_id)
                     self._reopen(i, e)
                     continue  # retry hop i (reopened, cache rebuilt) with the same input
-            except CALLER_ERRORS:
-                raise
-            except (ServerUnavailableError, OutOfCacheError) as e:
+            except HopFailed as failed:
                 if self.chain.provider.whole_chain_failover:
                     for s in done_this_step:  # the replay covers past steps; this one restarts at hop 0
                         s.inputs.pop()
                     done_this_step = []
-                    self._failover(i, e)
+                    self._failover(i, failed)
                     i, x = 0, x0
                     continue
-                self._failover(i, e)
+                self._failover(i, failed)
                 continue  # retry hop i (now a replacement) with the same input
             stream.inputs.append(x)
             done_this_step.append(stream)
@@ -276,47 +173,39 @@ class RemoteChainSession(ChainSession):
                     self.session_id[:8], error, sum(x.shape[0] for x in old.inputs))
         self._close_streams([old])
         inputs = self._with_prefix_input(index, old)  # before the new stream takes index's place
-        try:
-            (new,) = self._open_hops([old.hop])
-        except HopFailed as failed:  # the step's caller fails it over
-            raise failed.error from failed
+        (new,) = self._open_hops([old.hop])  # HopFailed: the step's caller fails it over
         if inputs:
             history = torch.cat(inputs)
-            self._run(self._call(new, history), self.chain.step_timeout_s + 2)
+            self._call(new, history)
             new.inputs.append(history)
             new.prefix_in_inputs = bool(self.prefix_tokens)
         self.streams[index] = new
 
-    def _failover(self, index: int, error: Exception) -> None:
+    def _failover(self, index: int, failed: HopFailed) -> None:
         """Replace the failed hop `index` and rebuild the KV caches by replaying the inputs it had
         received. With client-side routing only the failed span is replaced: the new hops end at
         the start of a later hop, which is kept with its cache (or at the last block). An
         orchestrator's provider replaces the whole chain, replayed from block 0, so the session
         always runs on the chain it is counted on. A replacement that fails while it is opened or
         replayed (e.g. a server killed moments ago that the records still list) is itself failed
-        over, within the same `max_failovers`."""
-        failed_peer = self.streams[index].hop.peer_id
+        over, within the same `FailoverPolicy` budget."""
         while True:
-            self.failovers += 1
-            if self.failovers > self.chain.max_failovers:
-                raise ServerUnavailableError(f"giving up after {self.chain.max_failovers} failovers; last: "
-                                             f"{error}") from error
-            self.banned.add(failed_peer)
+            self.failover.on_failure(failed, f"session {self.session_id[:8]}")
             try:
-                self._replace(index, error)
+                self._replace(index, failed.error)
                 return
-            except HopFailed as failed:
-                failed_peer, error = failed.hop.peer_id, failed.error
+            except HopFailed as again:
+                failed = again
 
     def _replace(self, index: int, error: Exception) -> None:
         failed = self.streams[index]
         if self.chain.provider.whole_chain_failover:
             index, failed = 0, self.streams[0]
-            new_hops = self.chain.provider.find_chain(0, self.chain.num_blocks, exclude=frozenset(self.banned),
+            new_hops = self.chain.provider.find_chain(0, self.chain.num_blocks, exclude=self.failover.exclude,
                                                       max_length=self.max_length, session_id=self.session_id)
         else:
             ends = frozenset({s.hop.start for s in self.streams[index + 1:]} | {self.chain.num_blocks})
-            new_hops = self.chain.provider.find_span(failed.hop.start, ends, exclude=frozenset(self.banned),
+            new_hops = self.chain.provider.find_span(failed.hop.start, ends, exclude=self.failover.exclude,
                                                      max_length=self.max_length, session_id=self.session_id)
         new_end = new_hops[-1].end
         keep_from = next((i for i in range(index + 1, len(self.streams)) if self.streams[i].hop.start == new_end),
@@ -331,14 +220,10 @@ class RemoteChainSession(ChainSession):
             if history is not None:
                 x = history
                 for stream in replacement:
-                    hop = stream.hop
-                    x_out = self._run(self._call(stream, x), self.chain.step_timeout_s + 2)
+                    x_out = self._call(stream, x)
                     stream.inputs.append(x)
                     stream.prefix_in_inputs = bool(self.prefix_tokens)
                     x = x_out
-        except (ServerUnavailableError, OutOfCacheError) as e:
-            self._close_streams(replacement)
-            raise HopFailed(hop, e) from e
         except BaseException:
             self._close_streams(replacement)
             raise
@@ -352,7 +237,7 @@ class RemoteChainSession(ChainSession):
             return list(stream.inputs)
         x = self.prefix.hidden[:self.prefix_tokens].to(self.chain.dtype)
         for before in self.streams[:index]:
-            x = self._run(self.chain._forward_hop(before.hop, x.unsqueeze(0)), self.chain.step_timeout_s + 2)[0]
+            x = self.chain.hops.forward(before.hop, x.unsqueeze(0))[0]
         return [x, *stream.inputs]
 
     @property
