@@ -30,6 +30,7 @@ class ErrorCode(enum.StrEnum):
     ADMISSION_TIMEOUT = "admission_timeout"
     NOT_ALLOWED = "not_allowed"
     IDENTITY_ERROR = "identity_error"
+    RELAY_REFUSED = "relay_refused"
 
 
 class PetalsChainError(Exception):
@@ -132,6 +133,14 @@ class NotAllowedError(PetalsChainError):
     code = ErrorCode.NOT_ALLOWED
 
 
+class RelayRefusedError(PetalsChainError):
+    """A server refused a step pushed by another server (server-to-server relay): no such session
+    here, the pusher is not the previous hop the client named, or the step id was already taken.
+    Harmless: the client's own copy of the step still arrives and runs."""
+
+    code = ErrorCode.RELAY_REFUSED
+
+
 class IdentityError(PetalsChainError):
     """A peer identity file cannot be read or written (local only, never sent over the wire)."""
 
@@ -159,6 +168,7 @@ ERROR_TYPES: dict[ErrorCode, type[PetalsChainError]] = {
         SessionIdleTimeoutError,
         AdmissionTimeoutError,
         NotAllowedError,
+        RelayRefusedError,
     )
 }
 

@@ -60,6 +60,18 @@ class BlockService(_MembersOnly):
             yield response
 
 
+    async def rpc_push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                       context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Server-to-server relay: another server pushes a session's steps here (server/relay.py)."""
+        refusal = self._refusal(context)
+        if refusal is not None:
+            yield refusal
+            await wire_parts.drain(requests)
+            return
+        async for response in self.impl.push(requests, context):
+            yield response
+
+
 class OrchestratorService(_MembersOnly):
     """The online orchestrator's RPC surface (implemented in orchestrator.service.rpc; the client
     and the servers get stubs from this class without importing `orchestrator`)."""

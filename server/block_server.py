@@ -106,9 +106,10 @@ class BlockServer:
                              **self.identity.dht_kwargs())
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("server-p2p")
-        limits = ServicerLimits(self.max_length_tokens, self.max_step_tokens, self.session_idle_timeout_s)
-        self.servicer = BlockService(BlockServicer(limits, self.stacks, self.info), config.allowed_peers)
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
+        limits = ServicerLimits(self.max_length_tokens, self.max_step_tokens, self.session_idle_timeout_s)
+        self._servicer = BlockServicer(limits, self.stacks, self.info, self.p2p)
+        self.servicer = BlockService(self._servicer, config.allowed_peers)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         self._stop = threading.Event()
         try:
@@ -226,6 +227,7 @@ class BlockServer:
             extra={"queue_length": stack.scheduler.queue_length, "policy": stack.scheduler.policy.name,
                    "admission_queue_length": len(stack.admission), "auto": self.auto,
                    "prefix_cache": stack.prefix_cache.view() if stack.prefix_cache is not None else None,
+                   "relay": self._servicer.relay_index.view(),
                    # the memory accounting (bytes): weights + reserved KV (sessions and cached prefixes)
                    # must stay within memory_budget_bytes
                    "weights_bytes": budget.weights_bytes, "kv_reserved_bytes": budget.reserved_bytes,

@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from petals_chain import wire, wire_parts
-from petals_chain.messages import Close, Forward, Open, Opened, Step, StepReply, decode_tagged
+from petals_chain.messages import Close, Forward, Open, Opened, Push, Pushed, Step, StepReply, decode_tagged
 from petals_chain.wire import ServerInfo
 from petals_chain.errors import (
     InvalidRequestError,
@@ -33,6 +33,8 @@ from petals_chain.errors import (
 from petals_chain.runtime.block_range import StepInput
 from petals_chain.runtime.kv_cache import SessionKV
 from server.prefix_cache import PrefixPin
+from server import relay
+from server.relay import RelayIndex, RelayInbox, RelayLinks
 from server.reservation import SessionReservation
 from server.serving_stack import ServingStack, StackSlot
 
@@ -54,10 +56,13 @@ class OpenSession:
 
     session_id: str
     reservation: SessionReservation
+    inbox: RelayInbox  # its stream's messages and pushed steps; `claim` runs each step id once
+    links: RelayLinks  # its push streams to the next hops
     prefix_namespace: str = ""
     prefix_hashes: list[str] = field(default_factory=list)  # chained chunk hashes of its prompt (client's)
     prefix_tokens: int = 0  # tokens its first step took from the cache
     prefix_stored: int = 0  # chunks of its prompt offered to the cache so far
+    stop_pushes: Callable[[], None] | None = None  # undoes its relay index entry
 
     @property
     def stack(self) -> ServingStack:
@@ -77,14 +82,16 @@ class OpenSession:
 
 
 class BlockServicer:
-    """Implementation behind `petals_chain.protocol.BlockService`. It sees the server through three
+    """Implementation behind `petals_chain.protocol.BlockService`. It sees the server through four
     typed things only: its limits, the slot holding the current serving stack (and whether it takes
-    new sessions), and `info()` for rpc_info."""
+    new sessions), `info()` for rpc_info and its `p2p` for pushing to next hops (server/relay.py)."""
 
-    def __init__(self, limits: ServicerLimits, stacks: StackSlot, info: Callable[[], ServerInfo]):
+    def __init__(self, limits: ServicerLimits, stacks: StackSlot, info: Callable[[], ServerInfo], p2p: P2P):
         self.limits = limits
         self.stacks = stacks
         self._info = info
+        self.p2p = p2p  # the server's P2P, to push steps to the next hop
+        self.relay_index = RelayIndex()  # which session takes pushes from which peer
 
     def _stack(self, what: str) -> ServingStack:
         stack = self.stacks.current
@@ -100,29 +107,39 @@ class BlockServicer:
                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         client_id = str(context.remote_id)
         session: OpenSession | None = None
-        incoming = wire_parts.assembled(requests, admit=self._admit).__aiter__()  # tensors arrive in parts
+        # one inbox per stream: its client's messages (tensors arrive in parts, reassembled by the
+        # pump) and the steps the previous hop pushes (server relay), consumed in arrival order
+        inbox = RelayInbox()
+        pumping = asyncio.create_task(relay.pump(requests, inbox, self._admit))
         idle_timeout_s = self.limits.session_idle_timeout_s
         try:
             while True:
                 try:
                     # a client that went silent must not hold its KV reservation forever
-                    message = await asyncio.wait_for(anext(incoming), idle_timeout_s)
-                except StopAsyncIteration:
-                    return
+                    kind, message = await asyncio.wait_for(inbox.queue.get(), idle_timeout_s)
                 except asyncio.TimeoutError:
                     logger.info("closing a session of %s idle for %.0f s", client_id, idle_timeout_s)
                     yield wire.error_response(SessionIdleTimeoutError(
                         f"the server closed this stream: nothing arrived for {idle_timeout_s:.0f} s "
                         "(its --session-idle-timeout); open a new session, and send steps or close sooner"))
                     return
+                if kind == relay.END:
+                    return
+                if kind == relay.FAILED:
+                    raise message
                 try:
+                    if kind == relay.PUSHED:  # claimed by rpc_push already
+                        push, hidden = message
+                        for response in await self._run_and_reply(session, push.step_id, hidden, 0, push.push_route):
+                            yield response
+                        continue
                     if isinstance(message, PetalsChainError):  # a bad group (refused by its header, or malformed)
                         raise message
                     msg = decode_tagged(message.meta, Open, Step, Close)
                     if isinstance(msg, Open):
                         if session is not None:
                             raise InvalidRequestError("this stream already has an open session")
-                        session = await self._open(msg, client_id)
+                        session = await self._open(msg, client_id, inbox)
                         pin = session.prefix_pin  # how much of the prompt this hop holds
                         yield wire.response(Opened(session.session_id, session.kv.first_block, session.kv.end_block,
                                                    prefix_match_tokens=None if pin is None else pin.tokens,
@@ -134,12 +151,12 @@ class BlockServicer:
                             raise UnknownSessionError(f"unknown session {msg.session_id!r} on this stream")
                         if len(message.tensors) != 1:
                             raise InvalidRequestError(f"a step carries exactly one tensor, got {len(message.tensors)}")
-                        t0 = time.perf_counter()
-                        out = await self._step(session, message.tensors[0], msg.prefix_tokens or 0)
-                        # server_s: this step's time inside the server (queue + batch compute), so a
-                        # client can tell server time from network time (the Table 1 model check)
-                        reply = StepReply(msg.session_id, msg.step_id, session.kv.past_tokens, time.perf_counter() - t0)
-                        for response in wire_parts.to_messages(reply.to_wire(), (out,), reply=True):
+                        if msg.relay_from is not None:  # the previous hop changed (the client failed it over)
+                            self._take_pushes_from(session, msg.relay_from)
+                        if not session.inbox.claim(msg.step_id):
+                            continue  # its pushed copy ran already (and was answered): run each step once
+                        for response in await self._run_and_reply(session, msg.step_id, message.tensors[0],
+                                                                  msg.prefix_tokens or 0, msg.push_route):
                             yield response
                     else:  # Close
                         return
@@ -149,8 +166,43 @@ class BlockServicer:
                     logger.exception("unexpected error in rpc_inference")
                     yield wire.error_response(e)
         finally:
+            pumping.cancel()
             if session is not None:
                 self._close(session)
+
+    async def _run_and_reply(self, session: OpenSession, step_id: int | None, hidden: torch.Tensor,
+                             prefix_tokens: int, push_route: list[str] | None) -> list[runtime_pb2.ExpertResponse]:
+        t0 = time.perf_counter()
+        out = await self._step(session, hidden, prefix_tokens)
+        if push_route and step_id is not None:
+            # the next hop gets it first (server relay); this reply feeds the client's history
+            session.links.push_soon(push_route, step_id, out)
+        # server_s: this step's time inside the server (queue + batch compute), so a client can tell
+        # server time from network time (the Table 1 model check)
+        reply = StepReply(session.session_id, step_id, session.kv.past_tokens, time.perf_counter() - t0)
+        return wire_parts.to_messages(reply.to_wire(), (out,), reply=True)
+
+    def _take_pushes_from(self, session: OpenSession, peer: str) -> None:
+        if session.stop_pushes is not None:
+            session.stop_pushes()
+        session.stop_pushes = self.relay_index.register(session.session_id, peer, session.inbox)
+
+    async def push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                   context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A previous hop's relay stream: each message group is one pushed step (`Push`), queued
+        for its session (or refused, typed); acknowledged with `Pushed`."""
+        from_peer = str(context.remote_id)
+        async for message in wire_parts.assembled(requests, admit=self._admit):
+            try:
+                if isinstance(message, PetalsChainError):
+                    raise message
+                push = Push.from_wire(message.meta)
+                if len(message.tensors) != 1:
+                    raise InvalidRequestError(f"a push carries exactly one tensor, got {len(message.tensors)}")
+                self.relay_index.deliver(push, message.tensors[0], from_peer)
+                yield wire.response(Pushed(push.step_id))
+            except PetalsChainError as e:
+                yield wire.error_response(e)
 
     def _close(self, session: OpenSession) -> None:
         session.reservation.release()
@@ -169,7 +221,7 @@ class BlockServicer:
                 "(advertised in rpc_info); send the prompt in several steps, fewer forward rows at a time, or use "
                 "a server started with a larger --max-step-tokens")
 
-    async def _open(self, msg: Open, client_id: str) -> OpenSession:
+    async def _open(self, msg: Open, client_id: str, inbox: RelayInbox) -> OpenSession:
         stack = self.stacks.current
         if stack is None or not self.stacks.accepting:
             raise ServerUnavailableError("this server holds no blocks right now (waiting for or loading its "
@@ -193,7 +245,16 @@ class BlockServicer:
             stack, key=f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}", session_id=session_id, client_id=client_id,
             nbytes=nbytes, max_length=max_length, first_block=first_block, wait_s=msg.admission_wait_s,
             prefix_namespace=namespace, prefix_hashes=hashes)
-        return OpenSession(session_id, reservation, namespace, hashes)
+        session = OpenSession(session_id, reservation, inbox, RelayLinks(self.p2p, session_id), namespace, hashes)
+        reservation.hold("relay streams", session.links.close)
+        reservation.hold("relay index entry", lambda: session.stop_pushes() if session.stop_pushes else None)
+        if msg.relay_from is not None:
+            try:
+                self._take_pushes_from(session, msg.relay_from)
+            except BaseException:
+                reservation.release()
+                raise
+        return session
 
     async def _step(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int = 0) -> torch.Tensor:
         cache = session.stack.prefix_cache

@@ -65,6 +65,14 @@ class SessionReservation:
             raise
         return r
 
+    def hold(self, what: str, undo: Callable[[], None]) -> None:
+        """Something more the session holds (e.g. its relay streams): undone first at release."""
+        with self._lock:
+            if not self._released:
+                self._undo.append((what, undo))
+                return
+        undo()  # released already: give it back at once
+
     def _drop_kv(self) -> None:
         self.kv = None
 

@@ -75,6 +75,7 @@ class HopStream:
     prefix_match_tokens: int = 0  # of the prompt, what this hop's prefix cache holds (its open reply)
     prefix_tokens: int | None = None  # to send with its first step (then None): the chain's reuse
     prefix_in_inputs: bool = False  # `inputs` start with the reused prefix (a hop rebuilt by replay)
+    relay_from: str | None = None  # server relay: the peer whose pushes this hop's server takes
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class HopClient:
         # a server without a cache (or another chunk size) does not answer: nothing reused on this chain
         if opened.prefix_chunk_tokens != PREFIX_CHUNK_TOKENS or not 0 <= match <= len(hashes) * PREFIX_CHUNK_TOKENS:
             match = 0
-        return HopStream(hop, queue, responses, prefix_match_tokens=match)
+        return HopStream(hop, queue, responses, prefix_match_tokens=match, relay_from=open_msg.relay_from)
 
     def step(self, stream: HopStream, step: Step, hidden: torch.Tensor) -> StepResult:
         return self.run_hop(stream.hop, self.step_async(stream, step, hidden), self.step_timeout_s + 2)

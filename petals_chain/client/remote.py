@@ -1,7 +1,9 @@
 """The remote chain backend: relays a session's hidden states through servers over hivemind.
 
-The client relays, as PETALS does: it sends the embeddings to the first server, its output to the
-second, and so on (the paper's tau_c model assumes this). A session's relay and its recovery from
+By default the servers relay (`relay="server"`): the first server pushes its output to the second
+and so on, while the client sends its own copies and keeps every hop's output for failover (the
+paper's tau_c,ij, footnote 4). With `relay="client"` the client alone relays, as PETALS without
+rpc_push does (the paper's default tau_c model). A session's relay and its recovery from
 failures live in `remote_session.py`; this module finds the servers and runs stateless forwards.
 """
 from __future__ import annotations
@@ -20,18 +22,21 @@ from petals_chain.client.hop_client import FailoverPolicy, HopClient, HopFailed,
 from petals_chain.client.remote_session import RemoteChainSession
 from petals_chain.client.routing import ChainProvider, DhtChainProvider
 from petals_chain.dht_records import fetch_servers, model_key
+from petals_chain.errors import InvalidRequestError
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import ping_block_server_s
 from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
 
 logger = logging.getLogger(__name__)
 
+RELAYS = ("server", "client")
+
 class RemoteChain(ChainBackend):
     def __init__(self, model: str, config, initial_peers: list[str], dtype: torch.dtype = torch.float32, *,
                  provider: ChainProvider | None = None, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
                  max_failovers: int = 3, wait_for_chain_s: float = 20.0, use_orchestrator: bool = True,
                  acquire_timeout_s: float = 120.0, allowed_servers: frozenset[str] | list[str] | None = None,
-                 identity_path: str | None = None, prefix_reuse: bool = True):
+                 identity_path: str | None = None, prefix_reuse: bool = True, relay: str = "server"):
         self.model = model_key(model)
         self.num_blocks = config.num_hidden_layers
         self.dtype = dtype
@@ -39,6 +44,12 @@ class RemoteChain(ChainBackend):
         self.open_timeout_s = open_timeout_s
         self.max_failovers = max_failovers
         self.prefix_reuse = prefix_reuse  # send prompt prefix keys with opens (servers' prefix caches)
+        if relay not in RELAYS:
+            raise InvalidRequestError(f"relay must be one of {', '.join(RELAYS)}, got {relay!r}")
+        # "server": each hop pushes its output straight to the next (server/relay.py); the client
+        # still sends its own copy and keeps every hop's output (history for failover). "client":
+        # the client alone relays, hop by hop, as PETALS without rpc_push does
+        self.relay = relay
         # `identity_path`: a stable peer id, e.g. to be listed in a private swarm's --allowed-peers
         identity = ({"record_validators": swarm_validators()} if identity_path is None
                     else SwarmIdentity.load_or_create(identity_path).dht_kwargs())
@@ -56,6 +67,10 @@ class RemoteChain(ChainBackend):
                 rediscover=lambda: getattr(find_orchestrator(self.dht, self.model, allowed), "peer_id", None))
         self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model, allowed=allowed), self.ping_s,
                                                      wait_for_chain_s=wait_for_chain_s)
+
+    @property
+    def server_relay(self) -> bool:
+        return self.relay == "server"
 
     def stub(self, peer_id: str):
         return self.hops.stub(peer_id)

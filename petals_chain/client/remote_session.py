@@ -94,10 +94,37 @@ class RemoteChainSession(ChainSession):
     def banned(self) -> set[str]:
         return self.failover.banned
 
-    def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
-        """One step of `stream`'s hop (raises HopFailed, or the server's other typed errors)."""
+    def _new_step_id(self) -> int:
+        """Step ids increase over the session on every hop: a hop runs each id once (server relay's
+        dedup), so a replay, and the step continued after it, take fresh ones."""
         self._step_id += 1
-        step = Step(self.session_id, self._step_id, prefix_tokens=stream.prefix_tokens)
+        return self._step_id
+
+    def _route(self, index: int) -> list[str] | None:
+        """Server relay: the peers hop `index` pushes this step on to, in order. It stops before a
+        hop whose step carries more than the tensor (the first step's cached-prefix count)."""
+        if not self.chain.server_relay:
+            return None
+        route = []
+        for s in self.streams[index + 1:]:
+            if s.prefix_tokens:
+                break
+            route.append(s.hop.peer_id)
+        return route
+
+    def _call(self, stream: HopStream, hidden: torch.Tensor, step_id: int | None = None,
+              index: int | None = None) -> torch.Tensor:
+        """One step of `stream`'s hop (raises HopFailed, or the server's other typed errors). With
+        `index` (its place in the chain) and server relay on, the step names the route on, and tells
+        the hop its previous peer when that changed; the hop may have run it already from a push,
+        and then answers at once."""
+        step = Step(self.session_id, self._new_step_id() if step_id is None else step_id,
+                    prefix_tokens=stream.prefix_tokens)
+        if index is not None and self.chain.server_relay:
+            step.push_route = self._route(index)
+            before = self.streams[index - 1].hop.peer_id if index > 0 else None
+            if before is not None and stream.relay_from != before:
+                step.relay_from = stream.relay_from = before
         stream.prefix_tokens = None  # only its first step takes cached tokens
         result = self.chain.hops.step(stream, step, hidden)
         self.hop_timings.append(HopTiming(
@@ -105,14 +132,18 @@ class RemoteChainSession(ChainSession):
             stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s))
         return result.output
 
-    def _open_hops(self, hops: list[Hop], hashes: list[str] | None = None) -> list[HopStream]:
+    def _open_hops(self, hops: list[Hop], hashes: list[str] | None = None,
+                   before: str | None = None) -> list[HopStream]:
         """Streams opened on `hops` (offering the prompt's `hashes`); a server's failure raises
-        `HopFailed` naming the hop (what was opened is closed again)."""
+        `HopFailed` naming the hop (what was opened is closed again). With server relay each hop
+        takes pushes from the one before it (`before`: the peer before the first)."""
         opened: list[HopStream] = []
         try:
             for hop in hops:
+                relay_from = before if self.chain.server_relay else None
                 opened.append(self.chain.hops.open(hop, Open(self.session_id, self.max_length, hop.start,
-                                                             prefix_hashes=hashes or None)))
+                                                             prefix_hashes=hashes or None, relay_from=relay_from)))
+                before = hop.peer_id
         except BaseException:
             self._close_streams(opened)
             raise
@@ -128,13 +159,14 @@ class RemoteChainSession(ChainSession):
                                          f"{self.position + hidden.shape[0]} tokens")
         x = x0 = hidden.to(self.chain.dtype)
         i = 0
+        step_id = self._new_step_id()  # one id along the chain: a hop runs it once, pushed or sent
         done_this_step: list[HopStream] = []
         reopened_this_step: set[str] = set()
         while i < len(self.streams):
             stream = self.streams[i]
             try:
                 try:
-                    out = self._call(stream, x)
+                    out = self._call(stream, x, step_id, index=i)
                 except SessionIdleTimeoutError as e:
                     # the server closed a stream we left idle past its --session-idle-timeout: a healthy
                     # server, so reopen there and replay (no ban, no failover); twice in a step is a fault
@@ -143,6 +175,7 @@ class RemoteChainSession(ChainSession):
                             f"server {stream.hop.describe()} closed the reopened session at once: {e}")) from e
                     reopened_this_step.add(stream.hop.peer_id)
                     self._reopen(i, e)
+                    step_id = self._new_step_id()  # after the replay's
                     continue  # retry hop i (reopened, cache rebuilt) with the same input
             except HopFailed as failed:
                 if self.chain.provider.whole_chain_failover:
@@ -151,8 +184,10 @@ class RemoteChainSession(ChainSession):
                     done_this_step = []
                     self._failover(i, failed)
                     i, x = 0, x0
+                    step_id = self._new_step_id()  # after the replay's
                     continue
                 self._failover(i, failed)
+                step_id = self._new_step_id()  # after the replay's
                 continue  # retry hop i (now a replacement) with the same input
             stream.inputs.append(x)
             done_this_step.append(stream)
@@ -173,7 +208,8 @@ class RemoteChainSession(ChainSession):
                     self.session_id[:8], error, sum(x.shape[0] for x in old.inputs))
         self._close_streams([old])
         inputs = self._with_prefix_input(index, old)  # before the new stream takes index's place
-        (new,) = self._open_hops([old.hop])  # HopFailed: the step's caller fails it over
+        before = self.streams[index - 1].hop.peer_id if index > 0 else None
+        (new,) = self._open_hops([old.hop], before=before)  # HopFailed: the step's caller fails it over
         if inputs:
             history = torch.cat(inputs)
             self._call(new, history)
@@ -215,7 +251,8 @@ class RemoteChainSession(ChainSession):
         self._close_streams(self.streams[index:keep_from])
         inputs = self._with_prefix_input(index, failed)
         history = torch.cat(inputs) if inputs else None
-        replacement = self._open_hops(new_hops)  # raises HopFailed: _failover tries another
+        before = self.streams[index - 1].hop.peer_id if index > 0 else None
+        replacement = self._open_hops(new_hops, before=before)  # raises HopFailed: _failover tries another
         try:
             if history is not None:
                 x = history
