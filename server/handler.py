@@ -277,6 +277,7 @@ class BlockServicer:
                         prefix_tokens: int = 0) -> torch.Tensor:
         step = StepInput(kv, hidden)
         stack.block_range.validate_step(step)
+        step.validated = True  # once: the batch does not check it again
         if hidden.dtype != stack.block_range.dtype:
             raise InvalidRequestError(f"hidden states must be {stack.block_range.dtype}, got {hidden.dtype}")
         loop = asyncio.get_running_loop()
@@ -292,7 +293,10 @@ class BlockServicer:
                     future.set_result(result)
             loop.call_soon_threadsafe(settle)
 
-        stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens)
+        # a lone session runs inline on this loop when the scheduler is idle (no thread hop); with
+        # several, steps go through the scheduler thread so their batches form
+        stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens,
+                               inline=len(stack.sessions) <= 1)
         return await future
 
     # -- stateless forward ----------------------------------------------------------------

@@ -81,6 +81,7 @@ class StepScheduler:
         self._cond = threading.Condition()
         self._job_ids = itertools.count()
         self._stopped = False
+        self._running = False  # a thread (the scheduler's, or an inline caller's) is running a batch
         self._thread = None
         if start_thread:
             self._thread = threading.Thread(target=self._loop, name="step-scheduler", daemon=True)
@@ -88,8 +89,12 @@ class StepScheduler:
 
     # -- handler side ---------------------------------------------------------------------------
     def submit(self, session_id: str, client_id: str, step: StepInput,
-               deliver: Callable[[Any, BaseException | None], None], prefix_tokens: int = 0) -> None:
-        """`prefix_tokens`: tokens of the session's prompt taken from the prefix cache (DLPM's locality)."""
+               deliver: Callable[[Any, BaseException | None], None], prefix_tokens: int = 0,
+               inline: bool = False) -> None:
+        """`prefix_tokens`: tokens of the session's prompt taken from the prefix cache (DLPM's locality).
+        `inline`: when nothing else waits or runs, run the batch on the caller's thread now (no
+        hand-off to the scheduler thread and back: the lean path of a lone session); otherwise it
+        waits for the scheduler thread as usual, so batches still form under load."""
         with self._cond:
             if self._stopped:
                 raise ServerUnavailableError("this server is shutting down; use another server")
@@ -103,7 +108,22 @@ class StepScheduler:
             item = WorkItem(seq, session_id, client_id, job.total_rows, step.kv.past_tokens, self.clock(), job,
                             prefix_tokens=prefix_tokens)
             self._call_policy("enqueue", lambda: self.policy.enqueue(item))
-            self._cond.notify()
+            claimed = inline and not self._running and len(self._jobs) == 1
+            if not claimed:
+                self._cond.notify()
+                return
+            self._running = True
+        self._run_claimed()
+
+    def _run_claimed(self) -> None:
+        """Run batches while this thread holds the runner role (`_running`), then hand it back."""
+        try:
+            self.run_once()
+        finally:
+            with self._cond:
+                self._running = False
+                if self._jobs or self._stopped:
+                    self._cond.notify_all()
 
     def cancel_session(self, session_id: str) -> None:
         """The session closed or its stream broke: its waiting work leaves the queue."""
@@ -145,11 +165,12 @@ class StepScheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._jobs and not self._stopped:
+                while (not self._jobs or self._running) and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
                     return
-            self.run_once()
+                self._running = True
+            self._run_claimed()
 
     def run_once(self) -> int:
         """Select and run one batch; returns the number of items it ran (0: nothing waited, or the
@@ -191,8 +212,8 @@ class StepScheduler:
 
     def _run(self, batch: list[WorkItem], backlogged: list[str]) -> None:
         start_s = self.clock()
-        steps = [StepInput(it.payload.step.kv, it.payload.step.hidden[it.row_offset:it.row_offset + it.n_tokens])
-                 for it in batch]
+        steps = [StepInput(it.payload.step.kv, it.payload.step.hidden[it.row_offset:it.row_offset + it.n_tokens],
+                           validated=it.payload.step.validated) for it in batch]
         try:
             outputs = self.block_range.forward(steps)
             error = None

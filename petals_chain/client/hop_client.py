@@ -116,6 +116,21 @@ class HopClient:
         except FAILOVER_ERRORS as e:
             raise HopFailed(hop, e) from e
 
+    @staticmethod
+    def hop_error(hop: Hop, error: Exception, timeout_s: float) -> Exception:
+        """What `run_hop` raises for `error` (caught on the loop): HopFailed, another typed error, or
+        `error` itself when it is local."""
+        mapped = as_server_error(error, timeout_s)
+        if mapped is None:
+            return error
+        if isinstance(mapped, FAILOVER_ERRORS):
+            failed = HopFailed(hop, mapped)
+            failed.__cause__ = error
+            return failed
+        if mapped is not error:
+            mapped.__cause__ = error
+        return mapped
+
     # -- stateless forward ----------------------------------------------------------------
     def forward(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:
         return self.run_hop(hop, self.forward_async(hop, hidden), self.step_timeout_s + 2)

@@ -16,6 +16,7 @@ statelessly through the hops before it, and replayed ahead of its history.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
@@ -112,12 +113,17 @@ class RemoteChainSession(ChainSession):
             route.append(s.hop.peer_id)
         return route
 
-    def _call(self, stream: HopStream, hidden: torch.Tensor, step_id: int | None = None,
-              index: int | None = None) -> torch.Tensor:
-        """One step of `stream`'s hop (raises HopFailed, or the server's other typed errors). With
-        `index` (its place in the chain) and server relay on, the step names the route on, and tells
-        the hop its previous peer when that changed; the hop may have run it already from a push,
-        and then answers at once."""
+    def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
+        """One step of `stream`'s hop alone, with a fresh step id (replays); raises HopFailed or the
+        server's other typed errors."""
+        return self.chain.hops.run_hop(stream.hop, self._call_async(stream, hidden),
+                                       self.chain.step_timeout_s + 2)
+
+    async def _call_async(self, stream: HopStream, hidden: torch.Tensor, step_id: int | None = None,
+                          index: int | None = None) -> torch.Tensor:
+        """One step of `stream`'s hop, on the loop. With `index` (its place in the chain) and server
+        relay on, the step names the route on, and tells the hop its previous peer when that
+        changed; the hop may have run it already from a push, and then answers at once."""
         step = Step(self.session_id, self._new_step_id() if step_id is None else step_id,
                     prefix_tokens=stream.prefix_tokens)
         if index is not None and self.chain.server_relay:
@@ -126,7 +132,7 @@ class RemoteChainSession(ChainSession):
             if before is not None and stream.relay_from != before:
                 step.relay_from = stream.relay_from = before
         stream.prefix_tokens = None  # only its first step takes cached tokens
-        result = self.chain.hops.step(stream, step, hidden)
+        result = await asyncio.wait_for(self.chain.hops.step_async(stream, step, hidden), self.chain.step_timeout_s + 2)
         self.hop_timings.append(HopTiming(
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
             stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s))
@@ -162,11 +168,17 @@ class RemoteChainSession(ChainSession):
         step_id = self._new_step_id()  # one id along the chain: a hop runs it once, pushed or sent
         done_this_step: list[HopStream] = []
         reopened_this_step: set[str] = set()
-        while i < len(self.streams):
+        while True:
+            # the happy path runs every hop in one coroutine on the loop (no thread hand-off per hop);
+            # it stops at the first failure, handled here as before
+            i, x, error = self.chain.loop.run(self._relay_async(i, x, step_id, done_this_step),
+                                              timeout_s=(self.chain.step_timeout_s + 3) * (len(self.streams) - i) + 2)
+            if error is None:
+                break
             stream = self.streams[i]
             try:
                 try:
-                    out = self._call(stream, x, step_id, index=i)
+                    raise error
                 except SessionIdleTimeoutError as e:
                     # the server closed a stream we left idle past its --session-idle-timeout: a healthy
                     # server, so reopen there and replay (no ban, no failover); twice in a step is a fault
@@ -189,15 +201,26 @@ class RemoteChainSession(ChainSession):
                 self._failover(i, failed)
                 step_id = self._new_step_id()  # after the replay's
                 continue  # retry hop i (now a replacement) with the same input
-            stream.inputs.append(x)
-            done_this_step.append(stream)
-            x = out
-            i += 1
         self.position += hidden.shape[0]
         if self.steps == 0:
             self.input_tokens = hidden.shape[0]
         self.steps += 1
         return x
+
+    async def _relay_async(self, i: int, x: torch.Tensor, step_id: int,
+                           done: list[HopStream]) -> tuple[int, torch.Tensor, Exception | None]:
+        """Hops `i`.. of one step; returns where it stopped, that hop's input and its error (as
+        `HopClient.run_hop` would raise it), or (len, output, None)."""
+        while i < len(self.streams):
+            stream = self.streams[i]
+            try:
+                out = await self._call_async(stream, x, step_id, index=i)
+            except Exception as e:
+                return i, x, self.chain.hops.hop_error(stream.hop, e, self.chain.step_timeout_s)
+            stream.inputs.append(x)
+            done.append(stream)
+            x, i = out, i + 1
+        return i, x, None
 
     def _reopen(self, index: int, error: Exception) -> None:
         """Open hop `index` again on the same server and replay what it had received (its KV cache
