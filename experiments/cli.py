@@ -9,8 +9,9 @@ import signal
 import sys
 
 from orchestrator.cli_args import positive_float
+from orchestrator.policies import POLICY_NAMES
 
-POLICIES = ("proposed", "petals", "bprr", "jffc-only", "petals-2.2")  # petals-2.2: real PETALS 2.2
+POLICIES = (*POLICY_NAMES, "petals-2.2")  # the registry's policies, and petals-2.2: real PETALS 2.2
 
 
 def _policies(text: str) -> tuple[str, ...]:

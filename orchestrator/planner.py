@@ -3,18 +3,12 @@
     plan(cluster, policy="proposed", c=None, tuning="lower") -> Plan
     make_plan_dispatcher(plan, cluster, rng=None, dispatch="jffc") -> Dispatcher
 
-Policies:
-- "proposed": GBP-CR (Alg. 1) with c (tuned by brute force when None, §3.1.3/§3.2.3) + GCA
-  (Alg. 2); dispatched by JFFC (Alg. 3) or any policy of orchestrator.dispatch.
-  With ``leftover=True`` the servers GBP-CR leaves idle get blocks where GCA is tightest, kept
-  only if that lowers neither nu nor raises the Theorem 3.7 lower bound (placement_leftover).
-- "jffc-only": whole model on every server that can hold it, JFFC (§4.2.3).
-- "petals", "bprr": the baselines' placements; they route per request (make_baseline_router).
-  Their Plan still lists the chains GCA finds on their placement and the Theorem 3.7 bounds of
-  JFFC over those chains, as a reference of what the placement could support; ``c`` is None for
-  PETALS and BPRR's target concurrency R for BPRR. ``baseline`` (BaselineOptions) carries the
-  baselines' optional knobs (the paper authors' simulator choices); the Plan keeps it so that
-  make_plan_dispatcher builds the matching router.
+Policies come from the registry (orchestrator.policies: name -> placement, dispatcher), which the
+simulator and the online service read too. For "petals" and "bprr" the Plan still lists the chains
+GCA finds on their placement and the Theorem 3.7 bounds of JFFC over those chains, as a reference
+of what the placement could support; ``c`` is None for PETALS and BPRR's target concurrency R for
+BPRR. ``baseline`` (BaselineOptions) carries the baselines' optional knobs (the paper authors'
+simulator choices); the Plan keeps it so that make_plan_dispatcher builds the matching router.
 """
 from __future__ import annotations
 
@@ -22,20 +16,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from orchestrator.baselines.bprr import BprrRouter, bprr_placement, bprr_target_concurrency
 from orchestrator.baselines.options import BaselineOptions
-from orchestrator.baselines.jffc_only import jffc_only_chains, jffc_only_placement
-from orchestrator.baselines.petals import PetalsRouter, petals_placement
 from orchestrator.baselines.request_router import PerRequestRouter
 from orchestrator.bounds import ResponseTimeBounds, theorem37_bounds
-from orchestrator.cache_gca import gca
-from orchestrator.dispatch import Dispatcher, make_dispatcher
+from orchestrator.dispatch import Dispatcher
 from orchestrator.model import ChainSpec, Cluster, InfeasibleClusterError, Placement, total_service_rate_per_s
-from orchestrator.placement_gbp_cr import max_capacity
-from orchestrator.placement_leftover import place_leftover
-from orchestrator.tuning import TUNINGS, TuningRow, evaluate_c, tune_c
+from orchestrator.policies import POLICY_NAMES, PlacementRequest, get_policy
+from orchestrator.tuning import TUNINGS, TuningRow
 
-POLICIES: tuple[str, ...] = ("proposed", "petals", "bprr", "jffc-only")
+POLICIES: tuple[str, ...] = POLICY_NAMES  # the registry's names (orchestrator.policies)
 
 
 @dataclass(frozen=True)
@@ -56,38 +45,14 @@ class Plan:
 def plan(cluster: Cluster, policy: str = "proposed", c: int | None = None, tuning: str = "lower",
          baseline: BaselineOptions | None = None, leftover: bool = False) -> Plan:
     """Placement + chains + bounds for ``cluster`` under ``policy`` (see module docstring)."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+    spec = get_policy(policy)
     if tuning not in TUNINGS:
         raise ValueError(f"unknown tuning {tuning!r}; choose one of {TUNINGS}")
-    if policy == "proposed":
-        if c is None:
-            cand, table = tune_c(cluster, tuning)
-            table = tuple(table)
-        else:
-            if c < 1:
-                raise ValueError(f"c must be >= 1, got {c}")
-            cand = evaluate_c(cluster, c)
-            if cand is None:
-                raise InfeasibleClusterError(f"with c={c} GBP-CR forms no complete chain (c_max = {max_capacity(cluster)}); "
-                                             "lower c, or add servers or memory")
-            table = (cand.row,)
-        placement, chains, placed = cand.gbp.placement, cand.gca.chains, ()
-        if leftover:
-            lo = place_leftover(cluster, placement, cand.row.c, cand.gca)
-            placement, chains, placed = lo.placement, lo.gca.chains, lo.placed
-        p = _finish(cluster, policy, cand.row.c, placement, chains, tuning if c is None else None, table)
-        return replace(p, leftover_servers=placed)
-    if policy == "jffc-only":
-        placement = jffc_only_placement(cluster)
-        return _finish(cluster, policy, None, placement, tuple(jffc_only_chains(cluster, placement)), None, ())
     opts = baseline or BaselineOptions()
-    if policy == "petals":
-        placement = petals_placement(cluster, max_blocks=opts.petals_max_blocks)
-        return _finish(cluster, policy, None, placement, gca(cluster, placement).chains, None, (), opts)
-    r = bprr_target_concurrency(cluster)
-    placement = bprr_placement(cluster, r)
-    return _finish(cluster, policy, r, placement, gca(cluster, placement).chains, None, (), opts)
+    placed = spec.place(cluster, PlacementRequest(c if spec.tunes_c else None, tuning, leftover and spec.tunes_c, opts))
+    p = _finish(cluster, policy, placed.c, placed.placement, placed.chains, placed.tuning, placed.table,
+                opts if spec.per_request else BaselineOptions())
+    return replace(p, leftover_servers=placed.leftover_servers)
 
 
 def _finish(cluster, policy, c, placement, chains, tuning, table, baseline=BaselineOptions()) -> Plan:
@@ -105,21 +70,15 @@ def make_baseline_router(policy: str, cluster: Cluster, placement: Placement,
                          rng: np.random.Generator | None = None,
                          options: BaselineOptions | None = None) -> PerRequestRouter:
     """Per-request router for "petals" or "bprr" (a Dispatcher; ``route(chain_id)`` gives the
-    ChainSpec of a Start). ``rng`` is accepted for a uniform signature; both routers are
-    deterministic."""
-    o = options or BaselineOptions()
-    if policy == "petals":
-        return PetalsRouter(cluster, placement, fixed_cache_per_block=o.petals_fixed_cache_per_block,
-                            commit_at_arrival=o.commit_at_arrival)
-    if policy == "bprr":
-        return BprrRouter(cluster, placement, wait=o.bprr_wait, commit_at_arrival=o.commit_at_arrival)
-    raise ValueError(f"no per-request router for policy {policy!r} (use 'petals' or 'bprr')")
+    ChainSpec of a Start). Both routers are deterministic."""
+    spec = get_policy(policy)
+    if not spec.per_request:
+        raise ValueError(f"no per-request router for policy {policy!r} (use 'petals' or 'bprr')")
+    return spec.dispatcher(cluster, placement, (), rng, baseline=options)
 
 
 def make_plan_dispatcher(plan_: Plan, cluster: Cluster, rng: np.random.Generator | None = None,
                          dispatch: str = "jffc") -> Dispatcher:
-    """The dispatcher a policy runs with: JFFC (or ``dispatch``) over the plan's chains for
-    "proposed" and "jffc-only"; the per-request router for "petals" and "bprr"."""
-    if plan_.policy in ("petals", "bprr"):
-        return make_baseline_router(plan_.policy, cluster, plan_.placement, rng, plan_.baseline)
-    return make_dispatcher(dispatch, plan_.chains, rng)
+    """The dispatcher a policy runs with (the registry's): JFFC (or ``dispatch``) over the plan's chains
+    for "proposed" and "jffc-only"; the per-request router for "petals" and "bprr"."""
+    return get_policy(plan_.policy).dispatcher(cluster, plan_.placement, plan_.chains, rng, dispatch, plan_.baseline)

@@ -19,6 +19,11 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
            "Photosynthesis is", "The three primary colors are", "A good cup of coffee"]
 
 
+def get_policy_names() -> tuple[str, ...]:
+    from orchestrator.policies import POLICY_NAMES  # the registry (planner, simulator, service read it too)
+    return POLICY_NAMES
+
+
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.load(r)
@@ -31,7 +36,7 @@ def main(argv: list[str]) -> int:
                    help=f"comma-separated memory budgets, one server each (default {DEFAULT_BUDGETS})")
     p.add_argument("--servers", type=int, default=None,
                    help="number of servers (budgets cycle through --budgets; default: one per budget)")
-    p.add_argument("--policy", default="proposed", choices=["proposed", "petals", "bprr", "jffc-only"])
+    p.add_argument("--policy", default="proposed", choices=get_policy_names())
     p.add_argument("--c", default="3", help="cache reservation c for the proposed policy: auto or N (default 3)")
     p.add_argument("--sessions", type=int, default=8, help="concurrent sessions after the chat (default 8)")
     p.add_argument("--session-tokens", type=int, default=12, help="tokens each concurrent session generates")
@@ -105,7 +110,8 @@ def main(argv: list[str]) -> int:
             print(f"\nchain: {chain}\n{new_tokens} tokens in {elapsed_s:.2f} s: {new_tokens / elapsed_s:.1f} tokens/s")
 
             if args.sessions:
-                routed = args.policy in ("petals", "bprr")
+                from orchestrator.policies import get_policy
+                routed = get_policy(args.policy).per_request
                 capacity = ("routes chosen per request" if routed else
                             f"total capacity {sum(k['capacity'] for k in status['chains'])}")
                 print(f"\n{args.sessions} concurrent sessions, {args.session_tokens} tokens each ({capacity}):",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from orchestrator.service.dispatch_state import DispatchState
+from orchestrator.service.sessions import Sessions
 from petals_chain.messages import Hop
 
 
@@ -18,7 +18,7 @@ def chains():
 
 @pytest.mark.parametrize("queue", ["fifo", "fair"])
 def test_flooder_cannot_starve_a_light_client(queue):
-    ds = DispatchState(lease_ttl_s=1e9, queue=queue)
+    ds = Sessions(lease_ttl_s=1e9, queue=queue)
     ds.install_chains(chains(), 1, 0.0)
     running = []
     for i in range(20):  # the flooder: 20 sessions, 3 get slots, 17 wait
@@ -47,7 +47,7 @@ def test_flooder_cannot_starve_a_light_client(queue):
                               st.integers(1, 500), st.integers(1, 64)), min_size=1, max_size=80))
 def test_fair_queue_keeps_jffc_invariants_and_serves_least_served_client(ops):
     assume(any(op == "release" for op, *_ in ops))
-    ds = DispatchState(lease_ttl_s=1e9, queue="fair")
+    ds = Sessions(lease_ttl_s=1e9, queue="fair")
     ds.install_chains(chains(), 1, 0.0)
     charge = ds.w_in * ds.expected_tokens[0] + ds.w_out * ds.expected_tokens[1]
     leases: list[str] = []
@@ -80,7 +80,7 @@ def test_fair_with_one_client_is_fifo_jffc(ops):
     """With a single client the fair queue makes exactly the FIFO queue's grants (JFFC)."""
     runs = {}
     for queue in ("fifo", "fair"):
-        ds = DispatchState(lease_ttl_s=1e9, queue=queue)
+        ds = Sessions(lease_ttl_s=1e9, queue=queue)
         ds.install_chains(chains(), 1, 0.0)
         leases, log = [], []
         for k, op in enumerate(ops):
@@ -105,4 +105,4 @@ def test_orchestrator_cli_queue_flag():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--initial-peers", "x", "--queue", "lifo"])
     with pytest.raises(ValueError):
-        DispatchState(queue="lifo")
+        Sessions(queue="lifo")

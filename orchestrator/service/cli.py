@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 
+from orchestrator.dispatch import DISPATCHERS
 from orchestrator.planner import POLICIES
 from orchestrator.tuning import TUNINGS
 from orchestrator.cli_args import parse_c, positive_float
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replan-period", type=float, default=60.0, help="slow time scale: seconds between re-plans")
     p.add_argument("--force-replan", action="store_true", help="re-planning may move servers that hold live sessions")
     p.add_argument("--lease-ttl", type=positive_float, default=15.0, help="seconds a session lease lives without a heartbeat")
+    p.add_argument("--dispatch", choices=sorted(DISPATCHERS), default="jffc",
+                   help="dispatcher over the chains of proposed / jffc-only (orchestrator.dispatch; the simulator's "
+                        "--dispatch): jffc (the paper) or jsq, jiq, sed, sa-jsq (a FIFO queue per chain)")
     p.add_argument("--queue", choices=["fifo", "fair"], default="fifo",
                    help="central queue order when no chain has a free slot: fifo (JFFC as in the paper) or fair "
                         "(the waiting session whose client received the least service goes first: VTC counters)")
@@ -56,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.queue == "fair" and args.dispatch != "jffc":
+        print("petals-chain orchestrator: --queue fair orders JFFC's central queue; use it with --dispatch jffc",
+              file=sys.stderr)
+        return 2
     if not 0 < args.rho < 1:
         print("petals-chain orchestrator: --rho must lie in (0, 1)", file=sys.stderr)
         return 2
@@ -82,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
         per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3,
         expected_servers=args.expected_servers, expected_wait_s=args.expected_wait, settle_s=args.settle, replan_period_s=args.replan_period,
-        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, identity_path=args.identity_path,
+        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, identity_path=args.identity_path,
         allowed_peers=allowed_peers))
     http = None
     if args.http_port >= 0:

@@ -3,12 +3,12 @@ announce themselves, installs chains once they are online, and dispatches sessio
 
 Threads: hivemind's DHT; a `BackgroundLoop` that runs the RPC handlers; a control thread (once a
 `tick_s`) that reads server records from the DHT, measures RTTs, expires leases, drops lost
-servers, plans and installs. All shared state is guarded by `self.lock`; grants for sessions that
-wait in an RPC are delivered to their futures on the loop.
+servers, plans and installs. All shared state is guarded by `self.lock`, which the sessions'
+owner (`orchestrator.service.sessions.Sessions`: leases, waiting sessions, grants not yet picked up)
+shares; a grant wakes the poll that waits for it.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import threading
@@ -20,7 +20,8 @@ from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
-from orchestrator.service.dispatch_state import DispatchState
+from orchestrator.policies import get_policy
+from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
 from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, build_cluster, cluster_to_dict,
@@ -28,7 +29,7 @@ from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, b
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
-from petals_chain.messages import Assignment, AssignmentStatus, ChainGrant, Hop
+from petals_chain.messages import Assignment, AssignmentStatus, Hop
 from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
 from petals_chain.wire import ServerState
 from petals_chain.swarm_identity import SwarmIdentity
@@ -62,6 +63,7 @@ class OrchestratorConfig:
     force_replan: bool = False  # move servers that hold live sessions too
     lease_ttl_s: float = 15.0
     queue: str = "fifo"  # central queue order: fifo (JFFC, the paper) or fair (VTC counters per client)
+    dispatch: str = "jffc"  # chain dispatcher (orchestrator.dispatch) for policies over static chains
     max_acquire_timeout_s: float = 600.0
     rtt_probes: int = 5
     announce_period_s: float = 2.0
@@ -112,14 +114,14 @@ class Orchestrator:
         self.records: dict[str, ServerRecord] = {}
         self.lengths = LengthEstimator(SessionShape(config.mean_input_tokens, config.mean_output_tokens))
         self.overheads = Overheads(config.per_block_overhead_s, config.per_step_overhead_s)
-        self.ds = DispatchState(lease_ttl_s=config.lease_ttl_s, queue=config.queue)
-        self.ds.expected_tokens = (config.mean_input_tokens, config.mean_output_tokens)
+        self.policy = get_policy(config.policy)
+        # one lock: the sessions' owner shares it, so the plan and the sessions change together
+        self.sessions = Sessions(lease_ttl_s=config.lease_ttl_s, queue=config.queue, lock=self.lock)
+        self.sessions.expected_tokens = (config.mean_input_tokens, config.mean_output_tokens)
         self.current: PlanState | None = None  # the plan servers are loading / running
         self.plan_error: str | None = None
         self.last_change_s = self.clock()
         self.known_changed = False  # server set differs from the one of the current plan
-        self.waiters: dict[str, asyncio.Future] = {}
-        self.delivered: dict[str, tuple[ChainGrant, float]] = {}  # session -> (grant, when), until its client polls
         self._rtt_tried: dict[str, float] = {}
         self.first_registration_s = math.inf
         self.events: list[str] = []
@@ -200,25 +202,14 @@ class Orchestrator:
         if lost:
             self.drop_servers(lost, now, why="left the DHT")
         with self.lock:
-            expired, grants = self.ds.expire(now)
-            grants += self._safety_timeouts(now)
+            expired, _ = self.sessions.expire(now)
+            # waiters whose client vanished mid-wait: no RPC polls them any more
+            self.sessions.timeouts(now - 5.0)
+            self.sessions.abandoned(now, UNPICKED_GRANT_TTL_S)
         for sid in expired:
             self.log_event(f"lease of session {sid[:8]} expired (no heartbeat): slot returned")
-        self.deliver(grants)
         self._maybe_plan(now)
         self._maybe_install(now)
-
-    def _safety_timeouts(self, now: float) -> list[ChainGrant]:
-        """Waiters whose client vanished mid-wait (no RPC polls their future any more)."""
-        from orchestrator.service.rpc import MAX_POLL_S
-        with self.lock:
-            for sid in [sid for sid, (_, t) in self.delivered.items() if now - t > 2 * MAX_POLL_S + 5.0]:
-                del self.delivered[sid]  # never polled again: its lease expires without heartbeats
-        for sid in self.ds.timeouts(now - 5.0) + self.ds.abandoned(now, 2 * MAX_POLL_S + 5.0):
-            fut = self.waiters.pop(sid, None)
-            if fut is not None:
-                fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
-        return []
 
     def measure_rtt(self, peer_id: str) -> float | None:
         """Median round trip of rpc_info to the server (None when it does not answer)."""
@@ -233,16 +224,14 @@ class Orchestrator:
                 del self.records[p]
             if not gone:
                 return
-            dropped = self.ds.drop_servers(set(gone))
+            dropped, _ = self.sessions.drop_servers(set(gone), now)
             self.last_change_s = now
             self.known_changed = True
             cur = self.current
-            grants: list[ChainGrant] = []
-            if cur is not None and cur.installed and self.ds.mode == "router":
-                grants = self._install_router(cur, now, exclude=set(gone))
+            if cur is not None and cur.installed and self.sessions.mode == "router":
+                self._install_router(cur, now, exclude=set(gone))
         for p in gone:
             self.log_event(f"server {p[-8:]} {why}: its chains are gone; {len(dropped)} session(s) must fail over")
-        self.deliver(grants)
 
     # -- planning ------------------------------------------------------------------------------
     def _maybe_plan(self, now: float) -> None:
@@ -282,20 +271,21 @@ class Orchestrator:
         try:
             cluster, peers = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
                                            cfg.rho_bar, self.overheads)
-            result = run_plan(cluster, cfg.policy, c=cfg.c if cfg.policy == "proposed" else None, tuning=cfg.tuning,
-                              leftover=cfg.leftover_placement and cfg.policy == "proposed")
+            result = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
         except ValueError as e:  # InvalidClusterError / InfeasibleClusterError
             if self.plan_error != str(e):
                 self.log_event(f"cannot plan yet: {e}")
             self.plan_error = str(e)
+            self.sessions.no_chain_reason = str(e) if self.current is None else None
             self.known_changed = False
             return
         self.plan_error = None
+        self.sessions.no_chain_reason = None
         held = {}
         for p in peers:
             info = self.records[p].info
             if info.has_blocks:
-                busy = bool(self.ds.sessions_on(p) or info.active_sessions)
+                busy = bool(self.sessions.sessions_on(p) or info.active_sessions)
                 held[p] = HeldRange(info.start, info.end, fixed=not info.extra.get("auto", False), busy=busy)
         ranges, pinned = keep_held_ranges(list(result.placement.ranges), peers, held, force=cfg.force_replan)
         pinned = [self.records[p].info.name or p[-8:] for p in pinned]
@@ -314,7 +304,7 @@ class Orchestrator:
                                                          (placement.ranges[peers.index(p)].start,
                                                           placement.ranges[peers.index(p)].end))}
             if moving:
-                self.ds.drop_servers(moving)
+                self.sessions.drop_servers(moving, now)
         self.current = PlanState(version, result, cluster, peers, placement, chains, created_s=now)
         self.known_changed = False
         desc = ", ".join(f"{self.records[p].info.name or p[-8:]}=[{r.start},{r.end})" if r else
@@ -335,22 +325,21 @@ class Orchestrator:
                 if rec is None or rec.info.state != ServerState.ONLINE or (rec.info.start, rec.info.end) != want:
                     return
             cur.installed = True
-            if cur.plan.policy in ("petals", "bprr"):
-                grants = self._install_router(cur, now)
+            if self.policy.per_request:
+                self._install_router(cur, now)
             else:
                 max_len = {p: self.records[p].info.max_length_tokens for p in cur.peers}
                 specs = []
                 for k in cur.chains:
                     hops = tuple(Hop(cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
                     specs.append((hops, k.capacity, k.service_time_s, min(max_len[h.peer_id] for h in hops)))
-                grants = self.ds.install_chains(specs, cur.version, now)
-            chains = self.ds.chain_views()
+                self.sessions.install_chains(specs, cur.version, now, dispatch=self.config.dispatch)
+            chains = self.sessions.chain_views()
         self.log_event(f"plan v{cur.version} online: {len(chains)} chain(s) installed: " + "; ".join(
             f"{'->'.join(self.name_of(p) for p in ch['servers'])} cap {ch['capacity']} T={ch['service_time']:.3f}s"
             for ch in chains if ch["dispatchable"]))
-        self.deliver(grants)
 
-    def _install_router(self, cur: PlanState, now: float, exclude: set[str] = frozenset()) -> list[ChainGrant]:
+    def _install_router(self, cur: PlanState, now: float, exclude: set[str] = frozenset()) -> None:
         """Router mode: a per-request router over the plan's placement, without lost servers."""
         keep = [j for j, p in enumerate(cur.peers) if p not in exclude and p in self.records]
         cluster = Cluster(cur.cluster.service, tuple(cur.cluster.servers[j] for j in keep),
@@ -361,27 +350,22 @@ class Orchestrator:
             router = make_baseline_router(cur.plan.policy, cluster, placement)
         except ValueError as e:
             self.log_event(f"no route left over the surviving servers: {e}")
-            self.ds._retire_all()
-            return []
+            self.sessions.install_chains([], cur.version, now)  # the old routes drain; sessions wait
+            return
         max_len = {p: self.records[p].info.max_length_tokens for p in peers}
-        return self.ds.install_router(router, peers, max_len, cur.version, now)
+        self.sessions.install_router(router, peers, max_len, cur.version, now)
 
-    # -- dispatch helpers (called from RPC handlers on the loop) -------------------------------
-    def deliver(self, grants: list[ChainGrant]) -> None:
+    # -- called from RPC handlers on the loop ---------------------------------------------------
+    def release(self, session_id: str, input_tokens: int, output_tokens: int) -> bool:
+        """A session ended: its slot frees; its lengths update the expected ones. Returns whether it held a lease."""
         with self.lock:
-            for g in grants:
-                fut = self.waiters.get(g.session_id)
-                if fut is None:
-                    continue  # its client stopped polling: the lease expires without heartbeats
-                # Why also `delivered`: the future is resolved later on the event loop; a poll that
-                # runs before that finds the session neither waiting nor resolved.
-                self.delivered[g.session_id] = (g, self.clock())
-                fut.get_loop().call_soon_threadsafe(lambda f=fut, g=g: f.done() or f.set_result(g))
-
-    def take_delivered(self, session_id: str) -> ChainGrant | None:
-        """A grant delivered to a waiter whose future may not be resolved yet (call under the lock)."""
-        entry = self.delivered.pop(session_id, None)
-        return None if entry is None else entry[0]
+            known = session_id in self.sessions.leases
+            self.sessions.release(session_id, self.clock(), input_tokens=input_tokens, output_tokens=output_tokens)
+            if known:
+                self.lengths.observe(input_tokens, output_tokens)
+                shape = self.lengths.shape
+                self.sessions.expected_tokens = (shape.mean_input_tokens, shape.mean_output_tokens)
+            return known
 
     def name_of(self, peer_id: str) -> str:
         rec = self.records.get(peer_id)
@@ -419,13 +403,13 @@ class Orchestrator:
                 "plan_version": cur.version if cur else 0, "plan_installed": bool(cur and cur.installed),
                 "c": cur.plan.c if cur else None, "plan_error": self.plan_error,
                 "num_blocks": self.config.num_blocks, "servers": servers,
-                "chains": self.ds.chain_views(), "queue_length": self.ds.queue_length,
-                "queue_order": self.ds.queue_order, "sessions": len(self.ds.leases),
+                "chains": self.sessions.chain_views(), "queue_length": self.sessions.queue_length,
+                "queue_order": self.sessions.queue_order, "sessions": len(self.sessions.leases),
                 "expected_lengths": {"input_tokens": shape.mean_input_tokens, "output_tokens": shape.mean_output_tokens,
                                      "finished_sessions": self.lengths.sessions},
-                "metrics": {"admitted": self.ds.metrics.admitted, "released": self.ds.metrics.released,
-                            "expired": self.ds.metrics.expired, "timed_out": self.ds.metrics.timed_out,
-                            "dropped": self.ds.metrics.dropped},
+                "metrics": {"admitted": self.sessions.metrics.admitted, "released": self.sessions.metrics.released,
+                            "expired": self.sessions.metrics.expired, "timed_out": self.sessions.metrics.timed_out,
+                            "dropped": self.sessions.metrics.dropped},
                 "events": list(self.events[-15:]),
             }
 

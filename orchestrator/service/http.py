@@ -14,7 +14,7 @@ import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from orchestrator.service.dispatch_state import WAIT_BUCKETS_S
+from orchestrator.service.sessions import WAIT_BUCKETS_S
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 
 def metrics_text(orch) -> str:
     with orch.lock:
-        ds = orch.ds
+        ds = orch.sessions
         m = ds.metrics
         chains = ds.chain_views()
         version = orch.current.version if orch.current else 0

@@ -131,6 +131,7 @@ def _workload(args, cluster, rng):
 
 def run(args) -> dict:
     from orchestrator.planner import plan
+    from orchestrator.policies import get_policy
     from orchestrator.sim.policy_runs import simulate_plan
 
     from orchestrator.sim.authors_setup import AUTHORS_JOBS_PER_RUN
@@ -142,8 +143,7 @@ def run(args) -> dict:
     short = inst is not None and inst.authors.short_runs
     if short:  # the authors' 300 jobs from an empty system, all counted
         args.jobs = AUTHORS_JOBS_PER_RUN
-    c = args.c if args.policy == "proposed" else None
-    p = plan(cluster, policy=args.policy, c=c, tuning=args.tuning, baseline=opts)
+    p = plan(cluster, policy=args.policy, c=args.c, tuning=args.tuning, baseline=opts)
     arrivals, sizes = _workload(args, cluster, np.random.default_rng([args.seed, 2]))
     t0 = time.perf_counter()
     res = simulate_plan(p, cluster, arrivals, sizes, dispatch=args.dispatch, rng=np.random.default_rng([args.seed, 3]),
@@ -156,7 +156,7 @@ def run(args) -> dict:
     out = {
         **meta,
         "policy": args.policy,
-        "dispatch": args.dispatch if args.policy in ("proposed", "jffc-only") else args.policy,
+        "dispatch": args.policy if get_policy(args.policy).per_request else args.dispatch,
         "c": p.c,
         "arrival_rate": cluster.arrival_rate_per_s,
         "workload": args.workload,

@@ -1,0 +1,151 @@
+"""The calibrated service model: what the live swarm measures, fitted per server. Pure (time passed in).
+
+Servers report each batch they ran (`petals_chain.wire.BatchService`: wall and CPU seconds, sessions,
+and block-tokens of prefill and of decode). The orchestrator fits per server, over a sliding window,
+
+    wall_s = t_o + t_I * prefill_block_tokens + t_O * decode_block_tokens
+
+(footnote 11's model with t_o per step and server, not per block: a step pays its framework cost
+once, whatever its blocks), robustly: least absolute deviations by iteratively reweighted least
+squares, so a batch slowed by a neighbour's burst or a GC pause does not move the fit. Clients report
+on release each hop's network time per step (client time - server time); minus the RTT the
+orchestrator measured, it is the per-hop framework cost (p2pd both ways, framing, thread hops) that
+an rpc_info ping does not see. Both go into tau_c (`tau_c = l_out (RTT + hop cost + t_o)`).
+
+`ReplanTrigger` decides when the fitted model moved the plan enough to re-plan: the planned total
+rate or c* differs from the installed plan's by more than `enter` (relative) continuously for
+`hold_s`, at most once per `min_interval_s`; it re-arms only after the difference fell below `exit`
+or a re-plan took the new model in (hysteresis).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import nnls
+
+
+@dataclass(frozen=True)
+class ServiceFit:
+    t_I_s: float  # prefill seconds per token per block
+    t_O_s: float  # decode seconds per token per block
+    t_o_s: float  # seconds per step (per batch) on this server, whatever its blocks
+    samples: int
+    median_abs_rel_residual: float  # how well the line describes the window
+
+
+def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations: int = 30) -> ServiceFit | None:
+    """Least-absolute-deviation fit of wall = t_o + t_I P + t_O D with t_o, t_I, t_O >= 0.
+    None when the window cannot separate the three (no decode batch, or fewer than 3 batches)."""
+    p = np.asarray(prefill_block_tokens, dtype=float)
+    d = np.asarray(decode_block_tokens, dtype=float)
+    y = np.asarray(wall_s, dtype=float)
+    ok = np.isfinite(p) & np.isfinite(d) & np.isfinite(y) & (y > 0) & (p + d > 0)
+    p, d, y = p[ok], d[ok], y[ok]
+    if len(y) < 3 or not (d > 0).any():
+        return None
+    cols = [np.ones_like(y), p, d]
+    use = [0, 1, 2] if (p > 0).any() else [0, 2]  # without prefill batches t_I is unknown: left at 0
+    X = np.stack([cols[i] for i in use], axis=1)
+    # scale columns so the weights of the IRLS do not depend on units
+    scale = np.maximum(np.abs(X).max(axis=0), 1e-12)
+    Xs = X / scale
+    w = np.ones_like(y)
+    floor = 1e-6 * max(float(np.median(y)), 1e-12)
+    for _ in range(iterations):  # L1 by IRLS; each step a non-negative weighted least squares
+        sw = np.sqrt(w)
+        beta, _ = nnls(Xs * sw[:, None], y * sw)
+        w = 1.0 / np.maximum(np.abs(y - Xs @ beta), floor)
+    coef = dict(zip(use, beta / scale))
+    pred = X @ (beta / scale)
+    rel = np.abs(y - pred) / y
+    return ServiceFit(t_I_s=float(coef.get(1, 0.0)), t_O_s=float(coef.get(2, 0.0)), t_o_s=float(coef.get(0, 0.0)),
+                      samples=int(len(y)), median_abs_rel_residual=float(np.median(rel)))
+
+
+class ServiceWindow:
+    """One server's recent batches and hop costs (sliding windows) and its fit."""
+
+    def __init__(self, max_batches: int = 256, max_hops: int = 256, min_batches: int = 20):
+        self.batches: deque[tuple[float, float, float]] = deque(maxlen=max_batches)  # (P, D, wall_s)
+        self.cpu: deque[tuple[float, float]] = deque(maxlen=max_batches)  # (wall_s, cpu_s)
+        self.hop_cost_s: deque[float] = deque(maxlen=max_hops)
+        self.min_batches = min_batches
+        self.last_seq = -1
+
+    def add_batch(self, seq: int, prefill_block_tokens: float, decode_block_tokens: float, wall_s: float,
+                  cpu_s: float) -> None:
+        if seq <= self.last_seq:
+            return  # seen already (the server's records are read by cursor; a restart resets it)
+        self.last_seq = seq
+        self.batches.append((float(prefill_block_tokens), float(decode_block_tokens), float(wall_s)))
+        self.cpu.append((float(wall_s), float(cpu_s)))
+
+    def add_hop(self, comm_per_step_s: float, rtt_s: float) -> None:
+        """A finished session's network time per step with this server; the part beyond the RTT."""
+        if math.isfinite(comm_per_step_s) and comm_per_step_s >= 0:
+            self.hop_cost_s.append(max(0.0, comm_per_step_s - rtt_s))
+
+    def fit(self) -> ServiceFit | None:
+        if len(self.batches) < self.min_batches:
+            return None
+        p, d, y = zip(*self.batches)
+        return fit_service(p, d, y)
+
+    @property
+    def hop_cost(self) -> float | None:
+        """Median per-hop framework cost per step (None: no session reported yet)."""
+        return float(np.median(self.hop_cost_s)) if self.hop_cost_s else None
+
+    @property
+    def cpu_per_wall(self) -> float | None:
+        """CPU seconds per wall second of the window's batches (how much of a core a batch took)."""
+        wall = sum(w for w, _ in self.cpu)
+        return sum(c for _, c in self.cpu) / wall if wall > 0 else None
+
+
+def relative_change(new: float, old: float) -> float:
+    if old == new:
+        return 0.0
+    if not (math.isfinite(new) and math.isfinite(old)) or old == 0:
+        return math.inf
+    return abs(new / old - 1.0)
+
+
+class ReplanTrigger:
+    """Hysteresis over the planned (rate, c*) from the calibrated model vs the installed plan's."""
+
+    def __init__(self, enter: float = 0.2, exit: float = 0.1, hold_s: float = 30.0, min_interval_s: float = 120.0):
+        if not 0 <= exit < enter:
+            raise ValueError(f"hysteresis needs 0 <= exit < enter, got exit={exit}, enter={enter}")
+        self.enter, self.exit, self.hold_s, self.min_interval_s = enter, exit, hold_s, min_interval_s
+        self.reference: tuple[float, int | None] | None = None  # (rate, c) of the installed plan
+        self.planned_s = -math.inf
+        self.since_s: float | None = None  # when the difference first exceeded `enter`
+
+    def planned(self, rate_per_s: float, c: int | None, now_s: float) -> None:
+        """A plan was made with the current model: it is the new reference."""
+        self.reference = (rate_per_s, c)
+        self.planned_s = now_s
+        self.since_s = None
+
+    def difference(self, rate_per_s: float, c: int | None) -> float:
+        if self.reference is None:
+            return 0.0
+        ref_rate, ref_c = self.reference
+        dc = 0.0 if c == ref_c else (math.inf if c is None or ref_c is None else relative_change(c, ref_c))
+        return max(relative_change(rate_per_s, ref_rate), dc)
+
+    def observe(self, rate_per_s: float, c: int | None, now_s: float) -> bool:
+        """The calibrated model's plan now would have (rate, c): True when a re-plan is due."""
+        diff = self.difference(rate_per_s, c)
+        if diff <= self.exit:
+            self.since_s = None
+            return False
+        if diff <= self.enter:
+            return False  # between the thresholds: keep the state (armed stays armed, idle stays idle)
+        if self.since_s is None:
+            self.since_s = now_s
+        return now_s - self.since_s >= self.hold_s and now_s - self.planned_s >= self.min_interval_s

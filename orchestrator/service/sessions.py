@@ -1,0 +1,554 @@
+"""The one owner of the live sessions: leases, the waiting sessions, the grants not yet picked up by
+their client, and the installed plan's dispatcher, all under one lock (`Sessions.lock`).
+
+Decisions are not made here: the plan's dispatcher (orchestrator.dispatch, via the policy registry
+orchestrator.policies) decides which waiting session starts on which chain, exactly as in the
+simulator; this class maps its job ids to sessions and its chain ids to live hops. So the same
+event sequence gives the simulator and the service the same decisions (tests/test_one_dispatch_core.py).
+
+- a session asks (`acquire`): it becomes a job of the dispatcher, with the chains it may use (it
+  may exclude servers after a failure, and ask for a max_length some chains do not accept);
+- a grant is recorded once, here, when the dispatcher starts the job: the lease, and the grant
+  waiting for its client's next poll (`poll` returns it; a poll that waits is woken);
+- a session ends (`release`), its lease expires without heartbeats (`expire`), or its server is
+  lost (`drop_servers`): the dispatcher hears of the completion and starts the next jobs.
+- a new plan (`install`): a new dispatcher; chains of the earlier plan keep their sessions and
+  drain (they take no new session); the waiting sessions are offered to the new dispatcher in their
+  queue order.
+
+Queue order (`queue`): `fifo` (the paper's JFFC, the default) serves waiters in arrival order;
+`fair` serves first the waiter whose client has received the least service: a VTC counter per
+client (papers/vtc-fairness-in-serving-llms.txt, Algorithm 2) charged `w_in * l_in + w_out * l_out`
+of the expected lengths when a session is granted and corrected by the lengths its client reports
+at release; a client that starts waiting is lifted to the smallest counter among waiting clients,
+so idle time earns no credit. Ties go to the client holding fewer slots, then by arrival.
+
+Pure apart from the lock and the wake-up of waiting polls: every call takes `now_s`.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from orchestrator.dispatch import Dispatcher, Start, make_dispatcher
+from orchestrator.model import BlockInterval, ChainSpec
+from petals_chain.errors import AcquireTimeoutError, MaxLengthExceededError, NoChainError
+from petals_chain.messages import ChainGrant, Hop
+
+WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+QUEUE_ORDERS = ("fifo", "fair")
+MAX_POLL_S = 10.0
+UNPICKED_GRANT_TTL_S = 2 * MAX_POLL_S + 5.0  # a grant no poll collected this long: its client is gone
+
+
+@dataclass
+class LiveChain:
+    chain_id: int
+    hops: tuple[Hop, ...]  # in block order
+    capacity: int
+    service_time_s: float
+    max_length_tokens: int = 1 << 30
+    in_use: int = 0
+    dispatchable: bool = True  # False: from an earlier plan (or lost), kept until its sessions end
+    index: int | None = None  # the dispatcher's chain id (static chains) or route id (per-request)
+    route: bool = False  # a per-request route: capacity is what the router's free slots allow
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(h.peer_id for h in self.hops)
+
+
+@dataclass
+class Lease:
+    session_id: str
+    client_id: str
+    chain_id: int
+    granted_s: float
+    expires_s: float
+    wait_s: float
+    job_id: int = -1  # -1: not a job of the current dispatcher (an earlier plan's session)
+    charged: float = 0.0  # fair queue: what the client's counter was charged at the grant
+
+
+@dataclass
+class Waiter:
+    session_id: str
+    client_id: str
+    max_length: int
+    exclude: frozenset[str]
+    arrived_s: float
+    deadline_s: float
+    job_id: int = -1
+    last_seen_s: float = 0.0  # last time its client polled (a client that stops polling is gone)
+
+
+@dataclass
+class Metrics:
+    admitted: int = 0
+    released: int = 0
+    expired: int = 0
+    timed_out: int = 0
+    dropped: int = 0  # leases whose chain vanished (server lost)
+    wait_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS_S) + 1))
+    wait_sum_s: float = 0.0
+
+    def observe_wait(self, wait_s: float) -> None:
+        self.wait_sum_s += wait_s
+        for i, b in enumerate(WAIT_BUCKETS_S):
+            if wait_s <= b:
+                self.wait_bucket_counts[i] += 1
+                return
+        self.wait_bucket_counts[-1] += 1
+
+
+@dataclass(frozen=True)
+class Queued:
+    position: int
+    queue_length: int
+
+
+@dataclass
+class _Binding:
+    """What the installed dispatcher's chain ids mean on the live swarm."""
+    dispatcher: Dispatcher
+    per_request: bool
+    chains: list[tuple[tuple[Hop, ...], float, int]] = field(default_factory=list)  # static: index -> (hops, T, max_len)
+    peers: list[str] = field(default_factory=list)  # per-request: cluster index -> peer id
+    max_length: dict[str, int] = field(default_factory=dict)  # per-request: peer -> max_length
+
+
+def chain_specs(chains: list[tuple[tuple[Hop, ...], int, float, int]]) -> list[ChainSpec]:
+    """The dispatcher's view of live chains (hops, capacity, service time, max_length): only capacity
+    and service time matter to it."""
+    return [ChainSpec(tuple(range(len(h))), tuple(BlockInterval(x.start, x.end) for x in h), int(cap), float(t))
+            for h, cap, t, _ in chains]
+
+
+class Sessions:
+    def __init__(self, lease_ttl_s: float = 30.0, *, queue: str = "fifo", w_in: float = 1.0, w_out: float = 2.0,
+                 lock: threading.RLock | None = None):
+        if lease_ttl_s <= 0:
+            raise ValueError("lease_ttl_s must be positive")
+        if queue not in QUEUE_ORDERS:
+            raise ValueError(f"unknown queue order {queue!r}; choose one of {', '.join(QUEUE_ORDERS)}")
+        self.lock = lock if lock is not None else threading.RLock()
+        self.lease_ttl_s = lease_ttl_s
+        self.queue_order = queue
+        self.w_in, self.w_out = w_in, w_out
+        self.expected_tokens: tuple[float, float] = (64.0, 32.0)  # (l_in, l_out): the service keeps it current
+        self.client_service: dict[str, float] = {}  # fair queue: VTC counter per client
+        self.plan_version = 0
+        self.no_chain_reason: str | None = None  # set by the service when it cannot plan: acquire fails at once
+        self.chains: dict[int, LiveChain] = {}
+        self.leases: dict[str, Lease] = {}
+        self.queue: OrderedDict[str, Waiter] = OrderedDict()
+        self.metrics = Metrics()
+        self._binding: _Binding | None = None
+        self._live_of_index: dict[int, int] = {}  # dispatcher chain/route id -> live chain id
+        self._job_session: dict[int, str] = {}
+        self._unpicked: dict[str, tuple[ChainGrant, float]] = {}  # grants their client has not polled yet
+        self._wakers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+        self._next_chain_id = 0
+        self._next_job = 0
+
+    # -- installing plans ---------------------------------------------------------------------
+    def queue_order_key(self) -> Callable[[list[int]], list[int]] | None:
+        """The order a JFFC dispatcher serves its central queue in (None: FIFO)."""
+        return None if self.queue_order == "fifo" else self._fair_order
+
+    def install_chains(self, chains: list[tuple[tuple[Hop, ...], int, float, int]], plan_version: int, now_s: float,
+                       *, dispatch: str = "jffc", rng=None) -> list[ChainGrant]:
+        """Static chains: [(hops, capacity, service_time_s, max_length_tokens)] dispatched by `dispatch`
+        (orchestrator.dispatch). Returns grants to waiting sessions."""
+        chains = [c for c in chains if c[1] >= 1]
+        with self.lock:
+            if not chains:
+                self._retire_all()
+                self.plan_version = plan_version
+                return []
+            d = make_dispatcher(dispatch, chain_specs(chains), rng, self.queue_order_key())
+            return self.install(d, plan_version, now_s, chains=chains)
+
+    def install_router(self, router: Dispatcher, peer_ids: list[str], max_length_tokens: dict[str, int],
+                       plan_version: int, now_s: float) -> list[ChainGrant]:
+        """A per-request router (petals, bprr) over servers `peer_ids` (its cluster order)."""
+        return self.install(router, plan_version, now_s, peers=peer_ids, max_length=max_length_tokens)
+
+    def install(self, dispatcher: Dispatcher, plan_version: int, now_s: float, *,
+                chains: list[tuple[tuple[Hop, ...], int, float, int]] | None = None,
+                peers: list[str] | None = None, max_length: dict[str, int] | None = None) -> list[ChainGrant]:
+        """A new plan's dispatcher: over static `chains` (index-aligned with its chain list), or a
+        per-request router over `peers`. Earlier chains drain; waiting sessions are offered to it in
+        queue order."""
+        with self.lock:
+            self._retire_all()
+            self.plan_version = plan_version
+            if chains is not None:
+                b = _Binding(dispatcher, False, chains=[(tuple(h), float(t), int(m)) for h, _, t, m in chains])
+                for i, (h, cap, t, m) in enumerate(chains):
+                    cid = self._new_chain_id()
+                    self.chains[cid] = LiveChain(cid, tuple(h), int(cap), float(t), int(m), index=i)
+                    self._live_of_index[i] = cid
+            else:
+                b = _Binding(dispatcher, True, peers=list(peers or []), max_length=dict(max_length or {}))
+            self._binding = b
+            grants: list[ChainGrant] = []
+            for w in self._waiting_in_order():
+                if w.session_id in self.queue and self._can_dispatch(w):
+                    grants += self._arrive(w, now_s)
+            return grants
+
+    def _retire_all(self) -> None:
+        for cid in list(self.chains):
+            ch = self.chains[cid]
+            if ch.in_use == 0:
+                del self.chains[cid]
+            else:
+                ch.dispatchable = False
+                ch.capacity = ch.in_use  # drains: never takes a new session
+        for lease in self.leases.values():
+            lease.job_id = -1  # sessions of an earlier dispatcher are no longer its jobs
+        for w in self.queue.values():
+            w.job_id = -1
+        self._binding = None
+        self._live_of_index.clear()
+        self._job_session.clear()
+
+    def _new_chain_id(self) -> int:
+        self._next_chain_id += 1
+        return self._next_chain_id
+
+    @property
+    def mode(self) -> str:
+        b = self._binding
+        return "none" if b is None else ("router" if b.per_request else "chains")
+
+    # -- what a session may use ---------------------------------------------------------------
+    def _allowed(self, w: Waiter) -> frozenset[int] | None:
+        b = self._binding
+        if b is None or b.per_request:
+            return None  # a per-request route is computed over live slots; exclusions do not apply
+        ok = frozenset(i for i, (hops, _, max_len) in enumerate(b.chains)
+                       if max_len >= w.max_length and not (w.exclude & {h.peer_id for h in hops})
+                       and self.chains.get(self._live_of_index.get(i, -1)) is not None
+                       and self.chains[self._live_of_index[i]].dispatchable)
+        if not w.exclude and w.max_length <= min(m for _, _, m in b.chains) and len(ok) == len(b.chains):
+            return None  # every chain: the paper's unconstrained JFFC
+        return ok
+
+    def _can_dispatch(self, w: Waiter) -> bool:
+        allowed = self._allowed(w)
+        return allowed is None or bool(allowed)
+
+    def refuses_length(self, max_length: int) -> bool:
+        """True when sessions of `max_length` can never be granted by the installed chains: some chain
+        takes sessions now and none accepts that length. With no dispatchable chain (every chain lost a
+        server to churn, or all drain) nothing is known about lengths: the session queues for the next
+        plan instead of being refused with MaxLengthExceededError."""
+        with self.lock:
+            b = self._binding
+            if b is None or (not b.per_request and not any(c.dispatchable for c in self.chains.values())):
+                return False
+            return not self.fits_any(max_length)
+
+    def fits_any(self, max_length: int) -> bool:
+        with self.lock:
+            b = self._binding
+            if b is not None and b.per_request:
+                return bool(b.max_length) and all(v >= max_length for v in b.max_length.values())
+            return any(c.dispatchable and c.max_length_tokens >= max_length for c in self.chains.values())
+
+    # -- sessions -----------------------------------------------------------------------------
+    def acquire(self, session_id: str, client_id: str, max_length: int, now_s: float, *, timeout_s: float,
+                exclude: frozenset[str] = frozenset()) -> tuple[ChainGrant | None, list[ChainGrant]]:
+        """Grant `session_id` a chain now, or queue it (returns None). A session that already holds a
+        lease (failover) gives it back first; the grants of other sessions that this frees come second."""
+        with self.lock:
+            others: list[ChainGrant] = []
+            if session_id in self.leases:
+                others = self.release(session_id, now_s)
+            if session_id in self.queue:
+                raise ValueError(f"session {session_id!r} is already waiting")
+            w = Waiter(session_id, client_id, max_length, frozenset(exclude), now_s, now_s + timeout_s,
+                       last_seen_s=now_s)
+            if self.queue_order == "fair" and all(q.client_id != client_id for q in self.queue.values()):
+                self._lift(client_id)
+            self.queue[session_id] = w
+            if self._binding is not None and self._can_dispatch(w):
+                others.extend(self._arrive(w, now_s))
+            mine = next((g for g in others if g.session_id == session_id), None)
+            return mine, [g for g in others if g.session_id != session_id]
+
+    def _arrive(self, w: Waiter, now_s: float) -> list[ChainGrant]:
+        self._next_job += 1
+        w.job_id = self._next_job
+        self._job_session[w.job_id] = w.session_id
+        return self._starts(self._binding.dispatcher.on_arrival(w.job_id, self._allowed(w)), now_s)
+
+    def _starts(self, starts: list[Start], now_s: float) -> list[ChainGrant]:
+        return [self._grant(self.queue[self._job_session[s.job_id]], self._live_chain(s), now_s) for s in starts]
+
+    def _live_chain(self, s: Start) -> LiveChain:
+        b = self._binding
+        cid = self._live_of_index.get(s.chain_id)
+        if cid is not None and cid in self.chains:
+            return self.chains[cid]
+        # a per-request route seen for the first time
+        spec = b.dispatcher.route(s.chain_id)
+        hops = tuple(Hop(b.peers[j], blk.start, blk.end) for j, blk in zip(spec.servers, spec.blocks))
+        cid = self._new_chain_id()
+        max_len = min(b.max_length.get(h.peer_id, 1 << 30) for h in hops)
+        self.chains[cid] = LiveChain(cid, hops, 0, spec.service_time_s, max_len, index=s.chain_id, route=True)
+        self._live_of_index[s.chain_id] = cid
+        return self.chains[cid]
+
+    def _grant(self, w: Waiter, ch: LiveChain, now_s: float) -> ChainGrant:
+        assert ch.in_use < ch.capacity or ch.route, "the dispatcher overfilled a chain"
+        del self.queue[w.session_id]
+        self._job_session.pop(w.job_id, None)
+        ch.in_use += 1
+        wait = now_s - w.arrived_s
+        charge = self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
+        self.client_service[w.client_id] = self.client_service.get(w.client_id, 0.0) + charge
+        self.leases[w.session_id] = Lease(w.session_id, w.client_id, ch.chain_id, now_s, now_s + self.lease_ttl_s,
+                                          wait, w.job_id, charge)
+        self.metrics.admitted += 1
+        self.metrics.observe_wait(wait)
+        g = ChainGrant(w.session_id, ch.chain_id, self.plan_version, ch.hops, ch.service_time_s, self.lease_ttl_s,
+                       wait, extra={"seq": self.metrics.admitted})
+        self._unpicked[w.session_id] = (g, now_s)
+        self._wake(w.session_id)
+        return g
+
+    def _lift(self, client_id: str) -> None:
+        """VTC's counter lift: a client that starts waiting gets at least the smallest counter of the
+        clients already waiting (credit is not carried over idle periods)."""
+        waiting = {q.client_id for q in self.queue.values()} - {client_id}
+        c = self.client_service.get(client_id, 0.0)
+        if waiting:
+            c = max(c, min(self.client_service.get(x, 0.0) for x in waiting))
+        self.client_service[client_id] = c
+
+    def _fair_key(self, w: Waiter, held: dict[str, int]) -> tuple[float, int]:
+        # a lifted newcomer ties with the least-served waiting client: among equals, the client holding
+        # fewer slots right now goes first; the stable sort keeps arrival order after that
+        return self.client_service.get(w.client_id, 0.0), held.get(w.client_id, 0)
+
+    def _held(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for lease in self.leases.values():
+            held[lease.client_id] = held.get(lease.client_id, 0) + 1
+        return held
+
+    def _fair_order(self, jobs: list[int]) -> list[int]:
+        held = self._held()
+        return sorted(jobs, key=lambda j: self._fair_key(self.queue[self._job_session[j]], held))
+
+    def _waiting_in_order(self) -> list[Waiter]:
+        waiters = list(self.queue.values())
+        if self.queue_order == "fair":
+            held = self._held()
+            waiters.sort(key=lambda w: self._fair_key(w, held))
+        return waiters
+
+    def release(self, session_id: str, now_s: float, *, input_tokens: int = 0,
+                output_tokens: int = 0) -> list[ChainGrant]:
+        """The session ended (or left the queue): free its slot; returns the sessions that start now.
+        Reported lengths replace the expected ones in its client's service counter."""
+        with self.lock:
+            self._unpicked.pop(session_id, None)
+            if session_id in self.queue:
+                self.cancel(session_id)
+            lease = self.leases.pop(session_id, None)
+            if lease is None:
+                return []
+            if input_tokens > 0 or output_tokens > 0:
+                actual = self.w_in * max(0, input_tokens) + self.w_out * max(0, output_tokens)
+                self.client_service[lease.client_id] = (self.client_service.get(lease.client_id, 0.0) + actual
+                                                        - lease.charged)
+            self.metrics.released += 1
+            return self._free(lease, now_s)
+
+    def _free(self, lease: Lease, now_s: float) -> list[ChainGrant]:
+        ch = self.chains.get(lease.chain_id)
+        if ch is not None:
+            ch.in_use -= 1
+            if not ch.dispatchable and ch.in_use == 0:
+                del self.chains[ch.chain_id]
+            elif not ch.dispatchable:
+                ch.capacity = ch.in_use
+        if lease.job_id < 0 or self._binding is None:
+            return []
+        self._job_session.pop(lease.job_id, None)
+        return self._starts(self._binding.dispatcher.on_completion(lease.job_id), now_s)
+
+    def heartbeat(self, session_id: str, now_s: float) -> bool:
+        with self.lock:
+            lease = self.leases.get(session_id)
+            if lease is None:
+                return False
+            lease.expires_s = now_s + self.lease_ttl_s
+            return True
+
+    def unknown(self, session_ids: list[str], now_s: float) -> list[str]:
+        """Heartbeat: renew the leases; returns the sessions without lease or place in the queue."""
+        with self.lock:
+            return [s for s in session_ids if not self.heartbeat(s, now_s) and s not in self.queue]
+
+    def expire(self, now_s: float) -> tuple[list[str], list[ChainGrant]]:
+        """Release leases past their expiry; returns (expired sessions, grants). Grants no poll picked up
+        for UNPICKED_GRANT_TTL_S are forgotten (their lease expires without heartbeats)."""
+        with self.lock:
+            for sid in [s for s, (_, t) in self._unpicked.items() if now_s - t > UNPICKED_GRANT_TTL_S]:
+                del self._unpicked[sid]
+            expired, grants = [], []
+            for sid, lease in list(self.leases.items()):
+                if lease.expires_s < now_s:
+                    del self.leases[sid]
+                    self.metrics.expired += 1
+                    expired.append(sid)
+                    grants.extend(self._free(lease, now_s))
+            return expired, grants
+
+    def timeouts(self, now_s: float) -> list[str]:
+        """Waiters past their deadline leave the queue (their acquire fails with a timeout)."""
+        with self.lock:
+            gone = [sid for sid, w in self.queue.items() if w.deadline_s <= now_s]
+            for sid in gone:
+                self.cancel(sid)
+                self.metrics.timed_out += 1
+            return gone
+
+    def touch(self, session_id: str, now_s: float) -> None:
+        """The waiting session's client polled."""
+        with self.lock:
+            if session_id in self.queue:
+                self.queue[session_id].last_seen_s = now_s
+
+    def abandoned(self, now_s: float, max_idle_s: float) -> list[str]:
+        """Waiters whose client stopped polling for `max_idle_s` leave the queue (it crashed)."""
+        with self.lock:
+            gone = [sid for sid, w in self.queue.items() if now_s - w.last_seen_s > max_idle_s]
+            for sid in gone:
+                self.cancel(sid)
+                self.metrics.timed_out += 1
+            return gone
+
+    def cancel(self, session_id: str) -> None:
+        """A waiting session leaves the queue without a grant; a poll waiting for it wakes up."""
+        with self.lock:
+            w = self.queue.pop(session_id, None)
+            if w is not None and w.job_id >= 0 and self._binding is not None:
+                self._binding.dispatcher.cancel(w.job_id)
+                self._job_session.pop(w.job_id, None)
+            self._wake(session_id)
+
+    def drop_servers(self, peer_ids: set[str], now_s: float = 0.0) -> tuple[list[str], list[ChainGrant]]:
+        """Servers gone: their chains disappear now, and so do the leases on them (the clients fail
+        over and ask again). Returns (sessions whose lease was dropped, grants). A per-request router
+        is not told: the service installs a router over the surviving servers next."""
+        with self.lock:
+            lost = {cid for cid, ch in self.chains.items() if set(ch.peers) & peer_ids}
+            dropped = []
+            for sid, lease in list(self.leases.items()):
+                if lease.chain_id in lost:
+                    del self.leases[sid]
+                    self._unpicked.pop(sid, None)
+                    dropped.append(sid)
+            grants: list[ChainGrant] = []
+            b = self._binding
+            if b is not None and not b.per_request:
+                grants = self._starts(b.dispatcher.disable(
+                    [self.chains[cid].index for cid in lost if self.chains[cid].index is not None
+                     and self._live_of_index.get(self.chains[cid].index) == cid]), now_s)
+            for cid in lost:
+                del self.chains[cid]
+            self.metrics.dropped += len(dropped)
+            return dropped, grants
+
+    # -- the RPC side: one poll of a waiting session ---------------------------------------------
+    def take_grant(self, session_id: str) -> ChainGrant | None:
+        with self.lock:
+            entry = self._unpicked.pop(session_id, None)
+            self._wakers.pop(session_id, None)
+            return None if entry is None else entry[0]
+
+    def _wake(self, session_id: str) -> None:
+        entry = self._wakers.pop(session_id, None)
+        if entry is not None:
+            loop, ev = entry
+            loop.call_soon_threadsafe(ev.set)
+
+    async def poll(self, session_id: str, client_id: str, max_length: int, *, timeout_s: float, poll_s: float,
+                   exclude: frozenset[str], clock: Callable[[], float]) -> ChainGrant | Queued:
+        """One long poll of acquire: the grant (made now, or since the last poll), or Queued after at most
+        `poll_s`. Raises NoChainError / MaxLengthExceededError at once, AcquireTimeoutError when the
+        session's own deadline passed or it left the queue."""
+        now = clock()
+        with self.lock:
+            g = self.take_grant(session_id)
+            if g is not None:
+                return g
+            if session_id not in self.queue:  # a new request (or a replacement after failover)
+                if self._binding is None and self.no_chain_reason:
+                    raise NoChainError(f"the orchestrator cannot plan for the servers it knows: {self.no_chain_reason}")
+                if self.refuses_length(max_length):
+                    raise MaxLengthExceededError(
+                        f"max_length={max_length} exceeds what every chain's servers accept; use a smaller max_length")
+                self.acquire(session_id, client_id, max_length, now, timeout_s=timeout_s, exclude=exclude)
+                g = self.take_grant(session_id)
+                if g is not None:
+                    return g
+            self.touch(session_id, now)
+            deadline = self.queue[session_id].deadline_s
+            ev = asyncio.Event()
+            self._wakers[session_id] = (asyncio.get_running_loop(), ev)
+        try:
+            await asyncio.wait_for(ev.wait(), max(0.0, min(poll_s, deadline - now)))
+        except asyncio.TimeoutError:
+            pass
+        with self.lock:
+            if self._wakers.get(session_id, (None, None))[1] is ev:
+                del self._wakers[session_id]
+            g = self.take_grant(session_id)
+            if g is not None:
+                return g
+            if session_id not in self.queue:  # another thread took it out (deadline, abandoned, release)
+                raise AcquireTimeoutError("the session left the orchestrator's queue (its deadline passed or "
+                                          "its client stopped polling); retry later or raise the timeout")
+            if clock() >= deadline:
+                self.cancel(session_id)
+                self.metrics.timed_out += 1
+                raise AcquireTimeoutError(f"no chain slot freed within {timeout_s:.0f} s (queue length "
+                                          f"{len(self.queue)}); retry later or raise the timeout")
+            self.touch(session_id, clock())
+            return Queued(list(self.queue).index(session_id) + 1, len(self.queue))
+
+    # -- views ----------------------------------------------------------------------------------
+    @property
+    def queue_length(self) -> int:
+        return len(self.queue)
+
+    def chain_views(self) -> list[dict]:
+        with self.lock:
+            out = []
+            b = self._binding
+            for ch in sorted(self.chains.values(), key=lambda c: (not c.dispatchable, c.service_time_s, c.chain_id)):
+                cap = ch.capacity
+                if ch.route and b is not None and b.per_request and ch.dispatchable:
+                    # a per-request route has no fixed capacity: report the sessions it could hold right now
+                    idx = {p: j for j, p in enumerate(b.peers)}
+                    cap = ch.in_use + min(b.dispatcher.free_slots[idx[h.peer_id]] // max(1, h.num_blocks)
+                                          for h in ch.hops)
+                out.append({"chain_id": ch.chain_id, "servers": list(ch.peers),
+                            "blocks": [[h.start, h.end] for h in ch.hops], "capacity": cap, "in_use": ch.in_use,
+                            "service_time": ch.service_time_s, "dispatchable": ch.dispatchable})
+            return out
+
+    def sessions_on(self, peer_id: str) -> int:
+        with self.lock:
+            return sum(1 for lease in self.leases.values()
+                       if lease.chain_id in self.chains and peer_id in self.chains[lease.chain_id].peers)
