@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-ranges", type=parse_ranges, default=parse_ranges("0:10,10:20,20:30"),
                    help="block ranges run in this process when no --initial-peers is given (default 0:10,10:20,20:30)")
     p.add_argument("--initial-peers", nargs="*", default=None, help="multiaddrs of swarm DHT peers")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda[:N]: where the client head runs (and, without --initial-peers, the local ranges)")
     return p
 
 
@@ -64,9 +66,11 @@ def main(argv: list[str]) -> int:
     try:
         path = resolve_model_path(args.model)
         if args.initial_peers:
-            model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers, dtype=args.dtype)
+            model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
+                                                                dtype=args.dtype, device=args.device)
         else:
-            model = DistributedModelForCausalLM.from_local_ranges(path, args.local_ranges, dtype=args.dtype)
+            model = DistributedModelForCausalLM.from_local_ranges(path, args.local_ranges, dtype=args.dtype,
+                                                                  device=args.device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         ids = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
         torch.manual_seed(args.seed)

@@ -72,6 +72,7 @@ class ServerConfig:
     num_threads: int | None = None
     orchestrator_wait_s: float = 30.0
     emulate_slowdown: float = 1.0  # EMULATION (server/emulation.py): batches take this many times their compute
+    cuda_graphs: bool = True  # on CUDA: replay captured graphs for decode steps (runtime/decode_graphs.py)
     assignment_poll_s: float = 1.0
 
 

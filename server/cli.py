@@ -28,6 +28,10 @@ def parse_size_or_zero(text: str) -> int:
     return 0 if text.strip() == "0" else parse_size(text)
 
 
+def parse_budget(text: str) -> int | str:
+    return "auto" if text.strip() == "auto" else parse_size(text)
+
+
 def parse_blocks(text: str) -> tuple[int, int] | str:
     if text.strip() == "auto":
         return "auto"
@@ -72,12 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--orchestrator-wait", type=float, default=30.0,
                    help="with --blocks auto: seconds to wait for an orchestrator to appear in the DHT")
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers (from `petals-chain dht`)")
-    p.add_argument("--memory-budget", type=parse_size, default=parse_size("2GiB"),
-                   help="memory M_j this server offers for blocks + KV cache (default 2GiB)")
+    p.add_argument("--memory-budget", type=parse_budget, default=parse_size("2GiB"),
+                   help="memory M_j this server offers for blocks + KV cache (default 2GiB), or auto: the device's "
+                        "free memory minus 10%% of its total (at least 1 GiB) for activations and CUDA graphs")
     p.add_argument("--max-length", type=int, default=2048, help="longest session (tokens) this server accepts")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs "
+                        "(petals_chain/runtime/decode_graphs.py); for debugging and comparisons")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
     p.add_argument("--identity-path", default=None,
                    help="private key file for a stable peer id (`petals-chain identity new PATH` makes one)")
@@ -165,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     start, end = (None, None) if args.blocks == "auto" else args.blocks
     try:
         allowed_peers = load_allowed_peers(args.allowed_peers)
+        if args.memory_budget == "auto":
+            from server.memory_budget import auto_memory_budget
+
+            args.memory_budget = auto_memory_budget(args.device)
+            print(f"launch-server: --memory-budget auto: {args.memory_budget / 2**30:.2f} GiB on {args.device}",
+                  flush=True)
         server = BlockServer(ServerConfig(
             model=args.model, start=start, end=end, initial_peers=args.initial_peers,
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
@@ -177,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             max_step_tokens=args.max_step_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
             orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers,
-            emulate_slowdown=args.emulate_slowdown))
+            emulate_slowdown=args.emulate_slowdown, cuda_graphs=not args.no_cuda_graphs))
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2

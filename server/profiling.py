@@ -30,16 +30,26 @@ def measure_block_times(block_range: BlockRange, *, prefill_tokens: int = 128, d
     at the range's last block runs only that block)."""
     prefill, decode = [], []
     gen = torch.Generator().manual_seed(0)
-    for _ in range(repeats):
+    device = torch.device(block_range.device)
+
+    def sync() -> None:  # GPU work is asynchronous: a clock read before it finishes times the launch
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for repeat in range(repeats + 1):  # the first round warms up (kernel selection, allocations): not timed
         kv = block_range.allocate_kv(prefill_tokens + decode_steps, first_block=block_range.end - 1)
-        x = torch.randn(prefill_tokens, block_range.hidden_size, generator=gen).to(block_range.dtype)
+        x = torch.randn(prefill_tokens, block_range.hidden_size, generator=gen).to(device, block_range.dtype)
+        sync()
         t0 = time.perf_counter()
         block_range.forward([StepInput(kv, x)])
-        prefill.append((time.perf_counter() - t0) / prefill_tokens)
-        t0 = time.perf_counter()
+        sync()
+        t1 = time.perf_counter()
         for _ in range(decode_steps):
             block_range.forward([StepInput(kv, x[:1])])
-        decode.append((time.perf_counter() - t0) / decode_steps)
+        sync()
+        if repeat > 0:
+            prefill.append((t1 - t0) / prefill_tokens)
+            decode.append((time.perf_counter() - t1) / decode_steps)
     return BlockTimes(sorted(prefill)[len(prefill) // 2], sorted(decode)[len(decode) // 2])
 
 

@@ -75,7 +75,7 @@ def build_stack(config: ServerConfig, path, start: int, end: int,
     """The one place the serving collaborators are made and wired to each other."""
     c = config
     block_range = maybe_slowed(BlockRange(path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
-                                          model_path=path), c.emulate_slowdown)
+                                          model_path=path, cuda_graphs=c.cuda_graphs), c.emulate_slowdown)
     budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
                       cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
     admission: AdmissionQueue | None = None  # made below; the scheduler's log asks it who waits for memory

@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission", default="fifo", choices=sorted(ADMISSION_POLICIES),
                    help="order of waiting requests across API keys (default fifo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the client head (embeddings, LM head) runs")
     p.add_argument("--client-batch-rows", type=int, default=4096,
                    help="most rows in one batched embedding / LM-head call of concurrent sessions "
                         "(1: no cross-session batching, a baseline for benchmarks; default 4096)")
@@ -77,7 +78,8 @@ def main(argv: list[str]) -> int:
 
     try:
         model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
-                                                            dtype=args.dtype, max_batch_rows=args.client_batch_rows,
+                                                            dtype=args.dtype, device=args.device,
+                                                            max_batch_rows=args.client_batch_rows,
                                                             use_orchestrator=not args.no_orchestrator,
                                                             identity_path=args.identity_path,
                                                             allowed_servers=load_allowed_peers(args.allowed_peers))

@@ -74,23 +74,28 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_local_ranges(cls, model: str | Path, ranges: list[tuple[int, int]], *, dtype: str = "float32",
-                          quant: str = "none") -> "DistributedModelForCausalLM":
-        """All block ranges in this process: pipelined generation without a network."""
+                          quant: str = "none", device: str = "cpu",
+                          cuda_graphs: bool = True) -> "DistributedModelForCausalLM":
+        """All block ranges in this process: pipelined generation without a network. `device`: where
+        the block ranges and the client head run (e.g. "cuda")."""
         path = resolve_model_path(model)
-        head = ClientHead(path, dtype=dtype, model_path=path)
-        block_ranges = [BlockRange(path, s, e, dtype=dtype, quant=quant, config=head.config, model_path=path)
+        head = ClientHead(path, dtype=dtype, model_path=path, device=device)
+        block_ranges = [BlockRange(path, s, e, dtype=dtype, quant=quant, config=head.config, model_path=path,
+                                   device=device, cuda_graphs=cuda_graphs)
                         for s, e in ranges]
         return cls(head.config, head, LocalChain(block_ranges))
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, initial_peers: list[str], dtype: str = "float32",
-                        max_batch_rows: int = 4096, **remote_kwargs) -> "DistributedModelForCausalLM":
+                        max_batch_rows: int = 4096, device: str = "cpu", **remote_kwargs) -> "DistributedModelForCausalLM":
         """Client of a swarm: `initial_peers` are multiaddrs of DHT peers (e.g. printed by `petals-chain dht`).
-        `max_batch_rows` bounds the client head's cross-session batches (1 turns batching off)."""
+        `max_batch_rows` bounds the client head's cross-session batches (1 turns batching off).
+        `device`: where the client head (embeddings, final norm, LM head) runs; hidden states leave it
+        only at the wire, and logits come back on the device of the `input_ids` given."""
         from petals_chain.client.remote import RemoteChain
 
         path = resolve_model_path(model)
-        head = ClientHead(path, dtype=dtype, model_path=path, max_batch_rows=max_batch_rows)
+        head = ClientHead(path, dtype=dtype, model_path=path, max_batch_rows=max_batch_rows, device=device)
         backend = RemoteChain(model=str(model), config=head.config, initial_peers=initial_peers, dtype=head.dtype,
                               **remote_kwargs)
         return cls(head.config, head, backend)
@@ -171,7 +176,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         hidden = session.chain.step(self.head.embed_batched(new))
         if logits_to_keep > 0:
             hidden = hidden[-logits_to_keep:]
-        logits = self.head.logits_batched(hidden).float()
+        # on the ids' device: transformers' logits processors index the logits with the ids
+        logits = self.head.logits_batched(hidden).float().to(input_ids.device)
         return CausalLMOutputWithPast(logits=logits.unsqueeze(0))
 
 

@@ -7,7 +7,6 @@ other sessions' single decode tokens, flattened into rows) against per-session s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -16,7 +15,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from petals_chain.models.family import ModelFamily, register_family
+from petals_chain.models.family import ModelFamily, RotaryTable, register_family, write_and_attend
 
 
 class LlamaFamily(ModelFamily):
@@ -44,14 +43,8 @@ class LlamaFamily(ModelFamily):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return config.num_key_value_heads, head_dim
 
-    def position_encoder(self, config):
-        rotary = LlamaRotaryEmbedding(config)
-
-        def encode(positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-            cos, sin = rotary(torch.empty(0, dtype=dtype), positions.view(1, -1))
-            return cos[0], sin[0]  # [rows, head_dim]
-
-        return encode
+    def position_encoder(self, config, device: torch.device):
+        return RotaryTable(LlamaRotaryEmbedding(config).to(device), device)
 
     def block_forward(self, block, hidden, features, segments):
         attn = block.self_attn
@@ -67,24 +60,7 @@ class LlamaFamily(ModelFamily):
         out = torch.empty_like(q)
         for seg in segments:
             r0, r1 = seg.row_start, seg.row_start + seg.n_tokens
-            p0, p1 = seg.past_tokens, seg.past_tokens + seg.n_tokens
-            seg.key_cache[:, p0:p1] = k[r0:r1].transpose(0, 1)
-            seg.value_cache[:, p0:p1] = v[r0:r1].transpose(0, 1)
-            query = q[r0:r1].transpose(0, 1)  # [heads, n, dim]
-            keys, values = seg.key_cache[:, :p1], seg.value_cache[:, :p1]
-            if seg.n_tokens == 1:
-                mask, causal = None, False  # a single new token sees every cached position
-            elif p0 == 0:
-                mask, causal = None, True
-            else:
-                # query i sits at absolute position p0 + i and may see keys 0..p0+i (bottom-right aligned)
-                mask = torch.ones(seg.n_tokens, p1, dtype=torch.bool).tril(diagonal=p0)
-                causal = False
-            o = F.scaled_dot_product_attention(
-                query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=mask, is_causal=causal, scale=attn.scaling, enable_gqa=True,
-            )
-            out[r0:r1] = o[0].transpose(0, 1)
+            out[r0:r1] = write_and_attend(q[r0:r1], k[r0:r1], v[r0:r1], seg, attn.scaling)
         hidden = residual + attn.o_proj(out.reshape(rows, -1))
         return hidden + block.mlp(block.post_attention_layernorm(hidden))
 

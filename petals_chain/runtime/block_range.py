@@ -14,6 +14,7 @@ import torch
 from petals_chain.errors import InvalidRequestError, MaxLengthExceededError
 from petals_chain.models.checkpoint import load_config, read_tensors, resolve_model_path
 from petals_chain.models.family import AttentionSegment, get_family
+from petals_chain.runtime.decode_graphs import DecodeGraphs, attention_backends
 from petals_chain.runtime.kv_cache import SessionKV, kv_bytes_per_block
 from petals_chain.runtime.quantization import module_bytes, quantize_linears
 
@@ -42,7 +43,8 @@ class BlockRange:
     """Blocks `[start, end)` of a causal LM, ready to run sessions' steps."""
 
     def __init__(self, model: str | Path, start: int, end: int, *, dtype: str | torch.dtype = "float32",
-                 quant: str = "none", device: str = "cpu", config=None, model_path: Path | None = None):
+                 quant: str = "none", device: str | torch.device = "cpu", config=None, model_path: Path | None = None,
+                 cuda_graphs: bool = True):
         self.model_path = model_path or resolve_model_path(model)
         self.config = config or load_config(self.model_path)
         self.family = get_family(self.config)
@@ -57,7 +59,7 @@ class BlockRange:
         self.device = torch.device(device)
         self.hidden_size = self.config.hidden_size
         self.kv_heads, self.head_dim = self.family.kv_heads_and_dim(self.config)
-        self._encode_positions = self.family.position_encoder(self.config)
+        self._encode_positions = self.family.position_encoder(self.config, self.device)
         self.blocks: dict[int, torch.nn.Module] = {}
         for index in range(start, end):
             names = self.family.block_tensor_names(self.config, index)
@@ -65,8 +67,14 @@ class BlockRange:
             block = self.family.make_block(self.config, index)
             state = {self.family.block_state_key(self.config, index, n): t for n, t in tensors.items()}
             block.load_state_dict(state, assign=True, strict=True)
-            block = block.to(self.device).eval().requires_grad_(False)
-            self.blocks[index] = quantize_linears(block, quant, self.dtype, self.device)
+            block = block.eval().requires_grad_(False)
+            # Quantize while the weights are still on the CPU: bitsandbytes quantizes a weight when it
+            # moves from the CPU to the device, so a block moved first would keep serving bf16 weights.
+            self.blocks[index] = quantize_linears(block, quant, self.dtype, self.device).to(self.device)
+        # CUDA graphs of decode steps (runtime/decode_graphs.py): on CUDA unless turned off.
+        self.graphs = (DecodeGraphs(self._graph_body, hidden_size=self.hidden_size, dtype=self.dtype,
+                                    device=self.device, version=lambda: self._encode_positions_version())
+                       if cuda_graphs and self.device.type == "cuda" else None)
 
     # -- sizes the orchestrator plans with -------------------------------------------------
     @cached_property
@@ -87,6 +95,9 @@ class BlockRange:
                 f"entry block {first} is outside this range [{self.start}, {self.end})")
         if max_length_tokens <= 0:
             raise InvalidRequestError(f"max_length must be positive, got {max_length_tokens}")
+        # the position table covers the whole session now, not at a later step (that step may be a
+        # graph replay, which must not reallocate what a captured graph reads)
+        self._encode_positions.reserve(max_length_tokens)
         return SessionKV.allocate(first, self.end, self.kv_heads, self.head_dim, max_length_tokens,
                                   self.dtype, self.device)
 
@@ -112,7 +123,8 @@ class BlockRange:
 
         The linear layers see all sessions' rows at once (that is the batching gain); attention
         runs per session against its own cache. A session that entered mid-range skips blocks
-        before its entry block.
+        before its entry block. On CUDA, a decode step (one token per session) of a set of sessions
+        seen before replays a captured CUDA graph instead (runtime/decode_graphs.py).
         """
         if not steps:
             return []
@@ -120,20 +132,42 @@ class BlockRange:
             if not step.validated:
                 self.validate_step(step)
         sizes = [s.hidden.shape[0] for s in steps]
-        hidden = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])
-        positions = torch.cat([torch.arange(s.kv.past_tokens, s.kv.past_tokens + n) for s, n in zip(steps, sizes)])
-        features = self._encode_positions(positions.to(self.device), self.dtype)
+        with attention_backends(self.device):
+            out = self.graphs.run(steps) if self.graphs is not None and max(sizes) == 1 else None
+            if out is None:
+                hidden = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])
+                self._encode_positions.reserve(max(s.kv.past_tokens + n for s, n in zip(steps, sizes)))
+                positions = torch.cat([torch.arange(s.kv.past_tokens, s.kv.past_tokens + n, device=self.device)
+                                       for s, n in zip(steps, sizes)])
+                features = self._encode_positions(positions, self.dtype)
+                out = self._run_blocks(hidden, features, [s.kv for s in steps], sizes)
+        for step, n in zip(steps, sizes):
+            step.kv.past_tokens += n
+        return out
+
+    def _graph_body(self, hidden: torch.Tensor, positions: torch.Tensor, kvs: list[SessionKV]) -> torch.Tensor:
+        """A decode step of `kvs` (one row each) at positions held in a device tensor: no shape or
+        host value depends on the positions, so DecodeGraphs can capture it once and replay it."""
+        features = self._encode_positions(positions, self.dtype)
+        return torch.cat(self._run_blocks(hidden, features, kvs, [1] * len(kvs), positions=positions))
+
+    def _encode_positions_version(self) -> int:
+        """Changes whenever the position encoder reallocates its table (a captured graph read the old one)."""
+        return getattr(self._encode_positions, "capacity", 0)
+
+    def _run_blocks(self, hidden: torch.Tensor, features: tuple[torch.Tensor, ...], kvs: list[SessionKV],
+                    sizes: list[int], positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
         for index in range(self.start, self.end):
-            active = [i for i, s in enumerate(steps) if s.kv.first_block <= index]
+            active = [i for i, kv in enumerate(kvs) if kv.first_block <= index]
             if not active:
                 continue
-            if len(active) == len(steps):
+            if len(active) == len(kvs):
                 rows, sub_hidden, sub_features, starts = None, hidden, features, offsets[:-1]
             else:
-                rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in active]).to(self.device)
+                rows = torch.cat([torch.arange(offsets[i], offsets[i + 1], device=self.device) for i in active])
                 sub_hidden = hidden.index_select(0, rows)
                 sub_features = tuple(f.index_select(0, rows) for f in features)
                 starts, acc = [], 0
@@ -142,15 +176,14 @@ class BlockRange:
                     acc += sizes[i]
             segments = []
             for row_start, i in zip(starts, active):
-                k, v = steps[i].kv.block_views(index)
-                segments.append(AttentionSegment(row_start, sizes[i], steps[i].kv.past_tokens, k, v))
+                k, v = kvs[i].block_views(index)
+                position = None if positions is None else positions[i:i + 1]
+                segments.append(AttentionSegment(row_start, sizes[i], kvs[i].past_tokens, k, v, position))
             out = self.family.block_forward(self.blocks[index], sub_hidden, sub_features, segments)
             if rows is None:
                 hidden = out
             else:
                 hidden = hidden.index_copy(0, rows, out)
-        for step, n in zip(steps, sizes):
-            step.kv.past_tokens += n
         return list(torch.split(hidden, sizes))
 
     @torch.inference_mode()

@@ -13,9 +13,11 @@ from petals_chain.runtime.row_batcher import RowBatcher
 
 class ClientHead(torch.nn.Module):
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "float32", model_path: Path | None = None,
-                 max_batch_rows: int = 4096):
+                 max_batch_rows: int = 4096, device: str | torch.device = "cpu"):
         """`max_batch_rows`: most rows one batched call of concurrent sessions may hold (1: no
-        cross-session batching, each call alone, as a baseline for benchmarks)."""
+        cross-session batching, each call alone, as a baseline for benchmarks). `device`: where the
+        embeddings, norm and LM head run (a GPU's LM head takes ~0.1 ms where a CPU's took 4.5 ms
+        for a 32k vocabulary); token ids and hidden states are moved to it on entry."""
         super().__init__()
         self.model_path = model_path or resolve_model_path(model)
         self.config = load_config(self.model_path)
@@ -25,7 +27,8 @@ class ClientHead(torch.nn.Module):
         tensors = read_tensors(self.model_path, sorted(set(names.values())), dtype=self.dtype)
         self.embed, self.norm, self.lm_head = self.family.make_client_modules(
             self.config, {role: tensors[name] for role, name in names.items()})
-        self.requires_grad_(False).eval()
+        self.device = torch.device(device)
+        self.requires_grad_(False).eval().to(self.device)
         # Every session of this process (any model object, any thread) shares these: concurrent
         # sessions' embedding lookups and final norm + LM head run as one call per step (row_batcher.py).
         self.embed_batched = RowBatcher(self.embed_tokens, max_rows=max_batch_rows)
@@ -33,8 +36,8 @@ class ClientHead(torch.nn.Module):
 
     @torch.inference_mode()
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(input_ids)
+        return self.embed(input_ids.to(self.device))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden.to(self.dtype)))
+        return self.lm_head(self.norm(hidden.to(self.device, self.dtype)))

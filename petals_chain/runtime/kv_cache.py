@@ -8,7 +8,7 @@ import torch
 
 def kv_bytes_per_block(kv_heads: int, head_dim: int, max_length_tokens: int, dtype: torch.dtype) -> int:
     """`s_c`: keys + values of one block for one session at `max_length_tokens`."""
-    return 2 * kv_heads * head_dim * max_length_tokens * torch.empty(0, dtype=dtype).element_size()
+    return 2 * kv_heads * head_dim * max_length_tokens * dtype.itemsize
 
 
 @dataclass

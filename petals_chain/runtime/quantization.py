@@ -1,6 +1,8 @@
 """Optional weight quantization of a block's linear layers with bitsandbytes (nf4 / int8).
 
-bitsandbytes quantizes a parameter when it is moved to a device (`.to(device)`), CPU included.
+bitsandbytes quantizes a parameter when it is moved from the CPU to a device (`.to(device)`); a
+parameter already on the GPU is not quantized, so the block must be quantized before it moves
+(`BlockRange` does so).
 """
 from __future__ import annotations
 
@@ -33,10 +35,24 @@ def quantize_linears(module: nn.Module, mode: str, compute_dtype: torch.dtype, d
                 q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
             if child.bias is not None:
                 q.bias = nn.Parameter(child.bias.data, requires_grad=False)
-            setattr(module, name, q.to(device))
+            q = q.to(device)
+            setattr(module, name, Float16Inputs(q) if mode == "int8" else q)
         else:
             quantize_linears(child, mode, compute_dtype, device)
     return module
+
+
+class Float16Inputs(nn.Module):
+    """bitsandbytes' int8 matmul computes in float16 and casts any other input to it, warning on
+    every call (2,151 warnings for one bf16 generation). This does the same cast itself, so the
+    arithmetic is bitsandbytes' own, and returns the caller's dtype."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.to(torch.float16)).to(x.dtype)
 
 
 def module_bytes(module: nn.Module) -> int:
