@@ -195,6 +195,7 @@ class StepReply(WireRecord):
     step_id: int | None = None
     position: int = 0
     server_s: float | None = None
+    compute_s: float | None = None  # the forward time of the batches the step ran in (framework cost = rest)
 
 
 @dataclass

@@ -173,13 +173,13 @@ class BlockServicer:
     async def _run_and_reply(self, session: OpenSession, step_id: int | None, hidden: torch.Tensor,
                              prefix_tokens: int, push_route: list[str] | None) -> list[runtime_pb2.ExpertResponse]:
         t0 = time.perf_counter()
-        out = await self._step(session, hidden, prefix_tokens)
+        out, compute_s = await self._step(session, hidden, prefix_tokens)
         if push_route and step_id is not None:
             # the next hop gets it first (server relay); this reply feeds the client's history
             session.links.push_soon(push_route, step_id, out)
         # server_s: this step's time inside the server (queue + batch compute), so a client can tell
         # server time from network time (the Table 1 model check)
-        reply = StepReply(session.session_id, step_id, session.kv.past_tokens, time.perf_counter() - t0)
+        reply = StepReply(session.session_id, step_id, session.kv.past_tokens, time.perf_counter() - t0, compute_s)
         return wire_parts.to_messages(reply.to_wire(), (out,), reply=True)
 
     def _take_pushes_from(self, session: OpenSession, peer: str) -> None:
@@ -256,7 +256,8 @@ class BlockServicer:
                 raise
         return session
 
-    async def _step(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int = 0) -> torch.Tensor:
+    async def _step(self, session: OpenSession, hidden: torch.Tensor,
+                    prefix_tokens: int = 0) -> tuple[torch.Tensor, float]:
         cache = session.stack.prefix_cache
         if session.prefix_pin is not None and not session.prefix_pin.released:
             # the first step: copy the part of the cached prefix that every hop holds (the client
@@ -265,16 +266,17 @@ class BlockServicer:
         elif prefix_tokens:
             raise InvalidRequestError("prefix_tokens is only valid in the first step of a session whose open sent "
                                       "prefix_hashes to a server with a prefix cache (its open reply says so)")
-        out = await self._run_step(session.stack, session.reservation.key, session.client_id, session.kv, hidden,
-                                   session.prefix_tokens)
+        out, compute_s = await self._run_step(session.stack, session.reservation.key, session.client_id, session.kv,
+                                              hidden, session.prefix_tokens)
         if cache is not None and session.prefix_stored < len(session.prefix_hashes):
             # offer the prompt's full chunks this session computed (no other step of it runs now)
             cache.insert(session.prefix_namespace, session.prefix_hashes, session.kv)
             session.prefix_stored = min(len(session.prefix_hashes), session.kv.past_tokens // cache.chunk_tokens)
-        return out
+        return out, compute_s
 
     async def _run_step(self, stack: ServingStack, key: str, client_id: str, kv: SessionKV, hidden: torch.Tensor,
-                        prefix_tokens: int = 0) -> torch.Tensor:
+                        prefix_tokens: int = 0) -> tuple[torch.Tensor, float]:
+        """The step's output and the forward time of the batches it ran in."""
         step = StepInput(kv, hidden)
         stack.block_range.validate_step(step)
         step.validated = True  # once: the batch does not check it again
@@ -295,9 +297,9 @@ class BlockServicer:
 
         # a lone session runs inline on this loop when the scheduler is idle (no thread hop); with
         # several, steps go through the scheduler thread so their batches form
-        stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens,
-                               inline=len(stack.sessions) <= 1)
-        return await future
+        job = stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens,
+                                     inline=len(stack.sessions) <= 1)
+        return await future, job.compute_s
 
     # -- stateless forward ----------------------------------------------------------------
     @wire.replies_with_typed_errors
@@ -355,7 +357,7 @@ class BlockServicer:
                 nbytes=block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - first_block),
                 max_length=seq.shape[0], first_block=first_block, wait_s=0.0, register=False)
             try:
-                outputs.append(await self._run_step(stack, key, client_id, row_reservation.kv, seq))
+                outputs.append((await self._run_step(stack, key, client_id, row_reservation.kv, seq))[0])
             finally:
                 row_reservation.release()
         return torch.stack(outputs)

@@ -51,6 +51,7 @@ class _Job:
     step: StepInput
     deliver: Callable[[Any, BaseException | None], None]
     rows_done: int = 0
+    compute_s: float = 0.0  # forward time of the batches its rows ran in (shared with their other steps)
     outputs: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -90,8 +91,9 @@ class StepScheduler:
     # -- handler side ---------------------------------------------------------------------------
     def submit(self, session_id: str, client_id: str, step: StepInput,
                deliver: Callable[[Any, BaseException | None], None], prefix_tokens: int = 0,
-               inline: bool = False) -> None:
-        """`prefix_tokens`: tokens of the session's prompt taken from the prefix cache (DLPM's locality).
+               inline: bool = False) -> _Job:
+        """Returns the job (its `compute_s` is final once delivered). `prefix_tokens`: tokens of the
+        session's prompt taken from the prefix cache (DLPM's locality).
         `inline`: when nothing else waits or runs, run the batch on the caller's thread now (no
         hand-off to the scheduler thread and back: the lean path of a lone session); otherwise it
         waits for the scheduler thread as usual, so batches still form under load."""
@@ -104,16 +106,17 @@ class StepScheduler:
             self._jobs[job_id] = job
             if not ok:
                 self._fail_job(job, self._policy_error("next_seq", RuntimeError("no arrival number")))
-                return
+                return job
             item = WorkItem(seq, session_id, client_id, job.total_rows, step.kv.past_tokens, self.clock(), job,
                             prefix_tokens=prefix_tokens)
             self._call_policy("enqueue", lambda: self.policy.enqueue(item))
             claimed = inline and not self._running and len(self._jobs) == 1
             if not claimed:
                 self._cond.notify()
-                return
+                return job
             self._running = True
         self._run_claimed()
+        return job
 
     def _run_claimed(self) -> None:
         """Run batches while this thread holds the runner role (`_running`), then hand it back."""
@@ -230,6 +233,7 @@ class StepScheduler:
             st.max_batch_tokens_seen = max(st.max_batch_tokens_seen, sum(it.n_tokens for it in batch))
             for it, out in zip(batch, outputs):
                 job = it.payload
+                job.compute_s += service_s
                 if error is not None:
                     # the job's remaining rows must not run on a cache this batch left half-written
                     self._call_policy("remove", lambda: self.policy.remove(job.session_id))

@@ -48,6 +48,7 @@ class HopTiming:
     tokens: int
     client_s: float
     server_s: float | None
+    compute_s: float | None = None  # the server's batch forward time for it: client_s - compute_s is framework + network
 
 
 class RemoteChainSession(ChainSession):
@@ -135,7 +136,7 @@ class RemoteChainSession(ChainSession):
         result = await asyncio.wait_for(self.chain.hops.step_async(stream, step, hidden), self.chain.step_timeout_s + 2)
         self.hop_timings.append(HopTiming(
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
-            stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s))
+            stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s, result.reply.compute_s))
         return result.output
 
     def _open_hops(self, hops: list[Hop], hashes: list[str] | None = None,
