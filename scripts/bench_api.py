@@ -7,6 +7,13 @@ Both gateways (batching on: default; off: `--client-batch-rows 1`) run side by s
 measured in interleaved rounds (medians reported): one request alone, then N at once: aggregate completion tokens/s (all tokens / wall time from the first send
 to the last byte), time to first token and inter-token latency percentiles (per streamed chunk).
 
+The server writes a `--service-log` (one line per batch it ran): the report gives the mean number
+of sessions per server batch in each phase, the measure of how well concurrent requests batch.
+
+Prefix reuse (`--history-tokens 500`, 0 to skip): a chat's first turn with a history of that many
+tokens, then its second turn (history + reply + a new question), streamed; time to first token of
+the second turn over the first's (each round uses a new history, so every first turn misses).
+
 Prints a table and writes results/bench_api.json.
 """
 from __future__ import annotations
@@ -86,6 +93,50 @@ def one_request(client: OpenAI, model: str, prompt: str, max_tokens: int) -> dic
             "itl_s": [b - a for a, b in zip(times, times[1:])]}
 
 
+def chat_ttft_s(client: OpenAI, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+    """Time to the first streamed content of a greedy chat request, and the reply's text."""
+    start_s = time.perf_counter()
+    first_s, text = None, ""
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                                stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            first_s = first_s or time.perf_counter()
+            text += chunk.choices[0].delta.content
+    return (first_s or time.perf_counter()) - start_s, text
+
+
+def history_text(tokenizer, tokens: int, round_index: int) -> str:
+    """A user message of about `tokens` tokens, different in every round (no cross-round hits)."""
+    words = [f"item{round_index}-{i}" for i in range(tokens)]
+    text = f"Round {round_index}. Here is a list to remember: "
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += " ".join(words[:16]) + ". "
+        words = words[16:] or [f"more{round_index}-{len(text)}"]
+    return text
+
+
+def prefix_reuse(client: OpenAI, model: str, tokenizer, history_tokens: int, rounds: int) -> dict:
+    firsts, seconds, hits = [], [], []
+    for r in range(rounds):
+        messages = [{"role": "user", "content": history_text(tokenizer, history_tokens, r)}]
+        ttft1, reply = chat_ttft_s(client, model, messages, 16)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And the first item?"}]
+        ttft2, _ = chat_ttft_s(client, model, messages, 16)
+        firsts.append(ttft1)
+        seconds.append(ttft2)
+    prompt_tokens = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return {"history_tokens": history_tokens, "second_turn_prompt_tokens": prompt_tokens,
+            "first_turn_ttft_s": firsts, "second_turn_ttft_s": seconds,
+            "ratio": statistics.median(seconds) / statistics.median(firsts)}
+
+
+def batch_sizes(log_path: Path, since_line: int) -> tuple[float, int]:
+    """Mean sessions per server batch in the service log from `since_line` on, and the line count."""
+    lines = log_path.read_text().splitlines() if log_path.exists() else []
+    sizes = [len(json.loads(line)["items"]) for line in lines[since_line:]]
+    return (statistics.mean(sizes) if sizes else float("nan")), len(lines)
+
+
 def run_concurrent(client: OpenAI, model: str, n: int, max_tokens: int) -> dict:
     results: list[dict] = [None] * n  # type: ignore[list-item]
     errors: list[BaseException] = []
@@ -119,6 +170,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="completion tokens per request (default 32)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported (default 2)")
     p.add_argument("--no-baseline", action="store_true", help="skip the gateway without client head batching")
+    p.add_argument("--history-tokens", type=int, default=500,
+                   help="chat history for the prefix-reuse measurement (0: skip it; default 500)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench_api.json")
     args = p.parse_args()
 
@@ -129,7 +182,10 @@ def main() -> None:
     report: dict = {"model": args.model, "requests": args.requests, "max_tokens": args.max_tokens,
                     "swarm": f"1 server, blocks [0, {num_blocks})", "cpu_count": os.cpu_count()}
     runs: dict[str, dict[str, list[dict]]] = {name: {"one": [], "many": []} for name, _ in variants}
-    with LocalSwarm(args.model, [(0, num_blocks)]) as swarm:
+    service_log = args.out.parent / "bench_api_service.jsonl"
+    service_log.parent.mkdir(parents=True, exist_ok=True)
+    service_log.unlink(missing_ok=True)
+    with LocalSwarm(args.model, [(0, num_blocks)], server_args=["--service-log", str(service_log)]) as swarm:
         gateways = []
         try:
             for name, extra in variants:
@@ -144,13 +200,21 @@ def main() -> None:
                 for key, n in (("one", 1), ("many", args.requests)):
                     for name, proc, client in gateways:
                         before = (cpu_s(proc.pid), cpu_s(server_pid), time.process_time())
+                        _, log_start = batch_sizes(service_log, 0)
                         r = run_concurrent(client, args.model, n, args.max_tokens)
+                        r["sessions_per_server_batch"], _ = batch_sizes(service_log, log_start)
                         # where the CPU went, per completion token: gateway (client head, sessions,
                         # HTTP), the block server, and this benchmark's own openai clients
                         r["gateway_cpu_ms_per_token"] = 1000 * (cpu_s(proc.pid) - before[0]) / r["tokens"]
                         r["server_cpu_ms_per_token"] = 1000 * (cpu_s(server_pid) - before[1]) / r["tokens"]
                         r["bench_client_cpu_ms_per_token"] = 1000 * (time.process_time() - before[2]) / r["tokens"]
                         runs[name][key].append(r)
+            if args.history_tokens > 0:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+                report["prefix_reuse"] = prefix_reuse(gateways[0][2], args.model, tokenizer, args.history_tokens,
+                                                      args.rounds)
         finally:
             for _, proc, _ in gateways:
                 stop_gateway(proc)
@@ -170,10 +234,18 @@ def main() -> None:
             print(f"{name:10} {int(r['requests']):>4} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>8.3f}s {r['ttft_p95_s']:>8.3f}s "
                   f"{r['itl_p50_s'] * 1000:>6.0f}ms {r['itl_p95_s'] * 1000:>6.0f}ms {r['itl_p99_s'] * 1000:>6.0f}ms  "
                   f"{r['gateway_cpu_ms_per_token']:>18.1f} {r['server_cpu_ms_per_token']:>6.1f} "
-                  f"{r['bench_client_cpu_ms_per_token']:>5.1f}")
+                  f"{r['bench_client_cpu_ms_per_token']:>5.1f}  sessions/server batch "
+                  f"{r['sessions_per_server_batch']:.2f}")
         print(f"{name:10} aggregate {args.requests} requests / 1 request: {report[name]['ratio']:.2f}x")
     if "batched_over_unbatched_many" in report:
         print(f"client head batching, {args.requests} requests: {report['batched_over_unbatched_many']:.2f}x unbatched")
+    if "prefix_reuse" in report:
+        pr = report["prefix_reuse"]
+        print(f"prefix reuse, {pr['history_tokens']}-token history ({pr['second_turn_prompt_tokens']} prompt tokens "
+              f"in turn 2): TTFT turn 1 {statistics.median(pr['first_turn_ttft_s']):.3f}s, turn 2 "
+              f"{statistics.median(pr['second_turn_ttft_s']):.3f}s, ratio {pr['ratio']:.2f}")
+    report["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"load average (1/5/15 min): {' '.join(report['loadavg'])}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

@@ -34,6 +34,7 @@ from petals_chain.client.model import DistributedModelForCausalLM  # noqa: E402
 from petals_chain.local_swarm import LocalSwarm  # noqa: E402
 from petals_chain.models.checkpoint import load_config  # noqa: E402
 from petals_chain.runtime.block_range import BlockRange, StepInput  # noqa: E402
+from scripts.bench_swarm import codec_roundtrip  # noqa: E402
 from scripts.make_random_checkpoint import make_random_checkpoint  # noqa: E402
 
 
@@ -234,6 +235,17 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "chain3":
                     chain_prefill_s(client, long_ids)  # warm-up
                     r["chain3_prefill_s"] = chain_prefill_s(client, long_ids)
+                    # the wire's own CPU work per hop for that hidden state (split, protobuf, parse,
+                    # reassemble; request and reply), from the GPU tensor, against the prefill's total
+                    hidden = torch.randn(args.prefill_tokens, config.hidden_size, device="cuda").to(dtype)
+                    codec = []
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        codec_roundtrip(hidden.cpu())
+                        codec.append(time.perf_counter() - t0)
+                    r["prefill_hidden_mib"] = hidden.numel() * hidden.element_size() / 2**20
+                    r["prefill_codec_per_hop_s"] = min(codec)
+                    r["chain3_prefill_codec_share"] = 3 * min(codec) / r["chain3_prefill_s"]
             finally:
                 client.backend.shutdown()
 

@@ -254,6 +254,9 @@ class BlockServicer:
             except BaseException:
                 reservation.release()
                 raise
+        # the session id carries an API gateway's request id: this line ties a request to this server
+        logger.info("session %s of %s opened on blocks [%d, %d) for %d tokens", session_id, client_id, first_block,
+                    block_range.end, max_length)
         return session
 
     async def _step(self, session: OpenSession, hidden: torch.Tensor,

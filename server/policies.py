@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from petals_chain.errors import InvalidRequestError
+from petals_chain.vtc import VirtualTokenCounters
 from server.policy_base import AdmissionRequest, ArrivalOrderPolicy, PolicyParam, SchedulingPolicy, WorkItem
 from server.policy_dlpm import DLPMPolicy
 
@@ -81,28 +82,23 @@ class VTCPolicy(SchedulingPolicy):
             raise InvalidRequestError("vtc needs w_in > 0 or w_out > 0, otherwise no counter ever moves")
         if not 0 < max_client_share <= 1:
             raise InvalidRequestError(f"vtc's max_client_share must be in (0, 1], got {max_client_share}")
-        self.w_in, self.w_out = float(w_in), float(w_out)
+        self.vtc = VirtualTokenCounters(w_in, w_out)  # the counters, shared with the API gateway's admission
         self.max_client_share = float(max_client_share)
         self._last_batch_clients: set[str] = set()
-        self.counters: dict[str, float] = {}
-        self.served: dict[str, float] = {}  # weighted tokens actually scheduled (never lifted)
         self._by_client: dict[str, dict[int, WorkItem]] = {}  # client -> seq -> item (the active clients)
-        self._last_left: str | None = None
         self._count = 0
 
-    def cost(self, item: WorkItem) -> float:
-        return (self.w_in if item.is_prefill else self.w_out) * item.n_tokens
+    @property
+    def counters(self) -> dict[str, float]:
+        return self.vtc.counters
+
+    @property
+    def served(self) -> dict[str, float]:
+        return self.vtc.served
 
     def _lift(self, client: str) -> None:
-        """Lines 7-13: a client new to the queue is lifted to the smallest active counter (or to
-        the last client that left when the queue was empty), so idle time earns no credit."""
-        c = self.counters.get(client, 0.0)
-        active = set(self._by_client) - {client}
-        if active:
-            c = max(c, min(self.counters[a] for a in active))
-        elif self._last_left is not None:
-            c = max(c, self.counters.get(self._last_left, 0.0))
-        self.counters[client] = c
+        """Lines 7-13: a client new to the queue is lifted (idle time earns no credit)."""
+        self.vtc.lift(client, self._by_client)
 
     def enqueue(self, item: WorkItem) -> None:
         if item.client_id not in self._by_client:
@@ -116,7 +112,7 @@ class VTCPolicy(SchedulingPolicy):
         self._count -= 1
         if not queue:
             del self._by_client[client]
-            self._last_left = client
+            self.vtc.left(client)
         return item
 
     def select(self, max_batch_tokens: int) -> list[WorkItem]:
@@ -133,7 +129,7 @@ class VTCPolicy(SchedulingPolicy):
             if not candidates:
                 break
             # ties (a lifted newcomer equals the smallest counter) go to the oldest waiting work
-            client = min(candidates, key=lambda c: (self.counters[c], min(self._by_client[c])))
+            client = self.vtc.pick(candidates, tiebreak=lambda c: min(self._by_client[c]))
             queue = self._by_client[client]
             seq = next((s for s in sorted(queue) if queue[s].session_id not in sessions), None)
             if seq is None:
@@ -151,9 +147,8 @@ class VTCPolicy(SchedulingPolicy):
             if rest is not None:
                 self._by_client.setdefault(client, {})[rest.seq] = rest
                 self._count += 1
-            charge = self.cost(run)  # line 24 / 30: charged as it is scheduled
-            self.counters[client] += charge
-            self.served[client] = self.served.get(client, 0.0) + charge
+            # line 24 / 30: charged as it is scheduled
+            self.vtc.charge(client, *((run.n_tokens, 0) if run.is_prefill else (0, run.n_tokens)))
             batch.append(run)
             sessions.add(run.session_id)
             room -= run.n_tokens
@@ -177,7 +172,7 @@ class VTCPolicy(SchedulingPolicy):
         for r in waiting:
             if r.client_id not in self._by_client:
                 self._lift(r.client_id)
-        return min(waiting, key=lambda r: (self.counters.get(r.client_id, 0.0), r.seq))
+        return min(waiting, key=lambda r: (self.vtc.counters.get(r.client_id, 0.0), r.seq))
 
     def service_view(self) -> dict[str, float]:
         return dict(self.served)

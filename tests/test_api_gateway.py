@@ -27,7 +27,8 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="module")
 def swarm(smollm2_path):
-    with LocalSwarm(MODEL, [(0, 15), (15, 30)], server_args=["--num-threads", "1"]) as swarm:
+    # info logs: the servers' "session ... opened" lines carry the gateway's request ids
+    with LocalSwarm(MODEL, [(0, 15), (15, 30)], server_args=["--num-threads", "1", "--log-level", "info"]) as swarm:
         yield swarm
 
 
@@ -150,7 +151,7 @@ def test_completion_with_stop_and_seed(client, smollm2_hf, smollm2_tokenizer):
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),  # more than --max-concurrent 4
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, "max_tokens"),
@@ -183,7 +184,7 @@ def test_bad_request_wrong_key_unknown_model_via_openai(client, gateway):
 
 
 def test_disconnect_cancels_the_session_and_frees_its_slot(gateway):
-    cancelled_before = _metric(gateway, 'petals_chain_api_finished_total{finish_reason="cancelled"}')
+    cancelled_before = _metric(gateway, 'petals_chain:request_success_total{finished_reason="abort"')
     with _http("POST", gateway + "/chat/completions", {"model": MODEL, "max_tokens": 500, "temperature": 0,
                                                        "messages": [{"role": "user", "content": "Write a long story."}],
                                                        "stream": True}) as r:
@@ -191,7 +192,7 @@ def test_disconnect_cancels_the_session_and_frees_its_slot(gateway):
             if line.startswith(b"data: "):
                 break  # first chunk received: hang up
     deadline = time.monotonic() + 60
-    while _metric(gateway, 'petals_chain_api_finished_total{finish_reason="cancelled"}') == cancelled_before:
+    while _metric(gateway, 'petals_chain:request_success_total{finished_reason="abort"') == cancelled_before:
         assert time.monotonic() < deadline, "the session was not cancelled after the client disconnected"
         time.sleep(0.2)
     health = json.loads(_http("GET", gateway.removesuffix("/v1") + "/health").read())
@@ -199,15 +200,15 @@ def test_disconnect_cancels_the_session_and_frees_its_slot(gateway):
 
 
 def test_disconnect_during_a_non_streaming_request_cancels_it(gateway):
-    cancelled_before = _metric(gateway, 'petals_chain_api_finished_total{finish_reason="cancelled"}')
+    cancelled_before = _metric(gateway, 'petals_chain:request_success_total{finished_reason="abort"')
     with pytest.raises(OSError):  # the client gives up (socket timeout) and closes the connection
         _http("POST", gateway + "/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 500,
                                                  "temperature": 0}, timeout_s=3).read()
     deadline = time.monotonic() + 60
-    while _metric(gateway, 'petals_chain_api_finished_total{finish_reason="cancelled"}') == cancelled_before:
+    while _metric(gateway, 'petals_chain:request_success_total{finished_reason="abort"') == cancelled_before:
         assert time.monotonic() < deadline, "the session was not cancelled after the client disconnected"
         time.sleep(0.2)
-    assert _metric(gateway, 'petals_chain_api_requests_total{endpoint="/v1/completions",status="499"}') >= 1
+    assert _metric(gateway, 'petals_chain:http_requests_total{endpoint="/v1/completions",status="499"}') >= 1
 
 
 def test_concurrent_greedy_requests_each_equal_hf(client, smollm2_hf, smollm2_tokenizer):
@@ -231,3 +232,38 @@ def test_concurrent_greedy_requests_each_equal_hf(client, smollm2_hf, smollm2_to
         t.join(240)
     assert not errors, errors
     assert [results[i] for i in range(len(questions))] == expected
+
+
+def test_ready_once_a_full_chain_is_dispatchable_and_health_is_liveness(gateway):
+    root = gateway.removesuffix("/v1")
+    r = _http("GET", root + "/ready")
+    assert r.status == 200 and json.loads(r.read())["status"] == "ready"
+    assert json.loads(_http("GET", root + "/health").read())["status"] == "ok"
+
+
+def test_request_id_reaches_every_servers_log(gateway, swarm, client):
+    r = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
+        extra_headers={"X-Request-Id": "trace-7f3a"})
+    assert r.headers["x-request-id"] == "trace-7f3a" and r.parse().id == "chatcmpl-trace-7f3a"
+    deadline = time.monotonic() + 30
+    while not all(any("session trace-7f3a." in line for line in s.lines) for s in swarm.servers):
+        assert time.monotonic() < deadline, "a server's log does not name the request id"
+        time.sleep(0.2)
+
+
+def test_second_chat_turn_reuses_the_first_turns_prefix_on_every_hop(gateway, client, smollm2_hf, smollm2_tokenizer):
+    history = "Remember these words: " + ", ".join(f"word{i}" for i in range(60)) + "."
+    messages = [{"role": "user", "content": history}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Which word came first?"}]
+    hits_before = _metric(gateway, "petals_chain:prefix_cache_hit_tokens_total")
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    hit = _metric(gateway, "petals_chain:prefix_cache_hit_tokens_total") - hits_before
+    first_prompt = first.usage.prompt_tokens
+    # every whole 16-token chunk of the first turn's prompt (its KV is what the first session cached)
+    assert first_prompt - 16 < hit <= first_prompt, (hit, first_prompt)
+    expected, _ = _hf_text(smollm2_hf, smollm2_tokenizer, smollm2_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"], 6)
+    assert second.choices[0].message.content == expected  # reuse changes nothing in the answer

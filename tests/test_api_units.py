@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 from hypothesis import assume, given, settings
@@ -80,9 +81,63 @@ def test_admission_fifo_order_timeout_and_cancel():
 
 
 def test_admission_policy_by_name():
-    assert make_admission_policy("fifo").name == "fifo"
-    with pytest.raises(ValueError, match="choose one of fifo"):
+    assert make_admission_policy("fifo").name == "fifo" and make_admission_policy("vtc").name == "vtc"
+    with pytest.raises(ValueError, match="choose one of fifo, vtc"):
         make_admission_policy("lottery")
+
+
+def _admission_order(policy_name: str, arrivals: list[tuple[str, int]], output_tokens: int) -> list[str]:
+    """Users in the order their requests get the one slot: all `arrivals` (user, prompt tokens)
+    queue behind a first request of "heavy", then each finishes with `output_tokens`."""
+    async def scenario():
+        q = AdmissionQueue(1, make_admission_policy(policy_name))
+        await q.acquire("heavy", 10, timeout_s=1)
+        order: list[str] = []
+
+        async def waiter(user, tokens):
+            await q.acquire(user, tokens, timeout_s=30)
+            order.append(user)
+
+        tasks = []
+        for user, tokens in arrivals:
+            tasks.append(asyncio.create_task(waiter(user, tokens)))
+            await asyncio.sleep(0)
+        q.release("heavy", 10, output_tokens)
+        for i in range(len(arrivals)):
+            while len(order) <= i:
+                await asyncio.sleep(0)
+            q.release(order[i], 0, output_tokens)
+        await asyncio.gather(*tasks)
+        assert q.active == 0 and not q.waiting
+        return order
+
+    return _run(scenario())
+
+
+def test_vtc_admission_serves_a_light_user_between_a_heavy_users_backlog():
+    arrivals = [("heavy", 10)] * 4 + [("light", 10)] * 2
+    assert _admission_order("fifo", arrivals, 20) == ["heavy"] * 4 + ["light"] * 2
+    # light is lifted to heavy's counter when it arrives, then is behind by every heavy request served
+    assert _admission_order("vtc", arrivals, 20) == ["light", "heavy", "light", "heavy", "heavy", "heavy"]
+
+
+@given(st.lists(st.sampled_from("abc"), min_size=2, max_size=24), st.integers(0, 50))
+@settings(max_examples=60, deadline=None)
+def test_vtc_admission_keeps_backlogged_users_within_one_request(users, output_tokens):
+    """Equal requests: while two users both wait, their admitted counts differ by at most one
+    request (plus heavy's first, admitted before anyone waited)."""
+    assume(len(set(users)) > 1)
+    order = _admission_order("vtc", [(u, 10) for u in users], output_tokens)
+    assert sorted(order) == sorted(users)
+    remaining = Counter(users)
+    served = Counter({"heavy": 1})
+    for u in order:
+        backlogged = [x for x in remaining if remaining[x] > 0]
+        if len(backlogged) > 1:
+            counts = [served[x] for x in backlogged]
+            assert max(counts) - min(counts) <= 2
+        served[u] += 1
+        remaining[u] -= 1
 
 
 def test_swarm_errors_map_to_http_statuses():
@@ -95,16 +150,31 @@ def test_swarm_errors_map_to_http_statuses():
     assert _api_error(RuntimeError("bug")).status == 500
 
 
-def test_metrics_rate_window_uses_injected_clock():
-    now = [100.0]
-    m = GatewayMetrics(clock=lambda: now[0], rate_window_s=10.0)
-    m.generation(5, 30, 0.4, "length")
-    assert m.tokens_per_s() == 3.0
-    now[0] = 111.0
-    assert m.tokens_per_s() == 0.0
-    text = m.render()
-    assert 'petals_chain_api_time_to_first_token_seconds_bucket{le="0.5"} 1' in text
-    assert "petals_chain_api_completion_tokens_total 30" in text
+def test_metrics_use_vllm_names_under_the_petals_chain_prefix():
+    m = GatewayMetrics("m1")
+    m.active_sessions, m.waiting = 3, 2
+    m.generation(prompt_tokens=5, completion_tokens=30, finish_reason="length", ttft_s=0.4,
+                 token_times_s=[1.0, 1.25, 1.75], e2e_s=2.0, hops=2, failovers=1, prefix_hit_tokens=4)
+    m.generation(prompt_tokens=5, completion_tokens=1, finish_reason="cancelled", ttft_s=None, token_times_s=[],
+                 e2e_s=0.5, hops=2, failovers=0, prefix_hit_tokens=0)
+    m.request("/v1/completions", 200)
+    text = m.render().decode()
+    for line in ['petals_chain:num_requests_running{model_name="m1"} 3.0',
+                 'petals_chain:num_requests_waiting{model_name="m1"} 2.0',
+                 'petals_chain:prompt_tokens_total{model_name="m1"} 10.0',
+                 'petals_chain:generation_tokens_total{model_name="m1"} 31.0',
+                 'petals_chain:request_success_total{finished_reason="length",model_name="m1"} 1.0',
+                 'petals_chain:request_success_total{finished_reason="abort",model_name="m1"} 1.0',
+                 'petals_chain:time_to_first_token_seconds_bucket{le="0.5",model_name="m1"} 1.0',
+                 'petals_chain:inter_token_latency_seconds_count{model_name="m1"} 2.0',
+                 'petals_chain:inter_token_latency_seconds_sum{model_name="m1"} 0.75',
+                 'petals_chain:e2e_request_latency_seconds_count{model_name="m1"} 2.0',
+                 'petals_chain:request_hops_sum{model_name="m1"} 4.0',
+                 'petals_chain:failovers_total{model_name="m1"} 1.0',
+                 'petals_chain:prefix_cache_hit_tokens_total{model_name="m1"} 4.0',
+                 'petals_chain:http_requests_total{endpoint="/v1/completions",status="200"} 1.0']:
+        assert line in text, line
+    assert "# TYPE petals_chain:request_queue_time_seconds histogram" in text
 
 
 @pytest.mark.parametrize("args, message", [
@@ -119,3 +189,20 @@ def test_api_cli_bad_arguments_exit_2_with_one_clear_line(args, message, capsys)
     assert main(["--port", "0", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_tool_calls_are_parsed_and_held_back_while_streaming():
+    from petals_chain.api.tools import ToolCallStream, parse_tool_calls
+
+    reply = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    content, calls = parse_tool_calls(reply)
+    assert content == "Let me check." and len(calls) == 1
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert parse_tool_calls("no calls <tool_call> {not json") == ("no calls <tool_call> {not json", [])
+    stream = ToolCallStream()
+    sent = "".join(stream.push(reply[i:i + 3]) for i in range(0, len(reply), 3))
+    assert sent == "Let me check."  # nothing of the call leaked as text
+    rest, streamed_calls = stream.finish()
+    assert rest == "" and [c["function"] for c in streamed_calls] == [c["function"] for c in calls]
+    plain = ToolCallStream()
+    assert plain.push("a <tool") == "a " and plain.push(" box") == "<tool box" and plain.finish() == ("", [])

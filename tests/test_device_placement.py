@@ -116,3 +116,36 @@ def test_cuda_graph_replays_equal_eager(tiny_llama_path):
         out_e = br_eager.forward([StepInput(kv_e, x)])[0]
         torch.testing.assert_close(out_g, out_e, rtol=1e-4, atol=1e-4)
     assert br_graph.graphs.replays >= 4 and br_graph.graphs.captures == 1
+
+
+def test_decode_graphs_serve_changing_batches_from_one_capture(tiny_llama_path):
+    """DecodeGraphs' selection on a CPU (capture = a plain call on the static buffers): batches whose
+    sessions change from step to step replay the graph of the recently active set, with dummy rows for
+    absent sessions, and every output and every real KV position equals the eager runtime's."""
+    from petals_chain.runtime.decode_graphs import DecodeGraphs, call_capture
+
+    graphed = BlockRange(tiny_llama_path, 0, 6, model_path=tiny_llama_path)
+    graphed.graphs = DecodeGraphs(graphed._graph_body, hidden_size=graphed.hidden_size, dtype=graphed.dtype,
+                                  device=graphed.device, version=graphed._encode_positions_version,
+                                  capture=call_capture)
+    eager = BlockRange(tiny_llama_path, 0, 6, model_path=tiny_llama_path)
+    g = torch.Generator().manual_seed(3)
+    firsts = [0, 0, 3]
+    kvs = {name: [r.allocate_kv(40, first_block=f) for f in firsts] for name, r in (("g", graphed), ("e", eager))}
+    for i, n in enumerate([6, 2, 4]):
+        x = torch.randn(n, graphed.hidden_size, generator=g)
+        for name, r in (("g", graphed), ("e", eager)):
+            r.forward([StepInput(kvs[name][i], x)])
+    schedule = [[0, 1, 2], [0, 1, 2], [0, 1, 2], [0], [1, 2], [2, 0], [1], [0, 1, 2], [2], [0, 1]]
+    for batch in schedule:
+        x = torch.randn(len(batch), graphed.hidden_size, generator=g)
+        out_g = graphed.forward([StepInput(kvs["g"][i], x[j:j + 1]) for j, i in enumerate(batch)])
+        out_e = eager.forward([StepInput(kvs["e"][i], x[j:j + 1]) for j, i in enumerate(batch)])
+        for a, b in zip(out_g, out_e):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for kg, ke in zip(kvs["g"], kvs["e"]):
+        assert kg.past_tokens == ke.past_tokens
+        torch.testing.assert_close(kg.keys[:, :, :kg.past_tokens], ke.keys[:, :, :ke.past_tokens], rtol=1e-5, atol=1e-5)
+    graphs = graphed.graphs
+    assert graphs.captures == 1  # one capture served every batch after the second sighting of the set
+    assert graphs.replays == len(schedule) - 1 and graphs.padded_rows > 0

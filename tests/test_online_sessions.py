@@ -258,3 +258,14 @@ def test_first_plan_waits_for_the_expected_servers_measured_or_the_expected_wait
                               expected_wait_s=180.0)
     assert first_plan_due(15.0, 3, 0, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
                           expected_wait_s=180.0)
+
+
+def test_a_grant_is_logged_with_the_session_id(caplog):
+    """An API gateway puts its request id into session ids: the orchestrator's log names it."""
+    ds = Sessions(lease_ttl_s=30)
+    ds.install_chains(chains_cap6(), 1, 0.0)
+    with caplog.at_level("INFO", logger="orchestrator.service.sessions"):
+        grant, _ = ds.acquire("trace-7f3a.0.1234abcd", "gateway", 64, 0.0, timeout_s=10)
+    assert grant is not None
+    assert any("session trace-7f3a.0.1234abcd of gateway" in r.getMessage()
+               and f"chain {grant.chain_id} granted" in r.getMessage() for r in caplog.records)

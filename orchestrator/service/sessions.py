@@ -28,6 +28,7 @@ Pure apart from the lock and the wake-up of waiting polls: every call takes `now
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from orchestrator.dispatch import Dispatcher, Start, make_dispatcher
 from orchestrator.model import BlockInterval, ChainSpec
 from petals_chain.errors import AcquireTimeoutError, MaxLengthExceededError, NoChainError
 from petals_chain.messages import ChainGrant, Hop
+
+logger = logging.getLogger(__name__)
 
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 QUEUE_ORDERS = ("fifo", "fair")
@@ -317,6 +320,9 @@ class Sessions:
                                           wait, w.job_id, charge)
         self.metrics.admitted += 1
         self.metrics.observe_wait(wait)
+        # the session id carries an API gateway's request id: this line ties a request to its chain
+        logger.info("session %s of %s: chain %s granted after %.3f s in the queue", w.session_id, w.client_id,
+                    ch.chain_id, wait)
         g = ChainGrant(w.session_id, ch.chain_id, self.plan_version, ch.hops, ch.service_time_s, self.lease_ttl_s,
                        wait, extra={"seq": self.metrics.admitted})
         self._unpicked[w.session_id] = (g, now_s)

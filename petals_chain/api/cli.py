@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=2048, help="prompt + completion tokens per request (default 2048)")
     p.add_argument("--admission", default="fifo", choices=sorted(ADMISSION_POLICIES),
                    help="order of waiting requests across API keys (default fifo)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's (e.g. one that renders tools)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the client head (embeddings, LM head) runs")
     p.add_argument("--client-batch-rows", type=int, default=4096,
@@ -58,6 +60,14 @@ def main(argv: list[str]) -> int:
             print(f"petals-chain api: bad --initial-peers {maddr!r} ({e}); pass the full multiaddr printed by "
                   "`petals-chain dht`, e.g. /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...", file=sys.stderr)
             return 2
+    template_text = None
+    if args.chat_template is not None:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template_text = f.read()
+        except OSError as e:
+            print(f"petals-chain api: cannot read --chat-template {args.chat_template!r} ({e})", file=sys.stderr)
+            return 2
     try:  # bind first: a port in use is a clear error before the model loads
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -74,6 +84,8 @@ def main(argv: list[str]) -> int:
     from petals_chain.errors import PetalsChainError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # one line per finished session, with the request id (the servers' and orchestrator's logs name it too)
+    logging.getLogger("petals_chain.api").setLevel(logging.INFO)
     from petals_chain.membership import load_allowed_peers
 
     try:
@@ -87,6 +99,8 @@ def main(argv: list[str]) -> int:
         print(f"petals-chain api: {e}", file=sys.stderr)
         return 2
     tokenizer = AutoTokenizer.from_pretrained(model.head.model_path)
+    if args.chat_template is not None:
+        tokenizer.chat_template = template_text
     keys = {key: f"key{i}" for i, key in enumerate(args.api_key)}  # labels, so metrics never show a key
     gateway = Gateway(model, tokenizer, GatewayConfig(model_name=args.model, api_keys=keys,
                                                       max_concurrent=args.max_concurrent,

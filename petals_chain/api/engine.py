@@ -28,6 +28,17 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k likeliest
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model (log_softmax of the LM head's logits,
+    before temperature / top-p), and the `top` likeliest tokens at that position, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -37,7 +48,11 @@ class GenerationResult:
     finish_reason: str = "length"  # "stop" (eos or a stop string), "length", "cancelled"
     time_to_first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)  # when each token was produced (clock)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
     chain: str = ""
+    hops: int = 0  # servers in the chain the session ran on
+    failovers: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens every hop took from its prefix cache
 
 
 class StopScanner:
@@ -67,11 +82,15 @@ class StopScanner:
 
 
 def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                   *, cancel: threading.Event, on_text: Callable[[str], None],
-                   clock: Callable[[], float] = time.perf_counter) -> GenerationResult:
-    """Generate for one request (blocking; run it in a worker thread). `on_text(delta)` gets each
-    piece of text as soon as it is safe to send. The session is closed (its chain released) on
-    every way out, cancellation and errors included."""
+                   *, cancel: threading.Event, on_text: Callable[[str, list[TokenLogprob]], None],
+                   session_id: str | None = None, clock: Callable[[], float] = time.perf_counter) -> GenerationResult:
+    """Generate for one request (blocking; run it in a worker thread). `on_text(delta, logprobs)`
+    gets each piece of text as soon as it is safe to send, with the logprobs of the tokens
+    generated since the previous call (empty unless `params.top_logprobs` is set). The session
+    opens with the prompt, so hops whose prefix caches hold its start skip it (a chat's next turn
+    resends the conversation); `session_id` (the request id in it) names the session in the
+    orchestrator's and servers' logs. The session is closed (its chain released) on every way
+    out, cancellation and errors included."""
     start_s = clock()
     generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                               else int.from_bytes(os.urandom(8), "little") >> 1)
@@ -86,8 +105,15 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
     result = GenerationResult()
     tokens = list(prompt_ids)
     generated: list[int] = []
-    with model.inference_session(max_length=len(prompt_ids) + params.max_tokens) as session:
+    pending: list[TokenLogprob] = []  # logprobs not yet handed out with a text delta
+    if params.top_logprobs is not None:
+        result.logprobs = []
+    with model.inference_session(max_length=len(prompt_ids) + params.max_tokens,
+                                 prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
+                                 session_id=session_id) as session:
         result.chain = session.chain.describe()
+        result.hops = session.chain.num_hops
+        result.prefix_hit_tokens = session.position  # the open skipped what every hop had cached
         while len(generated) < params.max_tokens:
             if cancel.is_set():
                 result.finish_reason = "cancelled"
@@ -99,6 +125,10 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
                 token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0])
             else:
                 token = int(logits.argmax(dim=-1)[0])
+            if result.logprobs is not None:
+                entry = token_logprob(logits[0], token, params.top_logprobs)
+                result.logprobs.append(entry)
+                pending.append(entry)
             now_s = clock()
             if result.time_to_first_token_s is None:
                 result.time_to_first_token_s = now_s - start_s
@@ -110,17 +140,27 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
                 break
             delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True))
             if delta:
-                on_text(delta)
+                on_text(delta, pending)
+                pending = []
             if scanner.stopped:
                 result.finish_reason = "stop"
                 break
+        result.failovers = getattr(session.chain, "failovers", 0)
     if result.finish_reason != "cancelled":
         delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True), final=True)
-        if delta:
-            on_text(delta)
+        if delta or pending:
+            on_text(delta, pending)
     result.text = scanner.sent
     result.completion_tokens = len(generated)
     return result
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s entry from one position's logits [vocab]: HF's `log_softmax` of the same logits."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top > 0 else None
+    alternatives = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -12,29 +12,40 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from petals_chain.api import tools
 from petals_chain.api.admission import AdmissionQueue, CapacityError, make_admission_policy
-from petals_chain.api.engine import GenerationResult, SamplingParams, run_generation
-from petals_chain.api.metrics import GatewayMetrics
+from petals_chain.api.engine import GenerationResult, SamplingParams, TokenLogprob, run_generation
+from petals_chain.api.metrics import CONTENT_TYPE, GatewayMetrics
 from petals_chain.api.openai_schema import (
-    APIError, ChatRequest, CompletionRequest, chat_body, chat_chunk, completion_body, now_s, usage,
+    APIError, ChatRequest, CompletionRequest, chat_body, chat_choice, chat_chunk, chat_delta, completion_body,
+    completion_choice, now_s, usage,
 )
 from petals_chain.errors import InvalidRequestError, PetalsChainError
+
+logger = logging.getLogger(__name__)
 
 # The client hung up before the answer: nobody reads this reply, but the request ends cleanly and
 # is counted under nginx's "client closed request" status.
 CLIENT_CLOSED_REQUEST = 499
 # Swarm-side failures that mean "no capacity / no healthy chain right now": the client may retry.
 UNAVAILABLE_STATUS = 503
+# A client's X-Request-Id goes into session ids and log lines: keep it short and plain.
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+# /ready asks the DHT at most this often (probes come every few seconds from every replica's orchestrator)
+READY_CACHE_S = 1.0
 
 
 @dataclass
@@ -52,9 +63,10 @@ class Gateway:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        self.metrics = metrics or GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics(config.model_name)
         self.queue = AdmissionQueue(config.max_concurrent, make_admission_policy(config.admission))
         self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent, thread_name_prefix="api-session")
+        self._ready: tuple[float, str | None] | None = None  # (when checked, reason or None)
         self.app = self._build_app()
 
     # -- request handling ------------------------------------------------------------------
@@ -74,99 +86,103 @@ class Gateway:
             raise APIError(404, f"The model '{name}' does not exist; this gateway serves "
                                 f"'{self.config.model_name}' (GET /v1/models)", param="model", code="model_not_found")
 
-    def _params(self, body, prompt_ids: list[int]) -> SamplingParams:
+    def _params(self, body, prompt_ids: list[int]) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i samples with seed + i (each
+        reproducible, and not n copies of one answer)."""
         room = self.config.max_length - len(prompt_ids)
         max_tokens = body.max_tokens if body.max_tokens is not None else room
         if room < 1 or max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {self.config.max_length} tokens; the "
                                 f"prompt has {len(prompt_ids)} and max_tokens asks for {max_tokens}: shorten the "
                                 "prompt or lower max_tokens", param="max_tokens", code="context_length_exceeded")
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              stop=body.stop_list(), seed=body.seed)
+        if body.n > self.config.max_concurrent:
+            raise APIError(400, f"n={body.n} is more than the gateway's {self.config.max_concurrent} concurrent "
+                                "sessions (--max-concurrent): ask for fewer choices", param="n")
+        if body.n > 1 and body.temperature == 0:
+            logger.info("n=%d with temperature 0: the choices will be identical", body.n)
+        return [SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                               stop=body.stop_list(), seed=None if body.seed is None else body.seed + i,
+                               top_logprobs=body.top_logprobs_count()) for i in range(body.n)]
 
-    def _chat_prompt(self, body: ChatRequest) -> list[int]:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether the reply is parsed for tool calls."""
         if not self.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
-
-    async def _start(self, user: str, prompt_ids: list[int], params: SamplingParams):
-        """Admit the request, start its session in a worker thread; returns (events queue, cancel flag).
-        The slot goes back when the thread is done, whatever happens to the HTTP side."""
-        self.metrics.waiting += 1
+        messages = [tools.template_message(m) for m in body.messages]
+        offered = tools.offered_tools(body)  # 400s for what the gateway cannot honour
+        kwargs = {}
+        if offered:
+            if not tools.template_supports_tools(self.tokenizer):
+                raise APIError(400, f"the chat template of {self.config.model_name} does not support tools (it "
+                                    "renders the same prompt with and without them); start the gateway with "
+                                    "--chat-template FILE naming a template that does, or send the request "
+                                    "without 'tools'", param="tools")
+            kwargs["tools"] = offered
         try:
-            await self.queue.acquire(user, len(prompt_ids), self.config.queue_timeout_s)
-        except CapacityError as e:
-            raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded") from None
-        finally:
-            self.metrics.waiting -= 1
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                                     **kwargs)["input_ids"]
+        except Exception as e:  # a template's own raise_exception (e.g. roles that must alternate)
+            raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
+        return list(ids), bool(offered)
+
+    async def _start(self, request: Request, user: str, prompt_ids: list[int], params: list[SamplingParams]):
+        """Admit each choice and start its session in a worker thread; returns (events queue of
+        (choice index, kind, value), cancel flag shared by the choices). A choice's slot goes back
+        when its thread is done, whatever happens to the HTTP side."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
+        request_id = request.state.request_id
+        arrived_s = request.state.arrived_s
+        for index, choice_params in enumerate(params):
+            queued_s = time.perf_counter()
+            self.metrics.waiting += 1
+            try:
+                await self.queue.acquire(user, len(prompt_ids), self.config.queue_timeout_s)
+            except CapacityError as e:
+                cancel.set()  # choices already running stop: the request fails as a whole
+                raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded") from None
+            except BaseException:
+                cancel.set()
+                raise
+            finally:
+                self.metrics.waiting -= 1
+            self.metrics.queue_time.observe(time.perf_counter() - queued_s)
+            self._submit(loop, events, cancel, user, prompt_ids, choice_params, index,
+                         f"{request_id}.{index}.{uuid.uuid4().hex[:8]}", arrived_s)
+        return events, cancel
 
+    def _submit(self, loop, events: asyncio.Queue, cancel: threading.Event, user: str, prompt_ids: list[int],
+                params: SamplingParams, index: int, session_id: str, arrived_s: float) -> None:
         def work() -> GenerationResult:
-            return run_generation(self.model, self.tokenizer, prompt_ids, params, cancel=cancel,
-                                  on_text=lambda d: loop.call_soon_threadsafe(events.put_nowait, ("text", d)))
+            return run_generation(self.model, self.tokenizer, prompt_ids, params, cancel=cancel, session_id=session_id,
+                                  on_text=lambda d, lp: loop.call_soon_threadsafe(events.put_nowait,
+                                                                                  (index, "text", (d, lp))))
 
         def finished(fut) -> None:
             self.metrics.active_sessions -= 1
             result = None if fut.cancelled() or fut.exception() else fut.result()
             self.queue.release(user, len(prompt_ids), result.completion_tokens if result else 0)
-            if result is not None:
-                self.metrics.generation(len(prompt_ids), result.completion_tokens, result.time_to_first_token_s,
-                                        result.finish_reason)
-                events.put_nowait(("done", result))
-            else:
-                events.put_nowait(("error", fut.exception()))
+            if result is None:
+                error = fut.exception() if not fut.cancelled() else APIError(503, "the gateway is shutting down")
+                logger.warning("session %s failed: %s", session_id, error)
+                events.put_nowait((index, "error", error))
+                return
+            self.metrics.generation(prompt_tokens=len(prompt_ids), completion_tokens=result.completion_tokens,
+                                    finish_reason=result.finish_reason, ttft_s=result.time_to_first_token_s,
+                                    token_times_s=result.token_times_s, e2e_s=time.perf_counter() - arrived_s,
+                                    hops=result.hops, failovers=result.failovers,
+                                    prefix_hit_tokens=result.prefix_hit_tokens)
+            logger.info("session %s (%s): %d prompt tokens (%d from prefix caches), %d generated, %s, chain %s",
+                        session_id, user, len(prompt_ids), result.prefix_hit_tokens, result.completion_tokens,
+                        result.finish_reason, result.chain)
+            events.put_nowait((index, "done", result))
 
         self.metrics.active_sessions += 1
         asyncio.wrap_future(self.executor.submit(work)).add_done_callback(finished)
-        return events, cancel
 
-    async def _collect(self, request: Request, events: asyncio.Queue, cancel: threading.Event) -> GenerationResult:
-        """Wait for the whole result; a client that disconnects meanwhile cancels the session."""
-        disconnect = asyncio.create_task(_wait_disconnect(request))
-        try:
-            while True:
-                getter = asyncio.create_task(events.get())
-                done, _ = await asyncio.wait({getter, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    cancel.set()
-                    raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the request; its session was cancelled")
-                kind, value = getter.result()
-                if kind == "done":
-                    return value
-                if kind == "error":
-                    raise _api_error(value)
-        finally:
-            disconnect.cancel()
-
-    def _stream(self, events: asyncio.Queue, cancel: threading.Event, first, make_chunk, final_chunks):
-        async def sse():
-            try:
-                item = first
-                while True:
-                    kind, value = item
-                    if kind == "text":
-                        yield _sse(make_chunk(value))
-                    elif kind == "done":
-                        for chunk in final_chunks(value):
-                            yield _sse(chunk)
-                        yield "data: [DONE]\n\n"
-                        return
-                    else:
-                        yield _sse(_api_error(value).body())
-                        return
-                    item = await events.get()
-            finally:  # the client went away (Starlette cancels us) or the stream ended: stop the session
-                cancel.set()
-
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def _first_event(self, events: asyncio.Queue, cancel: threading.Event, request: Request):
-        """Before answering 200 to a streaming request, wait for its first event, so that a swarm
-        without capacity still gets a proper error status instead of a broken stream."""
+    async def _next_event(self, request: Request, events: asyncio.Queue, cancel: threading.Event):
+        """The next event, or a 499 (and the sessions cancelled) if the client disconnects first."""
         disconnect = asyncio.create_task(_wait_disconnect(request))
         getter = asyncio.create_task(events.get())
         try:
@@ -177,81 +193,201 @@ class Gateway:
                 raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the request; its session was cancelled")
         finally:
             disconnect.cancel()
-        kind, value = getter.result()
-        if kind == "error":
-            raise _api_error(value)
-        return kind, value
+        return getter.result()
 
+    async def _collect(self, request: Request, events: asyncio.Queue, cancel: threading.Event,
+                       n: int) -> list[GenerationResult]:
+        """Wait for every choice's result; a client that disconnects meanwhile cancels the sessions."""
+        results: dict[int, GenerationResult] = {}
+        while len(results) < n:
+            index, kind, value = await self._next_event(request, events, cancel)
+            if kind == "error":
+                cancel.set()
+                raise _api_error(value)
+            if kind == "done":
+                results[index] = value
+        return [results[i] for i in range(n)]
+
+    def _stream(self, events: asyncio.Queue, cancel: threading.Event, first, n: int, on_text, on_done, on_end):
+        """Server-sent events: `on_text(index, text, logprobs)` and `on_done(index, result)` yield
+        chunks for one choice, `on_end(results)` the closing ones (usage) after every choice is done."""
+        async def sse():
+            results: dict[int, GenerationResult] = {}
+            try:
+                item = first
+                while True:
+                    index, kind, value = item
+                    if kind == "text":
+                        for chunk in on_text(index, *value):
+                            yield _sse(chunk)
+                    elif kind == "done":
+                        results[index] = value
+                        for chunk in on_done(index, value):
+                            yield _sse(chunk)
+                        if len(results) == n:
+                            for chunk in on_end([results[i] for i in range(n)]):
+                                yield _sse(chunk)
+                            yield "data: [DONE]\n\n"
+                            return
+                    else:
+                        yield _sse(_api_error(value).body())
+                        return
+                    item = await events.get()
+            finally:  # the client went away (Starlette cancels us) or the stream ended: stop the sessions
+                cancel.set()
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _first_event(self, request: Request, events: asyncio.Queue, cancel: threading.Event):
+        """Before answering 200 to a streaming request, wait for its first event, so that a swarm
+        without capacity still gets a proper error status instead of a broken stream."""
+        item = await self._next_event(request, events, cancel)
+        if item[1] == "error":
+            cancel.set()
+            raise _api_error(item[2])
+        return item
+
+    # -- logprobs in OpenAI's two shapes ---------------------------------------------------------
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _chat_logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        if entries is None:
+            return None
+
+        def one(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+
+    def _completion_logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+        """Completions' legacy shape; `text_offset` counts characters of the completion from `offset`."""
+        if entries is None:
+            return None
+        tokens = [self._token_text(e.token_id) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token_text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    # -- the endpoints ---------------------------------------------------------------------------
     async def completions(self, request: Request, body: CompletionRequest):
         user = self._user(request)
         self._check_model(body.model)
         prompt_ids = list(self.tokenizer(body.prompt)["input_ids"])
         params = self._params(body, prompt_ids)
-        rid, created = "cmpl-" + uuid.uuid4().hex, now_s()
-        events, cancel = await self._start(user, prompt_ids, params)
+        rid, created = "cmpl-" + request.state.request_id, now_s()
+        events, cancel = await self._start(request, user, prompt_ids, params)
         if not body.stream:
-            r = await self._collect(request, events, cancel)
-            return completion_body(rid, body.model, created, r.text, r.finish_reason,
-                                   usage(len(prompt_ids), r.completion_tokens))
-        first = await self._first_event(events, cancel, request)
+            results = await self._collect(request, events, cancel, body.n)
+            return completion_body(rid, body.model, created,
+                                   [completion_choice(i, r.text, r.finish_reason, self._completion_logprobs(r.logprobs))
+                                    for i, r in enumerate(results)],
+                                   usage(len(prompt_ids), sum(r.completion_tokens for r in results)))
+        first = await self._first_event(request, events, cancel)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        offsets = [0] * body.n  # per choice: characters streamed so far (logprobs' text_offset)
 
-        def final(r: GenerationResult):
-            yield completion_body(rid, body.model, created, "", r.finish_reason, None)
+        def on_text(index, text, entries):
+            logprobs = self._completion_logprobs(entries if body.logprobs is not None else None, offsets[index])
+            offsets[index] += sum(len(t) for t in logprobs["tokens"]) if logprobs else 0
+            yield completion_body(rid, body.model, created, [completion_choice(index, text, None, logprobs)], None)
+
+        def on_done(index, r: GenerationResult):
+            yield completion_body(rid, body.model, created, [completion_choice(index, "", r.finish_reason)], None)
+
+        def on_end(results):
             if include_usage:
-                yield {**completion_body(rid, body.model, created, "", None, usage(len(prompt_ids), r.completion_tokens)),
-                       "choices": []}
+                yield completion_body(rid, body.model, created, [],
+                                      usage(len(prompt_ids), sum(r.completion_tokens for r in results)))
 
-        return self._stream(events, cancel, first, lambda t: completion_body(rid, body.model, created, t, None, None),
-                            final)
+        return self._stream(events, cancel, first, body.n, on_text, on_done, on_end)
 
     async def chat(self, request: Request, body: ChatRequest):
         user = self._user(request)
         self._check_model(body.model)
-        prompt_ids = self._chat_prompt(body)
+        prompt_ids, with_tools = self._chat_prompt(body)
         params = self._params(body, prompt_ids)
-        rid, created = "chatcmpl-" + uuid.uuid4().hex, now_s()
-        events, cancel = await self._start(user, prompt_ids, params)
+        rid, created = "chatcmpl-" + request.state.request_id, now_s()
+        events, cancel = await self._start(request, user, prompt_ids, params)
         if not body.stream:
-            r = await self._collect(request, events, cancel)
-            return chat_body(rid, body.model, created, r.text, r.finish_reason, usage(len(prompt_ids), r.completion_tokens))
-        first = await self._first_event(events, cancel, request)
+            results = await self._collect(request, events, cancel, body.n)
+            choices = []
+            for i, r in enumerate(results):
+                content, calls = tools.parse_tool_calls(r.text) if with_tools else (r.text, [])
+                finish = "tool_calls" if calls else r.finish_reason
+                choices.append(chat_choice(i, content, finish, self._chat_logprobs(r.logprobs), calls))
+            return chat_body(rid, body.model, created, choices,
+                             usage(len(prompt_ids), sum(r.completion_tokens for r in results)))
+        first = await self._first_event(request, events, cancel)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        role_sent = [False]
+        role_sent = [False] * body.n
+        # with tools, text that may be a tool call is held back until it is known not to be one
+        holders = [tools.ToolCallStream() if with_tools else None for _ in range(body.n)]
 
-        def chunk(text: str):
-            delta = {"content": text} if role_sent[0] else {"role": "assistant", "content": text}
-            role_sent[0] = True
-            return chat_chunk(rid, body.model, created, delta, None)
+        def delta_chunk(index: int, delta: dict, finish_reason=None, logprobs=None):
+            if not role_sent[index]:
+                delta = {"role": "assistant", **delta}
+                role_sent[index] = True
+            return chat_chunk(rid, body.model, created, [chat_delta(index, delta, finish_reason, logprobs)])
 
-        def final(r: GenerationResult):
-            if not role_sent[0]:
-                yield chunk("")
-            yield chat_chunk(rid, body.model, created, {}, r.finish_reason)
+        def on_text(index, text, entries):
+            logprobs = self._chat_logprobs(entries if body.logprobs else None)
+            if holders[index] is not None:
+                text = holders[index].push(text)
+            if text or logprobs:
+                yield delta_chunk(index, {"content": text}, logprobs=logprobs)
+
+        def on_done(index, r: GenerationResult):
+            finish = r.finish_reason
+            if holders[index] is not None:
+                rest, calls = holders[index].finish()
+                if rest:
+                    yield delta_chunk(index, {"content": rest})
+                if calls:
+                    finish = "tool_calls"
+                    yield delta_chunk(index, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
+            if not role_sent[index]:
+                yield delta_chunk(index, {"content": ""})
+            yield delta_chunk(index, {}, finish)
+
+        def on_end(results):
             if include_usage:
-                yield chat_chunk(rid, body.model, created, {}, None, usage(len(prompt_ids), r.completion_tokens),
-                                 with_choice=False)
+                yield chat_chunk(rid, body.model, created, [],
+                                 usage(len(prompt_ids), sum(r.completion_tokens for r in results)))
 
-        return self._stream(events, cancel, first, chunk, final)
+        return self._stream(events, cancel, first, body.n, on_text, on_done, on_end)
+
+    async def ready(self) -> tuple[bool, str]:
+        now = time.monotonic()
+        if self._ready is None or now - self._ready[0] > READY_CACHE_S:
+            try:
+                reason = await asyncio.wait_for(asyncio.to_thread(self.model.backend.unready_reason), 15)
+            except Exception as e:  # a DHT that does not answer is a reason too
+                reason = f"cannot read the swarm's records: {type(e).__name__}: {e}"
+            self._ready = (time.monotonic(), reason)
+        reason = self._ready[1]
+        return reason is None, reason or "a full chain of servers is dispatchable"
 
     # -- the app -------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="petals-chain OpenAI-compatible gateway", docs_url=None, redoc_url=None)
         gw = self
 
-        app.add_middleware(_CountRequests, metrics=self.metrics)
+        app.add_middleware(_RequestContext, metrics=self.metrics)
 
         @app.exception_handler(APIError)
         async def api_error(_, e: APIError):
             return JSONResponse(e.body(), status_code=e.status)
 
         @app.exception_handler(RequestValidationError)
-        async def invalid(_, e: RequestValidationError):
-            err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            msg = err.get("msg", "invalid request")
-            where = f" ('{'.'.join(loc)}')" if loc else ""
-            return JSONResponse(APIError(400, f"{msg}{where}", param=".".join(loc) or None).body(), status_code=400)
+        async def invalid(request: Request, e: RequestValidationError):
+            return JSONResponse(_validation_error(e.errors(), await request.body()).body(), status_code=400)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(_, e: StarletteHTTPException):
@@ -259,12 +395,20 @@ class Gateway:
 
         @app.get("/health")
         async def health():
+            """Liveness: the process answers (a swarm without servers is /ready's business)."""
             return {"status": "ok", "model": gw.config.model_name, "active_sessions": gw.metrics.active_sessions,
                     "waiting_requests": gw.metrics.waiting, "max_concurrent": gw.config.max_concurrent}
 
+        @app.get("/ready")
+        async def ready():
+            """Readiness: 200 once a full chain for the model is dispatchable, else 503 with the reason."""
+            ok, reason = await gw.ready()
+            return JSONResponse({"status": "ready" if ok else "unavailable", "model": gw.config.model_name,
+                                 "reason": reason}, status_code=200 if ok else 503)
+
         @app.get("/metrics")
         async def metrics():
-            return PlainTextResponse(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+            return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -294,9 +438,11 @@ class Gateway:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-class _CountRequests:
-    """Pure ASGI middleware counting requests by path and status (BaseHTTPMiddleware would wrap
-    streaming responses and blur disconnect detection)."""
+class _RequestContext:
+    """Pure ASGI middleware (BaseHTTPMiddleware would wrap streaming responses and blur disconnect
+    detection): gives each request its id (the client's `X-Request-Id`, else a fresh one), echoed
+    in the response's `X-Request-Id` and carried into the session ids the orchestrator and servers
+    log; notes the arrival time (end-to-end latency); counts requests by path and status."""
 
     def __init__(self, app, metrics: GatewayMetrics):
         self.app = app
@@ -306,20 +452,54 @@ class _CountRequests:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = [500]
+        given = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        request_id = given if given is not None else uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"], state["arrived_s"] = request_id, time.perf_counter()
 
         async def send_status(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", request_id.encode("latin-1"))]}
             await send(message)
 
         try:
+            if not REQUEST_ID_RE.match(request_id):
+                error = APIError(400, "X-Request-Id must be 1 to 64 characters of letters, digits and . _ : - "
+                                      "(it names the request's sessions in the swarm's logs); send a shorter id",
+                                 param="X-Request-Id")
+                state["request_id"] = request_id = uuid.uuid4().hex
+                return await JSONResponse(error.body(), status_code=400)(scope, receive, send_status)
             await self.app(scope, receive, send_status)
         finally:
             path = scope.get("path", "")
             self.metrics.request(path if path in KNOWN_PATHS else "other", status[0])
 
 
-KNOWN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
+def _validation_error(errors: list[dict], raw_body: bytes) -> APIError:
+    """pydantic's first complaint about a request body as OpenAI's 400, worded for a person."""
+    err = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if err.get("type") == "json_invalid":
+        try:
+            json.loads(raw_body)
+            detail = err.get("ctx", {}).get("error", "invalid JSON")
+        except ValueError as e:  # json's own message names line and column
+            detail = str(e)
+        return APIError(400, f"the request body is not valid JSON ({detail}); send one JSON object with "
+                             "'Content-Type: application/json'")
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"unsupported field '{param}': this gateway does not implement it; remove it from the "
+                             "request (README: petals-chain api lists the supported fields)", param=param)
+    msg = err.get("msg", "invalid request").removeprefix("Value error, ")
+    if err.get("type") == "missing":
+        msg = "this required field is missing"
+    return APIError(400, f"{msg} ('{param}')" if param else msg, param=param)
+
+
+KNOWN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
 
 
 def _sse(obj: dict) -> str:

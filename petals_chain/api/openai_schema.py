@@ -1,14 +1,15 @@
 """OpenAI API request bodies (validated with pydantic), error bodies and response/chunk shapes.
 
 Field names and shapes follow OpenAI's API reference for `/v1/completions` and
-`/v1/chat/completions`; only `n=1` is served (one session per request).
+`/v1/chat/completions`. A field the gateway does not implement is rejected with a 400 naming it
+(or accepted only at its no-op value), never dropped silently.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -24,11 +25,29 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
+# Most choices one request may ask for (`n`): each is a session of its own through the swarm.
+MAX_CHOICES = 16
+# OpenAI's limit for chat's `top_logprobs`; completions' `logprobs` gets the same (vLLM does too).
+MAX_TOP_LOGPROBS = 20
+
+
+def _only_neutral(name: str, value: Any, neutral: tuple[Any, ...]) -> Any:
+    """A field the gateway accepts only at its no-op value: anything else is a 400 naming it,
+    never a silently dropped setting."""
+    if value not in neutral:
+        shown = " or ".join(repr(v) for v in neutral if v is not None) or "null"
+        raise ValueError(f"'{name}' is not implemented by this gateway; remove it (or send {shown})")
+    return value
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # an unknown field is a 400 naming it (gateway.py words the message): nothing is silently ignored
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -36,17 +55,24 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user label: logged with the request id
+    # accepted only at their no-op values (see `_only_neutral`)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
-    @field_validator("n")
+    @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
-    def _one(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported: send one request per completion")
-        return v
+    def _no_penalty(cls, v, info):
+        return _only_neutral(info.field_name, v, (None, 0, 0.0))
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        return _only_neutral("logit_bias", v or None, (None,))
 
     @field_validator("stop")
     @classmethod
@@ -55,31 +81,69 @@ class _Common(BaseModel):
             raise ValueError("at most 4 stop sequences")
         return v
 
+    @model_validator(mode="after")
+    def _usage_needs_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def top_logprobs_count(self) -> int | None:
+        """None: no logprobs; k: the sampled token's logprob and the k most likely alternatives."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
         if isinstance(v, list):
             if len(v) != 1:
-                raise ValueError("send exactly one prompt per request (a string, or a list of one string)")
+                raise ValueError("send exactly one prompt per request (a string, or a list of one string); "
+                                 "use n for several completions of one prompt")
             return v[0]
         return v
 
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        return _only_neutral("echo", v, (False,))
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        return _only_neutral("best_of", v, (None, 1))
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        return _only_neutral("suffix", v or None, (None,))
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer to that call
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -90,28 +154,73 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v):
+        if v != "text":
+            raise ValueError(f"response_format {v!r} is not implemented by this gateway (no constrained "
+                             "decoding); remove it (or send {\"type\": \"text\"})")
+        return v
+
+
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens differ: send one of them")
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def completion_body(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                    usage: dict | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(rid: str, model: str, created: int, choices: list[dict], usage: dict | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             **({"usage": usage} if usage is not None else {})}
 
 
-def chat_body(rid: str, model: str, created: int, text: str, finish_reason: str, usage: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}], "usage": usage}
+def chat_body(rid: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None,
-               usage: dict | None = None, with_choice: bool = True) -> dict:
-    choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}] if with_choice else []
+def chat_chunk(rid: str, model: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
             **({"usage": usage} if usage is not None else {})}
+
+
+def chat_delta(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

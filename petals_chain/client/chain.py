@@ -31,6 +31,12 @@ class ChainSession(ABC):
     # tokens already processed by every block; after an open that reused a cached prompt prefix
     # it starts at that prefix's length, so the first step carries only the rest of the prompt
     position: int = 0
+    failovers: int = 0  # hops replaced after a server failed
+
+    @property
+    def num_hops(self) -> int:
+        """Servers (or local block ranges) the session's chain runs through."""
+        return 1
 
     @abstractmethod
     def step(self, hidden: torch.Tensor) -> torch.Tensor: ...
@@ -44,8 +50,16 @@ class ChainSession(ABC):
 
 class ChainBackend(ABC):
     @abstractmethod
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None) -> ChainSession:
-        """`prefix`: the prompt, offered for prefix reuse (backends without a cache ignore it)."""
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, *,
+                     session_id: str | None = None) -> ChainSession:
+        """`prefix`: the prompt, offered for prefix reuse (backends without a cache ignore it).
+        `session_id`: the id the chain's orchestrator and servers know (and log) the session by
+        (an API request's id in it ties their logs to the request); default a fresh random one."""
+
+    def unready_reason(self) -> str | None:
+        """Why a session could not be served now (e.g. no full chain of servers), or None when it
+        could: a readiness probe (`petals-chain api`'s /ready). Blocking; may ask the network."""
+        return None
 
     def shutdown(self) -> None:
         """Release whatever the backend holds (network peers, threads)."""
@@ -56,6 +70,10 @@ class LocalChainSession(ChainSession):
         self.ranges = ranges
         self.kvs = [r.allocate_kv(max_length) for r in ranges]
         self.position = 0
+
+    @property
+    def num_hops(self) -> int:
+        return len(self.ranges)
 
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
         for block_range, kv in zip(self.ranges, self.kvs):
@@ -81,5 +99,6 @@ class LocalChain(ChainBackend):
             expected = r.end
         self.ranges = ranges
 
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None) -> ChainSession:
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, *,
+                     session_id: str | None = None) -> ChainSession:
         return LocalChainSession(self.ranges, max_length)

@@ -108,16 +108,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # -- sessions ----------------------------------------------------------------------------
     @contextmanager
-    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None):
+    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None,
+                          session_id: str | None = None):
         """`with model.inference_session(max_length=...) as s:` keeps the conversation cached on the chain;
         every `generate` inside continues it (pass only the new tokens). `prompt_ids` [n]: the first
-        prompt, offered to the servers' prefix caches (the session then starts past the reused part)."""
+        prompt, offered to the servers' prefix caches (the session then starts past the reused part).
+        `session_id`: what the orchestrator and servers call the session (default: a random id)."""
         if self._session is not None:
             raise InvalidRequestError("an inference session is already active on this model; close it first")
         prefix = None
         if prompt_ids is not None:
             prefix = PromptPrefix(prompt_ids.tolist(), self.head.embed_batched(prompt_ids))
-        session = InferenceSession(self.backend.open_session(max_length, prefix), max_length)
+        session = InferenceSession(self.backend.open_session(max_length, prefix, session_id=session_id), max_length)
         self._session = session
         try:
             yield session

@@ -20,9 +20,9 @@ from petals_chain.client.chain import ChainBackend, PromptPrefix
 from petals_chain.client.orchestrated import OrchestratorChainProvider
 from petals_chain.client.hop_client import FailoverPolicy, HopClient, HopFailed, as_server_error  # noqa: F401
 from petals_chain.client.remote_session import RemoteChainSession
-from petals_chain.client.routing import ChainProvider, DhtChainProvider
+from petals_chain.client.routing import ChainProvider, DhtChainProvider, min_latency_chain
 from petals_chain.dht_records import fetch_servers, model_key
-from petals_chain.errors import InvalidRequestError
+from petals_chain.errors import InvalidRequestError, NoChainError
 from petals_chain.orchestrator_records import find_orchestrator
 from petals_chain.protocol import ping_block_server_s
 from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
@@ -59,6 +59,7 @@ class RemoteChain(ChainBackend):
         self.hops = HopClient(self.loop, self.p2p, step_timeout_s=step_timeout_s, open_timeout_s=open_timeout_s)
         # a private swarm: records of servers (and of an orchestrator) not on this list are ignored
         allowed = None if allowed_servers is None else frozenset(allowed_servers)
+        self.allowed_servers = allowed
         self.orchestrator = (find_orchestrator(self.dht, self.model, allowed)
                              if provider is None and use_orchestrator else None)
         if provider is None and self.orchestrator is not None:
@@ -106,9 +107,22 @@ class RemoteChain(ChainBackend):
         finally:
             self.provider.session_finished(hops, session_id=sid)
 
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None) -> "RemoteChainSession":
+    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, *,
+                     session_id: str | None = None) -> "RemoteChainSession":
         """`prefix`: the prompt, offered to the hops' prefix caches (`remote_session.py`)."""
-        return RemoteChainSession(self, max_length, prefix if self.prefix_reuse else None)
+        return RemoteChainSession(self, max_length, prefix if self.prefix_reuse else None, session_id=session_id)
+
+    def unready_reason(self) -> str | None:
+        """None once the DHT lists online servers that cover every block (a chain the provider
+        can dispatch), else the reason; with an orchestrator, also that it is still announced."""
+        servers = fetch_servers(self.dht, self.model, allowed=self.allowed_servers)
+        try:
+            min_latency_chain(servers, 0, self.num_blocks, lambda _peer: 0.0)
+        except NoChainError as e:
+            return f"model {self.model}: {e}"
+        if self.orchestrator is not None and find_orchestrator(self.dht, self.model, self.allowed_servers) is None:
+            return f"the orchestrator of {self.model} is no longer announced in the DHT"
+        return None
 
     def shutdown(self) -> None:
         self.provider.close()

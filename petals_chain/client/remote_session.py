@@ -52,13 +52,14 @@ class HopTiming:
 
 
 class RemoteChainSession(ChainSession):
-    def __init__(self, chain: RemoteChain, max_length: int, prefix: PromptPrefix | None = None):
+    def __init__(self, chain: RemoteChain, max_length: int, prefix: PromptPrefix | None = None, *,
+                 session_id: str | None = None):
         self.chain = chain
         self.max_length = max_length
         self.prefix = prefix
         self.prefix_hashes = prefix_hashes(prefix.token_ids, chain.model) if prefix is not None else []
         self.prefix_tokens = 0  # tokens of the prompt every hop took from its cache
-        self.session_id = uuid.uuid4().hex
+        self.session_id = session_id or uuid.uuid4().hex
         self.position = 0
         self.failover = FailoverPolicy(chain.max_failovers)  # one budget for open and steps
         self.reopens = 0  # streams reopened after the server's session_idle_timeout (not failovers)
@@ -160,6 +161,10 @@ class RemoteChainSession(ChainSession):
         self.chain.hops.close(streams)
 
     # -- the session API ------------------------------------------------------------------------
+    @property
+    def num_hops(self) -> int:
+        return len(self.streams)
+
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.position + hidden.shape[0] > self.max_length:
             raise MaxLengthExceededError(f"session opened with max_length={self.max_length} cannot take "

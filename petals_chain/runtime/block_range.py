@@ -71,10 +71,12 @@ class BlockRange:
             # Quantize while the weights are still on the CPU: bitsandbytes quantizes a weight when it
             # moves from the CPU to the device, so a block moved first would keep serving bf16 weights.
             self.blocks[index] = quantize_linears(block, quant, self.dtype, self.device).to(self.device)
-        # CUDA graphs of decode steps (runtime/decode_graphs.py): on CUDA unless turned off.
+        # CUDA graphs of decode steps (runtime/decode_graphs.py): on CUDA unless turned off, and not
+        # for bitsandbytes layers (int8's matmul syncs with the host: its capture fails, measured on
+        # an H100 with bitsandbytes 0.50.2, so quantized ranges decode eagerly)
         self.graphs = (DecodeGraphs(self._graph_body, hidden_size=self.hidden_size, dtype=self.dtype,
-                                    device=self.device, version=lambda: self._encode_positions_version())
-                       if cuda_graphs and self.device.type == "cuda" else None)
+                                    device=self.device, version=self._encode_positions_version)
+                       if cuda_graphs and self.device.type == "cuda" and quant == "none" else None)
 
     # -- sizes the orchestrator plans with -------------------------------------------------
     @cached_property
