@@ -22,14 +22,14 @@ from hivemind.p2p import PeerID
 
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
-from petals_chain.dht_records import announce_server, fetch_servers, model_key
+from petals_chain.dht_records import announce_server, model_key
 from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.models.checkpoint import resolve_model_path
 from petals_chain import wire
 from petals_chain.errors import PetalsChainError
 from petals_chain.messages import AssignmentReply, AssignmentRequest, AssignmentStatus
 from petals_chain.orchestrator_records import find_orchestrator
-from petals_chain.protocol import BlockService, OrchestratorService, ping_block_server_s
+from petals_chain.protocol import BlockService, OrchestratorService
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.wire import ServerInfo, ServerState
 from server.handler import BlockServicer, ServicerLimits
@@ -39,9 +39,6 @@ from server.profiling import cached_block_times
 from server.serving_stack import StackSlot, build_stack
 
 logger = logging.getLogger(__name__)
-
-PEER_PROBE_PERIOD_S = 10.0
-MAX_PEER_PROBES = 16  # a probe round stays bounded in a large swarm
 
 
 @dataclass
@@ -116,7 +113,6 @@ class BlockServer:
         self.servicer = BlockService(self._servicer, config.allowed_peers)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         self._stop = threading.Event()
-        self.peer_rtt_s: dict[str, float] = {}  # replaced whole by the peer-rtt thread (read by info())
         try:
             self._announce()
             if self.auto:
@@ -128,7 +124,6 @@ class BlockServer:
         self._announce()
         self._announcer = threading.Thread(target=self._announce_loop, name="announcer", daemon=True)
         self._announcer.start()
-        threading.Thread(target=self._probe_peers_loop, name="peer-rtt", daemon=True).start()
         if self.auto:
             threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
 
@@ -233,7 +228,7 @@ class BlockServer:
             extra={"queue_length": stack.scheduler.queue_length, "policy": stack.scheduler.policy.name,
                    "admission_queue_length": len(stack.admission), "auto": self.auto,
                    "prefix_cache": stack.prefix_cache.view() if stack.prefix_cache is not None else None,
-                   "relay": self._servicer.relay_index.view(), "peer_rtt_s": dict(self.peer_rtt_s),
+                   "relay": self._servicer.relay_index.view(),
                    # the memory accounting (bytes): weights + reserved KV (sessions and cached prefixes)
                    # must stay within memory_budget_bytes
                    "weights_bytes": budget.weights_bytes, "kv_reserved_bytes": budget.reserved_bytes,
@@ -250,26 +245,6 @@ class BlockServer:
             logger.warning("announcing state %r timed out after %.0f s (will retry)", self.state, timeout_s)
         except Exception:
             logger.exception("announce failed (will retry)")
-
-    def _probe_peers_loop(self) -> None:
-        """RTTs (rpc_info round trips) to the other online servers of the model, reported in
-        `extra.peer_rtt_s`: the orchestrator models server relay with them (footnote 4's tau_c,ij).
-        Its own thread: a dead peer's probe may take its timeout, which must not delay announcing."""
-        while not self._stop.wait(PEER_PROBE_PERIOD_S):
-            try:
-                peers = [i.peer_id for i in fetch_servers(self.dht, self.model_name, allowed=self.config.allowed_peers)
-                         if i.peer_id != self.peer_id][:MAX_PEER_PROBES]
-            except Exception:
-                logger.debug("listing peers to probe failed", exc_info=True)
-                continue
-            rtts = {}
-            for peer in peers:
-                if self._stop.is_set():
-                    return
-                rtt = ping_block_server_s(self.loop, self.p2p, peer, timeout_s=2.0)
-                if rtt is not None:
-                    rtts[peer] = rtt
-            self.peer_rtt_s = rtts
 
     def _announce_loop(self) -> None:
         while not self._stop.wait(self.config.announce_period_s):
