@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-block-overhead-ms", type=float, default=1.0, help="t_o of footnote 11 (default 1 ms)")
     p.add_argument("--per-step-overhead-ms", type=float, default=0.0, help="added to the measured RTT per step in tau_c")
     p.add_argument("--relay", choices=["server", "client"], default="server",
-                   help="how the swarm's clients relay (their default: server): tau_c from the servers' reported "
-                        "RTTs to each other (footnote 4) or steps x the RTT from here")
+                   help="how the swarm's clients relay (their default: server): tau_c = steps x max RTT_ij / 2 over "
+                        "the possible predecessors (footnote 4) or steps x the RTT from here")
     p.add_argument("--expected-servers", type=int, default=0,
                    help="plan as soon as this many servers registered (default: when none joined for --settle)")
     p.add_argument("--expected-wait", type=float, default=180.0,
