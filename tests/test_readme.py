@@ -48,9 +48,9 @@ COVERED_ELSEWHERE = {  # not run verbatim here: where the same commands are test
     "speculative": "continues the client-library snippet (its model, ids; a draft model): tests/test_speculative.py "
                    "and tests/test_speculative_live.py run these calls",
     "table1-gpu": "needs a CUDA GPU and hours; the same driver on CPU: tests/test_table1_quick.py",
-    "adapters-server": "a template over the user's checkpoint and LoRA folders: tests/test_families_live.py serves "
-                       "tiny checkpoints of each family with adapters through launch-server",
-    "adapters-client": "the client side of the same: tests/test_families_live.py",
+    "adapters-server": "a template over the user's checkpoint and LoRA folders: tests/test_lora_live.py serves "
+                       "tiny checkpoints with LoRA adapters through launch-server --adapters",
+    "adapters-client": "the client side of the same: tests/test_lora_live.py",
     "bench-fairness": "a benchmark (15 min); not part of the suite",
     "bench-fairness-prefix": "a benchmark (6 min); not part of the suite",
 }
