@@ -187,6 +187,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if max_length is not None:
             kwargs["max_length"] = max_length  # transformers' meaning: prompt + new tokens
         budget = self._session_length(input_ids.shape[1], kwargs)
+        if max_length is not None:
+            # an explicit max_length also reserves that much KV, even when max_new_tokens ends the
+            # generation sooner (scripts/overload.py reserves whole slots this way)
+            budget = max(budget, int(max_length))
         # HF's prompt lookup may draft past max_length (its cut is on the index it copies from): the
         # verification step then holds up to k more tokens than the output
         budget += int(kwargs.get("prompt_lookup_num_tokens") or 0)
