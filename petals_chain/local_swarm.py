@@ -184,7 +184,20 @@ class LocalSwarm:
         """SIGKILL takes the whole process group down at once (a crash); any other signal goes to the
         server process alone, which then shuts down its own DHT child (a clean stop)."""
         if sig == signal.SIGKILL:
+            # the server's DHT child (and its p2pd) live in their own process group since they
+            # watch their parent (process_signals); a crash of the host takes them all at once
+            import psutil
+
+            try:
+                descendants = psutil.Process(sp.process.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                descendants = []
             _signal_group(sp.process, sig)
+            for child in descendants:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
         else:
             sp.process.send_signal(sig)
         sp.process.wait(timeout=30)
