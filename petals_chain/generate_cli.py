@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from petals_chain.errors import PetalsChainError
-from petals_chain.cli_args import CliParser, identity_path, peer_maddr, positive_float, positive_int, probability
+from petals_chain.cli_args import (EXIT_INTERRUPTED, CliParser, identity_path, peer_maddr, positive_float, positive_int,
+                                   probability)
 
 
 def parse_ranges(text: str) -> list[tuple[int, int]]:
@@ -110,7 +112,15 @@ def main(argv: list[str]) -> int:
         start_s = time.perf_counter()
         # + K: a verification step may hold up to K drafted tokens past the output
         with model.inference_session(max_length=ids.shape[1] + args.max_new_tokens + args.prompt_lookup) as session:
-            out = model.generate(ids, streamer=streamer, **gen_kwargs)
+            try:
+                out = model.generate(ids, streamer=streamer, **gen_kwargs)
+            except KeyboardInterrupt:
+                # Ctrl-C mid-generation: leave now. Closing the session politely waits up to 2 s per
+                # hop for the background loop (it measured over 5 s on a loaded machine); the servers
+                # free the session when this process's p2pd, bound to it, goes away.
+                print("\npetals-chain generate: interrupted", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(EXIT_INTERRUPTED)
             chain = session.chain.describe()
             stats = session.last_generate
         elapsed_s = time.perf_counter() - start_s
