@@ -149,12 +149,14 @@ class LocalSwarm:
             self.orchestrator_process.wait(timeout=30)
 
     def add_server(self, start: int | None, end: int | None, *, extra_args: list[str] | None = None,
-                   wait: bool = True, name: str | None = None) -> ServerProcess:
-        """`start = end = None`: `--blocks auto` (the orchestrator assigns the range)."""
+                   wait: bool = True, name: str | None = None, num_blocks: int | None = None) -> ServerProcess:
+        """`start = end = None`: `--blocks auto` (the orchestrator assigns the range); `num_blocks`:
+        `--num-blocks N --no-orchestrator` (the server chooses its own span)."""
         role = f"server{len(self.servers)}"
         name = name or role
-        blocks = "auto" if start is None else f"{start}:{end}"
-        proc = self._spawn(role, ["-m", "server.cli", "--model", self.model, "--blocks", blocks,
+        blocks = (["--num-blocks", str(num_blocks), "--no-orchestrator"] if num_blocks is not None else
+                  ["--blocks", "auto" if start is None else f"{start}:{end}"])
+        proc = self._spawn(role, ["-m", "server.cli", "--model", self.model, *blocks,
                             "--initial-peers", *self.initial_peers, "--host-maddrs", self._maddr(role), "--name", name,
                             *self.server_args, *(extra_args or [])])
         sp = ServerProcess(name, start, end, proc)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,9 +26,10 @@ from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.reachability import (UnreachableError, check_reachability, circuit_maddrs, p2pd_flags,
                                        relayed_dht_kwargs, serve_dial_back)
-from petals_chain.dht_records import announce_server, model_key
+from petals_chain.dht_records import announce_server, fetch_servers, model_key
 from petals_chain.swarm_identity import SwarmIdentity
-from petals_chain.models.checkpoint import resolve_model_path
+from petals_chain.models.checkpoint import load_config, resolve_model_path
+from petals_chain.models.family import get_family
 from petals_chain import wire
 from petals_chain.errors import PetalsChainError
 from petals_chain.messages import AssignmentReply, AssignmentRequest, AssignmentStatus
@@ -37,6 +39,7 @@ from petals_chain.runtime.block_range import BlockRange
 from petals_chain.runtime.lora import adapter_name
 from petals_chain.wire import Reachability, ServerInfo, ServerState
 from server.admission import AdmissionQueue
+from server.block_selection import HeldSpan, better_start, block_throughputs, choose_start
 from server.handler import BlockServicer, OpenSession
 from server.memory import KVBudget
 from server.policies import make_policy
@@ -87,6 +90,11 @@ class ServerConfig:
     emulate_slowdown: float = 1.0  # EMULATION (server/emulation.py): batches take this many times their compute
     cuda_graphs: bool = True  # on CUDA: replay captured graphs for decode steps (runtime/decode_graphs.py)
     assignment_poll_s: float = 1.0
+    # self-placement without an orchestrator (server/block_selection.py): serve this many blocks,
+    # chosen from the DHT records, and re-choose every ~rebalance_period_s when it helps enough
+    num_blocks: int | None = None
+    balance_quality: float = 0.75
+    rebalance_period_s: float = 30.0
     announce_maddrs: list[str] = field(default_factory=list)  # --announce-maddrs / --public-maddrs
     use_relay: bool = True  # False (--no-relay): an unreachable server stops instead of joining through relays
     relay_service: bool = True  # False (--no-relay-service): a reachable server refuses to relay for others
@@ -106,14 +114,21 @@ class BlockServer:
         self._profile_checked_seq = -1
         self.max_step_tokens = config.max_step_tokens or config.max_length_tokens
         self.path = resolve_model_path(config.model)
-        self.auto = config.start is None
+        self.self_placed = config.num_blocks is not None  # --num-blocks: chooses its own span
+        self.auto = config.start is None and not self.self_placed
         self.block_range: BlockRange | None = None
         self.budget: KVBudget | None = None
         self.scheduler: StepScheduler | None = None
         self.admission: AdmissionQueue | None = None
         self.prefix_cache: PrefixCache | None = None
         self.orchestrator = None
-        if self.auto:  # measure on one block loaded for the purpose, before holding any
+        if self.self_placed:
+            total = get_family(cfg := load_config(self.path)).num_blocks(cfg)
+            if not 1 <= config.num_blocks <= total:
+                raise PetalsChainError(f"--num-blocks {config.num_blocks}: the model has {total} blocks; "
+                                       f"choose 1..{total}")
+            self.total_blocks = total
+        if self.auto or self.self_placed:  # measure on one block loaded for the purpose, before holding any
             probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
                                model_path=self.path)
             self.times = self._profile(probe)
@@ -145,6 +160,11 @@ class BlockServer:
             self._announce()
             if self.auto:
                 self._join_orchestrator()
+            elif self.self_placed:
+                start = choose_start(self._others_throughputs(), config.num_blocks)
+                logger.info("--num-blocks %d: taking blocks [%d, %d), the swarm's weakest", config.num_blocks, start,
+                            start + config.num_blocks)
+                self._load(start, start + config.num_blocks)
         except BaseException:
             self.shutdown()
             raise
@@ -154,6 +174,8 @@ class BlockServer:
         self._announcer.start()
         if self.auto:
             threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
+        if self.self_placed:
+            threading.Thread(target=self._rebalance, name="rebalance", daemon=True).start()
 
     def _check_reachability(self) -> tuple[Reachability, tuple[str, ...]]:
         """Ask the initial peers to dial this host back (petals_chain/reachability.py); log the verdict.
@@ -301,22 +323,48 @@ class BlockServer:
             if (a is None or a.status != AssignmentStatus.ASSIGNED
                     or (a.start, a.end) == (self.block_range.start, self.block_range.end)):
                 continue
-            with self._sessions_lock:
-                busy = bool(self.sessions)
-            if busy:
-                continue
-            logger.info("plan v%d moves this server to blocks [%d, %d)", a.plan_version, a.start, a.end)
-            self.state = ServerState.JOINING
-            self._announce()
+            self._move_to(a.start, a.end, f"plan v{a.plan_version}")
+
+    def _others_throughputs(self) -> list[float]:
+        """Each block's decode throughput from the other online servers' records."""
+        infos = fetch_servers(self.dht, self.model_name, allowed=self.config.allowed_peers)
+        return block_throughputs(self.total_blocks, (HeldSpan(i.start, i.end, i.decode_s_per_token) for i in infos
+                                                     if i.peer_id != self.peer_id and i.end > i.start))
+
+    def _rebalance(self) -> None:
+        """--num-blocks: move to a better span when the swarm changed enough (PETALS' rule). The
+        period is jittered so that servers seeing the same change do not all move at once, and the
+        records are read again right before a move."""
+        rng = random.Random(self.peer_id)
+        n = self.config.num_blocks
+        rate = 1.0 / self.times.decode_s_per_token if self.times.decode_s_per_token > 0 else 0.0
+        while not self._stop.wait(self.config.rebalance_period_s * (0.5 + rng.random())):
             try:
-                self._load(a.start, a.end)
-            except Exception:
-                logger.exception("loading the assigned blocks failed")
+                target = better_start(self._others_throughputs(), self.block_range.start, n, rate,
+                                      self.config.balance_quality)
+            except Exception:  # noqa: BLE001 - a DHT hiccup: try again next period
+                logger.warning("rebalance: could not read the swarm's records", exc_info=True)
                 continue
+            if target is not None:
+                self._move_to(target, target + n, "rebalance: the swarm's weakest blocks moved")
+
+    def _move_to(self, start: int, end: int, why: str) -> None:
+        """Reload blocks [start, end) if no session is open (a session is never dropped for a move)."""
+        with self._sessions_lock:
+            if self.sessions:
+                return
+        logger.info("%s: moving to blocks [%d, %d)", why, start, end)
+        self.state = ServerState.JOINING
+        self._announce()
+        try:
+            self._load(start, end)
+        except Exception:
+            logger.exception("loading blocks [%d, %d) failed", start, end)
+            return
+        finally:
             self.state = ServerState.ONLINE
             self._announce()
-            print(f"serving {self.model_name} blocks [{a.start}, {a.end}) as {self.peer_id} (plan v{a.plan_version})",
-                  flush=True)
+        print(f"serving {self.model_name} blocks [{start}, {end}) as {self.peer_id} ({why})", flush=True)
 
     # -- records ------------------------------------------------------------------------------
     def info(self) -> ServerInfo:

@@ -9,7 +9,8 @@ import sys
 import threading
 
 from petals_chain.cli_args import (LOG_LEVELS, CliParser, identity_path, listen_maddr, non_negative_float,
-                                   non_negative_int, parse_size, peer_maddr, positive_float, positive_int, run_main)
+                                   non_negative_int, parse_size, peer_maddr, positive_float, positive_int, probability,
+                                   run_main)
 
 __all__ = ["build_parser", "main", "parse_size"]  # parse_size lives in petals_chain.cli_args (one parser of sizes)
 
@@ -42,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=parse_blocks, default=None,
                    help="block range START:END (0-based, END exclusive), or auto: load what the orchestrator assigns "
                         "(the default when an orchestrator of the model is in the DHT)")
+    p.add_argument("--num-blocks", type=positive_int, default=None, metavar="N",
+                   help="without an orchestrator: serve N blocks, choosing the span that most raises the swarm's "
+                        "weakest blocks from the DHT records (PETALS' rule), and move when the swarm changes enough")
+    p.add_argument("--balance-quality", type=probability, default=0.75,
+                   help="with --num-blocks: move when the swarm's weakest block would serve at least 1/Q times "
+                        "more after the move (default 0.75, as PETALS)")
+    p.add_argument("--rebalance-period", type=positive_float, default=30.0, metavar="S",
+                   help="with --num-blocks: seconds between checks of the swarm (jittered x0.5-1.5; default 30)")
     p.add_argument("--no-orchestrator", action="store_true",
                    help="ignore any orchestrator: serve the --blocks given (required then)")
     p.add_argument("--orchestrator-wait", type=non_negative_float, default=30.0,
@@ -135,8 +144,11 @@ def _main(argv: list[str]) -> int:
         print(f"launch-server: --emulate-slowdown must be >= 1 (a slower device), got {args.emulate_slowdown}",
               file=sys.stderr)
         return 2
-    if args.blocks is None and args.no_orchestrator:
-        print("launch-server: --no-orchestrator needs --blocks START:END", file=sys.stderr)
+    if args.num_blocks is not None and args.blocks is not None:
+        print("launch-server: give --blocks START:END or --num-blocks N, not both", file=sys.stderr)
+        return 2
+    if args.blocks is None and args.no_orchestrator and args.num_blocks is None:
+        print("launch-server: --no-orchestrator needs --blocks START:END or --num-blocks N", file=sys.stderr)
         return 2
     if args.blocks == "auto" and args.no_orchestrator:
         print("launch-server: --blocks auto needs an orchestrator; drop --no-orchestrator", file=sys.stderr)
@@ -166,9 +178,9 @@ def _main(argv: list[str]) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    if args.blocks is None:  # the default: an orchestrator decides (found in the DHT, else an error)
+    if args.blocks is None and args.num_blocks is None:  # the default: an orchestrator decides
         args.blocks = "auto"
-    start, end = (None, None) if args.blocks == "auto" else args.blocks
+    start, end = (None, None) if args.blocks in ("auto", None) else args.blocks
     try:
         allowed_peers = load_allowed_peers(args.allowed_peers)
         if args.memory_budget == "auto":
@@ -191,7 +203,8 @@ def _main(argv: list[str]) -> int:
             orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers,
             emulate_slowdown=args.emulate_slowdown, cuda_graphs=not args.no_cuda_graphs,
             announce_maddrs=args.announce_maddrs or [], use_relay=not args.no_relay,
-            relay_service=not args.no_relay_service))
+            relay_service=not args.no_relay_service, num_blocks=args.num_blocks,
+            balance_quality=args.balance_quality, rebalance_period_s=args.rebalance_period))
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2

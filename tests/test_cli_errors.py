@@ -56,6 +56,9 @@ CASES = [
     (LS + ["--initial-peers", PEER, "--num-threads", "0"], "--num-threads: must be >= 1"),
     (LS + ["--initial-peers", PEER, "--identity-path", NO_DIR_ID], "no folder"),
     (LS + ["--initial-peers", PEER, "--no-orchestrator"], "--no-orchestrator needs --blocks"),
+    (LS + ["--initial-peers", PEER, "--num-blocks", "0"], "--num-blocks: must be >= 1"),
+    (LS + ["--initial-peers", PEER, "--num-blocks", "3", "--blocks", "0:3"], "not both"),
+    (LS + ["--initial-peers", PEER, "--num-blocks", "3", "--balance-quality", "0"], "--balance-quality: must lie in"),
     (LS + ["--initial-peers", PEER, "--log-level", "chatty"], "--log-level: invalid choice: 'CHATTY'"),
     # orchestrator
     (PC + ["orchestrator", "--initial-peers", "garbage"], "bad peer address"),
