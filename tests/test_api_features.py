@@ -278,6 +278,77 @@ def test_tool_calls_with_a_template_that_renders_tools(local_model, smollm2_path
         stop()
 
 
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}}}}
+
+
+def test_forced_tool_calls_required_named_and_streamed(local_model, smollm2_path, smollm2_hf, client):
+    """tool_choice "required" and a named function always reply with a call (of that function)
+    whose arguments parse as JSON. Greedy, where the model's own best tokens already make valid
+    JSON, the arguments are exactly what transformers generates after the forced opening."""
+    from transformers import AutoTokenizer
+
+    from petals_chain.api.constrain import json_object_prefix
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer.chat_template = TOOL_TEMPLATE.read_text()
+    base, _, stop = _serve(local_model, tokenizer, max_concurrent=2)
+    try:
+        tool_client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        rome = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+                {"role": "user", "content": "And in Rome?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        r = tool_client.chat.completions.create(model=MODEL, messages=rome, tools=[TIME_TOOL, WEATHER_TOOL],
+                                                tool_choice=named, max_tokens=30, temperature=0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None  # vLLM's finish for a named call
+        [call] = choice.message.tool_calls
+        template_rome = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": {"city": "Paris"}}}
+                                               for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in rome]
+        opening = '<tool_call>\n{"name": "get_weather", "arguments":'
+        ids = torch.cat([_chat_ids(tokenizer, template_rome, tools=[TIME_TOOL, WEATHER_TOOL]),
+                         torch.tensor([tokenizer.encode(opening)])], dim=1)
+        hf_text = tokenizer.decode(smollm2_hf.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:])
+        ok, end = json_object_prefix(hf_text)
+        assert ok and end is not None, hf_text  # the model's own arguments are JSON: the mask never acted
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == json.loads(hf_text[:end])
+
+        # "required" on a greeting the model would answer in words: a call of an offered function, sampled
+        for seed in (1, 2):
+            r = tool_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello!"}],
+                                                    tools=[TIME_TOOL, WEATHER_TOOL], tool_choice="required",
+                                                    max_tokens=60, temperature=1.0, seed=seed)
+            choice = r.choices[0]
+            if choice.finish_reason == "length":  # ran out of tokens inside the arguments: still a valid prefix
+                assert choice.message.content.startswith('<tool_call>\n{"name": "get_')
+                continue
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+            assert choice.message.tool_calls[0].function.name in ("get_time", "get_weather")
+            assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
+
+        chunks = list(tool_client.chat.completions.create(model=MODEL, messages=rome, tools=[TIME_TOOL, WEATHER_TOOL],
+                                                          tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                                          max_tokens=30, temperature=0, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == ""  # nothing of the call leaks as text
+        [streamed] = [t for d in deltas for t in d.tool_calls or ()]
+        assert streamed.function.name == "get_time" and isinstance(json.loads(streamed.function.arguments), dict)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+        with pytest.raises(openai.BadRequestError) as e:
+            tool_client.chat.completions.create(model=MODEL, messages=rome, tools=[WEATHER_TOOL], max_tokens=4,
+                                                tool_choice={"type": "function", "function": {"name": "get_time"}})
+        assert e.value.body["param"] == "tool_choice.function.name"
+    finally:
+        stop()
+    with pytest.raises(openai.BadRequestError) as e:  # a template without tools: still a 400, forced or not
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       max_tokens=4, tools=[WEATHER_TOOL], tool_choice="required")
+    assert e.value.body["param"] == "tools"
+
+
 def test_ready_answers_503_with_the_backends_reason(served, local_model, monkeypatch):
     base, gateway = served
     assert _http("GET", base + "/ready").status == 200  # local block ranges are always dispatchable

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
 import pytest
@@ -206,3 +207,85 @@ def test_tool_calls_are_parsed_and_held_back_while_streaming():
     assert rest == "" and [c["function"] for c in streamed_calls] == [c["function"] for c in calls]
     plain = ToolCallStream()
     assert plain.push("a <tool") == "a " and plain.push(" box") == "<tool box" and plain.finish() == ("", [])
+
+
+# -- forced tool calls: the constraint on the reply's text (api/constrain.py) -------------------------
+json_st = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
+                                                                                             allow_infinity=False)
+                       | st.text(alphabet='ab"\\\n\u00e9\u4e2d', max_size=5),
+                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                   max_size=3), max_leaves=8)
+
+
+@given(obj=st.dictionaries(st.text(alphabet='xy"', max_size=3), json_st, max_size=3), indent=st.sampled_from([None, 0, 2]),
+       compact=st.booleans(), ascii_only=st.booleans(), tail=st.text(alphabet="}\n<x", max_size=3))
+@settings(max_examples=300, deadline=None)
+def test_every_prefix_of_a_json_object_is_valid_and_it_ends_where_it_closes(obj, indent, compact, ascii_only, tail):
+    from petals_chain.api.constrain import json_object_prefix
+
+    text = " " + json.dumps(obj, indent=indent, ensure_ascii=ascii_only,
+                            separators=(",", ":") if compact else None)
+    for n in range(len(text)):
+        assert json_object_prefix(text[:n]) == (True, None), text[:n]
+    assert json_object_prefix(text + tail) == (True, len(text))
+
+
+@given(text=st.text(alphabet='{}[]",: 0123456789.-eEtrunlfasx\\\n', max_size=24))
+@settings(max_examples=500, deadline=None)
+def test_json_object_check_agrees_with_json_loads(text):
+    """A text the checker calls a whole object is one for `json.loads`, and the other way round;
+    a text it refuses is no prefix of any object (no extension of it parses)."""
+    from petals_chain.api.constrain import json_object_prefix
+
+    try:
+        whole = isinstance(json.loads(text), dict) and text.rstrip() == text
+    except ValueError:
+        whole = False
+    ok, end = json_object_prefix(text)
+    assert (ok and end == len(text)) == whole
+    if not ok:
+        for tail in ('"', "0", "}", "]}", '"}', "0}", "e}", ":0}", '":0}', "]}]}", "}}"):
+            try:
+                assert not isinstance(json.loads(text + tail), dict), tail
+            except ValueError:
+                pass
+
+
+def test_text_constraint_forces_literals_and_narrows_choices():
+    from petals_chain.api.constrain import JsonObject, Literal, OneOf, TextConstraint
+
+    c = TextConstraint([Literal("<a>"), OneOf(('get_time"', 'get_weather"')), JsonObject(), Literal("</a>")])
+    assert c.check("").ok and c.check("").forced == "<a>get_"
+    assert c.check("<").forced == "a>get_" and c.check("<a>").forced == "get_" and c.check("<a>get_w").forced == 'eather"'
+    assert not c.check("<b").ok and not c.check("<a>set").ok and not c.check('<a>get_time" x').ok
+    assert c.check('<a>get_time" {"k": [1, 2]').ok and c.check('<a>get_time" {"k": [1, 2]').forced == ""
+    assert c.check('<a>get_time" {"k": [1, 2]}</').forced == "a>" and c.check('<a>get_time" {}').forced == "</a>"
+    one = TextConstraint([Literal("<a>"), OneOf(('f"',)), Literal(":"), JsonObject(), Literal("</a>")])
+    assert one.check("<").forced == 'a>f":'  # a single choice is forced like a literal
+    done = c.check('<a>get_time" {"k": [1, 2]}</a>')
+    assert done.ok and done.complete and not c.check('<a>get_time" {}</a>x').ok
+    with pytest.raises(ValueError):
+        OneOf(("get", "get_time"))  # a prefix of another: ambiguous where it ends
+
+
+def test_forced_call_is_read_off_the_template_and_parses_back(smollm2_tokenizer):
+    from pathlib import Path
+
+    from petals_chain.api.openai_schema import APIError, ChatRequest
+    from petals_chain.api.tools import forced_call, parse_tool_calls
+
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    body = ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[tool],
+                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    with pytest.raises(APIError) as e:  # SmolLM2's own template renders no tool calls
+        forced_call(smollm2_tokenizer, body)
+    assert e.value.param == "tool_choice" and "--chat-template" in str(e.value)
+    tokenizer = smollm2_tokenizer.__class__.from_pretrained(smollm2_tokenizer.name_or_path)
+    tokenizer.chat_template = (Path(__file__).parent / "data" / "hermes_tools_template.jinja").read_text()
+    forced = forced_call(tokenizer, body)
+    assert forced.finish_reason == "stop"  # vLLM's (and OpenAI's) for a named function
+    reply = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    assert forced.constraint.check(reply).complete and forced.constraint.check("").forced == reply[:reply.index(" {")]
+    assert parse_tool_calls(reply)[1][0]["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
+    required = forced_call(tokenizer, body.model_copy(update={"tool_choice": "required"}))
+    assert required.finish_reason == "tool_calls" and required.constraint.check(reply).complete

@@ -19,7 +19,9 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
+from petals_chain.api.constrain import TextConstraint
 from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class SamplingParams:
     seed: int | None = None
     prompt_lookup_tokens: int = 0  # speculative decoding by prompt lookup: up to K drafts per step (0: off)
     top_logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k likeliest
+    # the reply's text must follow this (a forced tool call); it ends when the text is complete
+    constraint: TextConstraint | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,12 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
     opens with the prompt, so hops whose prefix caches hold its start skip it (a chat's next turn
     resends the conversation); `session_id` (the request id in it) names the session in the
     orchestrator's and servers' logs. The session is closed (its chain released) on every way
-    out, cancellation and errors included. `adapter`: the session's LoRA adapter."""
+    out, cancellation and errors included. `adapter`: the session's LoRA adapter.
+
+    With `params.constraint`, the text the constraint forces is fed without sampling (its tokens go
+    through the chain with the next step, and their logprobs come from that step's logits), every
+    sampled token is the best (greedy) or a sample (temperature) among the tokens that keep the text
+    a valid prefix, and generation stops ("stop") when the text is complete."""
     start_s = clock()
     generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                               else int.from_bytes(os.urandom(8), "little") >> 1)
@@ -113,8 +122,9 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
     pending: list[TokenLogprob] = []  # logprobs not yet handed out with a text delta
     if params.top_logprobs is not None:
         result.logprobs = []
+    constraint = params.constraint
     drafter = None
-    if params.prompt_lookup_tokens > 0:
+    if params.prompt_lookup_tokens > 0 and constraint is None:
         # HF's own n-gram drafter (the one `generate(prompt_lookup_num_tokens=k)` uses)
         drafter = PromptLookupCandidateGenerator(num_output_tokens=params.prompt_lookup_tokens,
                                                  max_length=len(prompt_ids) + params.max_tokens)
@@ -124,6 +134,30 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
             scores = warpers(torch.tensor([ids], dtype=torch.long), logits)
             return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0])
         return int(logits.argmax(dim=-1)[0])
+
+    def pick_allowed(ids: list[int], logits: torch.Tensor, reply: list[int]) -> int:
+        """`pick` among the tokens that keep `reply`'s text a valid prefix: reject and mask the pick
+        until one fits (the best token usually does; masking then re-warping is masking before sampling)."""
+        logits = logits.clone()
+        for _ in range(logits.shape[-1]):
+            token = pick(ids, logits)
+            if token not in eos and constraint.check(tokenizer.decode(reply + [token], skip_special_tokens=True)).ok \
+                    and tokenizer.decode([token], skip_special_tokens=True):
+                return token
+            logits[0, token] = float("-inf")
+        raise InvalidRequestError("no token of the vocabulary continues the forced tool call: use tool_choice 'auto'")
+
+    def forced_ids(reply: list[int]) -> tuple[list[int], bool]:
+        """The tokens of the text the constraint forces next, and whether the text is then complete."""
+        text = tokenizer.decode(reply, skip_special_tokens=True)
+        check = constraint.check(text)
+        if check.complete or not check.forced:
+            return [], check.complete
+        ids = tokenizer.encode(check.forced, add_special_tokens=False)
+        after = tokenizer.decode(reply + ids, skip_special_tokens=True)
+        if after != text + check.forced:  # e.g. a tokenizer that adds a leading space: let pick_allowed spell it
+            return [], False
+        return ids, constraint.check(after).complete
 
     with model.inference_session(max_length=len(prompt_ids) + params.max_tokens,
                                  prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
@@ -135,25 +169,37 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
             if cancel.is_set():
                 result.finish_reason = "cancelled"
                 break
+            forced, complete = forced_ids(generated) if constraint is not None else ([], False)
+            forced = forced[:params.max_tokens - len(generated)]
+            if complete and not forced:
+                result.finish_reason = "stop"
+                break
             draft: list[int] = []
             if drafter is not None:
                 candidates, _ = drafter.get_candidates(torch.tensor([tokens], dtype=torch.long))
                 # never verify past the request's budget: the last token of a step is the model's own
                 draft = candidates[0, len(tokens):].tolist()[:params.max_tokens - len(generated) - 1]
-            # one chain step verifies every draft; the session rolls back the rejected ones by itself
-            logits = model(torch.tensor([tokens + draft], dtype=torch.long), logits_to_keep=len(draft) + 1).logits[0]
+            step_tokens: list[int] = list(forced)
+            if complete and result.logprobs is None:  # the closing of a forced call needs no step
+                logits = None
+            else:
+                # one chain step takes the forced tokens and verifies every draft; the session rolls back the
+                # rejected ones by itself
+                logits = model(torch.tensor([tokens + forced + draft], dtype=torch.long),
+                               logits_to_keep=len(forced) + len(draft) + 1).logits[0]
             # Standard acceptance with a point-mass draft: pick position i's token as plain decoding would
             # (argmax, or a sample of the model's distribution there) and keep going while it equals the
             # draft: greedy output is identical, sampled output has the model's distribution.
-            step_tokens: list[int] = []
-            for i in range(len(draft) + 1):
-                step_tokens.append(pick(tokens + step_tokens, logits[i:i + 1]))
+            for i in range(0 if complete else len(draft) + 1):
+                row = logits[len(forced) + i:len(forced) + i + 1]
+                step_tokens.append(pick(tokens + step_tokens, row) if constraint is None
+                                   else pick_allowed(tokens + step_tokens, row, generated + step_tokens))
                 if i == len(draft) or step_tokens[-1] != draft[i]:
                     break
             result.drafted_tokens += len(draft)
             now_s = clock()
             for n, token in enumerate(step_tokens):
-                result.accepted_draft_tokens += n > 0  # a token after the first of a step was a draft
+                result.accepted_draft_tokens += n > len(forced)  # a token after the step's first pick was a draft
                 if result.logprobs is not None:
                     entry = token_logprob(logits[n], token, params.top_logprobs)
                     result.logprobs.append(entry)
@@ -163,7 +209,7 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
                 result.token_times_s.append(now_s)
                 tokens.append(token)
                 generated.append(token)
-                if token in eos:
+                if token in eos and constraint is None:
                     result.finish_reason = "stop"
                     break
                 delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True))

@@ -94,9 +94,9 @@ class Gateway:
                            param="model", code="model_not_found")
         return name.partition(":")[2] or None
 
-    def _params(self, body, prompt_ids: list[int]) -> list[SamplingParams]:
+    def _params(self, body, prompt_ids: list[int], forced: tools.ForcedCall | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i samples with seed + i (each
-        reproducible, and not n copies of one answer)."""
+        reproducible, and not n copies of one answer). `forced`: the reply must be this tool call."""
         room = self.config.max_length - len(prompt_ids)
         max_tokens = body.max_tokens if body.max_tokens is not None else room
         if room < 1 or max_tokens > room:
@@ -111,10 +111,12 @@ class Gateway:
         return [SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                stop=body.stop_list(), seed=None if body.seed is None else body.seed + i,
                                top_logprobs=body.top_logprobs_count(),
-                               prompt_lookup_tokens=self.config.prompt_lookup_tokens) for i in range(body.n)]
+                               prompt_lookup_tokens=self.config.prompt_lookup_tokens,
+                               constraint=forced.constraint if forced else None) for i in range(body.n)]
 
-    def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], bool]:
-        """The prompt's token ids, and whether the reply is parsed for tool calls."""
+    def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], bool, tools.ForcedCall | None]:
+        """The prompt's token ids, whether the reply is parsed for tool calls, and the call the
+        reply must be (tool_choice 'required' or a named function)."""
         if not self.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
         messages = [tools.template_message(m) for m in body.messages]
@@ -127,12 +129,13 @@ class Gateway:
                                     "--chat-template FILE naming a template that does, or send the request "
                                     "without 'tools'", param="tools")
             kwargs["tools"] = offered
+        forced = tools.forced_call(self.tokenizer, body) if offered else None
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
                                                      **kwargs)["input_ids"]
         except Exception as e:  # a template's own raise_exception (e.g. roles that must alternate)
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
-        return list(ids), bool(offered)
+        return list(ids), bool(offered), forced
 
     async def _start(self, request: Request, user: str, prompt_ids: list[int], params: list[SamplingParams],
                      adapter: str | None = None):
@@ -324,8 +327,10 @@ class Gateway:
     async def chat(self, request: Request, body: ChatRequest):
         user = self._user(request)
         adapter = self._check_model(body.model)
-        prompt_ids, with_tools = self._chat_prompt(body)
-        params = self._params(body, prompt_ids)
+        prompt_ids, with_tools, forced = self._chat_prompt(body)
+        params = self._params(body, prompt_ids, forced)
+        # a forced call's reply finishes as vLLM's does: "stop" for a named function, "tool_calls" for "required"
+        call_finish = forced.finish_reason if forced else "tool_calls"
         rid, created = "chatcmpl-" + request.state.request_id, now_s()
         events, cancel = await self._start(request, user, prompt_ids, params, adapter)
         if not body.stream:
@@ -333,7 +338,7 @@ class Gateway:
             choices = []
             for i, r in enumerate(results):
                 content, calls = tools.parse_tool_calls(r.text) if with_tools else (r.text, [])
-                finish = "tool_calls" if calls else r.finish_reason
+                finish = call_finish if calls else r.finish_reason
                 choices.append(chat_choice(i, content, finish, self._chat_logprobs(r.logprobs), calls))
             return chat_body(rid, body.model, created, choices,
                              usage(len(prompt_ids), sum(r.completion_tokens for r in results)))
@@ -363,7 +368,7 @@ class Gateway:
                 if rest:
                     yield delta_chunk(index, {"content": rest})
                 if calls:
-                    finish = "tool_calls"
+                    finish = call_finish
                     yield delta_chunk(index, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
             if not role_sent[index]:
                 yield delta_chunk(index, {"content": ""})
