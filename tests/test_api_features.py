@@ -330,12 +330,12 @@ def test_forced_tool_calls_required_named_and_streamed(local_model, smollm2_path
             assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
 
         chunks = list(tool_client.chat.completions.create(model=MODEL, messages=rome, tools=[TIME_TOOL, WEATHER_TOOL],
-                                                          tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                                          max_tokens=30, temperature=0, stream=True))
+                                                          tool_choice=named, max_tokens=30, temperature=0, stream=True))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(d.content or "" for d in deltas) == ""  # nothing of the call leaks as text
         [streamed] = [t for d in deltas for t in d.tool_calls or ()]
-        assert streamed.function.name == "get_time" and isinstance(json.loads(streamed.function.arguments), dict)
+        assert (streamed.function.name, json.loads(streamed.function.arguments)) == \
+            (call.function.name, json.loads(call.function.arguments))
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
         with pytest.raises(openai.BadRequestError) as e:
             tool_client.chat.completions.create(model=MODEL, messages=rome, tools=[WEATHER_TOOL], max_tokens=4,
