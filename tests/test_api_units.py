@@ -289,3 +289,40 @@ def test_forced_call_is_read_off_the_template_and_parses_back(smollm2_tokenizer)
     assert parse_tool_calls(reply)[1][0]["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
     required = forced_call(tokenizer, body.model_copy(update={"tool_choice": "required"}))
     assert required.finish_reason == "tool_calls" and required.constraint.check(reply).complete
+
+
+def test_engine_keeps_a_random_model_inside_the_forced_call(tiny_chat_path):
+    """A random model ranks JSON-breaking tokens first almost every step: the mask must carry it.
+    Every reply is a valid prefix of the call; a finished one is exactly one call with an object as
+    arguments; forced tokens get logprobs like sampled ones."""
+    import threading
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from petals_chain.api.constrain import JsonObject, Literal, OneOf, TextConstraint
+    from petals_chain.api.engine import SamplingParams, run_generation
+    from petals_chain.api.tools import parse_tool_calls
+    from petals_chain.client.model import DistributedModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_path)
+    model = DistributedModelForCausalLM.from_local_ranges(tiny_chat_path, [(0, 2), (2, 4)])
+    constraint = TextConstraint([Literal('<tool_call>\n{"name": "'), OneOf(('get_time"', 'get_weather"')),
+                                 Literal(', "arguments":'), JsonObject(), Literal("}\n</tool_call>")])
+    prompt = tokenizer("What is the weather in Rome?")["input_ids"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only slow a loaded machine down
+    try:
+        for temperature, seed in ((0.0, None), (1.0, 0), (1.0, 1)):
+            params = SamplingParams(max_tokens=40, temperature=temperature, seed=seed, top_logprobs=2,
+                                    constraint=constraint)
+            r = run_generation(model, tokenizer, prompt, params, cancel=threading.Event(), on_text=lambda *_: None)
+            assert constraint.check(r.text).ok, r.text
+            assert r.text.startswith('<tool_call>\n{"name": "get_') and len(r.logprobs) == r.completion_tokens
+            if r.finish_reason == "stop":
+                content, calls = parse_tool_calls(r.text)
+                assert content is None and len(calls) == 1 and isinstance(json.loads(calls[0]["function"]["arguments"]), dict)
+            else:
+                assert r.finish_reason == "length" and r.completion_tokens == 40
+    finally:
+        torch.set_num_threads(threads)
