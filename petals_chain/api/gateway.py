@@ -58,6 +58,7 @@ class GatewayConfig:
     admission: str = "fifo"
     adapters: list[str] = field(default_factory=list)  # LoRA adapters offered as models named 'MODEL:ADAPTER'
     prompt_lookup_tokens: int = 0  # --speculative ngram:K (0: off)
+    prompt_lookup_schedule: str = "adaptive"  # --speculative-schedule
 
 
 class Gateway:
@@ -112,6 +113,7 @@ class Gateway:
                                stop=body.stop_list(), seed=None if body.seed is None else body.seed + i,
                                top_logprobs=body.top_logprobs_count(),
                                prompt_lookup_tokens=self.config.prompt_lookup_tokens,
+                               prompt_lookup_schedule=self.config.prompt_lookup_schedule,
                                constraint=forced.constraint if forced else None) for i in range(body.n)]
 
     def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], bool, tools.ForcedCall | None]:
