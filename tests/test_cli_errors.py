@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from petals_chain.cli import SUBCOMMANDS
+
 REPO = Path(__file__).resolve().parents[1]
 # a well-formed peer address nobody listens on (the peer id is a real one's format: Qm...)
 PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"
@@ -111,8 +113,6 @@ def test_bad_input_is_one_line_and_exit_2(argv, phrase):
 
 def test_umbrella_lists_the_cli_cases():
     """Every subcommand of `petals-chain` has at least one bad-input case above (new ones too)."""
-    from petals_chain.cli import SUBCOMMANDS
-
     covered = {argv[3] for argv, _ in CASES if argv[:3] == PC}
     assert set(SUBCOMMANDS) <= covered, set(SUBCOMMANDS) - covered
 
@@ -135,3 +135,36 @@ def test_model_dependent_refusals_are_one_line():
     assert_one_line(proc, "cannot hold one block")
     assert "starting a local swarm" not in proc.stdout
     assert_one_line(run_cli(PC + ["demo", "--budgets", "20MiB"]), "hold 1 of the model's 30 blocks")
+
+
+# every parser a user reaches by `--help`: the umbrella's subcommands, their own subcommands, launch-server
+HELP_PATHS = [[name] for name in SUBCOMMANDS if name != "experiment"] + [  # experiment: a list, no options
+    ["experiment", "table1"], ["netem", "up"], ["netem", "exec"], ["netem", "status"], ["netem", "down"],
+    ["identity", "new"], ["identity", "show"], ["launch-server"]]
+
+
+@pytest.mark.parametrize("path", HELP_PATHS, ids=" ".join)
+def test_every_option_has_help_text(path, monkeypatch):
+    """`--help` explains every option (a bare `--dtype {float32,bfloat16}` line leaves the user guessing):
+    the parser `--help` would print is caught and its options checked."""
+    import argparse
+    import importlib
+
+    class Caught(Exception):
+        pass
+
+    def catch(parser, args=None, namespace=None):
+        raise Caught(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", catch)
+    target = "server.cli:main" if path[0] == "launch-server" else SUBCOMMANDS[path[0]][0]
+    module, func = target.split(":")
+    with pytest.raises(Caught) as caught:
+        getattr(importlib.import_module(module), func)([*path[1:], "--help"] if path[0] == "experiment" else ["--help"])
+    parser = caught.value.args[0]
+    for name in path[1:]:
+        if path[0] != "experiment":  # experiment dispatches by itself; the others use subparsers
+            (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            parser = sub.choices[name]
+    bare = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
+    assert not bare, f"petals-chain {' '.join(path)}: options without help text: {bare}"
