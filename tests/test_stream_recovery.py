@@ -173,3 +173,40 @@ def test_a_dead_replacement_is_failed_over_too(swarm, client, hf, caplog):
     assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist() and out3.tolist() == ref1.tolist()
     reasons = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert len(reasons) >= 4 and not any("no reply within" in r for r in reasons), reasons
+
+
+def test_a_silent_server_is_failed_over_by_the_liveness_probe(swarm, client, hf, caplog):
+    """A server that goes silent without closing anything (its processes stopped: a host cut off the
+    network or frozen, where no stream is reset) is noticed by the client's liveness probe, long
+    before the step timeout (60 s for this client): the step fails over and the text equals HF."""
+    import psutil
+
+    chain = client.backend
+    silent, spare = swarm.servers[3], swarm.servers[4]
+    provider = ListedChains([silent.peer_id, spare.peer_id], chain.num_blocks)
+    previous, chain.provider = chain.provider, provider
+    prompt = [5, 17, 40, 2, 88]
+    frozen: list[psutil.Process] = []
+    try:
+        with client.inference_session(max_length=32) as session:
+            out1 = client.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+            assert [h.peer_id for h in session.chain.hops] == [silent.peer_id]
+            root = psutil.Process(silent.process.pid)
+            frozen = [root, *root.children(recursive=True)]  # the server, its DHT child and p2pd
+            for p in frozen:
+                p.suspend()
+            out2 = client.generate(torch.tensor([[9]]), max_new_tokens=3, do_sample=False)
+            assert session.chain.failovers == 1 and session.chain.banned == {silent.peer_id}
+            assert [h.peer_id for h in session.chain.hops] == [spare.peer_id]
+    finally:
+        chain.provider = previous
+        for p in frozen:
+            try:
+                p.resume()
+            except psutil.NoSuchProcess:
+                pass
+    ref1 = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+    ref2 = hf.generate(torch.tensor([ref1[0].tolist() + [9]]), max_new_tokens=3, do_sample=False)
+    assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist()
+    reasons = [r.getMessage() for r in caplog.records if "replacing blocks" in r.getMessage()]
+    assert len(reasons) == 1 and "went silent" in reasons[0] and "no reply within" not in reasons[0], reasons

@@ -44,6 +44,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Liveness of an open session's hops (`_receive_while_alive`): a step pending longer than
+# max(LIVENESS_FLOOR_S, LIVENESS_STEP_FACTOR x the hop's median recent round trip) makes the client
+# probe the server (rpc_info); no answer within LIVENESS_PROBE_S fails the hop over. Both are
+# generous next to a live server's rpc_info round trip (what clients already route by, with a 3-s
+# cutoff), because a false verdict costs a failover; a killed server is noticed sooner still, by its
+# reset stream.
+LIVENESS_FLOOR_S = 2.0
+LIVENESS_STEP_FACTOR = 4.0
+LIVENESS_RECENT_STEPS = 5
+LIVENESS_PROBE_S = 4.0
+
 # Errors that are the caller's fault: retrying on another server would fail the same way.
 CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
 # What a dead, slow or unreachable server looks like to the transport. Anything else raised while
@@ -187,7 +198,7 @@ class RemoteChainSession(ChainSession):
         for request in wire_parts.to_messages(step.to_wire(), (hidden,)):
             await stream.queue.put(request)
         try:
-            reply = await asyncio.wait_for(wire_parts.receive_one(stream.responses), self.chain.step_timeout_s)
+            reply = await self._receive_while_alive(stream)
         except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         client_s = time.perf_counter() - t0
@@ -206,6 +217,58 @@ class RemoteChainSession(ChainSession):
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
             stream.hop.num_blocks, hidden.shape[0], client_s, meta.server_s))
         return reply.tensors[0]
+
+    def _liveness_after_s(self, peer_id: str) -> float:
+        """How long a step may wait for this hop's reply before the client asks whether the server
+        still answers: LIVENESS_STEP_FACTOR times the median of its last steps' round trips in this
+        session (a prompt's long step does not stretch it), at least LIVENESS_FLOOR_S."""
+        recent = sorted(t.client_s for t in self.hop_timings[-4 * LIVENESS_RECENT_STEPS:]
+                        if t.peer_id == peer_id)[-LIVENESS_RECENT_STEPS:]
+        typical_s = recent[len(recent) // 2] if recent else 0.0
+        return max(LIVENESS_FLOOR_S, LIVENESS_STEP_FACTOR * typical_s)
+
+    async def _answers_probe(self, peer_id: str, timeout_s: float) -> bool:
+        """Whether the server replies to an `rpc_info` (any reply, a typed refusal included) within
+        `timeout_s`: it runs on the server's RPC loop, not behind the compute, so a busy server answers."""
+        try:
+            await asyncio.wait_for(self.chain.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s),
+                                   timeout_s + 0.5)
+        except P2PHandlerError:
+            return True  # its handler ran and raised: the host is there
+        except Exception:
+            return False
+        return True
+
+    async def _receive_while_alive(self, stream: HopStream) -> wire_parts.Message:
+        """The hop's reply to the step just sent. While it is pending the server is probed after
+        `_liveness_after_s` and then again at that interval; a server that does not answer a probe
+        within LIVENESS_PROBE_S is taken as gone (a host that vanished without closing its
+        connections, a frozen process: nothing resets the stream) and the step fails over then,
+        instead of at the step timeout. So a silent server is noticed within about
+        `_liveness_after_s` + LIVENESS_PROBE_S (6 s for decode steps of < 0.5 s); a slow server that
+        answers its probes keeps its step until `step_timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.chain.step_timeout_s
+        receive = asyncio.ensure_future(wire_parts.receive_one(stream.responses))
+        try:
+            while True:
+                done, _ = await asyncio.wait({receive}, timeout=max(0.0, min(
+                    self._liveness_after_s(stream.hop.peer_id), deadline - loop.time())))
+                if done:
+                    return receive.result()
+                if loop.time() >= deadline:
+                    raise asyncio.TimeoutError
+                waited_s = self.chain.step_timeout_s - (deadline - loop.time())
+                if not await self._answers_probe(stream.hop.peer_id,
+                                                 max(0.5, min(LIVENESS_PROBE_S, deadline - loop.time()))):
+                    if receive.done():  # the reply came while the probe waited
+                        return receive.result()
+                    raise ServerUnavailableError(
+                        f"server {stream.hop.describe()} went silent: no reply to the step for {waited_s:.1f} s "
+                        f"and none to a liveness probe within {LIVENESS_PROBE_S:.0f} s")
+        finally:
+            if not receive.done():
+                receive.cancel()
 
     def _run(self, coro, timeout_s: float):
         try:
