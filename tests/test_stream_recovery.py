@@ -16,10 +16,9 @@ import torch
 
 from petals_chain import wire_parts
 from petals_chain.client.model import DistributedModelForCausalLM
-from petals_chain.client.routing import ChainProvider, Hop
 from petals_chain.errors import InvalidRequestError, error_from_code
 from petals_chain.local_swarm import LocalSwarm
-from tests.swarm_helpers import wait_for
+from tests.swarm_helpers import ListedChains, wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -114,18 +113,6 @@ def test_idle_reopen_after_prefix_reuse_replays_the_prefix(swarm, client, hf):
     ref1 = hf.generate(ids, max_new_tokens=3, do_sample=False)
     ref2 = hf.generate(torch.tensor([ref1[0].tolist() + [7, 8]]), max_new_tokens=3, do_sample=False)
     assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist()
-
-
-class ListedChains(ChainProvider):
-    """Offers the listed single-hop chains in order, skipping excluded peers (records what it was asked)."""
-
-    def __init__(self, peers: list[str], num_blocks: int):
-        self.peers, self.num_blocks = peers, num_blocks
-        self.excludes: list[frozenset[str]] = []
-
-    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
-        self.excludes.append(exclude)
-        return [Hop(next(p for p in self.peers if p not in exclude), start, end)]
 
 
 def test_stateless_forward_fails_over_from_a_dead_server(swarm, client):

@@ -31,6 +31,7 @@ from petals_chain.client.chain import ChainSession, PromptPrefix
 from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
+    NotAllowedError,
     OutOfCacheError,
     PetalsChainError,
     ServerUnavailableError,
@@ -57,6 +58,10 @@ LIVENESS_PROBE_S = 4.0
 
 # Errors that are the caller's fault: retrying on another server would fail the same way.
 CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
+# Errors of one server that another may not have: the hop fails over (the server is banned for the
+# session). NotAllowedError: a members-only server (--allowed-peers) in an open swarm refuses this
+# client, which then uses the swarm's other servers instead of failing.
+HOP_FAILURES = (ServerUnavailableError, OutOfCacheError, NotAllowedError)
 # What a dead, slow or unreachable server looks like to the transport. Anything else raised while
 # talking to a server is a local error (a bug or misuse in this process, e.g. two threads reading
 # one stream) and propagates as it is: it must never get a healthy server banned.
@@ -288,7 +293,7 @@ class RemoteChainSession(ChainSession):
         try:
             for hop in hops:
                 opened.append(self._run(self._open_one(hop, hashes or []), self.chain.open_timeout_s + 2))
-        except (ServerUnavailableError, OutOfCacheError) as e:
+        except HOP_FAILURES as e:
             self._close_streams(opened)
             raise HopFailed(hop, e) from e
         except BaseException:
@@ -342,7 +347,7 @@ class RemoteChainSession(ChainSession):
                     continue  # retry hop i (reopened, cache rebuilt) with the same input
             except CALLER_ERRORS:
                 raise
-            except (ServerUnavailableError, OutOfCacheError) as e:
+            except HOP_FAILURES as e:
                 if self.chain.provider.whole_chain_failover:
                     for s in done_this_step:  # the replay covers past steps; this one restarts at hop 0
                         s.inputs.pop()
@@ -445,7 +450,7 @@ class RemoteChainSession(ChainSession):
                     stream.inputs.append(x)
                     stream.prefix_in_inputs = bool(self.prefix_tokens)
                     x = x_out
-        except (ServerUnavailableError, OutOfCacheError) as e:
+        except HOP_FAILURES as e:
             self._close_streams(replacement)
             raise HopFailed(hop, e) from e
         except BaseException:
