@@ -47,14 +47,16 @@ logger = logging.getLogger(__name__)
 
 # Liveness of an open session's hops (`_receive_while_alive`): a step pending longer than
 # max(LIVENESS_FLOOR_S, LIVENESS_STEP_FACTOR x the hop's median recent round trip) makes the client
-# probe the server (rpc_info); no answer within LIVENESS_PROBE_S fails the hop over. Both are
-# generous next to a live server's rpc_info round trip (what clients already route by, with a 3-s
-# cutoff), because a false verdict costs a failover; a killed server is noticed sooner still, by its
-# reset stream.
+# probe the server (rpc_info); LIVENESS_PROBES probes in a row unanswered within LIVENESS_PROBE_S
+# each fail the hop over. Generous next to a live server's rpc_info round trip (what clients already
+# route by, with a 3-s cutoff) because a false verdict costs a failover; two in a row, so that one
+# probe lost to a moment of CPU starvation (a loaded machine leaves a process unscheduled for
+# seconds) is no verdict. A killed server is noticed sooner still, by its reset stream.
 LIVENESS_FLOOR_S = 2.0
 LIVENESS_STEP_FACTOR = 4.0
 LIVENESS_RECENT_STEPS = 5
 LIVENESS_PROBE_S = 4.0
+LIVENESS_PROBES = 2
 
 # Errors that are the caller's fault: retrying on another server would fail the same way.
 CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
@@ -245,32 +247,36 @@ class RemoteChainSession(ChainSession):
         return True
 
     async def _receive_while_alive(self, stream: HopStream) -> wire_parts.Message:
-        """The hop's reply to the step just sent. While it is pending the server is probed after
-        `_liveness_after_s` and then again at that interval; a server that does not answer a probe
-        within LIVENESS_PROBE_S is taken as gone (a host that vanished without closing its
-        connections, a frozen process: nothing resets the stream) and the step fails over then,
-        instead of at the step timeout. So a silent server is noticed within about
-        `_liveness_after_s` + LIVENESS_PROBE_S (6 s for decode steps of < 0.5 s); a slow server that
+        """The hop's reply to the step just sent. While it is pending past `_liveness_after_s` the
+        server is probed (`rpc_info`); LIVENESS_PROBES probes in a row without an answer within
+        LIVENESS_PROBE_S each mean it is gone (a host that vanished without closing its connections,
+        a frozen process: nothing resets the stream), and the step fails over then instead of at the
+        step timeout. So a silent server is noticed within about `_liveness_after_s` +
+        LIVENESS_PROBES x LIVENESS_PROBE_S (10 s for steps under half a second); a slow server that
         answers its probes keeps its step until `step_timeout_s`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.chain.step_timeout_s
         receive = asyncio.ensure_future(wire_parts.receive_one(stream.responses))
+        failed_probes = 0
         try:
             while True:
-                done, _ = await asyncio.wait({receive}, timeout=max(0.0, min(
-                    self._liveness_after_s(stream.hop.peer_id), deadline - loop.time())))
+                wait_s = 0.0 if failed_probes else self._liveness_after_s(stream.hop.peer_id)
+                done, _ = await asyncio.wait({receive}, timeout=max(0.0, min(wait_s, deadline - loop.time())))
                 if done:
                     return receive.result()
                 if loop.time() >= deadline:
                     raise asyncio.TimeoutError
                 waited_s = self.chain.step_timeout_s - (deadline - loop.time())
-                if not await self._answers_probe(stream.hop.peer_id,
-                                                 max(0.5, min(LIVENESS_PROBE_S, deadline - loop.time()))):
-                    if receive.done():  # the reply came while the probe waited
-                        return receive.result()
+                if await self._answers_probe(stream.hop.peer_id, max(0.5, min(LIVENESS_PROBE_S, deadline - loop.time()))):
+                    failed_probes = 0
+                    continue
+                if receive.done():  # the reply came while the probe waited
+                    return receive.result()
+                failed_probes += 1
+                if failed_probes >= LIVENESS_PROBES:
                     raise ServerUnavailableError(
-                        f"server {stream.hop.describe()} went silent: no reply to the step for {waited_s:.1f} s "
-                        f"and none to a liveness probe within {LIVENESS_PROBE_S:.0f} s")
+                        f"server {stream.hop.describe()} went silent: no reply to the step for {waited_s:.1f} s and "
+                        f"none to {LIVENESS_PROBES} liveness probes in a row ({LIVENESS_PROBE_S:.0f} s each)")
         finally:
             if not receive.done():
                 receive.cancel()
@@ -418,6 +424,7 @@ class RemoteChainSession(ChainSession):
                 self._replace(index, error)
                 return
             except HopFailed as failed:
+                logger.warning("replacement %s failed too (%s)", failed.hop.describe(), failed.error)
                 failed_peer, error = failed.hop.peer_id, failed.error
 
     def _replace(self, index: int, error: Exception) -> None:
