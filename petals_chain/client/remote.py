@@ -19,13 +19,12 @@ from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, PromptPrefix
 from petals_chain.client.orchestrated import OrchestratorChainProvider
-from petals_chain.client.remote_session import CALLER_ERRORS, HopFailed, RemoteChainSession, as_server_error
+from petals_chain.client.remote_session import CALLER_ERRORS, HOP_FAILURES, HopFailed, RemoteChainSession, as_server_error
 from petals_chain.client.routing import ChainProvider, DhtChainProvider, min_latency_chain
 from petals_chain.dht_records import fetch_servers, model_key
 from petals_chain.errors import (
     InvalidRequestError,
     NoChainError,
-    OutOfCacheError,
     ServerUnavailableError,
 )
 from petals_chain.messages import Forward, Hop
@@ -142,7 +141,7 @@ class RemoteChain(ChainBackend):
                 error = as_server_error(e, self.step_timeout_s)
                 if error is None:
                     raise  # a local error: nobody's fault over there
-                if isinstance(error, (ServerUnavailableError, OutOfCacheError)):
+                if isinstance(error, HOP_FAILURES):
                     raise HopFailed(hop, error) from e
                 if error is e:
                     raise

@@ -31,6 +31,7 @@ from petals_chain.client.chain import ChainSession, PromptPrefix
 from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
+    NotAllowedError,
     OutOfCacheError,
     PetalsChainError,
     ServerUnavailableError,
@@ -44,8 +45,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Liveness of an open session's hops (`_receive_while_alive`): a step pending longer than
+# max(LIVENESS_FLOOR_S, LIVENESS_STEP_FACTOR x the hop's median recent round trip) makes the client
+# probe the server (rpc_info); LIVENESS_PROBES probes in a row unanswered within LIVENESS_PROBE_S
+# each fail the hop over. Generous next to a live server's rpc_info round trip (what clients already
+# route by, with a 3-s cutoff) because a false verdict costs a failover; two in a row, so that one
+# probe lost to a moment of CPU starvation (a loaded machine leaves a process unscheduled for
+# seconds) is no verdict. A killed server is noticed sooner still, by its reset stream.
+LIVENESS_FLOOR_S = 2.0
+LIVENESS_STEP_FACTOR = 4.0
+LIVENESS_RECENT_STEPS = 5
+LIVENESS_PROBE_S = 4.0
+LIVENESS_PROBES = 2
+
 # Errors that are the caller's fault: retrying on another server would fail the same way.
 CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
+# Errors of one server that another may not have: the hop fails over (the server is banned for the
+# session). NotAllowedError: a members-only server (--allowed-peers) in an open swarm refuses this
+# client, which then uses the swarm's other servers instead of failing.
+HOP_FAILURES = (ServerUnavailableError, OutOfCacheError, NotAllowedError)
 # What a dead, slow or unreachable server looks like to the transport. Anything else raised while
 # talking to a server is a local error (a bug or misuse in this process, e.g. two threads reading
 # one stream) and propagates as it is: it must never get a healthy server banned.
@@ -187,7 +205,7 @@ class RemoteChainSession(ChainSession):
         for request in wire_parts.to_messages(step.to_wire(), (hidden,)):
             await stream.queue.put(request)
         try:
-            reply = await asyncio.wait_for(wire_parts.receive_one(stream.responses), self.chain.step_timeout_s)
+            reply = await self._receive_while_alive(stream)
         except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         client_s = time.perf_counter() - t0
@@ -207,6 +225,62 @@ class RemoteChainSession(ChainSession):
             stream.hop.num_blocks, hidden.shape[0], client_s, meta.server_s))
         return reply.tensors[0]
 
+    def _liveness_after_s(self, peer_id: str) -> float:
+        """How long a step may wait for this hop's reply before the client asks whether the server
+        still answers: LIVENESS_STEP_FACTOR times the median of its last steps' round trips in this
+        session (a prompt's long step does not stretch it), at least LIVENESS_FLOOR_S."""
+        recent = sorted(t.client_s for t in self.hop_timings[-4 * LIVENESS_RECENT_STEPS:]
+                        if t.peer_id == peer_id)[-LIVENESS_RECENT_STEPS:]
+        typical_s = recent[len(recent) // 2] if recent else 0.0
+        return max(LIVENESS_FLOOR_S, LIVENESS_STEP_FACTOR * typical_s)
+
+    async def _answers_probe(self, peer_id: str, timeout_s: float) -> bool:
+        """Whether the server replies to an `rpc_info` (any reply, a typed refusal included) within
+        `timeout_s`: it runs on the server's RPC loop, not behind the compute, so a busy server answers."""
+        try:
+            await asyncio.wait_for(self.chain.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s),
+                                   timeout_s + 0.5)
+        except P2PHandlerError:
+            return True  # its handler ran and raised: the host is there
+        except Exception:
+            return False
+        return True
+
+    async def _receive_while_alive(self, stream: HopStream) -> wire_parts.Message:
+        """The hop's reply to the step just sent. While it is pending past `_liveness_after_s` the
+        server is probed (`rpc_info`); LIVENESS_PROBES probes in a row without an answer within
+        LIVENESS_PROBE_S each mean it is gone (a host that vanished without closing its connections,
+        a frozen process: nothing resets the stream), and the step fails over then instead of at the
+        step timeout. So a silent server is noticed within about `_liveness_after_s` +
+        LIVENESS_PROBES x LIVENESS_PROBE_S (10 s for steps under half a second); a slow server that
+        answers its probes keeps its step until `step_timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.chain.step_timeout_s
+        receive = asyncio.ensure_future(wire_parts.receive_one(stream.responses))
+        failed_probes = 0
+        try:
+            while True:
+                wait_s = 0.0 if failed_probes else self._liveness_after_s(stream.hop.peer_id)
+                done, _ = await asyncio.wait({receive}, timeout=max(0.0, min(wait_s, deadline - loop.time())))
+                if done:
+                    return receive.result()
+                if loop.time() >= deadline:
+                    raise asyncio.TimeoutError
+                waited_s = self.chain.step_timeout_s - (deadline - loop.time())
+                if await self._answers_probe(stream.hop.peer_id, max(0.5, min(LIVENESS_PROBE_S, deadline - loop.time()))):
+                    failed_probes = 0
+                    continue
+                if receive.done():  # the reply came while the probe waited
+                    return receive.result()
+                failed_probes += 1
+                if failed_probes >= LIVENESS_PROBES:
+                    raise ServerUnavailableError(
+                        f"server {stream.hop.describe()} went silent: no reply to the step for {waited_s:.1f} s and "
+                        f"none to {LIVENESS_PROBES} liveness probes in a row ({LIVENESS_PROBE_S:.0f} s each)")
+        finally:
+            if not receive.done():
+                receive.cancel()
+
     def _run(self, coro, timeout_s: float):
         try:
             return self.chain.loop.run(coro, timeout_s=timeout_s)
@@ -225,7 +299,7 @@ class RemoteChainSession(ChainSession):
         try:
             for hop in hops:
                 opened.append(self._run(self._open_one(hop, hashes or []), self.chain.open_timeout_s + 2))
-        except (ServerUnavailableError, OutOfCacheError) as e:
+        except HOP_FAILURES as e:
             self._close_streams(opened)
             raise HopFailed(hop, e) from e
         except BaseException:
@@ -279,7 +353,7 @@ class RemoteChainSession(ChainSession):
                     continue  # retry hop i (reopened, cache rebuilt) with the same input
             except CALLER_ERRORS:
                 raise
-            except (ServerUnavailableError, OutOfCacheError) as e:
+            except HOP_FAILURES as e:
                 if self.chain.provider.whole_chain_failover:
                     for s in done_this_step:  # the replay covers past steps; this one restarts at hop 0
                         s.inputs.pop()
@@ -350,6 +424,7 @@ class RemoteChainSession(ChainSession):
                 self._replace(index, error)
                 return
             except HopFailed as failed:
+                logger.warning("replacement %s failed too (%s)", failed.hop.describe(), failed.error)
                 failed_peer, error = failed.hop.peer_id, failed.error
 
     def _replace(self, index: int, error: Exception) -> None:
@@ -382,7 +457,7 @@ class RemoteChainSession(ChainSession):
                     stream.inputs.append(x)
                     stream.prefix_in_inputs = bool(self.prefix_tokens)
                     x = x_out
-        except (ServerUnavailableError, OutOfCacheError) as e:
+        except HOP_FAILURES as e:
             self._close_streams(replacement)
             raise HopFailed(hop, e) from e
         except BaseException:
