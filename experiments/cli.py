@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--petals-work", default=None,
                    help="PETALS 2.2 environment built by ../shared/anchors/petals_2_2_cpu.sh (default ~/.cache/petals-anchor)")
     p.add_argument("--servers", type=int, default=9, help="servers (default 9: 3 fast, the rest slow)")
-    p.add_argument("--fast-servers", type=int, default=3)
+    p.add_argument("--fast-servers", type=int, default=3, help="how many of --servers are fast (default 3)")
     p.add_argument("--seed", type=int, default=0, help="RTT host sample and prompt tokens")
     p.add_argument("--time-scale", type=positive_float, default=None,
                    help="arrival times x this (default: auto, for --target-load of the CPUs)")
@@ -68,17 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="the servers' --device (cuda: the GPU variant; no CPU shares)")
     p.add_argument("--no-netem", action="store_true",
                    help="run every process on 127.0.0.1 without WAN emulation (results are labelled so)")
-    p.add_argument("--netem-backend", default="auto", choices=["auto", "kernel", "userspace"])
+    p.add_argument("--netem-backend", default="auto", choices=["auto", "kernel", "userspace"],
+                   help="netem's backend (default auto: kernel where sch_netem exists, else userspace)")
     p.add_argument("--netem-name", default="", help="name of the emulated network (default: a fresh one per run)")
     p.add_argument("--data", default=None, help="Azure trace file or data folder (default $PETALS_CHAIN_DATA, ../shared/data)")
     p.add_argument("--rtt-data", default=None, help="RIPE Atlas file or data folder (same default)")
     p.add_argument("--deadline", type=positive_float, default=600.0, help="seconds after the last arrival for stragglers")
-    p.add_argument("--out", default="results/table1")
+    p.add_argument("--out", default="results/table1", help="folder of the results (default results/table1)")
     p.add_argument("--recompute", action="store_true",
                    help="rebuild summary, plots and model check from the files in --out (no swarm is started)")
     p.add_argument("--quick", action="store_true",
                    help="40 requests, policies proposed and petals (unless given): the CI smoke run")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default) or a checkpoint folder")
     return p
 
 

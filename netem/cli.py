@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--backend", choices=BACKENDS, default="auto",
                     help="kernel (tc netem), userspace (TUN + delay hub), auto: kernel when sch_netem exists")
     up.add_argument("--bandwidth", type=parse_bandwidth_bit_s, default=None, help="each host's uplink, e.g. 1Gbit")
-    up.add_argument("--jitter-ms", type=float, default=0.0)
+    up.add_argument("--jitter-ms", type=float, default=0.0, help="each packet's one-way delay varies uniformly by up to +- this, ms (default 0)")
     up.add_argument("--loss", type=float, default=0.0, help="packet loss probability per direction, in [0, 1)")
     up.add_argument("--no-measure", action="store_true", help="skip the RTT measurement after setup")
     up.add_argument("--behind-nat", nargs="+", default=[], metavar="HOST",
@@ -164,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("host", help="host name (or index)")
     ex.add_argument("cmd", nargs="*", help="the command, after `--`")
     stp = sub.add_parser("status", help="hosts, target RTTs and a fresh measurement")
-    stp.add_argument("--json", action="store_true")
-    stp.add_argument("--probes", type=int, default=5)
+    stp.add_argument("--json", action="store_true", help="print one JSON object (schema: README) instead of a table")
+    stp.add_argument("--probes", type=int, default=5, help="UDP probes per host pair for the measured RTTs (default 5)")
     dn = sub.add_parser("down", help="remove everything (also what a crashed run left)")
     dn.add_argument("--all", action="store_true", help="every network recorded in the state folder")
     for sp in (up, ex, stp, dn):

@@ -101,12 +101,35 @@ def parse_shares(text: str) -> tuple[float | None, dict[str, float]]:
     return default, per
 
 
+SHARE_ENV = "PETALS_CHAIN_CPU_SHARE"  # set by `enter_argv` for what it starts inside a share
+
+
 def own_cpu_share() -> float | None:
-    """The calling process's CPU quota in cores (cgroup v2 cpu.max or v1 cfs quota), None when unlimited."""
+    """The calling process's CPU quota in cores (cgroup v2 cpu.max or v1 cfs quota), None when unlimited.
+
+    Inside a netem host the cgroup files are not visible: `ip netns exec` remounts /sys for the
+    namespace, and the cgroup mounts under /sys/fs/cgroup go with it. Then the share that `enter_argv`
+    put the process into, passed down in $PETALS_CHAIN_CPU_SHARE, is the answer (without it a server
+    in a 0.19-core host profiled itself as a whole core and announced a device 5x too fast)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
+        lines = []
+    quota = _cgroup_quota(lines)
+    if quota is not _UNREADABLE:
+        return quota
+    try:
+        env = float(os.environ.get(SHARE_ENV, ""))
+    except ValueError:
         return None
+    return env if env > 0 else None
+
+
+_UNREADABLE = object()
+
+
+def _cgroup_quota(lines: list[str]):
+    """The quota in cores from the first readable cpu controller (None: unlimited), or _UNREADABLE."""
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
@@ -124,7 +147,7 @@ def own_cpu_share() -> float | None:
                 return None if quota < 0 else quota / period
             except (OSError, ValueError):
                 continue
-    return None
+    return _UNREADABLE
 
 
 def group_name(network: str, i: int) -> str:
@@ -194,10 +217,12 @@ def apply(network: str, shares: dict[int, float], layout: CgroupLayout | None = 
     return out
 
 
-def enter_argv(procs_files: tuple[str, ...], argv: list[str]) -> list[str]:
-    """argv run inside the groups: `sh` moves itself into them, then becomes the command."""
+def enter_argv(procs_files: tuple[str, ...], argv: list[str], cores: float | None = None) -> list[str]:
+    """argv run inside the groups: `sh` moves itself into them, then becomes the command (with
+    $PETALS_CHAIN_CPU_SHARE = `cores`, for a command that cannot read its cgroup: `own_cpu_share`)."""
     writes = " && ".join(f'echo $$ > "${{{k + 1}}}"' for k in range(len(procs_files)))
-    script = f'{writes} && shift {len(procs_files)} && exec "$@"'
+    export = "" if cores is None else f" && export {SHARE_ENV}={float(cores)!r}"
+    script = f'{writes}{export} && shift {len(procs_files)} && exec "$@"'
     return ["sh", "-c", script, "netem-cpu", *procs_files, *argv]
 
 

@@ -293,7 +293,7 @@ def _host_prefix(state: NetworkState, host: str | int) -> list[str]:
     base = ["ip", "netns", "exec", state.process_netns(i)]  # behind a NAT: its private namespace
     share = state.extra.get("cpu", {}).get(str(i))
     # the cgroup wrapper runs outside the namespace: `ip netns exec` remounts /sys for the namespace
-    return base if share is None else netem_cpu.enter_argv(tuple(share["procs"]), base)
+    return base if share is None else netem_cpu.enter_argv(tuple(share["procs"]), base, cores=share["cores"])
 
 
 def cpu_report(state: NetworkState) -> dict[str, dict]:

@@ -16,7 +16,8 @@ def main(argv: list[str]) -> int:
     parser = CliParser(prog="petals-chain plan",
                                      description="Plan block placement and server chains for a cluster (GBP-CR + GCA).")
     parser.add_argument("--cluster", required=True, help="cluster JSON file (schema: docs/orchestrator.md)")
-    parser.add_argument("--policy", choices=POLICIES, default="proposed")
+    parser.add_argument("--policy", choices=POLICIES, default="proposed",
+                        help="proposed (GBP-CR + GCA, default) or a baseline (docs/orchestrator.md)")
     parser.add_argument("--c", type=parse_c, default=None, help="cache reservation c of GBP-CR: 'auto' (tuned, default) or N; policy proposed only")
     parser.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for tuning c (default: lower); policy proposed only")
     parser.add_argument("--table", action="store_true", help="include the per-c tuning table")

@@ -75,7 +75,8 @@ def main(argv: list[str]) -> int:
                    help=f"comma-separated memory budgets, one server each (default {DEFAULT_BUDGETS})")
     p.add_argument("--servers", type=positive_int, default=None,
                    help="number of servers (budgets cycle through --budgets; default: one per budget)")
-    p.add_argument("--policy", default="proposed", choices=get_policy_names())
+    p.add_argument("--policy", default="proposed", choices=get_policy_names(),
+                   help="the orchestrator's placement and dispatch policy (default proposed: GBP-CR + GCA + JFFC)")
     p.add_argument("--c", default="3", help="cache reservation c for the proposed policy: auto or N (default 3)")
     p.add_argument("--sessions", type=non_negative_int, default=8, help="concurrent sessions after the chat (default 8)")
     p.add_argument("--session-tokens", type=positive_int, default=12, help="tokens each concurrent session generates")

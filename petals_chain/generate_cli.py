@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
                    help="speculative decoding by prompt lookup: draft up to K tokens copied from n-grams of the "
                         "context, verified in one chain step (HF's prompt_lookup_num_tokens; 0: off)")
+    p.add_argument("--prompt-lookup-schedule", choices=("adaptive", "constant"), default="adaptive",
+                   help="adaptive (default): send 0..K drafted tokens per round, as many as pay off by the measured "
+                        "acceptance and chain step times (no worth-while draft: a plain step); constant: all K")
     p.add_argument("--stats", action="store_true",
                    help='print a final JSON line {"tokens", "chain_steps", "accepted_draft_tokens"}')
     return p
@@ -107,7 +110,8 @@ def main(argv: list[str]) -> int:
         if args.sample:
             gen_kwargs.update(temperature=args.temperature, top_p=args.top_p)
         if args.prompt_lookup:
-            gen_kwargs.update(prompt_lookup_num_tokens=args.prompt_lookup)
+            gen_kwargs.update(prompt_lookup_num_tokens=args.prompt_lookup,
+                              prompt_lookup_schedule=args.prompt_lookup_schedule)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         start_s = time.perf_counter()
         # + K: a verification step may hold up to K drafted tokens past the output

@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory M_j this server offers for blocks + KV cache (default 2GiB), or auto: the device's "
                         "free memory minus 10%% of its total (at least 1 GiB) for activations and CUDA graphs")
     p.add_argument("--max-length", type=positive_int, default=2048, help="longest session (tokens) this server accepts")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the hosted blocks, their KV caches and the hidden states (default float32)")
+    p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"],
+                   help="quantize the blocks' linear layers while loading (bitsandbytes; budgeted at the quantized size)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--adapters", nargs="+", default=[], metavar="PATH",
                    help="PEFT LoRA adapter folders to serve for the hosted blocks; a session picks one by its folder "

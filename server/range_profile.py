@@ -4,9 +4,13 @@ warm-up excluded, and fitted with the orchestrator's own service model
 (orchestrator.service.calibration.fit_service: wall = t_o + t_I P + t_O D per batch, P and D the
 prefill and decode block-tokens).
 
-Timed by wall seconds on CUDA and under a CPU quota (the device's speed), by CPU seconds otherwise
-(`profile_clock`: a profile taken while other work shares the cores must not measure the neighbours
-and then live on in the cache).
+Timed by wall seconds on CUDA (the device's speed), by CPU seconds otherwise (`profile_clock`: a
+profile taken while other work shares the cores must not measure the neighbours and then live on in
+the cache), and under a CPU quota by CPU seconds divided by the quota in cores ("cpu/share"): a host
+with a quarter of a core serves a sustained load at a quarter of a core's speed, while the short
+batches of a profile run at full speed until the period's quota is spent, so their wall time would
+announce a device several times faster than the one the live batches then show (measured: 1.08 ms
+per block-token announced at a 0.19 share, about 5 ms per block-token served).
 
 Why not one block in a tight loop (the former profile): its weights stay in the CPU's cache, while a
 real step streams every block's weights (x1.3-1.6 on the project machine), and it saw no per-step
@@ -57,17 +61,34 @@ def profile_key(model_name: str, block_range, variant: str = "") -> str:
 
 
 def profile_clock(block_range) -> str:
-    """What the profile times: "wall" on CUDA and under a CPU quota (the device's speed is what a
-    batch takes there), else "cpu" (the process's CPU seconds: on a CPU shared with other work, wall
-    time would measure the neighbours; a profile taken during an overload must not outlive it)."""
-    return "wall" if torch.device(block_range.device).type == "cuda" or own_cpu_share() is not None else "cpu"
+    """What the profile times: "wall" on CUDA (the device's speed is what a batch takes there),
+    "cpu/share" under a CPU quota (CPU seconds / the quota's cores: the sustained speed of that share,
+    see the module's docstring), else "cpu" (the process's CPU seconds: on a CPU shared with other
+    work, wall time would measure the neighbours; a profile taken during an overload must not outlive
+    it)."""
+    if torch.device(block_range.device).type == "cuda":
+        return "wall"
+    return "cpu" if own_cpu_share() is None else "cpu/share"
+
+
+def profile_seconds(wall_s: float, cpu_s: float, clock: str, share_cores: float | None) -> float:
+    """What one profiled batch counts as by `clock` (see `profile_clock`)."""
+    if clock == "wall":
+        return wall_s
+    if clock == "cpu":
+        return cpu_s
+    if clock == "cpu/share":
+        if not share_cores or share_cores <= 0:
+            raise ValueError("clock 'cpu/share' needs the process's CPU quota in cores (> 0)")
+        return cpu_s / share_cores
+    raise ValueError(f"unknown profile clock {clock!r}: 'wall', 'cpu' or 'cpu/share'")
 
 
 def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), decode_steps: int = 4,
                   repeats: int = 3, clock: str = "wall") -> RangeProfile:
     """Prefills of two lengths from the first block, decode steps entering at the first and at the
     middle block, `repeats` times, through a StepScheduler batch each (after one warm-up round that
-    is not counted); the fit of the batches' wall (or, `clock="cpu"`, CPU) seconds."""
+    is not counted); the fit of the batches' seconds by `clock` (`profile_seconds`)."""
     from orchestrator.service.calibration import fit_service
     from server.policies import make_policy
     from server.scheduler import StepScheduler
@@ -122,8 +143,9 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
     if failures:
         raise failures[0]
     recs = [r for r in meter.records() if r.decode_block_tokens or r.prefill_tokens > 1]
+    share = own_cpu_share()
     fit = fit_service([r.prefill_block_tokens for r in recs], [r.decode_block_tokens for r in recs],
-                      [r.wall_s if clock == "wall" else r.cpu_s for r in recs])
+                      [profile_seconds(r.wall_s, r.cpu_s, clock, share) for r in recs])
     if fit is None or fit.t_I_s is None:
         raise RuntimeError(f"the start-up profile of blocks [{start}, {end}) could not be fitted from "
                            f"{len(recs)} batches; check the range loads and runs")

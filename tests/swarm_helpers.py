@@ -12,6 +12,7 @@ import torch
 
 from petals_chain import wire_parts
 from petals_chain.client.remote import RemoteChain
+from petals_chain.client.routing import ChainProvider, Hop
 from petals_chain.errors import PetalsChainError, error_from_code
 
 
@@ -114,3 +115,15 @@ def emulated_network(hosts: list[str], rtt_ms: list[list[float]], prefix: str, *
             yield net
     finally:
         netem.cleanup(name)
+
+
+class ListedChains(ChainProvider):
+    """Offers the listed single-hop chains in order, skipping excluded peers (records what it was asked)."""
+
+    def __init__(self, peers: list[str], num_blocks: int):
+        self.peers, self.num_blocks = peers, num_blocks
+        self.excludes: list[frozenset[str]] = []
+
+    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
+        self.excludes.append(exclude)
+        return [Hop(next(p for p in self.peers if p not in exclude), start, end)]

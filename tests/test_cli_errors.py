@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from petals_chain.cli import SUBCOMMANDS
+
 REPO = Path(__file__).resolve().parents[1]
 # a well-formed peer address nobody listens on (the peer id is a real one's format: Qm...)
 PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"
@@ -111,8 +113,6 @@ def test_bad_input_is_one_line_and_exit_2(argv, phrase):
 
 def test_umbrella_lists_the_cli_cases():
     """Every subcommand of `petals-chain` has at least one bad-input case above (new ones too)."""
-    from petals_chain.cli import SUBCOMMANDS
-
     covered = {argv[3] for argv, _ in CASES if argv[:3] == PC}
     assert set(SUBCOMMANDS) <= covered, set(SUBCOMMANDS) - covered
 
@@ -135,3 +135,77 @@ def test_model_dependent_refusals_are_one_line():
     assert_one_line(proc, "cannot hold one block")
     assert "starting a local swarm" not in proc.stdout
     assert_one_line(run_cli(PC + ["demo", "--budgets", "20MiB"]), "hold 1 of the model's 30 blocks")
+
+
+# every parser a user reaches by `--help`: the umbrella's subcommands, their own subcommands, launch-server
+HELP_PATHS = [[name] for name in SUBCOMMANDS if name != "experiment"] + [  # experiment: a list, no options
+    ["experiment", "table1"], ["netem", "up"], ["netem", "exec"], ["netem", "status"], ["netem", "down"],
+    ["identity", "new"], ["identity", "show"], ["launch-server"]]
+
+
+def _parser(path: list[str], monkeypatch):
+    """The argparse parser `--help` of `petals-chain PATH...` (or `launch-server`) would print: caught
+    as the command parses its arguments, before anything runs."""
+    import argparse
+    import importlib
+
+    class Caught(Exception):
+        pass
+
+    def catch(parser, args=None, namespace=None):
+        raise Caught(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", catch)
+    target = "server.cli:main" if path[0] == "launch-server" else SUBCOMMANDS[path[0]][0]
+    module, func = target.split(":")
+    with pytest.raises(Caught) as caught:
+        getattr(importlib.import_module(module), func)([*path[1:], "--help"] if path[0] == "experiment" else ["--help"])
+    monkeypatch.undo()
+    parser = caught.value.args[0]
+    for name in path[1:]:
+        if path[0] != "experiment":  # experiment dispatches by itself; the others use subparsers
+            (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            parser = sub.choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("path", HELP_PATHS, ids=" ".join)
+def test_every_option_has_help_text(path, monkeypatch):
+    """`--help` explains every option (a bare `--dtype {float32,bfloat16}` line leaves the user guessing)."""
+    parser = _parser(path, monkeypatch)
+    bare = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
+    assert not bare, f"petals-chain {' '.join(path)}: options without help text: {bare}"
+
+
+def _readme_command_rows() -> dict[tuple[str, ...], str]:
+    """{command path: its usage cell} of the README's command tables (`| `petals-chain plan --cluster ...` | ...`)."""
+    import re
+
+    rows = {}
+    for line in (REPO / "README.md").read_text(encoding="utf-8").splitlines():
+        m = re.match(r"\| `(petals-chain [a-z0-9]+(?: (?:up|exec|status|down|table1))?|launch-server)(?=[ `])", line)
+        if m:
+            cell = re.split(r"(?<!\\)\|", line)[1]
+            path = tuple(m.group(1).split()[1:]) or ("launch-server",)
+            rows.setdefault(path, cell)  # the Command-line tools table comes first
+    return rows
+
+
+def test_readme_command_rows_list_exactly_the_options_of_help(monkeypatch):
+    """Each command's row in the README names every option its `--help` has, and no other."""
+    import re
+
+    rows = _readme_command_rows()
+    assert {("launch-server",), ("generate",), ("experiment", "table1"), ("netem", "up")} <= set(rows), set(rows)
+    problems = []
+    for path, cell in sorted(rows.items()):
+        parser = _parser(list(path), monkeypatch)
+        actions = [a for a in parser._actions if any(o.startswith("--") for o in a.option_strings)
+                   and "--help" not in a.option_strings]
+        named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", cell))
+        known = {o for a in actions for o in a.option_strings}
+        missing = [a.option_strings[-1] for a in actions if not named & set(a.option_strings)]
+        unknown = sorted(named - known)
+        if missing or unknown:
+            problems.append(f"{' '.join(path)}: not in the README row {missing}, not in --help {unknown}")
+    assert not problems, "\n".join(problems)

@@ -13,7 +13,7 @@ from petals_chain.membership import parse_allowed_peers
 from petals_chain.models.checkpoint import load_config
 from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.wire_parts import MAX_PART_BYTES
-from tests.swarm_helpers import RawStream
+from tests.swarm_helpers import ListedChains, RawStream
 
 PEER = "QmSwuCzywcxNfG4R76jt2sdSJRFBtUPRFPcxj7C2bchx6y"
 
@@ -32,9 +32,10 @@ def test_server_serves_only_members(tiny_llama_path, tmp_path):
     allowed = tmp_path / "allowed.txt"
     allowed.write_text(f"# the only member\n{member.peer_id}\n")
     config = load_config(tiny_llama_path)
-    with LocalSwarm(str(tiny_llama_path), [(0, 6)],
-                    server_args=["--num-threads", "1", "--allowed-peers", str(allowed)]) as swarm:
-        server_id = swarm.servers[0].peer_id
+    # server 0 serves members only, server 1 everyone (an open swarm with one members-only server)
+    with LocalSwarm(str(tiny_llama_path), [(0, 6), (0, 6)], server_args=["--num-threads", "1"],
+                    per_server_args=[["--allowed-peers", str(allowed)], []]) as swarm:
+        server_id, open_id = swarm.servers[0].peer_id, swarm.servers[1].peer_id
         # an outsider gets NotAllowedError for the stream and for rpc_info, and nothing else
         outsider = RemoteChain(str(tiny_llama_path), config, swarm.initial_peers, use_orchestrator=False)
         try:
@@ -67,3 +68,15 @@ def test_server_serves_only_members(tiny_llama_path, tmp_path):
                 picky.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
         finally:
             picky.backend.shutdown()
+        # an outsider offered the members-only server first is refused there and uses the open one
+        outsider_model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path),
+                                                                    initial_peers=swarm.initial_peers,
+                                                                    use_orchestrator=False)
+        try:
+            outsider_model.backend.provider = ListedChains([server_id, open_id], config.num_hidden_layers)
+            with outsider_model.inference_session(max_length=16) as session:
+                out_outsider = outsider_model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+                assert [h.peer_id for h in session.chain.hops] == [open_id] and session.chain.banned == {server_id}
+            assert out_outsider.tolist() == out.tolist()
+        finally:
+            outsider_model.backend.shutdown()

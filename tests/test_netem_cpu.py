@@ -67,6 +67,12 @@ def test_a_network_host_with_a_share_runs_in_its_groups_and_down_removes_them(la
             out = subprocess.run(net.command("a", ["cat", "/proc/self/cgroup"]), capture_output=True, text=True,
                                  timeout=30, check=True).stdout
             assert f"{name}-h0" in out
+            # a server in the host must see its share (the start-up profile is keyed and timed by it),
+            # although `ip netns exec` hides the cgroup files: through $PETALS_CHAIN_CPU_SHARE
+            code = "from netem.cpu import own_cpu_share; print(own_cpu_share())"
+            shares = [subprocess.run(net.command(h, [sys.executable, "-c", code]), capture_output=True, text=True,
+                                     timeout=60, check=True).stdout.strip() for h in ("a", "b")]
+            assert shares == ["0.25", "None"]
             subprocess.run(net.command("a", [sys.executable, "-c", BUSY]), timeout=60, check=True)
             report = net.cpu_report()
             assert set(report) == {"a"} and report["a"]["cores"] == 0.25

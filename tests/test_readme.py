@@ -32,6 +32,7 @@ ANY_BLOCK = re.compile(r"^```(\w*)\n", re.M)
 
 RUN = {  # executed by a test in this file
     "plan": "test_plan_block_prints_the_shown_output",
+    "local-swarm": "test_readme_walkthrough",
     "api-gateway": "test_readme_walkthrough",
     "api-openai": "test_readme_walkthrough",
     "client-library": "test_readme_walkthrough",
@@ -113,53 +114,83 @@ def _free_port() -> int:
 @pytest.mark.integration
 @pytest.mark.model
 def test_readme_walkthrough(tmp_path, smollm2_path):
-    """One swarm for the README's swarm blocks, in the order a reader runs them: the gateway's
-    block (DHT peer, a server of all blocks, the gateway, two curl calls), the `openai` client, the
-    client-library snippet, then the private swarm (a member-only server and a client that uses
-    only members), and the gateway block's own `kill %1 %2 %3`."""
+    """One shell for the README's swarm blocks, in the order a reader meets them: the local swarm
+    (DHT peer, a server of all blocks), the private swarm (a member-only server and a
+    client that uses only members), the client-library snippet, the gateway (two curl calls) and the
+    `openai` client, then the README's `kill $(jobs -p)`; nothing may be left running or untracked."""
     blocks = readme_blocks()
     dht_port, api_port = _free_port(), _free_port()
-    gateway = blocks[("test", "api-gateway")][1].replace("/tcp/31337", f"/tcp/{dht_port}").replace(
-        "--port 8000", f"--port {api_port}").replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
-    openai_py = blocks[("test", "api-openai")][1].replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
-    client_py = blocks[("test", "client-library")][1]
+    local = blocks[("test", "local-swarm")][1].replace("/tcp/31337", f"/tcp/{dht_port}")
     private = blocks[("test", "private-swarm")][1]
+    client_py = blocks[("test", "client-library")][1]
+    gateway = blocks[("test", "api-gateway")][1].replace("--port 8000", f"--port {api_port}").replace(
+        "127.0.0.1:8000", f"127.0.0.1:{api_port}")
+    openai_py = blocks[("test", "api-openai")][1].replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
     work = _scratch(tmp_path)
     (work / "openai_example.py").write_text(openai_py)
     (work / "client_example.py").write_text(client_py)
     script = "\n".join([
         "set -eu",
-        gateway,
-        "echo '=== openai'", ".venv/bin/python openai_example.py",
-        "echo; echo '=== client library'", ".venv/bin/python client_example.py",
+        local,
         "echo '=== private swarm'", private,
-        "echo '=== done'", "kill %1 %2 %3 %4",
+        "echo '=== client library'", ".venv/bin/python client_example.py",
+        "echo '=== gateway'", gateway,
+        "echo '=== openai'", ".venv/bin/python openai_example.py",
+        "echo; echo '=== done'", "kill $(jobs -p)", "wait",
     ])
     proc = subprocess.Popen(["bash", "-c", script], cwd=work, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=600)
-    finally:  # the block's background processes live in this process group
+        out, err = proc.communicate(timeout=900)  # a bound: 600 s ran out at load average 15
+        leftover = _running_in(work)  # after `kill $(jobs -p)`: nothing the examples started runs on
+    finally:  # the blocks' background processes live in this process group
         _kill_group(proc.pid)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    gateway_out, rest = out.split("=== openai", 1)
-    openai_out, rest = rest.split("=== client library", 1)
-    client_out, rest = rest.split("=== private swarm", 1)
-    private_out = rest.split("=== done", 1)[0]
+    assert not leftover, leftover
+    rest = out.split("=== private swarm", 1)[1]
+    private_out, rest = rest.split("=== client library", 1)
+    client_out, rest = rest.split("=== gateway", 1)
+    gateway_out, rest = rest.split("=== openai", 1)
+    openai_out = rest.split("=== done", 1)[0]
     chat, end = json.JSONDecoder().raw_decode(gateway_out.strip())  # curl -s adds no newline after it
     stream = gateway_out.strip()[end:]
     assert "Paris" in chat["choices"][0]["message"]["content"], chat
     assert stream.rstrip().endswith("data: [DONE]")
     assert "CompletionUsage(" in openai_out and "Paris" in openai_out
-    assert re.search(r"\[0:30\)", client_out), client_out  # s.chain.describe(): the one server's hop
+    assert re.search(r"\[0:30\)", client_out), client_out  # s.chain.describe(): a one-server hop
     assert "tokens/s" in private_out and "[chain: " in private_out, private_out
-    members = (work / "members.txt").read_text().split()
+    members = (work / "keys" / "members.txt").read_text().split()
     assert len(members) == 2 and all(m.startswith("Qm") for m in members)
     server_line = next(line for line in (work / "logs" / "private-server.log").read_text().splitlines()
                        if line.startswith("serving"))
     assert members[0] in server_line  # the member-only server runs as the identity listed first
     assert f"{members[0][-6:]}[0:30)" in private_out  # ... and the member client's chain went through it
     assert "Traceback" not in err, err[-3000:]
+    assert "No such file" not in err, err[-3000:]  # e.g. `until grep` polling a log its command has not created yet
+    # what the examples wrote lies in folders git ignores (the scratch folder holds only what the test put there)
+    written = {p.name for p in work.iterdir()} - {".venv", "examples", "openai_example.py", "client_example.py"}
+    assert written <= {"logs", "keys"}, written
+    ignored = (REPO / ".gitignore").read_text().split()
+    assert {"logs/", "keys/"} <= set(ignored)
+
+
+def _running_in(folder: Path) -> list[str]:
+    """Command lines of live processes whose working folder is `folder` (every process the blocks
+    start inherits it: servers, their DHT children, p2p daemons), polled until none is left (20 s)."""
+    import psutil
+
+    deadline = time.monotonic() + 20
+    while True:
+        alive = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            try:
+                if p.info["status"] != psutil.STATUS_ZOMBIE and Path(p.cwd()) == folder:
+                    alive.append(" ".join(p.info["cmdline"] or []))
+            except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
 
 
 def _kill_group(pid: int) -> None:

@@ -96,9 +96,29 @@ def test_a_process_reads_its_own_cpu_share():
     name = "s" + __import__("uuid").uuid4().hex[:6]
     try:
         share = netem_cpu.apply(name, {0: 0.3}, layout)[0]
-        code = "from netem.cpu import own_cpu_share; print(own_cpu_share())"
+        code = ("import types; from netem.cpu import own_cpu_share; from server.range_profile import profile_clock; "
+                "print(own_cpu_share(), profile_clock(types.SimpleNamespace(device='cpu')))")
         out = subprocess.run(netem_cpu.enter_argv(share.procs_files, [sys.executable, "-c", code]),
-                             capture_output=True, text=True, timeout=60, check=True).stdout
-        assert float(out) == pytest.approx(0.3)
+                             capture_output=True, text=True, timeout=60, check=True).stdout.split()
+        # a quota makes the start-up profile count CPU seconds per share, not a burst's wall time
+        assert float(out[0]) == pytest.approx(0.3) and out[1] == "cpu/share"
     finally:
         netem_cpu.remove(name, layout)
+
+
+def test_a_profile_under_a_cpu_quota_counts_cpu_seconds_per_share():
+    """Under a CFS quota a short batch runs at full speed until the period's quota is spent: its wall
+    time says nothing about the share. CPU seconds / share is the sustained speed of that host."""
+    assert range_profile.profile_clock(_Dev("cpu")) in ("cpu", "cpu/share")  # "cpu/share" inside a quota
+    assert range_profile.profile_seconds(0.010, 0.004, "wall", 0.25) == 0.010
+    assert range_profile.profile_seconds(0.010, 0.004, "cpu", 0.25) == 0.004
+    assert range_profile.profile_seconds(0.010, 0.004, "cpu/share", 0.25) == pytest.approx(0.016)
+    with pytest.raises(ValueError, match="quota"):
+        range_profile.profile_seconds(0.010, 0.004, "cpu/share", None)
+    with pytest.raises(ValueError, match="unknown profile clock"):
+        range_profile.profile_seconds(0.010, 0.004, "gpu", 1.0)
+
+
+class _Dev:
+    def __init__(self, device: str):
+        self.device = device

@@ -10,9 +10,12 @@ import copy
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.client.speculation import AdaptivePromptLookup, StepCostModel
 
 # a prompt that repeats itself, so prompt lookup finds n-grams to copy from
 REPETITIVE = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]
@@ -48,7 +51,9 @@ def test_prompt_lookup_greedy_identical_to_hf(tiny, k):
     hf, model = tiny
     ids = torch.tensor([REPETITIVE])
     ref = hf.generate(ids, max_new_tokens=40, do_sample=False)
-    out, stats, _ = _generate_with_stats(model, ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=k)
+    # "constant": every draft as HF's lookup makes it (the adaptive default is tested below)
+    out, stats, _ = _generate_with_stats(model, ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=k,
+                                         prompt_lookup_schedule="constant")
     assert out.tolist() == ref.tolist()
     assert stats.tokens == 40
     assert stats.drafted_tokens > 0
@@ -131,7 +136,7 @@ def test_sampled_prompt_lookup_has_the_target_distribution(tiny):
     for seed in range(n_seeds):
         torch.manual_seed(seed)
         out, stats, _ = _generate_with_stats(model, ids, max_new_tokens=2, do_sample=True, temperature=temperature,
-                                             top_k=0, prompt_lookup_num_tokens=3)
+                                             top_k=0, prompt_lookup_num_tokens=3, prompt_lookup_schedule="constant")
         accepted += stats.accepted_draft_tokens
         rounds_with_rollback += stats.accepted_draft_tokens < stats.drafted_tokens
         pair = tuple(out[0, -2:].tolist())
@@ -169,15 +174,20 @@ def test_gateway_engine_prompt_lookup_greedy_identical_and_counted(tiny):
     kwargs = dict(cancel=threading.Event(), on_text=lambda delta, logprobs: None)
     plain = run_generation(model, _SpaceTokenizer(), REPETITIVE, SamplingParams(max_tokens=30, temperature=0), **kwargs)
     spec = run_generation(model, _SpaceTokenizer(), REPETITIVE,
-                          SamplingParams(max_tokens=30, temperature=0, prompt_lookup_tokens=4), **kwargs)
+                          SamplingParams(max_tokens=30, temperature=0, prompt_lookup_tokens=4,
+                                         prompt_lookup_schedule="constant"), **kwargs)
     assert spec.text == plain.text and spec.completion_tokens == plain.completion_tokens == 30
+    adaptive = run_generation(model, _SpaceTokenizer(), REPETITIVE,
+                              SamplingParams(max_tokens=30, temperature=0, prompt_lookup_tokens=4), **kwargs)
+    assert adaptive.text == plain.text and adaptive.accepted_draft_tokens <= adaptive.drafted_tokens
     assert plain.drafted_tokens == 0
     assert 0 < spec.accepted_draft_tokens <= spec.drafted_tokens
     for seed in (0, 1):
         # sampled: the engine draws one sample per position in order, exactly as plain decoding does,
         # so with the same seed the output is the same, not only the distribution
         sampled = [run_generation(model, _SpaceTokenizer(), LOOPING,
-                                  SamplingParams(max_tokens=12, temperature=0.05, seed=seed, prompt_lookup_tokens=k),
+                                  SamplingParams(max_tokens=12, temperature=0.05, seed=seed, prompt_lookup_tokens=k,
+                                                 prompt_lookup_schedule="constant"),
                                   **kwargs) for k in (0, 3)]
         assert sampled[0].text == sampled[1].text
     metrics = GatewayMetrics("tiny")
@@ -230,3 +240,138 @@ def test_generate_cli_prompt_lookup_same_text_and_stats_line(smollm2_path, capsy
     assert spec_stats["tokens"] == plain_stats["tokens"]
     assert spec_stats["accepted_draft_tokens"] > 0
     assert spec_stats["chain_steps"] == spec_stats["tokens"] - spec_stats["accepted_draft_tokens"]
+
+
+# -- the no-draft path and adaptive draft lengths (client/speculation.py) ----------------------------
+
+class _FixedCosts(StepCostModel):
+    """Step times as given, not measured: the tests must not depend on this machine's timings."""
+
+    def __init__(self, single_s: float, multi_s: float):
+        super().__init__()
+        self.costs = (single_s, multi_s)
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        pass
+
+    def predict_s(self, n_tokens: int) -> float:
+        return self.costs[0] if n_tokens == 1 else self.costs[1]
+
+
+def _generate_recording_steps(model, ids, costs: StepCostModel | None = None, **kwargs):
+    """generate in a session whose chain steps' sizes are recorded; `costs` replaces the measured ones."""
+    with model.inference_session(max_length=ids.shape[1] + kwargs["max_new_tokens"] + 16) as session:
+        if costs is not None:
+            session.step_costs = costs
+        sizes: list[int] = []
+        step = session.chain.step
+
+        def recording(hidden, start_position=None):
+            sizes.append(hidden.shape[0])
+            return step(hidden, start_position=start_position)
+
+        session.chain.step = recording
+        out = model.generate(ids, **kwargs)
+        return out, session.last_generate, sizes
+
+
+@pytest.mark.parametrize("schedule", ["adaptive", "constant"])
+def test_no_lookup_match_is_one_plain_step(tiny, monkeypatch, schedule):
+    """A round whose lookup finds nothing sends exactly what plain decoding sends: one 1-token step."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    hf, model = tiny
+    ids = torch.tensor([REPETITIVE])
+    plain, plain_stats, plain_sizes = _generate_recording_steps(model, ids, max_new_tokens=12, do_sample=False)
+    monkeypatch.setattr(PromptLookupCandidateGenerator, "get_candidates", lambda self, input_ids, **kw: (input_ids, None))
+    out, stats, sizes = _generate_recording_steps(model, ids, max_new_tokens=12, do_sample=False,
+                                                  prompt_lookup_num_tokens=4, prompt_lookup_schedule=schedule)
+    assert out.tolist() == plain.tolist() == hf.generate(ids, max_new_tokens=12, do_sample=False).tolist()
+    assert sizes == plain_sizes and sizes[1:] == [1] * 11  # the prompt, then one token per step
+    assert stats.chain_steps == plain_stats.chain_steps == 12 and stats.drafted_tokens == 0
+
+
+def test_adaptive_sends_no_draft_that_does_not_pay(tiny):
+    """Multi-token steps 10x a 1-token step and drafts that are never fully right: every round is a
+    plain step (drafts are judged against the tokens that follow, without sending them); output exact."""
+    hf, model = tiny
+    ids = torch.tensor([LOOPING])
+    ref = hf.generate(ids, max_new_tokens=30, do_sample=False)
+    out, stats, sizes = _generate_recording_steps(model, ids, _FixedCosts(0.1, 1.0), max_new_tokens=30,
+                                                  do_sample=False, prompt_lookup_num_tokens=8)
+    assert out.tolist() == ref.tolist()
+    assert sizes[1:] == [1] * 29 and stats.drafted_tokens == 0
+
+
+def test_adaptive_drafts_when_steps_cost_alike_and_stays_in_bounds(tiny, monkeypatch):
+    """Multi-token steps as cheap as 1-token ones: the random model's loop is drafted and verified
+    (fewer steps than tokens), never more than K per round, with HF's exact output."""
+    from petals_chain.client import speculation
+
+    hf, model = tiny
+    ids = torch.tensor([REPETITIVE])
+    ref = hf.generate(ids, max_new_tokens=40, do_sample=False)
+    chosen: list[int] = []
+    draft = speculation.AdaptivePromptLookup.draft
+
+    def recording(self, input_ids):
+        tokens = draft(self, input_ids)
+        chosen.append(len(tokens))
+        return tokens
+
+    monkeypatch.setattr(speculation.AdaptivePromptLookup, "draft", recording)
+    out, stats, sizes = _generate_recording_steps(model, ids, _FixedCosts(0.1, 0.1), max_new_tokens=40,
+                                                  do_sample=False, prompt_lookup_num_tokens=8)
+    assert out.tolist() == ref.tolist()
+    assert 0 < stats.accepted_draft_tokens <= stats.drafted_tokens and stats.chain_steps < 40
+    assert max(sizes[1:]) <= 8 + 1 and all(0 <= k <= 8 for k in chosen)
+    assert len(set(chosen)) > 1  # the length follows the measured acceptance, not a constant
+
+
+def _drafter(costs: StepCostModel, max_draft_tokens: int = 4):
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    return AdaptivePromptLookup(PromptLookupCandidateGenerator(num_output_tokens=max_draft_tokens, max_length=1000),
+                                max_draft_tokens, costs)
+
+
+def test_withheld_draft_is_judged_by_the_tokens_that_follow():
+    drafter = _drafter(_FixedCosts(0.1, 1.0))
+    ids = [5, 6, 7, 8, 9, 5, 6]
+    assert drafter.draft(torch.tensor([ids])) == []  # the draft [7, 8, 9, 5] does not pay at 10x the step
+    assert drafter.pending == [(7, [7, 8, 9, 5])]
+    drafter.draft(torch.tensor([ids + [7, 8]]))  # the model went on as drafted: 2 matched so far
+    assert not drafter.accepted and drafter.pending_matched[0] == 2
+    drafter.draft(torch.tensor([ids + [7, 8, 1]]))  # rejected at its third token
+    assert list(drafter.accepted)[0] == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 8), max_size=16), st.floats(0.01, 1.0), st.floats(0.01, 1.0), st.integers(0, 8))
+def test_chosen_k_within_bounds_and_zero_without_gain(accepted, single_s, multi_s, available):
+    assume(multi_s >= single_s)  # a longer step never costs less (StepCostModel's invariant)
+    drafter = _drafter(_FixedCosts(single_s, multi_s), max_draft_tokens=8)
+    drafter.accepted.extend(accepted)
+    k = drafter.choose_k(available)
+    assert 0 <= k <= available
+    if accepted and max(accepted) == 0:
+        assert k == 0  # nothing would be accepted: a plain step
+    if accepted and min(accepted) >= available and multi_s == single_s:
+        assert k == available  # everything accepted at no extra cost: all of it
+
+
+def test_step_cost_model_separates_single_and_multi_token_steps():
+    costs = StepCostModel()
+    assert costs.predict_s(1) is None and costs.predict_s(5) is None
+    for _ in range(30):
+        costs.observe(1, 0.10)
+        costs.observe(3, 0.20)
+        costs.observe(9, 0.26)
+        costs.observe(500, 9.0)  # a prompt: not a decode-sized step
+    assert costs.predict_s(1) == pytest.approx(0.10)
+    # the line through the multi-token steps (0.01 s per token), pulled a little towards 0.10 by the prior
+    assert 0.18 < costs.predict_s(3) < 0.20 and 0.23 < costs.predict_s(9) < 0.26
+    assert costs.predict_s(1) + 0.05 < costs.predict_s(2) < costs.predict_s(3)  # the jump from 1 to 2 tokens is kept
+    for _ in range(60):  # drafting stopped: the old measurements fade and verification is tried again
+        costs.observe(1, 0.10)
+    assert costs.predict_s(9) < 0.11

@@ -16,10 +16,9 @@ import torch
 
 from petals_chain import wire_parts
 from petals_chain.client.model import DistributedModelForCausalLM
-from petals_chain.client.routing import ChainProvider, Hop
 from petals_chain.errors import InvalidRequestError, error_from_code
 from petals_chain.local_swarm import LocalSwarm
-from tests.swarm_helpers import wait_for
+from tests.swarm_helpers import ListedChains, wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -116,18 +115,6 @@ def test_idle_reopen_after_prefix_reuse_replays_the_prefix(swarm, client, hf):
     assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist()
 
 
-class ListedChains(ChainProvider):
-    """Offers the listed single-hop chains in order, skipping excluded peers (records what it was asked)."""
-
-    def __init__(self, peers: list[str], num_blocks: int):
-        self.peers, self.num_blocks = peers, num_blocks
-        self.excludes: list[frozenset[str]] = []
-
-    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
-        self.excludes.append(exclude)
-        return [Hop(next(p for p in self.peers if p not in exclude), start, end)]
-
-
 def test_stateless_forward_fails_over_from_a_dead_server(swarm, client):
     chain = client.backend
     hidden = torch.randn(1, 12, client.config.hidden_size)
@@ -173,3 +160,40 @@ def test_a_dead_replacement_is_failed_over_too(swarm, client, hf, caplog):
     assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist() and out3.tolist() == ref1.tolist()
     reasons = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert len(reasons) >= 4 and not any("no reply within" in r for r in reasons), reasons
+
+
+def test_a_silent_server_is_failed_over_by_the_liveness_probe(swarm, client, hf, caplog):
+    """A server that goes silent without closing anything (its processes stopped: a host cut off the
+    network or frozen, where no stream is reset) is noticed by the client's liveness probe, long
+    before the step timeout (60 s for this client): the step fails over and the text equals HF."""
+    import psutil
+
+    chain = client.backend
+    silent, spares = swarm.servers[3], [swarm.servers[4].peer_id, swarm.servers[2].peer_id]
+    provider = ListedChains([silent.peer_id, *spares], chain.num_blocks)  # two spares: an open may time out under load
+    previous, chain.provider = chain.provider, provider
+    prompt = [5, 17, 40, 2, 88]
+    frozen: list[psutil.Process] = []
+    try:
+        with client.inference_session(max_length=32) as session:
+            out1 = client.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+            assert [h.peer_id for h in session.chain.hops] == [silent.peer_id]
+            root = psutil.Process(silent.process.pid)
+            frozen = [root, *root.children(recursive=True)]  # the server, its DHT child and p2pd
+            for p in frozen:
+                p.suspend()
+            out2 = client.generate(torch.tensor([[9]]), max_new_tokens=3, do_sample=False)
+            assert silent.peer_id in session.chain.banned and session.chain.hops[0].peer_id in spares
+    finally:
+        chain.provider = previous
+        for p in frozen:
+            try:
+                p.resume()
+            except psutil.NoSuchProcess:
+                pass
+    ref1 = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+    ref2 = hf.generate(torch.tensor([ref1[0].tolist() + [9]]), max_new_tokens=3, do_sample=False)
+    assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist()
+    reasons = [r.getMessage() for r in caplog.records if "replacing blocks" in r.getMessage()]
+    assert f"server {silent.peer_id[-6:]}[0:6) failed (server {silent.peer_id[-6:]}[0:6) went silent" in reasons[0], reasons
+    assert "no reply within" not in reasons[0], reasons

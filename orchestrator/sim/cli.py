@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau-c", choices=("model", "literal"), default="model",
                    help="with --paper-setup: tau_c = 20 x (RTT + 18 ms) (model, default) or RTT + 18 ms (literal)")
     p.add_argument("--arrival-rate", type=positive_float, default=None, help="override the arrival rate (req/s)")
-    p.add_argument("--policy", choices=POLICIES, default="proposed")
+    p.add_argument("--policy", choices=POLICIES, default="proposed",
+                   help="proposed (GBP-CR + GCA + JFFC, default) or a baseline (petals, bprr, jffc-only)")
     p.add_argument("--c", type=parse_c, default=7, help="cache reservation for 'proposed': N (default 7, as the paper's figures) or 'auto'")
     p.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for --c auto (default lower bound)")
     p.add_argument("--dispatch", choices=sorted(DISPATCHERS), default="jffc", help="dispatch policy over the chains (proposed, jffc-only)")
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-data", metavar="PATH", default=None, help="Azure trace CSV or its folder (default: the data path)")
     p.add_argument("--jobs", type=positive_int, default=20000, help="number of jobs (Poisson workload)")
     p.add_argument("--job-sizes", default="exp", metavar="SPEC", help="job size distribution, mean 1 (Poisson workload): exp (default), det, lognormal:CV, gamma:CV")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of arrivals, job sizes and RTTs (default 0)")
     return p
 
 

@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="order of waiting requests across API keys (default fifo)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's (e.g. one that renders tools)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the client head and of the hidden states it sends (default float32)")
     p.add_argument("--adapters", nargs="+", default=[], metavar="NAME",
                    help="LoRA adapters (names servers list, from their --adapters folders) offered as models "
                         "'MODEL:NAME'; a request's model picks its session's adapter")
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", type=parse_speculative, default=0, metavar="ngram:K",
                    help="speculative decoding: ngram:K drafts up to K tokens by prompt lookup, verified in one chain "
                         "step (exact greedy output, same sampling distribution; default off)")
+    p.add_argument("--speculative-schedule", choices=("adaptive", "constant"), default="adaptive",
+                   help="adaptive (default): send 0..K drafted tokens per round, as many as pay off by the measured "
+                        "acceptance and chain step times; constant: all K")
     return p
 
 
@@ -120,7 +124,8 @@ def main(argv: list[str]) -> int:
     gateway = Gateway(model, tokenizer, GatewayConfig(model_name=args.model, api_keys=keys, adapters=args.adapters,
                                                       max_concurrent=args.max_concurrent,
                                                       queue_timeout_s=args.queue_timeout, max_length=args.max_length,
-                                                      admission=args.admission, prompt_lookup_tokens=args.speculative))
+                                                      admission=args.admission, prompt_lookup_tokens=args.speculative,
+                                                      prompt_lookup_schedule=args.speculative_schedule))
     port = sock.getsockname()[1]
     routing = "orchestrator" if getattr(model.backend, "orchestrator", None) else "client-side routing"
     print(f"api ready at http://{args.host}:{port}/v1 (model {args.model}, {routing}, "

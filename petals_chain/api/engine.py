@@ -20,6 +20,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogit
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.client.speculation import AdaptivePromptLookup
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     prompt_lookup_tokens: int = 0  # speculative decoding by prompt lookup: up to K drafts per step (0: off)
+    prompt_lookup_schedule: str = "adaptive"  # or "constant": K every round (client/speculation.py)
     top_logprobs: int | None = None  # None: no logprobs; k: each token's logprob and the k likeliest
 
 
@@ -113,11 +115,6 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
     pending: list[TokenLogprob] = []  # logprobs not yet handed out with a text delta
     if params.top_logprobs is not None:
         result.logprobs = []
-    drafter = None
-    if params.prompt_lookup_tokens > 0:
-        # HF's own n-gram drafter (the one `generate(prompt_lookup_num_tokens=k)` uses)
-        drafter = PromptLookupCandidateGenerator(num_output_tokens=params.prompt_lookup_tokens,
-                                                 max_length=len(prompt_ids) + params.max_tokens)
 
     def pick(ids: list[int], logits: torch.Tensor) -> int:
         if params.temperature > 0:
@@ -131,6 +128,14 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
         result.chain = session.chain.describe()
         result.hops = session.chain.num_hops
         result.prefix_hit_tokens = session.position  # the open skipped what every hop had cached
+        drafter = None
+        if params.prompt_lookup_tokens > 0:
+            # HF's own n-gram drafter (the one `generate(prompt_lookup_num_tokens=k)` uses), its draft
+            # length chosen per round from this session's measured steps unless "constant"
+            drafter = PromptLookupCandidateGenerator(num_output_tokens=params.prompt_lookup_tokens,
+                                                     max_length=len(prompt_ids) + params.max_tokens)
+            if params.prompt_lookup_schedule == "adaptive":
+                drafter = AdaptivePromptLookup(drafter, params.prompt_lookup_tokens, session.step_costs)
         while len(generated) < params.max_tokens and result.finish_reason == "length":
             if cancel.is_set():
                 result.finish_reason = "cancelled"

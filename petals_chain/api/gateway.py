@@ -58,6 +58,7 @@ class GatewayConfig:
     admission: str = "fifo"
     adapters: list[str] = field(default_factory=list)  # LoRA adapters offered as models named 'MODEL:ADAPTER'
     prompt_lookup_tokens: int = 0  # --speculative ngram:K (0: off)
+    prompt_lookup_schedule: str = "adaptive"  # --speculative-schedule
 
 
 class Gateway:
@@ -111,7 +112,8 @@ class Gateway:
         return [SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                stop=body.stop_list(), seed=None if body.seed is None else body.seed + i,
                                top_logprobs=body.top_logprobs_count(),
-                               prompt_lookup_tokens=self.config.prompt_lookup_tokens) for i in range(body.n)]
+                               prompt_lookup_tokens=self.config.prompt_lookup_tokens,
+                               prompt_lookup_schedule=self.config.prompt_lookup_schedule) for i in range(body.n)]
 
     def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], bool]:
         """The prompt's token ids, and whether the reply is parsed for tool calls."""

@@ -21,6 +21,7 @@ from petals_chain import wire, wire_parts
 from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
+    NotAllowedError,
     OutOfCacheError,
     PetalsChainError,
     ServerUnavailableError,
@@ -31,6 +32,19 @@ from petals_chain.protocol import BlockService
 
 logger = logging.getLogger(__name__)
 
+# Liveness of an open session's hops (`HopClient.receive_while_alive`): a step pending longer than
+# max(LIVENESS_FLOOR_S, LIVENESS_STEP_FACTOR x the hop's median recent round trip) makes the client
+# probe the server (rpc_info); LIVENESS_PROBES probes in a row unanswered within LIVENESS_PROBE_S
+# each fail the hop over. Generous next to a live server's rpc_info round trip (what clients already
+# route by, with a 3-s cutoff) because a false verdict costs a failover; two in a row, so that one
+# probe lost to a moment of CPU starvation (a loaded machine leaves a process unscheduled for
+# seconds) is no verdict. A killed server is noticed sooner still, by its reset stream.
+LIVENESS_FLOOR_S = 2.0
+LIVENESS_STEP_FACTOR = 4.0
+LIVENESS_RECENT_STEPS = 5
+LIVENESS_PROBE_S = 4.0
+LIVENESS_PROBES = 2
+
 # Errors that are the caller's fault: retrying on another server would fail the same way.
 CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
 # What a dead, slow or unreachable server looks like to the transport. Anything else raised while
@@ -38,8 +52,10 @@ CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
 # one stream) and propagates as it is: it must never get a healthy server banned.
 TRANSPORT_ERRORS = (TimeoutError, asyncio.TimeoutError, StopAsyncIteration, ConnectionError, EOFError, OSError,
                     P2PHandlerError, P2PDaemonError)
-# A server's failures that another server may not have: the hop is failed over.
-FAILOVER_ERRORS = (ServerUnavailableError, OutOfCacheError)
+# A server's failures that another server may not have: the hop is failed over (the server is banned
+# for the session). NotAllowedError: a members-only server (--allowed-peers) in an open swarm refuses
+# this client, which then uses the swarm's other servers instead of failing.
+FAILOVER_ERRORS = (ServerUnavailableError, OutOfCacheError, NotAllowedError)
 
 
 def as_server_error(error: Exception, timeout_s: float) -> PetalsChainError | None:
@@ -185,15 +201,18 @@ class HopClient:
             match = 0
         return HopStream(hop, queue, responses, prefix_match_tokens=match, relay_from=open_msg.relay_from)
 
-    def step(self, stream: HopStream, step: Step, hidden: torch.Tensor) -> StepResult:
-        return self.run_hop(stream.hop, self.step_async(stream, step, hidden), self.step_timeout_s + 2)
+    def step(self, stream: HopStream, step: Step, hidden: torch.Tensor, liveness_after_s: float = LIVENESS_FLOOR_S
+             ) -> StepResult:
+        return self.run_hop(stream.hop, self.step_async(stream, step, hidden, liveness_after_s), self.step_timeout_s + 2)
 
-    async def step_async(self, stream: HopStream, step: Step, hidden: torch.Tensor) -> StepResult:
+    async def step_async(self, stream: HopStream, step: Step, hidden: torch.Tensor,
+                         liveness_after_s: float = LIVENESS_FLOOR_S) -> StepResult:
+        """One step on `stream`; its reply awaited with liveness probes after `liveness_after_s`."""
         t0 = time.perf_counter()
         for request in wire_parts.to_messages(step.to_wire(), (hidden,)):
             await stream.queue.put(request)
         try:
-            reply = await asyncio.wait_for(wire_parts.receive_one(stream.responses), self.step_timeout_s)
+            reply = await self.receive_while_alive(stream, liveness_after_s)
         except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         client_s = time.perf_counter() - t0
@@ -205,6 +224,53 @@ class HopClient:
         if len(reply.tensors) != 1:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
         return StepResult(reply.tensors[0], meta, client_s)
+
+    async def answers_probe(self, peer_id: str, timeout_s: float) -> bool:
+        """Whether the server replies to an `rpc_info` (any reply, a typed refusal included) within
+        `timeout_s`: it runs on the server's RPC loop, not behind the compute, so a busy server answers."""
+        try:
+            await asyncio.wait_for(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s),
+                                   timeout_s + 0.5)
+        except P2PHandlerError:
+            return True  # its handler ran and raised: the host is there
+        except Exception:
+            return False
+        return True
+
+    async def receive_while_alive(self, stream: HopStream, liveness_after_s: float) -> wire_parts.Message:
+        """The hop's reply to the step just sent. While it is pending past `liveness_after_s` the
+        server is probed (`rpc_info`); LIVENESS_PROBES probes in a row without an answer within
+        LIVENESS_PROBE_S each mean it is gone (a host that vanished without closing its connections,
+        a frozen process: nothing resets the stream), and the step fails over then instead of at the
+        step timeout. So a silent server is noticed within about `liveness_after_s` +
+        LIVENESS_PROBES x LIVENESS_PROBE_S (10 s for steps under half a second); a slow server that
+        answers its probes keeps its step until `step_timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.step_timeout_s
+        receive = asyncio.ensure_future(wire_parts.receive_one(stream.responses))
+        failed_probes = 0
+        try:
+            while True:
+                wait_s = 0.0 if failed_probes else liveness_after_s
+                done, _ = await asyncio.wait({receive}, timeout=max(0.0, min(wait_s, deadline - loop.time())))
+                if done:
+                    return receive.result()
+                if loop.time() >= deadline:
+                    raise asyncio.TimeoutError
+                waited_s = self.step_timeout_s - (deadline - loop.time())
+                if await self.answers_probe(stream.hop.peer_id, max(0.5, min(LIVENESS_PROBE_S, deadline - loop.time()))):
+                    failed_probes = 0
+                    continue
+                if receive.done():  # the reply came while the probe waited
+                    return receive.result()
+                failed_probes += 1
+                if failed_probes >= LIVENESS_PROBES:
+                    raise ServerUnavailableError(
+                        f"server {stream.hop.describe()} went silent: no reply to the step for {waited_s:.1f} s and "
+                        f"none to {LIVENESS_PROBES} liveness probes in a row ({LIVENESS_PROBE_S:.0f} s each)")
+        finally:
+            if not receive.done():
+                receive.cancel()
 
     def close(self, streams: list[HopStream]) -> None:
         """Close `streams` (best effort: a dead server's stream is gone anyway)."""

@@ -8,15 +8,18 @@ the model feeds the chain only the tokens it has not processed yet and never use
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from petals_chain.client.chain import ChainBackend, ChainSession, LocalChain, PromptPrefix
+from petals_chain.client.speculation import SCHEDULES, AdaptivePromptLookup, StepCostModel
 from petals_chain.errors import InvalidRequestError
 from petals_chain.models.checkpoint import resolve_model_path
 from petals_chain.runtime.block_range import BlockRange
@@ -58,6 +61,8 @@ class InferenceSession:
         self.processed_ids: list[int] = list(processed_ids or [])
         self.chain_steps = 0  # forwards through the chain (each one step of every hop)
         self.drafted_tokens = 0  # draft tokens sent for verification (speculative decoding)
+        # measured seconds of this session's chain steps by size: what adaptive draft lengths weigh
+        self.step_costs = StepCostModel()
         self.last_generate: GenerateStats | None = None  # of the latest `generate` in this session
         self.closed = False
 
@@ -174,7 +179,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def generate(self, input_ids: torch.Tensor | None = None, *, max_length: int | None = None, **kwargs):
         """transformers' generate, run through the chain. Batch size 1 (one session per sequence).
         Speculative decoding is HF's own: `prompt_lookup_num_tokens=k` or `assistant_model=draft`; each
-        round verifies every drafted token in one chain step and the chain rolls back the rejected ones."""
+        round verifies every drafted token in one chain step and the chain rolls back the rejected ones.
+        `prompt_lookup_schedule`: "adaptive" (default) sends 0..k of each prompt-lookup draft, the
+        count that maximises expected tokens per second of measured chain time (a round with no match,
+        or whose draft is not worth a longer step, is one plain 1-token step; client/speculation.py);
+        "constant": every draft as HF's lookup makes it (up to k tokens)."""
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise InvalidRequestError("generate takes input_ids of shape [1, n]: one sequence per session "
                                       "(run several sessions, e.g. in threads, for several sequences)")
@@ -220,8 +229,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         positions = getattr(self.config, "max_position_embeddings", None)
         return prompt_tokens + default_new if positions is None else min(prompt_tokens + default_new, positions)
 
-    def _generate_in(self, session: InferenceSession, full_ids: torch.Tensor, **kwargs):
+    def _generate_in(self, session: InferenceSession, full_ids: torch.Tensor, *,
+                     prompt_lookup_schedule: str = "adaptive", **kwargs):
+        if prompt_lookup_schedule not in SCHEDULES:
+            raise InvalidRequestError(f"prompt_lookup_schedule={prompt_lookup_schedule!r}: use one of {SCHEDULES}")
         self._session = session
+        # read by `_get_candidate_generator`, which HF calls deep inside `generate`
+        self._local.prompt_lookup_schedule = prompt_lookup_schedule
         kwargs.setdefault("pad_token_id", self.config.pad_token_id if self.config.pad_token_id is not None
                           else self.config.eos_token_id)
         if kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None:
@@ -236,6 +250,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         session.last_generate = GenerateStats(sequences.shape[1] - full_ids.shape[1], session.chain_steps - steps,
                                               session.drafted_tokens - drafted)
         return out
+
+    def _get_candidate_generator(self, generation_config, *args, **kwargs):
+        """HF's candidate generator; HF's prompt lookup is wrapped to choose its draft length per round
+        (client/speculation.py) unless the schedule is "constant"."""
+        generator = super()._get_candidate_generator(generation_config, *args, **kwargs)
+        session = self._session
+        if (isinstance(generator, PromptLookupCandidateGenerator) and session is not None
+                and getattr(self._local, "prompt_lookup_schedule", "adaptive") == "adaptive"):
+            return AdaptivePromptLookup(generator, generation_config.prompt_lookup_num_tokens, session.step_costs)
+        return generator
 
     def prepare_inputs_for_generation(self, input_ids, logits_to_keep: int = 0, past_key_values=None, **kwargs):
         return {"input_ids": input_ids, "logits_to_keep": logits_to_keep, "past_key_values": past_key_values}
@@ -270,7 +294,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                                       "verifies up to k drafted tokens past the output: add k)")
         new = input_ids[0, start:]
         session.processed_ids = ids[:start]  # what the chain holds should this step fail
+        started_s = time.perf_counter()
         hidden = session.chain.step(self.head.embed_batched(new), start_position=start)
+        session.step_costs.observe(len(new), time.perf_counter() - started_s)
         session.processed_ids = ids
         session.chain_steps += 1
         session.drafted_tokens += max(0, logits_to_keep - 1)  # assisted decoding keeps one logit per draft + 1

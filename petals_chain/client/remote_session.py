@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from petals_chain.client.chain import ChainSession, PromptPrefix
-from petals_chain.client.hop_client import FailoverPolicy, HopFailed, HopStream
+from petals_chain.client.hop_client import (LIVENESS_FLOOR_S, LIVENESS_RECENT_STEPS, LIVENESS_STEP_FACTOR,
+                                            FailoverPolicy, HopFailed, HopStream)
 from petals_chain.errors import MaxLengthExceededError, ServerUnavailableError, SessionIdleTimeoutError
 from petals_chain.messages import Hop, Open, Step
 from petals_chain.prefix_keys import prefix_hashes, usable_prefix_tokens
@@ -152,7 +153,9 @@ class RemoteChainSession(ChainSession):
             if before is not None and stream.relay_from != before:
                 step.relay_from = stream.relay_from = before
         stream.prefix_tokens = None  # only its first step takes cached tokens
-        result = await asyncio.wait_for(self.chain.hops.step_async(stream, step, hidden), self.chain.step_timeout_s + 2)
+        result = await asyncio.wait_for(
+            self.chain.hops.step_async(stream, step, hidden, self._liveness_after_s(stream.hop.peer_id)),
+            self.chain.step_timeout_s + 2)
         if start_position is not None and result.reply.position != start_position + hidden.shape[0]:
             # after a rollback every hop must hold exactly what the client does
             raise ServerUnavailableError(f"server {stream.hop.describe()} holds {result.reply.position} tokens after a "
@@ -161,6 +164,16 @@ class RemoteChainSession(ChainSession):
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
             stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s, result.reply.compute_s))
         return result.output
+
+    def _liveness_after_s(self, peer_id: str) -> float:
+        """How long a step may wait for this hop's reply before the client asks whether the server
+        still answers (`HopClient.receive_while_alive`): LIVENESS_STEP_FACTOR times the median of its
+        last steps' round trips in this session (a prompt's long step does not stretch it), at least
+        LIVENESS_FLOOR_S."""
+        recent = sorted(t.client_s for t in self.hop_timings[-4 * LIVENESS_RECENT_STEPS:]
+                        if t.peer_id == peer_id)[-LIVENESS_RECENT_STEPS:]
+        typical_s = recent[len(recent) // 2] if recent else 0.0
+        return max(LIVENESS_FLOOR_S, LIVENESS_STEP_FACTOR * typical_s)
 
     def _open_hops(self, hops: list[Hop], hashes: list[str] | None = None,
                    before: str | None = None) -> list[HopStream]:
@@ -303,6 +316,7 @@ class RemoteChainSession(ChainSession):
                 self._replace(index, failed.error)
                 return
             except HopFailed as again:
+                logger.warning("replacement %s failed too (%s)", again.hop.describe(), again.error)
                 failed = again
 
     def _replace(self, index: int, error: Exception) -> None:
