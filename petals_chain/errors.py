@@ -32,6 +32,7 @@ class ErrorCode(enum.StrEnum):
     IDENTITY_ERROR = "identity_error"
     P2P_START_ERROR = "p2p_start_error"
     UNKNOWN_ADAPTER = "unknown_adapter"
+    RELAY_REFUSED = "relay_refused"
 
 
 class PetalsChainError(Exception):
@@ -140,6 +141,14 @@ class NotAllowedError(PetalsChainError):
     code = ErrorCode.NOT_ALLOWED
 
 
+class RelayRefusedError(PetalsChainError):
+    """A server refused a step pushed by another server (server-to-server relay): no such session
+    here, the pusher is not the previous hop the client named, or the step id was already taken.
+    Harmless: the client's own copy of the step still arrives and runs."""
+
+    code = ErrorCode.RELAY_REFUSED
+
+
 class IdentityError(PetalsChainError):
     """A peer identity file cannot be read or written (local only, never sent over the wire)."""
 
@@ -175,6 +184,7 @@ ERROR_TYPES: dict[ErrorCode, type[PetalsChainError]] = {
         AdmissionTimeoutError,
         NotAllowedError,
         UnknownAdapterError,
+        RelayRefusedError,
     )
 }
 

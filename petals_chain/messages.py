@@ -41,6 +41,8 @@ class MessageType(enum.StrEnum):
     RELEASED = "released"
     HEARTBEAT = "heartbeat"
     ASSIGNMENT = "assignment"
+    PUSH = "push"
+    PUSHED = "pushed"
 
 
 class AssignmentStatus(enum.StrEnum):
@@ -145,6 +147,8 @@ class Open(WireRecord):
     admission_wait_s: float | None = None
     prefix_hashes: list[str] | None = None
     adapter: str | None = None  # the LoRA adapter (a name the server lists) the session runs with
+    # server-to-server relay: the peer (the previous hop) whose pushed steps this session takes
+    relay_from: str | None = None
 
     def check(self) -> None:
         _check_max_length(self.max_length)
@@ -180,6 +184,11 @@ class Step(WireRecord):
     step_id: int | None = None
     prefix_tokens: int | None = None
     start_position: int | None = None
+    # server-to-server relay: the peers after this hop, in order; the server pushes its output to
+    # the first with the rest of the route (empty or None: no push). Step ids then increase per
+    # session, so a step that arrives twice (pushed and the client's copy) runs once
+    push_route: list[str] | None = None
+    relay_from: str | None = None  # the session's previous hop changed (failover): take pushes from it
 
     def check(self) -> None:
         if self.start_position is not None and self.start_position < 0:
@@ -196,6 +205,33 @@ class StepReply(WireRecord):
     step_id: int | None = None
     position: int = 0
     server_s: float | None = None
+    compute_s: float | None = None  # the forward time of the batches the step ran in (framework cost = rest)
+
+
+@dataclass
+class Push(WireRecord):
+    """A step's hidden states (the group's one tensor) pushed by the previous hop's server over its
+    relay stream (`rpc_push`) to session `session_id` here; `push_route`: where this hop's output goes
+    next (see `Step`)."""
+
+    TYPE = MessageType.PUSH
+    session_id: str
+    step_id: int
+    push_route: list[str] = field(default_factory=list)
+    # the step's KV rollback (`Step.start_position`) travels with the push: every hop rolls back alike
+    start_position: int | None = None
+
+    def check(self) -> None:
+        if self.start_position is not None and self.start_position < 0:
+            raise InvalidRequestError(f"start_position must be >= 0, got {self.start_position}")
+
+
+@dataclass
+class Pushed(WireRecord):
+    """The receiving server took pushed step `step_id` (a refusal is a typed `RelayRefusedError`)."""
+
+    TYPE = MessageType.PUSHED
+    step_id: int
 
 
 @dataclass

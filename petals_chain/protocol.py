@@ -33,6 +33,16 @@ class _MembersOnly(ServicerBase):
 class BlockService(_MembersOnly):
     """Delegates each RPC to `impl` (the server's `BlockServicer`)."""
 
+    async def _members_stream(self, handler, requests, context: P2PContext):
+        """A stream RPC: a caller not on the allowlist gets the refusal, and its input is drained."""
+        refusal = self._refusal(context)
+        if refusal is not None:
+            yield refusal
+            await wire_parts.drain(requests)
+            return
+        async for response in handler(requests, context):
+            yield response
+
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return self._refusal(context) or await self.impl.info(request, context)
 
@@ -41,22 +51,18 @@ class BlockService(_MembersOnly):
 
     async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                                  context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        refusal = self._refusal(context)
-        if refusal is not None:
-            yield refusal
-            await wire_parts.drain(requests)
-            return
-        async for response in self.impl.forward_stream(requests, context):
+        async for response in self._members_stream(self.impl.forward_stream, requests, context):
             yield response
 
     async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        refusal = self._refusal(context)
-        if refusal is not None:
-            yield refusal
-            await wire_parts.drain(requests)
-            return
-        async for response in self.impl.inference(requests, context):
+        async for response in self._members_stream(self.impl.inference, requests, context):
+            yield response
+
+    async def rpc_push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                       context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Server-to-server relay: another server pushes a session's steps here (server/relay.py)."""
+        async for response in self._members_stream(self.impl.push, requests, context):
             yield response
 
 

@@ -10,6 +10,13 @@
    orchestrator's model predicts for that chain: T = sum_j (tau_c_j + m_j tau_p_j) with tau_c =
    l_out x RTT and tau_p = t_o + t_I l_in + t_O (l_out - 1) from the servers' own t_I, t_O.
 
+4. `--chain --servers N --rtt-ms R --relay client,server --json`: only the chain, once per relay
+   (the client relays every hop, or each server pushes to the next: server/relay.py), on one swarm;
+   prints one JSON object {"relay": {"client": {"step_ms", "tok_s", "model_step_ms"}, "server": {...}},
+   "exact": bool (greedy tokens of every relay equal HF's), ...}. The model's step per relay:
+   client relay N x RTT, server relay (N + 1) x RTT / 2 (footnote 4's tau_c,ij legs), plus each
+   block's t_O + 1 ms.
+
 Needs root (namespaces). Prints a table and writes results/bench_netem.json.
 """
 from __future__ import annotations
@@ -167,13 +174,14 @@ from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.dht_records import fetch_servers
 ids = torch.tensor([json.loads(sys.argv[2])])
 n = int(sys.argv[3])
-model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]])
+relay = sys.argv[5] if len(sys.argv) > 5 else "server"
+model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]], relay=relay)
 try:
     model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
-    best, best_step = None, None
+    best, best_step, tokens = None, None, None
     for _ in range(int(sys.argv[4])):
         t = time.perf_counter()  # a whole session, as the service time T of the model counts it
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        tokens = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0].tolist()
         dt = time.perf_counter() - t
         best = dt if best is None else min(best, dt)
         with model.inference_session(max_length=ids.shape[1] + n + 2):  # steady-state decode steps only
@@ -183,7 +191,8 @@ try:
             step = (time.perf_counter() - t) / n
         best_step = step if best_step is None else min(best_step, step)
     infos = [i.to_wire() for i in fetch_servers(model.backend.dht, "smollm2-135m")]
-    print(json.dumps({"seconds": best, "decode_step_s": best_step, "new_tokens": n, "servers": infos}), flush=True)
+    print(json.dumps({"seconds": best, "decode_step_s": best_step, "new_tokens": n, "servers": infos,
+                      "tokens": tokens}), flush=True)
 finally:
     model.backend.shutdown()
 """
@@ -240,6 +249,65 @@ def bench_chain(name: str, rtts_ms: list[float], new_tokens: int, repeats: int) 
     return r
 
 
+def model_step_ms(relay: str, rtt_ms: float, servers: list[dict]) -> float:
+    """One decode step as the model predicts it: the network legs of the relay plus each block's
+    t_O (+ 1 ms per-block overhead, as above). Client relay: the client -> s_j -> client round trip
+    per hop, N x RTT. Server relay: client -> s_1 -> ... -> s_N -> client, N + 1 one-way legs of
+    RTT / 2 (footnote 4: tau_c,ij from the preceding hop i)."""
+    legs_ms = len(servers) * rtt_ms if relay == "client" else (len(servers) + 1) * rtt_ms / 2
+    return legs_ms + sum((s["end"] - s["start"]) * (s["decode_s_per_token"] + 1e-3) for s in servers) * 1e3
+
+
+def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], new_tokens: int,
+                 repeats: int) -> dict:
+    """One swarm of `n_servers` hosts at a uniform `rtt_ms`; one client run per relay."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from petals_chain.local_swarm import LocalSwarm
+    from petals_chain.models.checkpoint import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m")
+    ids = AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
+                                              return_tensors="pt").input_ids
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    ref = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0].tolist()
+    del hf
+    layers = 30
+    bounds = [round(i * layers / n_servers) for i in range(n_servers + 1)]
+    hosts = ["dht", *(f"s{i}" for i in range(n_servers)), "client"]
+    uniform = [[0.0 if i == j else rtt_ms for j in range(len(hosts))] for i in range(len(hosts))]
+    out: dict = {"relay": {}, "rtt_ms": rtt_ms, "servers": n_servers, "new_tokens": new_tokens,
+                 "prompt_tokens": ids.shape[1], "loadavg_start": os.getloadavg()[0]}
+    exact = True
+    with netem.Network(hosts, uniform, name=name, backend="userspace") as net:
+        def placement(role):
+            h = "dht" if role == "dht" else role.replace("server", "s")
+            return net.prefix(h), net.address(h)
+
+        with LocalSwarm("smollm2-135m", list(zip(bounds, bounds[1:])), placement=placement,
+                        server_args=["--num-threads", "1", "--no-orchestrator"]) as swarm:
+            env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+            for relay in relays:
+                proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
+                                                             json.dumps(ids[0].tolist()), str(new_tokens),
+                                                             str(repeats), relay]),
+                                      capture_output=True, text=True, timeout=600, env=env)
+                if proc.returncode != 0:
+                    raise RuntimeError(proc.stderr[-3000:])
+                res = json.loads(proc.stdout.strip().splitlines()[-1])
+                exact = exact and res["tokens"] == ref
+                out["relay"][relay] = {"step_ms": res["decode_step_s"] * 1e3, "tok_s": new_tokens / res["seconds"],
+                                       "model_step_ms": model_step_ms(relay, rtt_ms, res["servers"]),
+                                       "exact": res["tokens"] == ref}
+    out["exact"] = exact
+    if "client" in out["relay"] and "server" in out["relay"]:
+        out["ratio_server_vs_client_step"] = out["relay"]["server"]["step_ms"] / out["relay"]["client"]["step_ms"]
+        out["model_ratio_server_vs_client_step"] = (out["relay"]["server"]["model_step_ms"]
+                                                    / out["relay"]["client"]["model_step_ms"])
+    out["loadavg_end"] = os.getloadavg()[0]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=2.0, help="seconds per throughput measurement")
@@ -250,8 +318,24 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2, help="best of N generations per RTT")
     p.add_argument("--skip-chain", action="store_true")
     p.add_argument("--out", default="results/bench_netem.json")
+    p.add_argument("--chain", action="store_true", help="only the chain, once per --relay (see 4. above)")
+    p.add_argument("--servers", type=int, default=3, help="--chain: servers in the chain (30 blocks split evenly)")
+    p.add_argument("--rtt-ms", type=float, default=50.0, help="--chain: RTT between every pair of hosts")
+    p.add_argument("--relay", default="client,server", help="--chain: relays to compare (client, server)")
+    p.add_argument("--json", action="store_true", help="--chain: print only the JSON object")
     args = p.parse_args()
     name = "b" + uuid.uuid4().hex[:6]
+    if args.chain:
+        try:
+            results = bench_relays(name, args.servers, args.rtt_ms, args.relay.split(","), args.new_tokens,
+                                   args.repeats)
+        finally:
+            netem.cleanup(name)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        print(json.dumps(results) if args.json else json.dumps(results, indent=2))
+        return 0
     results: dict = {"loadavg_start": os.getloadavg()[0]}
     try:
         results.update(bench_hub(name, args.duration))

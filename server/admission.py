@@ -49,7 +49,10 @@ class AdmissionQueue:
         self.timed_out = 0
         # clients with a session waiting, replaced whole on every change: the scheduler thread reads it
         self._waiting_clients: tuple[str, ...] = ()
-        scheduler.waiting_for_memory = lambda: sorted(set(self._waiting_clients))
+
+    def waiting_clients(self) -> list[str]:
+        """Clients with a session waiting for memory (safe from any thread)."""
+        return sorted(set(self._waiting_clients))
 
     def _note_waiting(self) -> None:
         self._waiting_clients = tuple(w.request.client_id for w in self._waiting.values())

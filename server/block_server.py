@@ -38,19 +38,14 @@ from petals_chain.protocol import BlockService, OrchestratorService
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.runtime.lora import adapter_name
 from petals_chain.wire import Reachability, ServerInfo, ServerState
-from server.admission import AdmissionQueue
 from server.block_selection import HeldSpan, better_start, block_throughputs, choose_start
-from server.handler import BlockServicer, OpenSession
-from server.memory import KVBudget
-from server.policies import make_policy
-from server.prefix_cache import PrefixCache
-from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
-from server.emulation import maybe_slowed, real_range, slowed_times
+from server.handler import BlockServicer, ServicerLimits
+from server.emulation import real_range, slowed_times
 from server.service_log import ServiceLog
 from server.profiling import BlockTimes
 from server.range_profile import RangeProfile, cached_range_profile, disagrees, forget_profile
 from server.service_meter import ServiceMeter
-from server.scheduler import StepScheduler
+from server.serving_stack import StackSlot, build_stack
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +111,7 @@ class BlockServer:
         self.path = resolve_model_path(config.model)
         self.self_placed = config.num_blocks is not None  # --num-blocks: chooses its own span
         self.auto = config.start is None and not self.self_placed
-        self.block_range: BlockRange | None = None
-        self.budget: KVBudget | None = None
-        self.scheduler: StepScheduler | None = None
-        self.admission: AdmissionQueue | None = None
-        self.prefix_cache: PrefixCache | None = None
+        self.stacks = StackSlot()  # the serving stack (server/serving_stack.py): one value, swapped whole
         self.orchestrator = None
         if self.self_placed:
             total = get_family(cfg := load_config(self.path)).num_blocks(cfg)
@@ -137,8 +128,6 @@ class BlockServer:
             del probe
         else:
             self._load(config.start, config.end)
-        self.sessions: dict[str, OpenSession] = {}
-        self._sessions_lock = threading.Lock()
         self.state = ServerState.JOINING
         self.identity = SwarmIdentity.load_or_create(config.identity_path)
         self.reachability, self.relay_maddrs = self._check_reachability()
@@ -150,8 +139,10 @@ class BlockServer:
                                  **self.identity.dht_kwargs())
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("server-p2p")
-        self.servicer = BlockService(BlockServicer(self), config.allowed_peers)
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
+        limits = ServicerLimits(self.max_length_tokens, self.max_step_tokens, self.session_idle_timeout_s)
+        self._servicer = BlockServicer(limits, self.stacks, self.info, self.meter, self.p2p)
+        self.servicer = BlockService(self._servicer, config.allowed_peers)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         if not relayed:  # a reachable server checks others' reachability too
             self.loop.run(serve_dial_back(self.p2p), timeout_s=30)
@@ -168,7 +159,7 @@ class BlockServer:
         except BaseException:
             self.shutdown()
             raise
-        self.state = ServerState.ONLINE
+        self._set_state(ServerState.ONLINE)
         self._announce()
         self._announcer = threading.Thread(target=self._announce_loop, name="announcer", daemon=True)
         self._announcer.start()
@@ -202,24 +193,24 @@ class BlockServer:
         return check.reachability, relays if check.reachability == Reachability.RELAYED else ()
 
     def _load(self, start: int, end: int) -> None:
-        c = self.config
-        block_range = maybe_slowed(BlockRange(self.path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
-                                              model_path=self.path, cuda_graphs=c.cuda_graphs,
-                                              adapters=c.adapters), c.emulate_slowdown)
-        budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
-                          cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
-        scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
-                                  gather_fraction=c.batch_gather, on_batch=self._on_batch)
-        admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
-        prefix_cache = (None if c.prefix_sharing == "off" else
-                        PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))
-        old = self.scheduler
+        """Build a stack for [start, end) and swap it in; the old one (which holds no session: a move
+        waits for that) stops after the swap, so no handler ever sees a half-replaced stack."""
+        stack = build_stack(self.config, self.path, start, end, on_batch=self._on_batch)
         # the start-up profile of exactly this range, through the real step path (cached per shape)
-        self.times = self._while_announcing(lambda: self._profile(real_range(block_range)))
-        self.block_range, self.budget, self.scheduler, self.admission = block_range, budget, scheduler, admission
-        self.prefix_cache = prefix_cache
+        self.times = self._while_announcing(lambda: self._profile(real_range(stack.block_range)))
+        old = self.stacks.swap(stack)
         if old is not None:
             old.stop()
+
+    @property
+    def block_range(self) -> BlockRange | None:
+        """The current stack's blocks (None before `--blocks auto` gets an assignment)."""
+        stack = self.stacks.current
+        return None if stack is None else stack.block_range
+
+    def _set_state(self, state: ServerState) -> None:
+        self.state = state
+        self.stacks.set_accepting(state == ServerState.ONLINE)
 
     def _while_announcing(self, fn):
         """Run `fn` (seconds: a profile on a loaded machine) while the record stays fresh in the DHT:
@@ -349,12 +340,15 @@ class BlockServer:
                 self._move_to(target, target + n, "rebalance: the swarm's weakest blocks moved")
 
     def _move_to(self, start: int, end: int, why: str) -> None:
-        """Reload blocks [start, end) if no session is open (a session is never dropped for a move)."""
-        with self._sessions_lock:
-            if self.sessions:
-                return
+        """Reload blocks [start, end) if no session is open (a session is never dropped for a move).
+        New opens are refused first, so none slips in between the check and the swap."""
+        self.stacks.set_accepting(False)
+        stack = self.stacks.current
+        if stack is not None and len(stack.sessions):
+            self.stacks.set_accepting(self.state == ServerState.ONLINE)
+            return
         logger.info("%s: moving to blocks [%d, %d)", why, start, end)
-        self.state = ServerState.JOINING
+        self._set_state(ServerState.JOINING)
         self._announce()
         try:
             self._load(start, end)
@@ -362,14 +356,14 @@ class BlockServer:
             logger.exception("loading blocks [%d, %d) failed", start, end)
             return
         finally:
-            self.state = ServerState.ONLINE
+            self._set_state(ServerState.ONLINE)
             self._announce()
         print(f"serving {self.model_name} blocks [{start}, {end}) as {self.peer_id} ({why})", flush=True)
 
     # -- records ------------------------------------------------------------------------------
     def info(self) -> ServerInfo:
-        br = self.block_range
-        if br is None:  # --blocks auto, before the assignment: no blocks yet
+        stack = self.stacks.current  # one read: the whole record describes one stack
+        if stack is None:  # --blocks auto, before the assignment: no blocks yet
             s_m, s_c, dtype = self._sizes
             return ServerInfo(
                 peer_id=self.peer_id, model=self.model_name, start=0, end=0, state=ServerState.JOINING,
@@ -379,27 +373,28 @@ class BlockServer:
                 dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True},
                 adapters=[adapter_name(a) for a in self.config.adapters],
                 reachability=self.reachability, relay_maddrs=self.relay_maddrs)
+        br, budget = stack.block_range, stack.budget
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
-        with self._sessions_lock:
-            active = len(self.sessions)
-            # measured from the sessions' KV tensors, independently of the reservations that admit them
-            allocated = sum(s.kv.nbytes for s in self.sessions.values())
+        active = len(stack.sessions)
+        # measured from the sessions' KV tensors, independently of the reservations that admit them
+        allocated = stack.sessions.allocated_bytes()
         return ServerInfo(
             peer_id=self.peer_id, model=self.model_name, start=br.start, end=br.end, state=self.state,
-            memory_budget_bytes=self.budget.memory_budget_bytes, block_bytes=br.block_bytes,
+            memory_budget_bytes=budget.memory_budget_bytes, block_bytes=br.block_bytes,
             kv_bytes_per_block=br.kv_bytes_per_block(self.max_length_tokens), max_length_tokens=self.max_length_tokens,
             max_step_tokens=self.max_step_tokens,
-            free_kv_slots=self.budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
+            free_kv_slots=budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active, adapters=list(br.adapters),
             reachability=self.reachability, relay_maddrs=self.relay_maddrs,
-            extra={"queue_length": self.scheduler.queue_length, "policy": self.scheduler.policy.name,
-                   "admission_queue_length": len(self.admission), "auto": self.auto,
-                   "prefix_cache": self.prefix_cache.view() if self.prefix_cache is not None else None,
+            extra={"queue_length": stack.scheduler.queue_length, "policy": stack.scheduler.policy.name,
+                   "admission_queue_length": len(stack.admission), "auto": self.auto,
+                   "prefix_cache": stack.prefix_cache.view() if stack.prefix_cache is not None else None,
+                   "relay": self._servicer.relay_index.view(),
                    # the memory accounting (bytes): weights + reserved KV (sessions and cached prefixes)
                    # must stay within memory_budget_bytes
-                   "weights_bytes": self.budget.weights_bytes, "kv_reserved_bytes": self.budget.reserved_bytes,
-                   "kv_peak_reserved_bytes": self.budget.peak_reserved_bytes, "kv_allocated_bytes": allocated},
+                   "weights_bytes": budget.weights_bytes, "kv_reserved_bytes": budget.reserved_bytes,
+                   "kv_peak_reserved_bytes": budget.peak_reserved_bytes, "kv_allocated_bytes": allocated},
         )
 
     def _announce(self, timeout_s: float = 10.0) -> None:
@@ -421,23 +416,16 @@ class BlockServer:
             except Exception:  # a check must never stop the announcements
                 logger.exception("checking the start-up profile against live service failed")
 
-    def on_session_opened(self, session: OpenSession) -> None:
-        with self._sessions_lock:
-            self.sessions[session.reservation_key] = session
-
-    def on_session_closed(self, session: OpenSession) -> None:
-        with self._sessions_lock:
-            self.sessions.pop(session.reservation_key, None)
-
     # -- shutdown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
-        self.state = ServerState.OFFLINE
+        self._set_state(ServerState.OFFLINE)
         self._announce(timeout_s=3.0)
-        if self.scheduler is not None:
-            self.scheduler.stop()
+        stack = self.stacks.current
+        if stack is not None:
+            stack.stop()
         try:
             self.loop.run(self.servicer.remove_p2p_handlers(self.p2p), timeout_s=5)
         except Exception:

@@ -11,16 +11,16 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from petals_chain import wire, wire_parts
-from petals_chain.messages import Close, Forward, Open, Opened, Step, StepReply, decode_tagged
-from petals_chain.wire import ServerState
+from petals_chain.messages import Close, Forward, Open, Opened, Push, Pushed, Step, StepReply, decode_tagged
+from petals_chain.wire import ServerInfo
 from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
@@ -33,75 +33,123 @@ from petals_chain.errors import (
 from petals_chain.runtime.block_range import StepInput
 from petals_chain.runtime.kv_cache import SessionKV
 from petals_chain.runtime.lora import check_adapter
-from server.memory import KVBudget
 from server.prefix_cache import PrefixPin
-from server.scheduler import StepScheduler
+from server import relay
+from server.relay import RelayIndex, RelayInbox, RelayLinks
+from server.reservation import SessionReservation
+from server.service_meter import ServiceMeter
+from server.serving_stack import ServingStack, StackSlot
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ServicerLimits:
+    """What the servicer enforces besides its stack's budget (advertised in rpc_info)."""
+
+    max_length_tokens: int
+    max_step_tokens: int
+    session_idle_timeout_s: float
+
+
 @dataclass
 class OpenSession:
+    """One stream's session: what it holds (`reservation`) and where its prefix reuse stands."""
+
     session_id: str
-    client_id: str
-    kv: SessionKV
-    reservation_key: str  # unique per stream: the scheduler's and the budget's key of this session
+    reservation: SessionReservation
+    inbox: RelayInbox  # its stream's messages and pushed steps; `claim` runs each step id once
+    links: RelayLinks  # its push streams to the next hops
     prefix_namespace: str = ""
     prefix_hashes: list[str] = field(default_factory=list)  # chained chunk hashes of its prompt (client's)
-    prefix_pin: PrefixPin | None = None  # the cached prefix matched at open, until the first step
     prefix_tokens: int = 0  # tokens its first step took from the cache
     prefix_stored: int = 0  # chunks of its prompt offered to the cache so far
+    stop_pushes: Callable[[], None] | None = None  # undoes its relay index entry
+
+    @property
+    def stack(self) -> ServingStack:
+        return self.reservation.stack
+
+    @property
+    def kv(self) -> SessionKV:
+        return self.reservation.kv
+
+    @property
+    def client_id(self) -> str:
+        return self.reservation.client_id
+
+    @property
+    def prefix_pin(self) -> PrefixPin | None:
+        return self.reservation.prefix_pin
 
 
 class BlockServicer:
-    """Implementation behind `petals_chain.protocol.BlockService`."""
+    """Implementation behind `petals_chain.protocol.BlockService`. It sees the server through five
+    typed things only: its limits, the slot holding the current serving stack (and whether it takes
+    new sessions), `info()` and the service `meter` for rpc_info, and its `p2p` for pushing to next
+    hops (server/relay.py)."""
 
-    def __init__(self, server):
-        self.server = server  # server.server.BlockServer (info, block range, budget, scheduler)
+    def __init__(self, limits: ServicerLimits, stacks: StackSlot, info: Callable[[], ServerInfo],
+                 meter: ServiceMeter, p2p: P2P):
+        self.limits = limits
+        self.stacks = stacks
+        self._info = info
+        self.meter = meter
+        self.p2p = p2p  # the server's P2P, to push steps to the next hop
+        self.relay_index = RelayIndex()  # which session takes pushes from which peer
 
-    @property
-    def scheduler(self) -> StepScheduler:
-        return self.server.scheduler
-
-    @property
-    def budget(self) -> KVBudget:
-        return self.server.budget
+    def _stack(self, what: str) -> ServingStack:
+        stack = self.stacks.current
+        if stack is None:
+            raise ServerUnavailableError(f"this server holds no blocks right now ({what}); use another server")
+        return stack
 
     async def info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:  # any request gets the info; a well-formed one may also ask for the measured batches
             since = wire.decode_request(request, wire.InfoRequest).service_since_seq
         except PetalsChainError:
             since = None
-        return wire.response(wire.InfoReply(self.server.info(), self.server.meter.since(since)))
+        return wire.response(wire.InfoReply(self._info(), self.meter.since(since)))
 
     # -- inference stream ---------------------------------------------------------------------
     async def inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         client_id = str(context.remote_id)
         session: OpenSession | None = None
-        incoming = wire_parts.assembled(requests, admit=self._admit).__aiter__()  # tensors arrive in parts
-        idle_timeout_s = self.server.session_idle_timeout_s
+        # one inbox per stream: its client's messages (tensors arrive in parts, reassembled by the
+        # pump) and the steps the previous hop pushes (server relay), consumed in arrival order
+        inbox = RelayInbox()
+        pumping = asyncio.create_task(relay.pump(requests, inbox, self._admit))
+        idle_timeout_s = self.limits.session_idle_timeout_s
         try:
             while True:
                 try:
                     # a client that went silent must not hold its KV reservation forever
-                    message = await asyncio.wait_for(anext(incoming), idle_timeout_s)
-                except StopAsyncIteration:
-                    return
+                    kind, message = await asyncio.wait_for(inbox.queue.get(), idle_timeout_s)
                 except asyncio.TimeoutError:
                     logger.info("closing a session of %s idle for %.0f s", client_id, idle_timeout_s)
                     yield wire.error_response(SessionIdleTimeoutError(
                         f"the server closed this stream: nothing arrived for {idle_timeout_s:.0f} s "
                         "(its --session-idle-timeout); open a new session, and send steps or close sooner"))
                     return
+                if kind == relay.END:
+                    return
+                if kind == relay.FAILED:
+                    raise message
                 try:
+                    if kind == relay.PUSHED:  # claimed by rpc_push already
+                        push, hidden = message
+                        for response in await self._run_and_reply(session, push.step_id, hidden, 0, push.push_route,
+                                                                  push.start_position):
+                            yield response
+                        continue
                     if isinstance(message, PetalsChainError):  # a bad group (refused by its header, or malformed)
                         raise message
                     msg = decode_tagged(message.meta, Open, Step, Close)
                     if isinstance(msg, Open):
                         if session is not None:
                             raise InvalidRequestError("this stream already has an open session")
-                        session = await self._open(msg, client_id)
+                        session = await self._open(msg, client_id, inbox)
                         pin = session.prefix_pin  # how much of the prompt this hop holds
                         yield wire.response(Opened(session.session_id, session.kv.first_block, session.kv.end_block,
                                                    prefix_match_tokens=None if pin is None else pin.tokens,
@@ -113,12 +161,13 @@ class BlockServicer:
                             raise UnknownSessionError(f"unknown session {msg.session_id!r} on this stream")
                         if len(message.tensors) != 1:
                             raise InvalidRequestError(f"a step carries exactly one tensor, got {len(message.tensors)}")
-                        t0 = time.perf_counter()
-                        out = await self._step(session, message.tensors[0], msg.prefix_tokens or 0, msg.start_position)
-                        # server_s: this step's time inside the server (queue + batch compute), so a
-                        # client can tell server time from network time (the Table 1 model check)
-                        reply = StepReply(msg.session_id, msg.step_id, session.kv.past_tokens, time.perf_counter() - t0)
-                        for response in wire_parts.to_messages(reply.to_wire(), (out,), reply=True):
+                        if msg.relay_from is not None:  # the previous hop changed (the client failed it over)
+                            self._take_pushes_from(session, msg.relay_from)
+                        if not session.inbox.claim(msg.step_id):
+                            continue  # its pushed copy ran already (and was answered): run each step once
+                        for response in await self._run_and_reply(session, msg.step_id, message.tensors[0],
+                                                                  msg.prefix_tokens or 0, msg.push_route,
+                                                                  msg.start_position):
                             yield response
                     else:  # Close
                         return
@@ -128,78 +177,106 @@ class BlockServicer:
                     logger.exception("unexpected error in rpc_inference")
                     yield wire.error_response(e)
         finally:
+            pumping.cancel()
             if session is not None:
                 self._close(session)
 
+    async def _run_and_reply(self, session: OpenSession, step_id: int | None, hidden: torch.Tensor,
+                             prefix_tokens: int, push_route: list[str] | None,
+                             start_position: int | None = None) -> list[runtime_pb2.ExpertResponse]:
+        t0 = time.perf_counter()
+        out, compute_s = await self._step(session, hidden, prefix_tokens, start_position)
+        if push_route and step_id is not None:
+            # the next hop gets it first (server relay), with the step's rollback; this reply feeds
+            # the client's history
+            session.links.push_soon(push_route, step_id, out, start_position)
+        # server_s: this step's time inside the server (queue + batch compute), so a client can tell
+        # server time from network time (the Table 1 model check)
+        reply = StepReply(session.session_id, step_id, session.kv.past_tokens, time.perf_counter() - t0, compute_s)
+        return wire_parts.to_messages(reply.to_wire(), (out,), reply=True)
+
+    def _take_pushes_from(self, session: OpenSession, peer: str) -> None:
+        if session.stop_pushes is not None:
+            session.stop_pushes()
+        session.stop_pushes = self.relay_index.register(session.session_id, peer, session.inbox)
+
+    async def push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                   context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A previous hop's relay stream: each message group is one pushed step (`Push`), queued
+        for its session (or refused, typed); acknowledged with `Pushed`."""
+        from_peer = str(context.remote_id)
+        async for message in wire_parts.assembled(requests, admit=self._admit):
+            try:
+                if isinstance(message, PetalsChainError):
+                    raise message
+                push = Push.from_wire(message.meta)
+                if len(message.tensors) != 1:
+                    raise InvalidRequestError(f"a push carries exactly one tensor, got {len(message.tensors)}")
+                self.relay_index.deliver(push, message.tensors[0], from_peer)
+                yield wire.response(Pushed(push.step_id))
+            except PetalsChainError as e:
+                yield wire.error_response(e)
+
     def _close(self, session: OpenSession) -> None:
-        if session.prefix_pin is not None and self.server.prefix_cache is not None:
-            self.server.prefix_cache.unpin(session.prefix_pin)
-        self.scheduler.cancel_session(session.reservation_key)
-        self.server.on_session_closed(session)  # before the release: allocated KV never exceeds reserved
-        self.budget.release(session.reservation_key)
-        self.server.admission.on_release()
+        session.reservation.release()
 
     def _admit(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Refuse a step's or forward's hidden states by their header, before the rest arrives or
         any memory is allocated: the limit is `max_step_tokens` (advertised in rpc_info)."""
-        block_range = self.server.block_range
-        if block_range is None:
-            raise ServerUnavailableError("this server holds no blocks right now; use another server")
+        block_range = self._stack("waiting for or loading its assignment").block_range
         if len(shape) not in (2, 3) or shape[-1] != block_range.hidden_size:
             raise InvalidRequestError(f"hidden states must be [tokens, {block_range.hidden_size}] (a step) or "
                                       f"[batch, seq, {block_range.hidden_size}] (a forward), got {list(shape)}")
         tokens = math.prod(shape[:-1])
-        if tokens > self.server.max_step_tokens:
+        if tokens > self.limits.max_step_tokens:
             raise RequestTooLargeError(
-                f"{tokens} tokens in one request exceed this server's max_step_tokens={self.server.max_step_tokens} "
+                f"{tokens} tokens in one request exceed this server's max_step_tokens={self.limits.max_step_tokens} "
                 "(advertised in rpc_info); send the prompt in several steps, fewer forward rows at a time, or use "
                 "a server started with a larger --max-step-tokens")
 
-    async def _open(self, msg: Open, client_id: str) -> OpenSession:
-        block_range = self.server.block_range
-        if block_range is None or self.server.state != ServerState.ONLINE:
+    async def _open(self, msg: Open, client_id: str, inbox: RelayInbox) -> OpenSession:
+        stack = self.stacks.current
+        if stack is None or not self.stacks.accepting:
             raise ServerUnavailableError("this server holds no blocks right now (waiting for or loading its "
                                          "assignment); use another server")
+        block_range = stack.block_range
         session_id, max_length = msg.session_id, msg.max_length
         first_block = block_range.start if msg.entry_block is None else msg.entry_block
-        if max_length > self.server.max_length_tokens:
+        if max_length > self.limits.max_length_tokens:
             raise MaxLengthExceededError(
-                f"max_length={max_length} exceeds this server's limit of {self.server.max_length_tokens} tokens; "
+                f"max_length={max_length} exceeds this server's limit of {self.limits.max_length_tokens} tokens; "
                 "use a smaller max_length or a server started with a larger --max-length")
         if not block_range.start <= first_block < block_range.end:
             raise InvalidRequestError(
                 f"entry_block {first_block} is outside this server's blocks [{block_range.start}, {block_range.end})")
         check_adapter(msg.adapter, block_range.adapters)  # before any memory is reserved
         nbytes = block_range.kv_bytes_per_block(max_length) * (block_range.end - first_block)
-        wait_s = msg.admission_wait_s
-        key = f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}"
-        cache = self.server.prefix_cache
-        hashes = list(msg.prefix_hashes or ())  # checked by Open.check
+        cache = stack.prefix_cache
+        hashes = list(msg.prefix_hashes or ()) if cache is not None else []  # checked by Open.check
         # a prefix's KV depends on the adapter it was computed with: never shared across adapters
         namespace = cache.namespace(client_id, first_block, msg.adapter) if cache is not None else ""
-        match = (lambda: cache.match(namespace, hashes) * cache.chunk_tokens) if cache is not None and hashes else None
         # waits in the admission queue while memory is full (OutOfCacheError / AdmissionTimeoutError)
-        await self.server.admission.reserve(key, nbytes, session_id, client_id, wait_s, prefix_match=match)
-        try:
-            kv = block_range.allocate_kv(max_length, first_block, msg.adapter)
-        except Exception:
-            self.budget.release(key)
-            self.server.admission.on_release()
-            raise
-        session = OpenSession(session_id, client_id, kv, key, namespace, hashes)
-        if cache is not None and hashes:
-            # pinned until the first step says how much of it the whole chain can use
-            session.prefix_pin = cache.pin(namespace, hashes, client_id)
-            cache.count_asked(client_id, len(hashes) * cache.chunk_tokens)
-        self.server.on_session_opened(session)
+        reservation = await SessionReservation.acquire(
+            stack, key=f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}", session_id=session_id, client_id=client_id,
+            nbytes=nbytes, max_length=max_length, first_block=first_block, adapter=msg.adapter,
+            wait_s=msg.admission_wait_s, prefix_namespace=namespace, prefix_hashes=hashes)
+        session = OpenSession(session_id, reservation, inbox, RelayLinks(self.p2p, session_id), namespace, hashes)
+        reservation.hold("relay streams", session.links.close)
+        reservation.hold("relay index entry", lambda: session.stop_pushes() if session.stop_pushes else None)
+        if msg.relay_from is not None:
+            try:
+                self._take_pushes_from(session, msg.relay_from)
+            except BaseException:
+                reservation.release()
+                raise
         # the session id carries an API gateway's request id: this line ties a request to this server
         logger.info("session %s of %s opened on blocks [%d, %d) for %d tokens", session_id, client_id, first_block,
                     block_range.end, max_length)
         return session
 
     async def _step(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int = 0,
-                    start_position: int | None = None) -> torch.Tensor:
-        cache = self.server.prefix_cache
+                    start_position: int | None = None) -> tuple[torch.Tensor, float]:
+        cache = session.stack.prefix_cache
         if session.prefix_pin is not None and not session.prefix_pin.released:
             # the first step: copy the part of the cached prefix that every hop holds (the client
             # sends the minimum of the hops' matches), then let the cache evict it again
@@ -209,14 +286,16 @@ class BlockServicer:
                                       "prefix_hashes to a server with a prefix cache (its open reply says so)")
         if start_position is not None:
             self._roll_back(session, start_position)
-        out = await self._run_step(session, hidden)
+        out, compute_s = await self._run_step(session.stack, session.reservation.key, session.client_id, session.kv,
+                                              hidden, session.prefix_tokens)
         if cache is not None and session.prefix_stored < len(session.prefix_hashes):
             # offer the prompt's full chunks this session computed (no other step of it runs now)
             cache.insert(session.prefix_namespace, session.prefix_hashes, session.kv)
             session.prefix_stored = min(len(session.prefix_hashes), session.kv.past_tokens // cache.chunk_tokens)
-        return out
+        return out, compute_s
 
-    def _roll_back(self, session: OpenSession, start_position: int) -> None:
+    @staticmethod
+    def _roll_back(session: OpenSession, start_position: int) -> None:
         """KV rollback: the step starts at `start_position` (at most the session's length). The static
         cache stays allocated and the step overwrites it from there; the prompt's chunk hashes are cut to
         the chunks still below it, so positions that now hold other tokens are never offered to the
@@ -227,17 +306,20 @@ class BlockServicer:
                 f"start_position={start_position} is past this session's {kv.past_tokens} processed tokens; a step "
                 "may only restart at or before the current position (send the missing tokens first)")
         kv.past_tokens = start_position
-        cache = self.server.prefix_cache
+        cache = session.stack.prefix_cache
         kept = start_position // cache.chunk_tokens if cache is not None else 0
         if kept < len(session.prefix_hashes):
             del session.prefix_hashes[kept:]
             session.prefix_stored = min(session.prefix_stored, kept)
 
-    async def _run_step(self, session: OpenSession, hidden: torch.Tensor) -> torch.Tensor:
-        step = StepInput(session.kv, hidden)
-        self.server.block_range.validate_step(step)
-        if hidden.dtype != self.server.block_range.dtype:
-            raise InvalidRequestError(f"hidden states must be {self.server.block_range.dtype}, got {hidden.dtype}")
+    async def _run_step(self, stack: ServingStack, key: str, client_id: str, kv: SessionKV, hidden: torch.Tensor,
+                        prefix_tokens: int = 0) -> tuple[torch.Tensor, float]:
+        """The step's output and the forward time of the batches it ran in."""
+        step = StepInput(kv, hidden)
+        stack.block_range.validate_step(step)
+        step.validated = True  # once: the batch does not check it again
+        if hidden.dtype != stack.block_range.dtype:
+            raise InvalidRequestError(f"hidden states must be {stack.block_range.dtype}, got {hidden.dtype}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -251,9 +333,11 @@ class BlockServicer:
                     future.set_result(result)
             loop.call_soon_threadsafe(settle)
 
-        self.scheduler.submit(session.reservation_key, session.client_id, step, deliver,
-                              prefix_tokens=session.prefix_tokens)
-        return await future
+        # a lone session runs inline on this loop when the scheduler is idle (no thread hop); with
+        # several, steps go through the scheduler thread so their batches form
+        job = stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens,
+                                     inline=len(stack.sessions) <= 1)
+        return await future, job.compute_s
 
     # -- stateless forward ----------------------------------------------------------------
     @wire.replies_with_typed_errors
@@ -288,9 +372,8 @@ class BlockServicer:
 
     async def _forward(self, message: wire_parts.Message, context: P2PContext) -> torch.Tensor:
         client_id = str(context.remote_id)
-        block_range = self.server.block_range
-        if block_range is None:
-            raise ServerUnavailableError("this server holds no blocks yet; use another server")
+        stack = self._stack("waiting for or loading its assignment")
+        block_range = stack.block_range
         if message.meta.get("type", Forward.TYPE) != Forward.TYPE:
             raise InvalidRequestError(f"rpc_forward takes 'forward' messages, got type {message.meta.get('type')!r}")
         request = Forward.from_wire(message.meta)
@@ -302,18 +385,20 @@ class BlockServicer:
         hidden = message.tensors[0]
         if hidden.dim() != 3 or hidden.shape[0] < 1:
             raise InvalidRequestError(f"rpc_forward takes [batch, seq, {block_range.hidden_size}], got {tuple(hidden.shape)}")
-        if hidden.shape[1] > self.server.max_length_tokens:
+        if hidden.shape[1] > self.limits.max_length_tokens:
             raise MaxLengthExceededError(f"sequence of {hidden.shape[1]} tokens exceeds this server's "
-                                         f"limit of {self.server.max_length_tokens}")
+                                         f"limit of {self.limits.max_length_tokens}")
         outputs = []
         for row, seq in enumerate(hidden):
             key = f"{client_id}/forward-{uuid.uuid4().hex[:8]}-{row}"
-            self.budget.reserve(key, block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - first_block))
+            # no wait for memory: a forward that does not fit now is refused (OutOfCacheError)
+            row_reservation = await SessionReservation.acquire(
+                stack, key=key, session_id=key, client_id=client_id,
+                nbytes=block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - first_block),
+                max_length=seq.shape[0], first_block=first_block, adapter=request.adapter, wait_s=0.0,
+                register=False)
             try:
-                temp = OpenSession(key, client_id, block_range.allocate_kv(seq.shape[0], first_block, request.adapter),
-                                   key)
-                outputs.append(await self._run_step(temp, seq))
+                outputs.append((await self._run_step(stack, key, client_id, row_reservation.kv, seq))[0])
             finally:
-                self.budget.release(key)
-                self.server.admission.on_release()
+                row_reservation.release()
         return torch.stack(outputs)

@@ -43,8 +43,15 @@ class KVBudget:
         self._reserved: dict[str, int] = {}
         self._cache_keys: set[str] = set()  # reservations of the prefix cache (evictable)
         self.lock = threading.RLock()  # shared with the prefix cache (see the module docstring)
-        self.reclaimer: Reclaimer | None = None
+        self.reclaimer: Reclaimer | None = None  # set once, by attach_reclaimer
         self.peak_reserved_bytes = 0  # high-water mark of the reservations (reported; overload tests check it)
+
+    def attach_reclaimer(self, reclaimer: Reclaimer) -> None:
+        """The memory this budget may evict for a session (the prefix cache, which attaches itself
+        when made on this budget); one per budget, never replaced."""
+        if self.reclaimer is not None:
+            raise ValueError("this KV budget already has a reclaimer (one prefix cache per budget)")
+        self.reclaimer = reclaimer
 
     @property
     def reserved_bytes(self) -> int:

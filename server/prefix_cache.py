@@ -84,7 +84,7 @@ class PrefixCache:
         self._chunks: dict[tuple[str, str], _Chunk] = {}
         self._bytes = 0
         self._tick = itertools.count()
-        budget.reclaimer = self
+        budget.attach_reclaimer(self)  # the cache's chunks are what a session may evict
 
     # -- keys -------------------------------------------------------------------------------
     def namespace(self, client_id: str, first_block: int, adapter: str | None = None) -> str:

@@ -60,6 +60,7 @@ class _Job:
     step: StepInput
     deliver: Callable[[Any, BaseException | None], None]
     rows_done: int = 0
+    compute_s: float = 0.0  # forward time of the batches its rows ran in (shared with their other steps)
     outputs: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -73,7 +74,8 @@ class StepScheduler:
 
     def __init__(self, executor, policy: SchedulingPolicy, *, max_batch_tokens: int = 2048,
                  clock: Callable[[], float] = time.monotonic, start_thread: bool = True,
-                 on_batch: Callable[[dict], None] | None = None, gather_fraction: float = 0.5):
+                 on_batch: Callable[[dict], None] | None = None, gather_fraction: float = 0.5,
+                 waiting_for_memory: Callable[[], list[str]] = list):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         if gather_fraction < 0:
@@ -90,13 +92,15 @@ class StepScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
         self.on_batch = on_batch  # e.g. the --service-log writer; called outside the lock
-        # clients with sessions waiting for KV memory (the admission queue sets it), for the log
-        self.waiting_for_memory: Callable[[], list[str]] = list
+        # clients with sessions waiting for KV memory (the admission queue's, wired by
+        # server/serving_stack.py:build_stack), for the log
+        self.waiting_for_memory = waiting_for_memory
         self.stats = SchedulerStats()
         self._jobs: dict[int, _Job] = {}  # submitted, not yet delivered
         self._cond = threading.Condition()
         self._job_ids = itertools.count()
         self._stopped = False
+        self._running = False  # a thread (the scheduler's, or an inline caller's) is running a batch
         self._thread = None
         if start_thread:
             self._thread = threading.Thread(target=self._loop, name="step-scheduler", daemon=True)
@@ -104,8 +108,13 @@ class StepScheduler:
 
     # -- handler side ---------------------------------------------------------------------------
     def submit(self, session_id: str, client_id: str, step: StepInput,
-               deliver: Callable[[Any, BaseException | None], None], prefix_tokens: int = 0) -> None:
-        """`prefix_tokens`: tokens of the session's prompt taken from the prefix cache (DLPM's locality)."""
+               deliver: Callable[[Any, BaseException | None], None], prefix_tokens: int = 0,
+               inline: bool = False) -> _Job:
+        """Returns the job (its `compute_s` is final once delivered). `prefix_tokens`: tokens of the
+        session's prompt taken from the prefix cache (DLPM's locality).
+        `inline`: when nothing else waits or runs, run the batch on the caller's thread now (no
+        hand-off to the scheduler thread and back: the lean path of a lone session); otherwise it
+        waits for the scheduler thread as usual, so batches still form under load."""
         with self._cond:
             if self._stopped:
                 raise ServerUnavailableError("this server is shutting down; use another server")
@@ -120,11 +129,29 @@ class StepScheduler:
             self._jobs[job_id] = job
             if not ok:
                 self._fail_job(job, self._policy_error("next_seq", RuntimeError("no arrival number")))
-                return
+                return job
             item = WorkItem(seq, session_id, client_id, job.total_rows, step.kv.past_tokens, self.clock(), job,
                             prefix_tokens=prefix_tokens)
             self._call_policy("enqueue", lambda: self.policy.enqueue(item))
-            self._cond.notify()
+            # not while other sessions are expected back within the gathering window: their batch
+            # forms on the scheduler thread (_gather)
+            claimed = inline and not self._running and len(self._jobs) == 1 and not self._expects_others()
+            if not claimed:
+                self._cond.notify()
+                return job
+            self._running = True
+        self._run_claimed()
+        return job
+
+    def _run_claimed(self) -> None:
+        """Run batches while this thread holds the runner role (`_running`), then hand it back."""
+        try:
+            self.run_once()
+        finally:
+            with self._cond:
+                self._running = False
+                if self._jobs or self._stopped:
+                    self._cond.notify_all()
 
     def cancel_session(self, session_id: str) -> None:
         """The session closed or its stream broke: its waiting work leaves the queue."""
@@ -168,12 +195,23 @@ class StepScheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._jobs and not self._stopped:
+                while (not self._jobs or self._running) and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
                     return
                 self._gather()
-            self.run_once()
+                if self._running or not self._jobs:  # an inline caller claimed it, or a cancel emptied it
+                    continue
+                self._running = True
+            self._run_claimed()
+
+    def _expects_others(self) -> bool:
+        """Is a delivered session (not back yet) due within the gathering window of now? (lock held)"""
+        if self.gather_fraction <= 0 or self._service_s <= 0:
+            return False
+        window_s, now_s = self.gather_fraction * self._service_s, self.clock()
+        return any(abs(delivered_s + self._return_s.get(session_id, float("inf")) - now_s) <= window_s
+                   for session_id, delivered_s in self._delivered_s.items())
 
     def _gather(self) -> None:
         """Wait (under the lock, woken by every submit) for sessions expected back within the
@@ -250,8 +288,8 @@ class StepScheduler:
             torch.cuda.synchronize(self._device)
         start_s = self.clock()
         cpu0_s = time.process_time()  # the whole process: torch's intra-op threads do the work
-        steps = [StepInput(it.payload.step.kv, it.payload.step.hidden[it.row_offset:it.row_offset + it.n_tokens])
-                 for it in batch]
+        steps = [StepInput(it.payload.step.kv, it.payload.step.hidden[it.row_offset:it.row_offset + it.n_tokens],
+                           validated=it.payload.step.validated) for it in batch]
         try:
             outputs = self.block_range.forward(steps)
             if self._on_cuda:  # kernels run asynchronously: the batch ends when they do
@@ -274,6 +312,7 @@ class StepScheduler:
             st.max_batch_tokens_seen = max(st.max_batch_tokens_seen, sum(it.n_tokens for it in batch))
             for it, out in zip(batch, outputs):
                 job = it.payload
+                job.compute_s += service_s
                 if error is not None:
                     # the job's remaining rows must not run on a cache this batch left half-written
                     self._call_policy("remove", lambda: self.policy.remove(job.session_id))

@@ -46,7 +46,8 @@ def test_server_serves_only_members(tiny_llama_path, tmp_path):
             assert outsider.ping_s(server_id) is not None  # answered (with the refusal), not dropped
             for tokens in (3, MAX_PART_BYTES // (4 * config.hidden_size) + 1):  # rpc_forward, rpc_forward_stream
                 with pytest.raises(NotAllowedError):
-                    outsider.loop.run(outsider._forward_hop(Hop(server_id, 0, 6), torch.zeros(1, tokens, config.hidden_size)),
+                    outsider.loop.run(outsider.hops.forward_async(Hop(server_id, 0, 6),
+                                                                  torch.zeros(1, tokens, config.hidden_size)),
                                       timeout_s=30)
         finally:
             outsider.shutdown()

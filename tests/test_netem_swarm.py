@@ -69,7 +69,8 @@ def swarm(wan, smollm2_path):
         return wan.prefix(host), wan.address(host)
 
     with LocalSwarm("smollm2-135m", [None, None, None], server_args=["--num-threads", "1", "--max-length", "512"],
-                    orchestrator_args=["--expected-servers", "3", "--replan-period", "5"], placement=placement) as swarm:
+                    orchestrator_args=["--expected-servers", "3", "--replan-period", "5",
+                                                       "--relay", "client"], placement=placement) as swarm:
         wait_for(lambda: get_json_in(wan, "client", swarm.orchestrator_url + "status").get("plan_installed"), 120,
                  "the orchestrator's plan")
         yield swarm

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mean-output-tokens", type=positive_float, default=32.0, help="expected l_out (updated from finished sessions)")
     p.add_argument("--per-block-overhead-ms", type=non_negative_float, default=1.0, help="t_o of footnote 11 (default 1 ms)")
     p.add_argument("--per-step-overhead-ms", type=non_negative_float, default=0.0, help="added to the measured RTT per step in tau_c")
+    p.add_argument("--relay", choices=["server", "client"], default="server",
+                   help="how the swarm's clients relay (their default: server): tau_c = steps x max RTT_ij / 2 over "
+                        "the possible predecessors (footnote 4) or steps x the RTT from here")
     p.add_argument("--expected-servers", type=non_negative_int, default=0,
                    help="plan as soon as this many servers registered (default: when none joined for --settle)")
     p.add_argument("--expected-wait", type=non_negative_float, default=180.0,
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, initial_peers=args.initial_peers, num_blocks=num_blocks, host_maddrs=args.host_maddrs,
         policy=args.policy, c=args.c, tuning=args.tuning, leftover_placement=args.leftover_placement, arrival_rate_per_s=args.arrival_rate, rho_bar=args.rho,
         mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
-        per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3,
+        per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3, relay=args.relay,
         expected_servers=args.expected_servers, expected_wait_s=args.expected_wait, settle_s=args.settle, replan_period_s=args.replan_period,
         force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, calibrate=args.calibrate,
         replan_enter=args.replan_threshold, replan_exit=args.replan_threshold / 2,

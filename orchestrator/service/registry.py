@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from orchestrator.model import BlockInterval, Cluster, Server, Service
 from orchestrator.service.calibration import ServiceFit
-from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
+from orchestrator.session_times import SessionShape, tau_c_relay_s, tau_c_s, tau_p_s
 from petals_chain.wire import ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -36,24 +36,47 @@ class Overheads:
     per_step_s: float = 0.0  # added to the RTT on every step in tau_c
 
 
-def server_params(record: ServerRecord, shape: SessionShape, overheads: Overheads) -> tuple[float, float]:
-    """(tau_c_s, tau_p_s) of one server. With a calibrated fit: t_I, t_O fitted from live service,
-    and the fitted per-step t_o plus the measured per-hop cost join the RTT in every step of tau_c
-    (they are paid once per step and server, whatever its blocks); the per-block t_o flag then no
-    longer applies. Without one: the announced start-up profile and the flags."""
+RELAYS = ("server", "client")
+
+
+def peer_rtt_s(a: ServerRecord, b: ServerRecord) -> float | None:
+    """RTT between two servers as they report it (`ServerInfo.extra["peer_rtt_s"]`, measured by the
+    servers themselves); the larger of the two reports when both have one."""
+    reports = [r.info.extra.get("peer_rtt_s", {}).get(o.peer_id) for r, o in ((a, b), (b, a))]
+    reports = [float(x) for x in reports if isinstance(x, (int, float)) and x >= 0]
+    return max(reports) if reports else None
+
+
+def server_params(record: ServerRecord, shape: SessionShape, overheads: Overheads, relay: str = "client",
+                  others: list[ServerRecord] = ()) -> tuple[float, float]:
+    """(tau_c_s, tau_p_s) of one server. `relay="client"`: the client relays every hop, tau_c =
+    steps x RTT from the orchestrator (standing in for the clients). `relay="server"`: footnote 4,
+    tau_c = max over the possible predecessors (the client, `others` with a reported RTT) of
+    steps x RTT_ij / 2.
+
+    With a calibrated fit: t_I, t_O fitted from live service, and the fitted per-step t_o plus the
+    measured per-hop cost join the RTT in every step of tau_c (they are paid once per step and
+    server, whatever its blocks); the per-block t_o flag then no longer applies. Without one: the
+    announced start-up profile and the flags."""
     if record.rtt_s is None:
         raise ValueError(f"server {record.peer_id} has no RTT measurement yet")
+    if relay not in RELAYS:
+        raise ValueError(f"relay must be one of {', '.join(RELAYS)}, got {relay!r}")
     i, f = record.info, record.fit
-    per_step_s = overheads.per_step_s + (record.hop_cost_s or 0.0)
+    per_step_s = overheads.per_step_s + (record.hop_cost_s or 0.0) + (f.t_o_s if f is not None else 0.0)
+    if relay == "server":
+        rtts = [record.rtt_s, *(r for o in others if o is not record and (r := peer_rtt_s(record, o)) is not None)]
+        tau_c = tau_c_relay_s(rtts, shape, per_step_s)
+    else:
+        tau_c = tau_c_s(record.rtt_s, shape, per_step_s)
     if f is None:
-        return (tau_c_s(record.rtt_s, shape, per_step_s),
-                tau_p_s(i.prefill_s_per_token, i.decode_s_per_token, shape, overheads.per_block_s))
+        return tau_c, tau_p_s(i.prefill_s_per_token, i.decode_s_per_token, shape, overheads.per_block_s)
     t_I = i.prefill_s_per_token if f.t_I_s is None else f.t_I_s
-    return tau_c_s(record.rtt_s, shape, per_step_s + f.t_o_s), tau_p_s(t_I, f.t_O_s, shape, 0.0)
+    return tau_c, tau_p_s(t_I, f.t_O_s, shape, 0.0)
 
 
 def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionShape, arrival_rate_per_s: float,
-                  rho_bar: float, overheads: Overheads = Overheads()) -> tuple[Cluster, list[str]]:
+                  rho_bar: float, overheads: Overheads = Overheads(), relay: str = "client") -> tuple[Cluster, list[str]]:
     """Cluster over the measured servers (sorted by peer id, so the same inputs give the same
     cluster), and the peer id of each server index. Records without an RTT are left out."""
     usable = sorted((r for r in records if r.rtt_s is not None), key=lambda r: r.peer_id)
@@ -65,7 +88,7 @@ def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionSh
         logger.warning("servers report different s_m / s_c (dtype or max_length differ); planning with the largest")
     servers = []
     for r in usable:
-        tau_c, tau_p = server_params(r, shape, overheads)
+        tau_c, tau_p = server_params(r, shape, overheads, relay, usable)
         servers.append(Server(name=r.peer_id, memory=float(r.info.memory_budget_bytes), tau_c_s=tau_c,
                               tau_p_s=tau_p, rtt_s=r.rtt_s))
     cluster = Cluster(service=Service(num_blocks=num_blocks, block_size=float(s_m), cache_size=float(s_c)),

@@ -1,47 +1,45 @@
 """The remote chain backend: relays a session's hidden states through servers over hivemind.
 
-The client relays, as PETALS does: it sends the embeddings to the first server, its output to the
-second, and so on (the paper's tau_c model assumes this). A session's relay and its recovery from
+By default the servers relay (`relay="server"`): the first server pushes its output to the second
+and so on, while the client sends its own copies and keeps every hop's output for failover (the
+paper's tau_c,ij, footnote 4). With `relay="client"` the client alone relays, as PETALS without
+rpc_push does (the paper's default tau_c model). A session's relay and its recovery from
 failures live in `remote_session.py`; this module finds the servers and runs stateless forwards.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
 
 import torch
-from hivemind.p2p import PeerID
 
-from petals_chain import wire, wire_parts
+from petals_chain import wire
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, PromptPrefix
 from petals_chain.client.orchestrated import OrchestratorChainProvider
-from petals_chain.client.remote_session import CALLER_ERRORS, HOP_FAILURES, HopFailed, RemoteChainSession, as_server_error
+from petals_chain.client.hop_client import FailoverPolicy, HopClient, HopFailed, as_server_error  # noqa: F401
+from petals_chain.client.remote_session import RemoteChainSession
 from petals_chain.client.routing import ChainProvider, DhtChainProvider, min_latency_chain
 from petals_chain.dht_records import fetch_servers, model_key
-from petals_chain.errors import (
-    InvalidRequestError,
-    NoChainError,
-    ServerUnavailableError,
-)
-from petals_chain.messages import Forward, Hop
+from petals_chain.errors import InvalidRequestError, NoChainError
 from petals_chain.orchestrator_records import find_orchestrator
-from petals_chain.protocol import BlockService, ping_block_server_s
+from petals_chain.protocol import ping_block_server_s
 from petals_chain.reachability import RelayRoutes
 from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
 
 logger = logging.getLogger(__name__)
 RELAY_RECORDS_REFRESH_S = 5.0  # servers' records are re-read for relay routes at most this often
 
+RELAYS = ("server", "client")
+
 class RemoteChain(ChainBackend):
     def __init__(self, model: str, config, initial_peers: list[str], dtype: torch.dtype = torch.float32, *,
                  provider: ChainProvider | None = None, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
                  max_failovers: int = 3, wait_for_chain_s: float = 20.0, use_orchestrator: bool = True,
                  acquire_timeout_s: float = 120.0, allowed_servers: frozenset[str] | list[str] | None = None,
-                 identity_path: str | None = None, prefix_reuse: bool = True):
+                 identity_path: str | None = None, prefix_reuse: bool = True, relay: str = "server"):
         self.model = model_key(model)
         self.num_blocks = config.num_hidden_layers
         self.dtype = dtype
@@ -49,12 +47,19 @@ class RemoteChain(ChainBackend):
         self.open_timeout_s = open_timeout_s
         self.max_failovers = max_failovers
         self.prefix_reuse = prefix_reuse  # send prompt prefix keys with opens (servers' prefix caches)
+        if relay not in RELAYS:
+            raise InvalidRequestError(f"relay must be one of {', '.join(RELAYS)}, got {relay!r}")
+        # "server": each hop pushes its output straight to the next (server/relay.py); the client
+        # still sends its own copy and keeps every hop's output (history for failover). "client":
+        # the client alone relays, hop by hop, as PETALS without rpc_push does
+        self.relay = relay
         # `identity_path`: a stable peer id, e.g. to be listed in a private swarm's --allowed-peers
         identity = ({"record_validators": swarm_validators()} if identity_path is None
                     else SwarmIdentity.load_or_create(identity_path).dht_kwargs())
         self.dht = start_dht(initial_peers=initial_peers, client_mode=True, **identity)
         self.loop = BackgroundLoop("client-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
+        self.hops = HopClient(self.loop, self.p2p, step_timeout_s=step_timeout_s, open_timeout_s=open_timeout_s)
         # a private swarm: records of servers (and of an orchestrator) not on this list are ignored
         allowed = None if allowed_servers is None else frozenset(allowed_servers)
         self.allowed_servers = allowed
@@ -83,8 +88,12 @@ class RemoteChain(ChainBackend):
             if self.relay_routes.relayed(p):
                 self.loop.run(self.relay_routes.connect(self.p2p, p), timeout_s=15)
 
+    @property
+    def server_relay(self) -> bool:
+        return self.relay == "server"
+
     def stub(self, peer_id: str):
-        return BlockService.get_stub(self.p2p, PeerID.from_base58(peer_id))
+        return self.hops.stub(peer_id)
 
     def ping_s(self, peer_id: str) -> float | None:
         """Round trip of rpc_info, or None when the peer does not answer within 3 s."""
@@ -99,80 +108,25 @@ class RemoteChain(ChainBackend):
         """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward), with the LoRA
         `adapter` if given; with an orchestrator it holds a chain slot for the call's duration."""
         sid = "forward-" + uuid.uuid4().hex
-        banned: set[str] = set()
-        retried: set[str] = set()
+        # a stateless forward has no cache to rebuild, so it simply runs again: on the same chain once
+        # if the server still answers (a stream that broke on a live server), else on a chain without
+        # it (the same session id keeps an orchestrator's lease)
+        policy = FailoverPolicy(self.max_failovers, ping_s=self.ping_s)
         hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid, adapter=adapter)
-        failovers = 0
         try:
             while True:
                 try:
                     self.dial_relayed([h.peer_id for h in hops])
-                    return self._forward_through(hops, hidden, adapter)
+                    x = hidden
+                    for hop in hops:
+                        x = self.hops.forward(hop, x.to(self.dtype), adapter)
+                    return x
                 except HopFailed as failed:
-                    failovers += 1
-                    if failovers > self.max_failovers:
-                        raise ServerUnavailableError(f"forward gave up after {self.max_failovers} failovers; last: "
-                                                     f"{failed.error}") from failed.error
-                    peer = failed.hop.peer_id
-                    # a stateless forward has no cache to rebuild, so it simply runs again: on the same
-                    # chain once if the server still answers (a stream that broke on a live server), else
-                    # on a chain without it (the same session id keeps an orchestrator's lease)
-                    if peer not in retried and self.ping_s(peer) is not None:
-                        retried.add(peer)
-                        logger.warning("forward: server %s failed (%s) but answers; retrying it once",
-                                       failed.hop.describe(), failed.error)
-                        continue
-                    logger.warning("forward: server %s failed (%s); retrying on another chain",
-                                   failed.hop.describe(), failed.error)
-                    banned.add(peer)
-                    hops = self.provider.find_chain(0, self.num_blocks, exclude=frozenset(banned),
-                                                    max_length=hidden.shape[1], session_id=sid, adapter=adapter)
+                    if not policy.on_failure(failed, "forward"):
+                        hops = self.provider.find_chain(0, self.num_blocks, exclude=policy.exclude,
+                                                        max_length=hidden.shape[1], session_id=sid, adapter=adapter)
         finally:
             self.provider.session_finished(hops, session_id=sid)
-
-    def _forward_through(self, hops: list[Hop], hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
-        for hop in hops:
-            try:
-                hidden = self.loop.run(self._forward_hop(hop, hidden.to(self.dtype), adapter),
-                                       timeout_s=self.step_timeout_s + 2)
-            except CALLER_ERRORS:
-                raise
-            except Exception as e:
-                error = as_server_error(e, self.step_timeout_s)
-                if error is None:
-                    raise  # a local error: nobody's fault over there
-                if isinstance(error, HOP_FAILURES):
-                    raise HopFailed(hop, error) from e
-                if error is e:
-                    raise
-                raise error from e
-        return hidden
-
-    async def _forward_hop(self, hop: Hop, hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
-        """One hop of a forward: unary when the tensor fits one message, else the streaming RPC."""
-        requests = wire_parts.to_messages(Forward(hop.start, adapter).to_wire(), (hidden,))
-        stub = self.stub(hop.peer_id)
-        if len(requests) == 1:
-            reply = wire_parts.decode_single(await stub.rpc_forward(requests[0], timeout=self.step_timeout_s))
-        else:
-            async def outgoing():
-                for request in requests:
-                    yield request
-
-            replies = await stub.rpc_forward_stream(outgoing())
-            try:
-                reply = await asyncio.wait_for(wire_parts.receive_one(replies), self.step_timeout_s)
-            except StopAsyncIteration:  # the stream ended before a whole reply: the server or the link went away
-                raise ServerUnavailableError(f"server {hop.describe()} closed the forward stream before its reply "
-                                             "(it died or the connection broke)") from None
-            except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
-                raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply: {e}") from e
-            finally:
-                await replies.aclose()  # stops sending parts the server refused (early error reply)
-        wire.raise_if_error(reply.meta)
-        if len(reply.tensors) != 1:
-            raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply")
-        return reply.tensors[0]
 
     def open_session(self, max_length: int, prefix: PromptPrefix | None = None, adapter: str | None = None, *,
                      session_id: str | None = None) -> "RemoteChainSession":

@@ -37,6 +37,7 @@ class StepInput:
 
     kv: SessionKV
     hidden: torch.Tensor
+    validated: bool = False  # `validate_step` passed already (the server checks at submit): skip it in forward
 
 
 class BlockRange:
@@ -146,7 +147,8 @@ class BlockRange:
         if not steps:
             return []
         for step in steps:
-            self.validate_step(step)
+            if not step.validated:
+                self.validate_step(step)
         sizes = [s.hidden.shape[0] for s in steps]
         with attention_backends(self.device):
             graphable = self.graphs is not None and max(sizes) == 1 and all(s.kv.adapter is None for s in steps)

@@ -1,0 +1,322 @@
+"""How the client talks to one server (`HopClient`: stub, timeouts, error mapping) and the one
+failover policy (`FailoverPolicy`) that a stateless forward, a session's open and a session's step
+all follow when a server fails.
+
+Only transport errors and a server's typed "unavailable"/"out of cache" replies count as the
+server's failure (`as_server_error`); a local error propagates unchanged and bans nobody.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+
+from petals_chain import wire, wire_parts
+from petals_chain.errors import (
+    InvalidRequestError,
+    MaxLengthExceededError,
+    NotAllowedError,
+    OutOfCacheError,
+    PetalsChainError,
+    ServerUnavailableError,
+)
+from petals_chain.messages import Close, Forward, Hop, Open, Opened, Step, StepReply
+from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
+from petals_chain.protocol import BlockService
+
+logger = logging.getLogger(__name__)
+
+# Liveness of an open session's hops (`HopClient.receive_while_alive`): a step pending longer than
+# max(LIVENESS_FLOOR_S, LIVENESS_STEP_FACTOR x the hop's median recent round trip) makes the client
+# probe the server (rpc_info); LIVENESS_PROBES probes in a row unanswered within LIVENESS_PROBE_S
+# each fail the hop over. Generous next to a live server's rpc_info round trip (what clients already
+# route by, with a 3-s cutoff) because a false verdict costs a failover; two in a row, so that one
+# probe lost to a moment of CPU starvation (a loaded machine leaves a process unscheduled for
+# seconds) is no verdict. A killed server is noticed sooner still, by its reset stream.
+LIVENESS_FLOOR_S = 2.0
+LIVENESS_STEP_FACTOR = 4.0
+LIVENESS_RECENT_STEPS = 5
+LIVENESS_PROBE_S = 4.0
+LIVENESS_PROBES = 2
+
+# Errors that are the caller's fault: retrying on another server would fail the same way.
+CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
+# What a dead, slow or unreachable server looks like to the transport. Anything else raised while
+# talking to a server is a local error (a bug or misuse in this process, e.g. two threads reading
+# one stream) and propagates as it is: it must never get a healthy server banned.
+TRANSPORT_ERRORS = (TimeoutError, asyncio.TimeoutError, StopAsyncIteration, ConnectionError, EOFError, OSError,
+                    P2PHandlerError, P2PDaemonError)
+# A server's failures that another server may not have: the hop is failed over (the server is banned
+# for the session). NotAllowedError: a members-only server (--allowed-peers) in an open swarm refuses
+# this client, which then uses the swarm's other servers instead of failing.
+FAILOVER_ERRORS = (ServerUnavailableError, OutOfCacheError, NotAllowedError)
+
+
+def as_server_error(error: Exception, timeout_s: float) -> PetalsChainError | None:
+    """The typed error a failure while talking to a server stands for, or None for a local error
+    (which the caller re-raises unchanged, so no failover bans the server for it)."""
+    if isinstance(error, PetalsChainError):
+        return error  # the server's typed reply, or ours: the caller decides what it means
+    if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+        return ServerUnavailableError(f"no reply within {timeout_s:.0f} s")
+    if isinstance(error, StopAsyncIteration):
+        return ServerUnavailableError("the server closed the stream")
+    if isinstance(error, TRANSPORT_ERRORS):  # connection reset, peer gone, p2p daemon errors
+        return ServerUnavailableError(f"{type(error).__name__}: {error}")
+    return None
+
+
+class HopFailed(Exception):
+    """A hop failed in a way another server may not (`FAILOVER_ERRORS`): the failover policy decides."""
+
+    def __init__(self, hop: Hop, error: PetalsChainError):
+        super().__init__(str(error))
+        self.hop, self.error = hop, error
+
+
+@dataclass
+class HopStream:
+    """A session's open `rpc_inference` stream on one hop, and what the client keeps for it."""
+
+    hop: Hop
+    queue: asyncio.Queue
+    responses: object  # async iterator of ExpertResponse
+    inputs: list[torch.Tensor] = field(default_factory=list)  # everything sent to this hop, for replay
+    prefix_match_tokens: int = 0  # of the prompt, what this hop's prefix cache holds (its open reply)
+    prefix_tokens: int | None = None  # to send with its first step (then None): the chain's reuse
+    prefix_in_inputs: bool = False  # `inputs` start with the reused prefix (a hop rebuilt by replay)
+    relay_from: str | None = None  # server relay: the peer whose pushes this hop's server takes
+
+
+@dataclass(frozen=True)
+class StepResult:
+    output: torch.Tensor
+    reply: StepReply
+    client_s: float  # from sending the hidden states to the whole reply
+
+
+class HopClient:
+    """The client's side of the block-server RPCs for any hop: each call runs on `loop` (a
+    `BackgroundLoop`) within its timeout, and a failure comes out as the server's typed error
+    (`run`), so callers see `PetalsChainError`s or local errors, never raw transport ones."""
+
+    def __init__(self, loop, p2p, *, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0):
+        self.loop = loop
+        self.p2p = p2p
+        self.step_timeout_s = step_timeout_s
+        self.open_timeout_s = open_timeout_s
+
+    def stub(self, peer_id: str):
+        return BlockService.get_stub(self.p2p, PeerID.from_base58(peer_id))
+
+    def run(self, coro, timeout_s: float):
+        """Run `coro` on the loop; a server's failure is raised as its typed error."""
+        try:
+            return self.loop.run(coro, timeout_s=timeout_s)
+        except Exception as e:
+            server_error = as_server_error(e, timeout_s)
+            if server_error is None or server_error is e:
+                raise
+            raise server_error from e
+
+    def run_hop(self, hop: Hop, coro, timeout_s: float):
+        """`run`, with a failure another server may not have raised as `HopFailed` naming `hop`."""
+        try:
+            return self.run(coro, timeout_s)
+        except FAILOVER_ERRORS as e:
+            raise HopFailed(hop, e) from e
+
+    @staticmethod
+    def hop_error(hop: Hop, error: Exception, timeout_s: float) -> Exception:
+        """What `run_hop` raises for `error` (caught on the loop): HopFailed, another typed error, or
+        `error` itself when it is local."""
+        mapped = as_server_error(error, timeout_s)
+        if mapped is None:
+            return error
+        if isinstance(mapped, FAILOVER_ERRORS):
+            failed = HopFailed(hop, mapped)
+            failed.__cause__ = error
+            return failed
+        if mapped is not error:
+            mapped.__cause__ = error
+        return mapped
+
+    # -- stateless forward ----------------------------------------------------------------
+    def forward(self, hop: Hop, hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
+        return self.run_hop(hop, self.forward_async(hop, hidden, adapter), self.step_timeout_s + 2)
+
+    async def forward_async(self, hop: Hop, hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
+        """One hop of a forward (with the LoRA `adapter` if given): unary when the tensor fits one
+        message, else the streaming RPC."""
+        requests = wire_parts.to_messages(Forward(hop.start, adapter).to_wire(), (hidden,))
+        stub = self.stub(hop.peer_id)
+        if len(requests) == 1:
+            reply = wire_parts.decode_single(await stub.rpc_forward(requests[0], timeout=self.step_timeout_s))
+        else:
+            async def outgoing():
+                for request in requests:
+                    yield request
+
+            replies = await stub.rpc_forward_stream(outgoing())
+            try:
+                reply = await asyncio.wait_for(wire_parts.receive_one(replies), self.step_timeout_s)
+            except StopAsyncIteration:  # the stream ended before a whole reply: the server or the link went away
+                raise ServerUnavailableError(f"server {hop.describe()} closed the forward stream before its reply "
+                                             "(it died or the connection broke)") from None
+            except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
+                raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply: {e}") from e
+            finally:
+                await replies.aclose()  # stops sending parts the server refused (early error reply)
+        wire.raise_if_error(reply.meta)
+        if len(reply.tensors) != 1:
+            raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply")
+        return reply.tensors[0]
+
+    # -- session streams ------------------------------------------------------------------
+    def open(self, hop: Hop, open_msg: Open) -> HopStream:
+        return self.run_hop(hop, self.open_async(hop, open_msg), self.open_timeout_s + 2)
+
+    async def open_async(self, hop: Hop, open_msg: Open) -> HopStream:
+        queue: asyncio.Queue = asyncio.Queue()
+        responses = await self.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
+        await queue.put(wire.request(open_msg))
+        meta = wire.unpack((await asyncio.wait_for(anext(responses), self.open_timeout_s)).metadata)
+        try:
+            opened = wire.decode_reply(meta, Opened)
+        except PetalsChainError as e:
+            await queue.put(None)
+            if isinstance(e, InvalidRequestError) and meta.get("type") != "error":  # not its typed refusal
+                raise ServerUnavailableError(f"server {hop.describe()} sent a malformed open reply: {e}") from e
+            raise
+        hashes = open_msg.prefix_hashes or []
+        match = opened.prefix_match_tokens or 0
+        # a server without a cache (or another chunk size) does not answer: nothing reused on this chain
+        if opened.prefix_chunk_tokens != PREFIX_CHUNK_TOKENS or not 0 <= match <= len(hashes) * PREFIX_CHUNK_TOKENS:
+            match = 0
+        return HopStream(hop, queue, responses, prefix_match_tokens=match, relay_from=open_msg.relay_from)
+
+    def step(self, stream: HopStream, step: Step, hidden: torch.Tensor, liveness_after_s: float = LIVENESS_FLOOR_S
+             ) -> StepResult:
+        return self.run_hop(stream.hop, self.step_async(stream, step, hidden, liveness_after_s), self.step_timeout_s + 2)
+
+    async def step_async(self, stream: HopStream, step: Step, hidden: torch.Tensor,
+                         liveness_after_s: float = LIVENESS_FLOOR_S) -> StepResult:
+        """One step on `stream`; its reply awaited with liveness probes after `liveness_after_s`."""
+        t0 = time.perf_counter()
+        for request in wire_parts.to_messages(step.to_wire(), (hidden,)):
+            await stream.queue.put(request)
+        try:
+            reply = await self.receive_while_alive(stream, liveness_after_s)
+        except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
+            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
+        client_s = time.perf_counter() - t0
+        wire.raise_if_error(reply.meta)
+        try:
+            meta = StepReply.from_wire(reply.meta)
+        except InvalidRequestError as e:
+            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
+        if len(reply.tensors) != 1:
+            raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
+        return StepResult(reply.tensors[0], meta, client_s)
+
+    async def answers_probe(self, peer_id: str, timeout_s: float) -> bool:
+        """Whether the server replies to an `rpc_info` (any reply, a typed refusal included) within
+        `timeout_s`: it runs on the server's RPC loop, not behind the compute, so a busy server answers."""
+        try:
+            await asyncio.wait_for(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s),
+                                   timeout_s + 0.5)
+        except P2PHandlerError:
+            return True  # its handler ran and raised: the host is there
+        except Exception:
+            return False
+        return True
+
+    async def receive_while_alive(self, stream: HopStream, liveness_after_s: float) -> wire_parts.Message:
+        """The hop's reply to the step just sent. While it is pending past `liveness_after_s` the
+        server is probed (`rpc_info`); LIVENESS_PROBES probes in a row without an answer within
+        LIVENESS_PROBE_S each mean it is gone (a host that vanished without closing its connections,
+        a frozen process: nothing resets the stream), and the step fails over then instead of at the
+        step timeout. So a silent server is noticed within about `liveness_after_s` +
+        LIVENESS_PROBES x LIVENESS_PROBE_S (10 s for steps under half a second); a slow server that
+        answers its probes keeps its step until `step_timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.step_timeout_s
+        receive = asyncio.ensure_future(wire_parts.receive_one(stream.responses))
+        failed_probes = 0
+        try:
+            while True:
+                wait_s = 0.0 if failed_probes else liveness_after_s
+                done, _ = await asyncio.wait({receive}, timeout=max(0.0, min(wait_s, deadline - loop.time())))
+                if done:
+                    return receive.result()
+                if loop.time() >= deadline:
+                    raise asyncio.TimeoutError
+                waited_s = self.step_timeout_s - (deadline - loop.time())
+                if await self.answers_probe(stream.hop.peer_id, max(0.5, min(LIVENESS_PROBE_S, deadline - loop.time()))):
+                    failed_probes = 0
+                    continue
+                if receive.done():  # the reply came while the probe waited
+                    return receive.result()
+                failed_probes += 1
+                if failed_probes >= LIVENESS_PROBES:
+                    raise ServerUnavailableError(
+                        f"server {stream.hop.describe()} went silent: no reply to the step for {waited_s:.1f} s and "
+                        f"none to {LIVENESS_PROBES} liveness probes in a row ({LIVENESS_PROBE_S:.0f} s each)")
+        finally:
+            if not receive.done():
+                receive.cancel()
+
+    def close(self, streams: list[HopStream]) -> None:
+        """Close `streams` (best effort: a dead server's stream is gone anyway)."""
+        async def close(s: HopStream):
+            await s.queue.put(wire.request(Close()))
+            await s.queue.put(None)
+
+        for s in streams:
+            try:
+                self.loop.run(close(s), timeout_s=2)
+            except Exception:
+                pass
+
+
+class FailoverPolicy:
+    """One failover budget and ban list for one forward or one session, used the same way by a
+    stateless forward, a session's open and its step: every server failure (`HopFailed`) counts;
+    past `max_failovers` the caller gets `ServerUnavailableError`; the failed server is banned from
+    the replacement, unless `ping_s` says it still answers and it has not been retried yet (a
+    stateless forward then runs again on it once: a stream that broke on a live server)."""
+
+    def __init__(self, max_failovers: int, *, ping_s: Callable[[str], float | None] | None = None):
+        self.max_failovers = max_failovers
+        self.ping_s = ping_s
+        self.failovers = 0
+        self.banned: set[str] = set()
+        self._retried: set[str] = set()
+
+    def on_failure(self, failed: HopFailed, what: str) -> bool:
+        """Count `failed`; True: retry the same server; False: it is banned, find another.
+        Raises ServerUnavailableError once the budget is spent (`what` names the operation)."""
+        self.failovers += 1
+        if self.failovers > self.max_failovers:
+            raise ServerUnavailableError(f"{what} gave up after {self.max_failovers} failovers; last: "
+                                         f"{failed.error}") from failed.error
+        peer = failed.hop.peer_id
+        if self.ping_s is not None and peer not in self._retried and self.ping_s(peer) is not None:
+            self._retried.add(peer)
+            logger.warning("%s: server %s failed (%s) but answers; retrying it once", what, failed.hop.describe(),
+                           failed.error)
+            return True
+        logger.warning("%s: server %s failed (%s); asking for a replacement", what, failed.hop.describe(),
+                       failed.error)
+        self.banned.add(peer)
+        return False
+
+    @property
+    def exclude(self) -> frozenset[str]:
+        return frozenset(self.banned)

@@ -1,0 +1,158 @@
+"""Server-to-server relay of hidden states (PETALS' rpc_push; the paper's tau_c,ij, footnote 4).
+
+A session opened with `Open.relay_from = P` takes steps pushed by peer P (its previous hop) for its
+session id, besides its client's own copies; a step carries `push_route`, the peers after this hop,
+and the server pushes its output to the first of them with the rest of the route. Each step runs
+once: its id claims it, whichever copy (pushed or the client's) comes first; the other is dropped
+(a late push gets a typed `RelayRefusedError`, a late client copy is skipped without a reply).
+
+Who owns what:
+- `RelayIndex` (one per servicer, on the event loop): (session id, previous peer) -> the session's
+  `RelayInbox`; an entry is held by the session's reservation and released with it.
+- `RelayInbox`: what one stream's handler consumes: its client's messages (pumped in by a task) and
+  the steps pushed to it, in arrival order; `last_step_id` is the dedup claim.
+- `RelayLinks` (one per session, sender side): one long-lived `rpc_push` stream to each next peer
+  (opened at the first push, so a push costs one one-way trip, not a stream setup), closed with the
+  session.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import PeerID
+
+from petals_chain import wire, wire_parts
+from petals_chain.errors import RelayRefusedError
+from petals_chain.messages import Push
+from petals_chain.protocol import BlockService
+
+logger = logging.getLogger(__name__)
+
+# items of a RelayInbox: (kind, payload)
+CLIENT, PUSHED, END, FAILED = "client", "pushed", "end", "failed"
+
+
+@dataclass
+class RelayInbox:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_step_id: int = 0  # the newest step id claimed (run or queued to run) by this session
+
+    def claim(self, step_id: int | None) -> bool:
+        """True when `step_id` is new here (and now taken); steps without an id always run."""
+        if step_id is None:
+            return True
+        if step_id <= self.last_step_id:
+            return False
+        self.last_step_id = step_id
+        return True
+
+
+class RelayIndex:
+    def __init__(self):
+        self._by_key: dict[tuple[str, str], RelayInbox] = {}
+        self.pushes_taken = 0  # reported in rpc_info (extra.relay): tests and benchmarks check the path
+        self.pushes_refused = 0
+
+    def view(self) -> dict:
+        return {"pushes_taken": self.pushes_taken, "pushes_refused": self.pushes_refused,
+                "sessions_taking_pushes": len(self._by_key)}
+
+    def register(self, session_id: str, from_peer: str, inbox: RelayInbox) -> Callable[[], None]:
+        """Take pushes from `from_peer` for `session_id` into `inbox`; returns the undo."""
+        key = (session_id, from_peer)
+        if self._by_key.get(key) not in (None, inbox):
+            raise RelayRefusedError(f"session {session_id[:8]} already takes pushes from {from_peer[-8:]} on this "
+                                    "server; open it with a fresh session id")
+        self._by_key[key] = inbox
+
+        def unregister():
+            if self._by_key.get(key) is inbox:
+                del self._by_key[key]
+        return unregister
+
+    def deliver(self, push: Push, tensor: torch.Tensor, from_peer: str) -> None:
+        """Queue a pushed step for its session, or refuse it (typed)."""
+        inbox = self._by_key.get((push.session_id, from_peer))
+        if inbox is None:
+            self.pushes_refused += 1
+            raise RelayRefusedError(
+                f"no session {push.session_id[:8]} here takes pushes from peer {from_peer[-8:]} (closed, never opened "
+                "with relay_from naming that peer, or its previous hop changed); the client relays this step itself")
+        if not inbox.claim(push.step_id):
+            self.pushes_refused += 1
+            raise RelayRefusedError(f"step {push.step_id} of session {push.session_id[:8]} already ran or is queued "
+                                    "here (the client's copy came first)")
+        self.pushes_taken += 1
+        inbox.queue.put_nowait((PUSHED, (push, tensor)))
+
+
+async def pump(requests, inbox: RelayInbox, admit) -> None:
+    """Move a stream's client messages into its inbox (reassembled), then END (or FAILED)."""
+    try:
+        async for message in wire_parts.assembled(requests, admit=admit):
+            inbox.queue.put_nowait((CLIENT, message))
+        inbox.queue.put_nowait((END, None))
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # the transport broke: the handler ends the stream as it would have
+        inbox.queue.put_nowait((FAILED, e))
+
+
+class RelayLinks:
+    """The push streams of one session to its next hops (sender side, on the event loop)."""
+
+    def __init__(self, p2p, session_id: str):
+        self.p2p = p2p
+        self.session_id = session_id
+        self._links: dict[str, tuple[asyncio.Queue, asyncio.Task]] = {}
+        self._tail: asyncio.Task | None = None  # pushes of one session go out in step order
+
+    def push_soon(self, route: list[str], step_id: int, out: torch.Tensor, start_position: int | None = None) -> None:
+        """Push in the background (the handler replies to its client meanwhile), after the pushes
+        before it; a failed push is only logged: the client's copy of the step still arrives."""
+        before = self._tail
+
+        async def run():
+            if before is not None:
+                await asyncio.wait([before])
+            try:
+                await self.push(route, step_id, out, start_position)
+            except Exception as e:
+                logger.debug("push of step %d to %s failed: %s", step_id, route[0][-8:], e)
+
+        self._tail = asyncio.create_task(run())
+
+    async def push(self, route: list[str], step_id: int, out: torch.Tensor, start_position: int | None = None) -> None:
+        """Send `out` as step `step_id` (its KV rollback `start_position`, if any) to route[0] with the
+        rest of the route (not awaiting its ack)."""
+        peer, rest = route[0], list(route[1:])
+        link = self._links.get(peer)
+        if link is None:
+            queue: asyncio.Queue = asyncio.Queue()
+            stub = BlockService.get_stub(self.p2p, PeerID.from_base58(peer))
+            responses = await stub.rpc_push(wire_parts.until_none(queue))
+            link = self._links[peer] = (queue, asyncio.create_task(self._read_acks(peer, responses)))
+        for message in wire_parts.to_messages(Push(self.session_id, step_id, rest, start_position).to_wire(), (out,)):
+            link[0].put_nowait(message)
+
+    async def _read_acks(self, peer: str, responses) -> None:
+        try:
+            async for response in responses:
+                meta = wire.unpack(response.metadata)
+                if meta.get("type") == "error":  # harmless: the client's copy runs instead
+                    logger.debug("push to %s refused: %s", peer[-8:], meta.get("message"))
+        except Exception as e:
+            logger.debug("push stream to %s ended: %s", peer[-8:], e)
+        self._links.pop(peer, None)
+
+    def close(self) -> None:
+        if self._tail is not None:
+            self._tail.cancel()
+        for queue, reader in self._links.values():
+            queue.put_nowait(None)
+            reader.cancel()
+        self._links.clear()

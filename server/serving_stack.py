@@ -1,0 +1,115 @@
+"""The server's serving stack: blocks, KV budget, scheduler, admission queue and prefix cache,
+built together by one factory (`build_stack`) and swapped as one value (`StackSlot`).
+
+Why one value: the collaborators hold references to one another (admission reserves from the
+budget and asks the scheduler's policy; the prefix cache is the budget's reclaimer; the scheduler
+reports who waits for memory). Built apart and replaced attribute by attribute, a handler running
+during a reload could see the new budget with the old scheduler. Here a handler reads the slot
+once (`StackSlot.current`) and keeps that stack; a session's reservation (`server/reservation.py`)
+releases into the stack it was acquired from, even after a swap.
+
+The sessions a stack holds are in its `SessionTable` (one owner: what `info()` counts and what a
+reload checks before it moves the server).
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
+from petals_chain.runtime.block_range import BlockRange
+from server.admission import AdmissionQueue
+from server.emulation import maybe_slowed
+from server.memory import KVBudget
+from server.policies import make_policy
+from server.prefix_cache import PrefixCache
+from server.scheduler import StepScheduler
+
+if TYPE_CHECKING:
+    from server.block_server import ServerConfig
+    from server.reservation import SessionReservation
+
+
+class SessionTable:
+    """The open sessions of one stack, by reservation key (thread-safe: the announcer reads it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_key: dict[str, SessionReservation] = {}
+
+    def add(self, reservation: SessionReservation) -> None:
+        with self._lock:
+            self._by_key[reservation.key] = reservation
+
+    def remove(self, key: str) -> None:
+        with self._lock:
+            self._by_key.pop(key, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_key)
+
+    def allocated_bytes(self) -> int:
+        """KV bytes the sessions' tensors take, measured independently of the budget's reservations."""
+        with self._lock:
+            return sum(r.kv.nbytes for r in self._by_key.values() if r.kv is not None)
+
+
+@dataclass(frozen=True)
+class ServingStack:
+    block_range: BlockRange
+    budget: KVBudget
+    scheduler: StepScheduler
+    admission: AdmissionQueue
+    prefix_cache: PrefixCache | None
+    sessions: SessionTable = field(default_factory=SessionTable)
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+
+def build_stack(config: ServerConfig, path, start: int, end: int,
+                on_batch: Callable[[dict], None] | None = None) -> ServingStack:
+    """The one place the serving collaborators are made and wired to each other."""
+    c = config
+    block_range = maybe_slowed(BlockRange(path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
+                                          model_path=path, cuda_graphs=c.cuda_graphs, adapters=c.adapters),
+                               c.emulate_slowdown)
+    budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
+                      cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
+    admission: AdmissionQueue | None = None  # made below; the scheduler's log asks it who waits for memory
+    scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
+                              gather_fraction=c.batch_gather, on_batch=on_batch,
+                              waiting_for_memory=lambda: admission.waiting_clients() if admission is not None else [])
+    admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
+    prefix_cache = (None if c.prefix_sharing == "off" else
+                    PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))
+    return ServingStack(block_range, budget, scheduler, admission, prefix_cache)
+
+
+class StackSlot:
+    """The server's current stack (None before `--blocks auto` gets an assignment) and whether it
+    accepts new sessions; `swap` replaces the stack in one step and returns the old one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stack: ServingStack | None = None
+        self._accepting = False
+
+    @property
+    def current(self) -> ServingStack | None:
+        return self._stack  # one reference read: a handler keeps what it got
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def swap(self, stack: ServingStack | None) -> ServingStack | None:
+        with self._lock:
+            old, self._stack = self._stack, stack
+            return old
+
+    def set_accepting(self, accepting: bool) -> None:
+        self._accepting = accepting

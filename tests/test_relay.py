@@ -1,0 +1,153 @@
+"""Server-to-server relay (server/relay.py): exact output with both relays, the pushes really carry
+the steps, a push is taken only from the previous hop the client named and once per step id
+(typed refusals otherwise), and a SIGKILLed hop mid-session fails over with identical output."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from petals_chain import wire, wire_parts
+from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.errors import RelayRefusedError, error_from_code
+from petals_chain.local_swarm import LocalSwarm
+from petals_chain.messages import Open, Push
+from server.relay import RelayInbox, RelayIndex
+from tests.swarm_helpers import RawStream
+
+pytestmark = [pytest.mark.integration]
+
+RANGES = [(0, 2), (2, 4), (4, 6), (2, 4), (2, 4)]  # a chain of three, spares for the middle hop
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_llama_path):
+    with LocalSwarm(str(tiny_llama_path), RANGES, server_args=["--num-threads", "1"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+
+
+def _model(tiny_llama_path, swarm, relay):
+    return DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
+                                                       step_timeout_s=60.0, relay=relay)
+
+
+def _pushes(model, peer_id) -> tuple[int, int]:
+    """(taken, arrived) pushes of a server: arrived counts those refused (e.g. the client's copy of
+    the step came first, which a loaded machine allows) as well."""
+    relay = model.backend.server_info(peer_id).extra["relay"]
+    return relay["pushes_taken"], relay["pushes_taken"] + relay["pushes_refused"]
+
+
+class KillMiddle(BaseStreamer):
+    def __init__(self, swarm, session, n):
+        self.swarm, self.session, self.n, self.seen, self.killed = swarm, session, n, -1, None
+
+    def put(self, value):
+        self.seen += 1  # the first put is the prompt
+        if self.seen == self.n and self.killed is None:
+            peer = self.session.chain.hops[1].peer_id
+            self.killed = next(sp for sp in self.swarm.servers if sp.peer_id == peer)
+            self.swarm.kill_server(self.killed)
+
+    def end(self):
+        pass
+
+
+def test_relay_index_takes_each_step_once_from_the_named_peer_only():
+    index, inbox = RelayIndex(), RelayInbox()
+    undo = index.register("s", "prev", inbox)
+    hidden = torch.zeros(1, 4)
+    index.deliver(Push("s", 1, ["next"]), hidden, "prev")
+    assert inbox.queue.qsize() == 1 and not inbox.claim(1) and inbox.claim(2)
+    for push, sender in ((Push("s", 3), "stranger"), (Push("other", 3), "prev"), (Push("s", 2), "prev")):
+        with pytest.raises(RelayRefusedError):
+            index.deliver(push, hidden, sender)
+    assert (index.pushes_taken, index.pushes_refused) == (1, 3)
+    undo()
+    with pytest.raises(RelayRefusedError):
+        index.deliver(Push("s", 9), hidden, "prev")
+
+
+@pytest.mark.parametrize("relay", ["server", "client"])
+def test_both_relays_give_hf_tokens_and_server_relay_pushes(swarm, hf, tiny_llama_path, relay):
+    model = _model(tiny_llama_path, swarm, relay)
+    try:
+        ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+        ref = hf.generate(ids, max_new_tokens=10, do_sample=False)
+        with model.inference_session(max_length=32) as session:
+            hops = [h.peer_id for h in session.chain.hops]
+            before = [_pushes(model, p) for p in hops]
+            out = model.generate(ids, max_new_tokens=10, do_sample=False)
+            after = [_pushes(model, p) for p in hops]
+        taken = [a[0] - b[0] for a, b in zip(after, before)]
+        arrived = [a[1] - b[1] for a, b in zip(after, before)]
+        assert out.tolist() == ref.tolist()
+        assert arrived[0] == 0  # the first hop only ever hears from the client
+        if relay == "server":  # every step (prompt + 9 decode steps) was pushed on to every later hop
+            assert all(n >= 10 for n in arrived[1:]) and all(n >= 1 for n in taken[1:]), (taken, arrived)
+        else:
+            assert arrived == [0, 0, 0]
+    finally:
+        model.backend.shutdown()
+
+
+def test_a_push_from_a_peer_the_client_did_not_name_is_refused(swarm, tiny_llama_path):
+    model = _model(tiny_llama_path, swarm, "server")
+    chain = model.backend
+    peer = next(sp.peer_id for sp in swarm.servers if sp.alive and sp.peer_id)  # any live server
+    stream = RawStream(chain, peer)
+    try:
+        me = str(chain.p2p.peer_id)
+        opened, _ = stream.send(Open("raw-relay", 16, relay_from=me).to_wire())
+        assert opened["type"] == "opened"
+        hidden = torch.zeros(1, model.config.hidden_size)
+
+        async def push(pushes):
+            queue: asyncio.Queue = asyncio.Queue()
+            replies = await chain.stub(peer).rpc_push(wire_parts.until_none(queue))
+            out = []
+            for p in pushes:
+                (request,) = wire_parts.to_messages(p.to_wire(), (hidden,))
+                await queue.put(request)
+                out.append(wire.unpack((await asyncio.wait_for(anext(replies), 20)).metadata))
+            await queue.put(None)
+            return out
+
+        taken, again, unknown = chain.loop.run(push([Push("raw-relay", 1), Push("raw-relay", 1),
+                                                     Push("never-opened", 1)]), timeout_s=30)
+        assert taken["type"] == "pushed" and taken["step_id"] == 1
+        for refused in (again, unknown):  # once per step id; only sessions that named this peer
+            assert isinstance(error_from_code(refused["code"], refused["message"]), RelayRefusedError)
+        # the step the push carried ran on the session and was answered on the client's stream
+        reply = chain.loop.run(asyncio.wait_for(wire_parts.receive_one(stream.responses), 20), timeout_s=25)
+        assert reply.meta["type"] == "step" and reply.meta["step_id"] == 1 and reply.meta["position"] == 1
+        assert reply.tensors[0].shape == hidden.shape
+    finally:
+        stream.close()
+        model.backend.shutdown()
+
+
+@pytest.mark.parametrize("relay", ["server", "client"])
+def test_sigkill_of_the_middle_hop_fails_over_with_identical_output(swarm, hf, tiny_llama_path, relay):
+    model = _model(tiny_llama_path, swarm, relay)
+    try:
+        ids = torch.tensor([[2, 4, 6, 8, 10]])
+        ref = hf.generate(ids, max_new_tokens=12, do_sample=False)
+        with model.inference_session(max_length=32) as session:
+            tail = session.chain.hops[2].peer_id
+            killer = KillMiddle(swarm, session, n=5)
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, streamer=killer)
+            assert killer.killed is not None and session.chain.failovers == 1
+            assert session.chain.hops[2].peer_id == tail  # only the failed span was replaced
+        assert out.tolist() == ref.tolist()
+    finally:
+        model.backend.shutdown()
