@@ -106,7 +106,15 @@ def test_the_orchestrator_replans_when_the_fitted_model_moves_the_plan_and_shows
     assert pa["model"]["announced"]["t_O"] == 1e-3 and pa["t_o"] == pytest.approx(1.5e-3, rel=0.1)
     assert pa["hop_cost"] == pytest.approx(2.5e-3)
     shape = orch.lengths.shape
-    assert pa["tau_c"] == pytest.approx(shape.mean_output_tokens * (0.002 + 2.5e-3 + pa["t_o"]))
+    # footnote 4 (server relay, the default): each step pays the one-way leg, RTT / 2, into the server;
+    # the fitted t_o and the measured per-hop cost are paid on every step with either relay
+    rtt_term = 0.002 / 2 if orch.config.relay == "server" else 0.002
+    assert pa["tau_c"] == pytest.approx(shape.mean_output_tokens * (rtt_term + 2.5e-3 + pa["t_o"]))
+    relay = orch.config.relay
+    orch.config.relay = "client" if relay == "server" else "server"
+    other = next(s for s in orch.status()["servers"] if s["peer_id"] == "pa")
+    assert other["tau_c"] == pytest.approx(shape.mean_output_tokens * (0.002 * 1.5 - rtt_term + 2.5e-3 + pa["t_o"]))
+    orch.config.relay = relay
     now[0] = 10.0
     orch.check_model(now[0])  # the difference appears: armed, not yet due
     assert not orch.model_moved and not orch._plan_due(now[0])
