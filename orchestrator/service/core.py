@@ -299,12 +299,14 @@ class Orchestrator:
                 return
             if self.config.max_model_replans is not None and self.model_replans >= self.config.max_model_replans:
                 return
-            # Only a *fitted* model may move the plan: until every server the installed plan uses has a
-            # live fit, the "difference" is the start-up profile against itself plus whatever joined or
-            # left (a server whose record expired and came back), and acting on it would spend a
-            # re-plan (the Table 1 driver allows one) on numbers no batch has confirmed.
+            # Only a *fitted* model may move the plan: until a server the installed plan uses has a live
+            # fit, the "difference" is the start-up profile against itself plus whatever joined or left
+            # (a server whose record expired and came back), and acting on it would spend a re-plan
+            # (the Table 1 driver allows one) on numbers no batch has confirmed. Not *every* planned
+            # server: JFFC sends a warm-up to the fastest chains, and a server on a chain no session
+            # reached would then block the calibrated re-plan for good.
             placed = [p for p in cur.peers if cur.assignment(p) is not None]
-            if not placed or any(p not in self.records or self.records[p].fit is None for p in placed):
+            if not any(p in self.records and self.records[p].fit is not None for p in placed):
                 return
             records = [r for r in self.records.values() if r.rtt_s is not None]
             cfg = self.config
