@@ -35,7 +35,9 @@ class Command:
     """A command started as a user starts it: its own process group, output collected as it comes."""
 
     def __init__(self, argv: list[str]):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+        # PYTHONFAULTHANDLER: a command that outlives its Ctrl-C deadline is sent SIGABRT, and the
+        # fault handler prints every thread's stack, so a failure says where it hung
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT,
                                      start_new_session=True)
@@ -112,7 +114,17 @@ def test_ctrl_c_ends_the_command_quickly_and_quietly(swarm, tiny_chat_path, name
         cmd.wait_for(marker)
         children = cmd.descendants()
         os.killpg(cmd.proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        cmd.proc.wait(timeout=CTRL_C_DEADLINE_S)
+        try:
+            cmd.proc.wait(timeout=CTRL_C_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            os.kill(cmd.proc.pid, signal.SIGABRT)  # the fault handler dumps the threads' stacks
+            try:
+                cmd.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            time.sleep(0.5)  # let the reader threads take the dump
+            pytest.fail(f"{name} did not end within {CTRL_C_DEADLINE_S} s of Ctrl-C; its stderr and threads then:\n"
+                        + cmd.err[-8000:].decode(errors="replace"))
         assert cmd.proc.returncode in (0, 130), (cmd.proc.returncode, cmd.err[-2000:])
         assert b"Traceback" not in cmd.err and b"Error" not in cmd.err, cmd.err[-3000:].decode()
         assert not gone(children, ORPHAN_DEADLINE_S)
