@@ -43,8 +43,10 @@ class Command:
                                      start_new_session=True)
         self.out, self.err = bytearray(), bytearray()
         self._changed = threading.Condition()
-        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=self._read, args=(stream, sink), daemon=True).start()
+        self._readers = [threading.Thread(target=self._read, args=(stream, sink), daemon=True)
+                         for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
 
     def _read(self, stream, sink: bytearray) -> None:
         while chunk := os.read(stream.fileno(), 4096):
@@ -122,7 +124,8 @@ def test_ctrl_c_ends_the_command_quickly_and_quietly(swarm, tiny_chat_path, name
                 cmd.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-            time.sleep(0.5)  # let the reader threads take the dump
+            for t in cmd._readers:  # the dump is taken once the streams reach their end
+                t.join(timeout=10)
             pytest.fail(f"{name} did not end within {CTRL_C_DEADLINE_S} s of Ctrl-C; its stderr and threads then:\n"
                         + cmd.err[-8000:].decode(errors="replace"))
         assert cmd.proc.returncode in (0, 130), (cmd.proc.returncode, cmd.err[-2000:])
