@@ -302,9 +302,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         session.drafted_tokens += max(0, logits_to_keep - 1)  # assisted decoding keeps one logit per draft + 1
         if logits_to_keep > 0:
             hidden = hidden[-logits_to_keep:]
-        # on the ids' device (transformers' logits processors index the logits with the ids), and a
-        # copy made outside inference mode: HF's assisted decoding edits the logits in place
-        logits = self.head.logits_batched(hidden).to(input_ids.device, torch.float32, copy=True)
+        # on the ids' device (transformers' logits processors index the logits with the ids); HF's
+        # assisted decoding edits them in place, which the head's logits (no inference-mode tensors)
+        # allow without a copy: a session's rows are its own, though they may share a batch's storage
+        logits = self.head.logits_batched(hidden).to(input_ids.device, torch.float32)
         return CausalLMOutputWithPast(logits=logits.unsqueeze(0))
 
 
