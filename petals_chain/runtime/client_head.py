@@ -12,6 +12,9 @@ from petals_chain.runtime.row_batcher import RowBatcher
 
 # `ClientHead.logits` computes up to this many rows as (W @ h^T)^T, more with `lm_head` (h @ W^T)
 NARROW_GEMM_MAX_ROWS = 64
+# the LM head's batcher waits for expected sessions at most this fraction of its average call
+# (row_batcher.py; the server's scheduler gathers its batches with the same default, 0.5)
+LM_HEAD_GATHER_FRACTION = 0.5
 
 
 class ClientHead(torch.nn.Module):
@@ -35,7 +38,9 @@ class ClientHead(torch.nn.Module):
         # Every session of this process (any model object, any thread) shares these: concurrent
         # sessions' embedding lookups and final norm + LM head run as one call per step (row_batcher.py).
         self.embed_batched = RowBatcher(self.embed_tokens, max_rows=max_batch_rows)
-        self.logits_batched = RowBatcher(self.logits, max_rows=max_batch_rows)
+        # the LM head (the costly one) waits briefly for sessions whose chain step is in flight
+        # (`logits_batched.expecting()`): their replies come together from one server batch
+        self.logits_batched = RowBatcher(self.logits, max_rows=max_batch_rows, gather_fraction=LM_HEAD_GATHER_FRACTION)
 
     @torch.inference_mode()
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
