@@ -8,7 +8,8 @@ measured in interleaved rounds (medians reported): one request alone, then N at 
 to the last byte), time to first token and inter-token latency percentiles (per streamed chunk).
 
 The server writes a `--service-log` (one line per batch it ran): the report gives the mean number
-of sessions per server batch in each phase, the measure of how well concurrent requests batch.
+of sessions per server batch in each phase, the measure of how well concurrent requests batch; the
+gateway's /metrics give the same for its client head (sessions per LM head pass).
 
 Prefix reuse (`--history-tokens 500`, 0 to skip): a chat's first turn with a history of that many
 tokens, then its second turn (history + reply + a new question), streamed; time to first token of
