@@ -5,7 +5,8 @@ checks every field against its annotation and raises `InvalidRequestError` namin
 (`hops[1].start`), so a bad message becomes a typed error reply, never a crash:
 
 - `str`, `int` (bool is not an int here), `bool`, `float` (ints are accepted; NaN and infinities
-  are not: every float on the wire is a finite time, rate or length), `dict` (any map), `Any`;
+  are not: every float on the wire is a finite time, rate or length), `dict` (any map), `dict[K, V]`
+  (keys and values checked), `Any`;
 - a `StrEnum` (the value must be one of its members' strings);
 - `list[T]` and `tuple[T, ...]` (msgpack sends both as arrays), a nested `WireRecord`, `T | None`.
 
@@ -61,7 +62,11 @@ def decode_value(name: str, value: Any, hint: Any) -> Any:
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise InvalidRequestError(f"field {name!r} must be a map, got {type(value).__name__}")
-        return value
+        args = typing.get_args(hint)
+        if not args:
+            return value
+        return {decode_value(f"{name} key", k, args[0]): decode_value(f"{name}[{str(k)[:32]!r}]", v, args[1])
+                for k, v in value.items()}
     if isinstance(hint, type) and issubclass(hint, WireRecord):
         return hint.from_wire(value, name=name)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
