@@ -63,7 +63,9 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     group = heads // kv_heads
     q = query.reshape(n, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, n * group, dim)
     if mask is not None:
-        if mask.dim() == 2:  # the same for every head: one [n * group, L] mask broadcast over KV heads
+        if mask.dim() == 2 and n == 1:  # one token: its mask broadcasts over all rows
+            mask = mask.view(1, 1, 1, length)
+        elif mask.dim() == 2:  # the same for every head: one [n * group, L] mask broadcast over KV heads
             mask = mask.unsqueeze(1).expand(n, group, length).reshape(1, 1, n * group, length)
         else:  # per query head: [heads, n, L] -> [kv_heads, n, group, L] in the folded row order
             mask = mask.view(kv_heads, group, n, length).transpose(1, 2).reshape(1, kv_heads, n * group, length)
