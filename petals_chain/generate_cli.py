@@ -8,12 +8,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
 from petals_chain.errors import PetalsChainError
 from petals_chain.cli_args import (EXIT_INTERRUPTED, CliParser, identity_path, peer_maddr, positive_float, positive_int,
                                    probability)
+
+
+def _exit_interrupted(_signum, _frame) -> None:
+    """Ctrl-C mid-generation: leave from the signal handler itself. Why not let KeyboardInterrupt
+    unwind: it may surface inside a failover or a hop's open, whose handlers close the session's
+    streams politely (up to 2 s a hop on the background loop), and the promise is an exit within 5 s
+    whatever the client was doing. Nothing is lost: the servers free the session when this
+    process's p2pd, bound to it, goes away."""
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - the handler may have interrupted a write that holds stdout's lock
+        pass
+    os.write(2, b"\npetals-chain generate: interrupted\n")
+    os._exit(EXIT_INTERRUPTED)
 
 
 def parse_ranges(text: str) -> list[tuple[int, int]]:
@@ -116,15 +131,11 @@ def main(argv: list[str]) -> int:
         start_s = time.perf_counter()
         # + K: a verification step may hold up to K drafted tokens past the output
         with model.inference_session(max_length=ids.shape[1] + args.max_new_tokens + args.prompt_lookup) as session:
+            previous = signal.signal(signal.SIGINT, _exit_interrupted)
             try:
                 out = model.generate(ids, streamer=streamer, **gen_kwargs)
-            except KeyboardInterrupt:
-                # Ctrl-C mid-generation: leave now. Closing the session politely waits up to 2 s per
-                # hop for the background loop (it measured over 5 s on a loaded machine); the servers
-                # free the session when this process's p2pd, bound to it, goes away.
-                print("\npetals-chain generate: interrupted", file=sys.stderr, flush=True)
-                sys.stdout.flush()
-                os._exit(EXIT_INTERRUPTED)
+            finally:
+                signal.signal(signal.SIGINT, previous)
             chain = session.chain.describe()
             stats = session.last_generate
         elapsed_s = time.perf_counter() - start_s

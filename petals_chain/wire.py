@@ -160,6 +160,9 @@ class ServerInfo(WireRecord):
     # addresses that clients and the orchestrator connect through (petals_chain/reachability.py)
     reachability: Reachability = Reachability.DIRECT
     relay_maddrs: tuple[str, ...] = ()
+    # median rpc_info round trips (s) to other servers, by peer id, measured by this server
+    # (server/peer_rtts.py): footnote 4's RTT_ij for the orchestrator's tau_c with server relay
+    peer_rtt_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.max_step_tokens <= 0:

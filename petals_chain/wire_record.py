@@ -5,7 +5,8 @@ checks every field against its annotation and raises `InvalidRequestError` namin
 (`hops[1].start`), so a bad message becomes a typed error reply, never a crash:
 
 - `str`, `int` (bool is not an int here), `bool`, `float` (ints are accepted; NaN and infinities
-  are not: every float on the wire is a finite time, rate or length), `dict` (any map), `Any`;
+  are not: every float on the wire is a finite time, rate or length), `dict` (any map), `dict[K, V]`
+  (keys and values checked), `Any`;
 - a `StrEnum` (the value must be one of its members' strings);
 - `list[T]` and `tuple[T, ...]` (msgpack sends both as arrays), a nested `WireRecord`, `T | None`.
 
@@ -31,20 +32,31 @@ def _names(kinds: tuple) -> str:
     return "/".join(getattr(k, "__name__", str(k)) for k in kinds)
 
 
+_SELF_CHECKING = (str, int, bool)  # a value of exactly this type is valid as it is
+
+
+@functools.cache
+def _hint_shape(hint: Any) -> tuple[Any, tuple, bool, Any]:
+    """(origin, args, None allowed, the hint without None) of an annotation, worked out once per
+    annotation: every step message is decoded on the per-hop path, and typing's introspection
+    cost more than the checks themselves (measured: from_wire of a Step 10 -> 4 us)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin not in (typing.Union, types.UnionType):
+        return origin, args, False, hint
+    concrete = tuple(o for o in args if o is not type(None))
+    return origin, args, len(concrete) < len(args), concrete[0] if len(concrete) == 1 else concrete
+
+
 def decode_value(name: str, value: Any, hint: Any) -> Any:
     """`value` checked (and converted: ints to floats, strings to enums, maps to records) against
     the annotation `hint`; `name` is the field's path, for the error message."""
-    origin = typing.get_origin(hint)
-    if hint is Any:
+    if hint is Any or (type(value) is hint and hint in _SELF_CHECKING):
         return value
+    origin, _, none_ok, concrete = _hint_shape(hint)
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
+        if value is None and none_ok:
             return None
-        concrete = [o for o in options if o is not type(None)]
-        if len(concrete) == 1:
-            return decode_value(name, value, concrete[0])
-        return decode_value(name, value, tuple(concrete))
+        return decode_value(name, value, concrete)
     if isinstance(hint, tuple):  # several plain types (field_of's form)
         if float in hint and isinstance(value, int) and not isinstance(value, bool):
             return decode_value(name, value, float)
@@ -55,13 +67,19 @@ def decode_value(name: str, value: Any, hint: Any) -> Any:
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise InvalidRequestError(f"field {name!r} must be a list, got {type(value).__name__}")
-        args = typing.get_args(hint)
+        args = _hint_shape(hint)[1]
         item = args[0] if args else Any
+        if item in _SELF_CHECKING and all(type(v) is item for v in value):  # e.g. a step's push_route
+            return origin(value)
         return origin(decode_value(f"{name}[{i}]", v, item) for i, v in enumerate(value))
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise InvalidRequestError(f"field {name!r} must be a map, got {type(value).__name__}")
-        return value
+        args = _hint_shape(hint)[1]
+        if not args:
+            return value
+        return {decode_value(f"{name} key", k, args[0]): decode_value(f"{name}[{str(k)[:32]!r}]", v, args[1])
+                for k, v in value.items()}
     if isinstance(hint, type) and issubclass(hint, WireRecord):
         return hint.from_wire(value, name=name)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):

@@ -34,12 +34,13 @@ from petals_chain import wire
 from petals_chain.errors import PetalsChainError
 from petals_chain.messages import AssignmentReply, AssignmentRequest, AssignmentStatus
 from petals_chain.orchestrator_records import find_orchestrator
-from petals_chain.protocol import BlockService, OrchestratorService
+from petals_chain.protocol import BlockService, OrchestratorService, ping_block_server_s
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.runtime.lora import adapter_name
 from petals_chain.wire import Reachability, ServerInfo, ServerState
 from server.block_selection import HeldSpan, better_start, block_throughputs, choose_start
 from server.handler import BlockServicer, ServicerLimits
+from server.peer_rtts import PeerRtts, choose_peers
 from server.emulation import real_range, slowed_times
 from server.service_log import ServiceLog
 from server.profiling import BlockTimes
@@ -93,6 +94,13 @@ class ServerConfig:
     announce_maddrs: list[str] = field(default_factory=list)  # --announce-maddrs / --public-maddrs
     use_relay: bool = True  # False (--no-relay): an unreachable server stops instead of joining through relays
     relay_service: bool = True  # False (--no-relay-service): a reachable server refuses to relay for others
+    # RTTs to other servers (server/peer_rtts.py), announced as ServerInfo.peer_rtt_s for footnote 4's
+    # tau_c,ij: every peer_rtt_check_s the DHT's records are read and chosen peers not measured within
+    # peer_rtt_period_s are probed (peer_rtt_probes rpc_info round trips each), at most peer_rtt_max_peers
+    peer_rtt_check_s: float = 10.0
+    peer_rtt_period_s: float = 30.0
+    peer_rtt_probes: int = 3
+    peer_rtt_max_peers: int = 8
 
 
 class BlockServer:
@@ -113,6 +121,8 @@ class BlockServer:
         self.auto = config.start is None and not self.self_placed
         self.stacks = StackSlot()  # the serving stack (server/serving_stack.py): one value, swapped whole
         self.orchestrator = None
+        self.peer_rtts = PeerRtts(max_peers=config.peer_rtt_max_peers, probes=config.peer_rtt_probes,
+                                  period_s=config.peer_rtt_period_s)  # before rpc_info can be called (info())
         if self.self_placed:
             total = get_family(cfg := load_config(self.path)).num_blocks(cfg)
             if not 1 <= config.num_blocks <= total:
@@ -167,6 +177,7 @@ class BlockServer:
             threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
         if self.self_placed:
             threading.Thread(target=self._rebalance, name="rebalance", daemon=True).start()
+        threading.Thread(target=self._measure_peer_rtts, name="peer-rtts", daemon=True).start()
 
     def _check_reachability(self) -> tuple[Reachability, tuple[str, ...]]:
         """Ask the initial peers to dial this host back (petals_chain/reachability.py); log the verdict.
@@ -316,6 +327,26 @@ class BlockServer:
                 continue
             self._move_to(a.start, a.end, f"plan v{a.plan_version}")
 
+    def _measure_peer_rtts(self) -> None:
+        """Keep `peer_rtts` fresh (announced with the next record): a new or due peer is probed
+        within peer_rtt_check_s of appearing in the DHT, bounded by peer_rtt_max_peers."""
+        first = True
+        while first or not self._stop.wait(self.config.peer_rtt_check_s):
+            first = False
+            try:
+                infos = fetch_servers(self.dht, self.model_name, states=(ServerState.ONLINE, ServerState.JOINING),
+                                      allowed=self.config.allowed_peers)
+                stack = self.stacks.current
+                start, end = (stack.block_range.start, stack.block_range.end) if stack is not None else (0, 0)
+                peers = choose_peers(self.peer_id, start, end, infos, self.peer_rtts.max_peers)
+                for peer in self.peer_rtts.due(peers, time.monotonic()):
+                    if self._stop.is_set():
+                        return
+                    self.peer_rtts.measure(peer, lambda p: ping_block_server_s(self.loop, self.p2p, p),
+                                           time.monotonic())
+            except Exception:  # noqa: BLE001 - a DHT hiccup or shutdown: try again next period
+                logger.debug("measuring peer RTTs failed", exc_info=True)
+
     def _others_throughputs(self) -> list[float]:
         """Each block's decode throughput from the other online servers' records."""
         infos = fetch_servers(self.dht, self.model_name, allowed=self.config.allowed_peers)
@@ -371,6 +402,7 @@ class BlockServer:
                 max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
                 prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
                 dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True},
+                peer_rtt_s=self.peer_rtts.view(),
                 adapters=[adapter_name(a) for a in self.config.adapters],
                 reachability=self.reachability, relay_maddrs=self.relay_maddrs)
         br, budget = stack.block_range, stack.budget
@@ -386,6 +418,7 @@ class BlockServer:
             free_kv_slots=budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active, adapters=list(br.adapters),
+            peer_rtt_s=self.peer_rtts.view(),
             reachability=self.reachability, relay_maddrs=self.relay_maddrs,
             extra={"queue_length": stack.scheduler.queue_length, "policy": stack.scheduler.policy.name,
                    "admission_queue_length": len(stack.admission), "auto": self.auto,

@@ -42,6 +42,8 @@ from server.serving_stack import ServingStack, StackSlot
 
 logger = logging.getLogger(__name__)
 
+INLINE_MAX_TOKENS = 16  # the largest step run on the event loop itself (decode and speculative verify steps)
+
 
 @dataclass(frozen=True)
 class ServicerLimits:
@@ -333,10 +335,13 @@ class BlockServicer:
                     future.set_result(result)
             loop.call_soon_threadsafe(settle)
 
-        # a lone session runs inline on this loop when the scheduler is idle (no thread hop); with
-        # several, steps go through the scheduler thread so their batches form
-        job = stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens,
-                                     inline=len(stack.sessions) <= 1)
+        # a lone session's small step runs inline on this loop when the scheduler is idle (no thread
+        # hop); with several sessions, steps go through the scheduler thread so their batches form. A
+        # long step (a prompt) never runs inline: it would hold this loop for seconds, and with it the
+        # rpc_info liveness probes (a client then takes the busy server for a dead one: a 2,048-token
+        # prefill at load 10 did), pushes and other streams; next to its compute the hop is nothing
+        inline = len(stack.sessions) <= 1 and hidden.shape[0] <= INLINE_MAX_TOKENS
+        job = stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens, inline=inline)
         return await future, job.compute_s
 
     # -- stateless forward ----------------------------------------------------------------

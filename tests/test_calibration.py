@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, fit_service
+from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, fit_service, hop_costs
 
 
 @settings(max_examples=30, deadline=None)
@@ -46,6 +46,23 @@ def test_fit_needs_decode_batches_and_the_window_its_minimum():
     w.add_hop(0.001, 0.002)  # below the RTT: counts as no extra cost
     w.add_hop(0.004, 0.002)
     assert w.hop_cost == pytest.approx(0.002)
+
+
+def test_hop_reports_count_round_trips_only_and_unmeasured_servers_take_the_swarm_median():
+    from petals_chain.client.orchestrated import hop_reports
+    from petals_chain.client.remote_session import HopTiming
+    # server relay: hop 0 is a round trip from the client (client - server = RTT + cost); hops 1 and 2
+    # took their input pushed by the hop before and answered the client's late copy at once (~0)
+    timings = [HopTiming(0, "a", 10, 1, 0.060, 0.010), HopTiming(1, "b", 10, 1, 0.012, 0.011, pushed=True),
+               HopTiming(2, "c", 10, 1, 0.011, 0.011, pushed=True), HopTiming(0, "a", 10, 1, 0.064, 0.010),
+               HopTiming(1, "b", 10, 1, 0.050, 0.010)]  # a step b was not pushed (e.g. a relayed hop): counts
+    reports = {r.peer_id: r for r in hop_reports(timings)}
+    assert set(reports) == {"a", "b"} and reports["a"].steps == 2 and reports["b"].steps == 1
+    assert reports["a"].comm_s == pytest.approx(0.050 + 0.054) and reports["b"].comm_s == pytest.approx(0.040)
+    assert hop_reports(timings[1:3]) is None
+    assert hop_costs({"a": 0.004, "b": None, "c": 0.002, "d": 0.003}) == {"a": 0.004, "b": 0.003, "c": 0.002,
+                                                                          "d": 0.003}
+    assert hop_costs({"a": None, "b": None}) == {"a": None, "b": None}
 
 
 def test_replan_trigger_fires_after_the_hold_and_has_hysteresis():
@@ -105,6 +122,9 @@ def test_the_orchestrator_replans_when_the_fitted_model_moves_the_plan_and_shows
     assert pa["model"]["source"] == "live" and pa["t_O"] == pytest.approx(3e-3, rel=0.05)
     assert pa["model"]["announced"]["t_O"] == 1e-3 and pa["t_o"] == pytest.approx(1.5e-3, rel=0.1)
     assert pa["hop_cost"] == pytest.approx(2.5e-3)
+    # pb, pc never reported a round trip (with server relay: never a first hop): the swarm's median
+    pb = next(s for s in view if s["peer_id"] == "pb")
+    assert pb["model"]["hop_cost_own"] is None and pb["hop_cost"] == pytest.approx(2.5e-3)
     shape = orch.lengths.shape
     # footnote 4 (server relay, the default): each step pays the one-way leg, RTT / 2, into the server;
     # the fitted t_o and the measured per-hop cost are paid on every step with either relay

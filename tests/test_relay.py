@@ -88,14 +88,19 @@ def test_both_relays_give_hf_tokens_and_server_relay_pushes(swarm, hf, tiny_llam
             before = [_pushes(model, p) for p in hops]
             out = model.generate(ids, max_new_tokens=10, do_sample=False)
             after = [_pushes(model, p) for p in hops]
+            timings = session.chain.hop_timings
         taken = [a[0] - b[0] for a, b in zip(after, before)]
         arrived = [a[1] - b[1] for a, b in zip(after, before)]
         assert out.tolist() == ref.tolist()
         assert arrived[0] == 0  # the first hop only ever hears from the client
         if relay == "server":  # every step (prompt + 9 decode steps) was pushed on to every later hop
             assert all(n >= 10 for n in arrived[1:]) and all(n >= 1 for n in taken[1:]), (taken, arrived)
+            # the client's timings of pushed hops are no round trips: marked, and not reported as hop costs
+            assert {t.hop_index for t in timings if t.pushed} == {1, 2}
+            assert not any(t.pushed for t in timings if t.hop_index == 0)
         else:
             assert arrived == [0, 0, 0]
+            assert not any(t.pushed for t in timings)
     finally:
         model.backend.shutdown()
 
@@ -133,6 +138,25 @@ def test_a_push_from_a_peer_the_client_did_not_name_is_refused(swarm, tiny_llama
         assert reply.tensors[0].shape == hidden.shape
     finally:
         stream.close()
+        model.backend.shutdown()
+
+
+def test_servers_measure_and_announce_rtts_to_the_peers_they_push_to(swarm, tiny_llama_path):
+    """Footnote 4's RTT_ij: a server probes the peers a chain can pass it to (server/peer_rtts.py)
+    and reports the medians in rpc_info / its DHT record (`peer_rtt_s`), which the orchestrator plans with."""
+    import time
+
+    model = _model(tiny_llama_path, swarm, "server")
+    try:
+        first = next(sp for sp in swarm.servers if (sp.start, sp.end) == (0, 2))
+        nexts = {sp.peer_id for sp in swarm.servers if (sp.start, sp.end) == (2, 4) and sp.alive}
+        deadline = time.monotonic() + 30  # a server looks for new peers every 10 s (peer_rtt_check_s)
+        while not nexts & set(rtts := model.backend.server_info(first.peer_id).peer_rtt_s):
+            assert time.monotonic() < deadline, f"no RTT to any next hop reported: {rtts}"
+            time.sleep(0.5)
+        assert all(0 < rtts[p] < 5 for p in nexts & set(rtts))  # seconds; loopback under any load
+        assert first.peer_id not in rtts
+    finally:
         model.backend.shutdown()
 
 

@@ -17,7 +17,7 @@ from petals_chain.wire import InfoReply, ServerInfo, ServerState
 HOPS = (m.Hop("a", 0, 10, "A"), m.Hop("b", 10, 30))
 GRANT = m.ChainGrant("s1", 3, 2, HOPS, 0.5, 15.0, wait_s=0.25, extra={"seq": 7})
 SERVER = ServerInfo("p", "model", 0, 30, ServerState.ONLINE, 10**9, 10**6, 10**4, 512, 3, 1e-3, 2e-3,
-                    extra={"auto": False})
+                    extra={"auto": False}, peer_rtt_s={"q": 0.012})
 
 SAMPLES = [
     m.Open("s1", 64, entry_block=5, admission_wait_s=1.5), m.Open("s1", 64), m.Opened("s1", 5, 30),
@@ -47,6 +47,14 @@ def test_wire_format_is_the_old_one():
                          {"peer_id": "b", "start": 10, "end": 30, "name": ""}]
     assert type(SERVER.to_wire()["state"]) is str and SERVER.to_wire()["state"] == "online"
     assert g["extra"] == {"seq": 7} and m.ChainGrant.from_wire(g).seq == 7
+
+
+def test_typed_maps_check_keys_and_values():
+    wire_form = SERVER.to_wire()
+    assert ServerInfo.from_wire({**wire_form, "peer_rtt_s": {"q": 1}}).peer_rtt_s == {"q": 1.0}
+    for bad in ({"q": "fast"}, {"q": float("nan")}, {7: 0.01}, [0.01]):
+        with pytest.raises(InvalidRequestError, match="peer_rtt_s"):
+            ServerInfo.from_wire({**wire_form, "peer_rtt_s": bad})
 
 
 def test_unknown_fields_are_ignored_and_defaults_fill_in():

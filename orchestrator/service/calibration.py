@@ -10,7 +10,11 @@ once, whatever its blocks), robustly: least absolute deviations by iteratively r
 squares, so a batch slowed by a neighbour's burst or a GC pause does not move the fit. Clients report
 on release each hop's network time per step (client time - server time); minus the RTT the
 orchestrator measured, it is the per-hop framework cost (p2pd both ways, framing, thread hops) that
-an rpc_info ping does not see. Both go into tau_c (`tau_c = l_out (RTT + hop cost + t_o)`).
+an rpc_info ping does not see. Both go into tau_c (`tau_c = l_out (RTT + hop cost + t_o)`). With
+server relay only a chain's first hop is a round trip from the client (the others take their input
+pushed by the hop before, and the client's copy mostly arrives after the step ran), so clients report
+only round trips, and a server with none takes the swarm's median hop cost (`hop_costs`): the same
+framework runs on every server.
 
 `ReplanTrigger` decides when the fitted model moved the plan enough to re-plan: the planned total
 rate or c* differs from the installed plan's by more than `enter` (relative) continuously for
@@ -104,6 +108,15 @@ class ServiceWindow:
         """CPU seconds per wall second of the window's batches (how much of a core a batch took)."""
         wall = sum(w for w, _ in self.cpu)
         return sum(c for _, c in self.cpu) / wall if wall > 0 else None
+
+
+def hop_costs(measured: dict[str, float | None]) -> dict[str, float | None]:
+    """Each server's per-hop cost: its own measured one, else the median of the servers that have one
+    (None while none has). With server relay, servers that are never a chain's first hop are never
+    timed by a round trip (see the module docstring); leaving them at 0 made tau_c too low."""
+    known = [c for c in measured.values() if c is not None]
+    swarm = float(np.median(known)) if known else None
+    return {p: (swarm if c is None else c) for p, c in measured.items()}
 
 
 def relative_change(new: float, old: float) -> float:

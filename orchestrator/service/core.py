@@ -21,7 +21,7 @@ from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
 from orchestrator.policies import get_policy
-from orchestrator.service.calibration import ReplanTrigger, ServiceWindow
+from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, hop_costs
 from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
@@ -285,11 +285,14 @@ class Orchestrator:
             todo = {p: self.windows[p] for p in (self.records if peers is None else peers) if p in self.windows}
         fits = {p: (w.fit() if on else None) for p, w in todo.items()}
         with self.lock:
+            measured = {}
             for p, rec in self.records.items():
                 w = self.windows.get(p)
                 if p in fits:
                     rec.fit = fits[p]
-                rec.hop_cost_s = w.hop_cost if (w is not None and on) else None
+                measured[p] = w.hop_cost if (w is not None and on) else None
+            for p, cost in hop_costs(measured).items():
+                self.records[p].hop_cost_s = cost
 
     def check_model(self, now: float) -> None:
         """Would the calibrated model plan differently enough to re-plan? (hysteresis: ReplanTrigger)"""
@@ -335,7 +338,8 @@ class Orchestrator:
         return {"announced": {"t_I": rec.info.prefill_s_per_token, "t_O": rec.info.decode_s_per_token} if rec else None,
                 "fitted": None if f is None else {"t_I": f.t_I_s, "t_O": f.t_O_s, "t_o": f.t_o_s, "samples": f.samples,
                                                   "median_abs_rel_residual": f.median_abs_rel_residual},
-                "hop_cost": rec.hop_cost_s if rec else None,
+                "hop_cost": rec.hop_cost_s if rec else None,  # planned with: its own, else the swarm's median
+                "hop_cost_own": None if w is None else w.hop_cost,
                 "batches": 0 if w is None else len(w.batches),
                 "cpu_per_wall": None if w is None else w.cpu_per_wall,
                 "source": "live" if f is not None else "announced"}

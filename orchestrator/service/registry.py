@@ -40,10 +40,9 @@ RELAYS = ("server", "client")
 
 
 def peer_rtt_s(a: ServerRecord, b: ServerRecord) -> float | None:
-    """RTT between two servers as they report it (`ServerInfo.extra["peer_rtt_s"]`, measured by the
-    servers themselves); the larger of the two reports when both have one."""
-    reports = [r.info.extra.get("peer_rtt_s", {}).get(o.peer_id) for r, o in ((a, b), (b, a))]
-    reports = [float(x) for x in reports if isinstance(x, (int, float)) and x >= 0]
+    """RTT between two servers as they report it (`ServerInfo.peer_rtt_s`, measured by the servers
+    themselves: server/peer_rtts.py); the larger of the two reports when both have one."""
+    reports = [x for r, o in ((a, b), (b, a)) if (x := r.info.peer_rtt_s.get(o.peer_id)) is not None and x >= 0]
     return max(reports) if reports else None
 
 

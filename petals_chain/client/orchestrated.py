@@ -31,10 +31,12 @@ logger = logging.getLogger(__name__)
 
 
 def hop_reports(hop_timings) -> list[HopReport] | None:
-    """Per server: steps and summed (client - server) time of the steps that reported a server time."""
+    """Per server: steps and summed (client - server) time of the steps that reported a server time
+    and were a round trip from the client (not pushed by the hop before: with server relay only a
+    chain's first hop is timed that way; the orchestrator gives the others the swarm's median)."""
     acc: dict[str, list] = {}
     for t in hop_timings:
-        if t.server_s is not None:
+        if t.server_s is not None and not t.pushed:
             a = acc.setdefault(t.peer_id, [0, 0.0])
             a[0] += 1
             a[1] += max(0.0, t.client_s - t.server_s)

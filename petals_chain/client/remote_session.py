@@ -61,6 +61,9 @@ class HopTiming:
     client_s: float
     server_s: float | None
     compute_s: float | None = None  # the server's batch forward time for it: client_s - compute_s is framework + network
+    # its input was pushed to it by the hop before (server relay): the client's copy often arrives after
+    # the pushed step ran, so client_s - server_s is not a round trip and says nothing of the hop's cost
+    pushed: bool = False
 
 
 class RemoteChainSession(ChainSession):
@@ -128,10 +131,14 @@ class RemoteChainSession(ChainSession):
             return None
         route = []
         for s in self.streams[index + 1:]:
-            if s.prefix_tokens or self.chain.relay_routes.relayed(s.hop.peer_id):
+            if not self._takes_pushes(s):
                 break
             route.append(s.hop.peer_id)
         return route
+
+    def _takes_pushes(self, stream: HopStream) -> bool:
+        """Whether the hop before `stream` pushes this step to it (see `_route`)."""
+        return not stream.prefix_tokens and not self.chain.relay_routes.relayed(stream.hop.peer_id)
 
     def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         """One step of `stream`'s hop alone, with a fresh step id (replays); raises HopFailed or the
@@ -147,8 +154,11 @@ class RemoteChainSession(ChainSession):
         `start_position`: a rollback step (every hop, and every push, carries it)."""
         step = Step(self.session_id, self._new_step_id() if step_id is None else step_id,
                     prefix_tokens=stream.prefix_tokens, start_position=start_position)
+        pushed = False
         if index is not None and self.chain.server_relay:
             step.push_route = self._route(index)
+            # before this hop's prefix count is spent below: the route of the hop before named it
+            pushed = index > 0 and self._takes_pushes(stream)
             before = self.streams[index - 1].hop.peer_id if index > 0 else None
             if before is not None and stream.relay_from != before:
                 step.relay_from = stream.relay_from = before
@@ -162,7 +172,8 @@ class RemoteChainSession(ChainSession):
                                          f"step from {start_position} with {hidden.shape[0]}; it ignored the rollback")
         self.hop_timings.append(HopTiming(
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
-            stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s, result.reply.compute_s))
+            stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s, result.reply.compute_s,
+            pushed))
         return result.output
 
     def _liveness_after_s(self, peer_id: str) -> float:
