@@ -56,21 +56,23 @@ def test_row_batcher_error_reaches_every_caller_of_the_batch_and_batcher_recover
 
 
 def test_client_head_logits_match_hf_lm_head_at_every_batch_size(smollm2_path, smollm2_hf):
-    """The head computes decode-sized batches as (W @ h^T)^T (faster on CPU): one row is bit for
-    bit HF's `lm_head(norm(h))`, a batch's rows agree to float32 rounding with the same argmax, and
-    past NARROW_GEMM_MAX_ROWS it is HF's own call again. The result is an ordinary tensor that
-    callers may edit in place (HF's assisted decoding does) without a copy."""
-    from petals_chain.runtime.client_head import NARROW_GEMM_MAX_ROWS, ClientHead
+    """The head computes decode-sized batches in the skinny GEMM orientation (faster on CPU): one row
+    is bit for bit HF's `lm_head(norm(h))`, a batch's rows agree to float32 rounding with the same
+    argmax. The result is an ordinary tensor that callers may edit in place (HF's assisted
+    decoding does) without a copy."""
+    from petals_chain.runtime.client_head import ClientHead
+    from petals_chain.runtime.small_batch_linear import SKINNY_ROWS, SmallBatchLinear
 
     head = ClientHead(smollm2_path)
+    assert isinstance(head.lm_head, SmallBatchLinear)
     torch.manual_seed(0)
-    for rows in (1, 3, 8, NARROW_GEMM_MAX_ROWS, NARROW_GEMM_MAX_ROWS + 1):
+    for rows in (1, 3, 8, max(SKINNY_ROWS) + 1):
         hidden = torch.randn(rows, head.config.hidden_size) * 3
         with torch.no_grad():
             ref = smollm2_hf.lm_head(smollm2_hf.model.norm(hidden))
         out = head.logits(hidden)
         assert out.shape == ref.shape and out.is_contiguous() and not out.is_inference()
-        if rows == 1 or rows > NARROW_GEMM_MAX_ROWS:
+        if rows not in SKINNY_ROWS:
             assert torch.equal(out, ref), rows
         else:
             torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)
