@@ -11,6 +11,8 @@ and `close()`.
 """
 from __future__ import annotations
 
+import contextlib
+
 import abc
 import json
 import subprocess
@@ -46,6 +48,10 @@ class _Hosts(abc.ABC):
     def cpu_report(self) -> dict:
         """Per host with a CPU share: share, CPU seconds used, seconds throttled (none without shares)."""
         return {}
+
+    def cpu_unlimited(self) -> contextlib.AbstractContextManager:
+        """Hosts' CPU quotas lifted for the duration (loading that is not measured); none here."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
@@ -107,6 +113,9 @@ class EmulatedHosts(_Hosts):
 
     def cpu_report(self) -> dict:
         return self.net.cpu_report()
+
+    def cpu_unlimited(self) -> contextlib.AbstractContextManager:
+        return self.net.cpu_unlimited()
 
     def close(self) -> None:
         self.net.__exit__(None, None, None)

@@ -108,21 +108,22 @@ def own_cpu_share() -> float | None:
     """The calling process's CPU quota in cores (cgroup v2 cpu.max or v1 cfs quota), None when unlimited.
 
     Inside a netem host the cgroup files are not visible: `ip netns exec` remounts /sys for the
-    namespace, and the cgroup mounts under /sys/fs/cgroup go with it. Then the share that `enter_argv`
-    put the process into, passed down in $PETALS_CHAIN_CPU_SHARE, is the answer (without it a server
-    in a 0.19-core host profiled itself as a whole core and announced a device 5x too fast)."""
+    namespace, and the cgroup mounts under /sys/fs/cgroup go with it. So the share that `enter_argv`
+    put the process into, passed down in $PETALS_CHAIN_CPU_SHARE, is the answer where it is set
+    (without it a server in a 0.19-core host profiled itself as a whole core and announced a device
+    5x too fast); it also stands while `Network.cpu_unlimited` lifts the quota for loading."""
+    try:
+        env = float(os.environ.get(SHARE_ENV, ""))
+    except ValueError:
+        env = 0.0
+    if env > 0:  # the host's share stands even while its quota is lifted (Network.cpu_unlimited)
+        return env
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         lines = []
     quota = _cgroup_quota(lines)
-    if quota is not _UNREADABLE:
-        return quota
-    try:
-        env = float(os.environ.get(SHARE_ENV, ""))
-    except ValueError:
-        return None
-    return env if env > 0 else None
+    return None if quota is _UNREADABLE else quota
 
 
 _UNREADABLE = object()
@@ -202,19 +203,24 @@ def apply(network: str, shares: dict[int, float], layout: CgroupLayout | None = 
             is_cpuset = layout.cpuset is not None and d.is_relative_to(layout.cpuset) and pin
             _mkdir(d.parent, layout.cpuset / "" if (is_cpuset and layout.version == 1) else None)
             _mkdir(d, d.parent if (is_cpuset and layout.version == 1) else None)
-        quota_us = max(1000, int(round(share * PERIOD_US)))
-        cpu_dir = layout.cpu / PARENT / name
-        if layout.version == 2:
-            (cpu_dir / "cpu.max").write_text(f"{quota_us} {PERIOD_US}")
-        else:
-            (cpu_dir / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-            (cpu_dir / "cpu.cfs_quota_us").write_text(str(quota_us))
+        set_quota(layout, name, share)
         if pin:
             cpuset = str(cores[k % len(cores)])
             cs_dir = layout.cpuset / PARENT / name
             (cs_dir / "cpuset.cpus").write_text(cpuset)
         out[i] = HostShare(name, share, tuple(str(d / "cgroup.procs") for d in dirs), cpuset)
     return out
+
+
+def set_quota(layout: CgroupLayout, group: str, cores: float | None) -> None:
+    """Set a host group's quota to `cores` per period, or lift it (None: unlimited)."""
+    cpu_dir = layout.cpu / PARENT / group
+    quota_us = -1 if cores is None else max(1000, int(round(cores * PERIOD_US)))
+    if layout.version == 2:
+        (cpu_dir / "cpu.max").write_text(f"{'max' if quota_us < 0 else quota_us} {PERIOD_US}")
+    else:
+        (cpu_dir / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (cpu_dir / "cpu.cfs_quota_us").write_text(str(quota_us))
 
 
 def enter_argv(procs_files: tuple[str, ...], argv: list[str], cores: float | None = None) -> list[str]:

@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from netem import cpu as netem_cpu, kernel, nat
 from netem.errors import MissingCapabilityError, NetemError, NetworkExistsError
@@ -253,6 +255,25 @@ class Network:
         """The argv prefix that runs a command inside the host (`prefix(h) + argv == command(h, argv)`):
         in its namespace, and in its CPU groups when it has a share."""
         return _host_prefix(self.state, host)
+
+    @contextmanager
+    def cpu_unlimited(self) -> Iterator[None]:
+        """Lift every host's CPU quota for the duration, then set it again: for work nobody measures
+        (processes importing and loading weights at a tenth of a core took minutes). Servers keep
+        profiling as devices of their share: the profile counts CPU seconds divided by the share
+        (server/range_profile.py), and the share comes from $PETALS_CHAIN_CPU_SHARE."""
+        shares = self.state.extra.get("cpu", {}) if self.state is not None else {}
+        if not shares:
+            yield
+            return
+        layout = netem_cpu.detect()
+        for s in shares.values():
+            netem_cpu.set_quota(layout, s["group"], None)
+        try:
+            yield
+        finally:
+            for s in shares.values():
+                netem_cpu.set_quota(layout, s["group"], s["cores"])
 
     def cpu_report(self) -> dict[str, dict]:
         """Per host with a CPU share: the share (cores), the pinned core, CPU seconds used so far and

@@ -8,7 +8,8 @@ measured in interleaved rounds (medians reported): one request alone, then N at 
 to the last byte), time to first token and inter-token latency percentiles (per streamed chunk).
 
 The server writes a `--service-log` (one line per batch it ran): the report gives the mean number
-of sessions per server batch in each phase, the measure of how well concurrent requests batch.
+of sessions per server batch in each phase, the measure of how well concurrent requests batch; the
+gateway's /metrics give the same for its client head (sessions per LM head pass).
 
 Prefix reuse (`--history-tokens 500`, 0 to skip): a chat's first turn with a history of that many
 tokens, then its second turn (history + reply + a new question), streamed; time to first token of
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from openai import OpenAI
@@ -137,6 +139,17 @@ def batch_sizes(log_path: Path, since_line: int) -> tuple[float, int]:
     return (statistics.mean(sizes) if sizes else float("nan")), len(lines)
 
 
+def head_counters(url: str) -> tuple[float, float]:
+    """The gateway's client head LM calls and the batches they ran in, from its /metrics."""
+    text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+    values = {}
+    for line in text.splitlines():
+        for name in ("client_head_lm_calls_total", "client_head_lm_batches_total"):
+            if line.startswith(f"petals_chain:{name}{{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values.get("client_head_lm_calls_total", 0.0), values.get("client_head_lm_batches_total", 0.0)
+
+
 def run_concurrent(client: OpenAI, model: str, n: int, max_tokens: int) -> dict:
     results: list[dict] = [None] * n  # type: ignore[list-item]
     errors: list[BaseException] = []
@@ -190,19 +203,24 @@ def main() -> None:
         try:
             for name, extra in variants:
                 proc, url = start_gateway(swarm, extra)
-                gateways.append((name, proc, OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)))
-            for _, _, client in gateways:
+                gateways.append((name, proc, OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600), url))
+            for _, _, client, _ in gateways:
                 one_request(client, args.model, "Warm up:", 4)  # load paths, open the first chain
             # Variants interleave, round after round, so that load from elsewhere on the machine
             # hits them alike; each number reported is the median over rounds.
             server_pid = swarm.servers[0].process.pid
             for _ in range(args.rounds):
                 for key, n in (("one", 1), ("many", args.requests)):
-                    for name, proc, client in gateways:
+                    for name, proc, client, url in gateways:
                         before = (cpu_s(proc.pid), cpu_s(server_pid), time.process_time())
                         _, log_start = batch_sizes(service_log, 0)
+                        head_before = head_counters(url)
                         r = run_concurrent(client, args.model, n, args.max_tokens)
                         r["sessions_per_server_batch"], _ = batch_sizes(service_log, log_start)
+                        head_after = head_counters(url)
+                        # the gateway's side of the same: sessions per batched LM head run
+                        r["sessions_per_client_head_batch"] = ((head_after[0] - head_before[0])
+                                                               / max(1.0, head_after[1] - head_before[1]))
                         # where the CPU went, per completion token: gateway (client head, sessions,
                         # HTTP), the block server, and this benchmark's own openai clients
                         r["gateway_cpu_ms_per_token"] = 1000 * (cpu_s(proc.pid) - before[0]) / r["tokens"]
@@ -216,7 +234,7 @@ def main() -> None:
                 report["prefix_reuse"] = prefix_reuse(gateways[0][2], args.model, tokenizer, args.history_tokens,
                                                       args.rounds)
         finally:
-            for _, proc, _ in gateways:
+            for _, proc, _, _ in gateways:
                 stop_gateway(proc)
     for name, _ in variants:
         single = {k: statistics.median(r[k] for r in runs[name]["one"]) for k in runs[name]["one"][0]}
@@ -235,7 +253,7 @@ def main() -> None:
                   f"{r['itl_p50_s'] * 1000:>6.0f}ms {r['itl_p95_s'] * 1000:>6.0f}ms {r['itl_p99_s'] * 1000:>6.0f}ms  "
                   f"{r['gateway_cpu_ms_per_token']:>18.1f} {r['server_cpu_ms_per_token']:>6.1f} "
                   f"{r['bench_client_cpu_ms_per_token']:>5.1f}  sessions/server batch "
-                  f"{r['sessions_per_server_batch']:.2f}")
+                  f"{r['sessions_per_server_batch']:.2f}, per LM head batch {r['sessions_per_client_head_batch']:.2f}")
         print(f"{name:10} aggregate {args.requests} requests / 1 request: {report[name]['ratio']:.2f}x")
     if "batched_over_unbatched_many" in report:
         print(f"client head batching, {args.requests} requests: {report['batched_over_unbatched_many']:.2f}x unbatched")

@@ -178,6 +178,28 @@ def test_metrics_use_vllm_names_under_the_petals_chain_prefix():
     assert "# TYPE petals_chain:request_queue_time_seconds histogram" in text
 
 
+def test_metrics_export_the_client_heads_lm_batching_read_at_scrape_time():
+    """calls / batches is sessions per LM head run: what bench_api reports for concurrent requests."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from petals_chain.runtime.row_batcher import RowBatcher
+
+    batcher = RowBatcher(lambda rows: rows * 2)
+    m = GatewayMetrics("m1")
+    m.watch_client_head(SimpleNamespace(logits_batched=batcher))
+    assert 'petals_chain:client_head_lm_calls_total{model_name="m1"} 0.0' in m.render().decode()
+    batcher(torch.ones(2, 3))
+    batcher(torch.ones(1, 3))
+    text = m.render().decode()  # no re-registration: the counters are the batcher's own, read now
+    for line in ['petals_chain:client_head_lm_calls_total{model_name="m1"} 2.0',
+                 'petals_chain:client_head_lm_batches_total{model_name="m1"} 2.0',
+                 'petals_chain:client_head_lm_rows_total{model_name="m1"} 3.0',
+                 '# TYPE petals_chain:client_head_lm_batches_total counter']:
+        assert line in text, line
+
+
 @pytest.mark.parametrize("args, message", [
     (["--initial-peers", "garbage"], "bad --initial-peers"),
     (["--initial-peers", "/ip4/127.0.0.1/tcp/5"], "no /p2p/PEERID part"),

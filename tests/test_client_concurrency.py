@@ -55,6 +55,102 @@ def test_row_batcher_error_reaches_every_caller_of_the_batch_and_batcher_recover
     assert torch.equal(batcher(torch.ones(1, 6)), torch.ones(1))
 
 
+def test_client_head_logits_match_hf_lm_head_at_every_batch_size(smollm2_path, smollm2_hf):
+    """The head computes decode-sized batches as (W @ h^T)^T (faster on CPU): one row is bit for
+    bit HF's `lm_head(norm(h))`, a batch's rows agree to float32 rounding with the same argmax, and
+    past NARROW_GEMM_MAX_ROWS it is HF's own call again. The result is an ordinary tensor that
+    callers may edit in place (HF's assisted decoding does) without a copy."""
+    from petals_chain.runtime.client_head import NARROW_GEMM_MAX_ROWS, ClientHead
+
+    head = ClientHead(smollm2_path)
+    torch.manual_seed(0)
+    for rows in (1, 3, 8, NARROW_GEMM_MAX_ROWS, NARROW_GEMM_MAX_ROWS + 1):
+        hidden = torch.randn(rows, head.config.hidden_size) * 3
+        with torch.no_grad():
+            ref = smollm2_hf.lm_head(smollm2_hf.model.norm(hidden))
+        out = head.logits(hidden)
+        assert out.shape == ref.shape and out.is_contiguous() and not out.is_inference()
+        if rows == 1 or rows > NARROW_GEMM_MAX_ROWS:
+            assert torch.equal(out, ref), rows
+        else:
+            torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)
+            assert torch.equal(out.argmax(-1), ref.argmax(-1))
+        out[0, 0] = 0.0  # outside inference mode, as HF's assisted decoding edits its logits
+
+
+def _gathering_batcher(sizes: list[int]) -> RowBatcher:
+    """A RowBatcher whose gathering window is long (its first call takes 20 ms, the fraction is
+    large): a leader waits for expected callers until they call or give up, not for a timer."""
+    first = threading.Event()
+
+    def fn(rows):
+        if not first.is_set():
+            first.set()
+            threading.Event().wait(0.02)
+        sizes.append(rows.shape[0])
+        return rows * 2
+
+    batcher = RowBatcher(fn, gather_fraction=500.0)  # window: 500 x ~20 ms
+    batcher(torch.zeros(1, 2))  # measures fn's time
+    return batcher
+
+
+def test_row_batcher_leader_waits_for_expected_callers_and_runs_them_in_one_batch():
+    sizes: list[int] = []
+    batcher = _gathering_batcher(sizes)
+    results: dict[str, torch.Tensor] = {}
+    in_step = threading.Barrier(2)
+    second_may_call = threading.Event()
+
+    def session(name: str, value: float, release_other: bool):
+        with batcher.expecting():  # the chain step in flight
+            in_step.wait(10)
+        if release_other:
+            second_may_call.set()
+        else:
+            second_may_call.wait(10)
+        results[name] = batcher(torch.full((1, 2), value), expected=True)
+
+    threads = [threading.Thread(target=session, args=("a", 1.0, True)),
+               threading.Thread(target=session, args=("b", 2.0, False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert torch.equal(results["a"], torch.full((1, 2), 2.0)) and torch.equal(results["b"], torch.full((1, 2), 4.0))
+    assert sizes[1:] == [2]  # the first reply's caller waited for the second: one batch, not two
+    assert batcher.gather_waits >= 1 and batcher._expected == 0 and not batcher._running
+
+
+def test_row_batcher_stops_waiting_for_an_expected_caller_whose_step_failed():
+    sizes: list[int] = []
+    batcher = _gathering_batcher(sizes)
+    leader_waiting = threading.Event()
+    failed = threading.Event()
+
+    def failing_session():
+        try:
+            with batcher.expecting():
+                leader_waiting.wait(10)
+                raise RuntimeError("the server went away")
+        except RuntimeError:
+            failed.set()
+
+    with batcher.expecting():
+        t = threading.Thread(target=failing_session)
+        t.start()
+    wait_for(lambda: batcher._expected == 2, 10.0, "both sessions expected", period_s=0.005)
+    caller = threading.Thread(target=lambda: sizes.append(-int(batcher(torch.ones(1, 2), expected=True)[0, 0])))
+    caller.start()
+    wait_for(lambda: batcher.gather_waits == 1, 10.0, "the leader waiting for the other session", period_s=0.005)
+    leader_waiting.set()
+    caller.join(30)
+    t.join(10)
+    assert failed.is_set() and not caller.is_alive()
+    assert sizes[1:] == [1, -2]  # ran alone once the other session gave up
+    assert batcher._expected == 0 and not batcher._running
+
+
 def test_local_errors_are_not_server_failures():
     assert as_server_error(RuntimeError("anext(): asynchronous generator is already running"), 1.0) is None
     assert as_server_error(ValueError("local bug"), 1.0) is None

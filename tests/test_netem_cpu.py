@@ -77,6 +77,14 @@ def test_a_network_host_with_a_share_runs_in_its_groups_and_down_removes_them(la
             report = net.cpu_report()
             assert set(report) == {"a"} and report["a"]["cores"] == 0.25
             assert 0 < report["a"]["cpu_s"] <= 0.25 * (BUSY_S + 1.0) + 0.1
+            quota_file = layout.cpu / netem_cpu.PARENT / f"{name}-h0" / (
+                "cpu.max" if layout.version == 2 else "cpu.cfs_quota_us")
+            with net.cpu_unlimited():  # loading nobody measures: no quota, the share still announced
+                assert quota_file.read_text().split()[0] in ("max", "-1")
+                lifted = subprocess.run(net.command("a", [sys.executable, "-c", code]), capture_output=True,
+                                        text=True, timeout=60, check=True).stdout.strip()
+                assert lifted == "0.25"
+            assert int(quota_file.read_text().split()[0]) == 25_000
         assert not netem_cpu.owned_groups(name, layout)
     finally:
         netem.cleanup(name)

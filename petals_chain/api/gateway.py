@@ -67,6 +67,8 @@ class Gateway:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics or GatewayMetrics(config.model_name)
+        if getattr(model, "head", None) is not None:
+            self.metrics.watch_client_head(model.head)
         self.queue = AdmissionQueue(config.max_concurrent, make_admission_policy(config.admission))
         self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent, thread_name_prefix="api-session")
         self._ready: tuple[float, str | None] | None = None  # (when checked, reason or None)

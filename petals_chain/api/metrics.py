@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PREFIX = "petals_chain:"
@@ -35,6 +36,7 @@ class GatewayMetrics:
         # gauges read them when scraped
         self.active_sessions = 0
         self.waiting = 0
+        self.model_name = model_name
         m = {"model_name": model_name}
         r = self.registry
 
@@ -77,6 +79,12 @@ class GatewayMetrics:
         self.accepted_draft_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens",
                                              "Draft tokens accepted (speculative).", ["model_name"], registry=r).labels(**m)
 
+    def watch_client_head(self, head) -> None:
+        """Export the client head's LM head batching (`ClientHead.logits_batched`, a RowBatcher that
+        owns its counters; read when scraped): calls, the batches they were run in, and rows.
+        Sessions per LM head batch = calls / batches: how well concurrent requests share the head."""
+        self.registry.register(_RowBatcherCollector(head.logits_batched, self.model_name))
+
     def request(self, endpoint: str, status: int) -> None:
         self.http_requests.labels(endpoint=endpoint, status=str(status)).inc()
 
@@ -103,3 +111,21 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RowBatcherCollector:
+    def __init__(self, batcher, model_name: str):
+        self.batcher = batcher
+        self.model_name = model_name
+
+    def describe(self):
+        return []  # no fixed description: collected on scrape only
+
+    def collect(self):
+        b = self.batcher
+        for name, doc, value in (("client_head_lm_calls", "Sessions' calls of the client's LM head.", b.batched_calls),
+                                 ("client_head_lm_batches", "Batched LM head runs those calls shared.", b.batches),
+                                 ("client_head_lm_rows", "Rows (positions) the LM head computed.", b.rows)):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

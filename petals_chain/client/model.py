@@ -295,16 +295,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         new = input_ids[0, start:]
         session.processed_ids = ids[:start]  # what the chain holds should this step fail
         started_s = time.perf_counter()
-        hidden = session.chain.step(self.head.embed_batched(new), start_position=start)
+        embedded = self.head.embed_batched(new)
+        with self.head.logits_batched.expecting():  # the LM head's batch may wait for this reply
+            hidden = session.chain.step(embedded, start_position=start)
         session.step_costs.observe(len(new), time.perf_counter() - started_s)
         session.processed_ids = ids
         session.chain_steps += 1
         session.drafted_tokens += max(0, logits_to_keep - 1)  # assisted decoding keeps one logit per draft + 1
         if logits_to_keep > 0:
             hidden = hidden[-logits_to_keep:]
-        # on the ids' device (transformers' logits processors index the logits with the ids), and a
-        # copy made outside inference mode: HF's assisted decoding edits the logits in place
-        logits = self.head.logits_batched(hidden).to(input_ids.device, torch.float32, copy=True)
+        # on the ids' device (transformers' logits processors index the logits with the ids); HF's
+        # assisted decoding edits them in place, which the head's logits (no inference-mode tensors)
+        # allow without a copy: a session's rows are its own, though they may share a batch's storage
+        logits = self.head.logits_batched(hidden, expected=True).to(input_ids.device, torch.float32)
         return CausalLMOutputWithPast(logits=logits.unsqueeze(0))
 
 

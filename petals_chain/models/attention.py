@@ -45,6 +45,34 @@ def _alibi_bias(slopes: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype)
     return (slopes.view(-1, 1, 1) * key_pos.view(1, 1, -1).to(torch.float32)).to(dtype)
 
 
+def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """Attention of one session's queries to its keys/values without repeating the cache for GQA:
+    the `heads // kv_heads` query heads that share a KV head become that head's query rows, so SDPA
+    sees as many heads as the cache has (one call, no `enable_gqa`). query [n, heads, dim],
+    keys/values [kv_heads, L, dim]; mask: None, [n, L] (bool, or additive float) shared by all heads,
+    or [heads, n, L] additive per head (ALiBi) -> [n, heads, dim].
+
+    Why: on the CPU, SDPA with a mask and `enable_gqa` runs the math kernel (measured with torch 2.13:
+    2-3x the time of the flash kernel a folded call gets), and a multi-token step with a mask is
+    what speculative verification and chunked prefill send. The masks are repeated to the folded
+    rows (row t * group + g is query token t of head g of its group), so each query row sees
+    exactly the keys its token may see."""
+    n, heads, dim = query.shape
+    kv_heads, length = keys.shape[0], keys.shape[1]
+    group = heads // kv_heads
+    q = query.reshape(n, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, n * group, dim)
+    if mask is not None:
+        if mask.dim() == 2 and n == 1:  # one token: its mask broadcasts over all rows
+            mask = mask.view(1, 1, 1, length)
+        elif mask.dim() == 2:  # the same for every head: one [n * group, L] mask broadcast over KV heads
+            mask = mask.unsqueeze(1).expand(n, group, length).reshape(1, 1, n * group, length)
+        else:  # per query head: [heads, n, L] -> [kv_heads, n, group, L] in the folded row order
+            mask = mask.view(kv_heads, group, n, length).transpose(1, 2).reshape(1, kv_heads, n * group, length)
+    o = F.scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scale)
+    return o[0].view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, heads, dim)
+
+
 def _graph_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seg: AttentionSegment,
                   scale: float, sliding_window: int | None, slopes: torch.Tensor | None) -> torch.Tensor:
     """One decode token at a position held in a device tensor (capturable in a CUDA graph): the KV
@@ -54,24 +82,16 @@ def _graph_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     pos = seg.position
     seg.key_cache.index_copy_(1, pos, key.transpose(0, 1))
     seg.value_cache.index_copy_(1, pos, value.transpose(0, 1))
-    kv_heads, length, dim = seg.key_cache.shape
-    heads = query.shape[1]
-    # GQA without repeating the cache: the `heads // kv_heads` query heads that share a KV head become
-    # that head's query rows (a decode token's rows all see the same positions)
-    q = query[0].view(kv_heads, heads // kv_heads, dim).unsqueeze(0)
+    length = seg.key_cache.shape[1]
     key_pos = torch.arange(length, device=pos.device)
     visible = key_pos <= pos
     if sliding_window is not None:
         visible &= key_pos > pos - sliding_window
     if slopes is None:
-        mask = torch.zeros(length, dtype=q.dtype, device=pos.device).masked_fill_(~visible, float("-inf"))
-        mask = mask.view(1, 1, 1, length)
-    else:  # a bias per query head, laid out as q: [1, kv_heads, heads per KV head, length]
-        bias = _alibi_bias(slopes, key_pos, q.dtype).view(kv_heads, heads // kv_heads, length)
-        mask = bias.masked_fill(~visible, float("-inf")).unsqueeze(0)
-    o = F.scaled_dot_product_attention(q, seg.key_cache.unsqueeze(0), seg.value_cache.unsqueeze(0),
-                                       attn_mask=mask, scale=scale)
-    return o[0].reshape(1, heads, dim)
+        mask = torch.zeros(1, length, dtype=query.dtype, device=pos.device).masked_fill_(~visible, float("-inf"))
+    else:  # a bias per query head: [heads, 1, length]
+        mask = _alibi_bias(slopes, key_pos, query.dtype).masked_fill(~visible, float("-inf"))
+    return grouped_attention(query, seg.key_cache, seg.value_cache, mask, scale)
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[AttentionSegment], *,
@@ -90,7 +110,6 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
         p0, p1 = seg.past_tokens, seg.past_tokens + seg.n_tokens
         seg.key_cache[:, p0:p1] = k[r0:r1].transpose(0, 1)
         seg.value_cache[:, p0:p1] = v[r0:r1].transpose(0, 1)
-        query = q[r0:r1].transpose(0, 1)  # [heads, n, dim]
         first_key = 0
         if alibi is None and seg.n_tokens == 1:
             # a single new token sees every cached position, or the last `sliding_window` of them
@@ -103,10 +122,12 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
             mask = _segment_mask(seg.n_tokens, p0, q.device, sliding_window, alibi, q.dtype)
             causal = False
         keys, values = seg.key_cache[:, first_key:p1], seg.value_cache[:, first_key:p1]
-        o = F.scaled_dot_product_attention(
-            query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=None if mask is None else mask.unsqueeze(0), is_causal=causal, scale=scale,
-            enable_gqa=keys.shape[0] != query.shape[0],
-        )
-        out[r0:r1] = o[0].transpose(0, 1)
+        if causal:  # a whole prompt from position 0: the causal kernel, no mask to build
+            query = q[r0:r1].transpose(0, 1)  # [heads, n, dim]
+            o = F.scaled_dot_product_attention(
+                query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, scale=scale,
+                enable_gqa=keys.shape[0] != query.shape[0])
+            out[r0:r1] = o[0].transpose(0, 1)
+        else:
+            out[r0:r1] = grouped_attention(q[r0:r1], keys, values, mask, scale)
     return out

@@ -10,6 +10,12 @@ from petals_chain.models.family import get_family
 from petals_chain.runtime.block_range import parse_dtype
 from petals_chain.runtime.row_batcher import RowBatcher
 
+# `ClientHead.logits` computes up to this many rows as (W @ h^T)^T, more with `lm_head` (h @ W^T)
+NARROW_GEMM_MAX_ROWS = 64
+# the LM head's batcher waits for expected sessions at most this fraction of its average call
+# (row_batcher.py; the server's scheduler gathers its batches with the same default, 0.5)
+LM_HEAD_GATHER_FRACTION = 0.5
+
 
 class ClientHead(torch.nn.Module):
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "float32", model_path: Path | None = None,
@@ -32,12 +38,29 @@ class ClientHead(torch.nn.Module):
         # Every session of this process (any model object, any thread) shares these: concurrent
         # sessions' embedding lookups and final norm + LM head run as one call per step (row_batcher.py).
         self.embed_batched = RowBatcher(self.embed_tokens, max_rows=max_batch_rows)
-        self.logits_batched = RowBatcher(self.logits, max_rows=max_batch_rows)
+        # the LM head (the costly one) waits briefly for sessions whose chain step is in flight
+        # (`logits_batched.expecting()`): their replies come together from one server batch
+        self.logits_batched = RowBatcher(self.logits, max_rows=max_batch_rows, gather_fraction=LM_HEAD_GATHER_FRACTION)
 
     @torch.inference_mode()
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids.to(self.device))
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference mode: callers may edit their rows in place (HF's assisted decoding)
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden.to(self.device, self.dtype)))
+        """Logits [..., n, vocab] of hidden states [..., n, hidden], computed as (W @ h^T)^T rather
+        than `lm_head(h)` (h @ W^T): the same products, laid out so that the few rows of concurrent
+        decode steps are the GEMM's narrow side, which the CPU's BLAS runs about twice as fast. Measured
+        on the 2-core EPYC with SmolLM2's 49,152 x 576 head (float32, CPU time per call): 8 rows
+        21-25 ms instead of 44-46 ms, 2-4 rows 13-21 ms instead of 27-40 ms, 1 row the same and bit
+        for bit equal (a GEMV either way); a batch's rows differ from each row computed alone by
+        ~1e-6, as `lm_head`'s batched rows already did. This was the gateway's largest per-token cost
+        with 8 concurrent requests (py-spy: 58% of its busy samples). Past NARROW_GEMM_MAX_ROWS rows
+        (whole-prompt logits) `lm_head`'s layout is the faster one again (256 rows: 330 ms vs 390 ms)."""
+        normed = self.norm(hidden.to(self.device, self.dtype))
+        if normed.numel() // normed.shape[-1] > NARROW_GEMM_MAX_ROWS:
+            return self.lm_head(normed)
+        logits = (self.lm_head.weight @ normed.mT).mT
+        if self.lm_head.bias is not None:
+            logits = logits + self.lm_head.bias
+        return logits.contiguous()
