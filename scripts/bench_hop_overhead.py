@@ -10,7 +10,9 @@ the client times: `RemoteChainSession.hop_timings`). Per hop and decode step:
   does not report it falls back to the same blocks' forward timed here in-process (one thread);
 framework cost per hop = client_ms - compute_ms (median and p90), split into wire (client - server)
 and server-side overhead (server - compute). Also one session's tok/s through the chain (each relay)
-against local HF generate with one thread. Prints one JSON object; writes results/bench_hop_overhead.json.
+against local HF generate with one thread; and our framing's CPU cost per hop (`codec_*_us`: the
+four encode/decode operations of a hop, best of many runs; `--codec-only` measures just that).
+Prints one JSON object; writes results/bench_hop_overhead.json.
 """
 from __future__ import annotations
 
@@ -52,13 +54,48 @@ def compute_ms_per_range(path, bounds, steps: int) -> list[list[float]]:
     return out
 
 
+def codec_us_per_hop(reps: int = 300, n: int = 20) -> dict:
+    """Our framing's CPU cost per hop and decode step (us, best of `reps` runs of `n`, so a loaded
+    machine's preemptions drop out): the client encodes the step and decodes the reply, the server
+    decodes the step and encodes the reply (wire_parts + the typed records; hivemind's protobuf and
+    p2pd are not in it)."""
+    from petals_chain import wire_parts
+    from petals_chain.messages import Close, Open, Step, StepReply, decode_tagged
+
+    x = torch.randn(1, 576)  # one SmolLM2 hidden state
+    step, reply = Step("s" * 32, 5, push_route=["a" * 46, "b" * 46]), StepReply("s" * 32, 5, 12, 0.01, 0.005)
+    step_msg = wire_parts.to_messages(step.to_wire(), (x,))[0]
+    reply_msg = wire_parts.to_messages(reply.to_wire(), (x,), reply=True)[0]
+
+    def best_us(fn) -> float:
+        for _ in range(100):
+            fn()
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.perf_counter() - t) / n)
+        return best * 1e6
+
+    r = {"encode_step": best_us(lambda: wire_parts.to_messages(step.to_wire(), (x,))),
+         "decode_step": best_us(lambda: decode_tagged(wire_parts.Assembler().feed(step_msg)[0].meta, Open, Step, Close)),
+         "encode_reply": best_us(lambda: wire_parts.to_messages(reply.to_wire(), (x,), reply=True)),
+         "decode_reply": best_us(lambda: StepReply.from_wire(wire_parts.Assembler().feed(reply_msg)[0].meta))}
+    return {**{f"codec_{k}_us": v for k, v in r.items()}, "codec_us_per_hop": sum(r.values())}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--out", default="results/bench_hop_overhead.json")
+    p.add_argument("--codec-only", action="store_true", help="only the framing's CPU cost per hop (no swarm)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.codec_only:
+        print(json.dumps({"loadavg": os.getloadavg()[0], **codec_us_per_hop()}, indent=2))
+        return 0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from petals_chain.client.model import DistributedModelForCausalLM
@@ -123,6 +160,7 @@ def main() -> int:
     for relay in ("client", "server"):
         if f"chain_tok_s_{relay}_relay" in r:
             r[f"ratio_chain_{relay}_relay_vs_hf_local"] = r[f"chain_tok_s_{relay}_relay"] / r["hf_local_tok_s"]
+    r.update(codec_us_per_hop())
     r["loadavg_end"] = os.getloadavg()[0]
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,8 @@
 4. `--chain --servers N --rtt-ms R --relay client,server --json`: only the chain, once per relay
    (the client relays every hop, or each server pushes to the next: server/relay.py), on one swarm;
    prints one JSON object {"relay": {"client": {"step_ms", "tok_s", "model_step_ms"}, "server": {...}},
-   "exact": bool (greedy tokens of every relay equal HF's), ...}. The model's step per relay:
+   "exact": bool (greedy tokens of every relay equal HF's), "server_peer_rtt_ms_median" (the RTTs the
+   servers measured to each other and announce, next to the emulated RTT), ...}. The model's step per relay:
    client relay N x RTT, server relay (N + 1) x RTT / 2 (footnote 4's tau_c,ij legs), plus each
    block's t_O + 1 ms.
 
@@ -299,6 +300,11 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
                 out["relay"][relay] = {"step_ms": res["decode_step_s"] * 1e3, "tok_s": new_tokens / res["seconds"],
                                        "model_step_ms": model_step_ms(relay, rtt_ms, res["servers"]),
                                        "exact": res["tokens"] == ref}
+                # the server-to-server RTTs the servers measured and announce (footnote 4's RTT_ij,
+                # server/peer_rtts.py), against the emulated rtt_ms
+                peer_ms = [v * 1e3 for s in res["servers"] for v in s.get("peer_rtt_s", {}).values()]
+                out["server_peer_rtt_ms_median"] = float(np.median(peer_ms)) if peer_ms else None
+                out["server_peer_rtt_reports"] = len(peer_ms)
     out["exact"] = exact
     if "client" in out["relay"] and "server" in out["relay"]:
         out["ratio_server_vs_client_step"] = out["relay"]["server"]["step_ms"] / out["relay"]["client"]["step_ms"]

@@ -157,6 +157,9 @@ class BlockServer:
         if not relayed:  # a reachable server checks others' reachability too
             self.loop.run(serve_dial_back(self.p2p), timeout_s=30)
         self._stop = threading.Event()
+        # from now on, also while an auto server waits for its assignment: the orchestrator plans its
+        # range with these RTTs (the thread ends with _stop, also when the start below fails)
+        threading.Thread(target=self._measure_peer_rtts, name="peer-rtts", daemon=True).start()
         try:
             self._announce()
             if self.auto:
@@ -177,7 +180,6 @@ class BlockServer:
             threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
         if self.self_placed:
             threading.Thread(target=self._rebalance, name="rebalance", daemon=True).start()
-        threading.Thread(target=self._measure_peer_rtts, name="peer-rtts", daemon=True).start()
 
     def _check_reachability(self) -> tuple[Reachability, tuple[str, ...]]:
         """Ask the initial peers to dial this host back (petals_chain/reachability.py); log the verdict.

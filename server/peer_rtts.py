@@ -39,7 +39,9 @@ def choose_peers(me: str, start: int, end: int, infos: Iterable[ServerInfo], max
 
 
 class PeerRtts:
-    """The latest median RTT to each chosen peer (seconds), and when each was measured."""
+    """The latest median RTT to each chosen peer (seconds), and when each was measured. One writer
+    (the server's peer-rtts thread: `due`, `measure`); `view` may be called from any thread (a
+    dict copy of str -> float runs under the GIL without Python code in between)."""
 
     def __init__(self, *, max_peers: int = 8, probes: int = 3, period_s: float = 30.0):
         if max_peers < 0 or probes < 1 or period_s <= 0:
