@@ -32,6 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
 
@@ -142,12 +143,10 @@ def batch_sizes(log_path: Path, since_line: int) -> tuple[float, int]:
 def head_counters(url: str) -> tuple[float, float]:
     """The gateway's client head LM calls and the batches they ran in, from its /metrics."""
     text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
-    values = {}
-    for line in text.splitlines():
-        for name in ("client_head_lm_calls_total", "client_head_lm_batches_total"):
-            if line.startswith(f"petals_chain:{name}{{"):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values.get("client_head_lm_calls_total", 0.0), values.get("client_head_lm_batches_total", 0.0)
+    values = {sample.name: sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples}
+    return (values.get("petals_chain:client_head_lm_calls_total", 0.0),
+            values.get("petals_chain:client_head_lm_batches_total", 0.0))
 
 
 def run_concurrent(client: OpenAI, model: str, n: int, max_tokens: int) -> dict:

@@ -13,8 +13,9 @@ keeps it near the one-row cost. Measured with torch 2.13 (MKL 2024.2) on this ma
 
 so the row counts 2..8 take the other orientation (at 8 rows the gain moved between 17 % and -6 %
 over runs; 2..5 rows gained 25-35 % in every run); one row (a gemv either way) and larger batches
-(prefill) keep `F.linear`. Making `x.T` contiguous first doubles the cost (measured): it is not. The products are equal up to float reduction order (as they already are
-between batch sizes: MKL's row 1 of a 3-row batch differs from the same row alone in the last bit).
+(prefill) keep `F.linear`. Making `x.T` contiguous first doubles the cost (measured): it is not.
+The products are equal up to float reduction order (as they already are between batch sizes:
+MKL's row 1 of a 3-row batch differs from the same row alone in the last bit).
 Only plain float32 `nn.Linear`s on the CPU are replaced (quantized layers keep their own kernels;
 other dtypes and devices were not measured to gain); LoRA wraps the replaced layer as any linear.
 """
