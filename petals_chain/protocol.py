@@ -83,6 +83,16 @@ class OrchestratorService(_MembersOnly):
         return self._refusal(context) or await self.impl.assignment(request, context)
 
 
+# Why here, at import: hivemind's ServicerBase collects a class's handlers lazily on the first
+# get_stub and is not thread-safe about it (it sets `_rpc_handlers` to [] before filling it and
+# builds `_stub_type` last), so a second thread's first get_stub could find `_stub_type` still None
+# ("'NoneType' object is not callable"; the soak test lost a session to it). Importing a module
+# runs under the import lock, so collecting here happens once, before any thread asks for a stub.
+for _service in (BlockService, OrchestratorService):
+    _service._collect_rpc_handlers()
+del _service
+
+
 def ping_block_server_s(loop, p2p, peer_id: str, *, timeout_s: float = 3.0) -> float | None:
     """Round trip of one `rpc_info` to a block server on `loop` (a BackgroundLoop), in seconds;
     None when it does not answer within `timeout_s`. Clients route with it, the orchestrator
