@@ -48,6 +48,23 @@ def test_fit_needs_decode_batches_and_the_window_its_minimum():
     assert w.hop_cost == pytest.approx(0.002)
 
 
+def test_a_fit_that_cannot_tell_t_O_from_t_o_keeps_the_profiles_t_O():
+    # one server, 10 blocks; batches of 1 or 2 sessions cost the same (per-step cost dominates, and the
+    # 2-session batches happen to be a little faster): the L1 fit sits on the bound t_O = 0
+    rng = np.random.default_rng(7)
+    decode = rng.integers(1, 3, 60) * 10.0
+    wall = 0.050 * rng.normal(1.0, 0.02, 60) - 0.0002 * (decode - 10)
+    prefill = np.zeros(60)
+    assert fit_service(prefill, decode, wall).t_O_s == 0.0  # the window alone says nothing about t_O
+    fit = fit_service(prefill, decode, wall, t_O_profile_s=0.001)
+    assert fit.t_O_from_profile and fit.t_O_s == 0.001
+    assert fit.t_o_s == pytest.approx(float(np.median(wall - 0.001 * decode)), rel=0.05)  # t_o takes the rest
+    # a window that does determine t_O ignores the profile
+    clear = 0.01 + 0.002 * decode
+    fit = fit_service(prefill, decode, clear, t_O_profile_s=0.001)
+    assert not fit.t_O_from_profile and fit.t_O_s == pytest.approx(0.002, rel=1e-3)
+
+
 def test_hop_reports_count_round_trips_only_and_unmeasured_servers_take_the_swarm_median():
     from petals_chain.client.orchestrated import hop_reports
     from petals_chain.client.remote_session import HopTiming

@@ -38,11 +38,35 @@ class ServiceFit:
     t_o_s: float  # seconds per step (per batch) on this server, whatever its blocks
     samples: int
     median_abs_rel_residual: float  # how well the line describes the window
+    t_O_from_profile: bool = False  # the window could not tell t_O from t_o: t_O is the start-up profile's
 
 
-def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations: int = 30) -> ServiceFit | None:
+def _lad(X: np.ndarray, y: np.ndarray, iterations: int) -> np.ndarray:
+    """Non-negative least-absolute-deviation coefficients of y ~ X (IRLS; each step an NNLS)."""
+    # scale columns so the weights of the IRLS do not depend on units
+    scale = np.maximum(np.abs(X).max(axis=0), 1e-12)
+    Xs = X / scale
+    w = np.ones_like(y)
+    floor = 1e-6 * max(float(np.median(np.abs(y))), 1e-12)
+    beta = np.zeros(X.shape[1])
+    for _ in range(iterations):
+        sw = np.sqrt(w)
+        beta, _ = nnls(Xs * sw[:, None], y * sw)
+        w = 1.0 / np.maximum(np.abs(y - Xs @ beta), floor)
+    return beta / scale
+
+
+def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations: int = 30,
+                t_O_profile_s: float | None = None) -> ServiceFit | None:
     """Least-absolute-deviation fit of wall = t_o + t_I P + t_O D with t_o, t_I, t_O >= 0.
-    None when the window cannot separate the three (no decode batch, or fewer than 3 batches)."""
+    None when the window cannot separate the three (no decode batch, or fewer than 3 batches).
+
+    A server's blocks are fixed, so D is its blocks times the sessions in the batch: when batches
+    hold about as many sessions each (or the per-session cost is below the batches' noise), D is
+    nearly a constant and t_O trades off against t_o. The L1 fit then may put the whole decode cost
+    into t_o and return t_O = 0 (it sits on the bound). With `t_O_profile_s` (the start-up profile's
+    t_O), such a fit keeps the profile's t_O and fits t_o and t_I to what remains: the planner needs
+    t_O per block, and a fit at the bound says only that the window cannot tell it."""
     p = np.asarray(prefill_block_tokens, dtype=float)
     d = np.asarray(decode_block_tokens, dtype=float)
     y = np.asarray(wall_s, dtype=float)
@@ -53,20 +77,18 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     cols = [np.ones_like(y), p, d]
     use = [0, 1, 2] if (p > 0).any() else [0, 2]  # without prefill batches t_I is unknown
     X = np.stack([cols[i] for i in use], axis=1)
-    # scale columns so the weights of the IRLS do not depend on units
-    scale = np.maximum(np.abs(X).max(axis=0), 1e-12)
-    Xs = X / scale
-    w = np.ones_like(y)
-    floor = 1e-6 * max(float(np.median(y)), 1e-12)
-    for _ in range(iterations):  # L1 by IRLS; each step a non-negative weighted least squares
-        sw = np.sqrt(w)
-        beta, _ = nnls(Xs * sw[:, None], y * sw)
-        w = 1.0 / np.maximum(np.abs(y - Xs @ beta), floor)
-    coef = dict(zip(use, beta / scale))
-    pred = X @ (beta / scale)
+    coef = dict(zip(use, _lad(X, y, iterations)))
+    from_profile = False
+    if coef[2] <= 0 and t_O_profile_s is not None and math.isfinite(t_O_profile_s) and t_O_profile_s > 0:
+        rest = [i for i in use if i != 2]
+        coef = dict(zip(rest, _lad(X[:, [use.index(i) for i in rest]], y - t_O_profile_s * d, iterations)))
+        coef[2] = float(t_O_profile_s)
+        from_profile = True
+    pred = X @ np.array([coef[i] for i in use])
     rel = np.abs(y - pred) / y
-    return ServiceFit(t_I_s=float(coef[1]) if 1 in coef else None, t_O_s=float(coef.get(2, 0.0)), t_o_s=float(coef.get(0, 0.0)),
-                      samples=int(len(y)), median_abs_rel_residual=float(np.median(rel)))
+    return ServiceFit(t_I_s=float(coef[1]) if 1 in coef else None, t_O_s=float(coef[2]), t_o_s=float(coef.get(0, 0.0)),
+                      samples=int(len(y)), median_abs_rel_residual=float(np.median(rel)),
+                      t_O_from_profile=from_profile)
 
 
 class ServiceWindow:
@@ -92,11 +114,11 @@ class ServiceWindow:
         if math.isfinite(comm_per_step_s) and comm_per_step_s >= 0:
             self.hop_cost_s.append(max(0.0, comm_per_step_s - rtt_s))
 
-    def fit(self) -> ServiceFit | None:
+    def fit(self, t_O_profile_s: float | None = None) -> ServiceFit | None:
         if len(self.batches) < self.min_batches:
             return None
         p, d, y = zip(*self.batches)
-        return fit_service(p, d, y)
+        return fit_service(p, d, y, t_O_profile_s=t_O_profile_s)
 
     @property
     def hop_cost(self) -> float | None:

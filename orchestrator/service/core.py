@@ -282,8 +282,9 @@ class Orchestrator:
         this thread adds batches), then publish the fits and every server's current hop cost."""
         on = self.config.calibrate
         with self.lock:
-            todo = {p: self.windows[p] for p in (self.records if peers is None else peers) if p in self.windows}
-        fits = {p: (w.fit() if on else None) for p, w in todo.items()}
+            todo = {p: (self.windows[p], self.records[p].info.decode_s_per_token)
+                    for p in (self.records if peers is None else peers) if p in self.windows and p in self.records}
+        fits = {p: (w.fit(t_O_profile_s=profile) if on else None) for p, (w, profile) in todo.items()}
         with self.lock:
             measured = {}
             for p, rec in self.records.items():
@@ -337,7 +338,8 @@ class Orchestrator:
         f = rec.fit if rec else None
         return {"announced": {"t_I": rec.info.prefill_s_per_token, "t_O": rec.info.decode_s_per_token} if rec else None,
                 "fitted": None if f is None else {"t_I": f.t_I_s, "t_O": f.t_O_s, "t_o": f.t_o_s, "samples": f.samples,
-                                                  "median_abs_rel_residual": f.median_abs_rel_residual},
+                                                  "median_abs_rel_residual": f.median_abs_rel_residual,
+                                                  "t_O_from_profile": f.t_O_from_profile},
                 "hop_cost": rec.hop_cost_s if rec else None,  # planned with: its own, else the swarm's median
                 "hop_cost_own": None if w is None else w.hop_cost,
                 "batches": 0 if w is None else len(w.batches),
