@@ -29,7 +29,24 @@ from netem.errors import NetemError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = "petals-chain-netem"
-PERIOD_US = 100_000
+# Why 10 ms and not the kernel's default 100 ms: CFS enforces a quota per period, so a host with
+# 0.12 cores and a 100-ms period runs a short step at full speed while its 12 ms last, then waits
+# up to 88 ms for the next period. A decode step (a few ms of CPU) then takes either its CPU time or
+# up to a period more: the live fits of the Table 1 run saw 0.1-0.15 s of per-step overhead on such
+# hosts, which a MIG slice (a steady, slower device) does not have. A 10-ms period bounds that wait
+# to under 10 ms; the kernel's floor for a quota is 1 ms, so hosts below 0.1 cores get a longer period.
+PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000  # the kernel refuses shorter quotas
+MAX_PERIOD_US = 1_000_000  # and longer periods
+
+
+def quota_period_us(cores: float) -> tuple[int, int]:
+    """(quota, period) in microseconds for a share of `cores` per period: PERIOD_US, or the shortest
+    period whose quota is at least the kernel's 1 ms."""
+    if not cores > 0:
+        raise NetemError(f"a CPU share must be positive, got {cores}")
+    period = min(MAX_PERIOD_US, max(PERIOD_US, -(-MIN_QUOTA_US * 1_000_000 // int(cores * 1_000_000))))
+    return max(MIN_QUOTA_US, int(round(cores * period))), period
 
 
 class CpuLimitUnavailableError(NetemError):
@@ -215,11 +232,11 @@ def apply(network: str, shares: dict[int, float], layout: CgroupLayout | None = 
 def set_quota(layout: CgroupLayout, group: str, cores: float | None) -> None:
     """Set a host group's quota to `cores` per period, or lift it (None: unlimited)."""
     cpu_dir = layout.cpu / PARENT / group
-    quota_us = -1 if cores is None else max(1000, int(round(cores * PERIOD_US)))
+    quota_us, period_us = (-1, PERIOD_US) if cores is None else quota_period_us(cores)
     if layout.version == 2:
-        (cpu_dir / "cpu.max").write_text(f"{'max' if quota_us < 0 else quota_us} {PERIOD_US}")
+        (cpu_dir / "cpu.max").write_text(f"{'max' if quota_us < 0 else quota_us} {period_us}")
     else:
-        (cpu_dir / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (cpu_dir / "cpu.cfs_period_us").write_text(str(period_us))
         (cpu_dir / "cpu.cfs_quota_us").write_text(str(quota_us))
 
 

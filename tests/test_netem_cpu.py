@@ -20,6 +20,19 @@ BUSY_S = 1.5
 BUSY = f"import time\nt = time.time()\nwhile time.time() - t < {BUSY_S}: pass"
 
 
+def test_quota_and_period_keep_the_share_and_the_kernels_1_ms_floor():
+    assert netem_cpu.quota_period_us(0.2) == (2_000, 10_000)
+    assert netem_cpu.quota_period_us(1.5) == (15_000, 10_000)  # more than a core: quota > period
+    assert netem_cpu.quota_period_us(0.05) == (1_000, 20_000)  # below 0.1 cores the period grows
+    assert netem_cpu.quota_period_us(0.0001) == (1_000, 1_000_000)  # the kernel's longest period
+    for cores in (0.013, 0.05, 0.12, 0.193, 0.5, 2.0):
+        quota, period = netem_cpu.quota_period_us(cores)
+        assert quota >= 1_000 and 10_000 <= period <= 1_000_000
+        assert quota / period == pytest.approx(cores, rel=0.01)
+    with pytest.raises(netem.errors.NetemError, match="positive"):
+        netem_cpu.quota_period_us(0.0)
+
+
 @pytest.fixture
 def layout():
     try:
@@ -50,9 +63,12 @@ def test_a_share_caps_a_busy_process_and_cleanup_removes_the_groups(layout):
         # the whole-core host got depends on how busy the machine is, so only its accounting is checked
         assert 0 < capped <= 0.2 * wall_s + 0.1, (capped, wall_s)
         assert free > 0 and netem_cpu.throttled_s(layout, shares[0].group) is not None
-        quota = (layout.cpu / netem_cpu.PARENT / shares[0].group /
-                 ("cpu.max" if layout.version == 2 else "cpu.cfs_quota_us")).read_text().split()[0]
-        assert int(quota) == 20_000  # 0.2 of the 100 ms period
+        group = layout.cpu / netem_cpu.PARENT / shares[0].group
+        if layout.version == 2:
+            quota, period = (int(v) for v in (group / "cpu.max").read_text().split())
+        else:
+            quota, period = (int((group / f).read_text()) for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+        assert (quota, period) == (2_000, 10_000)  # 0.2 of a 10 ms period
     finally:
         removed = netem_cpu.remove(name, layout)
     assert removed and not netem_cpu.owned_groups(name, layout)
@@ -92,7 +108,7 @@ def test_a_network_host_with_a_share_runs_in_its_groups_and_down_removes_them(la
                 lifted = subprocess.run(net.command("a", [sys.executable, "-c", code]), capture_output=True,
                                         text=True, timeout=60, check=True).stdout.strip()
                 assert lifted == "0.25"
-            assert int(quota_file.read_text().split()[0]) == 25_000
+            assert int(quota_file.read_text().split()[0]) == 2_500  # 0.25 of the 10-ms period
         assert not netem_cpu.owned_groups(name, layout)
     finally:
         netem.cleanup(name)
