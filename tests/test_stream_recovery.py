@@ -27,19 +27,32 @@ IDLE_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def swarm(tiny_llama_path):
-    with LocalSwarm(str(tiny_llama_path), [(0, 6)] * 5,
+    with LocalSwarm(str(tiny_llama_path), [(0, 6)] * 7,
                     server_args=["--num-threads", "1", "--session-idle-timeout", str(IDLE_TIMEOUT_S)]) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def client(swarm, tiny_llama_path):
-    model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
-                                                        step_timeout_s=60.0)
+def clients(swarm, tiny_llama_path):
+    """`clients(relay)`: this module's client with that relay ("server" or "client"), made on first use."""
+    made: dict[str, DistributedModelForCausalLM] = {}
+
+    def get(relay: str) -> DistributedModelForCausalLM:
+        if relay not in made:
+            made[relay] = DistributedModelForCausalLM.from_pretrained(
+                str(tiny_llama_path), initial_peers=swarm.initial_peers, step_timeout_s=60.0, relay=relay)
+        return made[relay]
+
     try:
-        yield model
+        yield get
     finally:
-        model.backend.shutdown()
+        for model in made.values():
+            model.backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(clients):
+    return clients("server")
 
 
 @pytest.fixture(scope="module")
@@ -131,13 +144,17 @@ def test_stateless_forward_fails_over_from_a_dead_server(swarm, client):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
-def test_a_dead_replacement_is_failed_over_too(swarm, client, hf, caplog):
+@pytest.mark.parametrize("relay", ["server", "client"])
+def test_a_dead_replacement_is_failed_over_too(swarm, clients, hf, caplog, relay):
     """The server of a session dies, and so does the first replacement its provider offers (a record
     that outlives its server): the session fails over again instead of failing; a new session offered
     the dead servers first opens on the live one. Death is noticed from the closed stream or the
     refused dial, never by waiting for the step timeout."""
+    client = clients(relay)
     chain = client.backend
-    first, second, third = swarm.servers[0], swarm.servers[1], swarm.servers[2]
+    # each relay's case kills its own two servers; the live third is shared
+    first, second = (swarm.servers[0], swarm.servers[1]) if relay == "server" else (swarm.servers[5], swarm.servers[6])
+    third = swarm.servers[2]
     provider = ListedChains([first.peer_id, second.peer_id, third.peer_id], chain.num_blocks)
     previous, chain.provider = chain.provider, provider
     prompt = [7, 21, 3, 60, 12]
