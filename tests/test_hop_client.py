@@ -18,9 +18,16 @@ HOP = Hop("QmPeer", 0, 6)
 
 class SilentStub:
     """A server stream that opens and never answers, like a stream the client's p2p daemon opened on
-    a connection to a server SIGKILLed a moment before (nothing resets it)."""
+    a connection to a server SIGKILLed a moment before (nothing resets it); with `dial_hangs` the
+    opening itself never returns (a dial to a dead peer that hangs)."""
+
+    def __init__(self, dial_hangs: bool):
+        self.dial_hangs = dial_hangs
 
     async def rpc_inference(self, requests):
+        if self.dial_hangs:
+            await asyncio.Event().wait()  # forever
+
         async def replies():
             await asyncio.Event().wait()  # forever
             yield None
@@ -33,7 +40,8 @@ def fast_liveness(monkeypatch):
     monkeypatch.setattr(hop_client, "LIVENESS_FLOOR_S", 0.05)
 
 
-def test_an_open_on_a_silent_stream_to_a_dead_server_fails_over_by_its_refused_probes(fast_liveness):
+@pytest.mark.parametrize("dial_hangs", [False, True], ids=["silent-stream", "hanging-dial"])
+def test_an_open_on_a_silent_stream_to_a_dead_server_fails_over_by_its_refused_probes(fast_liveness, dial_hangs):
     hops = HopClient(loop=None, p2p=None, open_timeout_s=600.0)  # the timeout is never what ends it
     probes: list[str] = []
 
@@ -41,7 +49,7 @@ def test_an_open_on_a_silent_stream_to_a_dead_server_fails_over_by_its_refused_p
         probes.append(peer_id)
         return "ControlFailure: dial tcp4 127.0.0.1:1: connect: connection refused"
 
-    hops.stub = lambda peer_id: SilentStub()
+    hops.stub = lambda peer_id: SilentStub(dial_hangs)
     hops.probe_error = refused
     with pytest.raises(ServerUnavailableError, match="went silent: no reply to the open.*connection refused"):
         asyncio.run(hops.open_async(HOP, Open("s", 16)))

@@ -165,17 +165,22 @@ class HopClient:
                 for request in requests:
                     yield request
 
-            replies = await stub.rpc_forward_stream(outgoing())
+            async def reply_on_stream() -> wire_parts.Message:
+                replies = await stub.rpc_forward_stream(outgoing())
+                try:
+                    return await wire_parts.receive_one(replies)
+                finally:
+                    await replies.aclose()  # stops sending parts the server refused (early error reply)
+
             try:
-                reply = await self.receive_while_alive(hop, wire_parts.receive_one(replies), LIVENESS_FLOOR_S,
-                                                       self.step_timeout_s, "the forward")
+                # the stream's opening too: a dial to a dead peer can hang as well as its reply
+                reply = await self.receive_while_alive(hop, reply_on_stream(), LIVENESS_FLOOR_S, self.step_timeout_s,
+                                                       "the forward")
             except StopAsyncIteration:  # the stream ended before a whole reply: the server or the link went away
                 raise ServerUnavailableError(f"server {hop.describe()} closed the forward stream before its reply "
                                              "(it died or the connection broke)") from None
             except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
                 raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply: {e}") from e
-            finally:
-                await replies.aclose()  # stops sending parts the server refused (early error reply)
         wire.raise_if_error(reply.meta)
         if len(reply.tensors) != 1:
             raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply")
@@ -187,10 +192,20 @@ class HopClient:
 
     async def open_async(self, hop: Hop, open_msg: Open) -> HopStream:
         queue: asyncio.Queue = asyncio.Queue()
-        responses = await self.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
-        await queue.put(wire.request(open_msg))
-        first = await self.receive_while_alive(hop, anext(responses), LIVENESS_FLOOR_S, self.open_timeout_s,
-                                              "the open")
+
+        async def open_stream():
+            responses = await self.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
+            await queue.put(wire.request(open_msg))
+            return responses, await anext(responses)
+
+        try:
+            # the stream's opening too: the client's p2p daemon can hang dialling a dead peer (seen
+            # while another server was frozen) as well as open a stream that is never answered
+            responses, first = await self.receive_while_alive(hop, open_stream(), LIVENESS_FLOOR_S,
+                                                              self.open_timeout_s, "the open")
+        except BaseException:
+            queue.put_nowait(None)  # ends the request stream, if it was opened
+            raise
         meta = wire.unpack(first.metadata)
         try:
             opened = wire.decode_reply(meta, Opened)
