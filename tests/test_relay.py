@@ -1,6 +1,7 @@
 """Server-to-server relay (server/relay.py): exact output with both relays, the pushes really carry
 the steps, a push is taken only from the previous hop the client named and once per step id
-(typed refusals otherwise), and a SIGKILLed hop mid-session fails over with identical output."""
+(typed refusals otherwise), and a SIGKILLed hop mid-session fails over with identical output (span and
+whole-chain failover, with either relay)."""
 from __future__ import annotations
 
 import asyncio

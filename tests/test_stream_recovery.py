@@ -3,7 +3,8 @@
 - a forward stream whose input ends mid-request gets a typed error reply (it used to end in silence,
   which the caller saw as `StopAsyncIteration`);
 - a stateless forward whose server is dead runs again on another chain (typed errors only);
-- a session whose server dies, and whose first replacement is dead too, fails over twice and goes on;
+- a session whose server dies, and whose first replacement is dead too, fails over twice and goes on
+  (with either relay);
 - a multi-turn session left idle past the servers' `--session-idle-timeout` reopens its streams on
   the same servers and replays its history: the next turn equals HF, nobody is banned.
 """
@@ -148,8 +149,9 @@ def test_stateless_forward_fails_over_from_a_dead_server(swarm, client):
 def test_a_dead_replacement_is_failed_over_too(swarm, clients, hf, caplog, relay):
     """The server of a session dies, and so does the first replacement its provider offers (a record
     that outlives its server): the session fails over again instead of failing; a new session offered
-    the dead servers first opens on the live one. Death is noticed from the closed stream or the
-    refused dial, never by waiting for the step timeout."""
+    the dead servers first opens on the live one, with either relay. Death is noticed from the closed
+    stream, the refused dial or the refused liveness probes (a stream opened to a server killed a
+    moment before is never reset: tests/test_hop_client.py), never by waiting for a timeout."""
     client = clients(relay)
     chain = client.backend
     # each relay's case kills its own two servers; the live third is shared
