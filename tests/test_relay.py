@@ -1,6 +1,7 @@
 """Server-to-server relay (server/relay.py): exact output with both relays, the pushes really carry
 the steps, a push is taken only from the previous hop the client named and once per step id
-(typed refusals otherwise), and a SIGKILLed hop mid-session fails over with identical output."""
+(typed refusals otherwise), and a SIGKILLed hop mid-session fails over with identical output (span and
+whole-chain failover, with either relay)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,8 @@ from tests.swarm_helpers import RawStream
 
 pytestmark = [pytest.mark.integration]
 
-RANGES = [(0, 2), (2, 4), (4, 6), (2, 4), (2, 4)]  # a chain of three, spares for the middle hop
+# a chain of three, and spares for the middle hop: each SIGKILL case below takes one
+RANGES = [(0, 2), (2, 4), (4, 6), (2, 4), (2, 4), (2, 4), (2, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -160,18 +162,30 @@ def test_servers_measure_and_announce_rtts_to_the_peers_they_push_to(swarm, tiny
         model.backend.shutdown()
 
 
+@pytest.mark.parametrize("whole_chain", [False, True], ids=["span", "whole-chain"])
 @pytest.mark.parametrize("relay", ["server", "client"])
-def test_sigkill_of_the_middle_hop_fails_over_with_identical_output(swarm, hf, tiny_llama_path, relay):
+def test_sigkill_of_the_middle_hop_fails_over_with_identical_output(swarm, hf, tiny_llama_path, relay, whole_chain,
+                                                                   caplog):
+    """Span failover (client-side routing) replaces the dead hop alone; whole-chain failover (what a
+    session does with an orchestrator) replays a new chain from block 0. With either relay the dead
+    hop is noticed from its reset stream (no timeout) and the tokens equal HF's."""
     model = _model(tiny_llama_path, swarm, relay)
+    model.backend.provider.whole_chain_failover = whole_chain
     try:
         ids = torch.tensor([[2, 4, 6, 8, 10]])
         ref = hf.generate(ids, max_new_tokens=12, do_sample=False)
         with model.inference_session(max_length=32) as session:
-            tail = session.chain.hops[2].peer_id
+            head, tail = session.chain.hops[0].peer_id, session.chain.hops[2].peer_id
             killer = KillMiddle(swarm, session, n=5)
             out = model.generate(ids, max_new_tokens=12, do_sample=False, streamer=killer)
             assert killer.killed is not None and session.chain.failovers == 1
-            assert session.chain.hops[2].peer_id == tail  # only the failed span was replaced
+            assert killer.killed.peer_id not in [h.peer_id for h in session.chain.hops]
+            if not whole_chain:  # only the failed span was replaced
+                assert [session.chain.hops[0].peer_id, session.chain.hops[2].peer_id] == [head, tail]
         assert out.tolist() == ref.tolist()
+        replaced = [r.getMessage() for r in caplog.records if "replacing blocks" in r.getMessage()]
+        assert len(replaced) == 1 and ("replacing blocks [0, 6)" if whole_chain else "replacing blocks [2, 4)") \
+            in replaced[0], replaced
+        assert "no reply within" not in replaced[0] and "went silent" not in replaced[0], replaced
     finally:
         model.backend.shutdown()

@@ -1,6 +1,7 @@
-"""Speculative decoding and KV rollback on live servers (tiny random Llama, 2 hops + a spare):
+"""Speculative decoding and KV rollback on live servers (tiny random Llama, 2 hops + spares):
 exact greedy output with prompt lookup, every hop rolled back with the client, a regenerated chat
-turn that reuses the earlier KV, and rollbacks after a failover whose replay used the cut history."""
+turn that reuses the earlier KV, and rollbacks after a failover whose replay used the cut history
+(with either relay)."""
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,7 @@ def test_rollback_across_hops_regenerated_turn_and_failover(tiny_llama_path):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
     ids = torch.tensor([REPETITIVE])
     ref = hf.generate(ids, max_new_tokens=30, do_sample=False)
-    with LocalSwarm(str(tiny_llama_path), [(0, 3), (3, 6), (3, 6)],
+    with LocalSwarm(str(tiny_llama_path), [(0, 3), (3, 6), (3, 6), (3, 6)],  # spares: one failover per relay
                     server_args=["--num-threads", "1", "--max-length", "128"]) as swarm:
         model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
                                                            use_orchestrator=False)
@@ -57,13 +58,23 @@ def test_rollback_across_hops_regenerated_turn_and_failover(tiny_llama_path):
                                        prompt_lookup_num_tokens=4)
                 assert again.tolist() == ref.tolist()
                 assert chain.hop_timings[first_new_step].tokens < 1 + 4 + 1  # its first step: no prompt replay
-            # 3. a failover mid-generation: the replacement replays the history as cut by the rollbacks
-            with model.inference_session(max_length=80) as session:
-                streamer = KillMiddleAfter(swarm, session, n=3)
-                out = model.generate(ids, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=4,
-                                     streamer=streamer)
-                assert streamer.killed is not None and session.chain.failovers == 1
-                assert session.chain.rollbacks > 0
-            assert out.tolist() == ref.tolist()
+            # 3. a failover mid-generation: the replacement replays the history as cut by the rollbacks,
+            #    with server relay (the pushes carry each rollback's start) and with client relay
+            _failover_with_rollbacks(swarm, model, ids, ref)
+            relayed_by_client = DistributedModelForCausalLM.from_pretrained(
+                str(tiny_llama_path), initial_peers=swarm.initial_peers, use_orchestrator=False, relay="client")
+            try:
+                _failover_with_rollbacks(swarm, relayed_by_client, ids, ref)
+            finally:
+                relayed_by_client.backend.shutdown()
         finally:
             model.backend.shutdown()
+
+
+def _failover_with_rollbacks(swarm, model, ids, ref):
+    with model.inference_session(max_length=80) as session:
+        streamer = KillMiddleAfter(swarm, session, n=3)
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=4, streamer=streamer)
+        assert streamer.killed is not None and session.chain.failovers == 1
+        assert session.chain.rollbacks > 0
+    assert out.tolist() == ref.tolist()

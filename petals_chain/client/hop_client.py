@@ -157,22 +157,30 @@ class HopClient:
         requests = wire_parts.to_messages(Forward(hop.start, adapter).to_wire(), (hidden,))
         stub = self.stub(hop.peer_id)
         if len(requests) == 1:
-            reply = wire_parts.decode_single(await stub.rpc_forward(requests[0], timeout=self.step_timeout_s))
+            reply = wire_parts.decode_single(await self.receive_while_alive(
+                hop, stub.rpc_forward(requests[0], timeout=self.step_timeout_s), LIVENESS_FLOOR_S,
+                self.step_timeout_s, "the forward"))
         else:
             async def outgoing():
                 for request in requests:
                     yield request
 
-            replies = await stub.rpc_forward_stream(outgoing())
+            async def reply_on_stream() -> wire_parts.Message:
+                replies = await stub.rpc_forward_stream(outgoing())
+                try:
+                    return await wire_parts.receive_one(replies)
+                finally:
+                    await replies.aclose()  # stops sending parts the server refused (early error reply)
+
             try:
-                reply = await asyncio.wait_for(wire_parts.receive_one(replies), self.step_timeout_s)
+                # the stream's opening too: a dial to a dead peer can hang as well as its reply
+                reply = await self.receive_while_alive(hop, reply_on_stream(), LIVENESS_FLOOR_S, self.step_timeout_s,
+                                                       "the forward")
             except StopAsyncIteration:  # the stream ended before a whole reply: the server or the link went away
                 raise ServerUnavailableError(f"server {hop.describe()} closed the forward stream before its reply "
                                              "(it died or the connection broke)") from None
             except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
                 raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply: {e}") from e
-            finally:
-                await replies.aclose()  # stops sending parts the server refused (early error reply)
         wire.raise_if_error(reply.meta)
         if len(reply.tensors) != 1:
             raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply")
@@ -184,9 +192,21 @@ class HopClient:
 
     async def open_async(self, hop: Hop, open_msg: Open) -> HopStream:
         queue: asyncio.Queue = asyncio.Queue()
-        responses = await self.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
-        await queue.put(wire.request(open_msg))
-        meta = wire.unpack((await asyncio.wait_for(anext(responses), self.open_timeout_s)).metadata)
+
+        async def open_stream():
+            responses = await self.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
+            await queue.put(wire.request(open_msg))
+            return responses, await anext(responses)
+
+        try:
+            # the stream's opening too: the client's p2p daemon can hang dialling a dead peer (seen
+            # while another server was frozen) as well as open a stream that is never answered
+            responses, first = await self.receive_while_alive(hop, open_stream(), LIVENESS_FLOOR_S,
+                                                              self.open_timeout_s, "the open")
+        except BaseException:
+            queue.put_nowait(None)  # ends the request stream, if it was opened
+            raise
+        meta = wire.unpack(first.metadata)
         try:
             opened = wire.decode_reply(meta, Opened)
         except PetalsChainError as e:
@@ -212,7 +232,8 @@ class HopClient:
         for request in wire_parts.to_messages(step.to_wire(), (hidden,)):
             await stream.queue.put(request)
         try:
-            reply = await self.receive_while_alive(stream, liveness_after_s)
+            reply = await self.receive_while_alive(stream.hop, wire_parts.receive_one(stream.responses),
+                                                   liveness_after_s, self.step_timeout_s)
         except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         client_s = time.perf_counter() - t0
@@ -225,29 +246,39 @@ class HopClient:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
         return StepResult(reply.tensors[0], meta, client_s)
 
-    async def answers_probe(self, peer_id: str, timeout_s: float) -> bool:
-        """Whether the server replies to an `rpc_info` (any reply, a typed refusal included) within
-        `timeout_s`: it runs on the server's RPC loop, not behind the compute, so a busy server answers."""
+    async def probe_error(self, peer_id: str, timeout_s: float) -> str | None:
+        """None when the server replies to an `rpc_info` (any reply, a typed refusal included) within
+        `timeout_s`, else why not (a refused dial, a timeout): it runs on the server's RPC loop, not
+        behind the compute, so a busy server answers."""
         try:
             await asyncio.wait_for(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s),
                                    timeout_s + 0.5)
         except P2PHandlerError:
-            return True  # its handler ran and raised: the host is there
-        except Exception:
-            return False
-        return True
+            return None  # its handler ran and raised: the host is there
+        except (TimeoutError, asyncio.TimeoutError):
+            return f"no answer within {timeout_s:.1f} s"
+        except Exception as e:
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None
 
-    async def receive_while_alive(self, stream: HopStream, liveness_after_s: float) -> wire_parts.Message:
-        """The hop's reply to the step just sent. While it is pending past `liveness_after_s` the
-        server is probed (`rpc_info`); LIVENESS_PROBES probes in a row without an answer within
-        LIVENESS_PROBE_S each mean it is gone (a host that vanished without closing its connections,
-        a frozen process: nothing resets the stream), and the step fails over then instead of at the
-        step timeout. So a silent server is noticed within about `liveness_after_s` +
-        LIVENESS_PROBES x LIVENESS_PROBE_S (10 s for steps under half a second); a slow server that
-        answers its probes keeps its step until `step_timeout_s`."""
+    async def receive_while_alive(self, hop: Hop, reply, liveness_after_s: float, timeout_s: float,
+                                  what: str = "the step"):
+        """The result of `reply` (an awaitable: the server's reply to the request just sent). While it
+        is pending past `liveness_after_s` the server is probed (`rpc_info`); LIVENESS_PROBES probes in
+        a row without an answer within LIVENESS_PROBE_S each mean it is gone, and the request fails
+        over then instead of at `timeout_s`. So a silent server is noticed within about
+        `liveness_after_s` + LIVENESS_PROBES x LIVENESS_PROBE_S (10 s for steps under half a second),
+        a dead one (its probes' dials are refused) within `liveness_after_s`; a slow server that
+        answers its probes keeps its request until `timeout_s`.
+
+        Every reply a hop awaits (open, step, forward) goes through here, because a stream can be
+        silent without any error: a host that vanished without closing its connections, a frozen
+        process, and a server SIGKILLed a moment before the request: the client's p2p daemon had not
+        yet seen that connection close, opened the stream on it and never resets it, so the open of
+        a replacement killed just before waited for its whole open timeout (15 s) with either relay."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.step_timeout_s
-        receive = asyncio.ensure_future(wire_parts.receive_one(stream.responses))
+        deadline = loop.time() + timeout_s
+        receive = asyncio.ensure_future(reply)
         failed_probes = 0
         try:
             while True:
@@ -257,8 +288,10 @@ class HopClient:
                     return receive.result()
                 if loop.time() >= deadline:
                     raise asyncio.TimeoutError
-                waited_s = self.step_timeout_s - (deadline - loop.time())
-                if await self.answers_probe(stream.hop.peer_id, max(0.5, min(LIVENESS_PROBE_S, deadline - loop.time()))):
+                waited_s = timeout_s - (deadline - loop.time())
+                probe_error = await self.probe_error(hop.peer_id,
+                                                     max(0.5, min(LIVENESS_PROBE_S, deadline - loop.time())))
+                if probe_error is None:
                     failed_probes = 0
                     continue
                 if receive.done():  # the reply came while the probe waited
@@ -266,8 +299,9 @@ class HopClient:
                 failed_probes += 1
                 if failed_probes >= LIVENESS_PROBES:
                     raise ServerUnavailableError(
-                        f"server {stream.hop.describe()} went silent: no reply to the step for {waited_s:.1f} s and "
-                        f"none to {LIVENESS_PROBES} liveness probes in a row ({LIVENESS_PROBE_S:.0f} s each)")
+                        f"server {hop.describe()} went silent: no reply to {what} for {waited_s:.1f} s and "
+                        f"none to {LIVENESS_PROBES} liveness probes in a row ({LIVENESS_PROBE_S:.0f} s each; "
+                        f"last: {probe_error})")
         finally:
             if not receive.done():
                 receive.cancel()

@@ -1,0 +1,76 @@
+"""`HopClient.receive_while_alive`, the one wait for every reply of a hop (open, step, forward),
+driven without a network: a stream that stays silent while the server's liveness probes are
+refused fails as the server's `ServerUnavailableError` ("went silent"), not at the open timeout; a
+slow server that answers its probes keeps the request until its reply comes."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from petals_chain.client import hop_client
+from petals_chain.client.hop_client import LIVENESS_PROBES, HopClient
+from petals_chain.errors import ServerUnavailableError
+from petals_chain.messages import Hop, Open
+
+HOP = Hop("QmPeer", 0, 6)
+
+
+class SilentStub:
+    """A server stream that opens and never answers, like a stream the client's p2p daemon opened on
+    a connection to a server SIGKILLed a moment before (nothing resets it); with `dial_hangs` the
+    opening itself never returns (a dial to a dead peer that hangs)."""
+
+    def __init__(self, dial_hangs: bool):
+        self.dial_hangs = dial_hangs
+
+    async def rpc_inference(self, requests):
+        if self.dial_hangs:
+            await asyncio.Event().wait()  # forever
+
+        async def replies():
+            await asyncio.Event().wait()  # forever
+            yield None
+
+        return replies()
+
+
+@pytest.fixture
+def fast_liveness(monkeypatch):
+    monkeypatch.setattr(hop_client, "LIVENESS_FLOOR_S", 0.05)
+
+
+@pytest.mark.parametrize("dial_hangs", [False, True], ids=["silent-stream", "hanging-dial"])
+def test_an_open_on_a_silent_stream_to_a_dead_server_fails_over_by_its_refused_probes(fast_liveness, dial_hangs):
+    hops = HopClient(loop=None, p2p=None, open_timeout_s=600.0)  # the timeout is never what ends it
+    probes: list[str] = []
+
+    async def refused(peer_id, timeout_s):
+        probes.append(peer_id)
+        return "ControlFailure: dial tcp4 127.0.0.1:1: connect: connection refused"
+
+    hops.stub = lambda peer_id: SilentStub(dial_hangs)
+    hops.probe_error = refused
+    with pytest.raises(ServerUnavailableError, match="went silent: no reply to the open.*connection refused"):
+        asyncio.run(hops.open_async(HOP, Open("s", 16)))
+    assert probes == [HOP.peer_id] * LIVENESS_PROBES
+
+
+def test_a_slow_server_that_answers_its_probes_keeps_its_request(fast_liveness):
+    hops = HopClient(loop=None, p2p=None, open_timeout_s=600.0)
+
+    async def run() -> str:
+        reply: asyncio.Future = asyncio.get_running_loop().create_future()
+        probes = 0
+
+        async def answered(peer_id, timeout_s):
+            nonlocal probes
+            probes += 1
+            if probes == 2 * LIVENESS_PROBES:  # more probes than a dead server gets: the reply comes
+                reply.set_result("the reply")
+            return None
+
+        hops.probe_error = answered
+        return await hops.receive_while_alive(HOP, reply, 0.01, 600.0, "the step")
+
+    assert asyncio.run(run()) == "the reply"
