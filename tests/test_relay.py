@@ -168,7 +168,8 @@ def test_sigkill_of_the_middle_hop_fails_over_with_identical_output(swarm, hf, t
                                                                    caplog):
     """Span failover (client-side routing) replaces the dead hop alone; whole-chain failover (what a
     session does with an orchestrator) replays a new chain from block 0. With either relay the dead
-    hop is noticed from its reset stream (no timeout) and the tokens equal HF's."""
+    hop is noticed from its reset stream or the liveness probe (never the step timeout) and the tokens
+    equal HF's."""
     model = _model(tiny_llama_path, swarm, relay)
     model.backend.provider.whole_chain_failover = whole_chain
     try:
@@ -186,6 +187,10 @@ def test_sigkill_of_the_middle_hop_fails_over_with_identical_output(swarm, hf, t
         replaced = [r.getMessage() for r in caplog.records if "replacing blocks" in r.getMessage()]
         assert len(replaced) == 1 and ("replacing blocks [0, 6)" if whole_chain else "replacing blocks [2, 4)") \
             in replaced[0], replaced
-        assert "no reply within" not in replaced[0] and "went silent" not in replaced[0], replaced
+        # never by the step timeout. Mostly the dead hop's reset stream says so at once; right after a
+        # SIGKILL, p2pd may still list the peer as connected and the stream is never reset, and then the
+        # liveness probe finds it dead within seconds ("went silent ... liveness probes"; CI saw it once
+        # with client relay, whole chain), which is the mechanism for exactly that case
+        assert "no reply within" not in replaced[0], replaced
     finally:
         model.backend.shutdown()
