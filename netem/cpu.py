@@ -45,7 +45,9 @@ def quota_period_us(cores: float) -> tuple[int, int]:
     period whose quota is at least the kernel's 1 ms."""
     if not cores > 0:
         raise NetemError(f"a CPU share must be positive, got {cores}")
-    period = min(MAX_PERIOD_US, max(PERIOD_US, -(-MIN_QUOTA_US * 1_000_000 // int(cores * 1_000_000))))
+    # the share in millionths of a core, so the period's ceiling is exact integer arithmetic
+    micro_cores = max(1, int(cores * 1_000_000))
+    period = min(MAX_PERIOD_US, max(PERIOD_US, -(-MIN_QUOTA_US * 1_000_000 // micro_cores)))
     return max(MIN_QUOTA_US, int(round(cores * period))), period
 
 
