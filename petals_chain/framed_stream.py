@@ -62,10 +62,19 @@ class FramedStream:
         return cls(reader, writer, name)
 
     async def send(self, *messages) -> None:
-        """Write `messages`, each in one write (a step's single message: one write in all)."""
+        """Write `messages`, each in one write (a step's single message: one write in all), waiting
+        only while the socket's buffer is over its high-water mark (a large prompt's parts).
+
+        A small message never waits here, and that matters: when the server has closed the stream,
+        the failed write makes asyncio set an error on our reader on its next iteration, and from then
+        the reader raises that error instead of returning what the server sent before it closed (its
+        idle-timeout reply, which makes the client reopen instead of failing the server over). Not
+        yielding here lets the caller read that reply first, as it could with hivemind's stubs."""
+        transport = self._writer.transport
         for message in messages:
             self._writer.write(frame(message))
-        await self._writer.drain()  # returns at once unless the socket's buffer is full (a large prompt)
+            if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+                await self._writer.drain()
 
     def __aiter__(self):
         return self

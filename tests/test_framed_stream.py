@@ -84,6 +84,13 @@ def test_framed_streams_interoperate_with_hivemind_both_ways_and_end_cleanly():
 class RecordingWriter:
     def __init__(self):
         self.writes: list[bytes] = []
+        self.transport = self
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return 16384, 65536
 
     def write(self, data: bytes) -> None:
         self.writes.append(bytes(data))
