@@ -9,6 +9,12 @@ step by the measured acceptance and step times, client/speculation.py), and reco
 whole request, and of the decode phase after the first round, which includes the prompt), chain steps
 per token, drafted and accepted tokens, and checks that the output is identical to the plain run's.
 
+Timing on a shared machine drifts by several times within minutes, so every task runs `--repeats`
+times, its modes back to back in each repeat (the order rotated from repeat to repeat), and the
+number to read is the median paired ratio: each run's tok/s over the plain run's of the same task
+and repeat, the median over repeats per task, then the median over the kind's tasks. The totals
+(tokens / seconds over all runs) are kept next to it; the step and draft counts are exact.
+
 Tasks: (a) repetitive (rewrite given code with a name changed, extend given code with a docstring,
 answer by quoting a given passage), where drafts copied from the prompt are often right; (b) free
 chat, where prompt lookup's drafts (mostly 1-gram matches) are rarely right.
@@ -262,7 +268,7 @@ def table(summary: list[dict]) -> str:
                      f"{s['accepted_draft_tokens']} / {s['drafted_tokens']} | {'yes' if s['identical'] else 'NO'} | "
                      f"{s['loadavg_1m_median']:.1f}, {s['loadavg_1m']:.1f} |")
     lines += ["", "| RTT | task | mode | paired speedup, median | chain steps / token |", "|---|---|---|---|---|"]
-    for s in summary:
+    for s in (s for s in summary if s["k"] != 0):
         for task, v in s["per_task"].items():
             lines.append(f"| {s['rtt_ms']:g} ms | {task} | {mode_name(s)} | {v['speedup_median']:.2f}x | "
                          f"{v['steps_per_token']:.2f} |")
@@ -284,7 +290,7 @@ def main() -> int:
     if args.client:
         client(args.client, args.new_tokens, modes, args.repeats)
         return 0
-    started = time.time()
+    started, load_start = time.time(), os.getloadavg()
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     rows = run([float(x) for x in args.rtts_ms.split(",")], args.new_tokens, modes, args.repeats)
@@ -296,7 +302,8 @@ def main() -> int:
     out.write_text(json.dumps({"new_tokens": args.new_tokens, "modes": format_modes(modes), "repeats": args.repeats,
                                "model": "smollm2-135m",
                                "servers": "3 (blocks 0:10, 10:20, 20:30), client relays",
-                               "wall_s": time.time() - started, "summary": summary, "runs": rows}, indent=2))
+                               "wall_s": time.time() - started, "loadavg_start": load_start,
+                               "loadavg_end": os.getloadavg(), "summary": summary, "runs": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 
