@@ -85,7 +85,7 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
         if r.get("unavailable"):
             unavailable[p] = r["unavailable"]
             continue
-        s = report.policy_summary(r["records"], n_requests)
+        s = report.policy_summary(r["records"], n_requests, meta["config"].get("deadline_s"))
         s.update({k: r.get(k) for k in ("c", "placement", "left_out_of_plan", "unused_by_plan", "chains", "servers",
                                         "final_servers", "host_cpu", "cpu", "startup_s",
                                         "final_metrics",
