@@ -116,6 +116,13 @@ def _cores(x) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
+def _load_line(sc: dict) -> str:
+    if sc.get("peak_offered_cpu_load_estimate") is None or sc.get("offered_cpu_load_estimate") is None:
+        return ""
+    return (f" Offered CPU load by that W: {sc['offered_cpu_load_estimate']:.2f} over the whole replay, "
+            f"{sc['peak_offered_cpu_load_estimate']:.2f} in its busiest {sc['peak_window_s']:.0f} s.")
+
+
 def summary_markdown(summary: dict) -> str:
     pols = [p for p in POLICY_ORDER if p in summary["policies"]] + \
         [p for p in summary["policies"] if p not in POLICY_ORDER]
@@ -153,7 +160,7 @@ def summary_markdown(summary: dict) -> str:
              f"inter-arrival CV {sc['interarrival_cv']:.2f} (trace {sc['trace_interarrival_cv']:.2f}), mean input "
              f"{sc['mean_input_tokens']:.1f} / output {sc['mean_output_tokens']:.1f} tokens (trace "
              f"{sc['trace_mean_input_tokens']:.0f} / {sc['trace_mean_output_tokens']:.1f}), {sc['truncated']} outputs "
-             f"cut to fit. {sc.get('time_scale_reason', '')}", "", "\n".join(rows), ""]
+             f"cut to fit. {sc.get('time_scale_reason', '')}{_load_line(sc)}", "", "\n".join(rows), ""]
     for p in pols:
         cpu = P[p].get("cpu")
         if cpu:

@@ -220,6 +220,8 @@ def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[work
             "cpu_s_per_request_footnote11": estimate, "cpu_s_per_request_measured_in": cfg.calibrate_from,
             "offered_cpu_load_estimate": workload.offered_load(workload.rate_per_s([r.arrival_s for r in scaled]), w,
                                                                capacity),
+            "peak_window_s": workload.PEAK_WINDOW_S,
+            "peak_offered_cpu_load_estimate": workload.peak_offered_load([r.arrival_s for r in scaled], w, capacity),
             "server_cpu_capacity": capacity, "cpu_shares": shares, "cpu_shares_reason": cpu_shares(cfg)[1],
             "time_scale_reason": reason, "slow_servers_emulated_slowdown": None if shares else cfg.slow_slowdown,
             "fast_budget": cfg.fast_budget, "slow_budget": cfg.slow_budget}

@@ -106,3 +106,17 @@ def test_calibrate_from_an_earlier_run_reads_its_measured_cpu_per_request(tmp_pa
     assert w == pytest.approx((6.0 + 2.0) / 4) and "proposed" in why
     w, _ = measured_cpu_s_per_request(tmp_path, servers_only=False)  # no shares: all our processes
     assert w == pytest.approx(20.0 / 4)
+
+
+def test_peak_offered_load_is_the_busiest_window():
+    w, cpus = 2.0, 1.0
+    arrivals = [0.0, 1.0, 2.0, 100.0, 100.5, 101.0, 101.5, 300.0]  # a burst of 4 within 2 s
+    assert workload.peak_offered_load(arrivals, w, cpus, window_s=10.0) == pytest.approx(4 * w / (10.0 * cpus))
+    assert workload.peak_offered_load(arrivals, w, cpus, window_s=1000.0) == pytest.approx(8 * w / 1000.0)
+    # never below the mean load over the span: the whole span is one of the windows when it is that long
+    span = arrivals[-1] - arrivals[0]
+    assert workload.peak_offered_load(arrivals, w, cpus, window_s=span + 1) >= \
+        workload.offered_load(workload.rate_per_s(arrivals), w, cpus) * span / (span + 1)
+    assert workload.peak_offered_load([], w, cpus) == 0.0
+    with pytest.raises(ValueError):
+        workload.peak_offered_load(arrivals, w, cpus, window_s=0.0)
