@@ -24,6 +24,7 @@ from experiments.cpu import CpuMeter
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 PETALS_22 = "petals-2.2"  # the real PETALS 2.2 column (experiments/petals22.py)
 SLOW_OVER_FAST = 175.0 / 109.0  # the paper's slow/fast per-block time (§4.1.1: 175 ms vs 109 ms)
+FITS_SETTLED_S = 8.0  # no new batch record for this long after the warm-up: 4 of the orchestrator's 2 s reads
 
 
 @dataclass
@@ -271,8 +272,8 @@ def start_loadgen(cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: 
 def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, requests, out_dir: Path,
                        policy: str) -> dict:
     """Run `warmup_per_chain` sessions per placed server (the trace's first requests, 1 s apart; records go
-    to warmup_<policy>.jsonl and count nowhere), wait until the orchestrator fitted every placed server
-    from them, then give it its one re-plan from the calibrated model (hold 5 s) and wait for that plan
+    to warmup_<policy>.jsonl and count nowhere), wait until the orchestrator's fits from them are final
+    (every placed server fitted, or no new batch to read), then give it its one re-plan from the calibrated model (hold 5 s) and wait for that plan
     to be online. Returns the /status the replay starts from."""
     # per placed server, not per chain: JFFC sends the first sessions to the fastest chains, and a
     # per-request router has no chains yet; every placed server should see some of them
@@ -290,10 +291,20 @@ def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, request
         gen.kill()
         gen.communicate()
     deadline = time.monotonic() + cfg.warmup_timeout_s
-    while time.monotonic() < deadline:  # fitted: every placed server's model is live, or the plan moved
-        st = launcher.fetch_json("orchestrator", url + "status")
+    counts, settled_since = None, time.monotonic()
+    while time.monotonic() < deadline:  # fitted: every placed server's model is live, or the plan moved, or
+        st = launcher.fetch_json("orchestrator", url + "status")  # the fits are final (below)
         placed = [s for s in st["servers"] if s["end"] > s["start"]]
         if st["plan_version"] > v0 or all((s.get("model") or {}).get("source") == "live" for s in placed):
+            break
+        # The warm-up is over, so no batch comes after it: once no placed server's batch count moved for
+        # FITS_SETTLED_S (the orchestrator reads them every 2 s and refits then), the fits are final. A
+        # server that JFFC's routing gave too few batches to fit (or none) stays on its start-up profile
+        # however long we wait: waiting for it spent the whole warmup_timeout_s (240 s) for nothing.
+        now_counts = {s["peer_id"]: (s.get("model") or {}).get("batches") for s in placed}
+        if now_counts != counts:
+            counts, settled_since = now_counts, time.monotonic()
+        elif time.monotonic() - settled_since >= FITS_SETTLED_S:
             break
         time.sleep(2.0)
     t_fit = time.monotonic()

@@ -9,6 +9,12 @@ step by the measured acceptance and step times, client/speculation.py), and reco
 whole request, and of the decode phase after the first round, which includes the prompt), chain steps
 per token, drafted and accepted tokens, and checks that the output is identical to the plain run's.
 
+Timing on a shared machine drifts by several times within minutes, so every task runs `--repeats`
+times, its modes back to back in each repeat (the order rotated from repeat to repeat), and the
+number to read is the median paired ratio: each run's tok/s over the plain run's of the same task
+and repeat, the median over repeats per task, then the median over the kind's tasks. The totals
+(tokens / seconds over all runs) are kept next to it; the step and draft counts are exact.
+
 Tasks: (a) repetitive (rewrite given code with a name changed, extend given code with a docstring,
 answer by quoting a given passage), where drafts copied from the prompt are often right; (b) free
 chat, where prompt lookup's drafts (mostly 1-gram matches) are rarely right.
@@ -21,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -71,8 +79,10 @@ class FirstRound:
         pass
 
 
-def client(peer: str, new_tokens: int, modes: list[tuple[int, str]]) -> None:
-    """Runs in the client's namespace: every task, plain then each (k, schedule); one JSON line per run."""
+def client(peer: str, new_tokens: int, modes: list[tuple[int, str]], repeats: int) -> None:
+    """Runs in the client's namespace: `repeats` rounds; in each, every task runs plain and in each
+    (k, schedule) back to back (the order rotated from round to round), so that a change in the
+    machine's load hits every mode of a task alike. One JSON line per run."""
     import torch
     from transformers import AutoTokenizer
 
@@ -82,32 +92,34 @@ def client(peer: str, new_tokens: int, modes: list[tuple[int, str]]) -> None:
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
     model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[peer])
+    all_modes = [(0, "plain"), *modes]
     try:
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)  # warm-up: routing, streams
-        for task, (kind, prompt) in TASKS.items():
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
-            plain = None
-            for k, schedule in [(0, "plain"), *modes]:
-                kwargs = {"prompt_lookup_num_tokens": k, "prompt_lookup_schedule": schedule} if k else {}
-                first = FirstRound()
-                with model.inference_session(max_length=ids.shape[1] + new_tokens + k) as session:
-                    t0 = time.perf_counter()
-                    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=first, **kwargs)
-                    seconds = time.perf_counter() - t0
-                    stats = session.last_generate
-                decode = {"decode_seconds": seconds - (first.at_s - t0), "decode_tokens": stats.tokens - first.tokens}
-                if plain is None:
-                    plain = out
-                print(json.dumps({"task": task, "kind": kind, "k": k, "schedule": schedule, "seconds": seconds,
-                                  **decode, **stats.to_json(),
-                                  "identical_to_plain": out.tolist() == plain.tolist(),
-                                  "prompt_tokens": ids.shape[1]}), flush=True)
+        for repeat in range(repeats):
+            for task, (kind, prompt) in TASKS.items():
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                    return_tensors="pt", return_dict=True)["input_ids"]
+                shift = repeat % len(all_modes)
+                for k, schedule in all_modes[shift:] + all_modes[:shift]:
+                    kwargs = {"prompt_lookup_num_tokens": k, "prompt_lookup_schedule": schedule} if k else {}
+                    first = FirstRound()
+                    load = os.getloadavg()[0]
+                    with model.inference_session(max_length=ids.shape[1] + new_tokens + k) as session:
+                        t0 = time.perf_counter()
+                        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=first, **kwargs)
+                        seconds = time.perf_counter() - t0
+                        stats = session.last_generate
+                    decode = {"decode_seconds": seconds - (first.at_s - t0),
+                              "decode_tokens": stats.tokens - first.tokens}
+                    print(json.dumps({"task": task, "kind": kind, "k": k, "schedule": schedule, "repeat": repeat,
+                                      "seconds": seconds, **decode, **stats.to_json(),
+                                      "output_ids": out[0, ids.shape[1]:].tolist(),
+                                      "prompt_tokens": ids.shape[1], "loadavg_1m_before": load}), flush=True)
     finally:
         model.backend.shutdown()
 
 
-def run(rtts_ms: list[float], new_tokens: int, modes: list[tuple[int, str]]) -> list[dict]:
+def run(rtts_ms: list[float], new_tokens: int, modes: list[tuple[int, str]], repeats: int) -> list[dict]:
     import numpy as np
 
     import netem
@@ -125,20 +137,24 @@ def run(rtts_ms: list[float], new_tokens: int, modes: list[tuple[int, str]]) -> 
             env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
             for ms in rtts_ms:
                 hosts.net.set_rtt_ms(uniform(ms))
-                load = os.getloadavg()[0]
                 argv = [sys.executable, str(Path(__file__).resolve()), "--client", swarm.initial_peers[0],
-                        "--new-tokens", str(new_tokens), "--modes", format_modes(modes)]
-                proc = hosts.popen("client", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                stdout, stderr = proc.communicate(timeout=1800)
-                if proc.returncode != 0:
-                    raise RuntimeError(stderr[-3000:])
-                for line in stdout.splitlines():
+                        "--new-tokens", str(new_tokens), "--modes", format_modes(modes), "--repeats", str(repeats)]
+                # stderr to a file: a pipe nobody reads while stdout is read could fill and stall the client
+                stderr_file = tempfile.TemporaryFile(mode="w+")
+                proc = hosts.popen("client", argv, stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=env)
+                # read as the runs finish (a bounded number of lines: one per run), so progress shows
+                for line in proc.stdout:
                     if line.startswith("{"):
-                        row = {**json.loads(line), "rtt_ms": ms, "loadavg_1m_before": load}
+                        row = {**json.loads(line), "rtt_ms": ms}
                         rows.append(row)
-                        print(f"RTT {ms:g} ms {row['task']:14s} {mode_name(row)}: {row['tokens'] / row['seconds']:6.2f} "
-                              f"tok/s, {row['chain_steps'] / max(1, row['tokens']):.2f} steps/token, "
-                              f"identical={row['identical_to_plain']}", flush=True)
+                        print(f"RTT {ms:g} ms #{row['repeat']} {row['task']:14s} {mode_name(row)}: "
+                              f"{row['tokens'] / row['seconds']:6.2f} tok/s, "
+                              f"{row['chain_steps'] / max(1, row['tokens']):.2f} steps/token, "
+                              f"load {row['loadavg_1m_before']:.1f}", flush=True)
+                if proc.wait(timeout=60) != 0:
+                    stderr_file.seek(0)
+                    raise RuntimeError(stderr_file.read()[-3000:])
+                stderr_file.close()
     finally:
         hosts.close()
         netem.cleanup(name)
@@ -158,9 +174,45 @@ def format_modes(modes: list[tuple[int, str]]) -> str:
     return ",".join(f"a{k}" if schedule == "adaptive" else str(k) for k, schedule in modes)
 
 
+def mark_identical(rows: list[dict]) -> None:
+    """`identical_to_plain` on every run: its output equals plain greedy's on the same task, RTT and
+    repeat (and every plain run of a task equals the others: greedy is deterministic)."""
+    plain = {(r["rtt_ms"], r["task"], r["repeat"]): r["output_ids"] for r in rows if r["k"] == 0}
+    first_plain = {}
+    for (ms, task, _), ids in sorted(plain.items()):
+        first_plain.setdefault(task, ids)
+    for r in rows:
+        r["identical_to_plain"] = (r["output_ids"] == plain.get((r["rtt_ms"], r["task"], r["repeat"]))
+                                   and r["output_ids"] == first_plain[r["task"]])
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def paired_ratios(rows: list[dict], mode: tuple[int, str]) -> list[dict]:
+    """Per run of `mode`: its tok/s (whole request and decode phase) over the plain run's of the same
+    RTT, task and repeat, which ran back to back with it: the load drifts of a shared machine cancel
+    out of these ratios far better than out of totals gathered minutes apart."""
+    plain = {(r["rtt_ms"], r["task"], r["repeat"]): r for r in rows if r["k"] == 0}
+    out = []
+    for r in rows:
+        base = plain.get((r["rtt_ms"], r["task"], r["repeat"]))
+        if (r["k"], r["schedule"]) != mode or base is None:
+            continue
+        out.append({"task": r["task"], "repeat": r["repeat"],
+                    "speedup": (r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"]),
+                    "decode_speedup": (r["decode_tokens"] / r["decode_seconds"])
+                                      / (base["decode_tokens"] / base["decode_seconds"])})
+    return out
+
+
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per RTT, task kind and mode: tokens/s over all tasks of that kind (total tokens / total seconds),
-    chain steps per token, the ratio to plain (k = 0) in the same run, and whether all outputs matched."""
+    """Per RTT, task kind and mode: tokens/s over all tasks and repeats of that kind (total tokens /
+    total seconds) and its ratio to plain (k = 0); the median over the kind's tasks of each task's
+    median paired ratio (`paired_speedup_median`: the number to read on a loaded machine) and the
+    median, min and max over all paired runs; chain steps per token, drafted and accepted tokens
+    (exact: they do not depend on the load), whether all outputs matched plain greedy, and the load."""
     out = []
     for ms in sorted({r["rtt_ms"] for r in rows}):
         for kind in ("repetitive", "chat"):
@@ -172,13 +224,29 @@ def summarize(rows: list[dict]) -> list[dict]:
                 rk = [r for r in sel if (r["k"], r["schedule"]) == mode]
                 tokens, seconds = sum(r["tokens"] for r in rk), sum(r["seconds"] for r in rk)
                 decode_tok_per_s = sum(r["decode_tokens"] for r in rk) / sum(r["decode_seconds"] for r in rk)
+                pairs = paired_ratios(sel, mode)
+                tasks = list(dict.fromkeys(p["task"] for p in pairs))
+                per_task = {t: {"speedup_median": median([p["speedup"] for p in pairs if p["task"] == t]),
+                                "decode_speedup_median": median([p["decode_speedup"] for p in pairs if p["task"] == t]),
+                                "steps_per_token": sum(r["chain_steps"] for r in rk if r["task"] == t)
+                                                   / sum(r["tokens"] for r in rk if r["task"] == t)}
+                            for t in tasks}
+                loads = [r["loadavg_1m_before"] for r in rk]
                 by_mode[mode] = {"rtt_ms": ms, "kind": kind, "k": mode[0], "schedule": mode[1], "tokens": tokens,
+                                 "repeats": len({r["repeat"] for r in rk}),
                                  "tok_per_s": tokens / seconds, "decode_tok_per_s": decode_tok_per_s,
+                                 "paired_speedup_median": median([v["speedup_median"] for v in per_task.values()]),
+                                 "paired_decode_speedup_median": median([v["decode_speedup_median"]
+                                                                         for v in per_task.values()]),
+                                 "paired_speedup_all_median": median([p["speedup"] for p in pairs]),
+                                 "paired_speedup_min": min((p["speedup"] for p in pairs), default=float("nan")),
+                                 "paired_speedup_max": max((p["speedup"] for p in pairs), default=float("nan")),
+                                 "per_task": per_task,
                                  "steps_per_token": sum(r["chain_steps"] for r in rk) / tokens,
                                  "drafted_tokens": sum(r["drafted_tokens"] for r in rk),
                                  "accepted_draft_tokens": sum(r["accepted_draft_tokens"] for r in rk),
                                  "identical": all(r["identical_to_plain"] for r in rk),
-                                 "loadavg_1m": max(r["loadavg_1m_before"] for r in rk)}
+                                 "loadavg_1m": max(loads), "loadavg_1m_median": median(loads)}
             plain = by_mode[(0, "plain")]
             for s in by_mode.values():
                 s["speedup_vs_plain"] = s["tok_per_s"] / plain["tok_per_s"]
@@ -188,13 +256,22 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| RTT | tasks | mode | tok/s (whole request) | vs plain | decode tok/s | vs plain | chain steps / token | "
-             "accepted / drafted | identical output | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| RTT | tasks | mode | paired speedup, median (min-max) | decode, median | tok/s (total) | "
+             "vs plain (totals) | chain steps / token | accepted / drafted | identical output | load avg (median, max) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
-        lines.append(f"| {s['rtt_ms']:g} ms | {s['kind']} | {mode_name(s)} | {s['tok_per_s']:.2f} | "
-                     f"{s['speedup_vs_plain']:.2f}x | {s['decode_tok_per_s']:.2f} | {s['decode_speedup_vs_plain']:.2f}x | "
-                     f"{s['steps_per_token']:.2f} | {s['accepted_draft_tokens']} / {s['drafted_tokens']} | "
-                     f"{'yes' if s['identical'] else 'NO'} | {s['loadavg_1m']:.1f} |")
+        paired = ("1.00x" if s["k"] == 0 else f"{s['paired_speedup_median']:.2f}x "
+                  f"({s['paired_speedup_min']:.2f}-{s['paired_speedup_max']:.2f})")
+        decode = "1.00x" if s["k"] == 0 else f"{s['paired_decode_speedup_median']:.2f}x"
+        lines.append(f"| {s['rtt_ms']:g} ms | {s['kind']} | {mode_name(s)} | {paired} | {decode} | "
+                     f"{s['tok_per_s']:.2f} | {s['speedup_vs_plain']:.2f}x | {s['steps_per_token']:.2f} | "
+                     f"{s['accepted_draft_tokens']} / {s['drafted_tokens']} | {'yes' if s['identical'] else 'NO'} | "
+                     f"{s['loadavg_1m_median']:.1f}, {s['loadavg_1m']:.1f} |")
+    lines += ["", "| RTT | task | mode | paired speedup, median | chain steps / token |", "|---|---|---|---|---|"]
+    for s in (s for s in summary if s["k"] != 0):
+        for task, v in s["per_task"].items():
+            lines.append(f"| {s['rtt_ms']:g} ms | {task} | {mode_name(s)} | {v['speedup_median']:.2f}x | "
+                         f"{v['steps_per_token']:.2f} |")
     return "\n".join(lines)
 
 
@@ -204,22 +281,29 @@ def main() -> int:
     p.add_argument("--modes", default="2,4,8,a8", help="prompt lookup draft lengths: K a constant K, aK adaptive "
                                                        "up to K (default 2,4,8,a8)")
     p.add_argument("--new-tokens", type=int, default=64, help="max new tokens per generation (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every task and mode, the modes of a task back "
+                                                          "to back in each (default 3; medians of paired ratios)")
     p.add_argument("--out", default="results/bench_speculative.json")
     p.add_argument("--client", metavar="PEER", help=argparse.SUPPRESS)  # internal: the client side
     args = p.parse_args()
     modes = parse_modes(args.modes)
     if args.client:
-        client(args.client, args.new_tokens, modes)
+        client(args.client, args.new_tokens, modes, args.repeats)
         return 0
-    started = time.time()
-    rows = run([float(x) for x in args.rtts_ms.split(",")], args.new_tokens, modes)
+    started, load_start = time.time(), os.getloadavg()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    rows = run([float(x) for x in args.rtts_ms.split(",")], args.new_tokens, modes, args.repeats)
+    mark_identical(rows)
     summary = summarize(rows)
     print(table(summary))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"new_tokens": args.new_tokens, "modes": format_modes(modes), "model": "smollm2-135m",
+    out.write_text(json.dumps({"new_tokens": args.new_tokens, "modes": format_modes(modes), "repeats": args.repeats,
+                               "model": "smollm2-135m",
                                "servers": "3 (blocks 0:10, 10:20, 20:30), client relays",
-                               "wall_s": time.time() - started, "summary": summary, "runs": rows}, indent=2))
+                               "wall_s": time.time() - started, "loadavg_start": load_start,
+                               "loadavg_end": os.getloadavg(), "summary": summary, "runs": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -375,3 +375,47 @@ def test_step_cost_model_separates_single_and_multi_token_steps():
     for _ in range(60):  # drafting stopped: the old measurements fade and verification is tried again
         costs.observe(1, 0.10)
     assert costs.predict_s(9) < 0.11
+
+
+class _RecordingCosts(StepCostModel):
+    """The measured cost model, with every observation's step size kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        self.sizes.append(n_tokens)
+        super().observe(n_tokens, seconds)
+
+
+def test_prompt_step_is_not_a_verification_cost(tiny):
+    """A short prompt (here 18 tokens: a chat turn is often under 64) is the prefill, not a draft's
+    verification step: only the decode and verification steps feed the cost model."""
+    hf, model = tiny
+    ids = torch.tensor([REPETITIVE])
+    costs = _RecordingCosts()
+    out, stats, sizes = _generate_recording_steps(model, ids, costs, max_new_tokens=20, do_sample=False,
+                                                  prompt_lookup_num_tokens=4)
+    assert out.tolist() == hf.generate(ids, max_new_tokens=20, do_sample=False).tolist()
+    assert sizes[0] > len(REPETITIVE)  # the prompt went with the first round's draft
+    assert costs.sizes == sizes[1:] and max(costs.sizes) <= 4 + 1
+
+
+def test_one_slow_step_does_not_stop_drafting():
+    """A verification step slowed 5x by a load spike (early, when few steps carry the fit) counts as
+    at most OUTLIER_RATIO times its prediction: drafting that pays at the usual costs goes on."""
+    from petals_chain.client.speculation import OUTLIER_RATIO
+
+    costs = StepCostModel()
+    drafter = _drafter(costs, max_draft_tokens=8)
+    drafter.accepted.extend([2, 0, 1, 3, 0, 1, 2, 0, 5, 1, 0, 2, 1, 0, 3, 1])  # a patchy quote's acceptance
+    costs.observe(1, 0.17)
+    k = drafter.choose_k(8)
+    assert k > 0
+    costs.observe(k + 1, 5 * (0.2 + 0.01 * (k + 1)))  # usually 0.2 s + 10 ms per token
+    assert costs.predict_s(k + 1) <= OUTLIER_RATIO * 0.17 + 1e-9
+    assert drafter.choose_k(8) > 0
+    for _ in range(20):  # a lasting change is followed: the prediction reaches the new cost
+        costs.observe(k + 1, 1.5)
+    assert costs.predict_s(k + 1) > 1.2

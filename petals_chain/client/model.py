@@ -298,7 +298,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         embedded = self.head.embed_batched(new)
         with self.head.logits_batched.expecting():  # the LM head's batch may wait for this reply
             hidden = session.chain.step(embedded, start_position=start)
-        session.step_costs.observe(len(new), time.perf_counter() - started_s)
+        if len(new) <= max(1, logits_to_keep):
+            # a decode or verification step (every new position's logits are asked for); not the
+            # prompt's step, whose cost is another regime: a 40-token chat prompt fitted into the
+            # multi-token line tilted it, whatever the drafts' steps cost
+            session.step_costs.observe(len(new), time.perf_counter() - started_s)
         session.processed_ids = ids
         session.chain_steps += 1
         session.drafted_tokens += max(0, logits_to_keep - 1)  # assisted decoding keeps one logit per draft + 1

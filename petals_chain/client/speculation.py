@@ -28,6 +28,11 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 # A step longer than this is a prompt (prefill), another regime than drafts' verification steps
 MAX_MODELLED_STEP_TOKENS = 64
+# A step slower than this many times its predicted cost counts as this many times: one step slowed by
+# a load spike on a shared machine (5x measured) would otherwise make verification look dear for the
+# next 10-15 rounds (few multi-token steps carry the fit) and stop drafting there; a lasting change is
+# still followed, by up to this factor per step
+OUTLIER_RATIO = 2.0
 # HF's `num_assistant_tokens_schedule` says "constant" for a fixed draft length
 SCHEDULES = ("adaptive", "constant")
 
@@ -50,6 +55,9 @@ class StepCostModel:
     def observe(self, n_tokens: int, seconds: float) -> None:
         if n_tokens < 1 or n_tokens > MAX_MODELLED_STEP_TOKENS or seconds <= 0:
             return
+        predicted = self.predict_s(n_tokens)
+        if predicted is not None:
+            seconds = min(seconds, OUTLIER_RATIO * predicted)
         self._sums = [s * self.forget for s in self._sums]
         if n_tokens == 1:
             mix = 1.0 - self.forget
