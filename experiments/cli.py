@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-scale", type=positive_float, default=1.0, help="output lengths x this (default 1)")
     p.add_argument("--max-length", type=int, default=1024, help="servers' --max-length; outputs are cut to fit")
     p.add_argument("--target-load", type=positive_float, default=0.5, help="offered CPU load for the auto time scale")
+    p.add_argument("--calibrate-from", default=None, metavar="DIR", help=(
+        "the auto time scale's CPU cost per request W measured in an earlier run's --out folder (its server hosts' "
+        "CPU per finished request) instead of footnote 11's estimate from the start-up profile"))
     p.add_argument("--cpus", type=positive_float, default=2.0, help="cores the auto time scale may count on (default 2)")
     p.add_argument("--fast-budget", type=_size, default="480MiB", help="fast servers' --memory-budget")
     p.add_argument("--slow-budget", type=_size, default="240MiB", help="slow servers' --memory-budget")
@@ -119,6 +122,7 @@ def main(argv: list[str]) -> int:
         n_cpus=args.cpus, fast_budget=args.fast_budget, slow_budget=args.slow_budget,
         slow_slowdown=args.slow_slowdown, netem=not args.no_netem, netem_backend=args.netem_backend,
         netem_name=args.netem_name, cpu=args.cpu, device=args.device, dtype=args.dtype, warmup_per_chain=args.warmup_per_chain,
+        calibrate_from=args.calibrate_from,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest))
     try:

@@ -2,7 +2,11 @@
 
 Times per request (seconds, from the replay's start): response = end - arrival, wait = start -
 arrival (start = when the orchestrator's grant reached the client), service = end - start.
-Failed requests are counted and listed, never folded into the statistics.
+Failed requests are counted and listed, never folded into the statistics above. One more number
+covers every request: `response_all_lower_bound_s`, the mean response over all requests with a
+failed one counted at the moment it was given up (its acquire timeout, or the replay deadline):
+a lower bound of what its response would have been, since it was never served. Without it a
+policy that drops its slowest requests looks faster than one that serves them all.
 """
 from __future__ import annotations
 
@@ -48,7 +52,26 @@ def finished(rec: dict) -> bool:
     return rec.get("error") is None and rec.get("generated_tokens") == rec.get("output_tokens")
 
 
-def policy_summary(records: list[dict], expected: int) -> dict:
+def given_up_response_s(rec: dict, deadline_at_s: float | None) -> float | None:
+    """Response of a failed record counted at the moment it was given up: its own end (an acquire
+    timeout, an error) or, with none, the replay deadline; None where neither is known."""
+    end = rec.get("end_s")
+    if end is None:
+        end = deadline_at_s
+    return None if end is None else max(0.0, end - rec["arrival_s"])
+
+
+def response_all_lower_bound(records: list[dict], deadline_s: float | None) -> float | None:
+    """Mean response over every record, failed ones at their give-up time (see the module doc);
+    None where a failed record's give-up time is unknown (no deadline given)."""
+    if not records:
+        return None
+    deadline_at = None if deadline_s is None else max(r["arrival_s"] for r in records) + deadline_s
+    vals = [times(r)[0] if finished(r) else given_up_response_s(r, deadline_at) for r in records]
+    return None if any(v is None for v in vals) else float(np.mean(vals))
+
+
+def policy_summary(records: list[dict], expected: int, deadline_s: float | None = None) -> dict:
     """The issue's schema for one policy: counts and response / wait / service statistics."""
     ok = [r for r in records if finished(r)]
     t = [times(r) for r in ok]
@@ -59,6 +82,7 @@ def policy_summary(records: list[dict], expected: int) -> dict:
             errors[key] = errors.get(key, 0) + 1
     return {"requests": expected, "recorded": len(records), "finished": len(ok), "failed": len(records) - len(ok),
             "lost": expected - len(records), "errors": errors,
+            "response_all_lower_bound_s": response_all_lower_bound(records, deadline_s),
             "response_s": stats([x[0] for x in t]), "wait_s": stats([x[1] for x in t if x[1] is not None]),
             "service_s": stats([x[2] for x in t if x[2] is not None])}
 
@@ -74,7 +98,9 @@ def changes_vs(policies: dict, base: str) -> dict:
     b = policies[base]
     return {p: {"mean_response": change(b["response_s"]["mean"], s["response_s"]["mean"]),
                 "mean_wait": change(b["wait_s"]["mean"], s["wait_s"]["mean"]),
-                "p95_response": change(b["response_s"]["p95"], s["response_s"]["p95"])}
+                "p95_response": change(b["response_s"]["p95"], s["response_s"]["p95"]),
+                "mean_response_all_lower_bound": change(b.get("response_all_lower_bound_s"),
+                                                        s.get("response_all_lower_bound_s"))}
             for p, s in policies.items() if p != base}
 
 
@@ -90,6 +116,13 @@ def _cores(x) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
+def _load_line(sc: dict) -> str:
+    if sc.get("peak_offered_cpu_load_estimate") is None or sc.get("offered_cpu_load_estimate") is None:
+        return ""
+    return (f" Offered CPU load by that W: {sc['offered_cpu_load_estimate']:.2f} over the whole replay, "
+            f"{sc['peak_offered_cpu_load_estimate']:.2f} in its busiest {sc['peak_window_s']:.0f} s.")
+
+
 def summary_markdown(summary: dict) -> str:
     pols = [p for p in POLICY_ORDER if p in summary["policies"]] + \
         [p for p in summary["policies"] if p not in POLICY_ORDER]
@@ -103,6 +136,7 @@ def summary_markdown(summary: dict) -> str:
     rows.append("| **Response time (s)** |" + " |" * len(pols))
     for k in ("mean", "median", "p95", "p99", "max"):
         row(f"  {k}", lambda p, k=k: _f(P[p]["response_s"][k]))
+    row("  mean of all requests, failed at give-up (lower bound)", lambda p: _f(P[p].get("response_all_lower_bound_s")))
     rows.append("| **Waiting time (s)** |" + " |" * len(pols))
     for k in ("mean", "median", "p95", "p99", "max"):
         row(f"  {k}", lambda p, k=k: _f(P[p]["wait_s"][k]))
@@ -112,7 +146,8 @@ def summary_markdown(summary: dict) -> str:
     row("  min / max", lambda p: f"{_f(P[p]['service_s']['min'])} / {_f(P[p]['service_s']['max'])}")
     imp = summary.get("change_vs_petals", {})
     rows.append("| **Change vs PETALS policy** (negative: shorter) |" + " |" * len(pols))
-    for k, label in (("mean_response", "mean response"), ("mean_wait", "mean wait"), ("p95_response", "P95 response")):
+    for k, label in (("mean_response", "mean response"), ("mean_wait", "mean wait"), ("p95_response", "P95 response"),
+                     ("mean_response_all_lower_bound", "mean response of all requests (lower bound)")):
         row(f"  {label}", lambda p, k=k: _pct(imp.get(p, {}).get(k)))
     row("finished / failed / requests", lambda p: f"{P[p]['finished']} / {P[p]['failed']} / {P[p]['requests']}")
     row("c (lower bound) / chains", lambda p: f"{P[p].get('c', '—')} / {len(P[p].get('chains') or [])}")
@@ -125,12 +160,16 @@ def summary_markdown(summary: dict) -> str:
              f"inter-arrival CV {sc['interarrival_cv']:.2f} (trace {sc['trace_interarrival_cv']:.2f}), mean input "
              f"{sc['mean_input_tokens']:.1f} / output {sc['mean_output_tokens']:.1f} tokens (trace "
              f"{sc['trace_mean_input_tokens']:.0f} / {sc['trace_mean_output_tokens']:.1f}), {sc['truncated']} outputs "
-             f"cut to fit. {sc.get('time_scale_reason', '')}", "", "\n".join(rows), ""]
+             f"cut to fit. {sc.get('time_scale_reason', '')}{_load_line(sc)}", "", "\n".join(rows), ""]
     for p in pols:
         cpu = P[p].get("cpu")
         if cpu:
             finished = P[p].get("finished") or 0
-            per_req = (f"; {cpu['ours_cpu_s'] / finished:.2f} CPU-s per finished request (the auto time scale "
+            hc = P[p].get("host_cpu") or {}
+            server_cpu = [v.get("cpu_s") for h, v in hc.items() if h != "client"]
+            servers = (f", the server hosts' {sum(server_cpu) / finished:.2f}"
+                       if finished and server_cpu and None not in server_cpu else "")
+            per_req = (f"; {cpu['ours_cpu_s'] / finished:.2f} CPU-s per finished request{servers} (the auto time scale "
                        f"assumed {sc['cpu_s_per_request_estimate']:.2f})"
                        if finished and sc.get("cpu_s_per_request_estimate") else "")
             nice = (f", of which {100 * cpu['machine_nice']:.0f}% niced work of other users"

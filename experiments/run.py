@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from experiments import model_check, report
+from experiments import model_check, report, workload
 from experiments.hosts import EmulationUnavailableError
 from experiments.table1 import (PETALS_22, Table1Config, choose_scale, measured_block_times, run_petals_column,
                                 run_policy)
@@ -45,7 +45,8 @@ def run_table1(cfg: Table1Config) -> dict:
     print(f"table1: {scale_out['requests']} requests, rate {scale_out['rate_per_s']:.3f} req/s (trace "
           f"{scale_out['trace_rate_per_s']:.3f}), time x{scale.time_scale:.3g}, input x{scale.length_scale:.3g}, "
           f"output x{scale.output_scale:.3g}, inter-arrival CV {scale_out['interarrival_cv']:.2f}; "
-          f"estimated CPU load {scale_out['offered_cpu_load_estimate']:.2f}. {scale_out['time_scale_reason']}", flush=True)
+          f"estimated CPU load {scale_out['offered_cpu_load_estimate']:.2f} (busiest {scale_out['peak_window_s']:.0f} s: "
+          f"{scale_out['peak_offered_cpu_load_estimate']:.2f}). {scale_out['time_scale_reason']}", flush=True)
     t0 = time.monotonic()
     for policy in cfg.policies:
         if policy == PETALS_22:
@@ -70,6 +71,13 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
     """summary.json / summary.md / cdf.png / model check from the files of a results folder."""
     meta = json.loads((out / "scale.json").read_text())
     n_requests = meta["scale"]["requests"]
+    sc = meta["scale"]
+    if "peak_offered_cpu_load_estimate" not in sc and (out / "requests.json").exists() and \
+            sc.get("cpu_s_per_request_estimate") and sc.get("server_cpu_capacity"):  # a run before it was recorded
+        arrivals = [r["arrival_s"] for r in json.loads((out / "requests.json").read_text())]
+        sc["peak_window_s"] = workload.PEAK_WINDOW_S
+        sc["peak_offered_cpu_load_estimate"] = workload.peak_offered_load(
+            arrivals, sc["cpu_s_per_request_estimate"], sc["server_cpu_capacity"])
     runs = {}
     for policy in meta["config"]["policies"]:
         facts_file, rec_file = out / f"run_{policy}.json", out / f"records_{policy}.jsonl"
@@ -85,7 +93,7 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
         if r.get("unavailable"):
             unavailable[p] = r["unavailable"]
             continue
-        s = report.policy_summary(r["records"], n_requests)
+        s = report.policy_summary(r["records"], n_requests, meta["config"].get("deadline_s"))
         s.update({k: r.get(k) for k in ("c", "placement", "left_out_of_plan", "unused_by_plan", "chains", "servers",
                                         "final_servers", "host_cpu", "cpu", "startup_s",
                                         "final_metrics",

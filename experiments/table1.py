@@ -24,6 +24,7 @@ from experiments.cpu import CpuMeter
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 PETALS_22 = "petals-2.2"  # the real PETALS 2.2 column (experiments/petals22.py)
 SLOW_OVER_FAST = 175.0 / 109.0  # the paper's slow/fast per-block time (§4.1.1: 175 ms vs 109 ms)
+FITS_SETTLED_S = 8.0  # no new batch record for this long after the warm-up: 4 of the orchestrator's 2 s reads
 
 
 @dataclass
@@ -62,6 +63,8 @@ class Table1Config:
     # orchestrator may re-plan once from the model fitted on them (0: plan from the start-up profile only)
     warmup_per_chain: int = 2
     warmup_timeout_s: float = 240.0
+    # the auto time scale's W measured in an earlier run's results folder instead of footnote 11's estimate
+    calibrate_from: str | None = None
     deadline_s: float = 600.0
     command: str = ""
     extra: dict = field(default_factory=dict)
@@ -147,8 +150,44 @@ def measured_block_times(model: str, device: str = "cpu", dtype: str = "float32"
     return cached_range_profile(BlockRange(path, 0, n, device=device, dtype=dtype, model_path=path), model), path
 
 
+class CalibrationError(ValueError):
+    """An earlier run's folder cannot give the CPU cost of a request."""
+
+
+def measured_cpu_s_per_request(folder: str | Path, servers_only: bool) -> tuple[float, str]:
+    """W measured in an earlier run (`--calibrate-from DIR`): CPU seconds used during its replay per
+    finished request, of the first policy among proposed, jffc-only, bprr, petals that ran there.
+    With CPU shares only the server hosts count (the capacity W is divided by is their shares);
+    without, all our processes (the capacity is the machine's cores)."""
+    folder = Path(folder)
+    for policy in ("proposed", "jffc-only", "bprr", "petals"):
+        run_file, rec_file = folder / f"run_{policy}.json", folder / f"records_{policy}.jsonl"
+        if not (run_file.exists() and rec_file.exists()):
+            continue
+        run = json.loads(run_file.read_text())
+        done = sum(report.finished(r) for r in report.read_records(rec_file))
+        if not done:
+            continue
+        hosts = run.get("host_cpu") or {}
+        if servers_only and hosts and all(v.get("cpu_s") is not None for v in hosts.values()):
+            used = sum(v["cpu_s"] for h, v in hosts.items() if h != "client")
+            what = "the server hosts' CPU"
+        elif not servers_only and (run.get("cpu") or {}).get("ours_cpu_s") is not None:
+            used = run["cpu"]["ours_cpu_s"]
+            what = "our processes' CPU"
+        else:
+            continue
+        return used / done, (f"W = {used / done:.2f} CPU-s per request measured in {folder} ({policy}: {what} "
+                             f"during the replay, {used:.0f} CPU-s / {done} finished requests)")
+    raise CalibrationError(
+        f"--calibrate-from {folder}: no run_<policy>.json with {'per-host CPU (host_cpu)' if servers_only else 'CPU use'} "
+        f"and finished records there; give the folder of an earlier `petals-chain experiment table1 --out` run "
+        f"{'with CPU shares' if servers_only else 'without CPU shares'}")
+
+
 def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[workload.Scale, dict]:
-    """The stated factors; with no --time-scale, auto_time_scale at --target-load of the CPUs."""
+    """The stated factors; with no --time-scale, auto_time_scale at --target-load of the CPUs, with W
+    estimated by footnote 11 or (--calibrate-from) measured in an earlier run."""
     probe = workload.Scale(1.0, cfg.length_scale, cfg.output_scale, cfg.max_length_tokens)
     reqs = workload.scale_requests(trace, cfg.requests, probe, offset=cfg.offset)
     s = workload.summary(reqs)
@@ -159,7 +198,14 @@ def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[work
     shares, _ = cpu_shares(cfg)
     # with shares the servers' compute is what their shares add up to, not the machine's cores
     capacity = sum(v for h, v in shares.items() if h != "client") if shares else cfg.n_cpus
-    if cfg.time_scale is None:
+    estimate = w
+    if cfg.time_scale is None and cfg.calibrate_from:
+        w, measured = measured_cpu_s_per_request(cfg.calibrate_from, servers_only=bool(shares))
+        ts = workload.auto_time_scale(s["rate_per_s"], w, capacity, cfg.target_load)
+        reason = (f"time scale auto from measured service: {measured}; footnote 11 estimated {estimate:.2f}; "
+                  f"target CPU load {cfg.target_load} of {capacity:.2f} cores "
+                  f"({'the servers CPU shares' if shares else 'the machine'}).")
+    elif cfg.time_scale is None:
         ts = workload.auto_time_scale(s["rate_per_s"], w, capacity, cfg.target_load)
         reason = (f"time scale auto: W = {w:.2f} CPU-s per request (footnote 11 with t_I = "
                   f"{times.prefill_s_per_token * 1e3:.3f} ms, t_O = {times.decode_s_per_token * 1e3:.3f} ms per token "
@@ -172,8 +218,11 @@ def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[work
     scaled = workload.scale_requests(trace, cfg.requests, scale, offset=cfg.offset)
     info = {**scale.to_dict(), **workload.summary(scaled), "offset": cfg.offset, "trace_rate_per_s": s["rate_per_s"],
             "trace_interarrival_cv": s["interarrival_cv"], "cpu_s_per_request_estimate": w,
+            "cpu_s_per_request_footnote11": estimate, "cpu_s_per_request_measured_in": cfg.calibrate_from,
             "offered_cpu_load_estimate": workload.offered_load(workload.rate_per_s([r.arrival_s for r in scaled]), w,
                                                                capacity),
+            "peak_window_s": workload.PEAK_WINDOW_S,
+            "peak_offered_cpu_load_estimate": workload.peak_offered_load([r.arrival_s for r in scaled], w, capacity),
             "server_cpu_capacity": capacity, "cpu_shares": shares, "cpu_shares_reason": cpu_shares(cfg)[1],
             "time_scale_reason": reason, "slow_servers_emulated_slowdown": None if shares else cfg.slow_slowdown,
             "fast_budget": cfg.fast_budget, "slow_budget": cfg.slow_budget}
@@ -223,8 +272,8 @@ def start_loadgen(cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: 
 def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, requests, out_dir: Path,
                        policy: str) -> dict:
     """Run `warmup_per_chain` sessions per placed server (the trace's first requests, 1 s apart; records go
-    to warmup_<policy>.jsonl and count nowhere), wait until the orchestrator fitted every placed server
-    from them, then give it its one re-plan from the calibrated model (hold 5 s) and wait for that plan
+    to warmup_<policy>.jsonl and count nowhere), wait until the orchestrator's fits from them are final
+    (every placed server fitted, or no new batch to read), then give it its one re-plan from the calibrated model (hold 5 s) and wait for that plan
     to be online. Returns the /status the replay starts from."""
     # per placed server, not per chain: JFFC sends the first sessions to the fastest chains, and a
     # per-request router has no chains yet; every placed server should see some of them
@@ -242,10 +291,20 @@ def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, request
         gen.kill()
         gen.communicate()
     deadline = time.monotonic() + cfg.warmup_timeout_s
-    while time.monotonic() < deadline:  # fitted: every placed server's model is live, or the plan moved
-        st = launcher.fetch_json("orchestrator", url + "status")
+    counts, settled_since = None, time.monotonic()
+    while time.monotonic() < deadline:  # fitted: every placed server's model is live, or the plan moved, or
+        st = launcher.fetch_json("orchestrator", url + "status")  # the fits are final (below)
         placed = [s for s in st["servers"] if s["end"] > s["start"]]
         if st["plan_version"] > v0 or all((s.get("model") or {}).get("source") == "live" for s in placed):
+            break
+        # The warm-up is over, so no batch comes after it: once no placed server's batch count moved for
+        # FITS_SETTLED_S (the orchestrator reads them every 2 s and refits then), the fits are final. A
+        # server that JFFC's routing gave too few batches to fit (or none) stays on its start-up profile
+        # however long we wait: waiting for it spent the whole warmup_timeout_s (240 s) for nothing.
+        now_counts = {s["peer_id"]: (s.get("model") or {}).get("batches") for s in placed}
+        if now_counts != counts:
+            counts, settled_since = now_counts, time.monotonic()
+        elif time.monotonic() - settled_since >= FITS_SETTLED_S:
             break
         time.sleep(2.0)
     t_fit = time.monotonic()

@@ -11,6 +11,7 @@ from hivemind.proto import runtime_pb2
 
 from petals_chain import wire, wire_parts
 from petals_chain.errors import NotAllowedError
+from petals_chain.framed_stream import add_framed_handler
 from petals_chain.membership import check_allowed
 
 
@@ -32,6 +33,24 @@ class _MembersOnly(ServicerBase):
 
 class BlockService(_MembersOnly):
     """Delegates each RPC to `impl` (the server's `BlockServicer`)."""
+
+    # the per-step streams: served with one socket write per message (petals_chain/framed_stream.py,
+    # same bytes as hivemind's streams, so hivemind's stubs call them as before)
+    FRAMED_STREAMS = ("rpc_inference", "rpc_push")
+
+    @classmethod
+    def handle_name(cls, method: str) -> str:
+        """The p2p protocol name of `method` (what hivemind's stubs of this class call)."""
+        return cls._get_handle_name(None, method)
+
+    async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced: bool = False) -> None:
+        """hivemind's handlers, then the per-step streams replaced by framed streams (the p2p daemon
+        refuses a second handler of a name: removed first; the server is not announced yet)."""
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
+        if wrapper is None and namespace is None and not balanced:
+            for method in self.FRAMED_STREAMS:
+                await p2p.remove_binary_stream_handler(self.handle_name(method))
+                await add_framed_handler(p2p, self.handle_name(method), getattr(self, method))
 
     async def _members_stream(self, handler, requests, context: P2PContext):
         """A stream RPC: a caller not on the allowlist gets the refusal, and its input is drained."""

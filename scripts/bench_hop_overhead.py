@@ -12,6 +12,15 @@ framework cost per hop = client_ms - compute_ms (median and p90), split into wir
 and server-side overhead (server - compute). Also one session's tok/s through the chain (each relay)
 against local HF generate with one thread; and our framing's CPU cost per hop (`codec_*_us`: the
 four encode/decode operations of a hop, best of many runs; `--codec-only` measures just that).
+
+Wall times on a loaded machine are mostly waiting for a core, so the run also counts what depends
+less on the load: the CPU time and the times scheduled onto a CPU (wake-ups, each a scheduling delay
+under load) of every process of the run (this one, the servers and their DHT children, every p2p
+daemon: /proc/*/task/*/schedstat) over the timed generate, minus the same processes idle for as long
+(DHT announces, the Go runtime's timers), per token and hop (`<kind>_cpu_us_per_hop_<relay>`,
+`<kind>_wakeups_per_hop_<relay>`; kinds `p2pd`, `servers` and `client`, which includes the client's
+embedding and LM head); the servers' own batch CPU (their service records) is taken out of
+`servers_framework_cpu_us_per_hop_<relay>`.
 Prints one JSON object; writes results/bench_hop_overhead.json.
 """
 from __future__ import annotations
@@ -52,6 +61,64 @@ def compute_ms_per_range(path, bounds, steps: int) -> list[list[float]]:
         out.append(times)
         del br
     return out
+
+
+def _tree_pids(root: int) -> dict[int, str]:
+    """`root` and all its descendants, each with its command's short name (python, p2pd, ...)."""
+    parent, name = {}, {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+            name[int(d.name)] = stat[stat.index("(") + 1:stat.rindex(")")]
+    tree, frontier = {root}, [root]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier and p not in tree]
+        tree.update(kids)
+        frontier = kids
+    return {p: name.get(p, "?") for p in tree}
+
+
+def tree_usage(root: int) -> dict[int, tuple[str, int, int]]:
+    """Per process of `root`'s tree: (name, CPU ns, times scheduled onto a CPU), summed over its threads."""
+    out = {}
+    for pid, name in _tree_pids(root).items():
+        cpu_ns = runs = 0
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                fields = (task / "schedstat").read_text().split()
+                cpu_ns, runs = cpu_ns + int(fields[0]), runs + int(fields[2])
+        except OSError:
+            continue
+        out[pid] = (name, cpu_ns, runs)
+    return out
+
+
+def usage_delta(before: dict, after: dict, root: int) -> dict[str, tuple[float, int]]:
+    """(CPU us, runs) per kind of process between two `tree_usage`s: `client` (this process),
+    `servers` (the servers' Pythons and DHT children), `p2pd` (every daemon)."""
+    kinds: dict[str, list] = {"client": [0.0, 0], "servers": [0.0, 0], "p2pd": [0.0, 0]}
+    for pid, (name, cpu_ns, runs) in after.items():
+        _, cpu0, runs0 = before.get(pid, (name, 0, 0))
+        k = kinds["client" if pid == root else ("p2pd" if "p2pd" in name else "servers")]
+        k[0] += (cpu_ns - cpu0) / 1e3
+        k[1] += runs - runs0
+    return {k: (v[0], v[1]) for k, v in kinds.items()}
+
+
+def batch_cpu_us(model, peers: list[str], since: dict[str, int]) -> tuple[float, dict[str, int]]:
+    """The servers' batch CPU (us) after the cursors `since` (their service records), and the new cursors."""
+    from petals_chain.protocol import fetch_service_records
+
+    total, cursors = 0.0, {}
+    for peer in peers:
+        records = fetch_service_records(model.backend.loop, model.backend.p2p, peer, since.get(peer, -1)) or []
+        total += sum(rec.cpu_s for rec in records) * 1e6
+        cursors[peer] = max([rec.seq for rec in records], default=since.get(peer, -1))
+    return total, cursors
 
 
 def codec_us_per_hop(reps: int = 300, n: int = 20) -> dict:
@@ -110,9 +177,11 @@ def main() -> int:
     r: dict = {"servers": args.servers, "new_tokens": n, "loadavg_start": os.getloadavg()[0]}
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     hf.generate(ids, max_new_tokens=2, do_sample=False)
-    t = time.perf_counter()
+    me = os.getpid()
+    usage0, t = tree_usage(me), time.perf_counter()
     ref = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     r["hf_local_tok_s"] = n / (time.perf_counter() - t)
+    r["hf_cpu_us_per_token"] = usage_delta(usage0, tree_usage(me), me)["client"][0] / n
     del hf
     compute = compute_ms_per_range(path, bounds, n)
     with LocalSwarm("smollm2-135m", list(zip(bounds, bounds[1:])),
@@ -127,14 +196,27 @@ def main() -> int:
                 model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers)
             try:
                 model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
+                peers = [sp.peer_id for sp in swarm.servers]
+                _, cursors = batch_cpu_us(model, peers, {})
                 with model.inference_session(max_length=ids.shape[1] + n + 2) as session:
-                    t = time.perf_counter()
+                    usage0, t = tree_usage(me), time.perf_counter()
                     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-                    r[f"chain_tok_s_{relay}_relay"] = n / (time.perf_counter() - t)
+                    elapsed_s = time.perf_counter() - t
+                    used = usage_delta(usage0, tree_usage(me), me)
+                    r[f"chain_tok_s_{relay}_relay"] = n / elapsed_s
                     r[f"exact_{relay}_relay"] = out.tolist() == ref.tolist()
                     timings = session.chain.hop_timings
+                batches_us, _ = batch_cpu_us(model, peers, cursors)
+                usage0 = tree_usage(me)  # the same processes idle for as long: what they do anyway
+                time.sleep(elapsed_s)
+                idle = usage_delta(usage0, tree_usage(me), me)
             finally:
                 model.backend.shutdown()
+            per_hop = n * args.servers
+            for kind in ("p2pd", "servers", "client"):
+                r[f"{kind}_cpu_us_per_hop_{relay}"] = (used[kind][0] - idle[kind][0]) / per_hop
+                r[f"{kind}_wakeups_per_hop_{relay}"] = (used[kind][1] - idle[kind][1]) / per_hop
+            r[f"servers_framework_cpu_us_per_hop_{relay}"] = (used["servers"][0] - idle["servers"][0] - batches_us) / per_hop
             if relay != "client":
                 continue
             decode = [h for h in timings if h.tokens == 1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -126,9 +127,11 @@ class BlockServicer:
         try:
             while True:
                 try:
-                    # a client that went silent must not hold its KV reservation forever
-                    kind, message = await asyncio.wait_for(inbox.queue.get(), idle_timeout_s)
-                except asyncio.TimeoutError:
+                    # a client that went silent must not hold its KV reservation forever (asyncio.timeout,
+                    # not wait_for: on Python 3.11 wait_for wraps the get in a task, per message)
+                    async with asyncio.timeout(idle_timeout_s):
+                        kind, message = await inbox.queue.get()
+                except TimeoutError:
                     logger.info("closing a session of %s idle for %.0f s", client_id, idle_timeout_s)
                     yield wire.error_response(SessionIdleTimeoutError(
                         f"the server closed this stream: nothing arrived for {idle_timeout_s:.0f} s "
@@ -324,6 +327,7 @@ class BlockServicer:
             raise InvalidRequestError(f"hidden states must be {stack.block_range.dtype}, got {hidden.dtype}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        loop_thread = threading.get_ident()
 
         def deliver(result, error):
             def settle():
@@ -333,7 +337,10 @@ class BlockServicer:
                     future.set_exception(error)
                 else:
                     future.set_result(result)
-            loop.call_soon_threadsafe(settle)
+            if threading.get_ident() == loop_thread:
+                settle()  # run inline on this loop: the await below returns without a loop iteration
+            else:
+                loop.call_soon_threadsafe(settle)
 
         # a lone session's small step runs inline on this loop when the scheduler is idle (no thread
         # hop); with several sessions, steps go through the scheduler thread so their batches form. A

@@ -23,10 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.p2p import PeerID
-
 from petals_chain import wire, wire_parts
 from petals_chain.errors import RelayRefusedError
+from petals_chain.framed_stream import FramedStream
 from petals_chain.messages import Push
 from petals_chain.protocol import BlockService
 
@@ -108,7 +107,7 @@ class RelayLinks:
     def __init__(self, p2p, session_id: str):
         self.p2p = p2p
         self.session_id = session_id
-        self._links: dict[str, tuple[asyncio.Queue, asyncio.Task]] = {}
+        self._links: dict[str, tuple[FramedStream, asyncio.Task]] = {}
         self._tail: asyncio.Task | None = None  # pushes of one session go out in step order
 
     def push_soon(self, route: list[str], step_id: int, out: torch.Tensor, start_position: int | None = None) -> None:
@@ -132,14 +131,12 @@ class RelayLinks:
         peer, rest = route[0], list(route[1:])
         link = self._links.get(peer)
         if link is None:
-            queue: asyncio.Queue = asyncio.Queue()
-            stub = BlockService.get_stub(self.p2p, PeerID.from_base58(peer))
-            responses = await stub.rpc_push(wire_parts.until_none(queue))
-            link = self._links[peer] = (queue, asyncio.create_task(self._read_acks(peer, responses)))
-        for message in wire_parts.to_messages(Push(self.session_id, step_id, rest, start_position).to_wire(), (out,)):
-            link[0].put_nowait(message)
+            channel = await FramedStream.open(self.p2p, peer, BlockService.handle_name("rpc_push"))
+            link = self._links[peer] = (channel, asyncio.create_task(self._read_acks(peer, channel)))
+        await link[0].send(*wire_parts.to_messages(Push(self.session_id, step_id, rest, start_position).to_wire(),
+                                                   (out,)))
 
-    async def _read_acks(self, peer: str, responses) -> None:
+    async def _read_acks(self, peer: str, responses: FramedStream) -> None:
         try:
             async for response in responses:
                 meta = wire.unpack(response.metadata)
@@ -152,7 +149,7 @@ class RelayLinks:
     def close(self) -> None:
         if self._tail is not None:
             self._tail.cancel()
-        for queue, reader in self._links.values():
-            queue.put_nowait(None)
+        for channel, reader in self._links.values():
+            channel.end()
             reader.cancel()
         self._links.clear()

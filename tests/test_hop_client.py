@@ -16,23 +16,25 @@ from petals_chain.messages import Hop, Open
 HOP = Hop("QmPeer", 0, 6)
 
 
-class SilentStub:
+class SilentChannel:
     """A server stream that opens and never answers, like a stream the client's p2p daemon opened on
-    a connection to a server SIGKILLed a moment before (nothing resets it); with `dial_hangs` the
-    opening itself never returns (a dial to a dead peer that hangs)."""
+    a connection to a server SIGKILLed a moment before (nothing resets it)."""
 
-    def __init__(self, dial_hangs: bool):
-        self.dial_hangs = dial_hangs
+    async def send(self, *messages):
+        pass
 
-    async def rpc_inference(self, requests):
-        if self.dial_hangs:
-            await asyncio.Event().wait()  # forever
+    async def __anext__(self):
+        await asyncio.Event().wait()  # forever
 
-        async def replies():
-            await asyncio.Event().wait()  # forever
-            yield None
+    def abort(self):
+        pass
 
-        return replies()
+
+async def silent_channel(dial_hangs: bool) -> SilentChannel:
+    """With `dial_hangs` the opening itself never returns (a dial to a dead peer that hangs)."""
+    if dial_hangs:
+        await asyncio.Event().wait()  # forever
+    return SilentChannel()
 
 
 @pytest.fixture
@@ -49,7 +51,7 @@ def test_an_open_on_a_silent_stream_to_a_dead_server_fails_over_by_its_refused_p
         probes.append(peer_id)
         return "ControlFailure: dial tcp4 127.0.0.1:1: connect: connection refused"
 
-    hops.stub = lambda peer_id: SilentStub(dial_hangs)
+    hops.open_channel = lambda peer_id: silent_channel(dial_hangs)
     hops.probe_error = refused
     with pytest.raises(ServerUnavailableError, match="went silent: no reply to the open.*connection refused"):
         asyncio.run(hops.open_async(HOP, Open("s", 16)))

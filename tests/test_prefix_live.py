@@ -1,6 +1,7 @@
 """A live swarm with prefix caches: a second session sharing a prompt prefix reuses it on every hop
 (identical text to HF), another client gets no hit (scope client), and a failover after reuse
-rebuilds the replacement's prefix and still gives identical text (span and whole-chain failover)."""
+rebuilds the replacement's prefix and still gives identical text (span and whole-chain failover with
+server relay, and span failover with client relay)."""
 from __future__ import annotations
 
 import pytest
@@ -24,10 +25,10 @@ QUESTIONS = ["Question: When does the library open on Saturday?\nAnswer: The lib
              "Question: Is there a reading club for children?\nAnswer: Yes, the"]
 
 
-def _client(swarm, identity, servers):
+def _client(swarm, identity, servers, relay="server"):
     return DistributedModelForCausalLM.from_pretrained(
         "smollm2-135m", initial_peers=swarm.initial_peers, use_orchestrator=False, identity_path=str(identity),
-        allowed_servers=[sp.peer_id for sp in servers])
+        allowed_servers=[sp.peer_id for sp in servers], relay=relay)
 
 
 def _ask(model, ids, n=8, streamer=None):
@@ -47,9 +48,9 @@ def test_prefix_reuse_across_sessions_scope_and_failover(smollm2_path, smollm2_h
     shared = min(len(ids[0]) for ids in prompts)
     assert shared >= 32
     server_args = ["--num-threads", "1", "--policy", "dlpm", "--prefix-sharing", "client"]
-    ranges = [(0, 12), (12, 30), (12, 30), (12, 30)]
+    ranges = [(0, 12), (12, 30), (12, 30), (12, 30), (12, 30)]
     with LocalSwarm("smollm2-135m", ranges, server_args=server_args) as swarm:
-        head, mid, spare, spare2 = swarm.servers
+        head, mid, spare, spare2, spare3 = swarm.servers
         alice = _client(swarm, tmp_path / "alice.key", [head, mid])
         try:
             out, chain = _ask(alice, prompts[0])
@@ -72,7 +73,7 @@ def test_prefix_reuse_across_sessions_scope_and_failover(smollm2_path, smollm2_h
         finally:
             bob.backend.shutdown()
 
-        for other in (spare, spare2):  # the spares learn alice's prefix too
+        for other in (spare, spare2, spare3):  # the spares learn alice's prefix too
             alice = _client(swarm, tmp_path / "alice.key", [head, other])
             try:
                 assert _ask(alice, prompts[0])[0].tolist() == refs[0].tolist()
@@ -83,11 +84,15 @@ def test_prefix_reuse_across_sessions_scope_and_failover(smollm2_path, smollm2_h
         # prefix from a cache; it is rebuilt from the prefix run statelessly through the head
         survivors = _failover_after_reuse(swarm, tmp_path, [head, mid, spare], prompts[2], refs[2], whole_chain=False)
         # whole-chain failover (what a session does with an orchestrator): replayed from block 0
-        _failover_after_reuse(swarm, tmp_path, [head, survivors[0], spare2], prompts[2], refs[2], whole_chain=True)
+        survivors = _failover_after_reuse(swarm, tmp_path, [head, survivors[0], spare2], prompts[2], refs[2],
+                                          whole_chain=True)
+        # the client relaying every hop itself (no pushes): the same rebuild of the prefix
+        _failover_after_reuse(swarm, tmp_path, [head, survivors[0], spare3], prompts[2], refs[2], whole_chain=False,
+                              relay="client")
 
 
-def _failover_after_reuse(swarm, tmp_path, servers, ids, ref, whole_chain):
-    alice = _client(swarm, tmp_path / "alice.key", servers)
+def _failover_after_reuse(swarm, tmp_path, servers, ids, ref, whole_chain, relay="server"):
+    alice = _client(swarm, tmp_path / "alice.key", servers, relay)
     try:
         alice.backend.provider.whole_chain_failover = whole_chain
         with alice.inference_session(max_length=ids.shape[1] + 9, prompt_ids=ids[0]) as session:

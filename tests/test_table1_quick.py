@@ -59,9 +59,12 @@ def test_quick_mode_end_to_end(tmp_path):
     marker = uuid.uuid4().hex
     net_name = "t1q" + marker[:4]
     out = tmp_path / "table1"
-    # --quick: two policies; fewer requests and a fixed time scale keep the test bounded
+    # --quick: two policies; fewer requests and a fixed time scale keep the test bounded, and 4 servers (2
+    # fast, 2 slow) instead of 9: each starts SmolLM2 and runs at a fraction of a core, and 4 still make
+    # chains of several servers (a slow server's 240 MiB cannot hold the 405 MiB of blocks)
     argv = [sys.executable, "-m", "petals_chain.cli", "experiment", "table1", "--quick", "--requests", "6",
-            "--time-scale", "3", "--deadline", "240", "--warmup-per-chain", "1", "--out", str(out),
+            "--time-scale", "3", "--deadline", "240", "--warmup-per-chain", "1", "--servers", "4",
+            "--fast-servers", "2", "--out", str(out),
             "--netem-name", net_name] + \
         ([] if netem_ok else ["--no-netem"])
     env = {**os.environ, "TABLE1_TEST_MARKER": marker, "PYTHONPATH": str(REPO)}

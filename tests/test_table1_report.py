@@ -28,6 +28,21 @@ def test_every_request_is_counted_and_failures_stay_out_of_the_statistics():
         assert key in s["response_s"] and key in s["wait_s"] and key in s["service_s"]
 
 
+def test_mean_of_all_requests_counts_failures_at_their_give_up_time():
+    recs = [rec(0, 0.0, 1.0, 3.0),  # finished: 3 s
+            rec(1, 1.0, None, 11.0, gen=0, error="AcquireTimeoutError: no chain slot"),  # given up at 11: 10 s
+            rec(2, 4.0, None, None, gen=0, error="DeadlineError: not finished")]  # the deadline: 4 + 20 - 4
+    s = report.policy_summary(recs, expected=3, deadline_s=20.0)
+    assert s["response_s"]["mean"] == pytest.approx(3.0)  # the finished ones only, as before
+    assert s["response_all_lower_bound_s"] == pytest.approx((3.0 + 10.0 + 20.0) / 3)
+    assert report.policy_summary(recs, expected=3)["response_all_lower_bound_s"] is None  # no deadline: unknown
+    assert report.policy_summary(recs[:1], expected=1)["response_all_lower_bound_s"] == pytest.approx(3.0)
+    # a policy that drops its slow requests no longer looks faster than one that serves them all
+    served = report.policy_summary([rec(0, 0.0, 1.0, 3.0), rec(1, 1.0, 5.0, 12.0), rec(2, 4.0, 12.0, 20.0)], 3, 20.0)
+    imp = report.changes_vs({"petals": s, "proposed": served}, "petals")["proposed"]
+    assert imp["mean_response"] > 0 > imp["mean_response_all_lower_bound"]
+
+
 def test_change_vs_petals_and_markdown():
     pols = {p: report.policy_summary([rec(0, 0.0, w, w + 2.0, policy=p)], 1) for p, w in (("petals", 8.0),
                                                                                            ("proposed", 0.0))}

@@ -1,6 +1,8 @@
 """Table 1 workload: the Azure trace loader and the scaling arithmetic (experiments/workload.py)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -87,3 +89,34 @@ def test_time_scaling_is_a_pure_stretch(arrivals, time_scale, length_scale):
     d0 = np.diff(a)
     assume(d0.mean() > 0)
     assert workload.interarrival_cv(got) == pytest.approx(workload.interarrival_cv(a), rel=1e-6, abs=1e-9)
+
+
+def test_calibrate_from_an_earlier_run_reads_its_measured_cpu_per_request(tmp_path):
+    from experiments.table1 import CalibrationError, measured_cpu_s_per_request
+    with pytest.raises(CalibrationError, match="--calibrate-from"):
+        measured_cpu_s_per_request(tmp_path, servers_only=True)
+    recs = [{"index": i, "arrival_s": 0.0, "start_s": 1.0, "end_s": 2.0, "output_tokens": 3, "generated_tokens": 3,
+             "error": None} for i in range(4)]
+    recs.append({**recs[0], "index": 4, "generated_tokens": 0, "error": "DeadlineError: late"})
+    (tmp_path / "records_proposed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "run_proposed.json").write_text(json.dumps({
+        "cpu": {"ours_cpu_s": 20.0},
+        "host_cpu": {"client": {"cpu_s": 8.0}, "fast0": {"cpu_s": 6.0}, "slow0": {"cpu_s": 2.0}}}))
+    w, why = measured_cpu_s_per_request(tmp_path, servers_only=True)  # shares: the server hosts, per finished
+    assert w == pytest.approx((6.0 + 2.0) / 4) and "proposed" in why
+    w, _ = measured_cpu_s_per_request(tmp_path, servers_only=False)  # no shares: all our processes
+    assert w == pytest.approx(20.0 / 4)
+
+
+def test_peak_offered_load_is_the_busiest_window():
+    w, cpus = 2.0, 1.0
+    arrivals = [0.0, 1.0, 2.0, 100.0, 100.5, 101.0, 101.5, 300.0]  # a burst of 4 within 2 s
+    assert workload.peak_offered_load(arrivals, w, cpus, window_s=10.0) == pytest.approx(4 * w / (10.0 * cpus))
+    assert workload.peak_offered_load(arrivals, w, cpus, window_s=1000.0) == pytest.approx(8 * w / 1000.0)
+    # never below the mean load over the span: the whole span is one of the windows when it is that long
+    span = arrivals[-1] - arrivals[0]
+    assert workload.peak_offered_load(arrivals, w, cpus, window_s=span + 1) >= \
+        workload.offered_load(workload.rate_per_s(arrivals), w, cpus) * span / (span + 1)
+    assert workload.peak_offered_load([], w, cpus) == 0.0
+    with pytest.raises(ValueError):
+        workload.peak_offered_load(arrivals, w, cpus, window_s=0.0)

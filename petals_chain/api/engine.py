@@ -25,6 +25,11 @@ from petals_chain.client.speculation import AdaptivePromptLookup
 from petals_chain.errors import InvalidRequestError
 
 
+# pick_allowed's candidates per round after a rejected first pick: a softmax and a multinomial (or a sort)
+# over the whole vocabulary cost about as much for 64 candidates as for one
+REJECTION_DRAWS = 64
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -126,22 +131,37 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
         result.logprobs = []
     constraint = params.constraint
 
-    def pick(ids: list[int], logits: torch.Tensor) -> int:
+    def pick(ids: list[int], logits: torch.Tensor, draws: int = 1) -> list[int]:
+        """Greedy: the best token (`draws` > 1: the `draws` best, best first, ties by index as argmax breaks
+        them); sampling: `draws` independent samples (with replacement) of the warped distribution."""
         if params.temperature > 0:
             scores = warpers(torch.tensor([ids], dtype=torch.long), logits)
-            return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0, 0])
-        return int(logits.argmax(dim=-1)[0])
+            return torch.multinomial(torch.softmax(scores, dim=-1), draws, replacement=draws > 1,
+                                     generator=generator)[0].tolist()
+        if draws == 1:
+            return [int(logits.argmax(dim=-1)[0])]
+        return torch.sort(logits[0], descending=True, stable=True).indices[:draws].tolist()
 
     def pick_allowed(ids: list[int], logits: torch.Tensor, reply: list[int]) -> int:
-        """`pick` among the tokens that keep `reply`'s text a valid prefix: reject and mask the pick
-        until one fits (the best token usually does; masking then re-warping is masking before sampling)."""
+        """`pick` among the tokens that keep `reply`'s text a valid prefix: reject and mask picks until one
+        fits (the best token usually does; masking then re-warping is masking before sampling). After a
+        rejected first pick, candidates come REJECTION_DRAWS at a time (greedy: the next best in order;
+        sampling: independent draws, whose first fitting one has the same distribution as drawing again
+        after each rejection): a random model's forced call rejects hundreds of tokens per step, and each
+        pick is a softmax and a multinomial (or an argmax) over the whole vocabulary."""
         logits = logits.clone()
-        for _ in range(logits.shape[-1]):
-            token = pick(ids, logits)
-            if token not in eos and constraint.check(tokenizer.decode(reply + [token], skip_special_tokens=True)).ok \
-                    and tokenizer.decode([token], skip_special_tokens=True):
-                return token
-            logits[0, token] = float("-inf")
+        rejected: set[int] = set()
+        draws = 1
+        while len(rejected) < logits.shape[-1]:
+            for token in pick(ids, logits, draws):
+                if token in rejected:
+                    continue
+                if token not in eos and constraint.check(tokenizer.decode(reply + [token], skip_special_tokens=True)).ok \
+                        and tokenizer.decode([token], skip_special_tokens=True):
+                    return token
+                rejected.add(token)
+                logits[0, token] = float("-inf")
+            draws = REJECTION_DRAWS
         raise InvalidRequestError("no token of the vocabulary continues the forced tool call: use tool_choice 'auto'")
 
     def forced_ids(reply: list[int]) -> tuple[list[int], bool]:
@@ -197,7 +217,7 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
             # draft: greedy output is identical, sampled output has the model's distribution.
             for i in range(0 if complete else len(draft) + 1):
                 row = logits[len(forced) + i:len(forced) + i + 1]
-                step_tokens.append(pick(tokens + step_tokens, row) if constraint is None
+                step_tokens.append(pick(tokens + step_tokens, row)[0] if constraint is None
                                    else pick_allowed(tokens + step_tokens, row, generated + step_tokens))
                 if i == len(draft) or step_tokens[-1] != draft[i]:
                     break

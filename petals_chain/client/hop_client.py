@@ -18,6 +18,7 @@ from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from petals_chain import wire, wire_parts
+from petals_chain.framed_stream import FramedStream
 from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
@@ -85,8 +86,7 @@ class HopStream:
     """A session's open `rpc_inference` stream on one hop, and what the client keeps for it."""
 
     hop: Hop
-    queue: asyncio.Queue
-    responses: object  # async iterator of ExpertResponse
+    channel: FramedStream  # the stream: `send` writes requests, iterating reads ExpertResponses
     inputs: list[torch.Tensor] = field(default_factory=list)  # everything sent to this hop, for replay
     prefix_match_tokens: int = 0  # of the prompt, what this hop's prefix cache holds (its open reply)
     prefix_tokens: int | None = None  # to send with its first step (then None): the chain's reuse
@@ -114,6 +114,10 @@ class HopClient:
 
     def stub(self, peer_id: str):
         return BlockService.get_stub(self.p2p, PeerID.from_base58(peer_id))
+
+    async def open_channel(self, peer_id: str) -> FramedStream:
+        """A new `rpc_inference` stream to `peer_id` (one socket write per message)."""
+        return await FramedStream.open(self.p2p, peer_id, BlockService.handle_name("rpc_inference"))
 
     def run(self, coro, timeout_s: float):
         """Run `coro` on the loop; a server's failure is raised as its typed error."""
@@ -191,26 +195,28 @@ class HopClient:
         return self.run_hop(hop, self.open_async(hop, open_msg), self.open_timeout_s + 2)
 
     async def open_async(self, hop: Hop, open_msg: Open) -> HopStream:
-        queue: asyncio.Queue = asyncio.Queue()
+        opened_channel: list[FramedStream] = []
 
         async def open_stream():
-            responses = await self.stub(hop.peer_id).rpc_inference(wire_parts.until_none(queue))
-            await queue.put(wire.request(open_msg))
-            return responses, await anext(responses)
+            channel = await self.open_channel(hop.peer_id)
+            opened_channel.append(channel)
+            await channel.send(wire.request(open_msg))
+            return channel, await anext(channel)
 
         try:
             # the stream's opening too: the client's p2p daemon can hang dialling a dead peer (seen
             # while another server was frozen) as well as open a stream that is never answered
-            responses, first = await self.receive_while_alive(hop, open_stream(), LIVENESS_FLOOR_S,
-                                                              self.open_timeout_s, "the open")
+            channel, first = await self.receive_while_alive(hop, open_stream(), LIVENESS_FLOOR_S,
+                                                            self.open_timeout_s, "the open")
         except BaseException:
-            queue.put_nowait(None)  # ends the request stream, if it was opened
+            for channel in opened_channel:  # the stream, if it was opened
+                channel.abort()
             raise
         meta = wire.unpack(first.metadata)
         try:
             opened = wire.decode_reply(meta, Opened)
         except PetalsChainError as e:
-            await queue.put(None)
+            channel.end()
             if isinstance(e, InvalidRequestError) and meta.get("type") != "error":  # not its typed refusal
                 raise ServerUnavailableError(f"server {hop.describe()} sent a malformed open reply: {e}") from e
             raise
@@ -219,7 +225,7 @@ class HopClient:
         # a server without a cache (or another chunk size) does not answer: nothing reused on this chain
         if opened.prefix_chunk_tokens != PREFIX_CHUNK_TOKENS or not 0 <= match <= len(hashes) * PREFIX_CHUNK_TOKENS:
             match = 0
-        return HopStream(hop, queue, responses, prefix_match_tokens=match, relay_from=open_msg.relay_from)
+        return HopStream(hop, channel, prefix_match_tokens=match, relay_from=open_msg.relay_from)
 
     def step(self, stream: HopStream, step: Step, hidden: torch.Tensor, liveness_after_s: float = LIVENESS_FLOOR_S
              ) -> StepResult:
@@ -229,11 +235,14 @@ class HopClient:
                          liveness_after_s: float = LIVENESS_FLOOR_S) -> StepResult:
         """One step on `stream`; its reply awaited with liveness probes after `liveness_after_s`."""
         t0 = time.perf_counter()
-        for request in wire_parts.to_messages(step.to_wire(), (hidden,)):
-            await stream.queue.put(request)
+        requests = wire_parts.to_messages(step.to_wire(), (hidden,))
+
+        async def exchange() -> wire_parts.Message:
+            await stream.channel.send(*requests)  # waits only when the socket is full (a large prompt)
+            return await wire_parts.receive_one(stream.channel)
+
         try:
-            reply = await self.receive_while_alive(stream.hop, wire_parts.receive_one(stream.responses),
-                                                   liveness_after_s, self.step_timeout_s)
+            reply = await self.receive_while_alive(stream.hop, exchange(), liveness_after_s, self.step_timeout_s)
         except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         client_s = time.perf_counter() - t0
@@ -309,8 +318,10 @@ class HopClient:
     def close(self, streams: list[HopStream]) -> None:
         """Close `streams` (best effort: a dead server's stream is gone anyway)."""
         async def close(s: HopStream):
-            await s.queue.put(wire.request(Close()))
-            await s.queue.put(None)
+            try:
+                await s.channel.send(wire.request(Close()))
+            finally:
+                s.channel.end()
 
         for s in streams:
             try:
