@@ -323,9 +323,13 @@ def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, request
     return st
 
 
+PLAN_ERROR_GRACE_S = 60.0
+
+
 def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:
     """The orchestrator's /status once its plan is online (every server it placed serves its range)."""
     deadline = time.monotonic() + timeout_s
+    error_since = None  # when the current plan error was first seen with every server registered
     while True:
         dead = [s.name for s in swarm.servers if not s.alive]
         if dead:
@@ -334,6 +338,18 @@ def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:
         status = launcher.fetch_json("orchestrator", url + "status")
         if status.get("plan_installed"):
             return status
+        # A plan error while servers are still registering is expected (too few yet); one that stays
+        # PLAN_ERROR_GRACE_S after all of them registered will not go away: say it now, not at the timeout.
+        err = status.get("plan_error")
+        if err and len(status.get("servers") or []) >= len(swarm.servers):
+            error_since = error_since or (err, time.monotonic())
+            if error_since[0] != err:
+                error_since = (err, time.monotonic())
+            elif time.monotonic() - error_since[1] > PLAN_ERROR_GRACE_S:
+                raise RuntimeError(f"the orchestrator cannot plan with all {len(swarm.servers)} servers registered "
+                                   f"(for {PLAN_ERROR_GRACE_S:.0f} s): {err}")
+        else:
+            error_since = None
         if time.monotonic() > deadline:
             raise RuntimeError(f"the orchestrator's plan was not online within {timeout_s:.0f} s: "
                                f"{status.get('plan_error') or status.get('events', [])[-3:]}")
