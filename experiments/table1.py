@@ -65,6 +65,7 @@ class Table1Config:
     warmup_timeout_s: float = 240.0
     # the auto time scale's W measured in an earlier run's results folder instead of footnote 11's estimate
     calibrate_from: str | None = None
+    leftover_placement: bool = False  # the orchestrator's --leftover-placement (proposed: idle servers get blocks)
     deadline_s: float = 600.0
     command: str = ""
     extra: dict = field(default_factory=dict)
@@ -356,6 +357,21 @@ def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:
         time.sleep(1.0)
 
 
+def orchestrator_args(cfg: Table1Config, policy: str, scale_info: dict) -> list[str]:
+    """`petals-chain orchestrator` arguments of one column: the policy, the scaled load it plans for, and
+    at most one re-plan, from the calibrated model right after the warm-up."""
+    args = ["--policy", policy, "--expected-servers", str(cfg.servers), "--arrival-rate",
+            f"{scale_info['rate_per_s']:.6f}", "--rho", str(cfg.rho_bar), "--mean-input-tokens",
+            f"{scale_info['mean_input_tokens']:.3f}", "--mean-output-tokens", f"{scale_info['mean_output_tokens']:.3f}",
+            "--lease-ttl", "60", "--replan-period", "1e9",
+            # the calibrated model may re-plan once, right after the warm-up, never during the replay
+            "--model-replans", "1" if cfg.warmup_per_chain > 0 else "0", "--model-replan-period", "1",
+            "--replan-hold", "5"]
+    if cfg.leftover_placement:  # blocks for the servers GBP-CR leaves idle (orchestrator/placement_leftover.py)
+        args.append("--leftover-placement")
+    return args
+
+
 def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir: Path) -> dict:
     """One fresh swarm for `policy`: start, wait for its plan, replay, collect; always stops everything."""
     from petals_chain.local_swarm import LocalSwarm
@@ -364,13 +380,7 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
     req_file = out_dir / "requests.json"
     req_file.write_text(json.dumps([r.to_dict() for r in requests]))
     rec_file = out_dir / f"records_{policy}.jsonl"
-    orch_args = ["--policy", policy, "--expected-servers", str(cfg.servers), "--arrival-rate",
-                 f"{scale_info['rate_per_s']:.6f}", "--rho", str(cfg.rho_bar), "--mean-input-tokens",
-                 f"{scale_info['mean_input_tokens']:.3f}", "--mean-output-tokens", f"{scale_info['mean_output_tokens']:.3f}",
-                 "--lease-ttl", "60", "--replan-period", "1e9",
-                 # the calibrated model may re-plan once, right after the warm-up, never during the replay
-                 "--model-replans", "1" if cfg.warmup_per_chain > 0 else "0", "--model-replan-period", "1",
-                 "--replan-hold", "5"]
+    orch_args = orchestrator_args(cfg, policy, scale_info)
     launcher = make_launcher(cfg, rtt_ms)
     swarm = LocalSwarm(cfg.model, [None] * cfg.servers, server_args=["--num-threads", "1", "--max-length",
                                                                      str(cfg.max_length_tokens)],
