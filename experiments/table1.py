@@ -366,7 +366,10 @@ def orchestrator_args(cfg: Table1Config, policy: str, scale_info: dict) -> list[
             "--lease-ttl", "60", "--replan-period", "1e9",
             # the calibrated model may re-plan once, right after the warm-up, never during the replay
             "--model-replans", "1" if cfg.warmup_per_chain > 0 else "0", "--model-replan-period", "1",
-            "--replan-hold", "5"]
+            "--replan-hold", "5",
+            # the stated means are the whole replay's: the warm-up's few sessions (the trace's first requests,
+            # 14.5 output tokens against 22.7 in the full run) must not replace them in the planner's model
+            "--length-prior-sessions", str(cfg.requests)]
     if cfg.leftover_placement:  # blocks for the servers GBP-CR leaves idle (orchestrator/placement_leftover.py)
         args.append("--leftover-placement")
     return args

@@ -132,5 +132,6 @@ def test_orchestrator_args_of_a_column_parse_and_carry_the_leftover_placement():
         args = build_parser().parse_args(peer + orchestrator_args(Table1Config(leftover_placement=flag), "proposed", info))
         assert args.leftover_placement is flag and args.policy == "proposed"
         assert args.arrival_rate == pytest.approx(0.19)
+        assert args.length_prior_sessions == 250  # the stated means are the whole replay's (250 requests)
     assert table1_parser().parse_args(["--leftover-placement"]).leftover_placement
     assert not table1_parser().parse_args([]).leftover_placement
