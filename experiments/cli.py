@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-from", default=None, metavar="DIR", help=(
         "the auto time scale's CPU cost per request W measured in an earlier run's --out folder (its server hosts' "
         "CPU per finished request) instead of footnote 11's estimate from the start-up profile"))
+    p.add_argument("--leftover-placement", action="store_true", help=(
+        "the orchestrator's --leftover-placement: servers GBP-CR leaves idle get blocks where GCA's chains are "
+        "tightest (beyond the paper; off by default)"))
     p.add_argument("--cpus", type=positive_float, default=2.0, help="cores the auto time scale may count on (default 2)")
     p.add_argument("--fast-budget", type=_size, default="480MiB", help="fast servers' --memory-budget")
     p.add_argument("--slow-budget", type=_size, default="240MiB", help="slow servers' --memory-budget")
@@ -122,7 +125,7 @@ def main(argv: list[str]) -> int:
         n_cpus=args.cpus, fast_budget=args.fast_budget, slow_budget=args.slow_budget,
         slow_slowdown=args.slow_slowdown, netem=not args.no_netem, netem_backend=args.netem_backend,
         netem_name=args.netem_name, cpu=args.cpu, device=args.device, dtype=args.dtype, warmup_per_chain=args.warmup_per_chain,
-        calibrate_from=args.calibrate_from,
+        calibrate_from=args.calibrate_from, leftover_placement=args.leftover_placement,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest))
     try:

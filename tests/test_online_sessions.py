@@ -162,6 +162,12 @@ def test_footnote11_and_lengths():
     est.observe(300, 40)
     est.observe(0, 0)  # ignored
     assert est.shape == SessionShape(200, 30)
+    # a prior stated for a whole workload (250 sessions' worth) is moved little by a few sessions
+    heavy = LengthEstimator(SessionShape(100, 20), prior_weight=250)
+    for _ in range(14):
+        heavy.observe(160, 14)
+    assert heavy.shape.mean_output_tokens == pytest.approx((250 * 20 + 14 * 14) / 264)
+    assert 19.5 < heavy.shape.mean_output_tokens < 20
 
 
 def test_registry_builds_plan_input():

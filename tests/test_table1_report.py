@@ -167,3 +167,37 @@ def test_cpu_shares_replace_the_emulated_slowdown_where_cgroups_allow(monkeypatc
     explicit, _ = cpu_shares(Table1Config(cpu="fast=0.3,slow=0.1,slow5=0.2"))
     assert explicit["fast2"] == 0.3 and explicit["slow0"] == 0.1 and explicit["slow5"] == 0.2 and "client" not in explicit
     assert server_args(Table1Config(device="cuda"))[0][-2:] == ["--device", "cuda"]
+
+
+class _FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def monotonic(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
+def test_wait_plan_reports_a_lasting_plan_error_without_sitting_out_the_timeout(monkeypatch):
+    from types import SimpleNamespace
+
+    from experiments import table1
+    clock = _FakeClock()
+    monkeypatch.setattr(table1, "time", clock)
+    swarm = SimpleNamespace(servers=[SimpleNamespace(name=f"s{i}", alive=True) for i in range(3)])
+
+    def status(registered, error):
+        return {"plan_installed": False, "plan_error": error, "servers": [{}] * registered, "events": []}
+
+    # servers still registering: the error is expected and waited out; then the plan comes online
+    seq = iter([status(1, "no complete chain")] * 100 + [status(3, None), {"plan_installed": True}])
+    launcher = SimpleNamespace(fetch_json=lambda host, url: next(seq))
+    assert table1.wait_plan(launcher, "http://o/", swarm)["plan_installed"]
+    # every server registered and the same error for longer than the grace: raised long before the timeout
+    clock.t = 0.0
+    launcher = SimpleNamespace(fetch_json=lambda host, url: status(3, "PETALS placement leaves block 2 uncovered"))
+    with pytest.raises(RuntimeError, match="block 2 uncovered"):
+        table1.wait_plan(launcher, "http://o/", swarm, timeout_s=600.0)
+    assert table1.PLAN_ERROR_GRACE_S < clock.t < 600.0

@@ -120,3 +120,18 @@ def test_peak_offered_load_is_the_busiest_window():
     assert workload.peak_offered_load([], w, cpus) == 0.0
     with pytest.raises(ValueError):
         workload.peak_offered_load(arrivals, w, cpus, window_s=0.0)
+
+
+def test_orchestrator_args_of_a_column_parse_and_carry_the_leftover_placement():
+    from experiments.cli import build_parser as table1_parser
+    from experiments.table1 import Table1Config, orchestrator_args
+    from orchestrator.service.cli import build_parser
+    info = {"rate_per_s": 0.19, "mean_input_tokens": 129.6, "mean_output_tokens": 22.7}
+    for flag in (False, True):
+        peer = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmesM6xndavBMs1jxAgfk6s4aGbemH7CT3hRJcVyMFqVsy"]
+        args = build_parser().parse_args(peer + orchestrator_args(Table1Config(leftover_placement=flag), "proposed", info))
+        assert args.leftover_placement is flag and args.policy == "proposed"
+        assert args.arrival_rate == pytest.approx(0.19)
+        assert args.length_prior_sessions == 250  # the stated means are the whole replay's (250 requests)
+    assert table1_parser().parse_args(["--leftover-placement"]).leftover_placement
+    assert not table1_parser().parse_args([]).leftover_placement

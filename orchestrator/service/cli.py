@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rho", type=positive_float, default=0.7, help="target load rho_bar in (0, 1)")
     p.add_argument("--mean-input-tokens", type=positive_float, default=64.0, help="expected l_in (updated from finished sessions)")
     p.add_argument("--mean-output-tokens", type=positive_float, default=32.0, help="expected l_out (updated from finished sessions)")
+    p.add_argument("--length-prior-sessions", type=positive_float, default=1.0, help=(
+        "how many finished sessions --mean-input-tokens / --mean-output-tokens count as in the running estimate "
+        "of the lengths (default 1: the first finished sessions soon replace them)"))
     p.add_argument("--per-block-overhead-ms", type=non_negative_float, default=1.0, help="t_o of footnote 11 (default 1 ms)")
     p.add_argument("--per-step-overhead-ms", type=non_negative_float, default=0.0, help="added to the measured RTT per step in tau_c")
     p.add_argument("--relay", choices=["server", "client"], default="server",
@@ -112,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, initial_peers=args.initial_peers, num_blocks=num_blocks, host_maddrs=args.host_maddrs,
         policy=args.policy, c=args.c, tuning=args.tuning, leftover_placement=args.leftover_placement, arrival_rate_per_s=args.arrival_rate, rho_bar=args.rho,
         mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
+        length_prior_sessions=args.length_prior_sessions,
         per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3, relay=args.relay,
         expected_servers=args.expected_servers, expected_wait_s=args.expected_wait, settle_s=args.settle, replan_period_s=args.replan_period,
         force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, calibrate=args.calibrate,

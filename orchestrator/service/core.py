@@ -57,6 +57,9 @@ class OrchestratorConfig:
     rho_bar: float = 0.7
     mean_input_tokens: float = 64.0
     mean_output_tokens: float = 32.0
+    # how many finished sessions the two means above count as in the running length estimate: 1 lets the
+    # first sessions replace them; an experiment that states the whole workload's means gives its size
+    length_prior_sessions: float = 1.0
     per_block_overhead_s: float = 0.001  # t_o of footnote 11 (the paper's ~1 ms)
     per_step_overhead_s: float = 0.0
     relay: str = "server"  # how clients relay (their default): tau_c per footnote 4 ("server") or x RTT ("client")
@@ -151,7 +154,8 @@ class Orchestrator:
         self.model = model_key(config.model)
         self.lock = threading.RLock()
         self.records: dict[str, ServerRecord] = {}
-        self.lengths = LengthEstimator(SessionShape(config.mean_input_tokens, config.mean_output_tokens))
+        self.lengths = LengthEstimator(SessionShape(config.mean_input_tokens, config.mean_output_tokens),
+                                       prior_weight=config.length_prior_sessions)
         self.overheads = Overheads(config.per_block_overhead_s, config.per_step_overhead_s)
         self.policy = get_policy(config.policy)
         # one lock: the sessions' owner shares it, so the plan and the sessions change together
