@@ -116,6 +116,13 @@ def _cores(x) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
+def server_hosts_cpu_s(host_cpu: dict | None) -> float | None:
+    """CPU seconds the server hosts (every host but `client`) used during a replay; None where a run
+    has no per-host CPU or one of them is unknown."""
+    used = [v.get("cpu_s") for h, v in (host_cpu or {}).items() if h != "client"]
+    return None if not used or None in used else float(sum(used))
+
+
 def _load_line(sc: dict) -> str:
     if sc.get("peak_offered_cpu_load_estimate") is None or sc.get("offered_cpu_load_estimate") is None:
         return ""
@@ -165,10 +172,8 @@ def summary_markdown(summary: dict) -> str:
         cpu = P[p].get("cpu")
         if cpu:
             finished = P[p].get("finished") or 0
-            hc = P[p].get("host_cpu") or {}
-            server_cpu = [v.get("cpu_s") for h, v in hc.items() if h != "client"]
-            servers = (f", the server hosts' {sum(server_cpu) / finished:.2f}"
-                       if finished and server_cpu and None not in server_cpu else "")
+            server_cpu = server_hosts_cpu_s(P[p].get("host_cpu"))
+            servers = f", the server hosts' {server_cpu / finished:.2f}" if finished and server_cpu is not None else ""
             per_req = (f"; {cpu['ours_cpu_s'] / finished:.2f} CPU-s per finished request{servers} (the auto time scale "
                        f"assumed {sc['cpu_s_per_request_estimate']:.2f})"
                        if finished and sc.get("cpu_s_per_request_estimate") else "")

@@ -169,10 +169,9 @@ def measured_cpu_s_per_request(folder: str | Path, servers_only: bool) -> tuple[
         done = sum(report.finished(r) for r in report.read_records(rec_file))
         if not done:
             continue
-        hosts = run.get("host_cpu") or {}
-        if servers_only and hosts and all(v.get("cpu_s") is not None for v in hosts.values()):
-            used = sum(v["cpu_s"] for h, v in hosts.items() if h != "client")
-            what = "the server hosts' CPU"
+        servers_cpu = report.server_hosts_cpu_s(run.get("host_cpu"))
+        if servers_only and servers_cpu is not None:
+            used, what = servers_cpu, "the server hosts' CPU"
         elif not servers_only and (run.get("cpu") or {}).get("ours_cpu_s") is not None:
             used = run["cpu"]["ours_cpu_s"]
             what = "our processes' CPU"
@@ -202,19 +201,19 @@ def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[work
     estimate = w
     if cfg.time_scale is None and cfg.calibrate_from:
         w, measured = measured_cpu_s_per_request(cfg.calibrate_from, servers_only=bool(shares))
-        ts = workload.auto_time_scale(s["rate_per_s"], w, capacity, cfg.target_load)
         reason = (f"time scale auto from measured service: {measured}; footnote 11 estimated {estimate:.2f}; "
                   f"target CPU load {cfg.target_load} of {capacity:.2f} cores "
                   f"({'the servers CPU shares' if shares else 'the machine'}).")
     elif cfg.time_scale is None:
-        ts = workload.auto_time_scale(s["rate_per_s"], w, capacity, cfg.target_load)
         reason = (f"time scale auto: W = {w:.2f} CPU-s per request (footnote 11 with t_I = "
                   f"{times.prefill_s_per_token * 1e3:.3f} ms, t_O = {times.decode_s_per_token * 1e3:.3f} ms per token "
                   f"per block measured through the whole range's step path on 1 thread, L = {num_blocks}, "
                   f"+ {cfg.step_overhead_cpu_s * 1e3:.0f} ms per step and hop), target CPU load {cfg.target_load} of "
                   f"{capacity:.2f} cores ({'the servers CPU shares' if shares else 'the machine'}).")
     else:
-        ts, reason = cfg.time_scale, "time scale given by --time-scale."
+        reason = "time scale given by --time-scale."
+    ts = cfg.time_scale if cfg.time_scale is not None else \
+        workload.auto_time_scale(s["rate_per_s"], w, capacity, cfg.target_load)
     scale = workload.Scale(ts, cfg.length_scale, cfg.output_scale, cfg.max_length_tokens)
     scaled = workload.scale_requests(trace, cfg.requests, scale, offset=cfg.offset)
     info = {**scale.to_dict(), **workload.summary(scaled), "offset": cfg.offset, "trace_rate_per_s": s["rate_per_s"],
@@ -343,8 +342,7 @@ def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:
         # PLAN_ERROR_GRACE_S after all of them registered will not go away: say it now, not at the timeout.
         err = status.get("plan_error")
         if err and len(status.get("servers") or []) >= len(swarm.servers):
-            error_since = error_since or (err, time.monotonic())
-            if error_since[0] != err:
+            if error_since is None or error_since[0] != err:
                 error_since = (err, time.monotonic())
             elif time.monotonic() - error_since[1] > PLAN_ERROR_GRACE_S:
                 raise RuntimeError(f"the orchestrator cannot plan with all {len(swarm.servers)} servers registered "
