@@ -14,11 +14,17 @@ Conventions (see DESIGN.md):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 SOURCE = -1
 SINK = -2
+
+# How a live server's compute serves concurrent sessions (Server.batch_overhead_s; the orchestrator's
+# --server-compute): "auto" = shared where a live fit measured its marginal per-session cost (t_O apart
+# from the per-step t_o, on any device), the paper's parallel model until then; "shared" = every
+# server, the start-up profile's t_O standing in where no fit exists yet; "parallel" = the paper's.
+SERVER_COMPUTE = ("auto", "shared", "parallel")
 
 # Relative tolerance for floor divisions of float memory sizes: (2 - 1) / 0.1 = 9.999999999999998
 # must count 10 slots, not 9.
@@ -51,13 +57,22 @@ def robust_floor_div(numerator: float, denominator: float) -> int:
 class Server:
     """A physical server j: memory M_j, per-session communication time tau^c_j, per-block
     per-session computation time tau^p_j (§2.1.1). ``rtt_s`` is optional and only used by the
-    PETALS baseline router."""
+    PETALS baseline router.
+
+    ``batch_overhead_s`` is not the paper's: set (>= 0), the server's compute is *shared* by the
+    sessions it serves at once (one CPU, or any device that runs batches back to back), and it is
+    the part of a session's compute that a batch pays once whatever its size (steps x t_o of the
+    calibrated fit); its per-session, per-block part is tau^p_j. Then n sessions on the server keep
+    it busy ``batch_overhead_s + n m tau^p_j`` per session lifetime, and no session can be served
+    faster than that (`contended_chains`). None (the default): the paper's model, where
+    concurrent sessions do not slow each other (GPU batches, §2.1.1)."""
 
     name: str
     memory: float
     tau_c_s: float
     tau_p_s: float
     rtt_s: float | None = None
+    batch_overhead_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,9 @@ def validate_cluster(cluster: Cluster) -> None:
             raise InvalidClusterError(f"server {sv.name!r}: 'tau_c' and 'tau_p' cannot both be 0")
         if sv.rtt_s is not None and not sv.rtt_s >= 0:
             raise InvalidClusterError(f"server {sv.name!r}: 'rtt' must be >= 0, got {sv.rtt_s!r}")
+        if sv.batch_overhead_s is not None and not (sv.batch_overhead_s >= 0 and math.isfinite(sv.batch_overhead_s)):
+            raise InvalidClusterError(f"server {sv.name!r}: 'batch_overhead' must be a non-negative number, "
+                                      f"got {sv.batch_overhead_s!r}")
 
 
 @dataclass(frozen=True)
@@ -235,6 +253,58 @@ def chain_slot_usage(chains: Iterable[ChainSpec], num_servers: int) -> list[int]
         for j, b in zip(k.servers, k.blocks):
             used[j] += k.capacity * b.num_blocks
     return used
+
+
+def server_busy_s(cluster: Cluster, chains: Iterable[ChainSpec]) -> list[float | None]:
+    """How long each server with shared compute (``batch_overhead_s`` set) is busy serving one
+    session lifetime of every chain through it at full capacity: batch_overhead_j +
+    sum_k c_k m_kj tau^p_j (one batch per step carries all of them: the optimistic end, since
+    saturated servers do batch their queued steps). None for the paper's servers."""
+    chains = list(chains)
+    out: list[float | None] = []
+    for j, sv in enumerate(cluster.servers):
+        if sv.batch_overhead_s is None:
+            out.append(None)
+            continue
+        out.append(sv.batch_overhead_s + sum(k.capacity * b.num_blocks * sv.tau_p_s
+                                             for k in chains for i, b in zip(k.servers, k.blocks) if i == j))
+    return out
+
+
+def saturating_capacity(cluster: Cluster, chain: ChainSpec) -> int:
+    """The sessions at which chain k's busiest shared-compute server saturates: the smallest n whose
+    busy time (batch_overhead_j + n m_kj tau^p_j) reaches the chain's uncontended time T_k. Up to it
+    each session adds a full session's worth of throughput; past it a session only stretches every
+    session's time by m tau^p (throughput grows by the amortised overhead alone), so a job is better
+    kept in JFFC's central queue or sent to another chain. The chain's capacity if no server is shared."""
+    n = chain.capacity
+    for j, b in zip(chain.servers, chain.blocks):
+        sv = cluster.servers[j]
+        per_session_s = b.num_blocks * sv.tau_p_s
+        if sv.batch_overhead_s is None or per_session_s <= 0:
+            continue
+        spare_s = chain.service_time_s - sv.batch_overhead_s
+        n = min(n, 1 if spare_s <= 0 else math.ceil(spare_s / per_session_s * (1 - 1e-12)))
+    return max(1, n)
+
+
+def contended_chains(cluster: Cluster, chains: Iterable[ChainSpec]) -> tuple[ChainSpec, ...]:
+    """Chains on shared-compute servers (``batch_overhead_s`` set): capacities cut to where their
+    servers saturate (`saturating_capacity`), then T_k raised to the busy time of the chain's most
+    loaded shared server with every chain through it full (`server_busy_s`): a server that runs n
+    sessions' work back to back cannot finish one session's share sooner than all n (the asymptote of
+    a closed queueing network: cycle time >= n x the bottleneck's demand). Identity for the paper's
+    servers (``batch_overhead_s`` None), so every paper result is unchanged. Order kept."""
+    chains = tuple(chains)
+    if all(cluster.servers[j].batch_overhead_s is None for k in chains for j in k.servers):
+        return chains
+    capped = [replace(k, capacity=saturating_capacity(cluster, k)) for k in chains]
+    busy = server_busy_s(cluster, capped)
+    out = []
+    for k in capped:
+        worst = max((busy[j] for j in k.servers if busy[j] is not None), default=0.0)
+        out.append(k if worst <= k.service_time_s else replace(k, service_time_s=worst))
+    return tuple(out)
 
 
 def total_service_rate_per_s(chains: Iterable[ChainSpec]) -> float:

@@ -43,14 +43,18 @@ class ServerArrays:
     memory_class: np.ndarray  # server -> index into memory_values
     tau_c_s: np.ndarray
     tau_p_s: np.ndarray
+    batch_overhead_s: np.ndarray | None = None  # NaN where None; None when no server shares its compute
 
 
 def server_arrays(cluster: Cluster) -> ServerArrays:
     mem = np.array([sv.memory for sv in cluster.servers], dtype=float)
     values, inverse = np.unique(mem, return_inverse=True)
+    shared = [sv.batch_overhead_s for sv in cluster.servers]
+    overhead = None if all(o is None for o in shared) else \
+        np.array([math.nan if o is None else o for o in shared], dtype=float)
     return ServerArrays(tuple(float(v) for v in values), inverse,
                         np.array([sv.tau_c_s for sv in cluster.servers], dtype=float),
-                        np.array([sv.tau_p_s for sv in cluster.servers], dtype=float))
+                        np.array([sv.tau_p_s for sv in cluster.servers], dtype=float), overhead)
 
 
 def _blocks_per_class(cluster: Cluster, c: int, arrays: ServerArrays) -> list[int]:
@@ -112,26 +116,34 @@ class GbpCrSweep:
         self._runs: dict[tuple, _FullRun] = {}
         self._results: dict[tuple, GbpCrResult] = {}
 
-    def _full_run(self, m_arr: np.ndarray) -> _FullRun:
+    def _full_run(self, m_arr: np.ndarray, c: int | None = None) -> _FullRun:
+        """``c``: only with shared-compute servers (Server.batch_overhead_s), whose chain time is at
+        least each such server's busy time for c sessions (model.contended_chains): then
+        the run depends on c itself, not only on m(c)."""
         L = self.cluster.service.num_blocks
         t_arr = self.arrays.tau_c_s + self.arrays.tau_p_s * m_arr  # eq. (9), the same float operations per server
+        busy = None if c is None else np.nan_to_num(self.arrays.batch_overhead_s + c * self.arrays.tau_p_s * m_arr,
+                                                    nan=0.0)
         holders = np.flatnonzero(m_arr > 0)
         # line 1, 3: by t_j / m_j, ties to the smaller index (lexsort: last key is the primary one)
         order = holders[np.lexsort((holders, t_arr[holders] / m_arr[holders]))].tolist()
         m, t = m_arr.tolist(), t_arr.tolist()
         ranges, ends, times, nus = [], [], [], []
-        a, nu, T = 1, 0.0, 0.0  # line 2
+        a, nu, T, B = 1, 0.0, 0.0, 0.0  # line 2 (B: the chain's busiest shared-compute server)
         for pos, j in enumerate(order):
             a_j = min(a, L - m[j] + 1)  # line 4: shift the last server back so it ends at block L
             ranges.append(BlockInterval(a_j - 1, a_j - 1 + m[j]))
             T += t[j]  # line 5
+            if busy is not None:
+                B = max(B, float(busy[j]))
             a = min(a + m[j] - 1, L) + 1  # line 6
             if a > L:  # line 7
+                T = max(T, B)
                 nu += 1.0 / T if T > 0 else math.inf  # line 8
                 ends.append(pos + 1)
                 times.append(T)
                 nus.append(nu)
-                a, T = 1, 0.0  # line 12
+                a, T, B = 1, 0.0, 0.0  # line 12
         return _FullRun(order, ranges, ends, times, nus)
 
     def __call__(self, c: int) -> GbpCrResult:
@@ -139,9 +151,12 @@ class GbpCrSweep:
             raise ValueError(f"capacity requirement c must be >= 1, got {c}")
         m_arr = _blocks_array(self.cluster, c, self.arrays)
         m_key = tuple(_blocks_per_class(self.cluster, c, self.arrays))
+        contended = self.arrays.batch_overhead_s is not None
+        if contended:
+            m_key = (*m_key, c)  # the chain times depend on c itself
         run = self._runs.get(m_key)
         if run is None:
-            run = self._runs[m_key] = self._full_run(m_arr)
+            run = self._runs[m_key] = self._full_run(m_arr, c if contended else None)
         target = self.cluster.arrival_rate_per_s / (self.cluster.rho_bar * c)
         k = bisect.bisect_left(run.nu_prefix, target * (1 - 1e-12))  # line 9-10 (relative tolerance)
         met = k < len(run.nu_prefix)

@@ -20,7 +20,8 @@ from orchestrator.baselines.options import BaselineOptions
 from orchestrator.baselines.request_router import PerRequestRouter
 from orchestrator.bounds import ResponseTimeBounds, theorem37_bounds
 from orchestrator.dispatch import Dispatcher
-from orchestrator.model import ChainSpec, Cluster, InfeasibleClusterError, Placement, total_service_rate_per_s
+from orchestrator.model import (ChainSpec, Cluster, InfeasibleClusterError, Placement, contended_chains,
+                               total_service_rate_per_s)
 from orchestrator.policies import POLICY_NAMES, PlacementRequest, get_policy
 from orchestrator.tuning import TUNINGS, TuningRow
 
@@ -56,7 +57,7 @@ def plan(cluster: Cluster, policy: str = "proposed", c: int | None = None, tunin
 
 
 def _finish(cluster, policy, c, placement, chains, tuning, table, baseline=BaselineOptions()) -> Plan:
-    chains = tuple(chains)
+    chains = contended_chains(cluster, chains)  # identity for the paper's servers
     if not chains:
         raise InfeasibleClusterError(f"{policy}: the placement forms no complete chain with a free cache slot; "
                                      "add servers or memory")

@@ -12,12 +12,12 @@ service rate nu (after GCA) is chosen, so an overloaded cluster still gets its b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import GcaResult, gca
-from orchestrator.model import Cluster, InfeasibleClusterError, total_service_rate_per_s
+from orchestrator.model import Cluster, InfeasibleClusterError, contended_chains, total_service_rate_per_s
 from orchestrator.placement_gbp_cr import GbpCrResult, GbpCrSweep, max_capacity
 
 Tuning = Literal["lower", "upper", "surrogate"]
@@ -61,6 +61,7 @@ def evaluate_c(cluster: Cluster, c: int, cache: dict | None = None,
         gc, rate, b = cache[key]
     else:
         gc = gca(cluster, g.placement)
+        gc = replace(gc, chains=contended_chains(cluster, gc.chains))  # identity for the paper's servers
         rate = total_service_rate_per_s(gc.chains)
         b = theorem37_bounds(gc.chains, cluster.arrival_rate_per_s)
         if cache is not None:

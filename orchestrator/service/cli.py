@@ -8,6 +8,7 @@ import sys
 import threading
 
 from orchestrator.dispatch import DISPATCHERS
+from orchestrator.model import SERVER_COMPUTE
 from orchestrator.planner import POLICIES
 from orchestrator.tuning import TUNINGS
 from orchestrator.cli_args import parse_c, positive_float
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--relay", choices=["server", "client"], default="server",
                    help="how the swarm's clients relay (their default: server): tau_c = steps x max RTT_ij / 2 over "
                         "the possible predecessors (footnote 4) or steps x the RTT from here")
+    p.add_argument("--server-compute", choices=list(SERVER_COMPUTE), default="auto", help=(
+        "how a server serves concurrent sessions: shared = its compute is split among them (a CPU: n sessions "
+        "keep it busy t_o steps + n x their compute, and the plan's chain times grow with the chain's load), "
+        "parallel = the paper's model (GPU batches: sessions do not slow each other), auto (default) = shared "
+        "for servers with a live fit (its t_O is the marginal cost of one more session), parallel before"))
     p.add_argument("--expected-servers", type=non_negative_int, default=0,
                    help="plan as soon as this many servers registered (default: when none joined for --settle)")
     p.add_argument("--expected-wait", type=non_negative_float, default=180.0,
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
         length_prior_sessions=args.length_prior_sessions,
         per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3, relay=args.relay,
+        server_compute=args.server_compute,
         expected_servers=args.expected_servers, expected_wait_s=args.expected_wait, settle_s=args.settle, replan_period_s=args.replan_period,
         force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, calibrate=args.calibrate,
         replan_enter=args.replan_threshold, replan_exit=args.replan_threshold / 2,

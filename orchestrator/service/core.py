@@ -63,6 +63,7 @@ class OrchestratorConfig:
     per_block_overhead_s: float = 0.001  # t_o of footnote 11 (the paper's ~1 ms)
     per_step_overhead_s: float = 0.0
     relay: str = "server"  # how clients relay (their default): tau_c per footnote 4 ("server") or x RTT ("client")
+    server_compute: str = "auto"  # how servers serve concurrent sessions (registry.SERVER_COMPUTE)
     expected_servers: int = 0  # plan as soon as this many servers are measured (0: after settle_s)
     expected_wait_s: float = 180.0  # ... or, when fewer are measured, this long after the first registration
     settle_s: float = 5.0  # plan once no new server appeared for this long
@@ -320,7 +321,8 @@ class Orchestrator:
             cfg = self.config
             try:
                 cluster, _ = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
-                                           cfg.rho_bar, self.overheads, relay=cfg.relay)
+                                           cfg.rho_bar, self.overheads, relay=cfg.relay,
+                                           compute=cfg.server_compute)
             except ValueError:
                 return
         try:
@@ -415,7 +417,8 @@ class Orchestrator:
         records = [r for r in self.records.values() if r.rtt_s is not None]
         try:
             cluster, peers = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
-                                           cfg.rho_bar, self.overheads, relay=cfg.relay)
+                                           cfg.rho_bar, self.overheads, relay=cfg.relay,
+                                           compute=cfg.server_compute)
             result = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
         except ValueError as e:  # InvalidClusterError / InfeasibleClusterError
             if self.plan_error != str(e):

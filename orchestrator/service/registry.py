@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from orchestrator.model import BlockInterval, Cluster, Server, Service
+from orchestrator.model import SERVER_COMPUTE, BlockInterval, Cluster, Server, Service
 from orchestrator.service.calibration import ServiceFit
 from orchestrator.session_times import SessionShape, tau_c_relay_s, tau_c_s, tau_p_s
 from petals_chain.wire import ServerInfo
@@ -37,6 +37,16 @@ class Overheads:
 
 
 RELAYS = ("server", "client")
+
+
+def batch_overhead_s(record: ServerRecord, shape: SessionShape, compute: str) -> float | None:
+    """Server.batch_overhead_s of one server: steps x its fitted t_o (the part of each step a batch pays
+    once), or None for the paper's parallel model (see SERVER_COMPUTE)."""
+    if compute not in SERVER_COMPUTE:
+        raise ValueError(f"server compute must be one of {', '.join(SERVER_COMPUTE)}, got {compute!r}")
+    if compute == "parallel" or (compute == "auto" and record.fit is None):
+        return None
+    return shape.steps * (record.fit.t_o_s if record.fit is not None else 0.0)
 
 
 def peer_rtt_s(a: ServerRecord, b: ServerRecord) -> float | None:
@@ -75,9 +85,11 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
 
 
 def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionShape, arrival_rate_per_s: float,
-                  rho_bar: float, overheads: Overheads = Overheads(), relay: str = "client") -> tuple[Cluster, list[str]]:
+                  rho_bar: float, overheads: Overheads = Overheads(), relay: str = "client",
+                  compute: str = "parallel") -> tuple[Cluster, list[str]]:
     """Cluster over the measured servers (sorted by peer id, so the same inputs give the same
-    cluster), and the peer id of each server index. Records without an RTT are left out."""
+    cluster), and the peer id of each server index. Records without an RTT are left out.
+    `compute`: how the servers' compute serves concurrent sessions (SERVER_COMPUTE)."""
     usable = sorted((r for r in records if r.rtt_s is not None), key=lambda r: r.peer_id)
     if not usable:
         raise ValueError("no measured server to plan with")
@@ -89,7 +101,7 @@ def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionSh
     for r in usable:
         tau_c, tau_p = server_params(r, shape, overheads, relay, usable)
         servers.append(Server(name=r.peer_id, memory=float(r.info.memory_budget_bytes), tau_c_s=tau_c,
-                              tau_p_s=tau_p, rtt_s=r.rtt_s))
+                              tau_p_s=tau_p, rtt_s=r.rtt_s, batch_overhead_s=batch_overhead_s(r, shape, compute)))
     cluster = Cluster(service=Service(num_blocks=num_blocks, block_size=float(s_m), cache_size=float(s_c)),
                       servers=tuple(servers), arrival_rate_per_s=arrival_rate_per_s, rho_bar=rho_bar)
     return cluster, [r.peer_id for r in usable]
@@ -101,7 +113,9 @@ def cluster_to_dict(cluster: Cluster) -> dict:
     return {"blocks": s.num_blocks, "block_size": s.block_size, "cache_size": s.cache_size,
             "arrival_rate": cluster.arrival_rate_per_s, "rho_bar": cluster.rho_bar,
             "servers": [{"name": sv.name, "memory": sv.memory, "tau_c": sv.tau_c_s, "tau_p": sv.tau_p_s,
-                         **({"rtt": sv.rtt_s} if sv.rtt_s is not None else {})} for sv in cluster.servers]}
+                         **({"rtt": sv.rtt_s} if sv.rtt_s is not None else {}),
+                         **({"batch_overhead": sv.batch_overhead_s} if sv.batch_overhead_s is not None else {})}
+                        for sv in cluster.servers]}
 
 
 @dataclass(frozen=True)

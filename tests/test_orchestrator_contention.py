@@ -1,0 +1,141 @@
+"""Shared-compute servers (model.Server.batch_overhead_s): chains whose servers split their compute
+among concurrent sessions take at least their busiest server's busy time, and the paper's model is
+unchanged when no server is marked."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+from orchestrator.cache_gca import gca
+from orchestrator.cluster_io import cluster_from_dict
+from orchestrator.model import (ChainSpec, Cluster, InvalidClusterError, Placement, BlockInterval,
+                                contended_chains, link_time_s, saturating_capacity,
+                                server_busy_s)
+from orchestrator.placement_gbp_cr import GbpCrSweep, gbp_cr, max_capacity
+from orchestrator.planner import plan
+from tests.orchestrator_strategies import clusters, make_cluster, placements
+
+overheads = st.floats(min_value=0.0, max_value=3.0, allow_nan=False)
+
+
+def shared(cluster: Cluster, overhead: list[float] | float) -> Cluster:
+    per = overhead if isinstance(overhead, list) else [overhead] * cluster.num_servers
+    return replace(cluster, servers=tuple(replace(sv, batch_overhead_s=o) for sv, o in zip(cluster.servers, per)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_the_papers_servers_are_not_contended(data):
+    cl = data.draw(clusters())
+    chains = gca(cl, data.draw(placements(cl))).chains
+    assert contended_chains(cl, chains) == chains
+    assert all(b is None for b in server_busy_s(cl, chains))
+
+
+def test_busy_time_sums_every_chain_through_a_server():
+    cl = shared(make_cluster([10, 10], [1.0, 1.0], [0.5, 0.25], num_blocks=4), [2.0, 0.0])
+    a = ChainSpec((0, 1), (BlockInterval(0, 2), BlockInterval(2, 4)), capacity=3, service_time_s=4.5)
+    b = ChainSpec((1,), (BlockInterval(0, 4),), capacity=2, service_time_s=2.0)
+    # server 0: 2 + 3 x 2 x 0.5 = 5; server 1: 0 + 3 x 2 x 0.25 + 2 x 4 x 0.25 = 3.5
+    assert server_busy_s(cl, [a, b]) == pytest.approx([5.0, 3.5])
+
+
+def test_contended_chains_stop_at_saturation_and_take_the_busiest_servers_time():
+    cl = shared(make_cluster([10, 10], [1.0, 1.0], [0.5, 0.25], num_blocks=4), [2.0, 0.0])
+    a = ChainSpec((0, 1), (BlockInterval(0, 2), BlockInterval(2, 4)), capacity=9, service_time_s=4.5)
+    b = ChainSpec((1,), (BlockInterval(0, 4),), capacity=5, service_time_s=2.0)
+    # a: server 0 saturates at n with 2 + n x 1 >= 4.5 -> 3 (server 1: 0.5 n >= 4.5 -> 9); b: 1 x n >= 2 -> 2
+    assert saturating_capacity(cl, a) == 3 and saturating_capacity(cl, b) == 2
+    ca, cb = contended_chains(cl, [a, b])
+    assert (ca.capacity, cb.capacity) == (3, 2)
+    # with both full: server 0 busy 2 + 3 x 1 = 5, server 1 busy 3 x 0.5 + 2 x 1 = 3.5
+    assert ca.service_time_s == pytest.approx(5.0) and cb.service_time_s == pytest.approx(3.5)
+    assert (ca.servers, ca.blocks) == (a.servers, a.blocks)
+    assert contended_chains(cl, [ca, cb]) == (ca, cb)  # idempotent (the planner may apply it twice)
+    # a chain that never saturates keeps its capacity and the paper's time
+    lone = contended_chains(cl, [replace(b, capacity=1)])[0]
+    assert lone.capacity == 1 and lone.service_time_s == pytest.approx(2.0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_contended_chains_never_add_capacity_or_speed(data):
+    cl = data.draw(clusters())
+    cs = shared(cl, data.draw(st.lists(st.one_of(st.none(), overheads), min_size=cl.num_servers,
+                                       max_size=cl.num_servers)))
+    chains = gca(cs, data.draw(placements(cs))).chains
+    assume(chains)
+    out = contended_chains(cs, chains)
+    for k, o in zip(chains, out):
+        assert 1 <= o.capacity <= k.capacity and o.service_time_s >= k.service_time_s
+        assert (o.servers, o.blocks) == (k.servers, k.blocks)
+    assert contended_chains(cs, out) == out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(clusters(), st.data())
+def test_gbp_cr_chain_times_are_the_paper_sum_or_the_busiest_server(cl, data):
+    c_max = max_capacity(cl)
+    assume(c_max >= 1)
+    cs = shared(cl, data.draw(st.lists(overheads, min_size=cl.num_servers, max_size=cl.num_servers)))
+    sweep = GbpCrSweep(cs)
+    for c in sorted(set(data.draw(st.lists(st.integers(1, c_max), min_size=1, max_size=4)))):
+        g, paper = sweep(c), gbp_cr(cl, c)
+        assert g == gbp_cr(cs, c)  # the sweep's shared runs do not mix different c
+        m = [g.placement.num_blocks(j) for j in range(cs.num_servers)]
+        for k, t in zip(g.chains, g.chain_times_s):
+            total = sum(link_time_s(cs.servers[j], m[j]) for j in k)
+            busiest = max(cs.servers[j].batch_overhead_s + c * m[j] * cs.servers[j].tau_p_s for j in k)
+            assert t == pytest.approx(max(total, busiest))
+        # the same greedy order (line 1/3) with longer chain times: the paper's chains are a prefix,
+        # and reaching the target takes at least as many of them
+        assert g.chains[:paper.num_chains] == paper.chains[:g.num_chains]
+        if paper.meets_target and g.meets_target:
+            assert g.num_chains >= paper.num_chains
+        if not paper.meets_target:
+            assert not g.meets_target
+
+
+def test_a_cpu_swarm_plan_spreads_over_more_chains_than_the_papers():
+    # servers that each hold the whole model with room for many sessions. With c = 4 reserved, one
+    # chain meets the target lambda / (rho_bar c) in the paper's model (1 / 0.9 s >= 3 / 2.8); when
+    # sessions share a server's compute, 4 sessions keep it busy 0.1 + 4 x 0.4 = 1.7 s > 0.9 s, GBP-CR
+    # needs a second chain, and GCA's chains stop where their server saturates (2 sessions)
+    cl = make_cluster([100.0] * 4, [0.5] * 4, [0.2] * 4, num_blocks=2, block_size=1.0, cache_size=1.0,
+                      arrival_rate=3.0, rho_bar=0.7)
+    paper, cpu = plan(cl, c=4), plan(shared(cl, 0.1), c=4)
+    used = lambda p: {j for k in p.chains for j in k.servers}
+    assert len(used(paper)) == 1 and len(used(cpu)) == 2
+    assert [k.capacity for k in paper.chains] == [49] and [k.capacity for k in cpu.chains] == [2, 2]
+    assert cpu.total_rate_per_s == pytest.approx(2 * 2 / 0.9) and cpu.total_rate_per_s > cl.arrival_rate_per_s
+    for k in cpu.chains:  # 0.1 + 2 x 0.4 = 0.9: saturated exactly at its uncontended time
+        assert k.service_time_s == pytest.approx(0.9)
+
+
+def test_cluster_files_take_batch_overhead_and_reject_bad_values():
+    base = {"blocks": 2, "block_size": 1, "cache_size": 0.1, "arrival_rate": 1,
+            "servers": [{"name": "a", "memory": 4, "tau_c": 1, "tau_p": 0.1, "batch_overhead": 0.5}]}
+    assert cluster_from_dict(base).servers[0].batch_overhead_s == 0.5
+    base["servers"][0]["batch_overhead"] = -1
+    with pytest.raises(InvalidClusterError, match="batch_overhead"):
+        cluster_from_dict(base)
+
+
+def test_the_orchestrator_marks_servers_shared_by_its_server_compute_setting():
+    from orchestrator.service.calibration import ServiceFit
+    from orchestrator.service.registry import ServerRecord, batch_overhead_s, build_cluster
+    from orchestrator.session_times import SessionShape
+    from petals_chain.wire import ServerInfo
+    shape = SessionShape(100, 21)
+    info = ServerInfo("p", "m", 0, 4, "online", 4000, 100, 10, 2048, 40, 1e-4, 1e-3, name="p")
+    bare, fitted = ServerRecord(info, rtt_s=0.01), ServerRecord(info, rtt_s=0.01, fit=ServiceFit(2e-4, 1e-3, 0.05, 30, 0.1))
+    assert batch_overhead_s(bare, shape, "auto") is None and batch_overhead_s(bare, shape, "parallel") is None
+    assert batch_overhead_s(bare, shape, "shared") == 0.0
+    assert batch_overhead_s(fitted, shape, "auto") == pytest.approx(21 * 0.05)
+    assert batch_overhead_s(fitted, shape, "parallel") is None
+    with pytest.raises(ValueError, match="auto, shared, parallel"):
+        batch_overhead_s(fitted, shape, "gpu")
+    cluster, _ = build_cluster([fitted], 4, shape, 0.1, 0.7, compute="auto")
+    assert cluster.servers[0].batch_overhead_s == pytest.approx(21 * 0.05)
