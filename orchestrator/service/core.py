@@ -25,7 +25,7 @@ from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, hop_c
 from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
-from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, build_cluster, cluster_to_dict,
+from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, batch_overhead_s, build_cluster, cluster_to_dict,
                                            keep_held_ranges, server_params)
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
@@ -568,6 +568,7 @@ class Orchestrator:
                                 "t_I": i.prefill_s_per_token if f is None or f.t_I_s is None else f.t_I_s,
                                 "t_O": i.decode_s_per_token if f is None else f.t_O_s,
                                 "t_o": None if f is None else f.t_o_s, "hop_cost": rec.hop_cost_s,
+                                "batch_overhead": batch_overhead_s(rec, shape, self.config.server_compute),
                                 "model": self.model_view(p),
                                 "assigned": list(assigned) if assigned else None,
                                 "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False)),
