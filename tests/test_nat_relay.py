@@ -88,11 +88,9 @@ def swarm(home_net, tiny_llama_path):
         return home_net.prefix(host_of[role]), home_net.address(host_of[role])
 
     # fixed ranges, both whole: the plan cannot leave the public server without blocks, so the session has
-    # somewhere to fail over to when the relay dies. The public server offers no relay service: servers do by
-    # default, and the NATed one could then hold a second reservation through it, so that a client reaching
-    # it that way would not notice the DHT node's death (seen once in CI: no failover, exact tokens)
+    # somewhere to fail over to when the relay dies
     with LocalSwarm(str(tiny_llama_path), [(0, 6), (0, 6)], names=["pub", "home"], placement=placement,
-                    per_server_args=[["--emulate-slowdown", PUBLIC_SLOWDOWN, "--no-relay-service"], []],
+                    per_server_args=[["--emulate-slowdown", PUBLIC_SLOWDOWN], []],
                     server_args=["--num-threads", "1", "--max-length", "64", "--memory-budget", "64MiB"],
                     orchestrator_args=["--expected-servers", "2", "--replan-period", "3"]) as swarm:
         yield swarm
