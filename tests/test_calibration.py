@@ -204,3 +204,47 @@ def test_the_model_replan_waits_for_a_live_fit():
         now[0] = t
         orch.check_model(t)
     assert orch.model_moved
+
+
+def test_a_model_replan_waits_for_the_servers_it_moves_to_end_their_sessions_then_installs_one_plan():
+    """A server's active_sessions is as old as its last announcement: right after the calibration
+    warm-up the re-plan saw servers still "busy", pinned them to their old ranges and installed a mix
+    of two plans (Table 1, 2026-11-24). It now waits (bounded) for them and installs the fresh plan whole."""
+    from dataclasses import replace
+    now = [0.0]
+    orch = offline_orchestrator(now)
+    for rec in orch.records.values():  # placed by the orchestrator (--blocks auto), not fixed
+        rec.info = replace(rec.info, extra={"auto": True})
+    orch._plan(now[0])
+    orch.current.installed = True
+    fresh = orch.current.placement.ranges[orch.current.peers.index("pa")]
+    assert (fresh.start, fresh.end) != (0, 2)
+
+    def busy(active: int) -> None:  # pa holds [0, 2) (auto-placed) with `active` sessions
+        info = orch.records["pa"].info
+        orch.records["pa"].info = replace(info, start=0, end=2, active_sessions=active, extra={"auto": True})
+
+    busy(1)
+    orch.model_moved, orch.model_moved_s = True, 100.0  # as the trigger sets them (test above)
+    now[0] = 100.0
+    assert orch._plan_due(now[0])
+    orch._plan(now[0])
+    assert orch.current.version == 1 and orch.model_moved  # waiting, nothing installed
+    assert any("waits" in e and "pa" in e for e in orch.events)
+    assert not orch._plan_due(101.0) and orch._plan_due(102.0)  # retried after the next service poll
+    busy(0)  # the fresh record: its sessions ended
+    orch._plan(102.0)
+    assert orch.current.version == 2 and not orch.model_moved and orch.model_replans == 1
+    r = orch.current.placement.ranges[orch.current.peers.index("pa")]
+    assert (r.start, r.end) == (fresh.start, fresh.end) and "kept" not in orch.events[-1]
+
+    # sessions that do not end: after model_replan_wait_s the plan goes in around them (never dropped)
+    busy(1)
+    orch.current.installed = True
+    orch.model_moved, orch.model_moved_s = True, 200.0
+    orch._plan(200.0 + orch.config.model_replan_wait_s / 2)
+    assert orch.current.version == 2
+    orch._plan(200.0 + orch.config.model_replan_wait_s)
+    assert orch.current.version == 3 and "kept" in orch.events[-1]
+    r = orch.current.placement.ranges[orch.current.peers.index("pa")]
+    assert (r.start, r.end) == (0, 2)

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-replans", type=int, default=None,
                    help="at most this many re-plans asked by the calibrated model (default: no limit; the Table 1 "
                         "experiment allows 1, after its calibration warm-up)")
+    p.add_argument("--model-replan-wait", type=float, default=60.0,
+                   help="a re-plan asked by the calibrated model waits up to this many seconds for the servers it "
+                        "moves to end their sessions (servers announce their sessions every few seconds); after "
+                        "that it keeps busy servers where they are (default 60)")
     p.add_argument("--replan-hold", type=float, default=30.0,
                    help="seconds the calibrated model must keep the plan moved before it re-plans (default 30)")
     p.add_argument("--http-host", default="127.0.0.1", help="address of the status page (default 127.0.0.1)")
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, calibrate=args.calibrate,
         replan_enter=args.replan_threshold, replan_exit=args.replan_threshold / 2,
         model_replan_period_s=args.model_replan_period, replan_hold_s=args.replan_hold,
+        model_replan_wait_s=args.model_replan_wait,
         max_model_replans=args.model_replans, identity_path=args.identity_path,
         allowed_peers=allowed_peers))
     http = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
-from orchestrator.model import Cluster, Placement
+from orchestrator.model import Cluster, Placement, contended_chains
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
 from orchestrator.policies import get_policy
 from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, hop_costs
@@ -82,6 +82,9 @@ class OrchestratorConfig:
     replan_hold_s: float = 30.0  # ... continuously for this long
     model_replan_period_s: float = 300.0  # ... at most once per this (slower than churn: a re-plan may reload servers)
     max_model_replans: int | None = None  # ... and at most this many times (None: no limit)
+    # ... and waits up to this long for the servers it would move to hold no session: moving none of them
+    # (they are pinned) would install a mix of the old and the new plan that neither planned
+    model_replan_wait_s: float = 60.0
     max_acquire_timeout_s: float = 600.0
     rtt_probes: int = 5
     announce_period_s: float = 2.0
@@ -171,6 +174,8 @@ class Orchestrator:
         self.trigger = ReplanTrigger(config.replan_enter, config.replan_exit, config.replan_hold_s,
                                      config.model_replan_period_s)
         self.model_moved = False  # the calibrated model moved the plan: re-plan (never forced)
+        self.model_moved_s = -math.inf  # ... since then
+        self._model_retry_s = -math.inf  # ... a deferred one is tried again from then (servers were busy)
         self.model_replans = 0
         self._last_service_poll_s = -math.inf
         self._last_model_check_s = -math.inf
@@ -332,7 +337,7 @@ class Orchestrator:
         with self.lock:
             if self.trigger.observe(p.total_rate_per_s, p.c, now):
                 ref_rate, ref_c = self.trigger.reference
-                self.model_moved = True
+                self.model_moved, self.model_moved_s = True, now
                 moved = (f"planned rate {ref_rate:.3g} -> {p.total_rate_per_s:.3g}/s, c* {ref_c} -> {p.c}")
             else:
                 return
@@ -402,8 +407,8 @@ class Orchestrator:
             c = self.config
             return first_plan_due(now, len(measured), c.expected_servers, self.last_change_s, c.settle_s,
                                   self.first_registration_s, c.expected_wait_s)
-        if self.model_moved:
-            return True  # the trigger already waited its hold and the minimum interval
+        if self.model_moved:  # the trigger already waited its hold and the minimum interval
+            return now >= self._model_retry_s  # (a deferred one: after the next service poll)
         if not self.known_changed:
             return False
         stale = any(p not in self.records for p in cur.peers if cur.assignment(p))
@@ -438,10 +443,19 @@ class Orchestrator:
         # a re-plan the model asked for never moves a server that holds sessions (it would drop them)
         ranges, pinned = keep_held_ranges(list(result.placement.ranges), peers, held,
                                           force=cfg.force_replan and not self.model_moved)
+        busy = [self.records[p].info.name or p[-8:] for p in pinned if not held[p].fixed]
         pinned = [self.records[p].info.name or p[-8:] for p in pinned]
+        if busy and self.model_moved and now - self.model_moved_s < cfg.model_replan_wait_s:
+            # A server's active_sessions is as old as its last service poll, so sessions that just ended
+            # (a calibration warm-up) still pin it: wait for fresh records or the sessions to drain.
+            if self._model_retry_s < self.model_moved_s:  # the first wait for this move
+                self.log_event(f"the re-plan waits (up to {cfg.model_replan_wait_s:g} s) for sessions on "
+                               f"{', '.join(busy)} to end")
+            self._model_retry_s = now + cfg.service_poll_s
+            return
         placement = Placement(tuple(ranges))
-        if pinned:  # chains over the placement servers will really hold
-            chains = list(gca(cluster, placement).chains)
+        if pinned:  # chains over the placement servers will really hold (contended as the plan's are)
+            chains = list(contended_chains(cluster, gca(cluster, placement).chains))
             if not chains:
                 self.log_event("the kept ranges and the new plan form no complete chain; sessions wait for the "
                                "next re-plan (or use --force-replan)")
