@@ -2,7 +2,9 @@
 
 One session at a time through a 3-server chain of SmolLM2-135M (blocks 0:10, 10:20, 20:30); the
 servers and the client (with the DHT peer) each on its own emulated host (netem, userspace backend,
-`experiments.hosts.EmulatedHosts`), every pair at the same RTT (0 and 50 ms by default). Per task, the client generates greedily with HF's `generate`
+`experiments.hosts.EmulatedHosts`), every pair at the same RTT (0 and 50 ms by default), with the
+servers relaying each step to the next (the client's default; `--relay server,client` also runs the
+client relaying every hop, PETALS' way). Per task, the client generates greedily with HF's `generate`
 plainly, with `prompt_lookup_num_tokens=k` at a constant k (k = 2, 4, 8: every draft sent whole) and
 with the adaptive schedule (up to K = 8: each round sends the 0..K drafted tokens worth a longer
 step by the measured acceptance and step times, client/speculation.py), and records tokens/s (of the
@@ -79,7 +81,7 @@ class FirstRound:
         pass
 
 
-def client(peer: str, new_tokens: int, modes: list[tuple[int, str]], repeats: int) -> None:
+def client(peer: str, new_tokens: int, modes: list[tuple[int, str]], repeats: int, relay: str) -> None:
     """Runs in the client's namespace: `repeats` rounds; in each, every task runs plain and in each
     (k, schedule) back to back (the order rotated from round to round), so that a change in the
     machine's load hits every mode of a task alike. One JSON line per run."""
@@ -91,7 +93,7 @@ def client(peer: str, new_tokens: int, modes: list[tuple[int, str]], repeats: in
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
-    model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[peer])
+    model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[peer], relay=relay)
     all_modes = [(0, "plain"), *modes]
     try:
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)  # warm-up: routing, streams
@@ -112,6 +114,7 @@ def client(peer: str, new_tokens: int, modes: list[tuple[int, str]], repeats: in
                     decode = {"decode_seconds": seconds - (first.at_s - t0),
                               "decode_tokens": stats.tokens - first.tokens}
                     print(json.dumps({"task": task, "kind": kind, "k": k, "schedule": schedule, "repeat": repeat,
+                                      "relay": relay,
                                       "seconds": seconds, **decode, **stats.to_json(),
                                       "output_ids": out[0, ids.shape[1]:].tolist(),
                                       "prompt_tokens": ids.shape[1], "loadavg_1m_before": load}), flush=True)
@@ -119,7 +122,8 @@ def client(peer: str, new_tokens: int, modes: list[tuple[int, str]], repeats: in
         model.backend.shutdown()
 
 
-def run(rtts_ms: list[float], new_tokens: int, modes: list[tuple[int, str]], repeats: int) -> list[dict]:
+def run(rtts_ms: list[float], new_tokens: int, modes: list[tuple[int, str]], repeats: int,
+        relays: list[str]) -> list[dict]:
     import numpy as np
 
     import netem
@@ -135,10 +139,11 @@ def run(rtts_ms: list[float], new_tokens: int, modes: list[tuple[int, str]], rep
         with LocalSwarm("smollm2-135m", [(0, 10), (10, 20), (20, 30)], placement=hosts.placement,
                         server_args=["--num-threads", "1", "--no-orchestrator"]) as swarm:
             env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-            for ms in rtts_ms:
+            for ms, relay in ((ms, relay) for ms in rtts_ms for relay in relays):
                 hosts.net.set_rtt_ms(uniform(ms))
                 argv = [sys.executable, str(Path(__file__).resolve()), "--client", swarm.initial_peers[0],
-                        "--new-tokens", str(new_tokens), "--modes", format_modes(modes), "--repeats", str(repeats)]
+                        "--new-tokens", str(new_tokens), "--modes", format_modes(modes), "--repeats", str(repeats),
+                        "--relay", relay]
                 # stderr to a file: a pipe nobody reads while stdout is read could fill and stall the client
                 stderr_file = tempfile.TemporaryFile(mode="w+")
                 proc = hosts.popen("client", argv, stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=env)
@@ -147,7 +152,7 @@ def run(rtts_ms: list[float], new_tokens: int, modes: list[tuple[int, str]], rep
                     if line.startswith("{"):
                         row = {**json.loads(line), "rtt_ms": ms}
                         rows.append(row)
-                        print(f"RTT {ms:g} ms #{row['repeat']} {row['task']:14s} {mode_name(row)}: "
+                        print(f"RTT {ms:g} ms {relay} relay #{row['repeat']} {row['task']:14s} {mode_name(row)}: "
                               f"{row['tokens'] / row['seconds']:6.2f} tok/s, "
                               f"{row['chain_steps'] / max(1, row['tokens']):.2f} steps/token, "
                               f"load {row['loadavg_1m_before']:.1f}", flush=True)
@@ -177,12 +182,12 @@ def format_modes(modes: list[tuple[int, str]]) -> str:
 def mark_identical(rows: list[dict]) -> None:
     """`identical_to_plain` on every run: its output equals plain greedy's on the same task, RTT and
     repeat (and every plain run of a task equals the others: greedy is deterministic)."""
-    plain = {(r["rtt_ms"], r["task"], r["repeat"]): r["output_ids"] for r in rows if r["k"] == 0}
+    plain = {(r["rtt_ms"], r["relay"], r["task"], r["repeat"]): r["output_ids"] for r in rows if r["k"] == 0}
     first_plain = {}
-    for (ms, task, _), ids in sorted(plain.items()):
+    for (ms, relay, task, _), ids in sorted(plain.items()):
         first_plain.setdefault(task, ids)
     for r in rows:
-        r["identical_to_plain"] = (r["output_ids"] == plain.get((r["rtt_ms"], r["task"], r["repeat"]))
+        r["identical_to_plain"] = (r["output_ids"] == plain.get((r["rtt_ms"], r["relay"], r["task"], r["repeat"]))
                                    and r["output_ids"] == first_plain[r["task"]])
 
 
@@ -192,12 +197,12 @@ def median(values: list[float]) -> float:
 
 def paired_ratios(rows: list[dict], mode: tuple[int, str]) -> list[dict]:
     """Per run of `mode`: its tok/s (whole request and decode phase) over the plain run's of the same
-    RTT, task and repeat, which ran back to back with it: the load drifts of a shared machine cancel
-    out of these ratios far better than out of totals gathered minutes apart."""
-    plain = {(r["rtt_ms"], r["task"], r["repeat"]): r for r in rows if r["k"] == 0}
+    RTT, relay, task and repeat, which ran back to back with it: the load drifts of a shared machine
+    cancel out of these ratios far better than out of totals gathered minutes apart."""
+    plain = {(r["rtt_ms"], r["relay"], r["task"], r["repeat"]): r for r in rows if r["k"] == 0}
     out = []
     for r in rows:
-        base = plain.get((r["rtt_ms"], r["task"], r["repeat"]))
+        base = plain.get((r["rtt_ms"], r["relay"], r["task"], r["repeat"]))
         if (r["k"], r["schedule"]) != mode or base is None:
             continue
         out.append({"task": r["task"], "repeat": r["repeat"],
@@ -208,15 +213,15 @@ def paired_ratios(rows: list[dict], mode: tuple[int, str]) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per RTT, task kind and mode: tokens/s over all tasks and repeats of that kind (total tokens /
+    """Per RTT, relay, task kind and mode: tokens/s over all tasks and repeats of that kind (total tokens /
     total seconds) and its ratio to plain (k = 0); the median over the kind's tasks of each task's
     median paired ratio (`paired_speedup_median`: the number to read on a loaded machine) and the
     median, min and max over all paired runs; chain steps per token, drafted and accepted tokens
     (exact: they do not depend on the load), whether all outputs matched plain greedy, and the load."""
     out = []
-    for ms in sorted({r["rtt_ms"] for r in rows}):
+    for ms, relay in sorted({(r["rtt_ms"], r["relay"]) for r in rows}, key=lambda c: (c[0], c[1] != "server")):
         for kind in ("repetitive", "chat"):
-            sel = [r for r in rows if r["rtt_ms"] == ms and r["kind"] == kind]
+            sel = [r for r in rows if r["rtt_ms"] == ms and r["relay"] == relay and r["kind"] == kind]
             if not sel:
                 continue
             by_mode = {}
@@ -232,7 +237,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                                                    / sum(r["tokens"] for r in rk if r["task"] == t)}
                             for t in tasks}
                 loads = [r["loadavg_1m_before"] for r in rk]
-                by_mode[mode] = {"rtt_ms": ms, "kind": kind, "k": mode[0], "schedule": mode[1], "tokens": tokens,
+                by_mode[mode] = {"rtt_ms": ms, "relay": relay, "kind": kind, "k": mode[0], "schedule": mode[1], "tokens": tokens,
                                  "repeats": len({r["repeat"] for r in rk}),
                                  "tok_per_s": tokens / seconds, "decode_tok_per_s": decode_tok_per_s,
                                  "paired_speedup_median": median([v["speedup_median"] for v in per_task.values()]),
@@ -256,21 +261,22 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| RTT | tasks | mode | paired speedup, median (min-max) | decode, median | tok/s (total) | "
+    lines = ["| RTT | relay | tasks | mode | paired speedup, median (min-max) | decode, median | tok/s (total) | "
              "vs plain (totals) | chain steps / token | accepted / drafted | identical output | load avg (median, max) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         paired = ("1.00x" if s["k"] == 0 else f"{s['paired_speedup_median']:.2f}x "
                   f"({s['paired_speedup_min']:.2f}-{s['paired_speedup_max']:.2f})")
         decode = "1.00x" if s["k"] == 0 else f"{s['paired_decode_speedup_median']:.2f}x"
-        lines.append(f"| {s['rtt_ms']:g} ms | {s['kind']} | {mode_name(s)} | {paired} | {decode} | "
+        lines.append(f"| {s['rtt_ms']:g} ms | {s['relay']} | {s['kind']} | {mode_name(s)} | {paired} | {decode} | "
                      f"{s['tok_per_s']:.2f} | {s['speedup_vs_plain']:.2f}x | {s['steps_per_token']:.2f} | "
                      f"{s['accepted_draft_tokens']} / {s['drafted_tokens']} | {'yes' if s['identical'] else 'NO'} | "
                      f"{s['loadavg_1m_median']:.1f}, {s['loadavg_1m']:.1f} |")
-    lines += ["", "| RTT | task | mode | paired speedup, median | chain steps / token |", "|---|---|---|---|---|"]
+    lines += ["", "| RTT | relay | task | mode | paired speedup, median | chain steps / token |",
+              "|---|---|---|---|---|---|"]
     for s in (s for s in summary if s["k"] != 0):
         for task, v in s["per_task"].items():
-            lines.append(f"| {s['rtt_ms']:g} ms | {task} | {mode_name(s)} | {v['speedup_median']:.2f}x | "
+            lines.append(f"| {s['rtt_ms']:g} ms | {s['relay']} | {task} | {mode_name(s)} | {v['speedup_median']:.2f}x | "
                          f"{v['steps_per_token']:.2f} |")
     return "\n".join(lines)
 
@@ -283,17 +289,23 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64, help="max new tokens per generation (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="rounds of every task and mode, the modes of a task back "
                                                           "to back in each (default 3; medians of paired ratios)")
+    p.add_argument("--relay", default="server", help="who relays a step from hop to hop: server (the default: each "
+                                                      "server pushes to the next), client (PETALS' way), or both "
+                                                      "as server,client")
     p.add_argument("--out", default="results/bench_speculative.json")
     p.add_argument("--client", metavar="PEER", help=argparse.SUPPRESS)  # internal: the client side
     args = p.parse_args()
     modes = parse_modes(args.modes)
     if args.client:
-        client(args.client, args.new_tokens, modes, args.repeats)
+        client(args.client, args.new_tokens, modes, args.repeats, args.relay)
         return 0
     started, load_start = time.time(), os.getloadavg()
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
-    rows = run([float(x) for x in args.rtts_ms.split(",")], args.new_tokens, modes, args.repeats)
+    relays = [r for r in args.relay.split(",") if r]
+    if not relays or any(r not in ("server", "client") for r in relays):
+        p.error(f"--relay takes server, client or server,client, got {args.relay!r}")
+    rows = run([float(x) for x in args.rtts_ms.split(",")], args.new_tokens, modes, args.repeats, relays)
     mark_identical(rows)
     summary = summarize(rows)
     print(table(summary))
@@ -301,7 +313,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"new_tokens": args.new_tokens, "modes": format_modes(modes), "repeats": args.repeats,
                                "model": "smollm2-135m",
-                               "servers": "3 (blocks 0:10, 10:20, 20:30), client relays",
+                               "servers": "3 (blocks 0:10, 10:20, 20:30)", "relays": relays,
                                "wall_s": time.time() - started, "loadavg_start": load_start,
                                "loadavg_end": os.getloadavg(), "summary": summary, "runs": rows}, indent=2))
     print(f"wrote {out}")
