@@ -19,6 +19,13 @@
    IPs from what it advertises, so other peers cannot learn them by identify/DHT; clients and the
    orchestrator read them from the server's record and connect through them explicitly before
    opening streams. libp2p then reuses that connection, or any direct one the NATed server opened.
+4. **A relayed server's RTT** (`relayed_rtt_s`): what a client's traffic pays is client -> relay ->
+   server. The orchestrator cannot probe that path reliably: the NATed server's own traffic to it
+   (DHT requests every few seconds) opens direct connections, and an orchestrator dial on its listen
+   port can even pass the NAT on the conntrack entry such a connection left behind; either way libp2p
+   prefers the direct connection, which no client has. So a relayed server measures its RTT to each
+   relay (DHT pings, `ServerInfo.relay_rtt_s`), the orchestrator its own to the relay, and the sum,
+   over the best relay, is the server's RTT.
 
 Every public peer (the bootstrap DHT peer, reachable servers) runs p2pd's relay service, unless told
 not to (`--no-relay-service`: p2pd's `-relayService=0`). hivemind's `P2P.create` takes neither that
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -96,6 +104,38 @@ def relayed_dht_kwargs(relays: list[str]) -> dict:
     """hivemind DHT arguments of a server that joins through `relays` (full multiaddrs with /p2p/)."""
     return dict(client_mode=True, use_auto_relay=True, force_reachability="private",
                 trusted_relays=list(relays))
+
+
+def relay_peer_id(maddr: str) -> str | None:
+    """The relay's peer id in `<relay maddr>/p2p/<id>[/p2p-circuit]`, None without one."""
+    parts = maddr.rstrip("/").split("/")
+    ids = [parts[i + 1] for i, x in enumerate(parts[:-1]) if x == "p2p"]
+    return ids[0] if ids else None
+
+
+async def _dht_ping(peer_id: str, timeout_s: float, _dht, node) -> float | None:
+    """(runs in the DHT's process) seconds of one DHT ping round trip to `peer_id`; None: no answer."""
+    t0 = time.perf_counter()
+    got = await asyncio.wait_for(node.protocol.call_ping(PeerID.from_base58(peer_id)), timeout_s)
+    return None if got is None else time.perf_counter() - t0
+
+
+def dht_ping_s(dht, peer_id: str, timeout_s: float = 5.0) -> float | None:
+    """One DHT ping round trip (s) from this process's hivemind DHT to `peer_id` (any DHT peer: a relay is
+    the bootstrap `petals-chain dht` peer, which serves no rpc_info); None when it does not answer."""
+    try:
+        return dht.run_coroutine(functools.partial(_dht_ping, peer_id, timeout_s))
+    except Exception as e:  # noqa: BLE001 - a dead relay or a DHT shutting down: no sample
+        logger.debug("DHT ping of %s failed: %s", peer_id[-8:], e)
+        return None
+
+
+def relayed_rtt_s(to_relay_s: dict[str, float | None], relay_to_server_s: dict[str, float]) -> float | None:
+    """A relayed server's RTT as a client's traffic pays it: the measurer's RTT to a relay plus the
+    server's to that relay, over the relay where the sum is smallest; None when no relay has both."""
+    sums = [a + b for r, a in to_relay_s.items() if a is not None and (b := relay_to_server_s.get(r)) is not None
+            and a >= 0 and b >= 0]
+    return min(sums) if sums else None
 
 
 def circuit_maddrs(relays: Iterable[str]) -> tuple[str, ...]:
@@ -197,6 +237,7 @@ class RelayRoutes:
     def __init__(self, clock=time.monotonic):
         self.clock = clock
         self.routes: dict[str, tuple[str, ...]] = {}
+        self.server_to_relay_s: dict[str, dict[str, float]] = {}  # relayed peer -> its RTT to each relay
         self.known: set[str] = set()  # every peer whose record was seen (relayed or not)
         self._dialed_s: dict[str, float] = {}
 
@@ -205,8 +246,10 @@ class RelayRoutes:
             self.known.add(info.peer_id)
             if info.reachability == Reachability.RELAYED and info.relay_maddrs:
                 self.routes[info.peer_id] = tuple(info.relay_maddrs)
+                self.server_to_relay_s[info.peer_id] = dict(info.relay_rtt_s)
             else:
                 self.routes.pop(info.peer_id, None)
+                self.server_to_relay_s.pop(info.peer_id, None)
 
     def relayed(self, peer_id: str) -> bool:
         return peer_id in self.routes

@@ -163,6 +163,9 @@ class ServerInfo(WireRecord):
     # median rpc_info round trips (s) to other servers, by peer id, measured by this server
     # (server/peer_rtts.py): footnote 4's RTT_ij for the orchestrator's tau_c with server relay
     peer_rtt_s: dict[str, float] = field(default_factory=dict)
+    # a relayed server's median RTTs (s) to its relays, by relay peer id (DHT pings): the orchestrator
+    # adds its own RTT to the relay, the path a client's traffic takes (petals_chain/reachability.py)
+    relay_rtt_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.max_step_tokens <= 0:

@@ -24,8 +24,8 @@ from hivemind.p2p import PeerID
 
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
-from petals_chain.reachability import (UnreachableError, check_reachability, circuit_maddrs, p2pd_flags,
-                                       relayed_dht_kwargs, serve_dial_back)
+from petals_chain.reachability import (UnreachableError, check_reachability, circuit_maddrs, dht_ping_s, p2pd_flags,
+                                       relay_peer_id, relayed_dht_kwargs, serve_dial_back)
 from petals_chain.dht_records import announce_server, fetch_servers, model_key
 from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.models.checkpoint import load_config, resolve_model_path
@@ -123,6 +123,8 @@ class BlockServer:
         self.orchestrator = None
         self.peer_rtts = PeerRtts(max_peers=config.peer_rtt_max_peers, probes=config.peer_rtt_probes,
                                   period_s=config.peer_rtt_period_s)  # before rpc_info can be called (info())
+        self.relay_rtts = PeerRtts(probes=config.peer_rtt_probes, period_s=config.peer_rtt_period_s)  # relayed only
+        self.relay_maddrs: tuple[str, ...] = ()
         if self.self_placed:
             total = get_family(cfg := load_config(self.path)).num_blocks(cfg)
             if not 1 <= config.num_blocks <= total:
@@ -156,6 +158,8 @@ class BlockServer:
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         if not relayed:  # a reachable server checks others' reachability too
             self.loop.run(serve_dial_back(self.p2p), timeout_s=30)
+        else:  # the first record already says what the relayed path costs (see _measure_relay_rtts)
+            self._measure_relay_rtts()
         self._stop = threading.Event()
         # from now on, also while an auto server waits for its assignment: the orchestrator plans its
         # range with these RTTs (the thread ends with _stop, also when the start below fails)
@@ -329,13 +333,23 @@ class BlockServer:
                 continue
             self._move_to(a.start, a.end, f"plan v{a.plan_version}")
 
+    def _measure_relay_rtts(self) -> None:
+        """A relayed server: DHT pings to each relay it is due for (`relay_rtts`, announced as
+        ServerInfo.relay_rtt_s; the orchestrator adds its own RTT to the relay: petals_chain/reachability.py)."""
+        relays = [r for m in self.relay_maddrs if (r := relay_peer_id(m)) is not None]
+        for relay in self.relay_rtts.due(relays, time.monotonic()):
+            self.relay_rtts.measure(relay, lambda p: dht_ping_s(self.dht, p), time.monotonic())
+
     def _measure_peer_rtts(self) -> None:
         """Keep `peer_rtts` fresh (announced with the next record): a new or due peer is probed
-        within peer_rtt_check_s of appearing in the DHT, bounded by peer_rtt_max_peers."""
+        within peer_rtt_check_s of appearing in the DHT, bounded by peer_rtt_max_peers. A relayed
+        server keeps its RTTs to its relays fresh too."""
         first = True
         while first or not self._stop.wait(self.config.peer_rtt_check_s):
             first = False
             try:
+                if self.relay_maddrs:
+                    self._measure_relay_rtts()
                 infos = fetch_servers(self.dht, self.model_name, states=(ServerState.ONLINE, ServerState.JOINING),
                                       allowed=self.config.allowed_peers)
                 stack = self.stacks.current
@@ -404,7 +418,7 @@ class BlockServer:
                 max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
                 prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
                 dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True},
-                peer_rtt_s=self.peer_rtts.view(),
+                peer_rtt_s=self.peer_rtts.view(), relay_rtt_s=self.relay_rtts.view(),
                 adapters=[adapter_name(a) for a in self.config.adapters],
                 reachability=self.reachability, relay_maddrs=self.relay_maddrs)
         br, budget = stack.block_range, stack.budget
@@ -420,7 +434,7 @@ class BlockServer:
             free_kv_slots=budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
             decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active, adapters=list(br.adapters),
-            peer_rtt_s=self.peer_rtts.view(),
+            peer_rtt_s=self.peer_rtts.view(), relay_rtt_s=self.relay_rtts.view(),
             reachability=self.reachability, relay_maddrs=self.relay_maddrs,
             extra={"queue_length": stack.scheduler.queue_length, "policy": stack.scheduler.policy.name,
                    "admission_queue_length": len(stack.admission), "auto": self.auto,

@@ -2,8 +2,10 @@
 
 Emulated hosts: the DHT peer (also the relay), the orchestrator, a public server, a server behind a NAT
 router (netem `behind_nat`), a client. The NATed server's dial-back check finds it unreachable, it
-joins through the relay and announces `relayed` with circuit addresses; the orchestrator measures it
-through the relay (its RTT includes the relay's hop), marks it on the status page and plans it; a
+joins through the relay and announces `relayed` with circuit addresses and its RTT to the relay; the
+orchestrator counts the relayed path (its RTT to the relay plus the server's: the NATed server's own
+DHT traffic opens direct connections to the orchestrator, which a probe of the server would ride),
+marks it on the status page and plans it; a
 client's session runs through it (the relayed path is the fast one here) and its output equals HF.
 Killing the relay mid-session cuts the NATed server off: the session fails over to the public server
 and the text is still HF's. Needs root, /dev/net/tun and nft or iptables (`make nat-tools`)."""
@@ -108,7 +110,7 @@ def test_nat_server_is_found_planned_and_serves_exactly_and_fails_over_when_the_
     assert any(line.startswith("reachability: relayed") for line in home.lines), home.lines[-20:]
     assert any(line.startswith("reachability: direct") for line in pub.lines), pub.lines[-20:]
 
-    # planned, marked, and measured through the relay: its RTT includes the relay's extra hop
+    # planned, marked, and measured along the relayed path: its RTT includes the relay's extra hop
     seen: list[dict] = []
 
     def relayed_and_planned():
@@ -123,7 +125,7 @@ def test_nat_server_is_found_planned_and_serves_exactly_and_fails_over_when_the_
         return st if ok else None
 
     try:
-        status = wait_for(relayed_and_planned, 90, "the NATed server relayed, measured through the relay and planned")
+        status = wait_for(relayed_and_planned, 90, "the NATed server relayed, measured along the relayed path and planned")
     except AssertionError as e:
         raise AssertionError(f"{e}; last status servers: {seen[-1]['servers'] if seen else None}") from None
     page = get_in_netns(home_net.netns("client"), swarm.orchestrator_url).decode()

@@ -9,16 +9,17 @@ from hivemind.p2p import P2P, PeerID
 
 from petals_chain.errors import InvalidRequestError
 from petals_chain.reachability import (DialBackRequest, RelayRoutes, _ip_port, circuit_maddrs, encode_circuit,
-                                       p2pd_flags, relayed_dht_kwargs)
+                                       p2pd_flags, relay_peer_id, relayed_dht_kwargs, relayed_rtt_s)
 from petals_chain.wire import Reachability, ServerInfo, ServerState
 
 RELAY = "12D3KooWAmCZfRvtmdrqeznXwpfTMDuLpYYeLyAHPUwMU9DivFz7"
 
 
-def _info(peer: str, reach=Reachability.DIRECT, relays=()) -> ServerInfo:
+def _info(peer: str, reach=Reachability.DIRECT, relays=(), relay_rtt_s=None) -> ServerInfo:
     return ServerInfo(peer_id=peer, model="m", start=0, end=2, state=ServerState.ONLINE, memory_budget_bytes=1,
                       block_bytes=1, kv_bytes_per_block=1, max_length_tokens=8, free_kv_slots=1,
-                      prefill_s_per_token=0.0, decode_s_per_token=0.0, reachability=reach, relay_maddrs=tuple(relays))
+                      prefill_s_per_token=0.0, decode_s_per_token=0.0, reachability=reach, relay_maddrs=tuple(relays),
+                      relay_rtt_s=relay_rtt_s or {})
 
 
 def test_circuit_address_uses_the_bare_multihash_p2pd_parses():
@@ -39,6 +40,25 @@ def test_relay_routes_follow_the_records():
     assert routes.known == {"a", "b"} and routes.relayed("b") and not routes.relayed("a")
     routes.update([_info("b")])  # it became reachable (restarted with a forwarded port)
     assert not routes.relayed("b")
+
+
+def test_a_relayed_servers_rtt_is_the_sum_over_its_best_relay():
+    assert relay_peer_id(f"/ip4/10.213.0.1/tcp/1/p2p/{RELAY}/p2p-circuit") == RELAY
+    assert relay_peer_id(f"/ip4/10.213.0.1/tcp/1/p2p/{RELAY}") == RELAY
+    assert relay_peer_id("/ip4/10.0.0.1/tcp/1") is None
+    # ours to relay r1 is 10 ms, the server's 20 ms; via r2 12 + 30; r3: we could not reach it
+    assert relayed_rtt_s({"r1": 0.010, "r2": 0.012, "r3": None}, {"r1": 0.020, "r2": 0.030, "r3": 0.001}) \
+        == pytest.approx(0.030)
+    assert relayed_rtt_s({"r1": None}, {"r1": 0.02}) is None  # no relay measured from both ends
+    assert relayed_rtt_s({"r1": 0.01}, {"r2": 0.02}) is None
+    routes = RelayRoutes()
+    circuit = f"/ip4/10.213.0.1/tcp/1/p2p/{RELAY}/p2p-circuit"
+    routes.update([_info("b", Reachability.RELAYED, [circuit], {RELAY: 0.015})])
+    assert routes.server_to_relay_s == {"b": {RELAY: 0.015}}
+    routes.update([_info("b")])  # reachable now: no relayed path to model
+    assert routes.server_to_relay_s == {}
+    wire = ServerInfo.from_wire(_info("b", Reachability.RELAYED, [circuit], {RELAY: 0.015}).to_wire())
+    assert wire.relay_rtt_s == {RELAY: 0.015}
 
 
 def test_connect_skips_direct_peers_and_redials_at_most_every_interval():

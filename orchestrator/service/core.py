@@ -31,7 +31,7 @@ from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
 from petals_chain.errors import UnknownAdapterError
-from petals_chain.reachability import RelayRoutes
+from petals_chain.reachability import RelayRoutes, dht_ping_s, relayed_rtt_s
 from petals_chain.messages import Assignment, AssignmentStatus, Hop
 from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
 from petals_chain.wire import ServerState
@@ -358,11 +358,22 @@ class Orchestrator:
                 "source": "live" if f is not None else "announced"}
 
     def measure_rtt(self, peer_id: str) -> float | None:
-        """Median round trip of rpc_info to the server (None when it does not answer). A relayed server is
-        dialed through its relays first, so its RTT (and tau_c) includes the relay's extra hop, as clients see it."""
+        """Median round trip of rpc_info to the server (None when it does not answer). A relayed server's
+        RTT is the path clients' traffic takes: ours to its relay plus its own to the relay, as it reports
+        it (`relayed_rtt_s`); without a report, probed after dialing it through its relays."""
         # every time, not throttled: the NATed server keeps re-opening its own direct connection (assignment
-        # polls, DHT stores), and a probe over that one would hide the relay's hop
+        # polls, DHT stores), and its streams (service polls, assignments) must reach it either way
         self.loop.run(self.relay_routes.connect(self.p2p, peer_id, via_relay_only=True))
+        reported = self.relay_routes.server_to_relay_s.get(peer_id)
+        if reported:
+            to_relay = {}
+            for relay in reported:
+                pings = [x for x in (dht_ping_s(self.dht, relay) for _ in range(self.config.rtt_probes)) if x is not None]
+                to_relay[relay] = median(pings) if pings else None
+            rtt = relayed_rtt_s(to_relay, reported)
+            if rtt is not None:
+                return rtt
+        # a probe here may still run over a direct connection the NATed server opened (see reachability.py)
         samples = [ping_block_server_s(self.loop, self.p2p, peer_id) for _ in range(self.config.rtt_probes)]
         samples = [x for x in samples if x is not None]
         return median(samples) if samples else None
