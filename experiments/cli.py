@@ -29,6 +29,12 @@ def _size(text: str) -> str:
     return text.strip()
 
 
+def _kv_plan_tokens(text: str) -> str:
+    if text in ("max", "auto") or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"takes max, auto or a positive number of tokens, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="petals-chain experiment table1", description=(
         "The paper's Table 1 on a live swarm: per policy a fresh swarm (DHT, orchestrator --policy P, 9 servers: "
@@ -57,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--leftover-placement", action="store_true", help=(
         "the orchestrator's --leftover-placement: servers GBP-CR leaves idle get blocks where GCA's chains are "
         "tightest (beyond the paper; off by default)"))
+    p.add_argument("--kv-plan-tokens", type=_kv_plan_tokens, default="max", metavar="max|auto|N", help=(
+        "the orchestrator's --kv-plan-tokens: plan the cache reservation for sessions of N tokens; auto = the "
+        "95th percentile of the replayed requests' prompt + output tokens; max (default) = the servers' "
+        "--max-length (sessions reserve KV at their own length, so max counts fewer sessions than fit)"))
     p.add_argument("--cpus", type=positive_float, default=2.0, help="cores the auto time scale may count on (default 2)")
     p.add_argument("--fast-budget", type=_size, default="480MiB", help="fast servers' --memory-budget")
     p.add_argument("--slow-budget", type=_size, default="240MiB", help="slow servers' --memory-budget")
@@ -126,6 +136,7 @@ def main(argv: list[str]) -> int:
         slow_slowdown=args.slow_slowdown, netem=not args.no_netem, netem_backend=args.netem_backend,
         netem_name=args.netem_name, cpu=args.cpu, device=args.device, dtype=args.dtype, warmup_per_chain=args.warmup_per_chain,
         calibrate_from=args.calibrate_from, leftover_placement=args.leftover_placement,
+        kv_plan_tokens=args.kv_plan_tokens,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest))
     try:

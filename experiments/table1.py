@@ -9,6 +9,7 @@ the model check go to `--out`.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -66,6 +67,9 @@ class Table1Config:
     # the auto time scale's W measured in an earlier run's results folder instead of footnote 11's estimate
     calibrate_from: str | None = None
     leftover_placement: bool = False  # the orchestrator's --leftover-placement (proposed: idle servers get blocks)
+    # the orchestrator's --kv-plan-tokens: "max" (the servers' --max-length), "auto" (the replayed
+    # requests' 95th percentile of prompt + output tokens) or a number of tokens
+    kv_plan_tokens: str = "max"
     deadline_s: float = 600.0
     command: str = ""
     extra: dict = field(default_factory=dict)
@@ -370,7 +374,24 @@ def orchestrator_args(cfg: Table1Config, policy: str, scale_info: dict) -> list[
             "--length-prior-sessions", str(cfg.requests)]
     if cfg.leftover_placement:  # blocks for the servers GBP-CR leaves idle (orchestrator/placement_leftover.py)
         args.append("--leftover-placement")
+    tokens = kv_plan_tokens(cfg, scale_info.get("_requests", ()))
+    if tokens is not None:
+        args += ["--kv-plan-tokens", str(tokens)]
     return args
+
+
+def kv_plan_tokens(cfg: Table1Config, requests) -> int | None:
+    """The session length the orchestrator's cache reservation is planned for (--kv-plan-tokens), None for
+    the servers' --max-length. auto: the 95th percentile of the replayed sessions' prompt + output tokens
+    (what each session opens with), within the servers' limit."""
+    if cfg.kv_plan_tokens == "max":
+        return None
+    if cfg.kv_plan_tokens == "auto":
+        lengths = sorted(r.input_tokens + r.output_tokens for r in requests)
+        if not lengths:
+            return None
+        return min(cfg.max_length_tokens, lengths[min(len(lengths) - 1, math.ceil(0.95 * len(lengths)) - 1)])
+    return min(cfg.max_length_tokens, int(cfg.kv_plan_tokens))
 
 
 def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir: Path) -> dict:

@@ -135,3 +135,37 @@ def test_orchestrator_args_of_a_column_parse_and_carry_the_leftover_placement():
         assert args.length_prior_sessions == 250  # the stated means are the whole replay's (250 requests)
     assert table1_parser().parse_args(["--leftover-placement"]).leftover_placement
     assert not table1_parser().parse_args([]).leftover_placement
+
+
+def test_the_kv_plan_length_reaches_the_orchestrator_and_its_cluster():
+    """--kv-plan-tokens: auto = the replayed sessions' 95th percentile of prompt + output tokens; the
+    orchestrator's cluster then reserves s_c for that many tokens (KV is linear in them), within each
+    server's --max-length."""
+    from experiments.cli import build_parser as table1_parser
+    from experiments.table1 import Table1Config, kv_plan_tokens, orchestrator_args
+    from experiments.workload import ScaledRequest
+    from orchestrator.service.cli import build_parser
+    from orchestrator.service.registry import ServerRecord, build_cluster
+    from orchestrator.session_times import SessionShape
+    from petals_chain.wire import ServerInfo
+    reqs = [ScaledRequest(i, float(i), 10 * i, 5, 10 * i, 5, False) for i in range(1, 21)]  # 15, 25, .., 205 tokens
+    assert kv_plan_tokens(Table1Config(kv_plan_tokens="auto"), reqs) == 195  # the 19th of 20
+    assert kv_plan_tokens(Table1Config(kv_plan_tokens="max"), reqs) is None
+    assert kv_plan_tokens(Table1Config(kv_plan_tokens="4096", max_length_tokens=1024), reqs) == 1024
+    peer = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmesM6xndavBMs1jxAgfk6s4aGbemH7CT3hRJcVyMFqVsy"]
+    info = {"rate_per_s": 0.19, "mean_input_tokens": 129.6, "mean_output_tokens": 22.7, "_requests": reqs}
+    args = build_parser().parse_args(peer + orchestrator_args(Table1Config(kv_plan_tokens="auto"), "proposed", info))
+    assert args.kv_plan_tokens == 195
+    assert build_parser().parse_args(peer + orchestrator_args(Table1Config(), "proposed", info)).kv_plan_tokens is None
+    assert table1_parser().parse_args(["--kv-plan-tokens", "auto"]).kv_plan_tokens == "auto"
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit):
+            table1_parser().parse_args(["--kv-plan-tokens", bad])
+    # s_c: 1000 bytes per block at the server's 2048 tokens
+    rec = ServerRecord(ServerInfo("p", "m", 0, 4, "online", 4000, 100, 1000, 2048, 40, 1e-4, 1e-3), rtt_s=0.01)
+    shape = SessionShape(100, 20)
+    assert build_cluster([rec], 4, shape, 0.1, 0.7)[0].service.cache_size == 1000
+    assert build_cluster([rec], 4, shape, 0.1, 0.7, kv_plan_tokens=512)[0].service.cache_size == 250
+    assert build_cluster([rec], 4, shape, 0.1, 0.7, kv_plan_tokens=8192)[0].service.cache_size == 1000
+    with pytest.raises(ValueError, match="kv_plan_tokens"):
+        build_cluster([rec], 4, shape, 0.1, 0.7, kv_plan_tokens=0)

@@ -13,7 +13,7 @@ from orchestrator.planner import POLICIES
 from orchestrator.tuning import TUNINGS
 from orchestrator.cli_args import parse_c, positive_float
 from petals_chain.cli_args import (LOG_LEVELS, CliParser, identity_path, listen_maddr, non_negative_float,
-                                   non_negative_int, peer_maddr)
+                                   non_negative_int, peer_maddr, positive_int)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         "keep it busy t_o steps + n x their compute, and the plan's chain times grow with the chain's load), "
         "parallel = the paper's model (GPU batches: sessions do not slow each other), auto (default) = shared "
         "for servers with a live fit (its t_O is the marginal cost of one more session), parallel before"))
+    p.add_argument("--kv-plan-tokens", type=positive_int, default=None, metavar="N", help=(
+        "plan the cache reservation (s_c, c*) for sessions of N tokens (prompt + output) instead of the servers' "
+        "--max-length: a server reserves each session's KV at the session's own max_length, so a workload of "
+        "short sessions fits more of them than the planner counts; a longer session still runs if its servers "
+        "have the memory, and waits in their admission queue if not (default: the servers' --max-length)"))
     p.add_argument("--expected-servers", type=non_negative_int, default=0,
                    help="plan as soon as this many servers registered (default: when none joined for --settle)")
     p.add_argument("--expected-wait", type=non_negative_float, default=180.0,
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         mean_input_tokens=args.mean_input_tokens, mean_output_tokens=args.mean_output_tokens,
         length_prior_sessions=args.length_prior_sessions,
         per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3, relay=args.relay,
-        server_compute=args.server_compute,
+        server_compute=args.server_compute, kv_plan_tokens=args.kv_plan_tokens,
         expected_servers=args.expected_servers, expected_wait_s=args.expected_wait, settle_s=args.settle, replan_period_s=args.replan_period,
         force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, calibrate=args.calibrate,
         replan_enter=args.replan_threshold, replan_exit=args.replan_threshold / 2,

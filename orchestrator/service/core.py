@@ -64,6 +64,7 @@ class OrchestratorConfig:
     per_step_overhead_s: float = 0.0
     relay: str = "server"  # how clients relay (their default): tau_c per footnote 4 ("server") or x RTT ("client")
     server_compute: str = "auto"  # how servers serve concurrent sessions (registry.SERVER_COMPUTE)
+    kv_plan_tokens: int | None = None  # session length the cache reservation s_c is planned for (None: max_length)
     expected_servers: int = 0  # plan as soon as this many servers are measured (0: after settle_s)
     expected_wait_s: float = 180.0  # ... or, when fewer are measured, this long after the first registration
     settle_s: float = 5.0  # plan once no new server appeared for this long
@@ -327,7 +328,7 @@ class Orchestrator:
             try:
                 cluster, _ = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
                                            cfg.rho_bar, self.overheads, relay=cfg.relay,
-                                           compute=cfg.server_compute)
+                                           compute=cfg.server_compute, kv_plan_tokens=cfg.kv_plan_tokens)
             except ValueError:
                 return
         try:
@@ -434,7 +435,7 @@ class Orchestrator:
         try:
             cluster, peers = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
                                            cfg.rho_bar, self.overheads, relay=cfg.relay,
-                                           compute=cfg.server_compute)
+                                           compute=cfg.server_compute, kv_plan_tokens=cfg.kv_plan_tokens)
             result = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
         except ValueError as e:  # InvalidClusterError / InfeasibleClusterError
             if self.plan_error != str(e):

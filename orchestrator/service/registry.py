@@ -86,15 +86,24 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
 
 def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionShape, arrival_rate_per_s: float,
                   rho_bar: float, overheads: Overheads = Overheads(), relay: str = "client",
-                  compute: str = "parallel") -> tuple[Cluster, list[str]]:
+                  compute: str = "parallel", kv_plan_tokens: int | None = None) -> tuple[Cluster, list[str]]:
     """Cluster over the measured servers (sorted by peer id, so the same inputs give the same
     cluster), and the peer id of each server index. Records without an RTT are left out.
-    `compute`: how the servers' compute serves concurrent sessions (SERVER_COMPUTE)."""
+    `compute`: how the servers' compute serves concurrent sessions (SERVER_COMPUTE).
+    `kv_plan_tokens`: the session length s_c is reserved for (None: each server's --max-length, what
+    its `kv_bytes_per_block` is quoted at). A server reserves a session's KV at the session's own
+    max_length, so sessions shorter than the servers' limit let more of them share the memory the
+    planner's cache reservation counts in sessions of s_c."""
     usable = sorted((r for r in records if r.rtt_s is not None), key=lambda r: r.peer_id)
     if not usable:
         raise ValueError("no measured server to plan with")
+    if kv_plan_tokens is not None and kv_plan_tokens < 1:
+        raise ValueError(f"kv_plan_tokens must be >= 1, got {kv_plan_tokens}")
     s_m = max(r.info.block_bytes for r in usable)
-    s_c = max(r.info.kv_bytes_per_block for r in usable)
+    # KV grows linearly with the tokens a session may hold (static caches of max_length rows)
+    s_c = max(r.info.kv_bytes_per_block if kv_plan_tokens is None
+              else r.info.kv_bytes_per_block * min(kv_plan_tokens, r.info.max_length_tokens) / r.info.max_length_tokens
+              for r in usable)
     if any(r.info.block_bytes != s_m or r.info.kv_bytes_per_block != s_c for r in usable):
         logger.warning("servers report different s_m / s_c (dtype or max_length differ); planning with the largest")
     servers = []
