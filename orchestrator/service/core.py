@@ -458,7 +458,7 @@ class Orchestrator:
         busy = [self.records[p].info.name or p[-8:] for p in pinned if not held[p].fixed]
         pinned = [self.records[p].info.name or p[-8:] for p in pinned]
         if busy and self.model_moved and now - self.model_moved_s < cfg.model_replan_wait_s:
-            # A server's active_sessions is as old as its last service poll, so sessions that just ended
+            # A server's active_sessions is as old as its last announcement, so sessions that just ended
             # (a calibration warm-up) still pin it: wait for fresh records or the sessions to drain.
             if self._model_retry_s < self.model_moved_s:  # the first wait for this move
                 self.log_event(f"the re-plan waits (up to {cfg.model_replan_wait_s:g} s) for sessions on "

@@ -101,10 +101,11 @@ def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionSh
         raise ValueError(f"kv_plan_tokens must be >= 1, got {kv_plan_tokens}")
     s_m = max(r.info.block_bytes for r in usable)
     # KV grows linearly with the tokens a session may hold (static caches of max_length rows)
-    s_c = max(r.info.kv_bytes_per_block if kv_plan_tokens is None
-              else r.info.kv_bytes_per_block * min(kv_plan_tokens, r.info.max_length_tokens) / r.info.max_length_tokens
-              for r in usable)
-    if any(r.info.block_bytes != s_m or r.info.kv_bytes_per_block != s_c for r in usable):
+    kv = [r.info.kv_bytes_per_block if kv_plan_tokens is None
+          else r.info.kv_bytes_per_block * min(kv_plan_tokens, r.info.max_length_tokens) / r.info.max_length_tokens
+          for r in usable]
+    s_c = max(kv)
+    if any(r.info.block_bytes != s_m for r in usable) or any(x != s_c for x in kv):
         logger.warning("servers report different s_m / s_c (dtype or max_length differ); planning with the largest")
     servers = []
     for r in usable:
