@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-per-chain", type=int, default=2,
                    help="calibration warm-up: sessions per placed server before the replay (not counted); the orchestrator "
                         "may then re-plan once from the service it measured (0: no warm-up, no calibrated re-plan)")
+    p.add_argument("--probe-per-chain", type=int, default=1, metavar="N",
+                   help="the model probe after each replay: N sessions of the replay's mean lengths through each chain "
+                        "of the final plan, one after another, each alone (the model check's lone requests; counted "
+                        "nowhere else; 0: none)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the servers' --dtype")
     p.add_argument("--device", default="cpu", help="the servers' --device (cuda: the GPU variant; no CPU shares)")
     p.add_argument("--no-netem", action="store_true",
@@ -136,7 +140,7 @@ def main(argv: list[str]) -> int:
         slow_slowdown=args.slow_slowdown, netem=not args.no_netem, netem_backend=args.netem_backend,
         netem_name=args.netem_name, cpu=args.cpu, device=args.device, dtype=args.dtype, warmup_per_chain=args.warmup_per_chain,
         calibrate_from=args.calibrate_from, leftover_placement=args.leftover_placement,
-        kv_plan_tokens=args.kv_plan_tokens,
+        kv_plan_tokens=args.kv_plan_tokens, probe_per_chain=args.probe_per_chain,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest))
     try:

@@ -80,7 +80,8 @@ class Replayer:
         session = None
         try:
             with torch.inference_mode():
-                session = backend.open_session(req["input_tokens"] + req["output_tokens"])
+                # "avoid" (the model probe's requests): servers outside the one chain this request measures
+                session = backend.open_session(req["input_tokens"] + req["output_tokens"], avoid=req.get("avoid", ()))
                 granted = getattr(provider, "granted_at_s", {}).get(session.session_id)
                 rec["start_s"] = (granted if granted is not None else self.clock()) - self.t0
                 grant = getattr(provider, "last_grant", {}).get(session.session_id)
@@ -106,6 +107,14 @@ class Replayer:
                     rec["error"] = rec["error"] or f"close failed: {type(e).__name__}: {e}"
             rec["end_s"] = self.clock() - self.t0
             self.write(rec)
+
+    def run_sequentially(self) -> None:
+        """One request after another, each alone (the model probe): arrival times are ignored."""
+        self.t0 = self.clock()
+        for i, req in enumerate(self.requests):
+            self.run_one(req)
+            print(f"loadgen: {i + 1}/{len(self.requests)} done (sequentially)", flush=True)
+        self.out.close()
 
     def replay(self, deadline_s: float, lead_s: float = 1.0) -> int:
         """Start every request at t0 + arrival; wait until all finished or `deadline_s` after the last arrival."""
@@ -145,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds after the last arrival to wait for stragglers")
     p.add_argument("--acquire-timeout", type=float, default=900.0, help="seconds a request may wait for a chain")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the requests one after another, each alone, ignoring their arrival times (the model probe)")
     args = p.parse_args(argv)
     import torch
 
@@ -160,8 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                                                         step_timeout_s=120.0)
     try:
         print(f"loadgen: replaying {len(requests)} requests ({args.policy})", flush=True)
-        late = Replayer(model, requests, args.policy, Path(args.out), args.seed).replay(args.deadline)
-        print(f"loadgen: done ({late} not finished by the deadline)", flush=True)
+        replayer = Replayer(model, requests, args.policy, Path(args.out), args.seed)
+        if args.sequential:
+            replayer.run_sequentially()
+            print("loadgen: done", flush=True)
+        else:
+            late = replayer.replay(args.deadline)
+            print(f"loadgen: done ({late} not finished by the deadline)", flush=True)
     finally:
         model.backend.shutdown()
     return 0

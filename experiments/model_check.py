@@ -12,7 +12,9 @@ the server's own time (queue + compute; `server_s` in the step reply), so
   RTT as the orchestrator measured it.
 `model_error` (summary.json): per server, measured / model - 1 of the means over lone requests.
 "Lone" requests ran while no other request was in service: there the server time is compute
-only; under load it includes waiting for the server's batch.
+only; under load it includes waiting for the server's batch. Besides the replay's lone requests (under
+the trace's bursts there may be none), the model probe (`probe_<policy>.jsonl`: after the replay, sessions
+through each chain one after another) gives each chain's servers lone requests.
 """
 from __future__ import annotations
 
@@ -33,9 +35,10 @@ def lone_indices(records: list[dict]) -> set[int]:
     return out
 
 
-def hop_points(records: list[dict], servers: dict[str, dict]) -> list[dict]:
-    """One point per (request, hop): measured and modelled times of the four quantities."""
-    lone = lone_indices(records)
+def hop_points(records: list[dict], servers: dict[str, dict], *, probe: bool = False) -> list[dict]:
+    """One point per (request, hop): measured and modelled times of the four quantities. `probe`: the
+    records are the model probe's (run one after another after the replay): each ran alone."""
+    lone = {r["index"] for r in records} if probe else lone_indices(records)
     pts = []
     for r in records:
         if r.get("error") is not None or not r.get("hops"):
@@ -53,6 +56,7 @@ def hop_points(records: list[dict], servers: dict[str, dict]) -> list[dict]:
                 pre, dec = t_o + m * s["t_I"] * l_in, n_dec * (t_o + m * s["t_O"])
             pts.append({
                 "policy": r["policy"], "index": r["index"], "server": h["name"], "lone": r["index"] in lone,
+                "probe": probe,
                 "measured": {"prefill_compute": h["prefill_server_s"], "decode_compute": h["decode_server_s"],
                              "prefill_comm": h["prefill_client_s"] - h["prefill_server_s"],
                              "decode_comm": h["decode_client_s"] - h["decode_server_s"]},
@@ -66,7 +70,8 @@ def error_table(points: list[dict]) -> dict:
     per-point relative errors; over all points and over lone requests only."""
     out: dict = {}
     for subset in ("all", "lone"):
-        sel = [p for p in points if subset == "all" or p["lone"]]
+        # "all": the replay's finished requests (the probe's ran after it, alone); "lone": alone in the system
+        sel = [p for p in points if (p["lone"] if subset == "lone" else not p.get("probe"))]
         for server in sorted({p["server"] for p in sel}):
             ps = [p for p in sel if p["server"] == server]
             row = {}

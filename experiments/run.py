@@ -95,7 +95,7 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
             continue
         s = report.policy_summary(r["records"], n_requests, meta["config"].get("deadline_s"))
         s.update({k: r.get(k) for k in ("c", "placement", "left_out_of_plan", "unused_by_plan", "chains", "servers",
-                                        "final_servers", "host_cpu", "cpu", "startup_s",
+                                        "final_servers", "host_cpu", "cpu", "startup_s", "probe",
                                         "final_metrics",
                                         "loadgen_exit", "loadgen_error", "loadgen_tail")})
         policies[p] = s
@@ -103,8 +103,15 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
                "rtt_ms": meta["rtt_ms"], "rtt_anchor_indices": meta["rtt_anchor_indices"], "wall_s": wall_s,
                "policies": policies, "not_run": unavailable,
                "change_vs_petals": report.changes_vs(policies, "petals"), "paper": report.PAPER_TABLE1}
-    points = [pt for p, r in runs.items() if p != PETALS_22
-              for pt in model_check.hop_points(r["records"], r.get("final_servers") or r.get("servers") or {})]
+    points = []
+    for p, r in runs.items():
+        if p == PETALS_22:
+            continue
+        model = r.get("final_servers") or r.get("servers") or {}
+        points += model_check.hop_points(r["records"], model)
+        probe_file = out / f"probe_{p}.jsonl"
+        if probe_file.exists():  # the model probe's sessions, each alone (experiments/table1.py model_probe)
+            points += model_check.hop_points(report.read_records(probe_file), model, probe=True)
     table = model_check.error_table(points)
     summary["model_check"] = table
     summary["model_error"] = model_check.model_error(table)

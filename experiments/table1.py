@@ -70,6 +70,10 @@ class Table1Config:
     # the orchestrator's --kv-plan-tokens: "max" (the servers' --max-length), "auto" (the replayed
     # requests' 95th percentile of prompt + output tokens) or a number of tokens
     kv_plan_tokens: str = "max"
+    # the model probe after the replay: this many sessions per chain of the final plan, one after another
+    # (each alone in the system: the model check's lone requests), counted nowhere else (0: none)
+    probe_per_chain: int = 1
+    probe_timeout_s: float = 600.0
     deadline_s: float = 600.0
     command: str = ""
     extra: dict = field(default_factory=dict)
@@ -327,6 +331,49 @@ def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, request
     return st
 
 
+def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: dict, out_dir: Path,
+                policy: str) -> dict:
+    """After the replay: `probe_per_chain` sessions of the replay's mean lengths through each dispatchable
+    chain of `status`, one after another, so each runs alone in the system (the model check needs
+    requests alone, and under the trace's bursts few or none are: the full run of 2026-11-24 had none).
+    Each session avoids every server outside its chain, so the orchestrator's JFFC grants that chain
+    (a per-request router, the PETALS policy, computes its own route and ignores this: its probes go
+    where it routes them). Records go to probe_<policy>.jsonl (counted nowhere but in the model check)."""
+    chains = [k for k in status["chains"] if k.get("dispatchable", True)]
+    placed = {s["peer_id"] for s in status["servers"] if s["end"] > s["start"]}
+    l_in = max(1, round(scale_info["mean_input_tokens"]))
+    l_out = max(2, round(scale_info["mean_output_tokens"]))
+    probes = [{"index": PROBE_INDEX0 + i, "arrival_s": 0.0, "input_tokens": l_in, "output_tokens": l_out,
+               "avoid": sorted(placed - set(k["servers"]))}
+              for i, k in enumerate(c for c in chains for _ in range(cfg.probe_per_chain))]
+    if not probes:
+        return {"sessions": 0, "reason": "no dispatchable chain"}
+    req_file, rec_file = out_dir / f"probe_requests_{policy}.json", out_dir / f"probe_{policy}.jsonl"
+    req_file.write_text(json.dumps(probes))
+    print(f"[{policy}] model probe: {len(probes)} sessions ({l_in} + {l_out} tokens), one per chain, alone ...",
+          flush=True)
+    gen = launcher.popen("loadgen", [sys.executable, "-m", "experiments.loadgen", "--initial-peers",
+                                     *swarm.initial_peers, "--model", cfg.model, "--requests", str(req_file),
+                                     "--out", str(rec_file), "--policy", f"{policy}-probe", "--seed", str(cfg.seed),
+                                     "--sequential", "--acquire-timeout", "120"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**swarm.env},
+                         start_new_session=True)
+    try:
+        out, _ = gen.communicate(timeout=cfg.probe_timeout_s)
+    except subprocess.TimeoutExpired:
+        gen.kill()
+        out, _ = gen.communicate()
+    done = report.read_records(rec_file) if rec_file.exists() else []
+    facts = {"sessions": len(probes), "finished": sum(1 for r in done if r.get("error") is None),
+             "input_tokens": l_in, "output_tokens": l_out, "exit": gen.returncode}
+    if gen.returncode != 0:
+        facts["tail"] = (out or "").splitlines()[-15:]
+    return facts
+
+
+PROBE_INDEX0 = 1_000_000  # probe records' indices: apart from the replay's
+
+
 PLAN_ERROR_GRACE_S = 60.0
 
 
@@ -475,6 +522,7 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
         result["loadgen_exit"] = gen.wait(timeout=30)
         if result["loadgen_exit"] != 0:
             result["loadgen_tail"] = lines[-20:]
+        final = None
         try:
             final = launcher.fetch_json("orchestrator", swarm.orchestrator_url + "status")
             result["final_metrics"] = final["metrics"]
@@ -482,6 +530,12 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
             result["final_servers"] = server_models(final)
         except Exception as e:  # noqa: BLE001 - the summary says so; records are what count
             result["final_metrics"] = {"error": str(e)}
+        # the probe measures the chains of the plan the replay ran on, after the model above was taken
+        if cfg.probe_per_chain > 0 and final is not None:
+            try:
+                result["probe"] = model_probe(cfg, launcher, swarm, final, scale_info, out_dir, policy)
+            except Exception as e:  # noqa: BLE001 - the probe is extra: the replay's results stand without it
+                result["probe"] = {"error": f"{type(e).__name__}: {e}"}
     finally:
         swarm.stop()
         launcher.close()

@@ -109,7 +109,13 @@ def test_quick_mode_end_to_end(tmp_path):
             else:
                 assert r["error"].split(":")[0]
     assert summary["policies"]["proposed"]["c"] >= 1
-    assert isinstance(summary["model_error"], dict)  # empty when no request ran alone
+    # the model probe: after the replay, one session through each chain of the final plan, each alone; their
+    # servers get a model error even when no replayed request ran alone
+    probe = summary["policies"]["proposed"]["probe"]
+    assert probe["sessions"] >= 1 and probe["finished"] == probe["sessions"], probe
+    probe_recs = [json.loads(line) for line in (out / "probe_proposed.jsonl").read_text().splitlines()]
+    assert len(probe_recs) == probe["sessions"] and all(r["error"] is None for r in probe_recs)
+    assert summary["model_error"] and all("decode_compute" in v for v in summary["model_error"].values())
     for policy, s in summary["policies"].items():  # the model the results are checked against: the fitted one
         assert s["final_servers"] and any(v["model_source"] == "live" for v in s["final_servers"].values()), policy
         if netem_ok and sc.get("cpu_shares"):  # each host's share and its measured use

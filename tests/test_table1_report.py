@@ -201,3 +201,37 @@ def test_wait_plan_reports_a_lasting_plan_error_without_sitting_out_the_timeout(
     with pytest.raises(RuntimeError, match="block 2 uncovered"):
         table1.wait_plan(launcher, "http://o/", swarm, timeout_s=600.0)
     assert table1.PLAN_ERROR_GRACE_S < clock.t < 600.0
+
+
+def test_the_model_probes_sessions_count_alone_and_stay_out_of_the_replays_statistics(tmp_path):
+    """Under the trace's bursts no replayed request may run alone; the probe's sessions (one after another,
+    after the replay) give each chain's servers lone requests, and only those enter model_error."""
+    from experiments.run import write_results
+    hop = {"name": "fast0", "blocks": 10, "prefill_tokens": 100, "prefill_client_s": 0.25, "prefill_server_s": 0.2,
+           "decode_steps": 4, "decode_client_s": 0.6}
+    # two replayed requests that overlap (neither alone), server time 0.8 s each (waiting in the batch)
+    replay = [{**rec(i, 0.0, 0.0, 2.0), "hops": [{**hop, "decode_server_s": 0.8}]} for i in range(2)]
+    # the probe's two sessions ran one after another: 0.22 s of decode each
+    probe = [{**rec(1_000_000 + i, 0.0, 3.0 * i, 3.0 * i + 1.0, policy="proposed-probe"),
+              "hops": [{**hop, "decode_server_s": 0.22}]} for i in range(2)]
+    servers = {"fast0": {"t_I": 1e-4, "t_O": 5e-3, "t_o": 0.0, "rtt_s": 0.05}}  # model decode: 4 x 10 x 5 ms
+    assert not any(p["lone"] for p in model_check.hop_points(replay, servers))
+    scale = {"time_scale": 2.0, "length_scale": 0.0625, "output_scale": 1.0, "max_length_tokens": 1024, "requests": 2,
+             "offset": 0, "rate_per_s": 1.0, "trace_rate_per_s": 2.0, "interarrival_cv": 1.0,
+             "trace_interarrival_cv": 1.0, "mean_input_tokens": 100.0, "mean_output_tokens": 5.0,
+             "trace_mean_input_tokens": 1600.0, "trace_mean_output_tokens": 5.0, "truncated": 0}
+    (tmp_path / "scale.json").write_text(json.dumps({"command": "c", "scale": scale, "rtt_ms": None,
+                                                     "rtt_anchor_indices": [], "config": {"policies": ["proposed"]}}))
+    (tmp_path / "run_proposed.json").write_text(json.dumps({"policy": "proposed", "where": "localhost",
+                                                            "final_servers": servers,
+                                                            "probe": {"sessions": 2, "finished": 2}}))
+    (tmp_path / "records_proposed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in replay))
+    s = write_results(tmp_path)
+    assert s["model_error"] == {}  # without the probe: nothing ran alone
+    (tmp_path / "probe_proposed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in probe))
+    s = write_results(tmp_path)
+    assert s["model_error"]["fast0"]["decode_compute"] == pytest.approx(0.22 / 0.2 - 1)
+    # the replay's statistics are the replay's alone: 2 requests, the probe's decode times not in "all"
+    assert s["policies"]["proposed"]["requests"] == 2 and s["policies"]["proposed"]["probe"]["finished"] == 2
+    assert s["model_check"]["all"]["fast0"]["decode_compute"]["measured_mean_s"] == pytest.approx(0.8)
+    assert "fast0" in (tmp_path / "summary.md").read_text().split("Model error")[1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -337,11 +337,12 @@ class FailoverPolicy:
     the replacement, unless `ping_s` says it still answers and it has not been retried yet (a
     stateless forward then runs again on it once: a stream that broke on a live server)."""
 
-    def __init__(self, max_failovers: int, *, ping_s: Callable[[str], float | None] | None = None):
+    def __init__(self, max_failovers: int, *, ping_s: Callable[[str], float | None] | None = None,
+                 avoid: Iterable[str] = ()):
         self.max_failovers = max_failovers
         self.ping_s = ping_s
         self.failovers = 0
-        self.banned: set[str] = set()
+        self.banned: set[str] = set(avoid)  # `avoid`: servers the caller excludes from the start
         self._retried: set[str] = set()
 
     def on_failure(self, failed: HopFailed, what: str) -> bool:

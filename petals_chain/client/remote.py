@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 
 import torch
 
@@ -129,11 +130,12 @@ class RemoteChain(ChainBackend):
             self.provider.session_finished(hops, session_id=sid)
 
     def open_session(self, max_length: int, prefix: PromptPrefix | None = None, adapter: str | None = None, *,
-                     session_id: str | None = None) -> "RemoteChainSession":
+                     session_id: str | None = None, avoid: Iterable[str] = ()) -> "RemoteChainSession":
         """`prefix`: the prompt, offered to the hops' prefix caches (`remote_session.py`); `adapter`:
-        the LoRA adapter of the session (only servers that list it are used)."""
+        the LoRA adapter of the session (only servers that list it are used); `avoid`: peer ids of
+        servers the session must not use."""
         return RemoteChainSession(self, max_length, prefix if self.prefix_reuse else None, adapter,
-                                  session_id=session_id)
+                                  session_id=session_id, avoid=avoid)
 
     def unready_reason(self) -> str | None:
         """None once the DHT lists online servers that cover every block (a chain the provider

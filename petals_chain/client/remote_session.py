@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,7 +69,7 @@ class HopTiming:
 
 class RemoteChainSession(ChainSession):
     def __init__(self, chain: RemoteChain, max_length: int, prefix: PromptPrefix | None = None,
-                 adapter: str | None = None, *, session_id: str | None = None):
+                 adapter: str | None = None, *, session_id: str | None = None, avoid: Iterable[str] = ()):
         self.chain = chain
         self.max_length = max_length
         self.adapter = adapter  # the LoRA adapter every hop runs this session with (None: base model)
@@ -77,7 +78,9 @@ class RemoteChainSession(ChainSession):
         self.prefix_tokens = 0  # tokens of the prompt every hop took from its cache
         self.session_id = session_id or uuid.uuid4().hex
         self.position = 0
-        self.failover = FailoverPolicy(chain.max_failovers)  # one budget for open and steps
+        # one budget for open and steps; `avoid`: servers this session must not use from the start (the
+        # Table 1 model probe measures one chain alone by avoiding every server outside it)
+        self.failover = FailoverPolicy(chain.max_failovers, avoid=avoid)
         self.reopens = 0  # streams reopened after the server's session_idle_timeout (not failovers)
         self.rollbacks = 0  # steps that restarted below `position` (rejected drafts, an edited last turn)
         self.streams: list[HopStream] = []
@@ -85,8 +88,8 @@ class RemoteChainSession(ChainSession):
         self.input_tokens = 0  # tokens of the first step (the prompt)
         self.steps = 0
         self.hop_timings: list[HopTiming] = []
-        hops = chain.provider.find_chain(0, chain.num_blocks, max_length=max_length, session_id=self.session_id,
-                                         adapter=adapter)
+        hops = chain.provider.find_chain(0, chain.num_blocks, exclude=self.failover.exclude, max_length=max_length,
+                                         session_id=self.session_id, adapter=adapter)
         try:
             while True:
                 try:
