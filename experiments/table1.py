@@ -339,7 +339,12 @@ def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: di
     Each session avoids every server outside its chain, so the orchestrator's JFFC grants that chain
     (a per-request router, the PETALS policy, computes its own route and ignores this: its probes go
     where it routes them). Records go to probe_<policy>.jsonl (counted nowhere but in the model check)."""
-    chains = [k for k in status["chains"] if k.get("dispatchable", True)]
+    every = [k for k in status["chains"] if k.get("dispatchable", True)]
+    # avoiding the servers outside a chain lets JFFC grant that chain or any chain over a subset of its
+    # servers (slow2 -> fast1 when fast1 alone is a chain: JFFC takes fast1, the faster): probe only the
+    # chains that no other chain's servers fit inside. Every server still gets a probe unless all of its
+    # chains contain a smaller chain (the summary counts what was probed)
+    chains = probe_targets(every)
     placed = {s["peer_id"] for s in status["servers"] if s["end"] > s["start"]}
     l_in = max(1, round(scale_info["mean_input_tokens"]))
     l_out = max(2, round(scale_info["mean_output_tokens"]))
@@ -365,10 +370,17 @@ def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: di
         out, _ = gen.communicate()
     done = report.read_records(rec_file) if rec_file.exists() else []
     facts = {"sessions": len(probes), "finished": sum(1 for r in done if r.get("error") is None),
-             "input_tokens": l_in, "output_tokens": l_out, "exit": gen.returncode}
+             "input_tokens": l_in, "output_tokens": l_out, "exit": gen.returncode,
+             "chains_not_probed": len(every) - len(chains)}
     if gen.returncode != 0:
         facts["tail"] = (out or "").splitlines()[-15:]
     return facts
+
+
+def probe_targets(chains: list[dict]) -> list[dict]:
+    """The chains a probe can reach by avoiding every other server: those that hold no other chain."""
+    sets = [frozenset(k["servers"]) for k in chains]
+    return [k for k, mine in zip(chains, sets) if not any(o < mine for o in sets)]
 
 
 PROBE_INDEX0 = 1_000_000  # probe records' indices: apart from the replay's

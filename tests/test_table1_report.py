@@ -235,3 +235,12 @@ def test_the_model_probes_sessions_count_alone_and_stay_out_of_the_replays_stati
     assert s["policies"]["proposed"]["requests"] == 2 and s["policies"]["proposed"]["probe"]["finished"] == 2
     assert s["model_check"]["all"]["fast0"]["decode_compute"]["measured_mean_s"] == pytest.approx(0.8)
     assert "fast0" in (tmp_path / "summary.md").read_text().split("Model error")[1]
+
+
+def test_the_probe_targets_only_chains_it_can_reach_by_avoiding_servers():
+    from experiments.table1 import probe_targets
+    chains = [{"servers": ["f1"]}, {"servers": ["s2", "f1"]}, {"servers": ["s2", "s3"]}, {"servers": ["f0"]},
+              {"servers": ["s4", "f0", "s5"]}, {"servers": ["s4", "s5"]}]
+    # s2 -> f1 holds the chain f1 (avoiding the rest, JFFC may grant f1 alone); s4 -> f0 -> s5 holds s4 -> s5
+    assert [k["servers"] for k in probe_targets(chains)] == [["f1"], ["s2", "s3"], ["f0"], ["s4", "s5"]]
+    assert probe_targets([{"servers": ["a"]}, {"servers": ["a"]}]) == [{"servers": ["a"]}, {"servers": ["a"]}]
