@@ -352,7 +352,7 @@ def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: di
                "avoid": sorted(placed - set(k["servers"]))}
               for i, k in enumerate(c for c in chains for _ in range(cfg.probe_per_chain))]
     if not probes:
-        return {"sessions": 0, "reason": "no dispatchable chain"}
+        return {"sessions": 0, "finished": 0, "reason": "no dispatchable chain"}
     req_file, rec_file = out_dir / f"probe_requests_{policy}.json", out_dir / f"probe_{policy}.jsonl"
     req_file.write_text(json.dumps(probes))
     print(f"[{policy}] model probe: {len(probes)} sessions ({l_in} + {l_out} tokens), one per chain, alone ...",
