@@ -268,11 +268,12 @@ def host_cpu_use(after: dict, before: dict, wall_s: float) -> dict:
     return out
 
 
-def start_loadgen(cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: Path, policy: str) -> subprocess.Popen:
+def start_loadgen(cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: Path, policy: str,
+                  extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
     return launcher.popen("loadgen", [sys.executable, "-m", "experiments.loadgen", "--initial-peers",
                                       *swarm.initial_peers, "--model", cfg.model, "--requests", str(req_file),
                                       "--out", str(rec_file), "--policy", policy, "--seed", str(cfg.seed),
-                                      "--deadline", str(cfg.deadline_s)],
+                                      "--deadline", str(cfg.deadline_s), *extra_args],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**swarm.env},
                           start_new_session=True)
 
@@ -355,14 +356,10 @@ def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: di
         return {"sessions": 0, "finished": 0, "reason": "no dispatchable chain"}
     req_file, rec_file = out_dir / f"probe_requests_{policy}.json", out_dir / f"probe_{policy}.jsonl"
     req_file.write_text(json.dumps(probes))
-    print(f"[{policy}] model probe: {len(probes)} sessions ({l_in} + {l_out} tokens), one per chain, alone ...",
-          flush=True)
-    gen = launcher.popen("loadgen", [sys.executable, "-m", "experiments.loadgen", "--initial-peers",
-                                     *swarm.initial_peers, "--model", cfg.model, "--requests", str(req_file),
-                                     "--out", str(rec_file), "--policy", f"{policy}-probe", "--seed", str(cfg.seed),
-                                     "--sequential", "--acquire-timeout", "120"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**swarm.env},
-                         start_new_session=True)
+    print(f"[{policy}] model probe: {len(probes)} sessions ({l_in} + {l_out} tokens), {cfg.probe_per_chain} per "
+          f"chain, one after another ...", flush=True)
+    gen = start_loadgen(cfg, launcher, swarm, req_file, rec_file, f"{policy}-probe",
+                        ("--sequential", "--acquire-timeout", "120"))
     try:
         out, _ = gen.communicate(timeout=cfg.probe_timeout_s)
     except subprocess.TimeoutExpired:
