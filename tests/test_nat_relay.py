@@ -74,8 +74,10 @@ model = DistributedModelForCausalLM.from_pretrained(path, initial_peers=[peer])
 try:
     with model.inference_session(max_length=64) as s:
         out = model.generate(torch.tensor([ids]), max_new_tokens=n_total, do_sample=False, streamer=PauseAfter(s, n_pause))
+        peers = model.backend.loop.run(model.backend.p2p.list_peers(), timeout_s=10)
         print(json.dumps({"tokens": out[0].tolist(), "chain": [h.peer_id for h in s.chain.hops],
-                          "failovers": s.chain.failovers}), flush=True)
+                          "failovers": s.chain.failovers,
+                          "conns": {str(p.peer_id): [str(a) for a in p.addrs] for p in peers}}), flush=True)
 finally:
     model.backend.shutdown()
 """
@@ -178,4 +180,6 @@ def test_nat_server_is_found_planned_and_serves_exactly_and_fails_over_when_the_
     assert client.returncode == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
     assert result["tokens"] == ref  # through the NATed server, then the public one: HF's text
-    assert result["failovers"] >= 1 and home.peer_id not in result["chain"] and pub.peer_id in result["chain"]
+    assert result["failovers"] >= 1 and home.peer_id not in result["chain"] and pub.peer_id in result["chain"], (
+        "the session did not fail over from the NATed server", first, result["chain"], result["failovers"],
+        result["conns"], err[-2000:])
