@@ -248,3 +248,45 @@ def test_a_model_replan_waits_for_the_servers_it_moves_to_end_their_sessions_the
     assert orch.current.version == 3 and "kept" in orch.events[-1]
     r = orch.current.placement.ranges[orch.current.peers.index("pa")]
     assert (r.start, r.end) == (0, 2)
+
+
+def test_profile_scale_is_the_fitted_servers_median_ratio():
+    from orchestrator.service.calibration import ProfileScale, ServiceFit, profile_scale
+
+    def fit(t_I, t_O, t_o, from_profile=False):
+        return ServiceFit(t_I, t_O, t_o, samples=30, median_abs_rel_residual=0.05, t_O_from_profile=from_profile)
+
+    # three fitted servers, live t_O 4x, 5x, 6x their profiles; one fit could not tell t_O (kept the
+    # profile's): it says nothing about the t_O ratio but its t_o and t_I still count
+    scale = profile_scale([(fit(2e-4, 4e-3, 0.10), 1e-4, 1e-3), (fit(None, 10e-3, 0.30), 1e-4, 2e-3),
+                           (fit(3e-4, 6e-3, 0.20), 1e-4, 1e-3), (fit(4e-4, 5e-3, 0.50, True), 1e-4, 5e-3)])
+    assert scale.servers == 4 and scale.t_O_ratio == pytest.approx(5.0)
+    assert scale.t_I_ratio == pytest.approx(3.0)  # median of 2, 3, 4: servers without a prefill fit skipped
+    assert scale.t_o_per_profile_t_O == pytest.approx(np.median([100, 150, 200, 100]))
+    s = scale.apply(2e-4, 3e-3)  # a server twice as slow as the others by its profile
+    assert (s.t_I_s, s.t_O_s, s.t_o_s, s.samples) == (pytest.approx(6e-4), pytest.approx(15e-3), pytest.approx(0.375), 0)
+    assert profile_scale([]) is None and profile_scale([(fit(1e-4, 1e-3, 0.1), 1e-4, 0.0)]) is None
+    assert ProfileScale(1.0, None, 0.0, 1).apply(1e-4, 1e-3).t_I_s is None  # planned with the profile's t_I
+
+
+def test_a_server_without_a_fit_is_planned_from_its_profile_scaled_by_the_fitted_ones():
+    now = [0.0]
+    orch = offline_orchestrator(now)
+    # pa and pb: decode 4x their profile (1 ms -> 4 ms), 20 ms per step; pc reported too few batches
+    for peer in ("pa", "pb"):
+        for seq in range(30):
+            dec = 4 * (1 + seq % 4)
+            orch.window(peer).add_batch(seq, 0, dec, 20e-3 + 4e-3 * dec, 1e-3)
+    for seq in range(5):
+        orch.window("pc").add_batch(seq, 0, 4, 20e-3 + 4e-3 * 4, 1e-3)
+    orch.refit()
+    view = {s["peer_id"]: s for s in orch.status()["servers"]}
+    pc = view["pc"]
+    assert orch.records["pc"].fit is None and pc["model"]["source"] == "scaled profile"
+    assert pc["t_O"] == pytest.approx(4e-3, rel=0.05) and pc["t_o"] == pytest.approx(20e-3, rel=0.05)
+    assert pc["t_I"] == 1e-4  # no fitted server saw a prefill batch: the profile's t_I
+    assert pc["tau_p"] == pytest.approx(view["pa"]["tau_p"], rel=0.05)  # the same hardware, planned alike
+    assert pc["tau_c"] == pytest.approx(view["pa"]["tau_c"], rel=0.05)
+    orch.config.calibrate = False
+    orch.refit()
+    assert orch.status()["servers"][2]["model"]["source"] == "announced"

@@ -14,7 +14,8 @@ an rpc_info ping does not see. Both go into tau_c (`tau_c = l_out (RTT + hop cos
 server relay only a chain's first hop is a round trip from the client (the others take their input
 pushed by the hop before, and the client's copy mostly arrives after the step ran), so clients report
 only round trips, and a server with none takes the swarm's median hop cost (`hop_costs`): the same
-framework runs on every server.
+framework runs on every server. A server with too few batches for a fit is planned from its start-up
+profile scaled by the fitted servers' median live/profile ratios (`ProfileScale`).
 
 `ReplanTrigger` decides when the fitted model moved the plan enough to re-plan: the planned total
 rate or c* differs from the installed plan's by more than `enter` (relative) continuously for
@@ -139,6 +140,49 @@ def hop_costs(measured: dict[str, float | None]) -> dict[str, float | None]:
     known = [c for c in measured.values() if c is not None]
     swarm = float(np.median(known)) if known else None
     return {p: (swarm if c is None else c) for p, c in measured.items()}
+
+
+@dataclass(frozen=True)
+class ProfileScale:
+    """How the live fits of a swarm's fitted servers compare with their start-up profiles, to plan a
+    server that has no fit yet (fewer than `min_batches` batches at a re-plan).
+
+    The start-up profile is a cached one-block microbenchmark without the per-step framework cost:
+    on the live swarm a fitted server's t_O runs several times its profile's. A server planned from
+    its bare profile looks that much faster than its fitted twins, and JFFC sends the bursts to it
+    first (seen in Table 1: fast2 modelled 4.4 s, measured 23.5 s, its twins fitted at 18.5-19.5 s).
+    The profile still measures the server's own speed (it runs under the host's CPU share), so an
+    unfitted server is planned as its profile times the fitted servers' median ratio: t_O and t_I
+    each by their own ratio, and the per-step t_o in units of the server's profile t_O (a step's
+    framework cost is compute on the same CPU)."""
+
+    t_O_ratio: float  # median live t_O / profile t_O (1.0 when no fit could tell t_O: t_O_from_profile)
+    t_I_ratio: float | None  # median live t_I / profile t_I (None: no fitted server saw a prefill batch)
+    t_o_per_profile_t_O: float  # median live t_o / profile t_O
+    servers: int  # how many fitted servers the medians are over
+
+    def apply(self, profile_t_I_s: float, profile_t_O_s: float) -> ServiceFit:
+        """The scaled profile as a fit (samples 0: no batch of this server is in it)."""
+        return ServiceFit(t_I_s=None if self.t_I_ratio is None else self.t_I_ratio * profile_t_I_s,
+                          t_O_s=self.t_O_ratio * profile_t_O_s, t_o_s=self.t_o_per_profile_t_O * profile_t_O_s,
+                          samples=0, median_abs_rel_residual=math.nan, t_O_from_profile=False)
+
+
+def profile_scale(fitted: list[tuple[ServiceFit, float, float]]) -> ProfileScale | None:
+    """`ProfileScale` over (live fit, profile t_I, profile t_O) of the fitted servers; None without one
+    (a profile that is not a positive finite number says nothing and is skipped)."""
+    def good(x):
+        return x is not None and math.isfinite(x) and x > 0
+
+    usable = [(f, pi, po) for f, pi, po in fitted if f is not None and good(po)]
+    if not usable:
+        return None
+    t_O = [f.t_O_s / po for f, _, po in usable if not f.t_O_from_profile]
+    t_I = [f.t_I_s / pi for f, pi, _ in usable if f.t_I_s is not None and good(pi)]
+    return ProfileScale(t_O_ratio=float(np.median(t_O)) if t_O else 1.0,
+                        t_I_ratio=float(np.median(t_I)) if t_I else None,
+                        t_o_per_profile_t_O=float(np.median([f.t_o_s / po for f, _, po in usable])),
+                        servers=len(usable))
 
 
 def relative_change(new: float, old: float) -> float:

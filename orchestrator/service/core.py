@@ -21,7 +21,7 @@ from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement, contended_chains
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
 from orchestrator.policies import get_policy
-from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, hop_costs
+from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, hop_costs, profile_scale
 from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
@@ -305,6 +305,12 @@ class Orchestrator:
                 measured[p] = w.hop_cost if (w is not None and on) else None
             for p, cost in hop_costs(measured).items():
                 self.records[p].hop_cost_s = cost
+            # servers without a fit of their own: their profile scaled by the fitted servers' (ProfileScale)
+            scale = profile_scale([(r.fit, r.info.prefill_s_per_token, r.info.decode_s_per_token)
+                                   for r in self.records.values() if r.fit is not None]) if on else None
+            for rec in self.records.values():
+                rec.scaled_fit = (scale.apply(rec.info.prefill_s_per_token, rec.info.decode_s_per_token)
+                                  if scale is not None and rec.fit is None else None)
 
     def check_model(self, now: float) -> None:
         """Would the calibrated model plan differently enough to re-plan? (hysteresis: ReplanTrigger)"""
@@ -348,6 +354,7 @@ class Orchestrator:
         """Model vs measured for /status: the announced start-up profile, the live fit, the hop cost."""
         rec, w = self.records.get(peer_id), self.windows.get(peer_id)
         f = rec.fit if rec else None
+        scaled = rec.scaled_fit if rec else None
         return {"announced": {"t_I": rec.info.prefill_s_per_token, "t_O": rec.info.decode_s_per_token} if rec else None,
                 "fitted": None if f is None else {"t_I": f.t_I_s, "t_O": f.t_O_s, "t_o": f.t_o_s, "samples": f.samples,
                                                   "median_abs_rel_residual": f.median_abs_rel_residual,
@@ -356,7 +363,8 @@ class Orchestrator:
                 "hop_cost_own": None if w is None else w.hop_cost,
                 "batches": 0 if w is None else len(w.batches),
                 "cpu_per_wall": None if w is None else w.cpu_per_wall,
-                "source": "live" if f is not None else "announced"}
+                "scaled": None if scaled is None else {"t_I": scaled.t_I_s, "t_O": scaled.t_O_s, "t_o": scaled.t_o_s},
+                "source": "live" if f is not None else "scaled profile" if scaled is not None else "announced"}
 
     def measure_rtt(self, peer_id: str) -> float | None:
         """Median round trip of rpc_info to the server (None when it does not answer). A relayed server's
@@ -587,7 +595,7 @@ class Orchestrator:
                 except ValueError:
                     tau_c, tau_p = None, None
                 assigned = cur.assignment(p) if cur else None
-                f = rec.fit
+                f = rec.model_fit
                 servers.append({"peer_id": p, "name": i.name, "start": i.start, "end": i.end,
                                 "memory": i.memory_budget_bytes, "tau_p": tau_p, "tau_c": tau_c, "state": i.state,
                                 "rtt": rec.rtt_s,

@@ -25,13 +25,14 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 
 def _model_cells(m: dict | None) -> str:
     """Model vs measured of one server: the start-up profile's t_O against the one fitted from live
-    batches, the fitted per-step overhead, the measured per-hop cost, how well the fit describes the
+    batches (or, before a fit, the profile scaled by the fitted servers'), the fitted per-step overhead, the measured per-hop cost, how well the fit describes the
     batches (median |measured / model - 1|) and the CPU share its batches took."""
     if not m:
         return "<td></td>" * 5
-    a, f = m.get("announced") or {}, m.get("fitted")
-    t_o = "" if f is None else _ms(f["t_o"])
-    fitted = "not yet" if f is None else _ms(f["t_O"])
+    a, f, scaled = m.get("announced") or {}, m.get("fitted"), m.get("scaled")
+    t_o = _ms(f["t_o"]) if f is not None else f'{_ms(scaled["t_o"])} (scaled)' if scaled else ""
+    fitted = (_ms(f["t_O"]) if f is not None else f'not yet: {_ms(scaled["t_O"])} (profile scaled)' if scaled
+              else "not yet")
     resid = "" if f is None else f'{100 * f["median_abs_rel_residual"]:.0f}% ({f["samples"]} batches)'
     cpu = "" if m.get("cpu_per_wall") is None else f'{m["cpu_per_wall"]:.2f}'
     return (f'<td>{_ms(a.get("t_O"))} / {fitted}</td><td>{t_o}</td><td>{_ms(m.get("hop_cost"))}</td>'

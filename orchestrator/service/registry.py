@@ -24,6 +24,14 @@ class ServerRecord:
     last_seen_s: float = 0.0
     fit: ServiceFit | None = None  # the calibrated model from live service (None: the announced t_I, t_O)
     hop_cost_s: float | None = None  # measured per-hop framework cost per step beyond the RTT
+    # no fit of its own yet: its profile scaled by the fitted servers' live/profile ratios (ProfileScale)
+    scaled_fit: ServiceFit | None = None
+
+    @property
+    def model_fit(self) -> ServiceFit | None:
+        """What the planner uses: the server's own fit, else its scaled profile, else None (the
+        announced profile and the flags)."""
+        return self.fit if self.fit is not None else self.scaled_fit
 
     @property
     def peer_id(self) -> str:
@@ -44,9 +52,10 @@ def batch_overhead_s(record: ServerRecord, shape: SessionShape, compute: str) ->
     once), or None for the paper's parallel model (see SERVER_COMPUTE)."""
     if compute not in SERVER_COMPUTE:
         raise ValueError(f"server compute must be one of {', '.join(SERVER_COMPUTE)}, got {compute!r}")
-    if compute == "parallel" or (compute == "auto" and record.fit is None):
+    f = record.model_fit
+    if compute == "parallel" or (compute == "auto" and f is None):
         return None
-    return shape.steps * (record.fit.t_o_s if record.fit is not None else 0.0)
+    return shape.steps * (f.t_o_s if f is not None else 0.0)
 
 
 def peer_rtt_s(a: ServerRecord, b: ServerRecord) -> float | None:
@@ -63,15 +72,16 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
     tau_c = max over the possible predecessors (the client, `others` with a reported RTT) of
     steps x RTT_ij / 2.
 
-    With a calibrated fit: t_I, t_O fitted from live service, and the fitted per-step t_o plus the
-    measured per-hop cost join the RTT in every step of tau_c (they are paid once per step and
-    server, whatever its blocks); the per-block t_o flag then no longer applies. Without one: the
-    announced start-up profile and the flags."""
+    With a calibrated fit (`record.model_fit`: its own, else its profile scaled by the fitted
+    servers'): t_I, t_O fitted from live service, and the fitted per-step t_o plus the measured
+    per-hop cost join the RTT in every step of tau_c (they are paid once per step and server,
+    whatever its blocks); the per-block t_o flag then no longer applies. Without one: the announced
+    start-up profile and the flags."""
     if record.rtt_s is None:
         raise ValueError(f"server {record.peer_id} has no RTT measurement yet")
     if relay not in RELAYS:
         raise ValueError(f"relay must be one of {', '.join(RELAYS)}, got {relay!r}")
-    i, f = record.info, record.fit
+    i, f = record.info, record.model_fit
     per_step_s = overheads.per_step_s + (record.hop_cost_s or 0.0) + (f.t_o_s if f is not None else 0.0)
     if relay == "server":
         rtts = [record.rtt_s, *(r for o in others if o is not record and (r := peer_rtt_s(record, o)) is not None)]
