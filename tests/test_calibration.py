@@ -290,3 +290,37 @@ def test_a_server_without_a_fit_is_planned_from_its_profile_scaled_by_the_fitted
     orch.config.calibrate = False
     orch.refit()
     assert orch.status()["servers"][2]["model"]["source"] == "announced"
+
+
+@settings(max_examples=30, deadline=None)
+@given(t_O=st.floats(1e-4, 1e-2), blocks=st.integers(4, 30), floor_steps=st.floats(1.5, 4.0),
+       seed=st.integers(0, 10**6))
+def test_t_o_is_anchored_at_the_lone_batches_when_the_cost_is_not_linear(t_O, blocks, floor_steps, seed):
+    # a CPU's step: one to three sessions cost the same floor, more cost the line t_o + t_O D; the
+    # window holds mostly larger batches, so the plain L1 line runs below a session alone
+    rng = np.random.default_rng(seed)
+    t_o = 2.0 * t_O * blocks
+    floor = t_o + floor_steps * t_O * blocks  # a lone step's cost, above the line's value at one session
+    sessions = rng.choice([1, 2, 3, 4, 5, 6, 7, 8], 200, p=[0.1, 0.05, 0.05, 0.2, 0.2, 0.2, 0.1, 0.1])
+    assume((sessions == 1).sum() >= 5)
+    decode = sessions * blocks
+    wall = np.maximum(floor, t_o + t_O * decode) * rng.normal(1.0, 0.01, 200)
+    plain = fit_service(np.zeros(200), decode, wall)
+    anchored = fit_service(np.zeros(200), decode, wall, sessions=sessions)
+    assert plain.t_o_lone_batches == 0 and anchored.t_o_lone_batches == (sessions == 1).sum()
+    assert anchored.t_O_s == plain.t_O_s  # the slope is the line's
+    lone_model = anchored.t_o_s + anchored.t_O_s * blocks
+    assert lone_model == pytest.approx(floor, rel=0.03)  # a session alone costs what the lone batches cost
+    assert plain.t_o_s + plain.t_O_s * blocks < 0.97 * floor  # what the line alone said
+
+
+def test_few_lone_batches_leave_the_line_alone():
+    sessions = np.array([1, 1, 1, 1] + [4, 5, 6] * 14)
+    decode = sessions * 10.0
+    wall = np.where(sessions == 1, 0.5, 0.1 + 0.002 * decode)
+    f = fit_service(np.zeros(len(wall)), decode, wall, sessions=sessions)
+    assert f.t_o_lone_batches == 0 and f.t_o_s == pytest.approx(0.1, rel=0.05)
+    w = ServiceWindow(min_batches=5)
+    for seq, (k, y) in enumerate(zip([1] * 6 + [4] * 20, [0.5] * 6 + [0.18] * 20)):
+        w.add_batch(seq, 0, 10 * k, y, 0.0, sessions=k)
+    assert w.fit().t_o_lone_batches == 6

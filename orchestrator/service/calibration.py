@@ -40,6 +40,7 @@ class ServiceFit:
     samples: int
     median_abs_rel_residual: float  # how well the line describes the window
     t_O_from_profile: bool = False  # the window could not tell t_O from t_o: t_O is the start-up profile's
+    t_o_lone_batches: int = 0  # t_o was anchored at this many one-session decode batches (0: the line's own)
 
 
 def _lad(X: np.ndarray, y: np.ndarray, iterations: int) -> np.ndarray:
@@ -57,8 +58,11 @@ def _lad(X: np.ndarray, y: np.ndarray, iterations: int) -> np.ndarray:
     return beta / scale
 
 
+MIN_LONE_BATCHES = 5  # one-session decode batches needed to anchor t_o at them
+
+
 def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations: int = 30,
-                t_O_profile_s: float | None = None) -> ServiceFit | None:
+                t_O_profile_s: float | None = None, sessions=None) -> ServiceFit | None:
     """Least-absolute-deviation fit of wall = t_o + t_I P + t_O D with t_o, t_I, t_O >= 0.
     None when the window cannot separate the three (no decode batch, or fewer than 3 batches).
 
@@ -67,12 +71,23 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     nearly a constant and t_O trades off against t_o. The L1 fit then may put the whole decode cost
     into t_o and return t_O = 0 (it sits on the bound). With `t_O_profile_s` (the start-up profile's
     t_O), such a fit keeps the profile's t_O and fits t_o and t_I to what remains: the planner needs
-    t_O per block, and a fit at the bound says only that the window cannot tell it."""
+    t_O per block, and a fit at the bound says only that the window cannot tell it.
+
+    `sessions` (per batch): with at least MIN_LONE_BATCHES one-session decode batches, t_o is
+    anchored so that the line passes through their medians (t_o = median wall - t_O x median D,
+    at least 0): a session alone costs what those batches cost. Why: on a CPU a batch's cost is not
+    linear in its sessions. 1 to 3 decode rows cost about the same, then it grows (one server of 30
+    blocks at 0.193 cores, measured: 1 session 0.28-0.33 s per step, 3 sessions 0.35 s, 6 sessions
+    0.56 s), so the L1 line over a window of mixed batches takes the larger batches' slope and runs
+    below the lone ones (Table 1 quick run, 2026-11-24: lone sessions' decode steps 30-85 % over
+    the line). The paper's tau_p and tau_c are a session's time alone; the slope t_O still says what
+    each further session adds (for 2-3 sessions a little more than they cost)."""
     p = np.asarray(prefill_block_tokens, dtype=float)
     d = np.asarray(decode_block_tokens, dtype=float)
     y = np.asarray(wall_s, dtype=float)
+    k = np.zeros_like(y) if sessions is None else np.asarray(sessions, dtype=float)
     ok = np.isfinite(p) & np.isfinite(d) & np.isfinite(y) & (y > 0) & (p + d > 0)
-    p, d, y = p[ok], d[ok], y[ok]
+    p, d, y, k = p[ok], d[ok], y[ok], k[ok]
     if len(y) < 3 or not (d > 0).any():
         return None
     cols = [np.ones_like(y), p, d]
@@ -85,29 +100,35 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
         coef = dict(zip(rest, _lad(X[:, [use.index(i) for i in rest]], y - t_O_profile_s * d, iterations)))
         coef[2] = float(t_O_profile_s)
         from_profile = True
+    lone = (k == 1) & (p == 0) & (d > 0)
+    n_lone = int(lone.sum())
+    if n_lone >= MIN_LONE_BATCHES:
+        coef[0] = max(0.0, float(np.median(y[lone])) - coef[2] * float(np.median(d[lone])))
+    else:
+        n_lone = 0
     pred = X @ np.array([coef[i] for i in use])
     rel = np.abs(y - pred) / y
     return ServiceFit(t_I_s=float(coef[1]) if 1 in coef else None, t_O_s=float(coef[2]), t_o_s=float(coef.get(0, 0.0)),
                       samples=int(len(y)), median_abs_rel_residual=float(np.median(rel)),
-                      t_O_from_profile=from_profile)
+                      t_O_from_profile=from_profile, t_o_lone_batches=n_lone)
 
 
 class ServiceWindow:
     """One server's recent batches and hop costs (sliding windows) and its fit."""
 
     def __init__(self, max_batches: int = 256, max_hops: int = 256, min_batches: int = 20):
-        self.batches: deque[tuple[float, float, float]] = deque(maxlen=max_batches)  # (P, D, wall_s)
+        self.batches: deque[tuple[float, float, float, int]] = deque(maxlen=max_batches)  # (P, D, wall_s, sessions)
         self.cpu: deque[tuple[float, float]] = deque(maxlen=max_batches)  # (wall_s, cpu_s)
         self.hop_cost_s: deque[float] = deque(maxlen=max_hops)
         self.min_batches = min_batches
         self.last_seq = -1
 
     def add_batch(self, seq: int, prefill_block_tokens: float, decode_block_tokens: float, wall_s: float,
-                  cpu_s: float) -> None:
+                  cpu_s: float, sessions: int = 0) -> None:
         if seq <= self.last_seq:
             return  # seen already (the server's records are read by cursor; a restart resets it)
         self.last_seq = seq
-        self.batches.append((float(prefill_block_tokens), float(decode_block_tokens), float(wall_s)))
+        self.batches.append((float(prefill_block_tokens), float(decode_block_tokens), float(wall_s), int(sessions)))
         self.cpu.append((float(wall_s), float(cpu_s)))
 
     def add_hop(self, comm_per_step_s: float, rtt_s: float) -> None:
@@ -118,8 +139,8 @@ class ServiceWindow:
     def fit(self, t_O_profile_s: float | None = None) -> ServiceFit | None:
         if len(self.batches) < self.min_batches:
             return None
-        p, d, y = zip(*self.batches)
-        return fit_service(p, d, y, t_O_profile_s=t_O_profile_s)
+        p, d, y, k = zip(*self.batches)
+        return fit_service(p, d, y, t_O_profile_s=t_O_profile_s, sessions=k)
 
     @property
     def hop_cost(self) -> float | None:

@@ -284,7 +284,7 @@ class Orchestrator:
                 if got[-1].seq < w.last_seq:  # the server restarted its count
                     w.last_seq = -1
                 for b in got:
-                    w.add_batch(b.seq, b.prefill_block_tokens, b.decode_block_tokens, b.wall_s, b.cpu_s)
+                    w.add_batch(b.seq, b.prefill_block_tokens, b.decode_block_tokens, b.wall_s, b.cpu_s, b.sessions)
             changed.append(p)
         self.refit(changed)
 
@@ -358,7 +358,8 @@ class Orchestrator:
         return {"announced": {"t_I": rec.info.prefill_s_per_token, "t_O": rec.info.decode_s_per_token} if rec else None,
                 "fitted": None if f is None else {"t_I": f.t_I_s, "t_O": f.t_O_s, "t_o": f.t_o_s, "samples": f.samples,
                                                   "median_abs_rel_residual": f.median_abs_rel_residual,
-                                                  "t_O_from_profile": f.t_O_from_profile},
+                                                  "t_O_from_profile": f.t_O_from_profile,
+                                                  "t_o_lone_batches": f.t_o_lone_batches},
                 "hop_cost": rec.hop_cost_s if rec else None,  # planned with: its own, else the swarm's median
                 "hop_cost_own": None if w is None else w.hop_cost,
                 "batches": 0 if w is None else len(w.batches),
