@@ -30,19 +30,26 @@ def prompt_ids(rng: np.random.Generator, n_tokens: int, vocab_size: int) -> list
 
 
 def hop_summary(timings, names: dict[str, str]) -> list[dict]:
-    """Per hop of the chain: its prefill step and the sum over its decode steps (client and server time)."""
+    """Per hop of the chain: its prefill step and the sum over its decode steps (client and server time,
+    and the server's batch forward time: `*_batch_s`; server - batch is time in the server outside
+    the batch: queue, gathering, thread hand-offs)."""
     hops: dict[int, dict] = {}
     for t in timings:
         h = hops.setdefault(t.hop_index, {"peer_id": t.peer_id, "name": names.get(t.peer_id, ""), "blocks": t.blocks,
                                           "prefill_tokens": 0, "prefill_client_s": None, "prefill_server_s": None,
-                                          "decode_steps": 0, "decode_client_s": 0.0, "decode_server_s": 0.0})
+                                          "prefill_batch_s": None,
+                                          "decode_steps": 0, "decode_client_s": 0.0, "decode_server_s": 0.0,
+                                          "decode_batch_s": 0.0})
         if h["prefill_client_s"] is None:
-            h.update(prefill_tokens=t.tokens, prefill_client_s=t.client_s, prefill_server_s=t.server_s)
+            h.update(prefill_tokens=t.tokens, prefill_client_s=t.client_s, prefill_server_s=t.server_s,
+                     prefill_batch_s=t.compute_s)
         else:
             h["decode_steps"] += 1
             h["decode_client_s"] += t.client_s
             h["decode_server_s"] = None if t.server_s is None or h["decode_server_s"] is None else \
                 h["decode_server_s"] + t.server_s
+            h["decode_batch_s"] = None if t.compute_s is None or h["decode_batch_s"] is None else \
+                h["decode_batch_s"] + t.compute_s
     return [hops[i] for i in sorted(hops)]
 
 

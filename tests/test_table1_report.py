@@ -60,13 +60,16 @@ def test_change_vs_petals_and_markdown():
 
 
 def test_hop_summary_splits_prefill_from_decode():
-    t = [HopTiming(0, "A", 10, 50, 0.5, 0.4), HopTiming(1, "B", 20, 50, 0.7, 0.6),
-         HopTiming(0, "A", 10, 1, 0.1, 0.05), HopTiming(1, "B", 20, 1, 0.2, 0.1), HopTiming(0, "A", 10, 1, 0.1, 0.05)]
+    t = [HopTiming(0, "A", 10, 50, 0.5, 0.4, 0.38), HopTiming(1, "B", 20, 50, 0.7, 0.6),
+         HopTiming(0, "A", 10, 1, 0.1, 0.05, 0.04), HopTiming(1, "B", 20, 1, 0.2, 0.1),
+         HopTiming(0, "A", 10, 1, 0.1, 0.05, 0.03)]
     hops = hop_summary(t, {"A": "fast0", "B": "slow1"})
     assert [h["name"] for h in hops] == ["fast0", "slow1"]
     a = hops[0]
     assert (a["prefill_tokens"], a["decode_steps"]) == (50, 2)
     assert a["decode_client_s"] == pytest.approx(0.2) and a["decode_server_s"] == pytest.approx(0.1)
+    assert a["prefill_batch_s"] == 0.38 and a["decode_batch_s"] == pytest.approx(0.07)
+    assert hops[1]["prefill_batch_s"] is None and hops[1]["decode_batch_s"] is None  # a server that did not say
 
 
 def test_model_check_against_footnote_11():
