@@ -534,6 +534,7 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
         final = None
         try:
             final = launcher.fetch_json("orchestrator", swarm.orchestrator_url + "status")
+            (out_dir / f"status_{policy}_final.json").write_text(json.dumps(final, indent=1))
             result["final_metrics"] = final["metrics"]
             # the orchestrator's model as it stood at the end (fitted from live service): the model check's
             result["final_servers"] = server_models(final)
