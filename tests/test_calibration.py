@@ -250,26 +250,35 @@ def test_a_model_replan_waits_for_the_servers_it_moves_to_end_their_sessions_the
     assert (r.start, r.end) == (0, 2)
 
 
-def test_profile_scale_is_the_fitted_servers_median_ratio():
-    from orchestrator.service.calibration import ProfileScale, ServiceFit, profile_scale
+def test_an_unfitted_server_takes_a_fitted_twins_fit_scaled_by_their_profiles():
+    from orchestrator.service.calibration import FittedProfile, ServiceFit, scaled_profile_fit
 
-    def fit(t_I, t_O, t_o, from_profile=False):
-        return ServiceFit(t_I, t_O, t_o, samples=30, median_abs_rel_residual=0.05, t_O_from_profile=from_profile)
+    def fit(t_I, t_O, t_o):
+        return ServiceFit(t_I, t_O, t_o, samples=30, median_abs_rel_residual=0.05)
 
-    # three fitted servers, live t_O 4x, 5x, 6x their profiles; one fit could not tell t_O (kept the
-    # profile's): it says nothing about the t_O ratio but its t_o and t_I still count
-    scale = profile_scale([(fit(2e-4, 4e-3, 0.10), 1e-4, 1e-3), (fit(None, 10e-3, 0.30), 1e-4, 2e-3),
-                           (fit(3e-4, 6e-3, 0.20), 1e-4, 1e-3), (fit(4e-4, 5e-3, 0.50, True), 1e-4, 5e-3)])
-    assert scale.servers == 4 and scale.t_O_ratio == pytest.approx(5.0)
-    assert scale.t_I_ratio == pytest.approx(3.0)  # median of 2, 3, 4: servers without a prefill fit skipped
-    assert scale.t_o_per_profile_t_O == pytest.approx(np.median([100, 150, 200, 100]))
-    s = scale.apply(2e-4, 3e-3)  # a server twice as slow as the others by its profile
-    assert (s.t_I_s, s.t_O_s, s.t_o_s, s.samples) == (pytest.approx(6e-4), pytest.approx(15e-3), pytest.approx(0.375), 0)
-    assert profile_scale([]) is None and profile_scale([(fit(1e-4, 1e-3, 0.1), 1e-4, 0.0)]) is None
-    assert ProfileScale(1.0, None, 0.0, 1).apply(1e-4, 1e-3).t_I_s is None  # planned with the profile's t_I
+    # three fast twins (profile t_O 1 ms, 30 blocks) whose fits split a ~0.2 s lone step differently, and
+    # a slow server (profile 2 ms, 16 blocks) whose t_o-free fit would give a fast server a 0.5 s step
+    fast = [FittedProfile(fit(2e-4, 3.4e-3, 0.10), 1e-4, 1.00e-3, 30),   # lone step 0.202 s
+            FittedProfile(fit(3e-4, 1.7e-3, 0.24), 1e-4, 1.05e-3, 30),   # 0.291 s: the median
+            FittedProfile(fit(None, 6.0e-3, 0.20), 1e-4, 0.95e-3, 30)]   # 0.380 s
+    slow = FittedProfile(fit(4e-4, 17.5e-3, 0.0), 2e-4, 2.0e-3, 16)
+    got = scaled_profile_fit(1e-4, 1e-3, [slow, *fast])
+    twin = fast[1]  # the median twin, its whole fit, scaled by the profiles (1 / 1.05)
+    assert got.t_O_s == pytest.approx(1.7e-3 / 1.05) and got.t_o_s == pytest.approx(0.24 / 1.05)
+    assert got.t_I_s == pytest.approx(3e-4) and got.samples == 0  # t_I by the t_I profiles (equal)
+    assert twin.lone_step_per_profile == pytest.approx((0.24 + 30 * 1.7e-3) / (30 * 1.05e-3))
+    # no twin: the median (lower of an even count) of every fitted server by lone step / profile step:
+    # 6.7 (fast0), 8.75 (slow), 9.2, 13.3: the slow one, scaled to a profile twice as slow as its own
+    alone = scaled_profile_fit(4e-4, 4e-3, [slow, *fast])
+    assert (alone.t_O_s, alone.t_o_s, alone.t_I_s) == (pytest.approx(35e-3), 0.0, pytest.approx(8e-4))
+    # nothing to scale from, or no profile of its own
+    assert scaled_profile_fit(1e-4, 1e-3, []) is None
+    assert scaled_profile_fit(1e-4, 0.0, fast) is None
+    assert scaled_profile_fit(1e-4, 1e-3, [FittedProfile(fit(None, 1e-3, 0.1), 1e-4, 0.0, 30)]) is None
+    assert scaled_profile_fit(1e-4, 1e-3, [fast[2]]).t_I_s is None  # the donor saw no prefill: the profile's t_I
 
 
-def test_a_server_without_a_fit_is_planned_from_its_profile_scaled_by_the_fitted_ones():
+def test_a_server_without_a_fit_is_planned_like_its_fitted_twin():
     now = [0.0]
     orch = offline_orchestrator(now)
     # pa and pb: decode 4x their profile (1 ms -> 4 ms), 20 ms per step; pc reported too few batches

@@ -15,7 +15,7 @@ server relay only a chain's first hop is a round trip from the client (the other
 pushed by the hop before, and the client's copy mostly arrives after the step ran), so clients report
 only round trips, and a server with none takes the swarm's median hop cost (`hop_costs`): the same
 framework runs on every server. A server with too few batches for a fit is planned from its start-up
-profile scaled by the fitted servers' median live/profile ratios (`ProfileScale`).
+profile and a fitted twin's fit (`scaled_profile_fit`).
 
 `ReplanTrigger` decides when the fitted model moved the plan enough to re-plan: the planned total
 rate or c* differs from the installed plan's by more than `enter` (relative) continuously for
@@ -164,46 +164,61 @@ def hop_costs(measured: dict[str, float | None]) -> dict[str, float | None]:
 
 
 @dataclass(frozen=True)
-class ProfileScale:
-    """How the live fits of a swarm's fitted servers compare with their start-up profiles, to plan a
-    server that has no fit yet (fewer than `min_batches` batches at a re-plan).
+class FittedProfile:
+    """A fitted server as a donor for `scaled_profile_fit`: its live fit, start-up profile and blocks."""
 
-    The start-up profile is a cached one-block microbenchmark without the per-step framework cost:
-    on the live swarm a fitted server's t_O runs several times its profile's. A server planned from
-    its bare profile looks that much faster than its fitted twins, and JFFC sends the bursts to it
-    first (seen in Table 1: fast2 modelled 4.4 s, measured 23.5 s, its twins fitted at 18.5-19.5 s).
-    The profile still measures the server's own speed (it runs under the host's CPU share), so an
-    unfitted server is planned as its profile times the fitted servers' median ratio: t_O and t_I
-    each by their own ratio, and the per-step t_o in units of the server's profile t_O (a step's
-    framework cost is compute on the same CPU)."""
+    fit: ServiceFit
+    profile_t_I_s: float
+    profile_t_O_s: float
+    blocks: int
 
-    t_O_ratio: float  # median live t_O / profile t_O (1.0 when no fit could tell t_O: t_O_from_profile)
-    t_I_ratio: float | None  # median live t_I / profile t_I (None: no fitted server saw a prefill batch)
-    t_o_per_profile_t_O: float  # median live t_o / profile t_O
-    servers: int  # how many fitted servers the medians are over
-
-    def apply(self, profile_t_I_s: float, profile_t_O_s: float) -> ServiceFit:
-        """The scaled profile as a fit (samples 0: no batch of this server is in it)."""
-        return ServiceFit(t_I_s=None if self.t_I_ratio is None else self.t_I_ratio * profile_t_I_s,
-                          t_O_s=self.t_O_ratio * profile_t_O_s, t_o_s=self.t_o_per_profile_t_O * profile_t_O_s,
-                          samples=0, median_abs_rel_residual=math.nan, t_O_from_profile=False)
+    @property
+    def lone_step_per_profile(self) -> float:
+        """Its fitted step alone (t_o + m t_O) over what the profile says that step costs (m t_O)."""
+        return (self.fit.t_o_s + self.blocks * self.fit.t_O_s) / (self.blocks * self.profile_t_O_s)
 
 
-def profile_scale(fitted: list[tuple[ServiceFit, float, float]]) -> ProfileScale | None:
-    """`ProfileScale` over (live fit, profile t_I, profile t_O) of the fitted servers; None without one
-    (a profile that is not a positive finite number says nothing and is skipped)."""
-    def good(x):
-        return x is not None and math.isfinite(x) and x > 0
+TWIN_PROFILE_TOLERANCE = 0.1  # profiles' t_O within 10 %: the same kind of device
 
-    usable = [(f, pi, po) for f, pi, po in fitted if f is not None and good(po)]
+
+def _positive(x) -> bool:
+    return x is not None and math.isfinite(x) and x > 0
+
+
+def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
+                       fitted: list[FittedProfile]) -> ServiceFit | None:
+    """The model of a server with no fit of its own yet (fewer than `min_batches` batches at a
+    re-plan): a fitted donor's fit, scaled by the two servers' start-up profiles. None without a
+    usable donor, or without a profile of its own.
+
+    The start-up profile is a cached microbenchmark without the per-step framework cost: on the live
+    swarm a step runs several times what the profile says. A server planned from its bare profile
+    looks that much faster than its fitted twins, and JFFC sends the bursts to it first (Table 1,
+    2026-11-24: fast2 modelled 4.4 s, measured 23.5 s, its twins fitted at 18.5-19.5 s). The profile
+    still ranks devices (it runs under the host's CPU share), so the donor is a fitted twin (profile
+    t_O within TWIN_PROFILE_TOLERANCE; any fitted server when there is none), the one with the median
+    ratio of fitted lone step to profile step among them; its t_O, t_o and t_I are scaled by the
+    ratio of the profiles (t_I by the t_I profiles'). One donor, not a median per term: fits split a
+    step between t_o and t_O differently (the window cannot always tell them apart), and mixing one
+    server's t_O with another's t_o gave a fast server a step 2.5x its twin's."""
+    if not _positive(profile_t_O_s):
+        return None
+    usable = [d for d in fitted if _positive(d.profile_t_O_s) and d.blocks > 0]
     if not usable:
         return None
-    t_O = [f.t_O_s / po for f, _, po in usable if not f.t_O_from_profile]
-    t_I = [f.t_I_s / pi for f, pi, _ in usable if f.t_I_s is not None and good(pi)]
-    return ProfileScale(t_O_ratio=float(np.median(t_O)) if t_O else 1.0,
-                        t_I_ratio=float(np.median(t_I)) if t_I else None,
-                        t_o_per_profile_t_O=float(np.median([f.t_o_s / po for f, _, po in usable])),
-                        servers=len(usable))
+    twins = [d for d in usable if abs(d.profile_t_O_s / profile_t_O_s - 1.0) <= TWIN_PROFILE_TOLERANCE] or usable
+    twins.sort(key=lambda d: d.lone_step_per_profile)
+    donor = twins[(len(twins) - 1) // 2]  # the median (the lower one of an even count)
+    ratio_O = profile_t_O_s / donor.profile_t_O_s
+    f = donor.fit
+    if f.t_I_s is None:
+        t_I = None
+    elif _positive(profile_t_I_s) and _positive(donor.profile_t_I_s):
+        t_I = f.t_I_s * profile_t_I_s / donor.profile_t_I_s
+    else:
+        t_I = f.t_I_s * ratio_O
+    return ServiceFit(t_I_s=t_I, t_O_s=f.t_O_s * ratio_O, t_o_s=f.t_o_s * ratio_O, samples=0,
+                      median_abs_rel_residual=math.nan, t_O_from_profile=f.t_O_from_profile)
 
 
 def relative_change(new: float, old: float) -> float:

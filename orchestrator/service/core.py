@@ -21,7 +21,8 @@ from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement, contended_chains
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
 from orchestrator.policies import get_policy
-from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, hop_costs, profile_scale
+from orchestrator.service.calibration import (FittedProfile, ReplanTrigger, ServiceWindow, hop_costs,
+                                              scaled_profile_fit)
 from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
@@ -305,12 +306,12 @@ class Orchestrator:
                 measured[p] = w.hop_cost if (w is not None and on) else None
             for p, cost in hop_costs(measured).items():
                 self.records[p].hop_cost_s = cost
-            # servers without a fit of their own: their profile scaled by the fitted servers' (ProfileScale)
-            scale = profile_scale([(r.fit, r.info.prefill_s_per_token, r.info.decode_s_per_token)
-                                   for r in self.records.values() if r.fit is not None]) if on else None
+            # servers without a fit of their own: a fitted twin's, scaled by their profiles (scaled_profile_fit)
+            donors = [FittedProfile(r.fit, r.info.prefill_s_per_token, r.info.decode_s_per_token,
+                                    r.info.end - r.info.start) for r in self.records.values() if r.fit is not None]
             for rec in self.records.values():
-                rec.scaled_fit = (scale.apply(rec.info.prefill_s_per_token, rec.info.decode_s_per_token)
-                                  if scale is not None and rec.fit is None else None)
+                rec.scaled_fit = (scaled_profile_fit(rec.info.prefill_s_per_token, rec.info.decode_s_per_token,
+                                                     donors) if on and rec.fit is None else None)
 
     def check_model(self, now: float) -> None:
         """Would the calibrated model plan differently enough to re-plan? (hysteresis: ReplanTrigger)"""

@@ -24,7 +24,7 @@ class ServerRecord:
     last_seen_s: float = 0.0
     fit: ServiceFit | None = None  # the calibrated model from live service (None: the announced t_I, t_O)
     hop_cost_s: float | None = None  # measured per-hop framework cost per step beyond the RTT
-    # no fit of its own yet: its profile scaled by the fitted servers' live/profile ratios (ProfileScale)
+    # no fit of its own yet: a fitted twin's fit scaled by their profiles (calibration.scaled_profile_fit)
     scaled_fit: ServiceFit | None = None
 
     @property
