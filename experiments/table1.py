@@ -462,7 +462,9 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
     launcher = make_launcher(cfg, rtt_ms)
     swarm = LocalSwarm(cfg.model, [None] * cfg.servers, server_args=["--num-threads", "1", "--max-length",
                                                                      str(cfg.max_length_tokens)],
-                       per_server_args=server_args(cfg, cpu_shares(cfg)[0]), orchestrator_args=orch_args,
+                       per_server_args=[a + ["--service-log", str(out_dir / f"service_{policy}_{n}.jsonl")]
+                                        for a, n in zip(server_args(cfg, cpu_shares(cfg)[0]), server_names(cfg))],
+                       orchestrator_args=orch_args,
                        placement=launcher.placement,
                        names=server_names(cfg), env=THREAD_ENV, start_timeout_s=600)
     result: dict = {"policy": policy, "where": launcher.label}
