@@ -4,8 +4,8 @@ orchestrator's model of footnote 11.
 Per hop of every finished request the load generator recorded the client's time of each step and
 the server's own time (queue + compute; `server_s` in the step reply), so
 - compute, measured: the server's time of the prefill step, and summed over the decode steps;
-  model: the orchestrator's at the end of the run: with a calibrated fit, t_o + m t_I l_in and
-  (l_out - 1)(t_o + m t_O), t_o per step and server; without one, m (t_o + t_I l_in) and
+  model: the orchestrator's at the end of the run: with a calibrated fit, t_o + m (t_B + t_I l_in)
+  and (l_out - 1)(t_o + m (t_B + t_O)), t_o per step and server, t_B per block and step; without one, m (t_o + t_I l_in) and
   m t_O (l_out - 1) with the start-up t_I, t_O and the per-block t_o default; m = the hop's blocks;
 - communication, measured: client time - server time (prefill step; decode steps summed);
   model: one and (l_out - 1) times RTT + the measured per-hop cost (tau_c = l_out (RTT + hop cost)),
@@ -53,7 +53,8 @@ def hop_points(records: list[dict], servers: dict[str, dict], *, probe: bool = F
             if t_o is None:  # the start-up model: footnote 11's t_o per block
                 pre, dec = m * (T_O_S + s["t_I"] * l_in), m * s["t_O"] * n_dec
             else:  # calibrated: t_o per step and server
-                pre, dec = t_o + m * s["t_I"] * l_in, n_dec * (t_o + m * s["t_O"])
+                t_B = s.get("t_B") or 0.0  # absent in runs before the per-block term
+                pre, dec = t_o + m * (t_B + s["t_I"] * l_in), n_dec * (t_o + m * (t_B + s["t_O"]))
             pts.append({
                 "policy": r["policy"], "index": r["index"], "server": h["name"], "lone": r["index"] in lone,
                 "probe": probe,

@@ -249,7 +249,8 @@ def make_launcher(cfg: Table1Config, rtt_ms):
 def server_models(status: dict) -> dict:
     """Per server name, the orchestrator's model from its /status: t_I, t_O (fitted when it had live
     batches), t_o per step (fitted; None: the per-block default), per-hop cost, RTT, tau_p, tau_c."""
-    return {s["name"]: {"t_I": s["t_I"], "t_O": s["t_O"], "t_o": s.get("t_o"), "hop_cost_s": s.get("hop_cost"),
+    return {s["name"]: {"t_I": s["t_I"], "t_O": s["t_O"], "t_o": s.get("t_o"), "t_B": s.get("t_B"),
+                        "hop_cost_s": s.get("hop_cost"),
                         "rtt_s": s["rtt"], "tau_p": s["tau_p"], "tau_c": s["tau_c"], "memory": s["memory"],
                         "model_source": (s.get("model") or {}).get("source", "announced")}
             for s in status["servers"]}

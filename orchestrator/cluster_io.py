@@ -43,9 +43,10 @@ def cluster_from_dict(d: Any) -> Cluster:
             raise InvalidClusterError(f"{where}: missing field 'name'")
         rtt = _number(s, "rtt", where) if "rtt" in s else None
         overhead = _number(s, "batch_overhead", where) if "batch_overhead" in s else None
+        block_overhead = _number(s, "batch_block_overhead", where) if "batch_block_overhead" in s else None
         servers.append(Server(name=str(s["name"]), memory=_number(s, "memory", where),
                               tau_c_s=_number(s, "tau_c", where), tau_p_s=_number(s, "tau_p", where), rtt_s=rtt,
-                              batch_overhead_s=overhead))
+                              batch_overhead_s=overhead, batch_block_overhead_s=block_overhead))
     rho_bar = _number(d, "rho_bar", "cluster") if "rho_bar" in d else 0.7
     return Cluster(service=service, servers=tuple(servers), arrival_rate_per_s=_number(d, "arrival_rate", "cluster"),
                    rho_bar=rho_bar)

@@ -65,7 +65,13 @@ class Server:
     calibrated fit); its per-session, per-block part is tau^p_j. Then n sessions on the server keep
     it busy ``batch_overhead_s + n m tau^p_j`` per session lifetime, and no session can be served
     faster than that (`contended_chains`). None (the default): the paper's model, where
-    concurrent sessions do not slow each other (GPU batches, §2.1.1)."""
+    concurrent sessions do not slow each other (GPU batches, §2.1.1).
+
+    ``batch_block_overhead_s`` (with ``batch_overhead_s``; None = 0): the part of tau^p_j that a batch
+    pays once per block whatever its sessions (steps x t_B of the calibrated fit: reading a block's
+    weights costs about as much for 1 row as for 3). tau^p_j stays a session's time alone (it includes
+    this part, so T_k is the lone chain time), and n sessions through m blocks keep the server busy
+    ``batch_overhead_s + m batch_block_overhead_s + n m (tau^p_j - batch_block_overhead_s)``."""
 
     name: str
     memory: float
@@ -73,6 +79,20 @@ class Server:
     tau_p_s: float
     rtt_s: float | None = None
     batch_overhead_s: float | None = None
+    batch_block_overhead_s: float | None = None
+
+    @property
+    def shared_per_block_s(self) -> float:
+        """The per-block part of tau^p a batch pays once (0 unless shared compute with a block overhead)."""
+        return self.batch_block_overhead_s if (self.batch_overhead_s is not None and self.batch_block_overhead_s) else 0.0
+
+    def busy_s(self, blocks: int, sessions: float) -> float | None:
+        """How long `sessions` sessions through `blocks` of this server's blocks keep it busy per
+        session lifetime (one batch per step carries all of them); None for the paper's servers."""
+        if self.batch_overhead_s is None:
+            return None
+        b = self.shared_per_block_s
+        return self.batch_overhead_s + blocks * b + sessions * blocks * (self.tau_p_s - b)
 
 
 @dataclass(frozen=True)
@@ -134,6 +154,9 @@ def validate_cluster(cluster: Cluster) -> None:
         if sv.batch_overhead_s is not None and not (sv.batch_overhead_s >= 0 and math.isfinite(sv.batch_overhead_s)):
             raise InvalidClusterError(f"server {sv.name!r}: 'batch_overhead' must be a non-negative number, "
                                       f"got {sv.batch_overhead_s!r}")
+        if sv.batch_block_overhead_s is not None and not (0 <= sv.batch_block_overhead_s <= sv.tau_p_s):
+            raise InvalidClusterError(f"server {sv.name!r}: 'batch_block_overhead' must lie in [0, tau_p] (it is the "
+                                      f"part of tau_p a batch pays once per block), got {sv.batch_block_overhead_s!r}")
 
 
 @dataclass(frozen=True)
@@ -257,33 +280,37 @@ def chain_slot_usage(chains: Iterable[ChainSpec], num_servers: int) -> list[int]
 
 def server_busy_s(cluster: Cluster, chains: Iterable[ChainSpec]) -> list[float | None]:
     """How long each server with shared compute (``batch_overhead_s`` set) is busy serving one
-    session lifetime of every chain through it at full capacity: batch_overhead_j +
-    sum_k c_k m_kj tau^p_j (one batch per step carries all of them: the optimistic end, since
-    saturated servers do batch their queued steps). None for the paper's servers."""
+    session lifetime of every chain through it at full capacity: batch_overhead_j + (blocks the
+    chains use on j) x the per-block batch part + sum_k c_k m_kj (tau^p_j - that part) (one batch per
+    step carries all of them: the optimistic end, since saturated servers do batch their queued
+    steps). None for the paper's servers."""
     chains = list(chains)
     out: list[float | None] = []
     for j, sv in enumerate(cluster.servers):
         if sv.batch_overhead_s is None:
             out.append(None)
             continue
-        out.append(sv.batch_overhead_s + sum(k.capacity * b.num_blocks * sv.tau_p_s
-                                             for k in chains for i, b in zip(k.servers, k.blocks) if i == j))
+        spans = [(b, k.capacity) for k in chains for i, b in zip(k.servers, k.blocks) if i == j]
+        used = set().union(*(range(b.start, b.end) for b, _ in spans)) if spans else set()
+        b_s = sv.shared_per_block_s
+        out.append(sv.batch_overhead_s + len(used) * b_s
+                   + sum(c * b.num_blocks * (sv.tau_p_s - b_s) for b, c in spans))
     return out
 
 
 def saturating_capacity(cluster: Cluster, chain: ChainSpec) -> int:
     """The sessions at which chain k's busiest shared-compute server saturates: the smallest n whose
-    busy time (batch_overhead_j + n m_kj tau^p_j) reaches the chain's uncontended time T_k. Up to it
+    busy time (`Server.busy_s`: batch_overhead_j + n m_kj tau^p_j, the per-block batch part once) reaches the chain's uncontended time T_k. Up to it
     each session adds a full session's worth of throughput; past it a session only stretches every
     session's time by m tau^p (throughput grows by the amortised overhead alone), so a job is better
     kept in JFFC's central queue or sent to another chain. The chain's capacity if no server is shared."""
     n = chain.capacity
     for j, b in zip(chain.servers, chain.blocks):
         sv = cluster.servers[j]
-        per_session_s = b.num_blocks * sv.tau_p_s
+        per_session_s = b.num_blocks * (sv.tau_p_s - sv.shared_per_block_s)
         if sv.batch_overhead_s is None or per_session_s <= 0:
             continue
-        spare_s = chain.service_time_s - sv.batch_overhead_s
+        spare_s = chain.service_time_s - sv.batch_overhead_s - b.num_blocks * sv.shared_per_block_s
         n = min(n, 1 if spare_s <= 0 else math.ceil(spare_s / per_session_s * (1 - 1e-12)))
     return max(1, n)
 

@@ -44,6 +44,7 @@ class ServerArrays:
     tau_c_s: np.ndarray
     tau_p_s: np.ndarray
     batch_overhead_s: np.ndarray | None = None  # NaN where None; None when no server shares its compute
+    shared_per_block_s: np.ndarray | None = None  # Server.shared_per_block_s (with batch_overhead_s)
 
 
 def server_arrays(cluster: Cluster) -> ServerArrays:
@@ -54,7 +55,8 @@ def server_arrays(cluster: Cluster) -> ServerArrays:
         np.array([math.nan if o is None else o for o in shared], dtype=float)
     return ServerArrays(tuple(float(v) for v in values), inverse,
                         np.array([sv.tau_c_s for sv in cluster.servers], dtype=float),
-                        np.array([sv.tau_p_s for sv in cluster.servers], dtype=float), overhead)
+                        np.array([sv.tau_p_s for sv in cluster.servers], dtype=float), overhead,
+                        None if overhead is None else np.array([sv.shared_per_block_s for sv in cluster.servers]))
 
 
 def _blocks_per_class(cluster: Cluster, c: int, arrays: ServerArrays) -> list[int]:
@@ -122,8 +124,12 @@ class GbpCrSweep:
         the run depends on c itself, not only on m(c)."""
         L = self.cluster.service.num_blocks
         t_arr = self.arrays.tau_c_s + self.arrays.tau_p_s * m_arr  # eq. (9), the same float operations per server
-        busy = None if c is None else np.nan_to_num(self.arrays.batch_overhead_s + c * self.arrays.tau_p_s * m_arr,
-                                                    nan=0.0)
+        if c is None:
+            busy = None
+        else:  # Server.busy_s of c sessions through the server's m blocks
+            b_arr = self.arrays.shared_per_block_s
+            busy = np.nan_to_num(self.arrays.batch_overhead_s + m_arr * b_arr + c * (self.arrays.tau_p_s - b_arr) * m_arr,
+                                 nan=0.0)
         holders = np.flatnonzero(m_arr > 0)
         # line 1, 3: by t_j / m_j, ties to the smaller index (lexsort: last key is the primary one)
         order = holders[np.lexsort((holders, t_arr[holders] / m_arr[holders]))].tolist()

@@ -333,3 +333,65 @@ def test_few_lone_batches_leave_the_line_alone():
     for seq, (k, y) in enumerate(zip([1] * 6 + [4] * 20, [0.5] * 6 + [0.18] * 20)):
         w.add_batch(seq, 0, 10 * k, y, 0.0, sessions=k)
     assert w.fit().t_o_lone_batches == 6
+
+
+@settings(max_examples=30, deadline=None)
+@given(t_o=st.floats(0.0, 0.05), t_B=st.floats(1e-3, 2e-2), t_O=st.floats(1e-5, 2e-3), t_I=st.floats(1e-5, 1e-3),
+       spans=st.lists(st.integers(2, 30), min_size=2, max_size=3, unique=True), seed=st.integers(0, 10**6),
+       outliers=st.floats(0.0, 0.1))
+def test_steps_of_several_block_counts_separate_t_o_from_t_B(t_o, t_B, t_O, t_I, spans, seed, outliers):
+    # a server whose chains run different spans of its blocks (a whole-range chain, a chain entering
+    # mid-range behind another server): per-step t_o, per-block t_B, per-row t_O, per-prefill-token t_I
+    rng = np.random.default_rng(seed)
+    n = 200
+    blocks = rng.choice(spans, n)
+    assume(min(np.unique(blocks, return_counts=True)[1]) >= 10 and max(spans) - min(spans) >= 4)
+    sessions = rng.integers(1, 6, n)
+    prefill = np.where(rng.random(n) < 0.2, rng.integers(8, 200, n), 0) * blocks
+    decode = np.where(prefill > 0, 0, sessions) * blocks
+    assume((prefill > 0).sum() >= 3)
+    wall = (t_o + t_B * blocks + t_I * prefill + t_O * decode) * rng.normal(1.0, 0.01, n)
+    bad = rng.random(n) < outliers
+    wall[bad] *= rng.uniform(1.5, 4.0, bad.sum())
+    fit = fit_service(prefill, decode, wall, blocks=blocks)
+    assert fit.blocks_separable
+    step = t_B * max(spans)  # the scale a term is judged at: one lone step through the most blocks
+    assert fit.t_B_s == pytest.approx(t_B, rel=0.1, abs=0.02 * step / max(spans))
+    assert fit.t_o_s == pytest.approx(t_o, abs=0.05 * step)
+    assert fit.t_O_s == pytest.approx(t_O, rel=0.2, abs=0.02 * step / max(spans))
+    for m in spans:  # what the planner uses: a session alone through m blocks
+        assert fit.step_s(m) == pytest.approx(t_o + m * (t_B + t_O), rel=0.05)
+
+
+def test_one_block_count_puts_the_fixed_part_per_block():
+    # every step through all 30 blocks: t_o and t_B are one column; the fixed part goes per block, so a
+    # lone step through the 30 blocks is what was measured, and t_o (not identifiable) is 0
+    rng = np.random.default_rng(3)
+    sessions = rng.integers(1, 5, 80)
+    wall = (0.02 + 0.01 * 30 + 0.0005 * 30 * sessions) * rng.normal(1.0, 0.01, 80)
+    fit = fit_service(np.zeros(80), 30 * sessions, wall, blocks=np.full(80, 30))
+    assert not fit.blocks_separable and fit.t_o_s == 0.0
+    assert fit.step_s(30) == pytest.approx(0.02 + 0.3 + 0.015, rel=0.03)
+    assert fit.t_O_s == pytest.approx(0.0005, rel=0.2)
+    assert fit.t_B_s == pytest.approx((0.02 + 0.3) / 30, rel=0.05)
+
+
+def test_lone_steps_of_two_spans_anchor_t_o_and_t_B():
+    # the Table 1 case: a fast server's lone steps ran 14 blocks (behind a slow server) or 30 (a chain of
+    # its own); 1-3 sessions cost the same (weights-bound), so the window's slope per row is small and
+    # the line through mixed batches runs below both kinds of lone step
+    rng = np.random.default_rng(11)
+    n = 240
+    blocks = rng.choice([14, 30], n)
+    sessions = rng.choice([1, 2, 3, 4, 6], n, p=[0.3, 0.2, 0.2, 0.15, 0.15])
+    lone_cost = 0.005 + 0.011 * blocks
+    wall = np.maximum(lone_cost, 0.004 * blocks * np.maximum(sessions - 2, 0) + 0.005) * rng.normal(1.0, 0.02, n)
+    fit = fit_service(np.zeros(n), blocks * sessions, wall, sessions=sessions, blocks=blocks)
+    assert fit.t_o_lone_batches == (sessions == 1).sum()
+    for m in (14, 30):
+        assert fit.step_s(m) == pytest.approx(0.005 + 0.011 * m, rel=0.05)
+    w = ServiceWindow(min_batches=5)
+    for seq in range(n):
+        w.add_batch(seq, 0, blocks[seq] * sessions[seq], wall[seq], 0.0, sessions=int(sessions[seq]),
+                    blocks=int(blocks[seq]))
+    assert w.fit() == fit

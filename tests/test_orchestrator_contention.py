@@ -139,3 +139,57 @@ def test_the_orchestrator_marks_servers_shared_by_its_server_compute_setting():
         batch_overhead_s(fitted, shape, "gpu")
     cluster, _ = build_cluster([fitted], 4, shape, 0.1, 0.7, compute="auto")
     assert cluster.servers[0].batch_overhead_s == pytest.approx(21 * 0.05)
+
+
+def test_a_batch_pays_the_per_block_part_once():
+    # tau_p = 0.5 per block, of which 0.4 a batch pays once per block (the weights), 0.1 per session
+    cl = make_cluster([10, 10], [1.0, 1.0], [0.5, 0.5], num_blocks=4)
+    cl = replace(cl, servers=tuple(replace(sv, batch_overhead_s=0.2, batch_block_overhead_s=0.4) for sv in cl.servers))
+    sv = cl.servers[0]
+    assert sv.busy_s(blocks=4, sessions=1) == pytest.approx(0.2 + 4 * 0.5)  # alone: the lone time
+    assert sv.busy_s(blocks=4, sessions=3) == pytest.approx(0.2 + 4 * 0.4 + 3 * 4 * 0.1)
+    a = ChainSpec((0,), (BlockInterval(0, 4),), capacity=3, service_time_s=3.0)
+    b = ChainSpec((0, 1), (BlockInterval(0, 2), BlockInterval(2, 4)), capacity=2, service_time_s=3.0)
+    # server 0: blocks 0-3 used (chain b's [0, 2) inside chain a's [0, 4)): the per-block part once for 4 blocks
+    assert server_busy_s(cl, [a, b])[0] == pytest.approx(0.2 + 4 * 0.4 + (3 * 4 + 2 * 2) * 0.1)
+    # a chain saturates later than with tau_p all per session: spare (4 - 0.2 - 1.6) / (4 x 0.1) -> 6
+    k = ChainSpec((0,), (BlockInterval(0, 4),), capacity=10, service_time_s=4.0)
+    assert saturating_capacity(cl, k) == 6
+    assert saturating_capacity(replace(cl, servers=tuple(replace(s, batch_block_overhead_s=None) for s in cl.servers)), k) == 2
+    # GBP-CR's chain time for c sessions follows the same busy time
+    res = gbp_cr(cl, 3)
+    for k in res.chains:
+        m = [res.placement.ranges[j].num_blocks for j in k]
+        worst = max(cl.servers[j].busy_s(mj, 3) for j, mj in zip(k, m))
+        lone = sum(cl.servers[j].tau_c_s + mj * cl.servers[j].tau_p_s for j, mj in zip(k, m))
+        assert res.chain_times_s[res.chains.index(k)] == pytest.approx(max(worst, lone))
+
+
+def test_cluster_files_take_batch_block_overhead_within_tau_p():
+    base = {"blocks": 2, "block_size": 1, "cache_size": 0.1, "arrival_rate": 1,
+            "servers": [{"name": "a", "memory": 4, "tau_c": 1, "tau_p": 0.1, "batch_overhead": 0.5,
+                         "batch_block_overhead": 0.08}]}
+    assert cluster_from_dict(base).servers[0].batch_block_overhead_s == 0.08
+    base["servers"][0]["batch_block_overhead"] = 0.2  # more than tau_p
+    with pytest.raises(InvalidClusterError, match="batch_block_overhead"):
+        cluster_from_dict(base)
+
+
+def test_the_fitted_t_B_goes_into_tau_p_and_the_batch_block_overhead():
+    from orchestrator.service.calibration import ServiceFit
+    from orchestrator.service.registry import (Overheads, ServerRecord, batch_block_overhead_s, build_cluster,
+                                               cluster_to_dict, server_params)
+    from orchestrator.session_times import SessionShape
+    from petals_chain.wire import ServerInfo
+    shape = SessionShape(100, 21)
+    info = ServerInfo("p", "m", 0, 4, "online", 4000, 100, 10, 2048, 40, 1e-4, 1e-3, name="p")
+    f = ServiceFit(2e-4, 1e-3, 0.05, 30, 0.1, t_B_s=0.01, blocks_separable=True)
+    rec = ServerRecord(info, rtt_s=0.01, fit=f)
+    _, tau_p = server_params(rec, shape, Overheads())
+    assert tau_p == pytest.approx(2e-4 * 100 + 1e-3 * 20 + 21 * 0.01)
+    assert batch_block_overhead_s(rec, shape, "auto") == pytest.approx(21 * 0.01)
+    assert batch_block_overhead_s(rec, shape, "parallel") is None
+    assert batch_block_overhead_s(ServerRecord(info, rtt_s=0.01), shape, "shared") is None
+    cluster, _ = build_cluster([rec], 4, shape, 0.1, 0.7, compute="auto")
+    assert cluster.servers[0].batch_block_overhead_s == pytest.approx(0.21)
+    assert cluster_from_dict(cluster_to_dict(cluster)).servers[0] == cluster.servers[0]

@@ -3,10 +3,12 @@
 Servers report each batch they ran (`petals_chain.wire.BatchService`: wall and CPU seconds, sessions,
 and block-tokens of prefill and of decode). The orchestrator fits per server, over a sliding window,
 
-    wall_s = t_o + t_I * prefill_block_tokens + t_O * decode_block_tokens
+    wall_s = t_o + t_B * blocks + t_I * prefill_block_tokens + t_O * decode_block_tokens
 
 (footnote 11's model with t_o per step and server, not per block: a step pays its framework cost
-once, whatever its blocks), robustly: least absolute deviations by iteratively reweighted least
+once, whatever its blocks; t_B per block a step runs, whatever its rows: on a device whose decode
+is bound by reading the weights, a block costs about as much for 1 row as for 3, so the marginal
+t_O per block-token is small and most of a lone session's step is t_B), robustly: least absolute deviations by iteratively reweighted least
 squares, so a batch slowed by a neighbour's burst or a GC pause does not move the fit. Clients report
 on release each hop's network time per step (client time - server time); minus the RTT the
 orchestrator measured, it is the per-hop framework cost (p2pd both ways, framing, thread hops) that
@@ -41,6 +43,13 @@ class ServiceFit:
     median_abs_rel_residual: float  # how well the line describes the window
     t_O_from_profile: bool = False  # the window could not tell t_O from t_o: t_O is the start-up profile's
     t_o_lone_batches: int = 0  # t_o was anchored at this many one-session decode batches (0: the line's own)
+    # seconds per block per step, whatever the rows (the weights' cost); 0 when fitted without blocks
+    t_B_s: float = 0.0
+    blocks_separable: bool = False  # the window held steps of different block counts: t_o apart from t_B
+
+    def step_s(self, blocks: int, rows: int = 1) -> float:
+        """Modelled wall time of one decode step of `rows` sessions through `blocks` blocks."""
+        return self.t_o_s + blocks * (self.t_B_s + rows * self.t_O_s)
 
 
 def _lad(X: np.ndarray, y: np.ndarray, iterations: int) -> np.ndarray:
@@ -59,39 +68,62 @@ def _lad(X: np.ndarray, y: np.ndarray, iterations: int) -> np.ndarray:
 
 
 MIN_LONE_BATCHES = 5  # one-session decode batches needed to anchor t_o at them
+MIN_SPAN_BATCHES = 3  # batches per block count needed to tell t_o from t_B
+
+
+def _separable(blocks: np.ndarray, min_each: int) -> bool:
+    """At least two block counts, each seen in `min_each` batches: t_o and t_B are then identified."""
+    _, counts = np.unique(blocks, return_counts=True)
+    return int((counts >= min_each).sum()) >= 2
 
 
 def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations: int = 30,
-                t_O_profile_s: float | None = None, sessions=None) -> ServiceFit | None:
-    """Least-absolute-deviation fit of wall = t_o + t_I P + t_O D with t_o, t_I, t_O >= 0.
-    None when the window cannot separate the three (no decode batch, or fewer than 3 batches).
+                t_O_profile_s: float | None = None, sessions=None, blocks=None) -> ServiceFit | None:
+    """Least-absolute-deviation fit of wall = t_o + t_B b + t_I P + t_O D with every term >= 0.
+    None when the window cannot separate them (no decode batch, or fewer than 3 batches).
+
+    `blocks` (per batch: the most blocks one step of it ran): with it, t_B is fitted. When the window
+    holds steps of one block count only (a server every chain runs whole), t_o and t_B are the same
+    column; the step's fixed part is then put per block (t_o = 0): measured on these CPU hosts, a
+    lone step's in-server overhead beyond the blocks' compute is 5-10 ms of 0.2-0.4 s, so a step
+    through fewer blocks costs proportionally less (Table 1 quick run, 2026-11-24: a fast server's
+    lone steps took 0.16-0.18 s through 14 blocks, 0.29-0.33 s through 30). Without `blocks`, t_B = 0
+    and the fixed part is t_o (the start-up profile and the server's own cache check).
 
     A server's blocks are fixed, so D is its blocks times the sessions in the batch: when batches
     hold about as many sessions each (or the per-session cost is below the batches' noise), D is
-    nearly a constant and t_O trades off against t_o. The L1 fit then may put the whole decode cost
-    into t_o and return t_O = 0 (it sits on the bound). With `t_O_profile_s` (the start-up profile's
-    t_O), such a fit keeps the profile's t_O and fits t_o and t_I to what remains: the planner needs
-    t_O per block, and a fit at the bound says only that the window cannot tell it.
+    nearly a constant and t_O trades off against the fixed part. The L1 fit then may put the whole
+    decode cost there and return t_O = 0 (it sits on the bound). With `t_O_profile_s` (the start-up
+    profile's t_O), such a fit keeps the profile's t_O and fits the rest to what remains: the planner
+    needs t_O per block, and a fit at the bound says only that the window cannot tell it.
 
-    `sessions` (per batch): with at least MIN_LONE_BATCHES one-session decode batches, t_o is
-    anchored so that the line passes through their medians (t_o = median wall - t_O x median D,
-    at least 0): a session alone costs what those batches cost. Why: on a CPU a batch's cost is not
-    linear in its sessions. 1 to 3 decode rows cost about the same, then it grows (one server of 30
-    blocks at 0.193 cores, measured: 1 session 0.28-0.33 s per step, 3 sessions 0.35 s, 6 sessions
-    0.56 s), so the L1 line over a window of mixed batches takes the larger batches' slope and runs
-    below the lone ones (Table 1 quick run, 2026-11-24: lone sessions' decode steps 30-85 % over
-    the line). The paper's tau_p and tau_c are a session's time alone; the slope t_O still says what
-    each further session adds (for 2-3 sessions a little more than they cost)."""
+    `sessions` (per batch): with at least MIN_LONE_BATCHES one-session decode batches, the lone step
+    is anchored at them: their wall ~ a + s b by LAD when they span block counts (t_o = a, t_B = s -
+    t_O), else through their medians (the fixed part per block, or beside the line's t_o when the
+    whole window separated it). Why: on a CPU a batch's cost is not linear in its sessions. 1 to 3
+    decode rows cost about the same, then it grows (one server of 30 blocks at 0.193 cores, measured:
+    1 session 0.28-0.33 s per step, 3 sessions 0.35 s, 6 sessions 0.56 s), so the L1 line over a
+    window of mixed batches takes the larger batches' slope and runs below the lone ones. The paper's
+    tau_p and tau_c are a session's time alone; the slope t_O still says what each further session
+    adds (for 2-3 sessions a little more than they cost)."""
     p = np.asarray(prefill_block_tokens, dtype=float)
     d = np.asarray(decode_block_tokens, dtype=float)
     y = np.asarray(wall_s, dtype=float)
     k = np.zeros_like(y) if sessions is None else np.asarray(sessions, dtype=float)
+    b = None if blocks is None else np.asarray(blocks, dtype=float)
     ok = np.isfinite(p) & np.isfinite(d) & np.isfinite(y) & (y > 0) & (p + d > 0)
+    if b is not None:
+        ok &= np.isfinite(b) & (b > 0)
     p, d, y, k = p[ok], d[ok], y[ok], k[ok]
+    if b is not None:
+        b = b[ok]
     if len(y) < 3 or not (d > 0).any():
         return None
-    cols = [np.ones_like(y), p, d]
-    use = [0, 1, 2] if (p > 0).any() else [0, 2]  # without prefill batches t_I is unknown
+    separable = b is not None and _separable(b, MIN_SPAN_BATCHES)
+    # column 0: the fixed part of a step (1, or its blocks when t_o and t_B cannot be told apart)
+    fixed = b if (b is not None and not separable) else np.ones_like(y)
+    cols = {0: fixed, 1: p, 2: d, **({3: b} if separable else {})}
+    use = [i for i in (0, 3, 1, 2) if i in cols and (i != 1 or (p > 0).any())]  # without prefill t_I is unknown
     X = np.stack([cols[i] for i in use], axis=1)
     coef = dict(zip(use, _lad(X, y, iterations)))
     from_profile = False
@@ -103,32 +135,45 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     lone = (k == 1) & (p == 0) & (d > 0)
     n_lone = int(lone.sum())
     if n_lone >= MIN_LONE_BATCHES:
-        coef[0] = max(0.0, float(np.median(y[lone])) - coef[2] * float(np.median(d[lone])))
+        yl, dl = y[lone], d[lone]
+        bl = dl if b is None else b[lone]
+        if b is not None and _separable(bl, 2):
+            a, slope = _lad(np.stack([np.ones_like(yl), bl], axis=1), yl, iterations)
+            coef[0], coef[3] = float(a), max(0.0, float(slope) - coef[2])
+        elif b is not None and not separable:  # the fixed part per block (coef[0] multiplies b)
+            coef[0] = max(0.0, float(np.median(yl)) / float(np.median(bl)) - coef[2])
+        else:  # t_o beside the line's t_B (0 without blocks)
+            coef[0] = max(0.0, float(np.median(yl)) - (coef.get(3, 0.0) + coef[2]) * float(np.median(bl)))
     else:
         n_lone = 0
-    pred = X @ np.array([coef[i] for i in use])
+    pred = sum(coef[i] * cols[i] for i in coef)
     rel = np.abs(y - pred) / y
-    return ServiceFit(t_I_s=float(coef[1]) if 1 in coef else None, t_O_s=float(coef[2]), t_o_s=float(coef.get(0, 0.0)),
+    if b is not None and not separable:
+        t_o, t_B = 0.0, float(coef[0])
+    else:
+        t_o, t_B = float(coef.get(0, 0.0)), float(coef.get(3, 0.0))
+    return ServiceFit(t_I_s=float(coef[1]) if 1 in coef else None, t_O_s=float(coef[2]), t_o_s=t_o,
                       samples=int(len(y)), median_abs_rel_residual=float(np.median(rel)),
-                      t_O_from_profile=from_profile, t_o_lone_batches=n_lone)
+                      t_O_from_profile=from_profile, t_o_lone_batches=n_lone, t_B_s=t_B, blocks_separable=separable)
 
 
 class ServiceWindow:
     """One server's recent batches and hop costs (sliding windows) and its fit."""
 
     def __init__(self, max_batches: int = 256, max_hops: int = 256, min_batches: int = 20):
-        self.batches: deque[tuple[float, float, float, int]] = deque(maxlen=max_batches)  # (P, D, wall_s, sessions)
+        self.batches: deque[tuple[float, float, float, int, int]] = deque(maxlen=max_batches)  # (P, D, wall_s, sessions, blocks)
         self.cpu: deque[tuple[float, float]] = deque(maxlen=max_batches)  # (wall_s, cpu_s)
         self.hop_cost_s: deque[float] = deque(maxlen=max_hops)
         self.min_batches = min_batches
         self.last_seq = -1
 
     def add_batch(self, seq: int, prefill_block_tokens: float, decode_block_tokens: float, wall_s: float,
-                  cpu_s: float, sessions: int = 0) -> None:
+                  cpu_s: float, sessions: int = 0, blocks: int = 0) -> None:
         if seq <= self.last_seq:
             return  # seen already (the server's records are read by cursor; a restart resets it)
         self.last_seq = seq
-        self.batches.append((float(prefill_block_tokens), float(decode_block_tokens), float(wall_s), int(sessions)))
+        self.batches.append((float(prefill_block_tokens), float(decode_block_tokens), float(wall_s), int(sessions),
+                             int(blocks)))
         self.cpu.append((float(wall_s), float(cpu_s)))
 
     def add_hop(self, comm_per_step_s: float, rtt_s: float) -> None:
@@ -139,8 +184,9 @@ class ServiceWindow:
     def fit(self, t_O_profile_s: float | None = None) -> ServiceFit | None:
         if len(self.batches) < self.min_batches:
             return None
-        p, d, y, k = zip(*self.batches)
-        return fit_service(p, d, y, t_O_profile_s=t_O_profile_s, sessions=k)
+        p, d, y, k, b = zip(*self.batches)
+        # servers that do not report blocks (0) are fitted without t_B
+        return fit_service(p, d, y, t_O_profile_s=t_O_profile_s, sessions=k, blocks=b if min(b) > 0 else None)
 
     @property
     def hop_cost(self) -> float | None:
@@ -174,8 +220,8 @@ class FittedProfile:
 
     @property
     def lone_step_per_profile(self) -> float:
-        """Its fitted step alone (t_o + m t_O) over what the profile says that step costs (m t_O)."""
-        return (self.fit.t_o_s + self.blocks * self.fit.t_O_s) / (self.blocks * self.profile_t_O_s)
+        """Its fitted step alone (t_o + m (t_B + t_O)) over what the profile says that step costs (m t_O)."""
+        return self.fit.step_s(self.blocks) / (self.blocks * self.profile_t_O_s)
 
 
 TWIN_PROFILE_TOLERANCE = 0.1  # profiles' t_O within 10 %: the same kind of device
@@ -197,7 +243,7 @@ def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
     2026-11-24: fast2 modelled 4.4 s, measured 23.5 s, its twins fitted at 18.5-19.5 s). The profile
     still ranks devices (it runs under the host's CPU share), so the donor is a fitted twin (profile
     t_O within TWIN_PROFILE_TOLERANCE; any fitted server when there is none), the one with the median
-    ratio of fitted lone step to profile step among them; its t_O, t_o and t_I are scaled by the
+    ratio of fitted lone step to profile step among them; its t_O, t_B, t_o and t_I are scaled by the
     ratio of the profiles (t_I by the t_I profiles'). One donor, not a median per term: fits split a
     step between t_o and t_O differently (the window cannot always tell them apart), and mixing one
     server's t_O with another's t_o gave a fast server a step 2.5x its twin's."""
@@ -218,7 +264,8 @@ def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
     else:
         t_I = f.t_I_s * ratio_O
     return ServiceFit(t_I_s=t_I, t_O_s=f.t_O_s * ratio_O, t_o_s=f.t_o_s * ratio_O, samples=0,
-                      median_abs_rel_residual=math.nan, t_O_from_profile=f.t_O_from_profile)
+                      median_abs_rel_residual=math.nan, t_O_from_profile=f.t_O_from_profile,
+                      t_B_s=f.t_B_s * ratio_O, blocks_separable=f.blocks_separable)
 
 
 def relative_change(new: float, old: float) -> float:

@@ -26,7 +26,8 @@ from orchestrator.service.calibration import (FittedProfile, ReplanTrigger, Serv
 from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
-from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, batch_overhead_s, build_cluster, cluster_to_dict,
+from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, batch_block_overhead_s, batch_overhead_s,
+                                           build_cluster, cluster_to_dict,
                                            keep_held_ranges, server_params)
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
@@ -285,7 +286,8 @@ class Orchestrator:
                 if got[-1].seq < w.last_seq:  # the server restarted its count
                     w.last_seq = -1
                 for b in got:
-                    w.add_batch(b.seq, b.prefill_block_tokens, b.decode_block_tokens, b.wall_s, b.cpu_s, b.sessions)
+                    w.add_batch(b.seq, b.prefill_block_tokens, b.decode_block_tokens, b.wall_s, b.cpu_s, b.sessions,
+                                b.blocks)
             changed.append(p)
         self.refit(changed)
 
@@ -357,7 +359,8 @@ class Orchestrator:
         f = rec.fit if rec else None
         scaled = rec.scaled_fit if rec else None
         return {"announced": {"t_I": rec.info.prefill_s_per_token, "t_O": rec.info.decode_s_per_token} if rec else None,
-                "fitted": None if f is None else {"t_I": f.t_I_s, "t_O": f.t_O_s, "t_o": f.t_o_s, "samples": f.samples,
+                "fitted": None if f is None else {"t_I": f.t_I_s, "t_O": f.t_O_s, "t_o": f.t_o_s, "t_B": f.t_B_s,
+                                                  "blocks_separable": f.blocks_separable, "samples": f.samples,
                                                   "median_abs_rel_residual": f.median_abs_rel_residual,
                                                   "t_O_from_profile": f.t_O_from_profile,
                                                   "t_o_lone_batches": f.t_o_lone_batches},
@@ -365,7 +368,8 @@ class Orchestrator:
                 "hop_cost_own": None if w is None else w.hop_cost,
                 "batches": 0 if w is None else len(w.batches),
                 "cpu_per_wall": None if w is None else w.cpu_per_wall,
-                "scaled": None if scaled is None else {"t_I": scaled.t_I_s, "t_O": scaled.t_O_s, "t_o": scaled.t_o_s},
+                "scaled": None if scaled is None else {"t_I": scaled.t_I_s, "t_O": scaled.t_O_s, "t_o": scaled.t_o_s,
+                                                       "t_B": scaled.t_B_s},
                 "source": "live" if f is not None else "scaled profile" if scaled is not None else "announced"}
 
     def measure_rtt(self, peer_id: str) -> float | None:
@@ -603,8 +607,10 @@ class Orchestrator:
                                 "rtt": rec.rtt_s,
                                 "t_I": i.prefill_s_per_token if f is None or f.t_I_s is None else f.t_I_s,
                                 "t_O": i.decode_s_per_token if f is None else f.t_O_s,
-                                "t_o": None if f is None else f.t_o_s, "hop_cost": rec.hop_cost_s,
+                                "t_o": None if f is None else f.t_o_s, "t_B": None if f is None else f.t_B_s,
+                                "hop_cost": rec.hop_cost_s,
                                 "batch_overhead": batch_overhead_s(rec, shape, self.config.server_compute),
+                                "batch_block_overhead": batch_block_overhead_s(rec, shape, self.config.server_compute),
                                 "model": self.model_view(p),
                                 "assigned": list(assigned) if assigned else None,
                                 "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False)),

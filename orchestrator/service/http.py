@@ -28,14 +28,16 @@ def _model_cells(m: dict | None) -> str:
     batches (or, before a fit, the profile scaled by the fitted servers'), the fitted per-step overhead, the measured per-hop cost, how well the fit describes the
     batches (median |measured / model - 1|) and the CPU share its batches took."""
     if not m:
-        return "<td></td>" * 5
+        return "<td></td>" * 6
     a, f, scaled = m.get("announced") or {}, m.get("fitted"), m.get("scaled")
     t_o = _ms(f["t_o"]) if f is not None else f'{_ms(scaled["t_o"])} (scaled)' if scaled else ""
+    src = f if f is not None else scaled
+    t_B = "" if src is None else _ms(src.get("t_B")) + ("" if f is not None else " (scaled)")
     fitted = (_ms(f["t_O"]) if f is not None else f'not yet: {_ms(scaled["t_O"])} (profile scaled)' if scaled
               else "not yet")
     resid = "" if f is None else f'{100 * f["median_abs_rel_residual"]:.0f}% ({f["samples"]} batches)'
     cpu = "" if m.get("cpu_per_wall") is None else f'{m["cpu_per_wall"]:.2f}'
-    return (f'<td>{_ms(a.get("t_O"))} / {fitted}</td><td>{t_o}</td><td>{_ms(m.get("hop_cost"))}</td>'
+    return (f'<td>{_ms(a.get("t_O"))} / {fitted}</td><td>{t_o}</td><td>{t_B}</td><td>{_ms(m.get("hop_cost"))}</td>'
             f'<td>{resid}</td><td>{cpu}</td>')
 
 
@@ -159,7 +161,8 @@ table.list td, table.list th {{ border-bottom: 1px solid #ddd; }}
 <h2>Servers</h2>
 <table class="list"><tr><th>name</th><th>peer</th><th>state</th><th>blocks</th><th>memory</th><th>RTT</th>
 <th>&tau;<sub>c</sub></th><th>&tau;<sub>p</sub> (per block)</th><th>sessions (server-reported)</th>
-<th>t<sub>O</sub> start-up / fitted</th><th>t<sub>o</sub> / step</th><th>hop cost / step</th><th>fit residual</th>
+<th>t<sub>O</sub> start-up / fitted</th><th>t<sub>o</sub> / step</th><th>t<sub>B</sub> / block and step</th>
+<th>hop cost / step</th><th>fit residual</th>
 <th>CPU / wall</th></tr>{srv_rows}</table>
 <h2>Events</h2><ul>{events}</ul>
 </body></html>

@@ -58,6 +58,15 @@ def batch_overhead_s(record: ServerRecord, shape: SessionShape, compute: str) ->
     return shape.steps * (f.t_o_s if f is not None else 0.0)
 
 
+def batch_block_overhead_s(record: ServerRecord, shape: SessionShape, compute: str) -> float | None:
+    """Server.batch_block_overhead_s: steps x the fitted t_B (the part of each block's step a batch pays
+    once, whatever its rows); None where `batch_overhead_s` is None or there is no fit."""
+    f = record.model_fit
+    if f is None or batch_overhead_s(record, shape, compute) is None:
+        return None
+    return shape.steps * f.t_B_s
+
+
 def peer_rtt_s(a: ServerRecord, b: ServerRecord) -> float | None:
     """RTT between two servers as they report it (`ServerInfo.peer_rtt_s`, measured by the servers
     themselves: server/peer_rtts.py); the larger of the two reports when both have one."""
@@ -75,7 +84,8 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
     With a calibrated fit (`record.model_fit`: its own, else its profile scaled by the fitted
     servers'): t_I, t_O fitted from live service, and the fitted per-step t_o plus the measured
     per-hop cost join the RTT in every step of tau_c (they are paid once per step and server,
-    whatever its blocks); the per-block t_o flag then no longer applies. Without one: the announced
+    whatever its blocks); the fitted t_B (per block and step, whatever the rows) joins tau_p once
+    per step (a session alone pays it in full); the per-block t_o flag then no longer applies. Without one: the announced
     start-up profile and the flags."""
     if record.rtt_s is None:
         raise ValueError(f"server {record.peer_id} has no RTT measurement yet")
@@ -91,7 +101,7 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
     if f is None:
         return tau_c, tau_p_s(i.prefill_s_per_token, i.decode_s_per_token, shape, overheads.per_block_s)
     t_I = i.prefill_s_per_token if f.t_I_s is None else f.t_I_s
-    return tau_c, tau_p_s(t_I, f.t_O_s, shape, 0.0)
+    return tau_c, tau_p_s(t_I, f.t_O_s, shape, 0.0) + shape.steps * f.t_B_s
 
 
 def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionShape, arrival_rate_per_s: float,
@@ -121,7 +131,8 @@ def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionSh
     for r in usable:
         tau_c, tau_p = server_params(r, shape, overheads, relay, usable)
         servers.append(Server(name=r.peer_id, memory=float(r.info.memory_budget_bytes), tau_c_s=tau_c,
-                              tau_p_s=tau_p, rtt_s=r.rtt_s, batch_overhead_s=batch_overhead_s(r, shape, compute)))
+                              tau_p_s=tau_p, rtt_s=r.rtt_s, batch_overhead_s=batch_overhead_s(r, shape, compute),
+                              batch_block_overhead_s=batch_block_overhead_s(r, shape, compute)))
     cluster = Cluster(service=Service(num_blocks=num_blocks, block_size=float(s_m), cache_size=float(s_c)),
                       servers=tuple(servers), arrival_rate_per_s=arrival_rate_per_s, rho_bar=rho_bar)
     return cluster, [r.peer_id for r in usable]
@@ -134,7 +145,9 @@ def cluster_to_dict(cluster: Cluster) -> dict:
             "arrival_rate": cluster.arrival_rate_per_s, "rho_bar": cluster.rho_bar,
             "servers": [{"name": sv.name, "memory": sv.memory, "tau_c": sv.tau_c_s, "tau_p": sv.tau_p_s,
                          **({"rtt": sv.rtt_s} if sv.rtt_s is not None else {}),
-                         **({"batch_overhead": sv.batch_overhead_s} if sv.batch_overhead_s is not None else {})}
+                         **({"batch_overhead": sv.batch_overhead_s} if sv.batch_overhead_s is not None else {}),
+                         **({"batch_block_overhead": sv.batch_block_overhead_s}
+                            if sv.batch_block_overhead_s is not None else {})}
                         for sv in cluster.servers]}
 
 
