@@ -316,7 +316,8 @@ def test_t_o_is_anchored_at_the_lone_batches_when_the_cost_is_not_linear(t_O, bl
     wall = np.maximum(floor, t_o + t_O * decode) * rng.normal(1.0, 0.01, 200)
     plain = fit_service(np.zeros(200), decode, wall)
     anchored = fit_service(np.zeros(200), decode, wall, sessions=sessions)
-    assert plain.t_o_lone_batches == 0 and anchored.t_o_lone_batches == (sessions == 1).sum()
+    # anchored at the newest lone batches (RECENT_LONE_BATCHES)
+    assert plain.t_o_lone_batches == 0 and anchored.t_o_lone_batches == min((sessions == 1).sum(), 16)
     assert anchored.t_O_s == plain.t_O_s  # the slope is the line's
     lone_model = anchored.t_o_s + anchored.t_O_s * blocks
     assert lone_model == pytest.approx(floor, rel=0.03)  # a session alone costs what the lone batches cost
@@ -387,7 +388,7 @@ def test_lone_steps_of_two_spans_anchor_t_o_and_t_B():
     lone_cost = 0.005 + 0.011 * blocks
     wall = np.maximum(lone_cost, 0.004 * blocks * np.maximum(sessions - 2, 0) + 0.005) * rng.normal(1.0, 0.02, n)
     fit = fit_service(np.zeros(n), blocks * sessions, wall, sessions=sessions, blocks=blocks)
-    assert fit.t_o_lone_batches == (sessions == 1).sum()
+    assert fit.t_o_lone_batches == sum(min(((sessions == 1) & (blocks == m)).sum(), 16) for m in (14, 30))
     for m in (14, 30):
         assert fit.step_s(m) == pytest.approx(0.005 + 0.011 * m, rel=0.05)
     w = ServiceWindow(min_batches=5)
@@ -395,3 +396,11 @@ def test_lone_steps_of_two_spans_anchor_t_o_and_t_B():
         w.add_batch(seq, 0, blocks[seq] * sessions[seq], wall[seq], 0.0, sessions=int(sessions[seq]),
                     blocks=int(blocks[seq]))
     assert w.fit() == fit
+
+
+def test_the_lone_step_follows_the_newest_lone_batches():
+    # the host's speed drifted: old lone steps took 0.3 s, the newest 0.4 s (larger batches unchanged)
+    sessions = np.array([1] * 40 + [4] * 40 + [1] * 16)
+    wall = np.array([0.3] * 40 + [0.5] * 40 + [0.4] * 16)
+    f = fit_service(np.zeros(len(wall)), 10.0 * sessions, wall, sessions=sessions, blocks=np.full(len(wall), 10))
+    assert f.t_o_lone_batches == 16 and f.step_s(10) == pytest.approx(0.4, rel=1e-6)

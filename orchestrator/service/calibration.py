@@ -69,6 +69,10 @@ def _lad(X: np.ndarray, y: np.ndarray, iterations: int) -> np.ndarray:
 
 MIN_LONE_BATCHES = 5  # one-session decode batches needed to anchor t_o at them
 MIN_SPAN_BATCHES = 3  # batches per block count needed to tell t_o from t_B
+# the lone step is anchored at the newest one-session batches of each block count: measured here, a
+# lone 30-block step of one server alone on the machine drifted from 0.27 to 0.37 s within minutes
+# (the host's memory system, not the server), so the newest batches say best what the next one costs
+RECENT_LONE_BATCHES = 16
 
 
 def _separable(blocks: np.ndarray, min_each: int) -> bool:
@@ -97,8 +101,8 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     profile's t_O), such a fit keeps the profile's t_O and fits the rest to what remains: the planner
     needs t_O per block, and a fit at the bound says only that the window cannot tell it.
 
-    `sessions` (per batch): with at least MIN_LONE_BATCHES one-session decode batches, the lone step
-    is anchored at them: their wall ~ a + s b by LAD when they span block counts (t_o = a, t_B = s -
+    `sessions` (per batch, oldest first): with at least MIN_LONE_BATCHES one-session decode batches,
+    the lone step is anchored at them (the newest RECENT_LONE_BATCHES of each block count): their wall ~ a + s b by LAD when they span block counts (t_o = a, t_B = s -
     t_O), else through their medians (the fixed part per block, or beside the line's t_o when the
     whole window separated it). Why: on a CPU a batch's cost is not linear in its sessions. 1 to 3
     decode rows cost about the same, then it grows (one server of 30 blocks at 0.193 cores, measured:
@@ -133,6 +137,10 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
         coef[2] = float(t_O_profile_s)
         from_profile = True
     lone = (k == 1) & (p == 0) & (d > 0)
+    span = d if b is None else b  # the block count of a lone step (its D without blocks)
+    for v in np.unique(span[lone]):  # the newest RECENT_LONE_BATCHES of each block count (oldest first)
+        idx = np.flatnonzero(lone & (span == v))
+        lone[idx[:-RECENT_LONE_BATCHES]] = False
     n_lone = int(lone.sum())
     if n_lone >= MIN_LONE_BATCHES:
         yl, dl = y[lone], d[lone]
