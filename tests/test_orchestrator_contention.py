@@ -175,21 +175,19 @@ def test_cluster_files_take_batch_block_overhead_within_tau_p():
         cluster_from_dict(base)
 
 
-def test_the_fitted_t_B_goes_into_tau_p_and_the_batch_block_overhead():
+def test_the_fitted_t_B_goes_into_tau_p_and_is_not_planned_as_shared():
     from orchestrator.service.calibration import ServiceFit
-    from orchestrator.service.registry import (Overheads, ServerRecord, batch_block_overhead_s, build_cluster,
-                                               cluster_to_dict, server_params)
+    from orchestrator.service.registry import Overheads, ServerRecord, build_cluster, server_params
     from orchestrator.session_times import SessionShape
     from petals_chain.wire import ServerInfo
     shape = SessionShape(100, 21)
     info = ServerInfo("p", "m", 0, 4, "online", 4000, 100, 10, 2048, 40, 1e-4, 1e-3, name="p")
     f = ServiceFit(2e-4, 1e-3, 0.05, 30, 0.1, t_B_s=0.01, blocks_separable=True)
     rec = ServerRecord(info, rtt_s=0.01, fit=f)
-    _, tau_p = server_params(rec, shape, Overheads())
-    assert tau_p == pytest.approx(2e-4 * 100 + 1e-3 * 20 + 21 * 0.01)
-    assert batch_block_overhead_s(rec, shape, "auto") == pytest.approx(21 * 0.01)
-    assert batch_block_overhead_s(rec, shape, "parallel") is None
-    assert batch_block_overhead_s(ServerRecord(info, rtt_s=0.01), shape, "shared") is None
+    tau_c, tau_p = server_params(rec, shape, Overheads())
+    assert tau_p == pytest.approx(2e-4 * 100 + 1e-3 * 20 + 21 * 0.01)  # a session alone pays t_B every step
+    assert tau_c == pytest.approx(21 * (0.01 + 0.05))  # t_o per step joins the RTT
     cluster, _ = build_cluster([rec], 4, shape, 0.1, 0.7, compute="auto")
-    assert cluster.servers[0].batch_block_overhead_s == pytest.approx(0.21)
-    assert cluster_from_dict(cluster_to_dict(cluster)).servers[0] == cluster.servers[0]
+    # each session pays t_B (out-of-phase steps on a pipelined server rarely batch): busy = n m tau_p
+    assert cluster.servers[0].batch_block_overhead_s is None
+    assert cluster.servers[0].busy_s(4, 3) == pytest.approx(21 * 0.05 + 3 * 4 * tau_p)

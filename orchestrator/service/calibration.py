@@ -69,10 +69,6 @@ def _lad(X: np.ndarray, y: np.ndarray, iterations: int) -> np.ndarray:
 
 MIN_LONE_BATCHES = 5  # one-session decode batches needed to anchor t_o at them
 MIN_SPAN_BATCHES = 3  # batches per block count needed to tell t_o from t_B
-# the lone step is anchored at the newest one-session batches of each block count: measured here, a
-# lone 30-block step of one server alone on the machine drifted from 0.27 to 0.37 s within minutes
-# (the host's memory system, not the server), so the newest batches say best what the next one costs
-RECENT_LONE_BATCHES = 16
 
 
 def _separable(blocks: np.ndarray, min_each: int) -> bool:
@@ -97,12 +93,15 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     A server's blocks are fixed, so D is its blocks times the sessions in the batch: when batches
     hold about as many sessions each (or the per-session cost is below the batches' noise), D is
     nearly a constant and t_O trades off against the fixed part. The L1 fit then may put the whole
-    decode cost there and return t_O = 0 (it sits on the bound). With `t_O_profile_s` (the start-up
+    decode cost there and return t_O = 0 (it sits on the bound); when every decode batch held as many
+    rows, t_O is not fitted at all. With `t_O_profile_s` (the start-up
     profile's t_O), such a fit keeps the profile's t_O and fits the rest to what remains: the planner
     needs t_O per block, and a fit at the bound says only that the window cannot tell it.
 
-    `sessions` (per batch, oldest first): with at least MIN_LONE_BATCHES one-session decode batches,
-    the lone step is anchored at them (the newest RECENT_LONE_BATCHES of each block count): their wall ~ a + s b by LAD when they span block counts (t_o = a, t_B = s -
+    `sessions` (per batch): with at least MIN_LONE_BATCHES one-session decode batches, the lone step
+    is anchored at them (all the window's: one lone step's time varies by +-15 % from one session to
+    the next on a quiet machine, and anchoring at the newest 16 instead did not track the probe
+    better in two quick runs): their wall ~ a + s b by LAD when they span block counts (t_o = a, t_B = s -
     t_O), else through their medians (the fixed part per block, or beside the line's t_o when the
     whole window separated it). Why: on a CPU a batch's cost is not linear in its sessions. 1 to 3
     decode rows cost about the same, then it grows (one server of 30 blocks at 0.193 cores, measured:
@@ -128,8 +127,14 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     fixed = b if (b is not None and not separable) else np.ones_like(y)
     cols = {0: fixed, 1: p, 2: d, **({3: b} if separable else {})}
     use = [i for i in (0, 3, 1, 2) if i in cols and (i != 1 or (p > 0).any())]  # without prefill t_I is unknown
+    # rows per decode step all equal (every decode batch one session, say): D is then a multiple of the
+    # blocks column and t_O cannot be told from the fixed part; an L1 fit would split them anyhow
+    rows = (d / b if b is not None else k)[d > 0]
+    t_O_known = sessions is None and b is None or len(np.unique(rows)) > 1
+    fit_cols = use if t_O_known else [i for i in use if i != 2]
     X = np.stack([cols[i] for i in use], axis=1)
-    coef = dict(zip(use, _lad(X, y, iterations)))
+    coef = dict(zip(fit_cols, _lad(X[:, [use.index(i) for i in fit_cols]], y, iterations)))
+    coef.setdefault(2, 0.0)
     from_profile = False
     if coef[2] <= 0 and t_O_profile_s is not None and math.isfinite(t_O_profile_s) and t_O_profile_s > 0:
         rest = [i for i in use if i != 2]
@@ -137,10 +142,6 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
         coef[2] = float(t_O_profile_s)
         from_profile = True
     lone = (k == 1) & (p == 0) & (d > 0)
-    span = d if b is None else b  # the block count of a lone step (its D without blocks)
-    for v in np.unique(span[lone]):  # the newest RECENT_LONE_BATCHES of each block count (oldest first)
-        idx = np.flatnonzero(lone & (span == v))
-        lone[idx[:-RECENT_LONE_BATCHES]] = False
     n_lone = int(lone.sum())
     if n_lone >= MIN_LONE_BATCHES:
         yl, dl = y[lone], d[lone]
@@ -193,8 +194,9 @@ class ServiceWindow:
         if len(self.batches) < self.min_batches:
             return None
         p, d, y, k, b = zip(*self.batches)
-        # servers that do not report blocks (0) are fitted without t_B
-        return fit_service(p, d, y, t_O_profile_s=t_O_profile_s, sessions=k, blocks=b if min(b) > 0 else None)
+        # records without sessions or blocks (0: not reported) are fitted without them
+        return fit_service(p, d, y, t_O_profile_s=t_O_profile_s, sessions=k if min(k) > 0 else None,
+                           blocks=b if min(b) > 0 else None)
 
     @property
     def hop_cost(self) -> float | None:

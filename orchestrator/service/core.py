@@ -26,8 +26,7 @@ from orchestrator.service.calibration import (FittedProfile, ReplanTrigger, Serv
 from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
-from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, batch_block_overhead_s, batch_overhead_s,
-                                           build_cluster, cluster_to_dict,
+from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, batch_overhead_s, build_cluster, cluster_to_dict,
                                            keep_held_ranges, server_params)
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
@@ -610,7 +609,6 @@ class Orchestrator:
                                 "t_o": None if f is None else f.t_o_s, "t_B": None if f is None else f.t_B_s,
                                 "hop_cost": rec.hop_cost_s,
                                 "batch_overhead": batch_overhead_s(rec, shape, self.config.server_compute),
-                                "batch_block_overhead": batch_block_overhead_s(rec, shape, self.config.server_compute),
                                 "model": self.model_view(p),
                                 "assigned": list(assigned) if assigned else None,
                                 "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False)),

@@ -58,15 +58,6 @@ def batch_overhead_s(record: ServerRecord, shape: SessionShape, compute: str) ->
     return shape.steps * (f.t_o_s if f is not None else 0.0)
 
 
-def batch_block_overhead_s(record: ServerRecord, shape: SessionShape, compute: str) -> float | None:
-    """Server.batch_block_overhead_s: steps x the fitted t_B (the part of each block's step a batch pays
-    once, whatever its rows); None where `batch_overhead_s` is None or there is no fit."""
-    f = record.model_fit
-    if f is None or batch_overhead_s(record, shape, compute) is None:
-        return None
-    return shape.steps * f.t_B_s
-
-
 def peer_rtt_s(a: ServerRecord, b: ServerRecord) -> float | None:
     """RTT between two servers as they report it (`ServerInfo.peer_rtt_s`, measured by the servers
     themselves: server/peer_rtts.py); the larger of the two reports when both have one."""
@@ -85,7 +76,14 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
     servers'): t_I, t_O fitted from live service, and the fitted per-step t_o plus the measured
     per-hop cost join the RTT in every step of tau_c (they are paid once per step and server,
     whatever its blocks); the fitted t_B (per block and step, whatever the rows) joins tau_p once
-    per step (a session alone pays it in full); the per-block t_o flag then no longer applies. Without one: the announced
+    per step (a session alone pays it in full); the per-block t_o flag then no longer applies.
+
+    t_B is not planned as shared by a batch (no `Server.batch_block_overhead_s`): a batch reads each
+    block's weights once, but on a pipelined server its sessions' steps arrive out of phase (each
+    waits for the hop before), so batches mostly hold one or two sessions and each pays t_B. Measured
+    (Table 1 quick run, 2026-11-24 15:38): planning t_B as shared made batching look free, c* went to
+    11 (3-hop chains of 11 and 8 blocks), and the mean response doubled (48.4 s against 24.9-26.1 s
+    in the runs before); the same fits without the sharing plan c* = 1 and whole-range chains. Without one: the announced
     start-up profile and the flags."""
     if record.rtt_s is None:
         raise ValueError(f"server {record.peer_id} has no RTT measurement yet")
@@ -131,8 +129,7 @@ def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionSh
     for r in usable:
         tau_c, tau_p = server_params(r, shape, overheads, relay, usable)
         servers.append(Server(name=r.peer_id, memory=float(r.info.memory_budget_bytes), tau_c_s=tau_c,
-                              tau_p_s=tau_p, rtt_s=r.rtt_s, batch_overhead_s=batch_overhead_s(r, shape, compute),
-                              batch_block_overhead_s=batch_block_overhead_s(r, shape, compute)))
+                              tau_p_s=tau_p, rtt_s=r.rtt_s, batch_overhead_s=batch_overhead_s(r, shape, compute)))
     cluster = Cluster(service=Service(num_blocks=num_blocks, block_size=float(s_m), cache_size=float(s_c)),
                       servers=tuple(servers), arrival_rate_per_s=arrival_rate_per_s, rho_bar=rho_bar)
     return cluster, [r.peer_id for r in usable]
