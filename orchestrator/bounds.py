@@ -49,11 +49,34 @@ def _birth_death_mean_occupancy(lam: float, death: np.ndarray) -> float:
     return float(math.exp(logsumexp(log_num_terms) - log_z))
 
 
+def _contended_slot_rates(chains: Sequence[ChainSpec]) -> np.ndarray:
+    """Per-slot rates, fastest first, where a chain's i-th session adds i / T(i) - (i-1) / T(i-1)
+    (`ChainSpec.session_time_s`): the paper's chains give c_k slots of 1 / T_k; a contended chain's
+    first session runs at its lone time and later ones add less (the chain's rate at c_k is the same
+    c_k / T_k). Sorted, this is the lower bound's "jobs on the fastest slots" for such chains."""
+    rates = []
+    for k in chains:
+        prev = 0.0
+        for i in range(1, k.capacity + 1):
+            cur = i / k.session_time_s(i)
+            rates.append(max(cur - prev, 0.0))
+            prev = cur
+    return np.sort(np.array(rates, dtype=float))[::-1]
+
+
 def theorem37_bounds(chains: Sequence[ChainSpec], arrival_rate_per_s: float) -> ResponseTimeBounds:
     """Lower/upper bounds on JFFC's mean response time (Theorem 3.7 with eq. 24).
 
     Lower: death rates nu-bar_n (eq. 28): the n jobs sit on the fastest slots. Upper: nu-underbar_n
-    (eq. 29): on the slowest. Both are cumulative sums of the per-slot rates, sorted."""
+    (eq. 29): on the slowest. Both are cumulative sums of the per-slot rates, sorted.
+
+    Contended chains (`ChainSpec.lone_time_s` set; not the paper's): the lower bound's slots follow
+    the chain's session time at each occupancy (`_contended_slot_rates`: a single session on a
+    shared server runs at its lone time, not at the full chain's busy time); the upper bound keeps
+    c_k slots of 1 / T_k (every session at the full chain's time: the pessimistic end). Without this
+    the lower bound charged a lone session the busy time of a full chain, which favoured splitting a
+    server's range over more hops at any load (Table 1 quick runs, 2026-11-24: c* = 10-11 with 3-hop
+    chains and twice the mean response of the c = 1 plan)."""
     mu, cap = _rates_caps(chains)
     lam = float(arrival_rate_per_s)
     if len(mu) == 0:
@@ -63,7 +86,8 @@ def theorem37_bounds(chains: Sequence[ChainSpec], arrival_rate_per_s: float) -> 
         return ResponseTimeBounds(math.inf, math.inf)
     order = np.argsort(-mu, kind="stable")
     slot_rates_fast_first = np.repeat(mu[order], cap[order])
-    fast = np.cumsum(slot_rates_fast_first)
+    contended = any(k.lone_time_s is not None for k in chains)
+    fast = np.cumsum(_contended_slot_rates(chains) if contended else slot_rates_fast_first)
     slow = np.cumsum(slot_rates_fast_first[::-1])
     fast[-1] = slow[-1] = nu  # exact equality at n = C for the tail
     lower = _birth_death_mean_occupancy(lam, fast) / lam

@@ -199,12 +199,32 @@ class Placement:
 @dataclass(frozen=True)
 class ChainSpec:
     """A server chain k: servers in order, the blocks each processes (m_ij of eq. 2), its
-    capacity c_k (concurrent sessions) and mean service time T_k (eq. 2)."""
+    capacity c_k (concurrent sessions) and mean service time T_k (eq. 2).
+
+    ``lone_time_s`` (not the paper's): set by `contended_chains` when it raised T_k to the busy time
+    of a shared-compute server with the chain full; the chain's time with one session (eq. 2's T_k).
+    Between one session and c_k a session's time grows from it to T_k (`session_time_s`)."""
 
     servers: tuple[int, ...]
     blocks: tuple[BlockInterval, ...]
     capacity: int
     service_time_s: float
+    lone_time_s: float | None = None
+
+    @property
+    def dispatch_time_s(self) -> float:
+        """What JFFC ranks the chain by: eq. 2's T_k, the lone time where contention raised T_k (the
+        fastest free chain is the one a new session finishes soonest on; ranking contended chains by
+        their full-chain busy time sent light load to slower chains)."""
+        return self.service_time_s if self.lone_time_s is None else self.lone_time_s
+
+    def session_time_s(self, sessions: int) -> float:
+        """A session's time with `sessions` in the chain: T_k for the paper's chains; on a shared
+        server the busy time grows with the sessions it serves back to back, so max(lone time,
+        T_k x sessions / c_k) (T_k is the busy time at c_k)."""
+        if self.lone_time_s is None:
+            return self.service_time_s
+        return max(self.lone_time_s, self.service_time_s * sessions / self.capacity)
 
 
 def residual_slots(cluster: Cluster, placement: Placement) -> list[int]:
@@ -330,7 +350,7 @@ def contended_chains(cluster: Cluster, chains: Iterable[ChainSpec]) -> tuple[Cha
     out = []
     for k in capped:
         worst = max((busy[j] for j in k.servers if busy[j] is not None), default=0.0)
-        out.append(k if worst <= k.service_time_s else replace(k, service_time_s=worst))
+        out.append(k if worst <= k.service_time_s else replace(k, service_time_s=worst, lone_time_s=k.service_time_s))
     return tuple(out)
 
 

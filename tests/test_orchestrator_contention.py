@@ -3,6 +3,7 @@ among concurrent sessions take at least their busiest server's busy time, and th
 unchanged when no server is marked."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -191,3 +192,26 @@ def test_the_fitted_t_B_goes_into_tau_p_and_is_not_planned_as_shared():
     # each session pays t_B (out-of-phase steps on a pipelined server rarely batch): busy = n m tau_p
     assert cluster.servers[0].batch_block_overhead_s is None
     assert cluster.servers[0].busy_s(4, 3) == pytest.approx(21 * 0.05 + 3 * 4 * tau_p)
+
+
+def test_a_contended_chain_keeps_its_lone_time_for_the_bound_and_jffc():
+    from orchestrator.bounds import theorem37_bounds
+    # one server holding the whole model: alone a session takes 10 s; 2 sessions keep it busy 18 s each
+    lone = ChainSpec((0,), (BlockInterval(0, 4),), capacity=2, service_time_s=10.0)
+    full = replace(lone, service_time_s=18.0, lone_time_s=10.0)
+    assert full.dispatch_time_s == 10.0 and lone.dispatch_time_s == 10.0
+    assert [full.session_time_s(i) for i in (1, 2)] == [10.0, 18.0]
+    # at light load one session is in the chain most of the time: the lower bound is near the lone
+    # time, not the full chain's 18 s; the chain's rate at capacity (2 / 18) is unchanged
+    b = theorem37_bounds([full], 0.01)
+    assert 10.0 <= b.lower_s < 11.5 and b.upper_s >= 18.0
+    assert theorem37_bounds([full], 0.2).lower_s == math.inf  # 0.2 > 2 / 18: overloaded either way
+    # a paper chain (no lone time) keeps the paper's bounds
+    assert theorem37_bounds([lone], 0.01).lower_s == pytest.approx(theorem37_bounds([lone], 0.01).upper_s)
+
+
+def test_contended_chains_record_the_lone_time_they_raised():
+    cl = shared(make_cluster([10], [1.0], [0.5], num_blocks=4), [0.0])
+    k = ChainSpec((0,), (BlockInterval(0, 4),), capacity=3, service_time_s=3.0)  # busy 3 x 4 x 0.5 = 6 s
+    (out,) = contended_chains(cl, [k])
+    assert out.lone_time_s == 3.0 and out.service_time_s > 3.0 and out.dispatch_time_s == 3.0

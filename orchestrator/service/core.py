@@ -524,7 +524,7 @@ class Orchestrator:
                 specs = []
                 for k in cur.chains:
                     hops = tuple(Hop(cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
-                    specs.append((hops, k.capacity, k.service_time_s, min(max_len[h.peer_id] for h in hops)))
+                    specs.append((hops, k.capacity, k.dispatch_time_s, min(max_len[h.peer_id] for h in hops)))
                 self.sessions.install_chains(specs, cur.version, now, dispatch=self.config.dispatch)
             chains = self.sessions.chain_views()
         self.log_event(f"plan v{cur.version} online: {len(chains)} chain(s) installed: " + "; ".join(
