@@ -546,7 +546,14 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
         # the probe measures the chains of the plan the replay ran on, after the model above was taken
         if cfg.probe_per_chain > 0 and final is not None:
             try:
-                result["probe"] = model_probe(cfg, launcher, swarm, final, scale_info, out_dir, policy)
+                probe_status = final
+                if not final.get("plan_installed"):
+                    # a model re-plan made during the replay may still be moving servers: probe the plan
+                    # once it is online (its servers keep the fits the model check reads from `final`)
+                    print(f"[{policy}] the plan is not online yet (a re-plan moves servers): waiting for it "
+                          "before the probe", flush=True)
+                    probe_status = wait_plan(launcher, swarm.orchestrator_url, swarm, timeout_s=300)
+                result["probe"] = model_probe(cfg, launcher, swarm, probe_status, scale_info, out_dir, policy)
             except Exception as e:  # noqa: BLE001 - the probe is extra: the replay's results stand without it
                 result["probe"] = {"error": f"{type(e).__name__}: {e}"}
     finally:
