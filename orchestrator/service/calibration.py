@@ -123,8 +123,9 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     if len(y) < 3 or not (d > 0).any():
         return None
     separable = b is not None and _separable(b, MIN_SPAN_BATCHES)
+    per_block_fixed = b is not None and not separable  # t_o and t_B one column: the fixed part per block
     # column 0: the fixed part of a step (1, or its blocks when t_o and t_B cannot be told apart)
-    fixed = b if (b is not None and not separable) else np.ones_like(y)
+    fixed = b if per_block_fixed else np.ones_like(y)
     cols = {0: fixed, 1: p, 2: d, **({3: b} if separable else {})}
     use = [i for i in (0, 3, 1, 2) if i in cols and (i != 1 or (p > 0).any())]  # without prefill t_I is unknown
     # rows per decode step all equal (every decode batch one session, say): D is then a multiple of the
@@ -149,7 +150,7 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
         if b is not None and _separable(bl, 2):
             a, slope = _lad(np.stack([np.ones_like(yl), bl], axis=1), yl, iterations)
             coef[0], coef[3] = float(a), max(0.0, float(slope) - coef[2])
-        elif b is not None and not separable:  # the fixed part per block (coef[0] multiplies b)
+        elif per_block_fixed:  # coef[0] multiplies b
             coef[0] = max(0.0, float(np.median(yl)) / float(np.median(bl)) - coef[2])
         else:  # t_o beside the line's t_B (0 without blocks)
             coef[0] = max(0.0, float(np.median(yl)) - (coef.get(3, 0.0) + coef[2]) * float(np.median(bl)))
@@ -157,7 +158,7 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
         n_lone = 0
     pred = sum(coef[i] * cols[i] for i in coef)
     rel = np.abs(y - pred) / y
-    if b is not None and not separable:
+    if per_block_fixed:
         t_o, t_B = 0.0, float(coef[0])
     else:
         t_o, t_B = float(coef.get(0, 0.0)), float(coef.get(3, 0.0))

@@ -76,15 +76,15 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
     servers'): t_I, t_O fitted from live service, and the fitted per-step t_o plus the measured
     per-hop cost join the RTT in every step of tau_c (they are paid once per step and server,
     whatever its blocks); the fitted t_B (per block and step, whatever the rows) joins tau_p once
-    per step (a session alone pays it in full); the per-block t_o flag then no longer applies.
+    per step (a session alone pays it in full); the per-block t_o flag then no longer applies. Without
+    one: the announced start-up profile and the flags.
 
     t_B is not planned as shared by a batch (no `Server.batch_block_overhead_s`): a batch reads each
     block's weights once, but on a pipelined server its sessions' steps arrive out of phase (each
     waits for the hop before), so batches mostly hold one or two sessions and each pays t_B. Measured
     (Table 1 quick run, 2026-11-24 15:38): planning t_B as shared made batching look free, c* went to
     11 (3-hop chains of 11 and 8 blocks), and the mean response doubled (48.4 s against 24.9-26.1 s
-    in the runs before); the same fits without the sharing plan c* = 1 and whole-range chains. Without one: the announced
-    start-up profile and the flags."""
+    in the runs before)."""
     if record.rtt_s is None:
         raise ValueError(f"server {record.peer_id} has no RTT measurement yet")
     if relay not in RELAYS:
