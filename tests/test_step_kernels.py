@@ -1,9 +1,10 @@
 """The server step's kernels against plain references: the GQA-folded attention (models/attention.py)
-and the small-batch linear orientation (runtime/small_batch_linear.py)."""
+and the oneDNN-packed linears (runtime/packed_linear.py)."""
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import assume, given, settings, strategies as st
@@ -11,7 +12,8 @@ from torch import nn
 
 from petals_chain.models.attention import _alibi_bias, _segment_mask, grouped_attention, segment_attention
 from petals_chain.models.family import AttentionSegment
-from petals_chain.runtime.small_batch_linear import SKINNY_ROWS, SmallBatchLinear, small_batch_linears
+from petals_chain.runtime.packed_linear import PackedLinear, pack_linears, packing_available
+from petals_chain.runtime.quantization import module_bytes
 
 
 def reference_attention(query, keys, values, mask, scale):
@@ -97,33 +99,42 @@ def test_alibi_bias_fold_keeps_each_heads_slope():
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 20), bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_small_batch_linear_equals_linear(rows, bias, seed):
+@given(rows=st.integers(1, 40), bias=st.booleans(), lead=st.sampled_from([(), (1,), (2,)]), seed=st.integers(0, 2**16))
+def test_packed_linear_equals_linear(rows, bias, lead, seed):
+    """Any row count and leading batch shape: the packed layer's product is F.linear's up to float
+    reduction order, as a contiguous tensor that callers may edit in place."""
+    assume(packing_available())
     gen = torch.Generator().manual_seed(seed)
     base = nn.Linear(48, 40, bias=bias)
     with torch.no_grad():
         base.weight.copy_(torch.randn(40, 48, generator=gen))
         if bias:
             base.bias.copy_(torch.randn(40, generator=gen))
-    layer = SmallBatchLinear.of(base)
-    assert layer.weight is base.weight and isinstance(layer, nn.Linear)
-    x = torch.randn(rows, 48, generator=gen)
-    got = layer(x)
-    assert got.is_contiguous() and got.shape == (rows, 40)
+    layer = PackedLinear.of(base)
+    assert isinstance(layer, nn.Linear) and layer.weight.numel() == 0  # the dense copy is dropped
+    assert (layer.bias is base.bias) if bias else layer.bias is None
+    x = torch.randn(*lead, rows, 48, generator=gen)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.is_contiguous() and got.shape == (*lead, rows, 40)
     torch.testing.assert_close(got, F.linear(x, base.weight, base.bias), rtol=1e-5, atol=1e-4)
-    if rows not in SKINNY_ROWS:  # the other row counts run F.linear itself
-        assert torch.equal(got, F.linear(x, base.weight, base.bias))
+    got[..., 0] = 0.0
 
 
-def test_small_batch_linears_replaces_only_plain_float32_cpu_linears():
+def test_pack_linears_replaces_only_plain_float32_cpu_linears():
+    if not packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear ops (torch.backends.mkldnn)")
+
     class Quantized(nn.Linear):  # stands for bitsandbytes' layers, which subclass nn.Linear
         pass
 
     block = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), Quantized(4, 4)), nn.LayerNorm(4))
-    small_batch_linears(block, torch.device("cpu"), torch.float32)
+    dense_bytes = module_bytes(block)
+    pack_linears(block, torch.device("cpu"), torch.float32)
     assert [type(m).__name__ for m in block.modules() if isinstance(m, nn.Linear)] == [
-        "SmallBatchLinear", "SmallBatchLinear", "Quantized"]
+        "PackedLinear", "PackedLinear", "Quantized"]
+    assert module_bytes(block) == dense_bytes  # the packed copy replaces the dense weight
     other = nn.Sequential(nn.Linear(4, 4))
-    small_batch_linears(other, torch.device("cpu"), torch.bfloat16)
-    small_batch_linears(other, torch.device("meta"), torch.float32)
+    pack_linears(other, torch.device("cpu"), torch.bfloat16)
+    pack_linears(other, torch.device("meta"), torch.float32)
     assert type(other[0]) is nn.Linear

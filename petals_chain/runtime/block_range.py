@@ -18,7 +18,7 @@ from petals_chain.runtime.decode_graphs import DecodeGraphs, attention_backends
 from petals_chain.runtime.kv_cache import SessionKV, kv_bytes_per_block
 from petals_chain.runtime.lora import LoraRows, adapter_name, attach_adapter, check_adapter, load_adapter_blocks
 from petals_chain.runtime.quantization import module_bytes, quantize_linears
-from petals_chain.runtime.small_batch_linear import small_batch_linears
+from petals_chain.runtime.packed_linear import pack_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,9 +73,9 @@ class BlockRange:
             # Quantize while the weights are still on the CPU: bitsandbytes quantizes a weight when it
             # moves from the CPU to the device, so a block moved first would keep serving bf16 weights.
             block = quantize_linears(block, quant, self.dtype, self.device).to(self.device)
-            # steps of 2..8 rows (concurrent decodes, speculative verification) in the cheaper GEMM
-            # orientation on the CPU (runtime/small_batch_linear.py)
-            self.blocks[index] = small_batch_linears(block, self.device, self.dtype)
+            # float32 linears on the CPU through oneDNN-packed weights: a step of a few rows
+            # (concurrent decodes, speculative verification) costs near one row's (runtime/packed_linear.py)
+            self.blocks[index] = pack_linears(block, self.device, self.dtype)
         self.lora_rows = LoraRows()  # set around each block call by `_run_blocks` (its only writer)
         self.adapters: list[str] = []
         for path in adapters:

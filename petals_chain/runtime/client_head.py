@@ -9,7 +9,7 @@ from petals_chain.models.checkpoint import load_config, read_tensors, resolve_mo
 from petals_chain.models.family import get_family
 from petals_chain.runtime.block_range import parse_dtype
 from petals_chain.runtime.row_batcher import RowBatcher
-from petals_chain.runtime.small_batch_linear import small_batch_linears
+from petals_chain.runtime.packed_linear import pack_linears
 
 # the LM head's batcher waits for expected sessions at most this fraction of its average call
 # (row_batcher.py; the server's scheduler gathers its batches with the same default, 0.5)
@@ -34,11 +34,10 @@ class ClientHead(torch.nn.Module):
             self.config, {role: tensors[name] for role, name in names.items()})
         self.device = torch.device(device)
         self.requires_grad_(False).eval().to(self.device)
-        # the LM head of concurrent decode steps (2..8 rows) in the cheaper GEMM orientation on the
-        # CPU (runtime/small_batch_linear.py): SmolLM2's 49,152 x 576 head took 21-25 ms of CPU for
-        # 8 rows instead of 44-46 ms, and was the gateway's largest per-token cost with 8 concurrent
-        # requests (py-spy: 58% of its busy samples)
-        small_batch_linears(self, self.device, self.dtype)
+        # the LM head through a oneDNN-packed weight on the CPU (runtime/packed_linear.py): SmolLM2's
+        # 49,152 x 576 head was the gateway's largest per-token cost with 8 concurrent requests
+        # (py-spy: 58% of its busy samples); packed, 8 rows take 7.6 ms of CPU instead of 19.4 ms
+        pack_linears(self, self.device, self.dtype)
         # Every session of this process (any model object, any thread) shares these: concurrent
         # sessions' embedding lookups and final norm + LM head run as one call per step (row_batcher.py).
         self.embed_batched = RowBatcher(self.embed_tokens, max_rows=max_batch_rows)
