@@ -16,7 +16,11 @@ median of 7 interleaved runs, beside a busy experiment (so read +-10 %):
     oneDNN packed (ms)  34    29    36    49    80   273
 
 and SmolLM2's 49,152 x 576 LM head on the client: 1 / 4 / 8 / 16 rows 9.8 / 16.8 / 19.4 / 24.2 ms
-with `F.linear`, 6.7 / 5.5 / 7.6 / 11.0 ms packed. So every row count takes the packed weight.
+with `F.linear`, 6.7 / 5.5 / 7.6 / 11.0 ms packed. So every row count takes the packed weight, with
+one exception found on a quiet machine (11 interleaved runs, the blocks' matrices as above): two rows
+take oneDNN's slowest path, 38.4 ms against 28.3 ms for three (and 32.1 ms for one; `W @ x.T` took
+25.1 ms, but it needs the dense weight kept beside the packed one, twice the memory). Two rows are
+therefore computed as three with a zero row (30.4 ms) and cut back to two.
 
 The products equal `F.linear`'s up to float reduction order (5.7e-5 absolute on outputs of size
 ~30; as they already differ between batch sizes in MKL). The dense weight is dropped after packing
@@ -53,6 +57,12 @@ class PackedLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 2 * self.in_features:
+            # Two rows take oneDNN's slowest path (see the module docstring): compute three, the
+            # third a zero row, and return the first two (rows are independent in a linear layer)
+            rows = torch.cat([x.reshape(2, self.in_features), x.new_zeros(1, self.in_features)])
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+            return out[:2].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
