@@ -98,12 +98,16 @@ def test_alibi_bias_fold_keeps_each_heads_slope():
         torch.testing.assert_close(out[:, head, 0], (weights * torch.arange(5.0)).sum().expand(n))
 
 
+NEEDS_PACKING = pytest.mark.skipif(not packing_available(),
+                                   reason="this torch build has no oneDNN packed linear ops (torch.backends.mkldnn)")
+
+
+@NEEDS_PACKING
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 40), bias=st.booleans(), lead=st.sampled_from([(), (1,), (2,)]), seed=st.integers(0, 2**16))
 def test_packed_linear_equals_linear(rows, bias, lead, seed):
     """Any row count and leading batch shape: the packed layer's product is F.linear's up to float
     reduction order, as a contiguous tensor that callers may edit in place."""
-    assume(packing_available())
     gen = torch.Generator().manual_seed(seed)
     base = nn.Linear(48, 40, bias=bias)
     with torch.no_grad():
@@ -121,10 +125,8 @@ def test_packed_linear_equals_linear(rows, bias, lead, seed):
     got[..., 0] = 0.0
 
 
+@NEEDS_PACKING
 def test_pack_linears_replaces_only_plain_float32_cpu_linears():
-    if not packing_available():
-        pytest.skip("this torch build has no oneDNN packed linear ops (torch.backends.mkldnn)")
-
     class Quantized(nn.Linear):  # stands for bitsandbytes' layers, which subclass nn.Linear
         pass
 
