@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "that it keeps busy servers where they are (default 60)")
     p.add_argument("--replan-hold", type=float, default=30.0,
                    help="seconds the calibrated model must keep the plan moved before it re-plans (default 30)")
+    p.add_argument("--lost-after", type=non_negative_float, default=10.0,
+                   help="seconds a server's record may be missing from the DHT before the orchestrator drops it and "
+                        "its chains (a server that announces offline is dropped at once; default 10)")
     p.add_argument("--http-host", default="127.0.0.1", help="address of the status page (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=0, help="status page port (0: pick a free one; -1: no HTTP)")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, calibrate=args.calibrate,
         replan_enter=args.replan_threshold, replan_exit=args.replan_threshold / 2,
         model_replan_period_s=args.model_replan_period, replan_hold_s=args.replan_hold,
-        model_replan_wait_s=args.model_replan_wait,
+        model_replan_wait_s=args.model_replan_wait, lost_after_s=args.lost_after,
         max_model_replans=args.model_replans, identity_path=args.identity_path,
         allowed_peers=allowed_peers))
     http = None

@@ -27,7 +27,7 @@ from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.session_times import SessionShape
 from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, batch_overhead_s, build_cluster, cluster_to_dict,
-                                           keep_held_ranges, server_params)
+                                           keep_held_ranges, lost_servers, server_params)
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.dht_records import fetch_servers, model_key
@@ -91,6 +91,9 @@ class OrchestratorConfig:
     rtt_probes: int = 5
     announce_period_s: float = 2.0
     tick_s: float = 0.5
+    # a server whose record is missing from the DHT this long is dropped (one that announced OFFLINE at once):
+    # registry.lost_servers says why one missed read must not end its chains
+    lost_after_s: float = 10.0
     identity_path: str | None = None
     allowed_peers: frozenset[str] | None = None  # private swarm: plan with and answer only these peers
 
@@ -218,10 +221,11 @@ class Orchestrator:
                 logger.exception("control loop iteration failed")
 
     def tick(self, now: float) -> None:
-        found = fetch_servers(self.dht, self.model, states=(ServerState.JOINING, ServerState.ONLINE),
+        found = fetch_servers(self.dht, self.model, states=(ServerState.JOINING, ServerState.ONLINE, ServerState.OFFLINE),
                               allowed=self.config.allowed_peers)
-        infos = {i.peer_id: i for i in found}
-        self.relay_routes.update(found)
+        offline = {i.peer_id for i in found if i.state == ServerState.OFFLINE}
+        infos = {i.peer_id: i for i in found if i.peer_id not in offline}
+        self.relay_routes.update(infos.values())
         new = [p for p in infos if p not in self.records]
         for p in new:  # measure tau_c outside the lock: it takes round trips
             self._rtt_tried[p] = now
@@ -237,7 +241,8 @@ class Orchestrator:
             for p, info in infos.items():
                 rec = self.records[p]
                 rec.info, rec.last_seen_s = info, now
-            lost = [p for p in self.records if p not in infos]
+            lost = lost_servers({p: r.last_seen_s for p, r in self.records.items()}, set(infos), offline, now,
+                                self.config.lost_after_s)
             retry = [p for p, r in self.records.items() if r.rtt_s is None and p in infos
                      and now - self._rtt_tried.get(p, -1e9) >= RTT_RETRY_S]
         for p in retry:  # unreachable so far: try again now and then, not every tick

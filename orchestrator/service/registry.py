@@ -102,6 +102,23 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
     return tau_c, tau_p_s(t_I, f.t_O_s, shape, 0.0) + shape.steps * f.t_B_s
 
 
+def lost_servers(last_seen_s: dict[str, float], present: set[str], offline: set[str], now_s: float,
+                 grace_s: float) -> list[str]:
+    """The known servers to drop: those that announced OFFLINE (a clean shutdown), and those whose record
+    has been missing from the DHT for `grace_s` or more. Pure.
+
+    Why a grace: a server's record lives `record_ttl_s` (6 s) and is renewed every 2 s; a server whose
+    host is CPU-starved (its quota spent by a batch) or a DHT read that times out can miss one read.
+    Dropping at the first miss ended the chains of live servers with sessions on them (Table 1 runs,
+    2026-11-24: six servers "left" for one read each, re-registered 1-2 s later, and their sessions
+    failed over). A server that really died is found sooner by its clients, which fail over without
+    waiting for the orchestrator."""
+    if grace_s < 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    return [p for p, seen in last_seen_s.items()
+            if p in offline or (p not in present and now_s - seen >= grace_s)]
+
+
 def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionShape, arrival_rate_per_s: float,
                   rho_bar: float, overheads: Overheads = Overheads(), relay: str = "client",
                   compute: str = "parallel", kv_plan_tokens: int | None = None) -> tuple[Cluster, list[str]]:
