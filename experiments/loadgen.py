@@ -15,6 +15,7 @@ import json
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,14 @@ def hop_summary(timings, names: dict[str, str]) -> list[dict]:
             h["decode_batch_s"] = None if t.compute_s is None or h["decode_batch_s"] is None else \
                 h["decode_batch_s"] + t.compute_s
     return [hops[i] for i in sorted(hops)]
+
+
+def running_stacks(names_by_ident: dict[int, str]) -> str:
+    """The current Python stack of each named live thread (by thread ident), as text; '' if none."""
+    frames = sys._current_frames()
+    parts = [f"--- {name}\n" + "".join(traceback.format_stack(frames[ident]))
+             for ident, name in sorted(names_by_ident.items(), key=lambda kv: kv[1]) if ident in frames]
+    return "\n".join(parts)
 
 
 class Replayer:
@@ -140,6 +149,7 @@ class Replayer:
         for t in threads:
             t.join(max(0.0, end_by - self.clock()))
         late = 0
+        stacks = running_stacks({t.ident: t.name for t in threads if t.is_alive()})
         for req in self.requests:  # still running at the deadline: recorded as failed, never dropped
             if req["index"] not in self.written:
                 late += 1
@@ -147,6 +157,8 @@ class Replayer:
                             "arrival_s": req["arrival_s"], "input_tokens": req["input_tokens"],
                             "output_tokens": req["output_tokens"], "generated_tokens": 0,
                             "error": f"DeadlineError: not finished {deadline_s:.0f} s after the last arrival"})
+        if stacks:  # where the late requests hang: the evidence a hung session leaves (nothing else does)
+            Path(self.out_path).with_suffix(".late_stacks.txt").write_text(stacks)
         self.out.close()
         return late
 

@@ -169,3 +169,26 @@ def test_the_kv_plan_length_reaches_the_orchestrator_and_its_cluster():
     assert build_cluster([rec], 4, shape, 0.1, 0.7, kv_plan_tokens=8192)[0].service.cache_size == 1000
     with pytest.raises(ValueError, match="kv_plan_tokens"):
         build_cluster([rec], 4, shape, 0.1, 0.7, kv_plan_tokens=0)
+
+
+def test_the_stacks_of_late_requests_name_where_they_wait():
+    """loadgen writes the stack of every request still running at the deadline (a hung session leaves
+    no other evidence)."""
+    import threading
+
+    from experiments.loadgen import running_stacks
+
+    release = threading.Event()
+
+    def stuck_in_open_session():
+        release.wait(30)
+
+    t = threading.Thread(target=stuck_in_open_session, name="req-126", daemon=True)
+    t.start()
+    try:
+        text = running_stacks({t.ident: t.name, 123456789: "req-gone"})
+        assert "--- req-126" in text and "stuck_in_open_session" in text and "req-gone" not in text
+    finally:
+        release.set()
+        t.join()
+    assert running_stacks({}) == ""
