@@ -33,6 +33,7 @@ class ErrorCode(enum.StrEnum):
     P2P_START_ERROR = "p2p_start_error"
     UNKNOWN_ADAPTER = "unknown_adapter"
     RELAY_REFUSED = "relay_refused"
+    DIRECT_REFUSED = "direct_refused"
 
 
 class PetalsChainError(Exception):
@@ -149,6 +150,14 @@ class RelayRefusedError(PetalsChainError):
     code = ErrorCode.RELAY_REFUSED
 
 
+class DirectRefusedError(PetalsChainError):
+    """A server refused a direct stream (petals_chain/direct_stream.py): the ticket is not one it issued
+    (it restarted), the stream name is unknown, or the hello was malformed. The client asks for a
+    new ticket or uses the p2p stream instead; nothing is lost."""
+
+    code = ErrorCode.DIRECT_REFUSED
+
+
 class IdentityError(PetalsChainError):
     """A peer identity file cannot be read or written (local only, never sent over the wire)."""
 
@@ -185,6 +194,7 @@ ERROR_TYPES: dict[ErrorCode, type[PetalsChainError]] = {
         NotAllowedError,
         UnknownAdapterError,
         RelayRefusedError,
+        DirectRefusedError,
     )
 }
 

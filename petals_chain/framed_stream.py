@@ -112,42 +112,50 @@ class FramedStream:
 Handler = Callable[[AsyncIterator, P2PContext], AsyncIterator]
 
 
+async def serve_framed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: P2PContext,
+                       handler: Handler, request_type=runtime_pb2.ExpertRequest) -> None:
+    """Run `handler(requests, context)` on one stream: the requests read in the handler's own coroutine
+    (no reader task or queue per stream), each response written in one write; the socket is closed at
+    the end. Used by the p2p handlers below and by the direct streams (petals_chain/direct_stream.py)."""
+    name = context.handle_name
+
+    async def requests():
+        while True:
+            try:
+                marker, body = await read_frame(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):  # the caller went away
+                return
+            if marker != P2P.MESSAGE_MARKER:  # END_OF_STREAM (hivemind's stubs and ours end so)
+                return
+            yield request_type.FromString(body)
+
+    try:
+        responses = handler(requests(), context)
+        try:
+            async for response in responses:
+                writer.write(frame(response))
+                await writer.drain()
+        except (ConnectionError, BrokenPipeError):  # the caller is gone: nothing to tell it
+            logger.debug("stream %s: the caller went away", name)
+        except Exception as e:  # as hivemind does: the caller gets the error, the server goes on
+            logger.warning("stream handler %s failed", name, exc_info=True)
+            try:
+                writer.write(frame(RPCError(message=str(e)), P2P.ERROR_MARKER))
+                await writer.drain()
+            except Exception:
+                pass
+        finally:
+            await responses.aclose()
+    finally:
+        writer.close()
+
+
 async def add_framed_handler(p2p: P2P, name: str, handler: Handler, request_type=runtime_pb2.ExpertRequest) -> None:
     """Serve `handler(requests, context)` (an async generator of responses, as hivemind's stream
-    handlers are) under `name`, with each response written in one write and the requests read in
-    the handler's own coroutine (no reader task or queue per stream)."""
+    handlers are) under `name` on the p2p daemon, through `serve_framed`."""
 
     async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
-
-        async def requests():
-            while True:
-                try:
-                    marker, body = await read_frame(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):  # the caller went away
-                    return
-                if marker != P2P.MESSAGE_MARKER:  # END_OF_STREAM (hivemind's stubs and ours end so)
-                    return
-                yield request_type.FromString(body)
-
-        try:
-            responses = handler(requests(), context)
-            try:
-                async for response in responses:
-                    writer.write(frame(response))
-                    await writer.drain()
-            except (ConnectionError, BrokenPipeError):  # the caller is gone: nothing to tell it
-                logger.debug("stream %s: the caller went away", name)
-            except Exception as e:  # as hivemind does: the caller gets the error, the server goes on
-                logger.warning("stream handler %s failed", name, exc_info=True)
-                try:
-                    writer.write(frame(RPCError(message=str(e)), P2P.ERROR_MARKER))
-                    await writer.drain()
-                except Exception:
-                    pass
-            finally:
-                await responses.aclose()
-        finally:
-            writer.close()
+        await serve_framed(reader, writer, context, handler, request_type)
 
     await p2p.add_binary_stream_handler(name, handle)

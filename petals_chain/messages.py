@@ -43,6 +43,10 @@ class MessageType(enum.StrEnum):
     ASSIGNMENT = "assignment"
     PUSH = "push"
     PUSHED = "pushed"
+    DIRECT = "direct"
+    DIRECT_OFFER = "direct_offer"
+    DIRECT_HELLO = "direct_hello"
+    DIRECT_READY = "direct_ready"
 
 
 class AssignmentStatus(enum.StrEnum):
@@ -249,6 +253,47 @@ class Forward(WireRecord):
     TYPE = MessageType.FORWARD
     entry_block: int | None = None
     adapter: str | None = None
+
+
+# -- direct streams (petals_chain/direct_stream.py) ------------------------------------------------
+@dataclass
+class DirectRequest(WireRecord):
+    """Ask a server (over p2p: the caller's peer id is authenticated) for a ticket to its direct streams."""
+
+    TYPE = MessageType.DIRECT
+
+
+@dataclass
+class DirectOffer(WireRecord):
+    """Where the server takes direct streams (`hosts` to try in order, `port`) and the caller's ticket;
+    `port` 0: the server offers none (use the p2p streams)."""
+
+    TYPE = MessageType.DIRECT_OFFER
+    hosts: list[str] = field(default_factory=list)
+    port: int = 0
+    ticket: str = ""
+
+    def check(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidRequestError(f"port must be in 0..65535, got {self.port}")
+        if self.port and (not self.hosts or not self.ticket):
+            raise InvalidRequestError("an offer with a port needs hosts and a ticket")
+
+
+@dataclass
+class DirectHello(WireRecord):
+    """The first frame of a direct stream: the caller's ticket and the stream it opens."""
+
+    TYPE = MessageType.DIRECT_HELLO
+    ticket: str
+    stream: str
+
+
+@dataclass
+class DirectReady(WireRecord):
+    """The server took the hello: the stream is open (a refusal is a typed `DirectRefusedError`)."""
+
+    TYPE = MessageType.DIRECT_READY
 
 
 @dataclass

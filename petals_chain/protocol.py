@@ -65,6 +65,10 @@ class BlockService(_MembersOnly):
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return self._refusal(context) or await self.impl.info(request, context)
 
+    async def rpc_direct(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """A ticket for the direct streams (petals_chain/direct_stream.py), bound to the caller's peer id."""
+        return self._refusal(context) or await self.impl.direct(request, context)
+
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return self._refusal(context) or await self.impl.forward(request, context)
 

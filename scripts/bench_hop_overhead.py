@@ -9,7 +9,9 @@ the client times: `RemoteChainSession.hop_timings`). Per hop and decode step:
 - `compute_ms`: the server's batch forward time for the step (`StepReply.compute_s`); a tree that
   does not report it falls back to the same blocks' forward timed here in-process (one thread);
 framework cost per hop = client_ms - compute_ms (median and p90), split into wire (client - server)
-and server-side overhead (server - compute). Also one session's tok/s through the chain (each relay)
+and server-side overhead (server - compute). `--transports p2p,direct` (default): the same on one
+swarm whose servers also take direct TCP streams (launch-server --direct-port), once with the client
+through the p2p daemons and once direct (keys of the direct run prefixed `direct_`). Also one session's tok/s through the chain (each relay)
 against local HF generate with one thread; and our framing's CPU cost per hop (`codec_*_us`: the
 four encode/decode operations of a hop, best of many runs; `--codec-only` measures just that).
 
@@ -158,7 +160,13 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--out", default="results/bench_hop_overhead.json")
     p.add_argument("--codec-only", action="store_true", help="only the framing's CPU cost per hop (no swarm)")
+    p.add_argument("--transports", default="p2p,direct",
+                   help="comma-separated: p2p (through the p2p daemons), direct (servers' --direct-port streams); "
+                        "each measured on the same swarm, keys of direct prefixed `direct_` (default both)")
     args = p.parse_args()
+    transports = [t for t in args.transports.split(",") if t]
+    if not transports or any(t not in ("p2p", "direct") for t in transports):
+        p.error(f"--transports takes p2p and/or direct, got {args.transports!r}")
     torch.set_num_threads(1)
     if args.codec_only:
         print(json.dumps({"loadavg": os.getloadavg()[0], **codec_us_per_hop()}, indent=2))
@@ -174,7 +182,7 @@ def main() -> int:
                                               return_tensors="pt").input_ids
     n = args.new_tokens
     bounds = [round(i * 30 / args.servers) for i in range(args.servers + 1)]
-    r: dict = {"servers": args.servers, "new_tokens": n, "loadavg_start": os.getloadavg()[0]}
+    r: dict = {"servers": args.servers, "new_tokens": n, "transports": transports, "loadavg_start": os.getloadavg()[0]}
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     hf.generate(ids, max_new_tokens=2, do_sample=False)
     me = os.getpid()
@@ -184,12 +192,15 @@ def main() -> int:
     r["hf_cpu_us_per_token"] = usage_delta(usage0, tree_usage(me), me)["client"][0] / n
     del hf
     compute = compute_ms_per_range(path, bounds, n)
+    direct_args = ["--direct-port", "0"] if "direct" in transports else []
     with LocalSwarm("smollm2-135m", list(zip(bounds, bounds[1:])),
-                    server_args=["--num-threads", "1", "--no-orchestrator"]) as swarm:
-        for relay in ("client", "server"):
+                    server_args=["--num-threads", "1", "--no-orchestrator", *direct_args]) as swarm:
+        for transport, relay in [(t, rl) for t in transports for rl in ("client", "server")]:
+            pre = "direct_" if transport == "direct" else ""
+            kwargs = {"direct_streams": transport == "direct"} if direct_args else {}
             try:
                 model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers,
-                                                                    relay=relay)
+                                                                    relay=relay, **kwargs)
             except TypeError:  # a tree from before the relay option (the "before" measurement): client relay only
                 if relay != "client":
                     continue
@@ -203,8 +214,10 @@ def main() -> int:
                     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
                     elapsed_s = time.perf_counter() - t
                     used = usage_delta(usage0, tree_usage(me), me)
-                    r[f"chain_tok_s_{relay}_relay"] = n / elapsed_s
-                    r[f"exact_{relay}_relay"] = out.tolist() == ref.tolist()
+                    r[f"{pre}chain_tok_s_{relay}_relay"] = n / elapsed_s
+                    r[f"{pre}exact_{relay}_relay"] = out.tolist() == ref.tolist()
+                    if transport == "direct":  # what carried the steps (a fallback to p2p would void the row)
+                        r[f"{pre}streams_opened_direct_{relay}_relay"] = model.backend.hops.dialer.direct_opened
                     timings = session.chain.hop_timings
                 batches_us, _ = batch_cpu_us(model, peers, cursors)
                 usage0 = tree_usage(me)  # the same processes idle for as long: what they do anyway
@@ -214,9 +227,10 @@ def main() -> int:
                 model.backend.shutdown()
             per_hop = n * args.servers
             for kind in ("p2pd", "servers", "client"):
-                r[f"{kind}_cpu_us_per_hop_{relay}"] = (used[kind][0] - idle[kind][0]) / per_hop
-                r[f"{kind}_wakeups_per_hop_{relay}"] = (used[kind][1] - idle[kind][1]) / per_hop
-            r[f"servers_framework_cpu_us_per_hop_{relay}"] = (used["servers"][0] - idle["servers"][0] - batches_us) / per_hop
+                r[f"{pre}{kind}_cpu_us_per_hop_{relay}"] = (used[kind][0] - idle[kind][0]) / per_hop
+                r[f"{pre}{kind}_wakeups_per_hop_{relay}"] = (used[kind][1] - idle[kind][1]) / per_hop
+            r[f"{pre}servers_framework_cpu_us_per_hop_{relay}"] = (used["servers"][0] - idle["servers"][0]
+                                                                    - batches_us) / per_hop
             if relay != "client":
                 continue
             decode = [h for h in timings if h.tokens == 1]
@@ -230,18 +244,24 @@ def main() -> int:
                 compute_ms = (np.array([h.compute_s * 1e3 for h in hop]) if reported
                               else np.full(len(hop), float(np.median(compute[j]))))
                 framework = client_ms - compute_ms
-                r[f"hop{j}_compute_source"] = "server" if reported else "in_process"
-                r[f"hop{j}_compute_ms_median"] = float(np.median(compute_ms))
-                r[f"hop{j}_client_ms_median"] = float(np.median(client_ms))
-                r[f"hop{j}_framework_ms_median"] = float(np.median(framework))
-                r[f"hop{j}_framework_ms_p90"] = pct(framework, 90)
-                r[f"hop{j}_wire_ms_median"] = float(np.median(client_ms - server_ms))
-                r[f"hop{j}_server_overhead_ms_median"] = float(np.median(server_ms - compute_ms))
-    r["framework_ms_per_hop_median"] = float(np.mean([r[f"hop{j}_framework_ms_median"] for j in range(args.servers)]))
-    r["framework_ms_per_hop_p90"] = float(np.mean([r[f"hop{j}_framework_ms_p90"] for j in range(args.servers)]))
-    for relay in ("client", "server"):
-        if f"chain_tok_s_{relay}_relay" in r:
-            r[f"ratio_chain_{relay}_relay_vs_hf_local"] = r[f"chain_tok_s_{relay}_relay"] / r["hf_local_tok_s"]
+                r[f"{pre}hop{j}_compute_source"] = "server" if reported else "in_process"
+                r[f"{pre}hop{j}_compute_ms_median"] = float(np.median(compute_ms))
+                r[f"{pre}hop{j}_client_ms_median"] = float(np.median(client_ms))
+                r[f"{pre}hop{j}_framework_ms_median"] = float(np.median(framework))
+                r[f"{pre}hop{j}_framework_ms_p90"] = pct(framework, 90)
+                r[f"{pre}hop{j}_wire_ms_median"] = float(np.median(client_ms - server_ms))
+                r[f"{pre}hop{j}_server_overhead_ms_median"] = float(np.median(server_ms - compute_ms))
+    for pre in ["direct_" if t == "direct" else "" for t in transports]:
+        if f"{pre}hop0_framework_ms_median" not in r:
+            continue
+        r[f"{pre}framework_ms_per_hop_median"] = float(np.mean([r[f"{pre}hop{j}_framework_ms_median"]
+                                                               for j in range(args.servers)]))
+        r[f"{pre}framework_ms_per_hop_p90"] = float(np.mean([r[f"{pre}hop{j}_framework_ms_p90"]
+                                                            for j in range(args.servers)]))
+        for relay in ("client", "server"):
+            if f"{pre}chain_tok_s_{relay}_relay" in r:
+                r[f"{pre}ratio_chain_{relay}_relay_vs_hf_local"] = (r[f"{pre}chain_tok_s_{relay}_relay"]
+                                                                   / r["hf_local_tok_s"])
     r.update(codec_us_per_hop())
     r["loadavg_end"] = os.getloadavg()[0]
     out_path = Path(args.out)

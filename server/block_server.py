@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
 
 from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.reachability import (UnreachableError, check_reachability, circuit_maddrs, dht_ping_s, p2pd_flags,
                                        relay_peer_id, relayed_dht_kwargs, serve_dial_back)
 from petals_chain.dht_records import announce_server, fetch_servers, model_key
+from petals_chain.direct_stream import DirectDialer, DirectListener, offered_hosts
 from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.models.checkpoint import load_config, resolve_model_path
 from petals_chain.models.family import get_family
@@ -94,6 +96,7 @@ class ServerConfig:
     announce_maddrs: list[str] = field(default_factory=list)  # --announce-maddrs / --public-maddrs
     use_relay: bool = True  # False (--no-relay): an unreachable server stops instead of joining through relays
     relay_service: bool = True  # False (--no-relay-service): a reachable server refuses to relay for others
+    direct_port: int | None = None  # --direct-port: also serve the per-step streams on plain TCP (0: a free port)
     # RTTs to other servers (server/peer_rtts.py), announced as ServerInfo.peer_rtt_s for footnote 4's
     # tau_c,ij: every peer_rtt_check_s the DHT's records are read and chosen peers not measured within
     # peer_rtt_period_s are probed (peer_rtt_probes rpc_info round trips each), at most peer_rtt_max_peers
@@ -153,9 +156,19 @@ class BlockServer:
         self.loop = BackgroundLoop("server-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         limits = ServicerLimits(self.max_length_tokens, self.max_step_tokens, self.session_idle_timeout_s)
-        self._servicer = BlockServicer(limits, self.stacks, self.info, self.meter, self.p2p)
+        self.direct = None
+        if config.direct_port is not None:
+            visible = self.loop.run(self.p2p.get_visible_maddrs(), timeout_s=30)
+            bind, hosts = offered_hosts(config.announce_maddrs, config.host_maddrs, [str(m) for m in visible])
+            self.direct = DirectListener(self.p2p, hosts, bind_host=bind, port=config.direct_port)
+        self._servicer = BlockServicer(limits, self.stacks, self.info, self.meter, DirectDialer(self.p2p), self.direct)
         self.servicer = BlockService(self._servicer, config.allowed_peers)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
+        if self.direct is not None:  # the same handlers as the p2p streams (the allowlist's check included)
+            self.loop.run(self.direct.start({BlockService.handle_name(m): (getattr(self.servicer, m),
+                                                                           runtime_pb2.ExpertRequest)
+                                             for m in BlockService.FRAMED_STREAMS}), timeout_s=30)
+            logger.info("direct streams on port %d (offered at %s)", self.direct.port, ", ".join(self.direct.hosts))
         if not relayed:  # a reachable server checks others' reachability too
             self.loop.run(serve_dial_back(self.p2p), timeout_s=30)
         else:  # the first record already says what the relayed path costs (see _measure_relay_rtts)
@@ -440,6 +453,11 @@ class BlockServer:
                    "admission_queue_length": len(stack.admission), "auto": self.auto,
                    "prefix_cache": stack.prefix_cache.view() if stack.prefix_cache is not None else None,
                    "relay": self._servicer.relay_index.view(),
+                   # streams this server opened to next hops (pushes) and the direct streams it served
+                   "direct_streams": {"opened_direct": self._servicer.dialer.direct_opened,
+                                      "opened_p2p": self._servicer.dialer.p2p_opened,
+                                      "port": self.direct.port if self.direct is not None else None,
+                                      "refused": self.direct.refused if self.direct is not None else 0},
                    # the memory accounting (bytes): weights + reserved KV (sessions and cached prefixes)
                    # must stay within memory_budget_bytes
                    "weights_bytes": budget.weights_bytes, "kv_reserved_bytes": budget.reserved_bytes,
@@ -475,6 +493,11 @@ class BlockServer:
         stack = self.stacks.current
         if stack is not None:
             stack.stop()
+        if self.direct is not None:
+            try:
+                self.loop.run(self.direct.close(), timeout_s=5)
+            except Exception:
+                logger.debug("closing the direct listener failed during shutdown", exc_info=True)
         try:
             self.loop.run(self.servicer.remove_p2p_handlers(self.p2p), timeout_s=5)
         except Exception:

@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from petals_chain import wire, wire_parts
-from petals_chain.messages import Close, Forward, Open, Opened, Push, Pushed, Step, StepReply, decode_tagged
+from petals_chain.direct_stream import DirectDialer, DirectListener
+from petals_chain.messages import (Close, DirectOffer, DirectRequest, Forward, Open, Opened, Push, Pushed, Step, StepReply,
+                                   decode_tagged)
 from petals_chain.wire import ServerInfo
 from petals_chain.errors import (
     InvalidRequestError,
@@ -89,16 +91,17 @@ class OpenSession:
 class BlockServicer:
     """Implementation behind `petals_chain.protocol.BlockService`. It sees the server through five
     typed things only: its limits, the slot holding the current serving stack (and whether it takes
-    new sessions), `info()` and the service `meter` for rpc_info, and its `p2p` for pushing to next
-    hops (server/relay.py)."""
+    new sessions), `info()` and the service `meter` for rpc_info, its `dialer` for pushing to next
+    hops (server/relay.py), and its `direct` listener (None: it offers no direct streams)."""
 
     def __init__(self, limits: ServicerLimits, stacks: StackSlot, info: Callable[[], ServerInfo],
-                 meter: ServiceMeter, p2p: P2P):
+                 meter: ServiceMeter, dialer: DirectDialer, direct: DirectListener | None = None):
         self.limits = limits
         self.stacks = stacks
         self._info = info
         self.meter = meter
-        self.p2p = p2p  # the server's P2P, to push steps to the next hop
+        self.dialer = dialer  # streams to the next hop: direct where it offers them, else p2p
+        self.direct_listener = direct
         self.relay_index = RelayIndex()  # which session takes pushes from which peer
 
     def _stack(self, what: str) -> ServingStack:
@@ -113,6 +116,12 @@ class BlockServicer:
         except PetalsChainError:
             since = None
         return wire.response(wire.InfoReply(self._info(), self.meter.since(since)))
+
+    @wire.replies_with_typed_errors
+    async def direct(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        wire.decode_request(request, DirectRequest)
+        offer = DirectOffer() if self.direct_listener is None else self.direct_listener.offer(str(context.remote_id))
+        return wire.response(offer)
 
     # -- inference stream ---------------------------------------------------------------------
     async def inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -265,7 +274,7 @@ class BlockServicer:
             stack, key=f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}", session_id=session_id, client_id=client_id,
             nbytes=nbytes, max_length=max_length, first_block=first_block, adapter=msg.adapter,
             wait_s=msg.admission_wait_s, prefix_namespace=namespace, prefix_hashes=hashes)
-        session = OpenSession(session_id, reservation, inbox, RelayLinks(self.p2p, session_id), namespace, hashes)
+        session = OpenSession(session_id, reservation, inbox, RelayLinks(self.dialer, session_id), namespace, hashes)
         reservation.hold("relay streams", session.links.close)
         reservation.hold("relay index entry", lambda: session.stop_pushes() if session.stop_pushes else None)
         if msg.relay_from is not None:

@@ -104,8 +104,8 @@ async def pump(requests, inbox: RelayInbox, admit) -> None:
 class RelayLinks:
     """The push streams of one session to its next hops (sender side, on the event loop)."""
 
-    def __init__(self, p2p, session_id: str):
-        self.p2p = p2p
+    def __init__(self, dialer, session_id: str):
+        self.dialer = dialer  # a DirectDialer: direct streams where the next hop offers them, else p2p
         self.session_id = session_id
         self._links: dict[str, tuple[FramedStream, asyncio.Task]] = {}
         self._tail: asyncio.Task | None = None  # pushes of one session go out in step order
@@ -131,7 +131,7 @@ class RelayLinks:
         peer, rest = route[0], list(route[1:])
         link = self._links.get(peer)
         if link is None:
-            channel = await FramedStream.open(self.p2p, peer, BlockService.handle_name("rpc_push"))
+            channel = await self.dialer.open(peer, BlockService.handle_name("rpc_push"))
             link = self._links[peer] = (channel, asyncio.create_task(self._read_acks(peer, channel)))
         await link[0].send(*wire_parts.to_messages(Push(self.session_id, step_id, rest, start_position).to_wire(),
                                                    (out,)))

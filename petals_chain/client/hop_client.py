@@ -18,6 +18,7 @@ from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from petals_chain import wire, wire_parts
+from petals_chain.direct_stream import DirectDialer
 from petals_chain.framed_stream import FramedStream
 from petals_chain.errors import (
     InvalidRequestError,
@@ -106,18 +107,22 @@ class HopClient:
     `BackgroundLoop`) within its timeout, and a failure comes out as the server's typed error
     (`run`), so callers see `PetalsChainError`s or local errors, never raw transport ones."""
 
-    def __init__(self, loop, p2p, *, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0):
+    def __init__(self, loop, p2p, *, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
+                 direct_streams: bool = True):
         self.loop = loop
         self.p2p = p2p
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
+        # session streams direct to servers that offer them (--direct-port), else over p2p; used on `loop` only
+        self.dialer = DirectDialer(p2p, enabled=direct_streams)
 
     def stub(self, peer_id: str):
         return BlockService.get_stub(self.p2p, PeerID.from_base58(peer_id))
 
     async def open_channel(self, peer_id: str) -> FramedStream:
-        """A new `rpc_inference` stream to `peer_id` (one socket write per message)."""
-        return await FramedStream.open(self.p2p, peer_id, BlockService.handle_name("rpc_inference"))
+        """A new `rpc_inference` stream to `peer_id` (one socket write per message): a direct TCP stream
+        where the server offers one (petals_chain/direct_stream.py), else through the p2p daemons."""
+        return await self.dialer.open(peer_id, BlockService.handle_name("rpc_inference"))
 
     def run(self, coro, timeout_s: float):
         """Run `coro` on the loop; a server's failure is raised as its typed error."""

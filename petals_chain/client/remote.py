@@ -40,7 +40,8 @@ class RemoteChain(ChainBackend):
                  provider: ChainProvider | None = None, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
                  max_failovers: int = 3, wait_for_chain_s: float = 20.0, use_orchestrator: bool = True,
                  acquire_timeout_s: float = 120.0, allowed_servers: frozenset[str] | list[str] | None = None,
-                 identity_path: str | None = None, prefix_reuse: bool = True, relay: str = "server"):
+                 identity_path: str | None = None, prefix_reuse: bool = True, relay: str = "server",
+                 direct_streams: bool = True):
         self.model = model_key(model)
         self.num_blocks = config.num_hidden_layers
         self.dtype = dtype
@@ -60,7 +61,10 @@ class RemoteChain(ChainBackend):
         self.dht = start_dht(initial_peers=initial_peers, client_mode=True, **identity)
         self.loop = BackgroundLoop("client-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
-        self.hops = HopClient(self.loop, self.p2p, step_timeout_s=step_timeout_s, open_timeout_s=open_timeout_s)
+        # `direct_streams`: session streams over plain TCP to servers that offer them (launch-server
+        # --direct-port), else through the p2p daemons (petals_chain/direct_stream.py)
+        self.hops = HopClient(self.loop, self.p2p, step_timeout_s=step_timeout_s, open_timeout_s=open_timeout_s,
+                              direct_streams=direct_streams)
         # a private swarm: records of servers (and of an orchestrator) not on this list are ignored
         allowed = None if allowed_servers is None else frozenset(allowed_servers)
         self.allowed_servers = allowed
