@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
@@ -173,6 +175,32 @@ def test_bad_hellos_are_refused_and_the_listener_keeps_serving(case, monkeypatch
             await listener.close()
 
     run(main())
+
+
+@given(st.binary(max_size=300), st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_any_bytes_before_the_hello_leave_the_listener_serving(data, framed):
+    """Random bytes (raw, or as a framed message) are refused or closed; a good caller is served after."""
+    direct_stream.HELLO_TIMEOUT_S, saved = 0.3, direct_stream.HELLO_TIMEOUT_S
+    try:
+        async def main():
+            listener = await started_listener()
+            try:
+                payload = frame(runtime_pb2.ExpertRequest(metadata=data)) if framed else data
+                await raw_exchange(listener.port, payload)
+                assert listener.refused == 1
+                dialer = DirectDialer(FakeP2P(), ask_offer=lambda p: asyncio.sleep(0, listener.offer(PEER)),
+                                      open_p2p=Recorder().open_p2p)
+                stream = await dialer.open(ME, STREAM)
+                await stream.send(runtime_pb2.ExpertRequest(metadata=b"ok"))
+                assert (await anext(stream)).metadata == f"{PEER}|ok".encode()
+                stream.abort()
+            finally:
+                await listener.close()
+
+        run(main())
+    finally:
+        direct_stream.HELLO_TIMEOUT_S = saved
 
 
 def _reader_of(data: bytes) -> asyncio.StreamReader:
