@@ -176,7 +176,8 @@ from petals_chain.dht_records import fetch_servers
 ids = torch.tensor([json.loads(sys.argv[2])])
 n = int(sys.argv[3])
 relay = sys.argv[5] if len(sys.argv) > 5 else "server"
-model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]], relay=relay)
+direct = {"direct_streams": sys.argv[6] == "direct"} if len(sys.argv) > 6 else {}
+model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]], relay=relay, **direct)
 try:
     model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
     best, best_step, tokens = None, None, None
@@ -193,7 +194,7 @@ try:
         best_step = step if best_step is None else min(best_step, step)
     infos = [i.to_wire() for i in fetch_servers(model.backend.dht, "smollm2-135m")]
     print(json.dumps({"seconds": best, "decode_step_s": best_step, "new_tokens": n, "servers": infos,
-                      "tokens": tokens}), flush=True)
+                      "tokens": tokens, "direct_opened": model.backend.hops.dialer.direct_opened}), flush=True)
 finally:
     model.backend.shutdown()
 """
@@ -260,8 +261,9 @@ def model_step_ms(relay: str, rtt_ms: float, servers: list[dict]) -> float:
 
 
 def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], new_tokens: int,
-                 repeats: int) -> dict:
-    """One swarm of `n_servers` hosts at a uniform `rtt_ms`; one client run per relay."""
+                 repeats: int, direct: bool = False) -> dict:
+    """One swarm of `n_servers` hosts at a uniform `rtt_ms`; one client run per relay. `direct`: the servers
+    take direct streams (--direct-port) and the client and servers use them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from petals_chain.local_swarm import LocalSwarm
@@ -278,7 +280,8 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
     hosts = ["dht", *(f"s{i}" for i in range(n_servers)), "client"]
     uniform = [[0.0 if i == j else rtt_ms for j in range(len(hosts))] for i in range(len(hosts))]
     out: dict = {"relay": {}, "rtt_ms": rtt_ms, "servers": n_servers, "new_tokens": new_tokens,
-                 "prompt_tokens": ids.shape[1], "loadavg_start": os.getloadavg()[0]}
+                 "prompt_tokens": ids.shape[1], "transport": "direct" if direct else "p2p",
+                 "loadavg_start": os.getloadavg()[0]}
     exact = True
     with netem.Network(hosts, uniform, name=name, backend="userspace") as net:
         def placement(role):
@@ -286,12 +289,13 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
             return net.prefix(h), net.address(h)
 
         with LocalSwarm("smollm2-135m", list(zip(bounds, bounds[1:])), placement=placement,
-                        server_args=["--num-threads", "1", "--no-orchestrator"]) as swarm:
+                        server_args=["--num-threads", "1", "--no-orchestrator",
+                                     *(["--direct-port", "0"] if direct else [])]) as swarm:
             env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
             for relay in relays:
                 proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
                                                              json.dumps(ids[0].tolist()), str(new_tokens),
-                                                             str(repeats), relay]),
+                                                             str(repeats), relay, "direct" if direct else "p2p"]),
                                       capture_output=True, text=True, timeout=600, env=env)
                 if proc.returncode != 0:
                     raise RuntimeError(proc.stderr[-3000:])
@@ -299,7 +303,7 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
                 exact = exact and res["tokens"] == ref
                 out["relay"][relay] = {"step_ms": res["decode_step_s"] * 1e3, "tok_s": new_tokens / res["seconds"],
                                        "model_step_ms": model_step_ms(relay, rtt_ms, res["servers"]),
-                                       "exact": res["tokens"] == ref}
+                                       "exact": res["tokens"] == ref, "direct_streams": res["direct_opened"]}
                 # the server-to-server RTTs the servers measured and announce (footnote 4's RTT_ij,
                 # server/peer_rtts.py), against the emulated rtt_ms
                 peer_ms = [v * 1e3 for s in res["servers"] for v in s.get("peer_rtt_s", {}).values()]
@@ -329,12 +333,14 @@ def main() -> int:
     p.add_argument("--rtt-ms", type=float, default=50.0, help="--chain: RTT between every pair of hosts")
     p.add_argument("--relay", default="client,server", help="--chain: relays to compare (client, server)")
     p.add_argument("--json", action="store_true", help="--chain: print only the JSON object")
+    p.add_argument("--direct", action="store_true",
+                   help="--chain: servers with --direct-port, client and pushes on direct TCP streams")
     args = p.parse_args()
     name = "b" + uuid.uuid4().hex[:6]
     if args.chain:
         try:
             results = bench_relays(name, args.servers, args.rtt_ms, args.relay.split(","), args.new_tokens,
-                                   args.repeats)
+                                   args.repeats, direct=args.direct)
         finally:
             netem.cleanup(name)
         out = Path(args.out)
