@@ -17,7 +17,8 @@ servers across the open internet.
 
 Fallback. A server that offers none (or predates `rpc_direct`), no offered address connecting within
 DIAL_TIMEOUT_S (a server behind NAT), or a refused ticket (the server restarted): the dialer opens the
-p2p stream instead, and does not try that server directly again for NO_DIRECT_RETRY_S. Nothing of a
+p2p stream instead, and does not try that server directly again for NO_DIRECT_RETRY_S. The first
+stream to each server goes over p2p too, while its offer is asked for (`DirectDialer`). Nothing of a
 session depends on which transport carries it.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ HELLO_MAX_BYTES = 4096  # the hello comes before any authentication: its length 
 HELLO_TIMEOUT_S = 10.0  # a connection that sends no hello within this is closed
 DIAL_TIMEOUT_S = 3.0  # connect + hello + ready, per offered address
 NO_DIRECT_RETRY_S = 60.0  # after a failed direct attempt, p2p only for this long
+NO_OFFER_RETRY_S = 3600.0  # a server that offers none is asked again after this long
 TICKET_BYTES = 16
 
 
@@ -162,7 +164,12 @@ def offered_hosts(announce_maddrs: list[str], host_maddrs: list[str], visible_ma
 
 class DirectDialer:
     """The caller's side, on one event loop: `open(peer, name)` gives a FramedStream, direct where the
-    server offers it and it connects, else over p2p. Offers are asked once per server (`rpc_direct`)."""
+    server offers it and it connects, else over p2p.
+
+    Why the offer is asked in the background: asking first would add a round trip to the first stream
+    to every server, also to the (default) servers that offer none. So the first stream to a server goes
+    over p2p while its `rpc_direct` answer is fetched beside it; later streams use the answer (a server
+    offering none is not asked again for NO_OFFER_RETRY_S)."""
 
     def __init__(self, p2p: P2P, ask_offer: Callable[[str], object] | None = None, *, enabled: bool = True,
                  clock: Callable[[], float] = time.monotonic, open_p2p: Callable[..., object] | None = None):
@@ -174,29 +181,42 @@ class DirectDialer:
         self.clock = clock
         self._offers: dict[str, DirectOffer] = {}
         self._p2p_until: dict[str, float] = {}  # peer -> p2p only until then
+        self._asking: dict[str, asyncio.Task] = {}  # peer -> its rpc_direct call in flight
         self.direct_opened = 0
         self.p2p_opened = 0
 
-    def _p2p_only(self, peer_id: str, why: str) -> None:
-        logger.debug("direct streams to %s: %s; using p2p for %.0f s", peer_id[-8:], why, NO_DIRECT_RETRY_S)
+    def _p2p_only(self, peer_id: str, why: str, for_s: float = NO_DIRECT_RETRY_S) -> None:
+        logger.debug("direct streams to %s: %s; using p2p for %.0f s", peer_id[-8:], why, for_s)
         self._offers.pop(peer_id, None)
-        self._p2p_until[peer_id] = self.clock() + NO_DIRECT_RETRY_S
+        self._p2p_until[peer_id] = self.clock() + for_s
 
-    async def _offer(self, peer_id: str) -> DirectOffer | None:
-        if not self.enabled or self.clock() < self._p2p_until.get(peer_id, -1.0):
+    async def _ask(self, peer_id: str) -> None:
+        try:
+            offer = await asyncio.wait_for(self._ask_offer(peer_id), DIAL_TIMEOUT_S)
+        except Exception as e:  # an older server, a refusal, no answer: p2p serves anyway
+            self._p2p_only(peer_id, f"no offer ({type(e).__name__}: {e})")
+            return
+        finally:
+            self._asking.pop(peer_id, None)
+        if offer.port:
+            self._offers[peer_id] = offer
+        else:
+            self._p2p_only(peer_id, "the server offers none", NO_OFFER_RETRY_S)
+
+    def _offer(self, peer_id: str) -> DirectOffer | None:
+        """The known offer of `peer_id`, or None (and then its offer is asked for, unless it is known to
+        have none or is being asked already)."""
+        if not self.enabled:
             return None
         offer = self._offers.get(peer_id)
-        if offer is None:
-            try:
-                offer = await asyncio.wait_for(self._ask_offer(peer_id), DIAL_TIMEOUT_S)
-            except Exception as e:  # an older server, a refusal, no answer: p2p serves anyway
-                self._p2p_only(peer_id, f"no offer ({type(e).__name__}: {e})")
-                return None
-            if not offer.port:
-                self._p2p_only(peer_id, "the server offers none")
-                return None
-            self._offers[peer_id] = offer
+        if offer is None and self.clock() >= self._p2p_until.get(peer_id, -1.0) and peer_id not in self._asking:
+            self._asking[peer_id] = asyncio.create_task(self._ask(peer_id))
         return offer
+
+    async def asked(self) -> None:
+        """Wait for the offers being asked for (tests; a caller never needs to)."""
+        while self._asking:
+            await asyncio.gather(*self._asking.values(), return_exceptions=True)
 
     async def _dial(self, host: str, offer: DirectOffer, name: str) -> FramedStream:
         reader, writer = await asyncio.open_connection(host, offer.port)
@@ -213,7 +233,7 @@ class DirectDialer:
 
     async def open(self, peer_id: str, name: str) -> FramedStream:
         """A stream `name` (a p2p handle name) to `peer_id`: direct if offered and reachable, else p2p."""
-        offer = await self._offer(peer_id)
+        offer = self._offer(peer_id)
         if offer is not None:
             errors = []
             for host in offer.hosts:

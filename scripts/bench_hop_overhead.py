@@ -207,6 +207,9 @@ def main() -> int:
                 model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers)
             try:
                 model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
+                dialer = getattr(model.backend.hops, "dialer", None)
+                if dialer is not None:  # the servers' direct-stream offers, asked for beside the warm-up
+                    model.backend.loop.run(dialer.asked(), timeout_s=10)
                 peers = [sp.peer_id for sp in swarm.servers]
                 _, cursors = batch_cpu_us(model, peers, {})
                 with model.inference_session(max_length=ids.shape[1] + n + 2) as session:

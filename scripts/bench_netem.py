@@ -180,6 +180,8 @@ direct = {"direct_streams": sys.argv[6] == "direct"} if len(sys.argv) > 6 else {
 model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]], relay=relay, **direct)
 try:
     model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
+    if getattr(model.backend.hops, "dialer", None) is not None:  # direct-stream offers, asked beside the warm-up
+        model.backend.loop.run(model.backend.hops.dialer.asked(), timeout_s=10)
     best, best_step, tokens = None, None, None
     for _ in range(int(sys.argv[4])):
         t = time.perf_counter()  # a whole session, as the service time T of the model counts it

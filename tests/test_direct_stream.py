@@ -47,6 +47,15 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+async def dialer_with_offer(offer_of, **kwargs) -> DirectDialer:
+    """A dialer that has asked for its offer already: its first stream to ME went over p2p meanwhile."""
+    rec = kwargs.pop("recorder", Recorder())
+    dialer = DirectDialer(FakeP2P(), ask_offer=lambda p: asyncio.sleep(0, offer_of()), open_p2p=rec.open_p2p, **kwargs)
+    assert await dialer.open(ME, STREAM) == "p2p-stream"  # the first stream: p2p while the offer is asked for
+    await dialer.asked()
+    return dialer
+
+
 async def started_listener():
     listener = DirectListener(FakeP2P(), ["127.0.0.1"], bind_host="127.0.0.1")
     await listener.start({STREAM: (echo, runtime_pb2.ExpertRequest)})
@@ -60,7 +69,7 @@ def test_a_ticket_binds_the_stream_to_the_peer_it_was_issued_to():
             offer = listener.offer(PEER)
             assert listener.offer(PEER) == offer and listener.offer(ME).ticket != offer.ticket
             rec = Recorder()
-            dialer = DirectDialer(FakeP2P(), ask_offer=lambda p: asyncio.sleep(0, offer), open_p2p=rec.open_p2p)
+            dialer = await dialer_with_offer(lambda: offer, recorder=rec)
             stream = await dialer.open(ME, STREAM)
             await stream.send(runtime_pb2.ExpertRequest(metadata=b"one"), runtime_pb2.ExpertRequest(metadata=b"two"))
             assert (await anext(stream)).metadata == f"{PEER}|one".encode()
@@ -68,7 +77,7 @@ def test_a_ticket_binds_the_stream_to_the_peer_it_was_issued_to():
             stream.end()
             with pytest.raises(StopAsyncIteration):
                 await anext(stream)  # the server ended the stream after END_OF_STREAM
-            assert dialer.direct_opened == 1 and rec.p2p_opens == []
+            assert dialer.direct_opened == 1 and rec.p2p_opens == [(ME, STREAM)]  # only the first
         finally:
             await listener.close()
 
@@ -89,16 +98,20 @@ def test_a_wrong_ticket_is_refused_and_the_dialer_falls_back_to_p2p_for_a_while(
                 return forged
 
             dialer = DirectDialer(FakeP2P(), ask_offer=ask, open_p2p=rec.open_p2p, clock=lambda: now[0])
-            assert await dialer.open(ME, STREAM) == "p2p-stream"
+            assert await dialer.open(ME, STREAM) == "p2p-stream"  # first: p2p while asking
+            await dialer.asked()
+            assert await dialer.open(ME, STREAM) == "p2p-stream"  # the forged ticket is refused: p2p
             assert listener.refused == 1 and dialer.direct_opened == 0
             now[0] = direct_stream.NO_DIRECT_RETRY_S - 1  # still p2p only: no new ask, no dial
-            assert await dialer.open(ME, STREAM) == "p2p-stream" and asked == [ME] and listener.refused == 1
+            assert await dialer.open(ME, STREAM) == "p2p-stream"
+            await dialer.asked()
+            assert asked == [ME] and listener.refused == 1
             now[0] = direct_stream.NO_DIRECT_RETRY_S + 1  # then it asks again
             await dialer.open(ME, STREAM)
+            await dialer.asked()
             assert asked == [ME, ME]
             # the listener still serves a caller with a real ticket
-            good = DirectDialer(FakeP2P(), ask_offer=lambda p: asyncio.sleep(0, listener.offer(PEER)),
-                                open_p2p=rec.open_p2p)
+            good = await dialer_with_offer(lambda: listener.offer(PEER))
             stream = await good.open(ME, STREAM)
             await stream.send(runtime_pb2.ExpertRequest(metadata=b"x"))
             assert (await anext(stream)).metadata == f"{PEER}|x".encode()
@@ -118,14 +131,19 @@ def test_a_server_without_an_offer_or_without_the_rpc_is_used_over_p2p():
 
         for ask in (lambda p: asyncio.sleep(0, DirectOffer()), no_rpc):
             dialer = DirectDialer(FakeP2P(), ask_offer=ask, open_p2p=rec.open_p2p)
-            assert await dialer.open(ME, STREAM) == "p2p-stream" and dialer.direct_opened == 0
-        dialer = DirectDialer(FakeP2P(), ask_offer=no_rpc, open_p2p=rec.open_p2p, enabled=False)
+            for _ in range(2):
+                assert await dialer.open(ME, STREAM) == "p2p-stream" and dialer.direct_opened == 0
+                await dialer.asked()
+        asked = []
+        dialer = DirectDialer(FakeP2P(), ask_offer=lambda p: asked.append(p), open_p2p=rec.open_p2p, enabled=False)
         assert await dialer.open(ME, STREAM) == "p2p-stream"
+        await dialer.asked()
+        assert asked == []  # turned off: not even asked
         # an offered address where nothing listens: refused at once, p2p instead
         closed = DirectOffer(["127.0.0.1"], 1, "aa" * 16)
-        dialer = DirectDialer(FakeP2P(), ask_offer=lambda p: asyncio.sleep(0, closed), open_p2p=rec.open_p2p)
-        assert await dialer.open(ME, STREAM) == "p2p-stream"
-        assert len(rec.p2p_opens) == 4
+        dialer = await dialer_with_offer(lambda: closed, recorder=rec)
+        assert await dialer.open(ME, STREAM) == "p2p-stream" and dialer.direct_opened == 0
+        assert len(rec.p2p_opens) == 7
 
     run(main())
 
@@ -165,8 +183,7 @@ def test_bad_hellos_are_refused_and_the_listener_keeps_serving(case, monkeypatch
                     wire.raise_if_error(meta)
             assert listener.refused == 1
             # a good caller is served afterwards
-            dialer = DirectDialer(FakeP2P(), ask_offer=lambda p: asyncio.sleep(0, listener.offer(PEER)),
-                                  open_p2p=Recorder().open_p2p)
+            dialer = await dialer_with_offer(lambda: listener.offer(PEER))
             stream = await dialer.open(ME, STREAM)
             await stream.send(runtime_pb2.ExpertRequest(metadata=b"ok"))
             assert (await anext(stream)).metadata == f"{PEER}|ok".encode()
@@ -189,8 +206,7 @@ def test_any_bytes_before_the_hello_leave_the_listener_serving(data, framed):
                 payload = frame(runtime_pb2.ExpertRequest(metadata=data)) if framed else data
                 await raw_exchange(listener.port, payload)
                 assert listener.refused == 1
-                dialer = DirectDialer(FakeP2P(), ask_offer=lambda p: asyncio.sleep(0, listener.offer(PEER)),
-                                      open_p2p=Recorder().open_p2p)
+                dialer = await dialer_with_offer(lambda: listener.offer(PEER))
                 stream = await dialer.open(ME, STREAM)
                 await stream.send(runtime_pb2.ExpertRequest(metadata=b"ok"))
                 assert (await anext(stream)).metadata == f"{PEER}|ok".encode()
@@ -260,16 +276,21 @@ def test_exact_tokens_over_direct_streams_with_either_relay(swarm, hf, tiny_llam
     try:
         ids = torch.tensor([[2, 4, 6, 8, 10]])
         ref = hf.generate(ids, max_new_tokens=10, do_sample=False)
+        # the first session opens its streams over p2p while the offers are asked for; so do the servers'
+        # first pushes to their next hops
+        assert model.generate(ids, max_new_tokens=3, do_sample=False).tolist() == ref[:, :ids.shape[1] + 3].tolist()
+        dialer = model.backend.hops.dialer
+        first_p2p = dialer.p2p_opened
+        model.backend.loop.run(dialer.asked(), timeout_s=10)
         with model.inference_session(max_length=32) as session:
             out = model.generate(ids, max_new_tokens=10, do_sample=False)
             hops = [h.peer_id for h in session.chain.hops]
         assert out.tolist() == ref.tolist()
-        dialer = model.backend.hops.dialer
-        assert dialer.direct_opened >= 3 and dialer.p2p_opened == 0, (dialer.direct_opened, dialer.p2p_opened)
+        assert dialer.direct_opened >= 3 and dialer.p2p_opened == first_p2p, (dialer.direct_opened, dialer.p2p_opened)
         if relay == "server":  # the first two hops pushed to their next hop over direct streams
             for peer in hops[:2]:
                 view = _direct_view(model, peer)
-                assert view["opened_direct"] >= 1 and view["opened_p2p"] == 0, view
+                assert view["opened_direct"] >= 1, view
     finally:
         model.backend.shutdown()
 
@@ -317,12 +338,16 @@ def test_sigkill_of_a_hop_on_direct_streams_fails_over_with_identical_output(swa
     try:
         ids = torch.tensor([[2, 4, 6, 8, 10]])
         ref = hf.generate(ids, max_new_tokens=12, do_sample=False)
+        model.generate(ids, max_new_tokens=2, do_sample=False)  # learns the servers' offers
+        model.backend.loop.run(model.backend.hops.dialer.asked(), timeout_s=10)
         with model.inference_session(max_length=32) as session:
             killer = KillMiddle(session)
             out = model.generate(ids, max_new_tokens=12, do_sample=False, streamer=killer)
             assert killer.killed is not None and session.chain.failovers == 1
             assert killer.killed.peer_id not in [h.peer_id for h in session.chain.hops]
         assert out.tolist() == ref.tolist()
-        assert model.backend.hops.dialer.direct_opened >= 4  # the replacement hop was opened direct too
+        # the session's three hops were direct (a replacement never contacted before opens over p2p while
+        # its offer is asked for)
+        assert model.backend.hops.dialer.direct_opened >= 3
     finally:
         model.backend.shutdown()
