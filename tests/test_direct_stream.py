@@ -56,6 +56,14 @@ async def dialer_with_offer(offer_of, **kwargs) -> DirectDialer:
     return dialer
 
 
+async def assert_serves_a_good_caller(listener: DirectListener) -> None:
+    dialer = await dialer_with_offer(lambda: listener.offer(PEER))
+    stream = await dialer.open(ME, STREAM)
+    await stream.send(runtime_pb2.ExpertRequest(metadata=b"ok"))
+    assert (await anext(stream)).metadata == f"{PEER}|ok".encode()
+    stream.abort()
+
+
 async def started_listener():
     listener = DirectListener(FakeP2P(), ["127.0.0.1"], bind_host="127.0.0.1")
     await listener.start({STREAM: (echo, runtime_pb2.ExpertRequest)})
@@ -110,12 +118,7 @@ def test_a_wrong_ticket_is_refused_and_the_dialer_falls_back_to_p2p_for_a_while(
             await dialer.open(ME, STREAM)
             await dialer.asked()
             assert asked == [ME, ME]
-            # the listener still serves a caller with a real ticket
-            good = await dialer_with_offer(lambda: listener.offer(PEER))
-            stream = await good.open(ME, STREAM)
-            await stream.send(runtime_pb2.ExpertRequest(metadata=b"x"))
-            assert (await anext(stream)).metadata == f"{PEER}|x".encode()
-            stream.abort()
+            await assert_serves_a_good_caller(listener)  # the listener still serves a real ticket
         finally:
             await listener.close()
 
@@ -182,12 +185,7 @@ def test_bad_hellos_are_refused_and_the_listener_keeps_serving(case, monkeypatch
                 with pytest.raises(DirectRefusedError):
                     wire.raise_if_error(meta)
             assert listener.refused == 1
-            # a good caller is served afterwards
-            dialer = await dialer_with_offer(lambda: listener.offer(PEER))
-            stream = await dialer.open(ME, STREAM)
-            await stream.send(runtime_pb2.ExpertRequest(metadata=b"ok"))
-            assert (await anext(stream)).metadata == f"{PEER}|ok".encode()
-            stream.abort()
+            await assert_serves_a_good_caller(listener)
         finally:
             await listener.close()
 
@@ -206,11 +204,7 @@ def test_any_bytes_before_the_hello_leave_the_listener_serving(data, framed):
                 payload = frame(runtime_pb2.ExpertRequest(metadata=data)) if framed else data
                 await raw_exchange(listener.port, payload)
                 assert listener.refused == 1
-                dialer = await dialer_with_offer(lambda: listener.offer(PEER))
-                stream = await dialer.open(ME, STREAM)
-                await stream.send(runtime_pb2.ExpertRequest(metadata=b"ok"))
-                assert (await anext(stream)).metadata == f"{PEER}|ok".encode()
-                stream.abort()
+                await assert_serves_a_good_caller(listener)
             finally:
                 await listener.close()
 
