@@ -127,14 +127,17 @@ def main(argv: list[str]) -> int:
                                                       admission=args.admission, prompt_lookup_tokens=args.speculative,
                                                       prompt_lookup_schedule=args.speculative_schedule))
     port = sock.getsockname()[1]
+    # Why 2 s: Ctrl-C must end the whole command within 5 s, and uvicorn first waits this long for
+    # requests in flight (then the DHT child and p2p daemon are stopped)
+    server = uvicorn.Server(uvicorn.Config(gateway.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    # uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found: make
+    # that handler an exception, so the `finally` below still stops the DHT child and its p2p daemon.
+    # Installed before the ready line: a Ctrl-C right after it meets this handler, not Python's default.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_on_signal)
     routing = "orchestrator" if getattr(model.backend, "orchestrator", None) else "client-side routing"
     print(f"api ready at http://{args.host}:{port}/v1 (model {args.model}, {routing}, "
           f"{args.max_concurrent} concurrent sessions)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(gateway.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
-    # uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found: make
-    # that handler an exception, so the `finally` below still stops the DHT child and its p2p daemon.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _exit_on_signal)
     try:
         server.run(sockets=[sock])
     finally:
