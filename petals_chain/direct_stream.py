@@ -173,7 +173,6 @@ class DirectDialer:
 
     def __init__(self, p2p: P2P, ask_offer: Callable[[str], object] | None = None, *, enabled: bool = True,
                  clock: Callable[[], float] = time.monotonic, open_p2p: Callable[..., object] | None = None):
-        self.p2p = p2p
         self._open_p2p = open_p2p or (lambda peer_id, name: FramedStream.open(p2p, peer_id, name))
         # async (peer id) -> DirectOffer; raises when the server cannot say
         self._ask_offer = ask_offer or (lambda peer_id: ask_direct_offer(p2p, peer_id))
