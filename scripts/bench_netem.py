@@ -263,9 +263,11 @@ def model_step_ms(relay: str, rtt_ms: float, servers: list[dict]) -> float:
 
 
 def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], new_tokens: int,
-                 repeats: int, direct: bool = False) -> dict:
+                 repeats: int, direct: bool = False, server_threads: int = 1) -> dict:
     """One swarm of `n_servers` hosts at a uniform `rtt_ms`; one client run per relay. `direct`: the servers
-    take direct streams (--direct-port) and the client and servers use them."""
+    take direct streams (--direct-port) and the client and servers use them. `server_threads`: each
+    server's torch threads (one session's step runs on one server at a time, so with 2 threads the
+    server computing has both cores, as a host of its own would)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from petals_chain.local_swarm import LocalSwarm
@@ -283,7 +285,7 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
     uniform = [[0.0 if i == j else rtt_ms for j in range(len(hosts))] for i in range(len(hosts))]
     out: dict = {"relay": {}, "rtt_ms": rtt_ms, "servers": n_servers, "new_tokens": new_tokens,
                  "prompt_tokens": ids.shape[1], "transport": "direct" if direct else "p2p",
-                 "loadavg_start": os.getloadavg()[0]}
+                 "server_threads": server_threads, "loadavg_start": os.getloadavg()[0]}
     exact = True
     with netem.Network(hosts, uniform, name=name, backend="userspace") as net:
         def placement(role):
@@ -291,7 +293,7 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
             return net.prefix(h), net.address(h)
 
         with LocalSwarm("smollm2-135m", list(zip(bounds, bounds[1:])), placement=placement,
-                        server_args=["--num-threads", "1", "--no-orchestrator",
+                        server_args=["--num-threads", str(server_threads), "--no-orchestrator",
                                      *(["--direct-port", "0"] if direct else [])]) as swarm:
             env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
             for relay in relays:
@@ -337,12 +339,16 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="--chain: print only the JSON object")
     p.add_argument("--direct", action="store_true",
                    help="--chain: servers with --direct-port, client and pushes on direct TCP streams")
+    p.add_argument("--server-threads", type=int, default=1, metavar="N",
+                   help="--chain: each server's --num-threads (default 1; the servers compute one at a time)")
     args = p.parse_args()
+    if args.server_threads < 1:
+        p.error(f"--server-threads must be >= 1, got {args.server_threads}")
     name = "b" + uuid.uuid4().hex[:6]
     if args.chain:
         try:
             results = bench_relays(name, args.servers, args.rtt_ms, args.relay.split(","), args.new_tokens,
-                                   args.repeats, direct=args.direct)
+                                   args.repeats, direct=args.direct, server_threads=args.server_threads)
         finally:
             netem.cleanup(name)
         out = Path(args.out)

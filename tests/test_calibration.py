@@ -408,3 +408,28 @@ def test_a_window_of_lone_steps_does_not_invent_a_per_row_cost():
     assert f.t_O_s == 0.0 and f.step_s(11) == pytest.approx(np.median(wall), rel=0.01)
     g = fit_service(np.zeros(40), blocks, wall, sessions=np.ones(40), blocks=blocks, t_O_profile_s=0.002)
     assert g.t_O_from_profile and g.t_O_s == 0.002 and g.step_s(11) == pytest.approx(np.median(wall), rel=0.01)
+
+
+@settings(max_examples=30, deadline=None)
+@given(step=st.floats(0.05, 0.5), tail=st.floats(0.05, 0.4), blocks=st.integers(4, 30), seed=st.integers(0, 10**6))
+def test_a_lone_step_with_a_right_tail_is_modelled_at_its_mean(step, tail, blocks, seed):
+    # a host under a CPU quota: most lone steps near `step`, some a period or more later (exponential
+    # tail); the model's tau_p is the mean time in service, which the median would undershoot. One
+    # stalled step (50x) must not move it
+    rng = np.random.default_rng(seed)
+    n = 200
+    wall = step * (1.0 + rng.exponential(tail, n))
+    wall[rng.integers(n)] = 50 * step
+    kept = wall[wall < 40 * step]
+    assume(np.mean(kept) > 1.04 * np.median(kept))  # a tail the median misses
+    b = np.full(n, blocks)
+    f = fit_service(np.zeros(n), b, wall, sessions=np.ones(n), blocks=b)
+    assert f.step_s(blocks) == pytest.approx(np.mean(kept), rel=0.03)
+    assert f.step_s(blocks) > 1.02 * np.median(wall)
+
+
+def test_mean_level_drops_only_far_out_values():
+    from orchestrator.service.calibration import mean_level
+    v = np.array([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 2.0])
+    assert mean_level(v) == pytest.approx(v.mean())  # a tail within the fence counts
+    assert mean_level(np.append(v, 30.0)) == pytest.approx(v.mean())  # a stall beyond Q3 + 3 IQR does not

@@ -71,6 +71,23 @@ MIN_LONE_BATCHES = 5  # one-session decode batches needed to anchor t_o at them
 MIN_SPAN_BATCHES = 3  # batches per block count needed to tell t_o from t_B
 
 
+FAR_OUT_IQR = 3.0  # Tukey's far-out fence: lone steps beyond Q3 + 3 IQR are stalls, not service
+
+
+def mean_level(values: np.ndarray) -> float:
+    """The mean of `values` without their far-out high values (beyond Q3 + 3 IQR).
+
+    Why the mean and not the median: the paper's tau_p is a session's mean time in service (a chain's
+    rate is 1 / E[T]), and a lone step's time on a host with a CPU quota is skewed to the right (the
+    Table 1 run of 2026-11-24: lone decode steps on the 0.12-core hosts had their mean 12-17 % above
+    their median, on the 0.193-core hosts within +-7 %), so a median anchors the model below what a
+    session takes on average. The fence keeps one stalled step (a swapped-in page, a GC pause) from
+    moving a window of a few lone steps."""
+    v = np.asarray(values, dtype=float)
+    q1, q3 = np.percentile(v, [25, 75])
+    return float(v[v <= q3 + FAR_OUT_IQR * (q3 - q1)].mean())
+
+
 def _separable(blocks: np.ndarray, min_each: int) -> bool:
     """At least two block counts, each seen in `min_each` batches: t_o and t_B are then identified."""
     _, counts = np.unique(blocks, return_counts=True)
@@ -101,9 +118,9 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     `sessions` (per batch): with at least MIN_LONE_BATCHES one-session decode batches, the lone step
     is anchored at them (all the window's: one lone step's time varies by +-15 % from one session to
     the next on a quiet machine, and anchoring at the newest 16 instead did not track the probe
-    better in two quick runs): their wall ~ a + s b by LAD when they span block counts (t_o = a, t_B = s -
-    t_O), else through their medians (the fixed part per block, or beside the line's t_o when the
-    whole window separated it). Why: on a CPU a batch's cost is not linear in its sessions. 1 to 3
+    better in two quick runs): when they span block counts, the slope s of their wall over blocks by
+    LAD (t_B = s - t_O) and t_o at their mean beyond it; else their mean (`mean_level`: the fixed part
+    per block, or beside the line's t_o when the whole window separated it). Why: on a CPU a batch's cost is not linear in its sessions. 1 to 3
     decode rows cost about the same, then it grows (one server of 30 blocks at 0.193 cores, measured:
     1 session 0.28-0.33 s per step, 3 sessions 0.35 s, 6 sessions 0.56 s), so the L1 line over a
     window of mixed batches takes the larger batches' slope and runs below the lone ones. The paper's
@@ -147,13 +164,15 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     if n_lone >= MIN_LONE_BATCHES:
         yl, dl = y[lone], d[lone]
         bl = dl if b is None else b[lone]
+        # the lone step's level is their mean (far-out values dropped), its slope over blocks robust
         if b is not None and _separable(bl, 2):
-            a, slope = _lad(np.stack([np.ones_like(yl), bl], axis=1), yl, iterations)
-            coef[0], coef[3] = float(a), max(0.0, float(slope) - coef[2])
+            _, slope = _lad(np.stack([np.ones_like(yl), bl], axis=1), yl, iterations)
+            coef[3] = max(0.0, float(slope) - coef[2])
+            coef[0] = max(0.0, mean_level(yl - (coef[3] + coef[2]) * bl))
         elif per_block_fixed:  # coef[0] multiplies b
-            coef[0] = max(0.0, float(np.median(yl)) / float(np.median(bl)) - coef[2])
+            coef[0] = max(0.0, mean_level(yl / bl) - coef[2])
         else:  # t_o beside the line's t_B (0 without blocks)
-            coef[0] = max(0.0, float(np.median(yl)) - (coef.get(3, 0.0) + coef[2]) * float(np.median(bl)))
+            coef[0] = max(0.0, mean_level(yl - (coef.get(3, 0.0) + coef[2]) * bl))
     else:
         n_lone = 0
     pred = sum(coef[i] * cols[i] for i in coef)
