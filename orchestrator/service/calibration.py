@@ -119,10 +119,11 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     is anchored at them (all the window's: one lone step's time varies by +-15 % from one session to
     the next on a quiet machine, and anchoring at the newest 16 instead did not track the probe
     better in two quick runs): when they span block counts, the slope s of their wall over blocks by
-    LAD (t_B = s - t_O) and t_o at their mean beyond it; else their mean (`mean_level`: the fixed part
-    per block, or beside the line's t_o when the whole window separated it). Why: on a CPU a batch's cost is not linear in its sessions. 1 to 3
-    decode rows cost about the same, then it grows (one server of 30 blocks at 0.193 cores, measured:
-    1 session 0.28-0.33 s per step, 3 sessions 0.35 s, 6 sessions 0.56 s), so the L1 line over a
+    LAD (t_B = s - t_O) and t_o at their mean beyond it; else their mean (`mean_level`: the fixed
+    part per block, or beside the line's t_o when the whole window separated it). Why: on a CPU a
+    batch's cost is not linear in its sessions. 1 to 3 decode rows cost about the same, then it
+    grows (one server of 30 blocks at 0.193 cores, measured: 1 session 0.28-0.33 s per step, 3
+    sessions 0.35 s, 6 sessions 0.56 s), so the L1 line over a
     window of mixed batches takes the larger batches' slope and runs below the lone ones. The paper's
     tau_p and tau_c are a session's time alone; the slope t_O still says what each further session
     adds (for 2-3 sessions a little more than they cost)."""
