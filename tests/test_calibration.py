@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, fit_service, hop_costs
+from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, fit_service, hop_costs, mean_level
 
 
 @settings(max_examples=30, deadline=None)
@@ -429,7 +429,6 @@ def test_a_lone_step_with_a_right_tail_is_modelled_at_its_mean(step, tail, block
 
 
 def test_mean_level_drops_only_far_out_values():
-    from orchestrator.service.calibration import mean_level
     v = np.array([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 2.0])
     assert mean_level(v) == pytest.approx(v.mean())  # a tail within the fence counts
     assert mean_level(np.append(v, 30.0)) == pytest.approx(v.mean())  # a stall beyond Q3 + 3 IQR does not
