@@ -177,7 +177,9 @@ ids = torch.tensor([json.loads(sys.argv[2])])
 n = int(sys.argv[3])
 relay = sys.argv[5] if len(sys.argv) > 5 else "server"
 direct = {"direct_streams": sys.argv[6] == "direct"} if len(sys.argv) > 6 else {}
-model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]], relay=relay, **direct)
+dtype = sys.argv[7] if len(sys.argv) > 7 else "float32"
+model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]], relay=relay,
+                                                    dtype=dtype, **direct)
 try:
     model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
     if getattr(model.backend.hops, "dialer", None) is not None:  # direct-stream offers, asked beside the warm-up
@@ -263,11 +265,13 @@ def model_step_ms(relay: str, rtt_ms: float, servers: list[dict]) -> float:
 
 
 def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], new_tokens: int,
-                 repeats: int, direct: bool = False, server_threads: int = 1) -> dict:
+                 repeats: int, direct: bool = False, server_threads: int = 1, dtype: str = "float32") -> dict:
     """One swarm of `n_servers` hosts at a uniform `rtt_ms`; one client run per relay. `direct`: the servers
     take direct streams (--direct-port) and the client and servers use them. `server_threads`: each
     server's torch threads (one session's step runs on one server at a time, so with 2 threads the
-    server computing has both cores, as a host of its own would)."""
+    server computing has both cores, as a host of its own would). `dtype`: the servers' and the client
+    head's (`--dtype`); the reference is transformers' model in the same dtype."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from petals_chain.local_swarm import LocalSwarm
@@ -276,7 +280,7 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
     path = resolve_model_path("smollm2-135m")
     ids = AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
                                               return_tensors="pt").input_ids
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     ref = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0].tolist()
     del hf
     layers = 30
@@ -285,7 +289,7 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
     uniform = [[0.0 if i == j else rtt_ms for j in range(len(hosts))] for i in range(len(hosts))]
     out: dict = {"relay": {}, "rtt_ms": rtt_ms, "servers": n_servers, "new_tokens": new_tokens,
                  "prompt_tokens": ids.shape[1], "transport": "direct" if direct else "p2p",
-                 "server_threads": server_threads, "loadavg_start": os.getloadavg()[0]}
+                 "server_threads": server_threads, "dtype": dtype, "loadavg_start": os.getloadavg()[0]}
     exact = True
     with netem.Network(hosts, uniform, name=name, backend="userspace") as net:
         def placement(role):
@@ -293,13 +297,14 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
             return net.prefix(h), net.address(h)
 
         with LocalSwarm("smollm2-135m", list(zip(bounds, bounds[1:])), placement=placement,
-                        server_args=["--num-threads", str(server_threads), "--no-orchestrator",
+                        server_args=["--num-threads", str(server_threads), "--no-orchestrator", "--dtype", dtype,
                                      *(["--direct-port", "0"] if direct else [])]) as swarm:
             env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
             for relay in relays:
                 proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
                                                              json.dumps(ids[0].tolist()), str(new_tokens),
-                                                             str(repeats), relay, "direct" if direct else "p2p"]),
+                                                             str(repeats), relay, "direct" if direct else "p2p",
+                                                             dtype]),
                                       capture_output=True, text=True, timeout=600, env=env)
                 if proc.returncode != 0:
                     raise RuntimeError(proc.stderr[-3000:])
@@ -341,6 +346,8 @@ def main() -> int:
                    help="--chain: servers with --direct-port, client and pushes on direct TCP streams")
     p.add_argument("--server-threads", type=int, default=1, metavar="N",
                    help="--chain: each server's --num-threads (default 1; the servers compute one at a time)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="--chain: the servers' and the client head's dtype (the HF reference runs in it too)")
     args = p.parse_args()
     if args.server_threads < 1:
         p.error(f"--server-threads must be >= 1, got {args.server_threads}")
@@ -348,7 +355,8 @@ def main() -> int:
     if args.chain:
         try:
             results = bench_relays(name, args.servers, args.rtt_ms, args.relay.split(","), args.new_tokens,
-                                   args.repeats, direct=args.direct, server_threads=args.server_threads)
+                                   args.repeats, direct=args.direct, server_threads=args.server_threads,
+                                   dtype=args.dtype)
         finally:
             netem.cleanup(name)
         out = Path(args.out)
