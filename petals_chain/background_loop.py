@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+import uvloop
 
 T = TypeVar("T")
 
 
 class BackgroundLoop:
     def __init__(self, name: str = "petals-chain-loop"):
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop() if os.environ.get("PETALS_CHAIN_LOOP", "uvloop") == "uvloop" else asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -6,6 +6,10 @@ write can wake the daemon, which forwards what it has read as its own frame, so 
 the daemons as up to three frames and wakes every process on the path up to three times; the
 receiving side also makes one task per message and a writer task behind a queue on the caller's side.
 
+Besides hivemind's frames, our own ends also carry raw frames (`RAW_MARKER`, petals_chain/wire_parts.py:
+`RawFrame`): a decode step's small group without protobuf, sent only to a server that said in its
+open reply that it takes them, and answered so only to a caller that sent them.
+
 This module speaks the same bytes (hivemind's `P2P.MESSAGE_MARKER` / `ERROR_MARKER`, `HEADER_LEN`-byte
 big-endian length, the protobuf; `END_OF_STREAM` ends the input) over hivemind's public binary-stream
 API (`P2P.call_binary_stream_handler`, `P2P.add_binary_stream_handler`), with each message written
@@ -24,16 +28,21 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from petals_chain.wire_parts import RawFrame
+
 logger = logging.getLogger(__name__)
 
 _HEADER_BYTES = 1 + P2P.HEADER_LEN  # marker + length
 _END_FRAME = P2P.ERROR_MARKER + len(P2P.END_OF_STREAM.SerializeToString()).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) \
     + P2P.END_OF_STREAM.SerializeToString()
+RAW_MARKER = b"\x02"  # ours, beside hivemind's MESSAGE_MARKER (0) and ERROR_MARKER (1): a RawFrame's body
 CLOSE_WAIT_S = 5.0  # an ended stream's socket is dropped this long after (the server ends it sooner)
 
 
 def frame(message, marker: bytes = P2P.MESSAGE_MARKER) -> bytes:
-    """`message` as one frame of hivemind's stream format."""
+    """`message` (a protobuf, or a RawFrame) as one frame of hivemind's stream format."""
+    if isinstance(message, RawFrame):
+        return RAW_MARKER + len(message.body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + message.body
     body = message.SerializeToString()
     return marker + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
 
@@ -86,6 +95,8 @@ class FramedStream:
             raise StopAsyncIteration from None
         if marker == P2P.MESSAGE_MARKER:
             return self.response_type.FromString(body)
+        if marker == RAW_MARKER:
+            return RawFrame(body)
         if marker == P2P.ERROR_MARKER:
             raise P2PHandlerError(f"Failed to call handler `{self.name}`: {RPCError.FromString(body).message}")
         raise ConnectionError(f"stream {self.name}: invalid frame marker {marker!r}")
@@ -125,6 +136,9 @@ async def serve_framed(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
                 marker, body = await read_frame(reader)
             except (asyncio.IncompleteReadError, ConnectionError):  # the caller went away
                 return
+            if marker == RAW_MARKER:
+                yield RawFrame(body)
+                continue
             if marker != P2P.MESSAGE_MARKER:  # END_OF_STREAM (hivemind's stubs and ours end so)
                 return
             yield request_type.FromString(body)

@@ -171,6 +171,7 @@ class Opened(WireRecord):
     end_block: int
     prefix_match_tokens: int | None = None
     prefix_chunk_tokens: int | None = None
+    raw_frames: bool | None = None  # True: the server takes this stream's steps as raw frames (wire_parts.RawFrame)
 
 
 @dataclass

@@ -15,10 +15,21 @@ Copies: the sender copies each part's bytes once out of the tensor (protobuf nee
 receiver allocates the tensor from its header and copies each part's bytes once into place.
 hivemind's `combine_from_streaming` + `deserialize_torch_tensor` copy the whole tensor twice more
 (`b"".join`, then `bytearray`).
+
+Raw frames (`RawFrame`): a group of metadata and at most one tensor that fits one part can also
+travel as one raw frame on our own framed streams (petals_chain/framed_stream.py: `RAW_MARKER`),
+without protobuf: `<I` metadata length, the msgpack metadata, then `<BB` dtype code and number of
+dimensions, `<I` per dimension, and the tensor's bytes. Why: a decode step's four codec passes per
+hop (the client's step, the server's reading of it, the server's reply, the client's reading of
+it) ran ~0.15 ms each with protobuf objects on a core whose caches the forward has just evicted
+(scripts/bench_hop_overhead.py); the raw form touches far less code. A server says in its open reply
+that it takes them (`Opened.raw_frames`), the client then sends its steps so, and the server answers
+a stream's raw steps in raw frames; everyone else keeps the protobuf groups.
 """
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +51,7 @@ MAX_PARTS_PER_GROUP = 4096
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                                   "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _COMPRESSION_NONE = runtime_pb2.CompressionType.NONE  # read once: protobuf's enum lookup costs ~1 us a call
 Admit = Callable[[tuple[int, ...], torch.dtype], None]  # raises a typed error to refuse a tensor by its header
 
@@ -50,16 +62,23 @@ class Message:
 
     meta: dict[str, Any]
     tensors: list[torch.Tensor] = field(default_factory=list)
+    raw: bool = False  # it came as a raw frame (its sender takes raw frames back)
 
 
 def split_tensor(t: torch.Tensor, part_bytes: int = MAX_PART_BYTES) -> list[runtime_pb2.Tensor]:
     """`t` as protobuf parts of at most `part_bytes` bytes; the first part carries the header."""
-    t = t.detach().to("cpu").contiguous()
-    name = str(t.dtype).removeprefix("torch.")
-    if t.dtype not in DTYPES.values():
-        raise InvalidRequestError(f"tensors of dtype {name} cannot be sent; use one of {', '.join(DTYPES)}")
-    # reinterpret as bytes (a view, no copy; numpy has no bfloat16, bytes do not care)
-    raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    # Why the checks before any conversion: on a decode step's hot path each torch call costs tens of
+    # microseconds (its dispatch code is cold after a forward), and a step's tensor is already a CPU,
+    # contiguous, grad-free tensor; only other tensors pay for the conversion
+    if t.device.type != "cpu" or t.requires_grad or not t.is_contiguous():
+        t = t.detach().to("cpu").contiguous()
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise InvalidRequestError(f"tensors of dtype {str(t.dtype).removeprefix('torch.')} cannot be sent; use one "
+                                  f"of {', '.join(DTYPES)}")
+    # its bytes as a flat view (no copy; numpy has no bfloat16, so that travels as int16, the same bytes)
+    array = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    raw = memoryview(array).cast("B") if array.size else memoryview(b"")  # a view with a 0 in its shape cannot cast
     n = max(1, math.ceil(len(raw) / part_bytes))
     parts = [runtime_pb2.Tensor(buffer=raw[:part_bytes].tobytes(), size=list(t.shape), dtype=name, chunks=n,
                                 compression=_COMPRESSION_NONE)]
@@ -86,6 +105,74 @@ def to_messages(meta: dict[str, Any], tensors: Iterable[torch.Tensor] = (), *, r
             size += part_size
     head = {**meta, PARTS_KEY: len(batches)} if len(batches) > 1 else meta
     return [cls(metadata=pack(head), tensors=batches[0])] + [cls(tensors=b) for b in batches[1:]]
+
+
+@dataclass
+class RawFrame:
+    """One raw frame's body (see the module docstring): what `FramedStream` and `serve_framed` carry
+    for `RAW_MARKER` frames, and what `encode_raw` makes and `Assembler.feed` reads."""
+
+    body: bytes
+
+
+RAW_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64", "int64", "int32")  # the dtype codes
+_RAW_CODES: dict[torch.dtype, int] = {DTYPES[name]: code for code, name in enumerate(RAW_DTYPES)}
+RAW_MAX_DIMS = 8
+_U32 = struct.Struct("<I")
+_DTYPE_DIMS = struct.Struct("<BB")
+_SHAPES = tuple(struct.Struct(f"<{n}I") for n in range(RAW_MAX_DIMS + 1))  # a tensor's dimensions, by count
+
+
+def encode_raw(meta: dict[str, Any], tensor: torch.Tensor | None = None) -> RawFrame | None:
+    """`meta` and `tensor` as one raw frame, or None when they do not fit one (a tensor over
+    MAX_PART_BYTES, of another dtype or more dimensions: send `to_messages` then)."""
+    packed = pack(meta)
+    if tensor is None:
+        return RawFrame(b"".join((_U32.pack(len(packed)), packed, _DTYPE_DIMS.pack(255, 0))))
+    code = _RAW_CODES.get(tensor.dtype)
+    shape = tensor.shape
+    if code is None or len(shape) > RAW_MAX_DIMS or tensor.numel() * tensor.element_size() > MAX_PART_BYTES:
+        return None
+    if tensor.device.type != "cpu" or tensor.requires_grad or not tensor.is_contiguous():
+        tensor = tensor.detach().to("cpu").contiguous()
+    array = (tensor.view(torch.int16) if code == 1 else tensor).numpy()  # code 1: bfloat16, which numpy lacks
+    return RawFrame(b"".join((_U32.pack(len(packed)), packed, _DTYPE_DIMS.pack(code, len(shape)),
+                              _SHAPES[len(shape)].pack(*shape), array.tobytes())))
+
+
+def decode_raw(frame: RawFrame, admit: Admit | None = None) -> Message:
+    """The group in a raw frame (its tensor copied once into its own memory); a malformed frame, or
+    a tensor `admit` refuses, raises a typed error."""
+    body = memoryview(frame.body)
+    if len(body) < _U32.size + _DTYPE_DIMS.size:
+        raise InvalidRequestError(f"a raw frame of {len(body)} bytes is too short to hold a message")
+    (meta_bytes,) = _U32.unpack_from(body)
+    end = _U32.size + meta_bytes
+    if end + _DTYPE_DIMS.size > len(body):
+        raise InvalidRequestError(f"a raw frame declares {meta_bytes} bytes of metadata, more than it holds")
+    meta = unpack(body[_U32.size:end])
+    code, dims = _DTYPE_DIMS.unpack_from(body, end)
+    end += _DTYPE_DIMS.size
+    if code == 255 and dims == 0 and end == len(body):
+        return Message(meta, [], raw=True)
+    if code >= len(RAW_DTYPES) or dims > RAW_MAX_DIMS:
+        raise InvalidRequestError(f"a raw frame's tensor has dtype code {code} and {dims} dimensions; codes are "
+                                  f"0..{len(RAW_DTYPES) - 1} ({', '.join(RAW_DTYPES)}), at most {RAW_MAX_DIMS} dimensions")
+    if end + 4 * dims > len(body):
+        raise InvalidRequestError("a raw frame ends inside its tensor's shape")
+    shape = _SHAPES[dims].unpack_from(body, end)
+    end += 4 * dims
+    dtype = DTYPES[RAW_DTYPES[code]]
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes != len(body) - end:
+        raise InvalidRequestError(f"a raw frame's tensor of shape {list(shape)} needs {nbytes} bytes, the frame "
+                                  f"carries {len(body) - end}")
+    if admit is not None:
+        admit(shape, dtype)
+    if not nbytes:
+        return Message(meta, [torch.empty(shape, dtype=dtype)], raw=True)
+    # the one copy: into memory the tensor owns and may write (the frame's bytes are read-only)
+    return Message(meta, [torch.frombuffer(bytearray(body[end:]), dtype=dtype).view(shape)], raw=True)
 
 
 @dataclass
@@ -117,6 +204,16 @@ class Assembler:
 
     def feed(self, message) -> list[Message | PetalsChainError]:
         out: list[Message | PetalsChainError] = []
+        if isinstance(message, RawFrame):  # a whole group in one frame
+            if self._meta is not None:
+                out.append(InvalidRequestError(f"a message group ended {self._messages_left} message(s) early; "
+                                               "send every part of a tensor before the next message"))
+            self._reset()
+            try:
+                out.append(decode_raw(message, self.admit))
+            except PetalsChainError as e:
+                out.append(e)
+            return out
         if message.metadata:
             if self._meta is not None:
                 out.append(InvalidRequestError(f"a message group ended {self._messages_left} message(s) early; "
@@ -175,7 +272,7 @@ class Assembler:
                 raise InvalidRequestError(f"tensor parts carry {p.filled_bytes} bytes, its header declares "
                                           f"{len(p.raw)}")
             flat = torch.frombuffer(p.raw, dtype=p.dtype) if p.raw else torch.empty(0, dtype=p.dtype)
-            self._tensors.append(flat.reshape(p.shape))
+            self._tensors.append(flat.view(p.shape))
             self._pending = None
 
     def _start_tensor(self, part: runtime_pb2.Tensor) -> _Pending:
@@ -236,9 +333,13 @@ async def drain(messages: AsyncIterator) -> None:
 async def receive_one(messages: AsyncIterator, admit: Admit | None = None) -> Message:
     """Read messages until one group is complete (a reply on a stream); a bad group raises its
     typed error, a stream that ends mid-group raises StopAsyncIteration."""
+    message = await anext(messages)
+    if isinstance(message, RawFrame):  # the whole group in one frame (a decode step's reply)
+        return decode_raw(message, admit)
     assembler = Assembler(admit)
     while True:
-        for result in assembler.feed(await anext(messages)):
+        for result in assembler.feed(message):
             if isinstance(result, PetalsChainError):
                 raise result
             return result
+        message = await anext(messages)

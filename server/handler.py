@@ -70,6 +70,7 @@ class OpenSession:
     prefix_tokens: int = 0  # tokens its first step took from the cache
     prefix_stored: int = 0  # chunks of its prompt offered to the cache so far
     stop_pushes: Callable[[], None] | None = None  # undoes its relay index entry
+    raw_replies: bool = False  # its client sends raw frames: its replies go so too (wire_parts.RawFrame)
 
     @property
     def stack(self) -> ServingStack:
@@ -167,7 +168,8 @@ class BlockServicer:
                         pin = session.prefix_pin  # how much of the prompt this hop holds
                         yield wire.response(Opened(session.session_id, session.kv.first_block, session.kv.end_block,
                                                    prefix_match_tokens=None if pin is None else pin.tokens,
-                                                   prefix_chunk_tokens=None if pin is None else pin.chunk_tokens))
+                                                   prefix_chunk_tokens=None if pin is None else pin.chunk_tokens,
+                                                   raw_frames=True))
                     elif isinstance(msg, Step):
                         if session is None:
                             raise UnknownSessionError("step before open: send an 'open' message first")
@@ -177,6 +179,7 @@ class BlockServicer:
                             raise InvalidRequestError(f"a step carries exactly one tensor, got {len(message.tensors)}")
                         if msg.relay_from is not None:  # the previous hop changed (the client failed it over)
                             self._take_pushes_from(session, msg.relay_from)
+                        session.raw_replies = message.raw
                         if not session.inbox.claim(msg.step_id):
                             continue  # its pushed copy ran already (and was answered): run each step once
                         for response in await self._run_and_reply(session, msg.step_id, message.tensors[0],
@@ -197,7 +200,7 @@ class BlockServicer:
 
     async def _run_and_reply(self, session: OpenSession, step_id: int | None, hidden: torch.Tensor,
                              prefix_tokens: int, push_route: list[str] | None,
-                             start_position: int | None = None) -> list[runtime_pb2.ExpertResponse]:
+                             start_position: int | None = None) -> list[runtime_pb2.ExpertResponse | wire_parts.RawFrame]:
         t0 = time.perf_counter()
         out, compute_s = await self._step(session, hidden, prefix_tokens, start_position)
         if push_route and step_id is not None:
@@ -207,7 +210,8 @@ class BlockServicer:
         # server_s: this step's time inside the server (queue + batch compute), so a client can tell
         # server time from network time (the Table 1 model check)
         reply = StepReply(session.session_id, step_id, session.kv.past_tokens, time.perf_counter() - t0, compute_s)
-        return wire_parts.to_messages(reply.to_wire(), (out,), reply=True)
+        raw = wire_parts.encode_raw(reply.to_wire(), out) if session.raw_replies else None
+        return [raw] if raw is not None else wire_parts.to_messages(reply.to_wire(), (out,), reply=True)
 
     def _take_pushes_from(self, session: OpenSession, peer: str) -> None:
         if session.stop_pushes is not None:
@@ -357,7 +361,9 @@ class BlockServicer:
         # rpc_info liveness probes (a client then takes the busy server for a dead one: a 2,048-token
         # prefill at load 10 did), pushes and other streams; next to its compute the hop is nothing
         inline = len(stack.sessions) <= 1 and hidden.shape[0] <= INLINE_MAX_TOKENS
-        job = stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens, inline=inline)
+        # an inline batch's service record is written after this step's reply is on its way (call_soon)
+        job = stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens, inline=inline,
+                                     defer=loop.call_soon)
         return await future, job.compute_s
 
     # -- stateless forward ----------------------------------------------------------------

@@ -109,12 +109,15 @@ class StepScheduler:
     # -- handler side ---------------------------------------------------------------------------
     def submit(self, session_id: str, client_id: str, step: StepInput,
                deliver: Callable[[Any, BaseException | None], None], prefix_tokens: int = 0,
-               inline: bool = False) -> _Job:
+               inline: bool = False, defer: Callable[[Callable[[], None]], Any] | None = None) -> _Job:
         """Returns the job (its `compute_s` is final once delivered). `prefix_tokens`: tokens of the
         session's prompt taken from the prefix cache (DLPM's locality).
         `inline`: when nothing else waits or runs, run the batch on the caller's thread now (no
         hand-off to the scheduler thread and back: the lean path of a lone session); otherwise it
-        waits for the scheduler thread as usual, so batches still form under load."""
+        waits for the scheduler thread as usual, so batches still form under load. `defer`: how an
+        inline run hands off its after-work (the batch observer: service records, the service log),
+        e.g. the event loop's `call_soon`, so that it runs after the caller has sent its reply, not
+        before (by default it runs at once)."""
         with self._cond:
             if self._stopped:
                 raise ServerUnavailableError("this server is shutting down; use another server")
@@ -140,13 +143,13 @@ class StepScheduler:
                 self._cond.notify()
                 return job
             self._running = True
-        self._run_claimed()
+        self._run_claimed(defer)
         return job
 
-    def _run_claimed(self) -> None:
+    def _run_claimed(self, defer: Callable[[Callable[[], None]], Any] | None = None) -> None:
         """Run batches while this thread holds the runner role (`_running`), then hand it back."""
         try:
-            self.run_once()
+            self.run_once(defer)
         finally:
             with self._cond:
                 self._running = False
@@ -238,7 +241,7 @@ class StepScheduler:
             self._cond.wait(timeout=deadline_s - now_s)
         self.gather_waits += waited
 
-    def run_once(self) -> int:
+    def run_once(self, defer: Callable[[Callable[[], None]], Any] | None = None) -> int:
         """Select and run one batch; returns the number of items it ran (0: nothing waited, or the
         policy failed and the waiting work was failed)."""
         with self._cond:
@@ -253,7 +256,7 @@ class StepScheduler:
                 return 0
             running = {id(it.payload) for it in batch}
             backlogged = sorted({j.client_id for j in self._jobs.values() if id(j) not in running})
-        self._run(batch, backlogged)
+        self._run(batch, backlogged, defer)
         return len(batch)
 
     def _check_batch(self, batch) -> str | None:
@@ -283,12 +286,15 @@ class StepScheduler:
         except AttributeError:
             return 0
 
-    def _run(self, batch: list[WorkItem], backlogged: list[str]) -> None:
+    def _run(self, batch: list[WorkItem], backlogged: list[str],
+             defer: Callable[[Callable[[], None]], Any] | None = None) -> None:
         if self._on_cuda:  # GPU work is asynchronous: what was queued before is not this batch's
             torch.cuda.synchronize(self._device)
         start_s = self.clock()
         cpu0_s = time.process_time()  # the whole process: torch's intra-op threads do the work
-        steps = [StepInput(it.payload.step.kv, it.payload.step.hidden[it.row_offset:it.row_offset + it.n_tokens],
+        # a whole step's rows as they are: a slice is one more torch call on the decode step's path
+        steps = [StepInput(it.payload.step.kv, it.payload.step.hidden if it.n_tokens == it.payload.total_rows else
+                           it.payload.step.hidden[it.row_offset:it.row_offset + it.n_tokens],
                            validated=it.payload.step.validated) for it in batch]
         try:
             outputs = self.block_range.forward(steps)
@@ -335,14 +341,23 @@ class StepScheduler:
         for job, result, err in finished:
             job.deliver(result, err)
         if self.on_batch is not None:
-            try:
-                self.on_batch({"t_s": start_s, "service_s": service_s, "cpu_s": cpu_s, "ok": error is None,
-                               "items": [[it.client_id, it.n_tokens, it.is_prefill] for it in batch],
-                               "blocks": [self._blocks_of(it.payload) for it in batch],
-                               "backlogged": backlogged, "waiting_for_memory": self.waiting_for_memory(),
-                               "counters": self.policy.service_view()})
-            except Exception:
-                logger.exception("batch observer failed")
+            # built when observed, which `defer` may put after the caller's reply: what it reads of the
+            # batch does not change after it ran; the server-wide views (who waits for memory, the
+            # policy's counters) are as of the observation
+            def observe():
+                try:
+                    self.on_batch({"t_s": start_s, "service_s": service_s, "cpu_s": cpu_s, "ok": error is None,
+                                   "items": [[it.client_id, it.n_tokens, it.is_prefill] for it in batch],
+                                   "blocks": [self._blocks_of(it.payload) for it in batch],
+                                   "backlogged": backlogged, "waiting_for_memory": self.waiting_for_memory(),
+                                   "counters": self.policy.service_view()})
+                except Exception:
+                    logger.exception("batch observer failed")
+
+            if defer is None:
+                observe()
+            else:
+                defer(observe)
 
     # -- policy failures (all under the lock) -----------------------------------------------------
     def _call_policy(self, what: str, fn: Callable[[], Any]) -> tuple[bool, Any]:

@@ -345,3 +345,53 @@ def test_sigkill_of_a_hop_on_direct_streams_fails_over_with_identical_output(swa
         assert model.backend.hops.dialer.direct_opened >= 3
     finally:
         model.backend.shutdown()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "p2p"])
+def test_a_server_answers_raw_steps_in_raw_frames_and_refuses_bad_ones_typed(swarm, tiny_llama_path, direct):
+    """The open reply offers raw frames; a step sent raw is answered raw with the same output as the
+    same step sent in protobuf parts; a malformed raw frame gets a typed error and the stream serves on."""
+    import uuid
+
+    from petals_chain import wire_parts
+    from petals_chain.messages import Open, Step, StepReply
+    from petals_chain.wire_parts import RawFrame
+
+    model = _model(tiny_llama_path, swarm, "client", direct=direct)
+    try:
+        backend = model.backend
+        if direct:  # the first stream to each server goes over p2p while its offer is asked
+            backend.loop.run(backend.hops.dialer.asked(), timeout_s=10)
+        hop = backend.provider.find_chain(0, backend.num_blocks, exclude=frozenset(), max_length=16,
+                                          session_id="raw-test", adapter=None)[0]
+        x = torch.randn(3, 64)
+
+        async def one_step(raw: bool, garbage_first: bool = False):
+            session_id = uuid.uuid4().hex
+            stream = await backend.hops.open_async(hop, Open(session_id, 16, hop.start))
+            try:
+                assert stream.raw_frames
+                errors = []
+                if garbage_first:
+                    await stream.channel.send(RawFrame(b"\x01\x02"))  # too short for any message
+                    errors.append(wire.unpack((await anext(stream.channel)).metadata))
+                step = Step(session_id, 1).to_wire()
+                await stream.channel.send(wire_parts.encode_raw(step, x) if raw else
+                                          wire_parts.to_messages(step, (x,))[0])
+                return await anext(stream.channel), errors
+            finally:
+                stream.channel.end()
+
+        raw_reply, _ = backend.loop.run(one_step(True), timeout_s=30)
+        pb_reply, _ = backend.loop.run(one_step(False), timeout_s=30)
+        assert isinstance(raw_reply, RawFrame) and isinstance(pb_reply, runtime_pb2.ExpertResponse)
+        raw_msg = wire_parts.decode_raw(raw_reply)
+        (pb_msg,) = wire_parts.Assembler().feed(pb_reply)
+        assert StepReply.from_wire(raw_msg.meta).position == StepReply.from_wire(pb_msg.meta).position == 3
+        assert torch.equal(raw_msg.tensors[0], pb_msg.tensors[0])
+        after_garbage, errors = backend.loop.run(one_step(True, garbage_first=True), timeout_s=30)
+        assert errors[0]["type"] == "error" and "raw frame" in errors[0]["message"], errors
+        assert torch.equal(wire_parts.decode_raw(after_garbage).tensors[0], raw_msg.tensors[0])
+    finally:
+        model.backend.shutdown()

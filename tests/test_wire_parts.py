@@ -1,4 +1,5 @@
-"""Tensors split into parts below the message size and rebuilt exactly (no network: the codec)."""
+"""Tensors split into parts below the message size and rebuilt exactly, and a decode step's group in one raw
+frame (no network: the codec)."""
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,13 @@ from petals_chain.wire_parts import (
     DTYPES,
     MAX_PART_BYTES,
     PARTS_KEY,
+    RAW_DTYPES,
     Assembler,
     Message,
+    RawFrame,
+    decode_raw,
     decode_single,
+    encode_raw,
     split_tensor,
     to_messages,
 )
@@ -113,3 +118,67 @@ def test_unary_decode_refuses_a_first_part_with_a_fix_it_message():
         decode_single(too_big)  # its reply would not fit one message either
     one = to_messages({"type": "forward"}, (torch.ones(3, 4),))
     assert len(one) == 1 and torch.equal(decode_single(one[0]).tensors[0], torch.ones(3, 4))
+
+
+# -- raw frames (a decode step's group without protobuf) -------------------------------------------
+
+@settings(max_examples=80, deadline=None)
+@given(shape=st.lists(st.integers(0, 9), min_size=0, max_size=4), dtype=st.sampled_from(sorted(RAW_DTYPES)),
+       seed=st.integers(0, 2**16), step_id=st.integers(0, 2**40))
+def test_raw_frames_roundtrip_bit_exactly_and_name_themselves_raw(shape, dtype, seed, step_id):
+    g = torch.Generator().manual_seed(seed)
+    kind = DTYPES[dtype]
+    t = (torch.randint(-2**15, 2**15, tuple(shape), generator=g).to(kind) if kind in (torch.int64, torch.int32)
+         else torch.randn(tuple(shape), generator=g).to(kind))
+    meta = {"type": "step", "step_id": step_id, "route": ["a", "b"]}
+    out = decode_raw(encode_raw(meta, t))
+    assert out.raw and out.meta == meta and len(out.tensors) == 1
+    (back,) = out.tensors
+    assert back.dtype == t.dtype and back.shape == t.shape
+    assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))  # bits, NaN-safe
+    if back.numel():
+        back.view(-1)[0] = 0  # its own memory, writable (the frame's bytes are not)
+    assert decode_raw(encode_raw(meta)).tensors == []  # metadata alone
+
+
+def test_tensors_that_do_not_fit_one_raw_frame_take_the_parts_path():
+    assert encode_raw({}, torch.zeros(MAX_PART_BYTES // 4 + 1)) is None  # over one part
+    assert encode_raw({}, torch.zeros(1, dtype=torch.complex64)) is None  # no dtype code
+    assert encode_raw({}, torch.zeros([1] * 9)) is None  # too many dimensions
+    strided = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # not contiguous: sent as its values
+    assert torch.equal(decode_raw(encode_raw({}, strided)).tensors[0], strided)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.binary(max_size=64))
+def test_any_bytes_as_a_raw_frame_are_a_typed_error_or_a_message(body):
+    try:
+        out = decode_raw(RawFrame(body))
+    except InvalidRequestError:
+        out = None  # refused, typed: nothing else may come out of garbage
+    assert out is None or (isinstance(out, Message) and out.raw)
+
+
+def test_raw_frames_are_refused_by_their_header_and_end_an_unfinished_group():
+    seen = []
+
+    def admit(shape, dtype):
+        seen.append((shape, dtype))
+        raise InvalidRequestError("too many tokens")
+
+    with pytest.raises(InvalidRequestError, match="too many tokens"):
+        decode_raw(encode_raw({"type": "step"}, torch.zeros(64, 8)), admit)
+    assert seen == [((64, 8), torch.float32)]
+    good = encode_raw({"type": "step"}, torch.ones(2, 3))
+    frame = good.body
+    for cut in (2, 7, len(frame) - 1):  # truncated anywhere: typed
+        with pytest.raises(InvalidRequestError):
+            decode_raw(RawFrame(frame[:cut]))
+    with pytest.raises(InvalidRequestError, match="needs 24 bytes"):
+        decode_raw(RawFrame(frame + b"\0"))
+    # a raw frame in the middle of a group of parts: that group is reported unfinished, the raw one decoded
+    assembler = Assembler()
+    parts = to_messages({"type": "a"}, (torch.zeros(64),), part_bytes=64)
+    results = [r for m in parts[:2] for r in assembler.feed(m)] + assembler.feed(good)
+    assert isinstance(results[0], InvalidRequestError) and "early" in str(results[0])
+    assert isinstance(results[1], Message) and torch.equal(results[1].tensors[0], torch.ones(2, 3))

@@ -93,6 +93,7 @@ class HopStream:
     prefix_tokens: int | None = None  # to send with its first step (then None): the chain's reuse
     prefix_in_inputs: bool = False  # `inputs` start with the reused prefix (a hop rebuilt by replay)
     relay_from: str | None = None  # server relay: the peer whose pushes this hop's server takes
+    raw_frames: bool = False  # its server takes steps as raw frames (its open reply said so)
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,8 @@ class HopClient:
         # a server without a cache (or another chunk size) does not answer: nothing reused on this chain
         if opened.prefix_chunk_tokens != PREFIX_CHUNK_TOKENS or not 0 <= match <= len(hashes) * PREFIX_CHUNK_TOKENS:
             match = 0
-        return HopStream(hop, channel, prefix_match_tokens=match, relay_from=open_msg.relay_from)
+        return HopStream(hop, channel, prefix_match_tokens=match, relay_from=open_msg.relay_from,
+                         raw_frames=bool(opened.raw_frames))
 
     def step(self, stream: HopStream, step: Step, hidden: torch.Tensor, liveness_after_s: float = LIVENESS_FLOOR_S
              ) -> StepResult:
@@ -240,7 +242,9 @@ class HopClient:
                          liveness_after_s: float = LIVENESS_FLOOR_S) -> StepResult:
         """One step on `stream`; its reply awaited with liveness probes after `liveness_after_s`."""
         t0 = time.perf_counter()
-        requests = wire_parts.to_messages(step.to_wire(), (hidden,))
+        # a raw frame where the server takes one and the step fits it (a decode step), else protobuf parts
+        raw = wire_parts.encode_raw(step.to_wire(), hidden) if stream.raw_frames else None
+        requests = [raw] if raw is not None else wire_parts.to_messages(step.to_wire(), (hidden,))
 
         async def exchange() -> wire_parts.Message:
             await stream.channel.send(*requests)  # waits only when the socket is full (a large prompt)
@@ -290,35 +294,48 @@ class HopClient:
         process, and a server SIGKILLed a moment before the request: the client's p2p daemon had not
         yet seen that connection close, opened the stream on it and never resets it, so the open of
         a replacement killed just before waited for its whole open timeout (15 s) with either relay."""
+        # Why no task for the reply: the reply is awaited in this task, and a timer starts the probing
+        # beside it only once the reply is late. A task per reply (and `asyncio.wait` on it) cost each
+        # hop of every decode step two more event-loop iterations; the probes are the rare case.
         loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
         deadline = loop.time() + timeout_s
-        receive = asyncio.ensure_future(reply)
-        failed_probes = 0
-        try:
+        verdict: list[ServerUnavailableError] = []  # set by the watcher when the server is gone
+        watcher: list[asyncio.Task] = []
+
+        async def watch() -> None:
+            """Probe while the reply is late; after LIVENESS_PROBES failures in a row, cancel the wait."""
+            failed_probes = 0
             while True:
-                wait_s = 0.0 if failed_probes else liveness_after_s
-                done, _ = await asyncio.wait({receive}, timeout=max(0.0, min(wait_s, deadline - loop.time())))
-                if done:
-                    return receive.result()
-                if loop.time() >= deadline:
-                    raise asyncio.TimeoutError
                 waited_s = timeout_s - (deadline - loop.time())
                 probe_error = await self.probe_error(hop.peer_id,
                                                      max(0.5, min(LIVENESS_PROBE_S, deadline - loop.time())))
                 if probe_error is None:
                     failed_probes = 0
+                    await asyncio.sleep(liveness_after_s)  # it answers: a slow server keeps its request
                     continue
-                if receive.done():  # the reply came while the probe waited
-                    return receive.result()
                 failed_probes += 1
                 if failed_probes >= LIVENESS_PROBES:
-                    raise ServerUnavailableError(
+                    verdict.append(ServerUnavailableError(
                         f"server {hop.describe()} went silent: no reply to {what} for {waited_s:.1f} s and "
                         f"none to {LIVENESS_PROBES} liveness probes in a row ({LIVENESS_PROBE_S:.0f} s each; "
-                        f"last: {probe_error})")
+                        f"last: {probe_error})"))
+                    task.cancel()
+                    return
+
+        late = loop.call_later(liveness_after_s, lambda: watcher.append(asyncio.ensure_future(watch())))
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await reply
+        except asyncio.CancelledError:
+            if not verdict:
+                raise  # cancelled from outside
+            task.uncancel()  # the watcher's cancel, turned into its verdict
+            raise verdict[0] from None
         finally:
-            if not receive.done():
-                receive.cancel()
+            late.cancel()
+            for w in watcher:
+                w.cancel()
 
     def close(self, streams: list[HopStream]) -> None:
         """Close `streams` (best effort: a dead server's stream is gone anyway)."""

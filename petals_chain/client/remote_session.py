@@ -16,7 +16,6 @@ statelessly through the hops before it, and replayed ahead of its history.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import Iterable
@@ -166,8 +165,8 @@ class RemoteChainSession(ChainSession):
             if before is not None and stream.relay_from != before:
                 step.relay_from = stream.relay_from = before
         stream.prefix_tokens = None  # only its first step takes cached tokens
-        async with asyncio.timeout(self.chain.step_timeout_s + 2):  # not wait_for: no task per hop (Python 3.11)
-            result = await self.chain.hops.step_async(stream, step, hidden, self._liveness_after_s(stream.hop.peer_id))
+        # within the step timeout: step_async's reply wait covers its send too
+        result = await self.chain.hops.step_async(stream, step, hidden, self._liveness_after_s(stream.hop.peer_id))
         if start_position is not None and result.reply.position != start_position + hidden.shape[0]:
             # after a rollback every hop must hold exactly what the client does
             raise ServerUnavailableError(f"server {stream.hop.describe()} holds {result.reply.position} tokens after a "
