@@ -13,7 +13,8 @@ and server-side overhead (server - compute). `--transports p2p,direct` (default)
 swarm whose servers also take direct TCP streams (launch-server --direct-port), once with the client
 through the p2p daemons and once direct (keys of the direct run prefixed `direct_`). Also one session's tok/s through the chain (each relay)
 against local HF generate with one thread; and our framing's CPU cost per hop (`codec_*_us`: the
-four encode/decode operations of a hop, best of many runs; `--codec-only` measures just that).
+four encode/decode operations of a hop, protobuf parts and raw frames, best of many runs and cold
+(each right after a forward-like matmul); `--codec-only` measures just that).
 
 Wall times on a loaded machine are mostly waiting for a core, so the run also counts what depends
 less on the load: the CPU time and the times scheduled onto a CPU (wake-ups, each a scheduling delay
@@ -123,11 +124,13 @@ def batch_cpu_us(model, peers: list[str], since: dict[str, int]) -> tuple[float,
     return total, cursors
 
 
-def codec_us_per_hop(reps: int = 300, n: int = 20) -> dict:
+def codec_us_per_hop(reps: int = 300, n: int = 20, cold_reps: int = 100) -> dict:
     """Our framing's CPU cost per hop and decode step (us, best of `reps` runs of `n`, so a loaded
     machine's preemptions drop out): the client encodes the step and decodes the reply, the server
     decodes the step and encodes the reply (wire_parts + the typed records; hivemind's protobuf and
-    p2pd are not in it)."""
+    p2pd are not in it), in protobuf parts (`codec_*`) and in raw frames (`codec_raw_*`, what decode
+    steps use). Also each cold (`*_cold_*`, median of `cold_reps` single runs right after a forward-like
+    matmul): what a hop pays, several times the hot figure on this machine."""
     from petals_chain import wire_parts
     from petals_chain.messages import Close, Open, Step, StepReply, decode_tagged
 
@@ -147,11 +150,40 @@ def codec_us_per_hop(reps: int = 300, n: int = 20) -> dict:
             best = min(best, (time.perf_counter() - t) / n)
         return best * 1e6
 
-    r = {"encode_step": best_us(lambda: wire_parts.to_messages(step.to_wire(), (x,))),
-         "decode_step": best_us(lambda: decode_tagged(wire_parts.Assembler().feed(step_msg)[0].meta, Open, Step, Close)),
-         "encode_reply": best_us(lambda: wire_parts.to_messages(reply.to_wire(), (x,), reply=True)),
-         "decode_reply": best_us(lambda: StepReply.from_wire(wire_parts.Assembler().feed(reply_msg)[0].meta))}
-    return {**{f"codec_{k}_us": v for k, v in r.items()}, "codec_us_per_hop": sum(r.values())}
+    weight, row = torch.randn(576, 6144), torch.randn(1, 576)
+
+    def cold_us(fn) -> float:
+        """Median of single runs each right after ~12 ms of a one-row matmul over 14 MB of weights,
+        as a hop's codec runs after a forward: its code and data evicted from the caches."""
+        times = []
+        for _ in range(cold_reps):
+            end = time.perf_counter() + 0.012
+            while time.perf_counter() < end:
+                row @ weight
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return float(np.median(times)) * 1e6
+
+    raw_step, raw_reply = wire_parts.encode_raw(step.to_wire(), x), wire_parts.encode_raw(reply.to_wire(), x)
+    ops = {"encode_step": lambda: wire_parts.to_messages(step.to_wire(), (x,)),
+           "decode_step": lambda: decode_tagged(wire_parts.Assembler().feed(step_msg)[0].meta, Open, Step, Close),
+           "encode_reply": lambda: wire_parts.to_messages(reply.to_wire(), (x,), reply=True),
+           "decode_reply": lambda: StepReply.from_wire(wire_parts.Assembler().feed(reply_msg)[0].meta)}
+    raw_ops = {"encode_step": lambda: wire_parts.encode_raw(step.to_wire(), x),
+               "decode_step": lambda: decode_tagged(wire_parts.decode_raw(raw_step).meta, Open, Step, Close),
+               "encode_reply": lambda: wire_parts.encode_raw(reply.to_wire(), x),
+               "decode_reply": lambda: StepReply.from_wire(wire_parts.decode_raw(raw_reply).meta)}
+    out = {}
+    for prefix, table in (("codec", ops), ("codec_raw", raw_ops)):
+        hot = {k: best_us(fn) for k, fn in table.items()}
+        cold = {k: cold_us(fn) for k, fn in table.items()} if cold_reps else {}
+        out.update({f"{prefix}_{k}_us": v for k, v in hot.items()})
+        out[f"{prefix}_us_per_hop"] = sum(hot.values())
+        if cold:
+            out.update({f"{prefix}_cold_{k}_us": v for k, v in cold.items()})
+            out[f"{prefix}_cold_us_per_hop"] = sum(cold.values())
+    return out
 
 
 def main() -> int:
