@@ -163,7 +163,8 @@ def decode_raw(frame: RawFrame, admit: Admit | None = None) -> Message:
         return Message(meta, [], raw=True)
     if code >= len(RAW_DTYPES) or dims > RAW_MAX_DIMS:
         raise InvalidRequestError(f"a raw frame's tensor has dtype code {code} and {dims} dimensions; codes are "
-                                  f"0..{len(RAW_DTYPES) - 1} ({', '.join(RAW_DTYPES)}), at most {RAW_MAX_DIMS} dimensions")
+                                  f"0..{len(RAW_DTYPES) - 1} ({', '.join(RAW_DTYPES)}), at most {RAW_MAX_DIMS} "
+                                  "dimensions")
     if end + 4 * dims > len(body):
         raise InvalidRequestError("a raw frame ends inside its tensor's shape")
     shape = _SHAPES[dims].unpack_from(body, end)

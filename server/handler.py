@@ -204,8 +204,8 @@ class BlockServicer:
                 self._close(session)
 
     async def _run_and_reply(self, session: OpenSession, step_id: int | None, hidden: torch.Tensor,
-                             prefix_tokens: int, push_route: list[str] | None,
-                             start_position: int | None = None) -> list[runtime_pb2.ExpertResponse | wire_parts.RawFrame]:
+                             prefix_tokens: int, push_route: list[str] | None, start_position: int | None = None
+                             ) -> list[runtime_pb2.ExpertResponse | wire_parts.RawFrame]:
         t0 = time.perf_counter()
         out, compute_s = await self._step(session, hidden, prefix_tokens, start_position)
         if push_route and step_id is not None:

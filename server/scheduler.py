@@ -116,8 +116,8 @@ class StepScheduler:
         hand-off to the scheduler thread and back: the lean path of a lone session); otherwise it
         waits for the scheduler thread as usual, so batches still form under load. `defer`: how an
         inline run hands off its after-work (the batch observer: service records, the service log),
-        e.g. the event loop's `call_soon`, so that it runs after the caller has sent its reply, not
-        before (by default it runs at once)."""
+        e.g. through the event loop's `call_later`, so that it runs after the caller has sent its
+        reply, not before (by default it runs at once)."""
         with self._cond:
             if self._stopped:
                 raise ServerUnavailableError("this server is shutting down; use another server")
