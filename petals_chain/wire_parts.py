@@ -66,19 +66,23 @@ class Message:
     raw: bool = False  # it came as a raw frame (its sender takes raw frames back)
 
 
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """numpy's view of `t`'s values on the host (no copy for a CPU tensor; bfloat16, which numpy lacks,
+    as int16 of the same bytes). Why so few torch calls: on a decode step's path each costs tens of
+    microseconds (its dispatch code is cold after a forward), and a step's tensor is already a CPU,
+    grad-free tensor; only other tensors pay for the conversion."""
+    if not t.is_cpu or t.requires_grad:
+        t = t.detach().cpu()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def split_tensor(t: torch.Tensor, part_bytes: int = MAX_PART_BYTES) -> list[runtime_pb2.Tensor]:
     """`t` as protobuf parts of at most `part_bytes` bytes; the first part carries the header."""
-    # Why the checks before any conversion: on a decode step's hot path each torch call costs tens of
-    # microseconds (its dispatch code is cold after a forward), and a step's tensor is already a CPU,
-    # contiguous, grad-free tensor; only other tensors pay for the conversion
-    if t.device.type != "cpu" or t.requires_grad or not t.is_contiguous():
-        t = t.detach().to("cpu").contiguous()
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise InvalidRequestError(f"tensors of dtype {str(t.dtype).removeprefix('torch.')} cannot be sent; use one "
                                   f"of {', '.join(DTYPES)}")
-    # its bytes as a flat view (no copy; numpy has no bfloat16, so that travels as int16, the same bytes)
-    array = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    array = np.ascontiguousarray(_host_array(t))  # a copy only for a strided tensor
     raw = memoryview(array).cast("B") if array.size else memoryview(b"")  # a view with a 0 in its shape cannot cast
     n = max(1, math.ceil(len(raw) / part_bytes))
     parts = [runtime_pb2.Tensor(buffer=raw[:part_bytes].tobytes(), size=list(t.shape), dtype=name, chunks=n,
@@ -128,20 +132,16 @@ _SHAPES = tuple(struct.Struct(f"<{n}I") for n in range(RAW_MAX_DIMS + 1))  # a t
 def encode_raw(meta: dict[str, Any], tensor: torch.Tensor | None = None) -> RawFrame | None:
     """`meta` and `tensor` as one raw frame, or None when they do not fit one (a tensor over
     MAX_PART_BYTES, of another dtype or more dimensions: send `to_messages` then)."""
-    packed = pack(meta)
     if tensor is None:
+        packed = pack(meta)
         return RawFrame(b"".join((_U32.pack(len(packed)), packed, _DTYPE_DIMS.pack(255, 0))))
     code = _RAW_CODES.get(tensor.dtype)
     if code is None or tensor.dim() > RAW_MAX_DIMS:
         return None
-    if not tensor.is_cpu or tensor.requires_grad:
-        tensor = tensor.detach().cpu()
-    # numpy's view of it (no copy): its size, shape and C-order bytes (`tobytes` copies a strided array in
-    # order) without more torch calls, each of which costs tens of microseconds here (see split_tensor)
-    array = (tensor.view(torch.int16) if code == 1 else tensor).numpy()  # code 1: bfloat16, which numpy lacks
+    array = _host_array(tensor)  # its size, shape and C-order bytes (`tobytes` orders a strided array)
     if array.nbytes > MAX_PART_BYTES:
         return None
-    shape = array.shape
+    packed, shape = pack(meta), array.shape
     return RawFrame(b"".join((_U32.pack(len(packed)), packed, _DTYPE_DIMS.pack(code, len(shape)),
                               _SHAPES[len(shape)].pack(*shape), array.tobytes())))
 
@@ -344,13 +344,9 @@ async def drain(messages: AsyncIterator) -> None:
 async def receive_one(messages: AsyncIterator, admit: Admit | None = None) -> Message:
     """Read messages until one group is complete (a reply on a stream); a bad group raises its
     typed error, a stream that ends mid-group raises StopAsyncIteration."""
-    message = await anext(messages)
-    if isinstance(message, RawFrame):  # the whole group in one frame (a decode step's reply)
-        return decode_raw(message, admit)
     assembler = Assembler(admit)
     while True:
-        for result in assembler.feed(message):
+        for result in assembler.feed(await anext(messages)):
             if isinstance(result, PetalsChainError):
                 raise result
             return result
-        message = await anext(messages)

@@ -215,8 +215,9 @@ class BlockServicer:
         # server_s: this step's time inside the server (queue + batch compute), so a client can tell
         # server time from network time (the Table 1 model check)
         reply = StepReply(session.session_id, step_id, session.kv.past_tokens, time.perf_counter() - t0, compute_s)
-        raw = wire_parts.encode_raw(reply.to_wire(), out) if session.raw_replies else None
-        return [raw] if raw is not None else wire_parts.to_messages(reply.to_wire(), (out,), reply=True)
+        meta = reply.to_wire()
+        raw = wire_parts.encode_raw(meta, out) if session.raw_replies else None
+        return [raw] if raw is not None else wire_parts.to_messages(meta, (out,), reply=True)
 
     def _take_pushes_from(self, session: OpenSession, peer: str) -> None:
         if session.stop_pushes is not None:

@@ -243,8 +243,9 @@ class HopClient:
         """One step on `stream`; its reply awaited with liveness probes after `liveness_after_s`."""
         t0 = time.perf_counter()
         # a raw frame where the server takes one and the step fits it (a decode step), else protobuf parts
-        raw = wire_parts.encode_raw(step.to_wire(), hidden) if stream.raw_frames else None
-        requests = [raw] if raw is not None else wire_parts.to_messages(step.to_wire(), (hidden,))
+        meta = step.to_wire()
+        raw = wire_parts.encode_raw(meta, hidden) if stream.raw_frames else None
+        requests = [raw] if raw is not None else wire_parts.to_messages(meta, (hidden,))
 
         async def exchange() -> wire_parts.Message:
             await stream.channel.send(*requests)  # waits only when the socket is full (a large prompt)
