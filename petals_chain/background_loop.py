@@ -1,4 +1,4 @@
-"""An asyncio event loop (uvloop's) on a daemon thread, for sync code that talks to hivemind's async P2P."""
+"""An asyncio event loop on a daemon thread, for sync code that talks to hivemind's async P2P."""
 from __future__ import annotations
 
 import asyncio
@@ -6,16 +6,15 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import uvloop
-
 T = TypeVar("T")
 
 
 class BackgroundLoop:
     def __init__(self, name: str = "petals-chain-loop"):
-        # uvloop (hivemind's own dependency, and its DHT's loop): each loop iteration and socket call
-        # costs less than asyncio's, and every hop of a decode step takes several
-        self.loop = uvloop.new_event_loop()
+        # The standard library's loop, not uvloop's: with uvloop (0.22-0.23) a process running two of
+        # these loops (a client's chain and its orchestrator link) segfaulted inside run_forever in CI
+        # (tests/test_fuzz_rpc.py, 2026-11-25); uvloop saved ~0.05 ms per hop, within the runs' spread
+        self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
