@@ -85,6 +85,16 @@ class FramedStream:
             if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
                 await self._writer.drain()
 
+    def send_nowait(self, *messages) -> bool:
+        """Write `messages` now if the socket's buffer is below its high-water mark (then True);
+        False, writing nothing, when it is over it (use `send`, which waits) or the stream is closing."""
+        transport = self._writer.transport
+        if transport.is_closing() or transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+            return False
+        for message in messages:
+            self._writer.write(frame(message))
+        return True
+
     def __aiter__(self):
         return self
 

@@ -29,6 +29,7 @@ from petals_chain.reachability import (UnreachableError, check_reachability, cir
                                        relay_peer_id, relayed_dht_kwargs, serve_dial_back)
 from petals_chain.dht_records import announce_server, fetch_servers, model_key
 from petals_chain.direct_stream import DirectDialer, DirectListener, offered_hosts
+from petals_chain.heap import freeze_startup_heap
 from petals_chain.swarm_identity import SwarmIdentity
 from petals_chain.models.checkpoint import load_config, resolve_model_path
 from petals_chain.models.family import get_family
@@ -231,6 +232,8 @@ class BlockServer:
         old = self.stacks.swap(stack)
         if old is not None:
             old.stop()
+            del old
+        freeze_startup_heap(f"blocks [{start}, {end})")  # steps never meet a full collection of it
 
     @property
     def block_range(self) -> BlockRange | None:

@@ -111,8 +111,20 @@ class RelayLinks:
         self._tail: asyncio.Task | None = None  # pushes of one session go out in step order
 
     def push_soon(self, route: list[str], step_id: int, out: torch.Tensor, start_position: int | None = None) -> None:
-        """Push in the background (the handler replies to its client meanwhile), after the pushes
-        before it; a failed push is only logged: the client's copy of the step still arrives."""
+        """Push `out` to route[0], after the pushes before it; a failed push is only logged: the
+        client's copy of the step still arrives. Written at once when the link is open, nothing is
+        queued before it and the socket takes it without waiting (a decode step, usually): the push is
+        on the chain's critical path and the client's reply is not, so it goes first. Otherwise (the
+        first push dials its link, or a large one waits for the socket) in the background while the
+        handler replies to its client."""
+        link = self._links.get(route[0])
+        if link is not None and (self._tail is None or self._tail.done()):
+            try:
+                if link[0].send_nowait(*self._messages(route, step_id, out, start_position)):
+                    return
+            except Exception as e:  # as a failed background push: logged, the client's copy runs
+                logger.debug("push of step %d to %s failed: %s", step_id, route[0][-8:], e)
+                return
         before = self._tail
 
         async def run():
@@ -128,13 +140,15 @@ class RelayLinks:
     async def push(self, route: list[str], step_id: int, out: torch.Tensor, start_position: int | None = None) -> None:
         """Send `out` as step `step_id` (its KV rollback `start_position`, if any) to route[0] with the
         rest of the route (not awaiting its ack)."""
-        peer, rest = route[0], list(route[1:])
+        peer = route[0]
         link = self._links.get(peer)
         if link is None:
             channel = await self.dialer.open(peer, BlockService.handle_name("rpc_push"))
             link = self._links[peer] = (channel, asyncio.create_task(self._read_acks(peer, channel)))
-        await link[0].send(*wire_parts.to_messages(Push(self.session_id, step_id, rest, start_position).to_wire(),
-                                                   (out,)))
+        await link[0].send(*self._messages(route, step_id, out, start_position))
+
+    def _messages(self, route: list[str], step_id: int, out: torch.Tensor, start_position: int | None) -> list:
+        return wire_parts.to_messages(Push(self.session_id, step_id, list(route[1:]), start_position).to_wire(), (out,))
 
     async def _read_acks(self, peer: str, responses: FramedStream) -> None:
         try:

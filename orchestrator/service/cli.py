@@ -12,6 +12,7 @@ from orchestrator.model import SERVER_COMPUTE
 from orchestrator.planner import POLICIES
 from orchestrator.tuning import TUNINGS
 from orchestrator.cli_args import parse_c, positive_float
+from petals_chain.heap import freeze_startup_heap
 from petals_chain.cli_args import (LOG_LEVELS, CliParser, identity_path, listen_maddr, non_negative_float,
                                    non_negative_int, peer_maddr, positive_int)
 
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         http = serve_http(orch, args.http_host, args.http_port)
         orch.http_port = http.server_address[1]
     url = f"http://{args.http_host}:{orch.http_port}/" if http else "(no HTTP)"
+    freeze_startup_heap("orchestrator")  # dispatch never meets a full collection of the start-up heap
     print(f"orchestrator ready: {orch.model} as {orch.peer_id}, policy {args.policy}, status {url}", flush=True)
     stop.wait()
     if http is not None:

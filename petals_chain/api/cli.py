@@ -9,6 +9,7 @@ import sys
 
 from petals_chain.api.admission import ADMISSION_POLICIES
 from petals_chain.cli_args import CliParser
+from petals_chain.heap import freeze_startup_heap
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +136,7 @@ def main(argv: list[str]) -> int:
     # Installed before the ready line: a Ctrl-C right after it meets this handler, not Python's default.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_on_signal)
+    freeze_startup_heap("api gateway")  # requests never meet a full collection of the start-up heap
     routing = "orchestrator" if getattr(model.backend, "orchestrator", None) else "client-side routing"
     print(f"api ready at http://{args.host}:{port}/v1 (model {args.model}, {routing}, "
           f"{args.max_concurrent} concurrent sessions)", flush=True)
