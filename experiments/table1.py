@@ -428,7 +428,9 @@ def orchestrator_args(cfg: Table1Config, policy: str, scale_info: dict) -> list[
             "--replan-hold", "5",
             # the stated means are the whole replay's: the warm-up's few sessions (the trace's first requests,
             # 14.5 output tokens against 22.7 in the full run) must not replace them in the planner's model
-            "--length-prior-sessions", str(cfg.requests)]
+            "--length-prior-sessions", str(cfg.requests),
+            # every grant and release in log_<policy>_orchestrator.txt: how a queue that stalls got there
+            "--log-level", "INFO"]
     if cfg.leftover_placement:  # blocks for the servers GBP-CR leaves idle (orchestrator/placement_leftover.py)
         args.append("--leftover-placement")
     tokens = kv_plan_tokens(cfg, scale_info.get("_requests", ()))
@@ -469,6 +471,7 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
                        placement=launcher.placement,
                        names=server_names(cfg), env=THREAD_ENV, start_timeout_s=600)
     result: dict = {"policy": policy, "where": launcher.label}
+    lines: list[str] = []  # the load generator's output
     try:
         t_start = time.monotonic()
         print(f"[{policy}] starting a fresh swarm ({launcher.label}) ...", flush=True)
@@ -512,7 +515,6 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
                          + [s.process.pid for s in swarm.servers])
         gen = start_loadgen(cfg, launcher, swarm, req_file, rec_file, policy)
         meter.add(gen.pid)
-        lines: list[str] = []
 
         def pump():
             for line in gen.stdout:
@@ -559,9 +561,20 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
     finally:
         swarm.stop()
         launcher.close()
+        write_process_logs(out_dir, policy, swarm, lines)
     records = report.rewrite_records(rec_file, requests, policy)
     result["records"] = records
     return result
+
+
+def write_process_logs(out_dir: Path, policy: str, swarm, loadgen_lines: list[str]) -> None:
+    """What the run's processes printed (warnings, failures, the orchestrator's events), one file each:
+    `log_<policy>_orchestrator.txt`, `log_<policy>_<server>.txt`, `log_<policy>_loadgen.txt`; the
+    records say what happened to each request, these say why (a stalled queue, a failed release)."""
+    outputs = {"orchestrator": swarm.orchestrator_lines, "loadgen": loadgen_lines}
+    outputs.update({s.name: s.lines for s in swarm.servers})
+    for name, lines in outputs.items():
+        (out_dir / f"log_{policy}_{name}.txt").write_text("\n".join(lines) + "\n" if lines else "")
 
 
 def run_petals_column(cfg: Table1Config, scale_info: dict, rtt_ms, out_dir: Path, times, block_bytes: int,

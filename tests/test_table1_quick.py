@@ -113,6 +113,10 @@ def test_quick_mode_end_to_end(tmp_path):
             else:
                 assert r["error"].split(":")[0]
     assert summary["policies"]["proposed"]["c"] >= 1
+    # the processes' output beside the records: every grant and release of the orchestrator, the load generator's
+    orch_log = (out / "log_proposed_orchestrator.txt").read_text()
+    assert "granted after" in orch_log and "released after" in orch_log, orch_log[-2000:]
+    assert "loadgen:" in (out / "log_proposed_loadgen.txt").read_text()
     # the model probe: after the replay, one session through each chain of the final plan, each alone; their
     # servers get a model error even when no replayed request ran alone
     probe = summary["policies"]["proposed"]["probe"]

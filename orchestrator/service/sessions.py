@@ -376,6 +376,8 @@ class Sessions:
                 self.client_service[lease.client_id] = (self.client_service.get(lease.client_id, 0.0) + actual
                                                         - lease.charged)
             self.metrics.released += 1
+            logger.info("session %s released after %.1f s on chain %s", session_id, now_s - lease.granted_s,
+                        lease.chain_id)
             return self._free(lease, now_s)
 
     def _free(self, lease: Lease, now_s: float) -> list[ChainGrant]:
