@@ -3,8 +3,10 @@ gets a stub from it). hivemind names handlers after this class, so both sides us
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import AsyncIterator  # hivemind detects streams by typing.AsyncIterator, not collections.abc
+from collections.abc import Awaitable
+from typing import AsyncIterator, TypeVar  # hivemind detects streams by typing.AsyncIterator, not collections.abc
 
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
@@ -116,6 +118,38 @@ for _service in (BlockService, OrchestratorService):
 del _service
 
 
+T = TypeVar("T")
+
+
+async def call_unary(call: Awaitable[T], timeout_s: float) -> T:
+    """`call` (a unary stub call made without hivemind's `timeout=`: `stub.rpc_info(request)`) within
+    `timeout_s`, raising TimeoutError after it, without ever cancelling the call itself: every unary
+    RPC of this process goes through here.
+
+    Why: hivemind 1.1.12's daemon client reads the replies of all unary calls of a process on one task
+    (`ControlClient._read_from_persistent_conn`), which sets the result of each call's future. A call
+    cancelled (by `asyncio.wait_for`, a stub's `timeout=`, or a cancelled caller) in the same loop
+    iteration as its reply arrives has a cancelled future there, its `set_result` raises
+    InvalidStateError, and that ends the reading task: from then on no unary reply of the process is
+    read (every call times out, incoming unary requests go unanswered) while requests still go out.
+    A load generator's client lost every orchestrator reply so in a Table 1 run (its acquires were
+    granted and the grants never arrived; tests/test_unary_calls.py pins the hazard). So the call is
+    shielded: whoever stops waiting for it leaves it to end by itself (the daemon answers or fails
+    every call), and its result is dropped then."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+    except BaseException:
+        if not task.done():
+            task.add_done_callback(_drop_result)
+        raise
+
+
+def _drop_result(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a late failure of a call nobody waits for is not logged as unhandled
+
+
 def ping_block_server_s(loop, p2p, peer_id: str, *, timeout_s: float = 3.0) -> float | None:
     """Round trip of one `rpc_info` to a block server on `loop` (a BackgroundLoop), in seconds;
     None when it does not answer within `timeout_s`. Clients route with it, the orchestrator
@@ -123,7 +157,7 @@ def ping_block_server_s(loop, p2p, peer_id: str, *, timeout_s: float = 3.0) -> f
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     start = time.perf_counter()
     try:
-        loop.run(stub.rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s), timeout_s=timeout_s + 1)
+        loop.run(call_unary(stub.rpc_info(wire.request(wire.InfoRequest())), timeout_s), timeout_s=timeout_s + 1)
     except Exception:
         return None
     return time.perf_counter() - start
@@ -134,8 +168,8 @@ def fetch_service_records(loop, p2p, peer_id: str, since_seq: int, *, timeout_s:
     rpc_info; None when it does not answer. The orchestrator's calibrated model reads them."""
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     try:
-        resp = loop.run(stub.rpc_info(wire.request(wire.InfoRequest(service_since_seq=since_seq)), timeout=timeout_s),
-                        timeout_s=timeout_s + 1)
+        resp = loop.run(call_unary(stub.rpc_info(wire.request(wire.InfoRequest(service_since_seq=since_seq))),
+                                   timeout_s), timeout_s=timeout_s + 1)
         return wire.decode_reply(wire.unpack(resp.metadata), wire.InfoReply).service or []
     except Exception:
         return None

@@ -48,6 +48,7 @@ from hivemind.proto import runtime_pb2
 from petals_chain import wire
 from petals_chain.errors import InvalidRequestError, PetalsChainError
 from petals_chain.wire import Reachability
+from petals_chain.protocol import call_unary
 from petals_chain.wire_record import WireRecord
 
 logger = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ async def check_reachability(initial_peers: list[str], host_maddrs: list[str],
         for maddr in initial_peers:
             peer = maddr.rsplit("/p2p/", 1)[-1]
             try:
-                resp = await asyncio.wait_for(probe.call_protobuf_handler(
+                resp = await call_unary(probe.call_protobuf_handler(
                     PeerID.from_base58(peer), DIAL_BACK_HANDLER, wire.request(DialBackRequest(ports)),
                     runtime_pb2.ExpertResponse), timeout_s)
                 reply = wire.decode_reply(wire.unpack(resp.metadata), DialBackReply)
