@@ -36,7 +36,7 @@ from petals_chain import wire
 from petals_chain.errors import DirectRefusedError, PetalsChainError
 from petals_chain.framed_stream import _HEADER_BYTES, FramedStream, Handler, frame, read_frame, serve_framed
 from petals_chain.messages import DirectHello, DirectOffer, DirectReady, DirectRequest
-from petals_chain.protocol import BlockService, call_unary
+from petals_chain.protocol import BlockService
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ TICKET_BYTES = 16
 async def ask_direct_offer(p2p: P2P, peer_id: str) -> DirectOffer:
     """The server's `rpc_direct` answer over p2p (its typed error raised as such)."""
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
-    reply = await call_unary(stub.rpc_direct(wire.request(DirectRequest())), DIAL_TIMEOUT_S)
+    reply = await stub.rpc_direct(wire.request(DirectRequest()), timeout=DIAL_TIMEOUT_S)
     return wire.decode_reply(wire.unpack(reply.metadata), DirectOffer)
 
 

@@ -32,6 +32,14 @@ class _MembersOnly(ServicerBase):
             return wire.error_response(e)
         return None
 
+    @classmethod
+    def get_stub(cls, p2p, peer: PeerID, *, namespace: str | None = None) -> "ShieldedStub":
+        """hivemind's stub, with every unary call (`stub.rpc_info(request, timeout=5.0)`) made through
+        `call_unary`, so no caller can cancel one (see there)."""
+        stub = super().get_stub(p2p, peer, namespace=namespace)
+        return ShieldedStub(stub, frozenset(h.method_name for h in cls._rpc_handlers
+                                            if not (h.stream_input or h.stream_output)))
+
 
 class BlockService(_MembersOnly):
     """Delegates each RPC to `impl` (the server's `BlockServicer`)."""
@@ -122,9 +130,9 @@ T = TypeVar("T")
 
 
 async def call_unary(call: Awaitable[T], timeout_s: float) -> T:
-    """`call` (a unary stub call made without hivemind's `timeout=`: `stub.rpc_info(request)`) within
-    `timeout_s`, raising TimeoutError after it, without ever cancelling the call itself: every unary
-    RPC of this process goes through here.
+    """`call` (a unary call made without a timeout of its own) within `timeout_s` (None: no limit),
+    raising TimeoutError after it, without ever cancelling the call itself: every unary RPC of this
+    process goes through here (the services' stubs, `ShieldedStub`, call it for each unary method).
 
     Why: hivemind 1.1.12's daemon client reads the replies of all unary calls of a process on one task
     (`ControlClient._read_from_persistent_conn`), which sets the result of each call's future. A call
@@ -150,6 +158,23 @@ def _drop_result(task: asyncio.Future) -> None:
         task.exception()  # retrieved: a late failure of a call nobody waits for is not logged as unhandled
 
 
+class ShieldedStub:
+    """A hivemind stub whose unary methods take `timeout=` through `call_unary`; its stream methods
+    are hivemind's own (their streams are sockets of their own, not the shared reply reader)."""
+
+    def __init__(self, stub, unary_methods: frozenset[str]):
+        self._stub, self._unary_methods = stub, unary_methods
+
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+        if name not in self._unary_methods:
+            return method
+
+        def call(request, timeout: float | None = None):
+            return call_unary(method(request), timeout)
+        return call
+
+
 def ping_block_server_s(loop, p2p, peer_id: str, *, timeout_s: float = 3.0) -> float | None:
     """Round trip of one `rpc_info` to a block server on `loop` (a BackgroundLoop), in seconds;
     None when it does not answer within `timeout_s`. Clients route with it, the orchestrator
@@ -157,7 +182,7 @@ def ping_block_server_s(loop, p2p, peer_id: str, *, timeout_s: float = 3.0) -> f
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     start = time.perf_counter()
     try:
-        loop.run(call_unary(stub.rpc_info(wire.request(wire.InfoRequest())), timeout_s), timeout_s=timeout_s + 1)
+        loop.run(stub.rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s), timeout_s=timeout_s + 1)
     except Exception:
         return None
     return time.perf_counter() - start
@@ -168,8 +193,8 @@ def fetch_service_records(loop, p2p, peer_id: str, since_seq: int, *, timeout_s:
     rpc_info; None when it does not answer. The orchestrator's calibrated model reads them."""
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     try:
-        resp = loop.run(call_unary(stub.rpc_info(wire.request(wire.InfoRequest(service_since_seq=since_seq))),
-                                   timeout_s), timeout_s=timeout_s + 1)
+        resp = loop.run(stub.rpc_info(wire.request(wire.InfoRequest(service_since_seq=since_seq)), timeout=timeout_s),
+                        timeout_s=timeout_s + 1)
         return wire.decode_reply(wire.unpack(resp.metadata), wire.InfoReply).service or []
     except Exception:
         return None

@@ -37,7 +37,7 @@ from petals_chain import wire
 from petals_chain.errors import PetalsChainError
 from petals_chain.messages import AssignmentReply, AssignmentRequest, AssignmentStatus
 from petals_chain.orchestrator_records import find_orchestrator
-from petals_chain.protocol import BlockService, OrchestratorService, call_unary, ping_block_server_s
+from petals_chain.protocol import BlockService, OrchestratorService, ping_block_server_s
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.runtime.lora import adapter_name
 from petals_chain.wire import Reachability, ServerInfo, ServerState
@@ -331,7 +331,7 @@ class BlockServer:
     def _ask_assignment(self):
         try:
             stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(self.orchestrator.peer_id))
-            resp = self.loop.run(call_unary(stub.rpc_assignment(wire.request(AssignmentRequest())), 5.0), timeout_s=7.0)
+            resp = self.loop.run(stub.rpc_assignment(wire.request(AssignmentRequest()), timeout=5.0), timeout_s=7.0)
             return wire.decode_reply(wire.unpack(resp.metadata), AssignmentReply).assignment
         except Exception as e:
             logger.warning("asking the orchestrator for an assignment failed: %s", e)

@@ -11,7 +11,10 @@ from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.control import ControlClient, DaemonConnector
 from hivemind.proto import p2pd_pb2, runtime_pb2
 
-from petals_chain.protocol import call_unary
+from hivemind.p2p import PeerID
+
+from petals_chain import wire
+from petals_chain.protocol import BlockService, OrchestratorService, call_unary
 
 
 def _frame(message) -> bytes:
@@ -74,6 +77,30 @@ def test_call_unary_times_out_and_is_cancelled_without_cancelling_the_call():
         replies.append(loop.create_future())
         loop.call_later(0.01, replies[2].set_result, b"on time")
         assert await call_unary(call(2), 5.0) == b"on time"
+
+    asyncio.run(main())
+
+
+def test_the_services_stubs_time_out_unary_calls_without_cancelling_them():
+    """`stub.rpc_x(request, timeout=...)` on our services' stubs goes through call_unary; the stream
+    methods stay hivemind's."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        replies = []
+
+        class P2PStandIn:  # what a stub calls: the daemon client's unary call, awaiting its reply future
+            async def call_protobuf_handler(self, peer, name, request, response_type):
+                replies.append(loop.create_future())
+                return await replies[-1]
+
+        peer = PeerID.from_base58("QmNcTWV3bvusbKUCGSrmpcnq6Xz3nAsy8x8QbjdwXWxHBv")
+        for service, method in ((BlockService, "rpc_info"), (OrchestratorService, "rpc_acquire")):
+            stub = service.get_stub(P2PStandIn(), peer)
+            with pytest.raises(TimeoutError):
+                await getattr(stub, method)(wire.request(wire.InfoRequest()), timeout=0.05)
+        assert len(replies) == 2 and not any(f.cancelled() for f in replies)
+        with pytest.raises(ValueError, match="not supported"):  # hivemind's own stream caller
+            await BlockService.get_stub(P2PStandIn(), peer).rpc_inference(None, timeout=1.0)
 
     asyncio.run(main())
 

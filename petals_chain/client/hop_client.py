@@ -30,7 +30,7 @@ from petals_chain.errors import (
 )
 from petals_chain.messages import Close, Forward, Hop, Open, Opened, Step, StepReply
 from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
-from petals_chain.protocol import BlockService, call_unary
+from petals_chain.protocol import BlockService
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class HopClient:
         stub = self.stub(hop.peer_id)
         if len(requests) == 1:
             reply = wire_parts.decode_single(await self.receive_while_alive(
-                hop, call_unary(stub.rpc_forward(requests[0]), self.step_timeout_s), LIVENESS_FLOOR_S,
+                hop, stub.rpc_forward(requests[0], timeout=self.step_timeout_s), LIVENESS_FLOOR_S,
                 self.step_timeout_s, "the forward"))
         else:
             async def outgoing():
@@ -270,7 +270,7 @@ class HopClient:
         `timeout_s`, else why not (a refused dial, a timeout): it runs on the server's RPC loop, not
         behind the compute, so a busy server answers."""
         try:
-            await call_unary(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest())), timeout_s)
+            await self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s)
         except P2PHandlerError:
             return None  # its handler ran and raised: the host is there
         except (TimeoutError, asyncio.TimeoutError):

@@ -23,7 +23,7 @@ from petals_chain.client.routing import ChainProvider
 from petals_chain.errors import OrchestratorUnavailableError, PetalsChainError
 from petals_chain.messages import (Acquire, HopReport, ChainGrant, Granted, Heartbeat, HeartbeatReply, Queued, Release, Released,
                                    decode_tagged)
-from petals_chain.protocol import OrchestratorService, call_unary
+from petals_chain.protocol import OrchestratorService
 from petals_chain.wire_record import WireRecord
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class OrchestratorChainProvider(ChainProvider):
     def _call_once(self, method: str, meta: WireRecord, timeout_s: float) -> dict:
         stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(self.orchestrator_peer_id))
         try:
-            resp = self.loop.run(call_unary(getattr(stub, method)(wire.request(meta)), timeout_s), timeout_s=timeout_s + 2)
+            resp = self.loop.run(getattr(stub, method)(wire.request(meta), timeout=timeout_s), timeout_s=timeout_s + 2)
         except Exception as e:
             raise OrchestratorUnavailableError(
                 f"the orchestrator {self.orchestrator_peer_id[-8:]} did not answer {method} "

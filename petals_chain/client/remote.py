@@ -26,7 +26,7 @@ from petals_chain.client.routing import ChainProvider, DhtChainProvider, min_lat
 from petals_chain.dht_records import fetch_servers, model_key
 from petals_chain.errors import InvalidRequestError, NoChainError
 from petals_chain.orchestrator_records import find_orchestrator
-from petals_chain.protocol import call_unary, ping_block_server_s
+from petals_chain.protocol import ping_block_server_s
 from petals_chain.reachability import RelayRoutes
 from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
 
@@ -106,8 +106,7 @@ class RemoteChain(ChainBackend):
         return ping_block_server_s(self.loop, self.p2p, peer_id)
 
     def server_info(self, peer_id: str) -> wire.ServerInfo:
-        resp = self.loop.run(call_unary(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest())), 5.0),
-                             timeout_s=7.0)
+        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=5.0), timeout_s=7.0)
         return wire.decode_reply(wire.unpack(resp.metadata), wire.InfoReply).info
 
     def forward(self, hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
