@@ -170,6 +170,11 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
             _, slope = _lad(np.stack([np.ones_like(yl), bl], axis=1), yl, iterations)
             coef[3] = max(0.0, float(slope) - coef[2])
             coef[0] = max(0.0, mean_level(yl - (coef[3] + coef[2]) * bl))
+            # the lone steps told t_o from t_B even where the whole window could not (2 lone batches at a
+            # block count, fewer than MIN_SPAN_BATCHES there in all): the fit is t_o + m t_B from here on
+            # (column 0 a constant again, column 3 the blocks)
+            separable, per_block_fixed = True, False
+            cols[0], cols[3] = np.ones_like(y), b
         elif per_block_fixed:  # coef[0] multiplies b
             coef[0] = max(0.0, mean_level(yl / bl) - coef[2])
         else:  # t_o beside the line's t_B (0 without blocks)

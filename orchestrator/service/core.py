@@ -302,7 +302,13 @@ class Orchestrator:
         with self.lock:
             todo = {p: (self.windows[p], self.records[p].info.decode_s_per_token)
                     for p in (self.records if peers is None else peers) if p in self.windows and p in self.records}
-        fits = {p: (w.fit(t_O_profile_s=profile) if on else None) for p, (w, profile) in todo.items()}
+        fits = {}
+        for p, (w, profile) in todo.items():
+            try:
+                fits[p] = w.fit(t_O_profile_s=profile) if on else None
+            except Exception:  # one server's window must not stop the others' fits or the control loop
+                logger.exception("fitting server %s's service records failed; its previous model stays",
+                                 self.name_of(p))
         with self.lock:
             measured = {}
             for p, rec in self.records.items():
