@@ -276,7 +276,7 @@ class BlockServer:
         """Compare the cached start-up profile with live service (the fit of this range's recent batches);
         when they disagree, drop the cache entry so the next start measures instead of trusting it.
         Returns whether it dropped it."""
-        from orchestrator.service.calibration import fit_service
+        from petals_chain.service_fit import fit_service
         br, prof = self.block_range, self.profile
         if br is None or prof is None or prof.blocks != br.end - br.start:
             return False

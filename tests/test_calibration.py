@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from orchestrator.service.calibration import (MIN_LONE_BATCHES, MIN_SPAN_BATCHES, ReplanTrigger, ServiceWindow, fit_service,
-                                             hop_costs, mean_level)
+from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, hop_costs
+from petals_chain.service_fit import MIN_LONE_BATCHES, MIN_SPAN_BATCHES, fit_service, mean_level
 
 
 @settings(max_examples=30, deadline=None)
@@ -252,7 +252,8 @@ def test_a_model_replan_waits_for_the_servers_it_moves_to_end_their_sessions_the
 
 
 def test_an_unfitted_server_takes_a_fitted_twins_fit_scaled_by_their_profiles():
-    from orchestrator.service.calibration import FittedProfile, ServiceFit, scaled_profile_fit
+    from orchestrator.service.calibration import FittedProfile, scaled_profile_fit
+    from petals_chain.service_fit import ServiceFit
 
     def fit(t_I, t_O, t_o):
         return ServiceFit(t_I, t_O, t_o, samples=30, median_abs_rel_residual=0.05)

@@ -125,7 +125,7 @@ def test_cluster_files_take_batch_overhead_and_reject_bad_values():
 
 
 def test_the_orchestrator_marks_servers_shared_by_its_server_compute_setting():
-    from orchestrator.service.calibration import ServiceFit
+    from petals_chain.service_fit import ServiceFit
     from orchestrator.service.registry import ServerRecord, batch_overhead_s, build_cluster
     from orchestrator.session_times import SessionShape
     from petals_chain.wire import ServerInfo
@@ -177,7 +177,7 @@ def test_cluster_files_take_batch_block_overhead_within_tau_p():
 
 
 def test_the_fitted_t_B_goes_into_tau_p_and_is_not_planned_as_shared():
-    from orchestrator.service.calibration import ServiceFit
+    from petals_chain.service_fit import ServiceFit
     from orchestrator.service.registry import Overheads, ServerRecord, build_cluster, server_params
     from orchestrator.session_times import SessionShape
     from petals_chain.wire import ServerInfo

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from orchestrator.model import SERVER_COMPUTE, BlockInterval, Cluster, Server, Service
-from orchestrator.service.calibration import ServiceFit
+from petals_chain.service_fit import ServiceFit
 from orchestrator.session_times import SessionShape, tau_c_relay_s, tau_c_s, tau_p_s
 from petals_chain.wire import ServerInfo
 
