@@ -357,7 +357,7 @@ def test_steps_of_several_block_counts_separate_t_o_from_t_B(t_o, t_B, t_O, t_I,
     wall[bad] *= rng.uniform(1.5, 4.0, bad.sum())
     fit = fit_service(prefill, decode, wall, blocks=blocks)
     assert fit.blocks_separable
-    step = t_B * max(spans)  # the scale a term is judged at: one lone step through the most blocks
+    step = t_o + max(spans) * (t_B + t_O)  # the scale a term is judged at: one lone step through the most blocks
     assert fit.t_B_s == pytest.approx(t_B, rel=0.1, abs=0.02 * step / max(spans))
     assert fit.t_o_s == pytest.approx(t_o, abs=0.05 * step)
     assert fit.t_O_s == pytest.approx(t_O, rel=0.2, abs=0.02 * step / max(spans))
