@@ -132,3 +132,32 @@ def test_a_waiting_poll_whose_session_left_the_queue_gets_a_typed_timeout():
             await asyncio.wait_for(task, 5.0)
 
     asyncio.run(scenario())
+
+
+def test_a_grant_whose_poll_reply_went_unread_is_given_to_the_sessions_next_poll():
+    # the client's wait for a poll ended before that poll's reply came (its timeout): the poll took the
+    # grant and its reply went to nobody. The session's next poll gets the same grant (not a new place at
+    # the back of the queue); a poll that excludes a server of that chain is a failover and does not
+    now = [0.0]
+    orch = bare_orchestrator(lambda: now[0])
+    s = orch.sessions
+    poll = lambda sid, poll_s=0.01, exclude=frozenset(): s.poll(sid, "c", 64, timeout_s=60, poll_s=poll_s,  # noqa: E731
+                                                                exclude=exclude, clock=orch.clock)
+
+    async def scenario():
+        unread = await poll("x")  # granted, and its reply lost on the way
+        again = await poll("x")
+        assert again == unread and s.metrics.admitted == 1 and set(s.leases) == {"x"}
+        # a poll waiting while an older poll of the session takes the grant
+        assert await poll("y") == Queued(1, 1)
+        waiting = asyncio.create_task(poll("y", poll_s=10.0))
+        await asyncio.sleep(0)  # it waits for its event
+        s.release("x", now[0])  # y's grant is made and its waiting poll woken ...
+        taken_by_the_older_poll = s.take_grant("y")  # ... but an older poll of y takes it first
+        got = await asyncio.wait_for(waiting, 5.0)
+        assert got == taken_by_the_older_poll and got.session_id == "y"
+        # failover: excluding a server of the held chain gives the lease back and queues again
+        failover = await poll("y", exclude=frozenset({got.hops[0].peer_id}))
+        assert isinstance(failover, Queued) and "y" not in s.leases and s.metrics.released == 2
+
+    asyncio.run(scenario())

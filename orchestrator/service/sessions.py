@@ -74,6 +74,7 @@ class Lease:
     wait_s: float
     job_id: int = -1  # -1: not a job of the current dispatcher (an earlier plan's session)
     charged: float = 0.0  # fair queue: what the client's counter was charged at the grant
+    grant: ChainGrant | None = None  # what the session was granted (a later poll may need it again)
 
 
 @dataclass
@@ -316,8 +317,6 @@ class Sessions:
         wait = now_s - w.arrived_s
         charge = self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
         self.client_service[w.client_id] = self.client_service.get(w.client_id, 0.0) + charge
-        self.leases[w.session_id] = Lease(w.session_id, w.client_id, ch.chain_id, now_s, now_s + self.lease_ttl_s,
-                                          wait, w.job_id, charge)
         self.metrics.admitted += 1
         self.metrics.observe_wait(wait)
         # the session id carries an API gateway's request id: this line ties a request to its chain
@@ -325,6 +324,8 @@ class Sessions:
                     ch.chain_id, wait)
         g = ChainGrant(w.session_id, ch.chain_id, self.plan_version, ch.hops, ch.service_time_s, self.lease_ttl_s,
                        wait, extra={"seq": self.metrics.admitted})
+        self.leases[w.session_id] = Lease(w.session_id, w.client_id, ch.chain_id, now_s, now_s + self.lease_ttl_s,
+                                          wait, w.job_id, charge, g)
         self._unpicked[w.session_id] = (g, now_s)
         self._wake(w.session_id)
         return g
@@ -484,6 +485,21 @@ class Sessions:
             self._wakers.pop(session_id, None)
             return None if entry is None else entry[0]
 
+    def _granted_before(self, session_id: str, exclude: frozenset[str]) -> ChainGrant | None:
+        """The grant a session holds, for a poll that excludes none of its chain's servers: that poll is not
+        a failover (a failover excludes the server that failed), so its client never read the grant. Why
+        this happens: the client's wait for a poll's reply ended (its timeout, the poll's reply late by more
+        than the client's margin) while that poll, still waiting here, took the grant; the reply went to
+        nobody and the client's next poll found its session out of the queue. Without this the next poll
+        gave the lease back and queued again (losing its place), or, already waiting, failed the session."""
+        lease = self.leases.get(session_id)
+        ch = None if lease is None else self.chains.get(lease.chain_id)
+        if lease is None or lease.grant is None or ch is None or set(ch.peers) & exclude:
+            return None
+        logger.info("session %s: its grant of chain %s given again (a poll whose reply its client no longer "
+                    "read had taken it)", session_id, lease.chain_id)
+        return lease.grant
+
     def _wake(self, session_id: str) -> None:
         entry = self._wakers.pop(session_id, None)
         if entry is not None:
@@ -504,6 +520,9 @@ class Sessions:
             if g is not None:
                 return g
             if session_id not in self.queue:  # a new request (or a replacement after failover)
+                g = self._granted_before(session_id, exclude)
+                if g is not None:
+                    return g
                 if self._binding is None and self.no_chain_reason:
                     raise NoChainError(f"the orchestrator cannot plan for the servers it knows: {self.no_chain_reason}")
                 if self.refuses_length(max_length):
@@ -530,6 +549,9 @@ class Sessions:
             if g is not None:
                 return g
             if session_id not in self.queue:  # another thread took it out (deadline, abandoned, release)
+                g = self._granted_before(session_id, exclude)  # or an older poll of this session took its grant
+                if g is not None:
+                    return g
                 raise AcquireTimeoutError("the session left the orchestrator's queue (its deadline passed or "
                                           "its client stopped polling); retry later or raise the timeout")
             if clock() >= deadline:
