@@ -119,6 +119,7 @@ class BlockServer:
         self.meter = ServiceMeter()  # every batch's measured service, for the orchestrator's model
         self.profile: RangeProfile | None = None  # the start-up profile of the loaded range (or the probe)
         self._profile_checked_seq = -1
+        self._profile_contradicted = False  # live service disagreed with the cached profile once: done checking
         self.max_step_tokens = config.max_step_tokens or config.max_length_tokens
         self.path = resolve_model_path(config.model)
         self.self_placed = config.num_blocks is not None  # --num-blocks: chooses its own span
@@ -269,6 +270,7 @@ class BlockServer:
     def _profile(self, block_range) -> BlockTimes:
         """t_I, t_O to announce: the range's start-up profile (an emulated slowdown scales it)."""
         self.profile = cached_range_profile(block_range, self.model_name)
+        self._profile_contradicted = False
         return slowed_times(BlockTimes(self.profile.prefill_s_per_token, self.profile.decode_s_per_token),
                             self.config.emulate_slowdown)
 
@@ -278,7 +280,7 @@ class BlockServer:
         Returns whether it dropped it."""
         from petals_chain.service_fit import fit_service
         br, prof = self.block_range, self.profile
-        if br is None or prof is None or prof.blocks != br.end - br.start:
+        if br is None or prof is None or prof.blocks != br.end - br.start or self._profile_contradicted:
             return False
         recs = [r for r in self.meter.records() if r.seq > self._profile_checked_seq]
         if len(recs) < min_batches:
@@ -291,6 +293,8 @@ class BlockServer:
         live_t_O = fit.t_O_s / self.config.emulate_slowdown  # the emulation's sleep is not the device's
         if not disagrees(prof, live_t_O, fit.samples):
             return False
+        # once is enough: the entry is gone (the next start measures), and saying it every minute is noise
+        self._profile_contradicted = True
         dropped = forget_profile(real_range(br), self.model_name)
         logger.warning("live service (t_O %.3f ms per block-token over %d batches) disagrees with the cached start-up "
                        "profile (%.3f ms): %s", live_t_O * 1e3, fit.samples, prof.decode_s_per_token * 1e3,

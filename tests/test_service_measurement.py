@@ -122,3 +122,30 @@ def test_a_profile_under_a_cpu_quota_counts_cpu_seconds_per_share():
 class _Dev:
     def __init__(self, device: str):
         self.device = device
+
+
+def test_live_service_that_contradicts_the_profile_drops_it_once(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from server import block_server
+    from server.service_meter import ServiceMeter
+
+    forgotten = []
+    monkeypatch.setattr(block_server, "forget_profile", lambda br, name: forgotten.append(name) or len(forgotten) == 1)
+    srv = block_server.BlockServer.__new__(block_server.BlockServer)
+    srv.stacks = SimpleNamespace(current=SimpleNamespace(block_range=SimpleNamespace(start=0, end=4)))
+    srv.profile = range_profile.RangeProfile(1e-4, 1e-3, 1e-3, blocks=4, batches=20)
+    srv.config, srv.model_name = SimpleNamespace(emulate_slowdown=1.0), "m"
+    srv.meter, srv._profile_checked_seq, srv._profile_contradicted = ServiceMeter(), -1, False
+
+    def serve(n):  # decode batches of 1-4 sessions at 3x the profile's t_O
+        for i in range(n):
+            k = 1 + i % 4
+            srv.meter.on_batch({"items": [("c", 1, False)] * k, "service_s": 1e-3 + 3e-3 * 4 * k, "cpu_s": 0.0,
+                                "blocks": [4] * k})
+
+    serve(120)
+    assert srv.check_profile() is True and forgotten == ["m"]
+    serve(120)
+    assert srv.check_profile() is False and forgotten == ["m"]  # said once, not every minute
+    assert caplog.text.count("disagrees with the cached start-up profile") == 1
