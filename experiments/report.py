@@ -123,6 +123,43 @@ def server_hosts_cpu_s(host_cpu: dict | None) -> float | None:
     return None if not used or None in used else float(sum(used))
 
 
+PEAK_SERVICE_WINDOW_S = 60.0
+
+
+def peak_service(batches: list[dict], window_s: float = PEAK_SERVICE_WINDOW_S) -> dict | None:
+    """A server's busiest window of its service log (`launch-server --service-log`: per batch `t_s`, the
+    batch's end on CLOCK_MONOTONIC, `service_s`, `cpu_s`, `items`): the fraction of the window its batches
+    ran (`busy`), the CPU cores they used, and the sessions per batch then. Whether compute or something
+    else (the slots a plan gives, the network) bounds a run shows here: a server near busy 1 at its
+    peak is compute-bound; one far below it while requests queue waits for work. None without batches."""
+    ok = [b for b in batches if b.get("ok", True) and b.get("service_s") is not None]
+    if not ok:
+        return None
+    t = np.array([b["t_s"] for b in ok], dtype=float)
+    busy_s = np.array([b["service_s"] for b in ok], dtype=float)
+    cpu_s = np.array([b.get("cpu_s") or 0.0 for b in ok], dtype=float)
+    rows = np.array([len(b.get("items") or ()) for b in ok], dtype=float)
+    order = np.argsort(t)
+    t, busy_s, cpu_s, rows = t[order], busy_s[order], cpu_s[order], rows[order]
+    # every window (t_i - window_s, t_i] ending at a batch's end; the busiest by its batches' service seconds
+    lo = np.searchsorted(t, t - window_s, side="right")
+    cum = np.concatenate([[0.0], np.cumsum(busy_s)])
+    i = int(np.argmax(cum[1:] - cum[lo]))
+    sel = slice(int(lo[i]), i + 1)
+    return {"window_s": window_s, "busy": float(busy_s[sel].sum() / window_s),
+            "cpu_cores": float(cpu_s[sel].sum() / window_s), "sessions_per_batch": float(rows[sel].mean())}
+
+
+def read_peak_service(out: Path, policy: str) -> dict[str, dict]:
+    """`peak_service` of each `service_<policy>_<server>.jsonl` in a results folder."""
+    peaks = {}
+    for path in sorted(out.glob(f"service_{policy}_*.jsonl")):
+        peak = peak_service([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        if peak is not None:
+            peaks[path.stem.removeprefix(f"service_{policy}_")] = peak
+    return peaks
+
+
 def _load_line(sc: dict) -> str:
     if sc.get("peak_offered_cpu_load_estimate") is None or sc.get("offered_cpu_load_estimate") is None:
         return ""
@@ -189,6 +226,13 @@ def summary_markdown(summary: dict) -> str:
         if hc:
             lines.append(f"- {p}: CPU share / measured use per host during the replay (cores): "
                          + ", ".join(f"{h} {v['share_cores']:.3f} / {_cores(v['used_cores'])}" for h, v in hc.items()))
+    for p in pols:
+        peaks = P[p].get("peak_service")
+        if peaks:
+            lines.append(f"- {p}: each server's busiest {_f(next(iter(peaks.values()))['window_s'], 0)} s (busy "
+                         "fraction / CPU cores / sessions per batch): "
+                         + ", ".join(f"{h} {v['busy']:.2f} / {v['cpu_cores']:.3f} / {v['sessions_per_batch']:.1f}"
+                                     for h, v in peaks.items()))
     if shares is None and sc.get("slow_servers_emulated_slowdown"):
         lines.append(f"- slow servers: launch-server --emulate-slowdown {sc['slow_servers_emulated_slowdown']:.3f}")
     for p, why in summary.get("not_run", {}).items():

@@ -98,6 +98,7 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
                                         "final_servers", "host_cpu", "cpu", "startup_s", "probe",
                                         "final_metrics",
                                         "loadgen_exit", "loadgen_error", "loadgen_tail")})
+        s["peak_service"] = report.read_peak_service(out, p)
         policies[p] = s
     summary = {"command": meta["command"], "where": where, "scale": meta["scale"], "config": meta["config"],
                "rtt_ms": meta["rtt_ms"], "rtt_anchor_indices": meta["rtt_anchor_indices"], "wall_s": wall_s,

@@ -120,7 +120,13 @@ def test_results_are_recomputed_from_the_files_of_a_stopped_run(tmp_path):
         "\n".join(json.dumps(rec(i, 0.0, 4.0, 6.0, policy="petals")) for i in range(2)) + "\n")
     # proposed was stopped half-way: records but no run file; bprr never started
     (tmp_path / "records_proposed.jsonl").write_text(json.dumps(rec(0, 0.0, 0.0, 2.0)) + "\n")
+    # a server's service log: its busiest minute is in the summary and the markdown
+    (tmp_path / "service_proposed_fast0.jsonl").write_text("\n".join(json.dumps(
+        {"t_s": 100.0 + i, "service_s": 0.5, "cpu_s": 0.1, "ok": True, "items": [["c", 1, False]] * 2})
+        for i in range(10)) + "\n")
     s = write_results(tmp_path)
+    assert s["policies"]["proposed"]["peak_service"]["fast0"]["busy"] == pytest.approx(5.0 / 60)
+    assert "fast0 0.08 / 0.017 / 2.0" in (tmp_path / "summary.md").read_text()
     assert set(s["policies"]) == {"petals", "proposed"}
     assert s["policies"]["proposed"]["lost"] == 1 and "stopped" in s["policies"]["proposed"]["loadgen_error"]
     assert s["change_vs_petals"]["proposed"]["mean_response"] == pytest.approx(-2 / 3)
@@ -247,3 +253,23 @@ def test_the_probe_targets_only_chains_it_can_reach_by_avoiding_servers():
     # s2 -> f1 holds the chain f1 (avoiding the rest, JFFC may grant f1 alone); s4 -> f0 -> s5 holds s4 -> s5
     assert [k["servers"] for k in probe_targets(chains)] == [["f1"], ["s2", "s3"], ["f0"], ["s4", "s5"]]
     assert probe_targets([{"servers": ["a"]}, {"servers": ["a"]}]) == [{"servers": ["a"]}, {"servers": ["a"]}]
+
+
+def test_peak_service_finds_the_busiest_window_of_a_service_log():
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.lists(st.tuples(st.floats(0.0, 500.0), st.floats(0.001, 5.0), st.integers(1, 4)), min_size=1,
+                    max_size=60), st.floats(5.0, 120.0))
+    def check(batches, window_s):
+        log = [{"t_s": t, "service_s": s, "cpu_s": s / 2, "items": [["c", 1, False]] * k} for t, s, k in batches]
+        peak = report.peak_service(log, window_s)
+        # brute force: every window (t_i - window_s, t_i]
+        best = max(sum(s for t, s, _ in batches if ti - window_s < t <= ti) for ti, _, _ in batches)
+        assert peak["busy"] == pytest.approx(best / window_s)
+        assert peak["cpu_cores"] == pytest.approx(peak["busy"] / 2)
+        assert 1.0 <= peak["sessions_per_batch"] <= 4.0
+
+    check()
+    assert report.peak_service([]) is None
+    assert report.peak_service([{"t_s": 1.0, "service_s": 1.0, "ok": False, "items": []}]) is None
