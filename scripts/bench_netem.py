@@ -16,7 +16,9 @@
    "exact": bool (greedy tokens of every relay equal HF's), "server_peer_rtt_ms_median" (the RTTs the
    servers measured to each other and announce, next to the emulated RTT), ...}. The model's step per relay:
    client relay N x RTT, server relay (N + 1) x RTT / 2 (footnote 4's tau_c,ij legs), plus each
-   block's t_O + 1 ms.
+   block's t_O + 1 ms. Also per relay `beyond_legs_ms` (the measured step minus its legs: compute and
+   framework), and `ratio_bound_at_this_work`: server relay's best ratio on this machine, its legs plus
+   the client relay's `beyond_legs_ms` over the client relay's step ((N + 1) / 2N only as that work -> 0).
 
 Needs root (namespaces). Prints a table and writes results/bench_netem.json.
 """
@@ -255,13 +257,18 @@ def bench_chain(name: str, rtts_ms: list[float], new_tokens: int, repeats: int) 
     return r
 
 
+def legs_ms(relay: str, rtt_ms: float, n_servers: int) -> float:
+    """The network part of one decode step: client relay N round trips, server relay N + 1 one-way legs."""
+    return n_servers * rtt_ms if relay == "client" else (n_servers + 1) * rtt_ms / 2
+
+
 def model_step_ms(relay: str, rtt_ms: float, servers: list[dict]) -> float:
     """One decode step as the model predicts it: the network legs of the relay plus each block's
     t_O (+ 1 ms per-block overhead, as above). Client relay: the client -> s_j -> client round trip
     per hop, N x RTT. Server relay: client -> s_1 -> ... -> s_N -> client, N + 1 one-way legs of
     RTT / 2 (footnote 4: tau_c,ij from the preceding hop i)."""
-    legs_ms = len(servers) * rtt_ms if relay == "client" else (len(servers) + 1) * rtt_ms / 2
-    return legs_ms + sum((s["end"] - s["start"]) * (s["decode_s_per_token"] + 1e-3) for s in servers) * 1e3
+    return legs_ms(relay, rtt_ms, len(servers)) + sum((s["end"] - s["start"]) * (s["decode_s_per_token"] + 1e-3)
+                                                      for s in servers) * 1e3
 
 
 def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], new_tokens: int,
@@ -312,6 +319,10 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
                 exact = exact and res["tokens"] == ref
                 out["relay"][relay] = {"step_ms": res["decode_step_s"] * 1e3, "tok_s": new_tokens / res["seconds"],
                                        "model_step_ms": model_step_ms(relay, rtt_ms, res["servers"]),
+                                       # what a step costs besides the emulated RTTs: compute (blocks, the
+                                       # client's embedding and LM head) and framework
+                                       "beyond_legs_ms": res["decode_step_s"] * 1e3 - legs_ms(relay, rtt_ms,
+                                                                                             n_servers),
                                        "exact": res["tokens"] == ref, "direct_streams": res["direct_opened"]}
                 # the server-to-server RTTs the servers measured and announce (footnote 4's RTT_ij,
                 # server/peer_rtts.py), against the emulated rtt_ms
@@ -323,6 +334,11 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
         out["ratio_server_vs_client_step"] = out["relay"]["server"]["step_ms"] / out["relay"]["client"]["step_ms"]
         out["model_ratio_server_vs_client_step"] = (out["relay"]["server"]["model_step_ms"]
                                                     / out["relay"]["client"]["model_step_ms"])
+        # the best server relay can do on this machine: the same work beyond the legs as the client relay's
+        # step, on (N + 1) / 2N of its legs; (N + 1) / 2N itself only when that work is ~0 (a GPU's few ms)
+        c_ms = out["relay"]["client"]["beyond_legs_ms"]
+        out["ratio_bound_at_this_work"] = ((legs_ms("server", rtt_ms, n_servers) + c_ms)
+                                           / (legs_ms("client", rtt_ms, n_servers) + c_ms))
     out["loadavg_end"] = os.getloadavg()[0]
     return out
 
