@@ -280,14 +280,19 @@ def test_an_unfitted_server_takes_a_fitted_twins_fit_scaled_by_their_profiles():
     assert scaled_profile_fit(1e-4, 1e-3, [fast[2]]).t_I_s is None  # the donor saw no prefill: the profile's t_I
 
 
+def decode_windows(orch, peers, *, t_o: float, t_O: float, cpu_s: float, batches: int = 30) -> None:
+    """Decode batches of 1-4 sessions through 4 blocks on each of `peers`: wall = t_o + t_O D."""
+    for peer in peers:
+        for seq in range(batches):
+            dec = 4 * (1 + seq % 4)
+            orch.window(peer).add_batch(seq, 0, dec, t_o + t_O * dec, cpu_s)
+
+
 def test_a_server_without_a_fit_is_planned_like_its_fitted_twin():
     now = [0.0]
     orch = offline_orchestrator(now)
     # pa and pb: decode 4x their profile (1 ms -> 4 ms), 20 ms per step; pc reported too few batches
-    for peer in ("pa", "pb"):
-        for seq in range(30):
-            dec = 4 * (1 + seq % 4)
-            orch.window(peer).add_batch(seq, 0, dec, 20e-3 + 4e-3 * dec, 1e-3)
+    decode_windows(orch, ("pa", "pb"), t_o=20e-3, t_O=4e-3, cpu_s=1e-3)
     for seq in range(5):
         orch.window("pc").add_batch(seq, 0, 4, 20e-3 + 4e-3 * 4, 1e-3)
     orch.refit()
@@ -466,10 +471,7 @@ def test_lone_steps_that_separate_block_counts_the_window_does_not(t_o, t_B, t_O
 def test_a_window_whose_fit_fails_leaves_the_other_servers_fits_alone(caplog):
     now = [0.0]
     orch = offline_orchestrator(now)
-    for peer in ("pa", "pb"):
-        for seq in range(30):
-            dec = 4 * (1 + seq % 4)
-            orch.window(peer).add_batch(seq, 0, dec, 1.5e-3 + 3e-3 * dec, 0.5e-3)
+    decode_windows(orch, ("pa", "pb"), t_o=1.5e-3, t_O=3e-3, cpu_s=0.5e-3)
 
     def broken(**_):
         raise RuntimeError("a window the fit cannot take")
