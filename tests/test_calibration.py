@@ -478,5 +478,6 @@ def test_a_window_whose_fit_fails_leaves_the_other_servers_fits_alone(caplog):
 
     orch.window("pa").fit = broken
     orch.refit()
+    orch.refit()
     assert orch.records["pa"].fit is None and orch.records["pb"].fit is not None
-    assert "pa's service records failed" in caplog.text
+    assert caplog.text.count("pa's service records failed") == 1  # said once while it keeps failing

@@ -176,6 +176,7 @@ class Orchestrator:
         self.known_changed = False  # server set differs from the one of the current plan
         self._rtt_tried: dict[str, float] = {}
         self.windows: dict[str, ServiceWindow] = {}  # per server: its batches and hop costs (calibration)
+        self._fit_failing: set[str] = set()  # servers whose last fit raised (said once until one succeeds)
         self.trigger = ReplanTrigger(config.replan_enter, config.replan_exit, config.replan_hold_s,
                                      config.model_replan_period_s)
         self.model_moved = False  # the calibrated model moved the plan: re-plan (never forced)
@@ -306,9 +307,12 @@ class Orchestrator:
         for p, (w, profile) in todo.items():
             try:
                 fits[p] = w.fit(t_O_profile_s=profile) if on else None
+                self._fit_failing.discard(p)
             except Exception:  # one server's window must not stop the others' fits or the control loop
-                logger.exception("fitting server %s's service records failed; its previous model stays",
-                                 self.name_of(p))
+                if p not in self._fit_failing:  # once, not at every poll while its window stays so
+                    self._fit_failing.add(p)
+                    logger.exception("fitting server %s's service records failed; its previous model stays",
+                                     self.name_of(p))
         with self.lock:
             measured = {}
             for p, rec in self.records.items():
