@@ -45,7 +45,7 @@ def test_netem_imports_nothing_of_the_others():
     assert violations("netem", set()) == []
 
 
-def test_server_imports_only_petals_chain_and_netem_topology_helpers():
+def test_server_imports_only_petals_chain_and_netems_cpu_share_reader():
     # server/ may import petals_chain (and netem's CPU-share reader, which is below everything)
     assert violations("server", {"petals_chain", "netem"}) == []
 
