@@ -145,8 +145,17 @@ class LocalSwarm:
 
     def kill_orchestrator(self, sig: int = signal.SIGKILL) -> None:
         if self.orchestrator_process is not None:
-            _signal_group(self.orchestrator_process, sig)
+            if sig == signal.SIGKILL:
+                _crash(self.orchestrator_process)
+            else:
+                _signal_group(self.orchestrator_process, sig)
             self.orchestrator_process.wait(timeout=30)
+
+    def kill_dht(self) -> None:
+        """The bootstrap DHT peer (also the relay of servers behind a NAT) crashes, p2pd included."""
+        if self.dht_process is not None:
+            _crash(self.dht_process)
+            self.dht_process.wait(timeout=30)
 
     def add_server(self, start: int | None, end: int | None, *, extra_args: list[str] | None = None,
                    wait: bool = True, name: str | None = None, num_blocks: int | None = None) -> ServerProcess:
@@ -183,23 +192,10 @@ class LocalSwarm:
                 sp.start, sp.end = (int(x) for x in rng.split(", "))
 
     def kill_server(self, sp: ServerProcess, sig: int = signal.SIGKILL) -> None:
-        """SIGKILL takes the whole process group down at once (a crash); any other signal goes to the
-        server process alone, which then shuts down its own DHT child (a clean stop)."""
+        """SIGKILL takes the server, its DHT child and its p2pd down at once (a crash); any other signal
+        goes to the server process alone, which then shuts down its own DHT child (a clean stop)."""
         if sig == signal.SIGKILL:
-            # the server's DHT child (and its p2pd) live in their own process group since they
-            # watch their parent (process_signals); a crash of the host takes them all at once
-            import psutil
-
-            try:
-                descendants = psutil.Process(sp.process.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                descendants = []
-            _signal_group(sp.process, sig)
-            for child in descendants:
-                try:
-                    child.kill()
-                except psutil.NoSuchProcess:
-                    pass
+            _crash(sp.process)
         else:
             sp.process.send_signal(sig)
         sp.process.wait(timeout=30)
@@ -233,6 +229,25 @@ class LocalSwarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _crash(proc: subprocess.Popen) -> None:
+    """SIGKILL a process, its group and every descendant. Why the descendants too: a DHT child
+    (`process_signals.ParentBoundDHT`) sits in a process group of its own, and its p2pd outlives a kill
+    of the parent's group by up to PARENT_CHECK_PERIOD_S plus its own shutdown (about 2 s, measured),
+    long enough to keep relaying a session a test meant to cut off."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    _signal_group(proc, signal.SIGKILL)
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
