@@ -20,6 +20,9 @@ def main(argv: list[str]) -> int:
                         help="proposed (GBP-CR + GCA, default) or a baseline (docs/orchestrator.md)")
     parser.add_argument("--c", type=parse_c, default=None, help="cache reservation c of GBP-CR: 'auto' (tuned, default) or N; policy proposed only")
     parser.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for tuning c (default: lower); policy proposed only")
+    parser.add_argument("--leftover-placement", action="store_true",
+                        help="also place blocks on the servers GBP-CR leaves idle, as `petals-chain orchestrator "
+                             "--leftover-placement` does (policy proposed only)")
     parser.add_argument("--table", action="store_true", help="include the per-c tuning table")
     try:
         args = parser.parse_args(argv)
@@ -36,7 +39,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         cluster = cluster_from_dict(raw)
-        result = plan(cluster, policy=args.policy, c=args.c, tuning=args.tuning)
+        result = plan(cluster, policy=args.policy, c=args.c, tuning=args.tuning, leftover=args.leftover_placement)
     except ValueError as e:  # InvalidClusterError, InfeasibleClusterError
         print(f"petals-chain plan: {e}", file=sys.stderr)
         return 2

@@ -32,13 +32,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.model]
 # Different budgets, c=3. The total capacity the plan gives depends on the calibrated model (the
 # range profile's t_I/t_O/t_o and the measured RTTs): it was 6 (two chains) with the one-block
 # profile and is 3 (one chain) with the range profile on a quiet machine, so the concurrency test
-# takes whatever the plan says and checks the invariants against it.
+# takes whatever the plan says and checks the invariants against it. --leftover-placement: GBP-CR's
+# one chain leaves two servers idle; they get blocks too, so a killed server leaves a chain to fail
+# over to (the offline plan below is asked for the same).
 BUDGETS = ["300MiB", "340MiB", "380MiB", "420MiB"]
 SERVER_ARGS = ["--num-threads", "1", "--max-length", "512"]
 # --model-replans 0: the module's tests assume the plan they checked stays; the calibrated model is
 # still fitted and shown (test_status_shows_the_model_against_the_measured_service)
 ORCH_ARGS = ["--expected-servers", "4", "--c", "3", "--arrival-rate", "2", "--lease-ttl", "3",
-             "--replan-period", "8", "--model-replans", "0"]
+             "--replan-period", "8", "--model-replans", "0", "--leftover-placement"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,8 @@ def test_servers_load_exactly_the_plan_of_petals_chain_plan(swarm, tmp_path):
     pi = get_json(swarm.orchestrator_url + "plan-input")
     cluster_file = tmp_path / "cluster.json"
     cluster_file.write_text(json.dumps(pi["cluster"]))
-    out = subprocess.run([sys.executable, "-m", "petals_chain.cli", "plan", "--cluster", str(cluster_file), "--c", "3"],
+    out = subprocess.run([sys.executable, "-m", "petals_chain.cli", "plan", "--cluster", str(cluster_file), "--c", "3",
+                          "--leftover-placement"],
                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     offline = json.loads(out.stdout)
@@ -83,7 +86,7 @@ def test_servers_load_exactly_the_plan_of_petals_chain_plan(swarm, tmp_path):
 def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     status = get_json(swarm.orchestrator_url + "status")
     total = sum(k["capacity"] for k in status["chains"] if k["dispatchable"])
-    assert 2 <= total <= 6, f"12 sessions must queue behind this plan's capacity: {status['chains']}"
+    assert 2 <= total < 12, f"12 sessions must queue behind this plan's capacity: {status['chains']}"
     samples, stop, violations = [], threading.Event(), []
 
     def monitor():
@@ -142,7 +145,22 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
 
 def test_status_shows_the_model_against_the_measured_service(swarm, backend):
     """After the sessions above, the servers' batch records reached the orchestrator (rpc_info, typed)
-    and every server on a used chain has a live fit; the clients' releases gave hop costs."""
+    and every server on a used chain has a live fit; the clients' releases gave hop costs. First a
+    session in every slot, so that every chain's servers (not only the fastest chain's, which JFFC fills
+    first) serve enough batches to fit."""
+    hidden = load_config(swarm_model_path()).hidden_size
+    total = sum(k["capacity"] for k in get_json(swarm.orchestrator_url + "status")["chains"] if k["dispatchable"])
+    sessions = [backend.open_session(max_length=64) for _ in range(total)]
+    try:
+        for s in sessions:
+            s.step(torch.randn(4, hidden))
+        for _ in range(24):
+            for s in sessions:
+                s.step(torch.randn(1, hidden))
+    finally:
+        for s in sessions:
+            s.close()
+
     def fitted():
         st = get_json(swarm.orchestrator_url + "status")
         on_chains = {p for k in st["chains"] if k["dispatchable"] for p in k["servers"]}
@@ -179,7 +197,7 @@ def test_acquire_times_out_with_a_clear_error_when_every_slot_is_taken(swarm, ba
         t0 = time.monotonic()
         with pytest.raises(AcquireTimeoutError, match="no chain slot freed within 2 s"):
             impatient.find_chain(0, 30, max_length=64, session_id="impatient-session")
-        assert 1.5 < time.monotonic() - t0 < 8
+        assert time.monotonic() - t0 > 1.5  # it waited its patience (a lower bound: load only adds to it)
         with pytest.raises(MaxLengthExceededError):  # longer than any chain's servers accept: refused at once
             impatient.find_chain(0, 30, max_length=4096, session_id="too-long-session")
         assert get_json(swarm.orchestrator_url + "status")["queue_length"] == 0  # the timed-out waiter left
@@ -303,10 +321,7 @@ def test_killed_server_takes_its_chains_and_sessions_fail_over(swarm, backend):
     # a victim whose loss leaves another chain alive
     victim = next((p for k in chains for p in k["servers"] if any(p not in other["servers"] for other in chains)),
                   None)
-    if victim is None:
-        # the range profile (issue 19) made this deployment's plan one chain (it was two): see
-        # the note at BUDGETS; whole-chain failover after a kill is also covered by test_failover.py
-        pytest.skip(f"the plan has no chain that survives the loss of a server: {chains}")
+    assert victim is not None, f"the plan has no chain that survives the loss of a server: {chains}"
     hidden = load_config(swarm_model_path()).hidden_size
     total = sum(k["capacity"] for k in chains)
     sessions = [backend.open_session(max_length=64) for _ in range(total)]  # fill every slot
@@ -317,10 +332,8 @@ def test_killed_server_takes_its_chains_and_sessions_fail_over(swarm, backend):
         s.step(x)
     sp = next(sp for sp in swarm.servers if sp.peer_id == victim)
     swarm.kill_server(sp)
-    t0 = time.monotonic()
     st = wait_for(lambda: (s := get_json(swarm.orchestrator_url + "status")) and
                   all(victim not in k["servers"] for k in s["chains"]) and s, 20, "the victim's chains to disappear")
-    assert time.monotonic() - t0 < 20
     assert victim not in [s["peer_id"] for s in st["servers"]]
     for s in sessions:
         if s not in on_victim:

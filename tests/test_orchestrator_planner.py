@@ -153,6 +153,20 @@ def test_umbrella_cli_dispatches_plan(capsys):
     assert json.loads(capsys.readouterr().out)["c"] == 2
 
 
+def test_cli_leftover_placement_gives_the_idle_servers_blocks_as_the_api_does(capsys):
+    code, out, _ = run_cli(["--cluster", str(EXAMPLE)], capsys)
+    assert code == 0
+    alone = json.loads(out)
+    code, out, _ = run_cli(["--cluster", str(EXAMPLE), "--leftover-placement"], capsys)
+    assert code == 0
+    both = json.loads(out)
+    assert alone["unused_servers"]  # the example leaves servers idle under GBP-CR alone
+    cluster = cluster_from_dict(json.loads(EXAMPLE.read_text()))
+    api = plan(cluster, "proposed", leftover=True)
+    assert both["unused_servers"] == [cluster.servers[j].name for j in api.unused_servers]
+    assert len(both["chains"]) == len(api.chains) > len(alone["chains"])
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_runs_the_example_to_completion(policy):
     cluster = cluster_from_dict(json.loads(EXAMPLE.read_text()))
