@@ -234,8 +234,9 @@ class LocalSwarm:
 def _crash(proc: subprocess.Popen) -> None:
     """SIGKILL a process, its group and every descendant. Why the descendants too: a DHT child
     (`process_signals.ParentBoundDHT`) sits in a process group of its own, and its p2pd outlives a kill
-    of the parent's group by up to PARENT_CHECK_PERIOD_S plus its own shutdown (about 2 s, measured),
-    long enough to keep relaying a session a test meant to cut off."""
+    of the parent's group until the child's watchdog sees the parent gone (0.28 s measured on a quiet
+    machine, PARENT_CHECK_PERIOD_S plus a wake-up; longer under load): long enough for a small model's
+    session to finish its last decode steps through a relay the test meant to cut off (seen in CI)."""
     import psutil
 
     try:

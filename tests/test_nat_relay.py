@@ -159,7 +159,7 @@ def test_nat_server_is_found_planned_and_serves_exactly_and_fails_over_when_the_
         relay_id = relay_peer_id(swarm.initial_peers[0])
         other_paths = [a for a in first.get("conns", {}).get(home.peer_id, [])
                        if not (a.rstrip("/").endswith("p2p-circuit") and relay_peer_id(a) == relay_id)]
-        swarm.kill_dht()  # the relay dies mid-session, its p2pd at once (seen in CI: a lingering one relayed on)
+        swarm.kill_dht()  # the relay dies mid-session, its p2pd at once (seen in CI: one that lingered relayed on)
         if other_paths:
             print(f"the client also reached the NATed server by {other_paths}: unplugging it as well")  # noqa: T201 - in the test log
             i = home_net.state.index("home")
