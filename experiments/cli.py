@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the orchestrator's --kv-plan-tokens: plan the cache reservation for sessions of N tokens; auto = the "
         "95th percentile of the replayed requests' prompt + output tokens; max (default) = the servers' "
         "--max-length (sessions reserve KV at their own length, so max counts fewer sessions than fit)"))
+    p.add_argument("--server-compute", choices=["auto", "shared", "parallel"], default="auto", help=(
+        "the orchestrator's --server-compute: auto (default) = shared for servers with a live fit (a chain's "
+        "capacity is cut where its busiest server saturates), parallel = the paper's model (capacities from "
+        "the cache reservation alone, sessions batch without slowing each other)"))
     p.add_argument("--cpus", type=positive_float, default=2.0, help="cores the auto time scale may count on (default 2)")
     p.add_argument("--fast-budget", type=_size, default="480MiB", help="fast servers' --memory-budget")
     p.add_argument("--slow-budget", type=_size, default="240MiB", help="slow servers' --memory-budget")
@@ -140,7 +144,7 @@ def main(argv: list[str]) -> int:
         slow_slowdown=args.slow_slowdown, netem=not args.no_netem, netem_backend=args.netem_backend,
         netem_name=args.netem_name, cpu=args.cpu, device=args.device, dtype=args.dtype, warmup_per_chain=args.warmup_per_chain,
         calibrate_from=args.calibrate_from, leftover_placement=args.leftover_placement,
-        kv_plan_tokens=args.kv_plan_tokens, probe_per_chain=args.probe_per_chain,
+        kv_plan_tokens=args.kv_plan_tokens, server_compute=args.server_compute, probe_per_chain=args.probe_per_chain,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest))
     try:

@@ -70,6 +70,7 @@ class Table1Config:
     # the orchestrator's --kv-plan-tokens: "max" (the servers' --max-length), "auto" (the replayed
     # requests' 95th percentile of prompt + output tokens) or a number of tokens
     kv_plan_tokens: str = "max"
+    server_compute: str = "auto"  # the orchestrator's --server-compute (auto, shared, parallel)
     # the model probe after the replay: this many sessions per chain of the final plan, one after another
     # (each alone in the system: the model check's lone requests), counted nowhere else (0: none)
     probe_per_chain: int = 1
@@ -436,6 +437,8 @@ def orchestrator_args(cfg: Table1Config, policy: str, scale_info: dict) -> list[
     tokens = kv_plan_tokens(cfg, scale_info.get("_requests", ()))
     if tokens is not None:
         args += ["--kv-plan-tokens", str(tokens)]
+    if cfg.server_compute != "auto":
+        args += ["--server-compute", cfg.server_compute]
     return args
 
 

@@ -137,6 +137,21 @@ def test_orchestrator_args_of_a_column_parse_and_carry_the_leftover_placement():
     assert not table1_parser().parse_args([]).leftover_placement
 
 
+def test_the_server_compute_model_reaches_the_orchestrator():
+    from experiments.cli import build_parser as table1_parser
+    from experiments.table1 import Table1Config, orchestrator_args
+    from orchestrator.service.cli import build_parser
+    info = {"rate_per_s": 0.19, "mean_input_tokens": 129.6, "mean_output_tokens": 22.7}
+    peer = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmesM6xndavBMs1jxAgfk6s4aGbemH7CT3hRJcVyMFqVsy"]
+    for compute in ("auto", "shared", "parallel"):
+        assert table1_parser().parse_args(["--server-compute", compute]).server_compute == compute
+        args = build_parser().parse_args(peer + orchestrator_args(Table1Config(server_compute=compute), "proposed", info))
+        assert args.server_compute == compute
+    assert table1_parser().parse_args([]).server_compute == "auto"
+    with pytest.raises(SystemExit):
+        table1_parser().parse_args(["--server-compute", "gpu"])
+
+
 def test_the_kv_plan_length_reaches_the_orchestrator_and_its_cluster():
     """--kv-plan-tokens: auto = the replayed sessions' 95th percentile of prompt + output tokens; the
     orchestrator's cluster then reserves s_c for that many tokens (KV is linear in them), within each
