@@ -86,7 +86,8 @@ def test_servers_load_exactly_the_plan_of_petals_chain_plan(swarm, tmp_path):
 def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     status = get_json(swarm.orchestrator_url + "status")
     total = sum(k["capacity"] for k in status["chains"] if k["dispatchable"])
-    assert 2 <= total < 12, f"12 sessions must queue behind this plan's capacity: {status['chains']}"
+    assert 2 <= total <= 12, f"the plan's capacity: {status['chains']}"
+    n = total + 3  # three sessions must queue behind the plan's capacity
     samples, stop, violations = [], threading.Event(), []
 
     def monitor():
@@ -99,6 +100,10 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     results: dict[int, dict] = {}
     errors = []
     hidden = load_config(swarm_model_path()).hidden_size
+    # Why the event: the admitted sessions hold their slots until the queue behind them has formed (and
+    # the monitor has seen it); without it, early sessions could finish before the last ones arrived,
+    # and whether anything queued depended on the machine's speed (seen in CI: nothing did).
+    queue_formed = threading.Event()
 
     def run(i: int):
         try:
@@ -106,6 +111,7 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
             session = backend.open_session(max_length=64)
             results[i] = {"sid": session.session_id, "granted": time.monotonic() - t0}
             session.step(torch.randn(8, hidden))
+            queue_formed.wait(120)
             for _ in range(12):
                 session.step(torch.randn(1, hidden))
             session.close()
@@ -115,11 +121,15 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     mon = threading.Thread(target=monitor, daemon=True)
     mon.start()
     threads = []
-    for i in range(12):  # staggered, so the arrival order at the orchestrator is the start order
-        t = threading.Thread(target=run, args=(i,))
-        t.start()
-        threads.append(t)
-        time.sleep(0.15)
+    try:
+        for i in range(n):  # staggered, so the arrival order at the orchestrator is the start order
+            t = threading.Thread(target=run, args=(i,))
+            t.start()
+            threads.append(t)
+            time.sleep(0.15)
+        wait_for(lambda: any(q >= n - total for _, q in samples[-5:]), 60, f"{n - total} sessions queued")
+    finally:
+        queue_formed.set()
     for t in threads:
         t.join(timeout=240)
     stop.set()
@@ -127,10 +137,10 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     assert not errors, errors
     assert not violations, violations
     grants = {i: backend.provider.last_grant[r["sid"]] for i, r in results.items()}
-    assert len(grants) == 12
-    queued = [i for i in range(12) if grants[i].wait_s > 0]
+    assert len(grants) == n
+    queued = [i for i in range(n) if grants[i].wait_s > 0]
     assert len(queued) >= 1 and max(q for _, q in samples) >= 1, "no session ever waited: the test proved nothing"
-    assert max(n for n, _ in samples) <= total
+    assert max(used for used, _ in samples) <= total
     seqs = [grants[i].extra["seq"] for i in queued]
     assert seqs == sorted(seqs), f"queued sessions were not served in arrival order: {list(zip(queued, seqs))}"
     # the first sessions were admitted at once, on the fastest chains first
