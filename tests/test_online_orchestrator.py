@@ -122,11 +122,14 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     mon.start()
     threads = []
     try:
-        for i in range(n):  # staggered, so the arrival order at the orchestrator is the start order
+        for i in range(n):  # one at a time, so the arrival order at the orchestrator is the start order
             t = threading.Thread(target=run, args=(i,))
             t.start()
             threads.append(t)
-            time.sleep(0.15)
+            # the orchestrator holds session i (granted or queued) before the next one starts; nobody
+            # releases before `queue_formed`, so the count only grows
+            wait_for(lambda: (st := get_json(swarm.orchestrator_url + "status"))["sessions"] + st["queue_length"]
+                     >= i + 1, 60, f"session {i} to reach the orchestrator")
         wait_for(lambda: any(q >= n - total for _, q in samples[-5:]), 60, f"{n - total} sessions queued")
     finally:
         queue_formed.set()
