@@ -10,7 +10,7 @@ import sys
 
 from orchestrator.cli_args import positive_float
 from orchestrator.policies import POLICY_NAMES
-from petals_chain.cli_args import CliParser, parse_size
+from petals_chain.cli_args import DTYPE_CHOICES, CliParser, parse_size
 
 POLICIES = (*POLICY_NAMES, "petals-2.2")  # the registry's policies, and petals-2.2: real PETALS 2.2
 
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model probe after each replay: N sessions of the replay's mean lengths through each chain "
                         "of the final plan, one after another, each alone (the model check's lone requests; counted "
                         "nowhere else; 0: none)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the servers' --dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="the servers' --dtype")
     p.add_argument("--device", default="cpu", help="the servers' --device (cuda: the GPU variant; no CPU shares)")
     p.add_argument("--no-netem", action="store_true",
                    help="run every process on 127.0.0.1 without WAN emulation (results are labelled so)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from petals_chain.cli_args import CliParser, identity_path, peer_maddr, positive_float, positive_int, probability
+from petals_chain.cli_args import DTYPE_CHOICES, CliParser, identity_path, peer_maddr, positive_float, positive_int, probability
 
 PROMPT, CONTINUATION = ">>> ", "... "
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=positive_float, default=0.7, help="with --sample: > 0 (default 0.7)")
     p.add_argument("--top-p", type=probability, default=0.9, help="with --sample: nucleus mass in (0, 1] (default 0.9)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="client-side dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="client-side dtype")
     return p
 
 

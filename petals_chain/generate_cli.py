@@ -13,7 +13,7 @@ import sys
 import time
 
 from petals_chain.errors import PetalsChainError
-from petals_chain.cli_args import (EXIT_INTERRUPTED, CliParser, identity_path, peer_maddr, positive_float, positive_int,
+from petals_chain.cli_args import (DTYPE_CHOICES, EXIT_INTERRUPTED, CliParser, identity_path, peer_maddr, positive_float, positive_int,
                                    probability)
 
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=positive_float, default=1.0,
                    help="> 0; 1 (default) leaves the logits as they are")
     p.add_argument("--seed", type=int, default=0, help="torch seed for --sample (default 0)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="client-side dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="client-side dtype")
     p.add_argument("--local-ranges", type=parse_ranges, default=parse_ranges("0:10,10:20,20:30"),
                    help="block ranges run in this process when no --initial-peers is given (default 0:10,10:20,20:30)")
     p.add_argument("--initial-peers", nargs="*", default=None, type=peer_maddr, help="multiaddrs of swarm DHT peers")

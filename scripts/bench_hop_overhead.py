@@ -41,23 +41,25 @@ import torch
 REPO = Path(os.environ.get("PETALS_CHAIN_TREE", Path(__file__).resolve().parents[1]))  # the tree measured
 sys.path.insert(0, str(REPO))
 
+from petals_chain.cli_args import DTYPE_CHOICES  # noqa: E402  (the tree measured, as below)
+
 
 def pct(xs, q) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def compute_ms_per_range(path, bounds, steps: int) -> list[list[float]]:
+def compute_ms_per_range(path, bounds, steps: int, dtype: str = "float32") -> list[list[float]]:
     """Decode-step forward times (ms) of each block range, one row at a time, in this process."""
     from petals_chain.runtime.block_range import BlockRange, StepInput
 
     out = []
     for start, end in zip(bounds, bounds[1:]):
-        br = BlockRange(path, start, end, model_path=path)
+        br = BlockRange(path, start, end, model_path=path, dtype=dtype)
         kv = br.allocate_kv(steps + 40)
-        br.forward([StepInput(kv, torch.randn(20, br.hidden_size))])  # a prompt in the cache, as in the session
+        br.forward([StepInput(kv, torch.randn(20, br.hidden_size, dtype=getattr(torch, dtype)))])  # a prompt in the cache, as in the session
         times = []
         for _ in range(steps):
-            x = torch.randn(1, br.hidden_size)
+            x = torch.randn(1, br.hidden_size, dtype=getattr(torch, dtype))
             t = time.perf_counter()
             br.forward([StepInput(kv, x)])
             times.append((time.perf_counter() - t) * 1e3)
@@ -195,6 +197,8 @@ def main() -> int:
     p.add_argument("--transports", default="p2p,direct",
                    help="comma-separated: p2p (through the p2p daemons), direct (servers' --direct-port streams); "
                         "each measured on the same swarm, keys of direct prefixed `direct_` (default both)")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
+                   help="the servers' and the client's dtype; local HF runs in it too (default float32)")
     args = p.parse_args()
     transports = [t for t in args.transports.split(",") if t]
     if not transports or any(t not in ("p2p", "direct") for t in transports):
@@ -214,8 +218,9 @@ def main() -> int:
                                               return_tensors="pt").input_ids
     n = args.new_tokens
     bounds = [round(i * 30 / args.servers) for i in range(args.servers + 1)]
-    r: dict = {"servers": args.servers, "new_tokens": n, "transports": transports, "loadavg_start": os.getloadavg()[0]}
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    r: dict = {"servers": args.servers, "new_tokens": n, "transports": transports, "dtype": args.dtype,
+               "loadavg_start": os.getloadavg()[0]}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     hf.generate(ids, max_new_tokens=2, do_sample=False)
     me = os.getpid()
     usage0, t = tree_usage(me), time.perf_counter()
@@ -223,16 +228,17 @@ def main() -> int:
     r["hf_local_tok_s"] = n / (time.perf_counter() - t)
     r["hf_cpu_us_per_token"] = usage_delta(usage0, tree_usage(me), me)["client"][0] / n
     del hf
-    compute = compute_ms_per_range(path, bounds, n)
+    compute = compute_ms_per_range(path, bounds, n, args.dtype)
     direct_args = ["--direct-port", "0"] if "direct" in transports else []
     with LocalSwarm("smollm2-135m", list(zip(bounds, bounds[1:])),
-                    server_args=["--num-threads", "1", "--no-orchestrator", *direct_args]) as swarm:
+                    server_args=["--num-threads", "1", "--no-orchestrator", "--dtype", args.dtype,
+                                 *direct_args]) as swarm:
         for transport, relay in [(t, rl) for t in transports for rl in ("client", "server")]:
             pre = "direct_" if transport == "direct" else ""
             kwargs = {"direct_streams": transport == "direct"} if direct_args else {}
             try:
                 model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers,
-                                                                    relay=relay, **kwargs)
+                                                                    relay=relay, dtype=args.dtype, **kwargs)
             except TypeError:  # a tree from before the relay option (the "before" measurement): client relay only
                 if relay != "client":
                     continue

@@ -43,6 +43,7 @@ import netem
 from netem.probe import measure_rtt_ms, measure_throughput_bit_s
 from netem.state import state_path
 from netem.system import socket_in_netns
+from petals_chain.cli_args import DTYPE_CHOICES
 
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN_BYTES_2000_TOKEN_PREFILL = 2000 * 576 * 4  # SmolLM2-135M hidden size 576, float32
@@ -362,7 +363,7 @@ def main() -> int:
                    help="--chain: servers with --direct-port, client and pushes on direct TCP streams")
     p.add_argument("--server-threads", type=int, default=1, metavar="N",
                    help="--chain: each server's --num-threads (default 1; the servers compute one at a time)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help="--chain: the servers' and the client head's dtype (the HF reference runs in it too)")
     args = p.parse_args()
     if args.server_threads < 1:

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from petals_chain.cli_args import (LOG_LEVELS, CliParser, identity_path, listen_maddr, non_negative_float,
+from petals_chain.cli_args import (DTYPE_CHOICES, LOG_LEVELS, CliParser, identity_path, listen_maddr, non_negative_float,
                                    non_negative_int, parse_size, peer_maddr, positive_float, positive_int, probability,
                                    run_main)
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory M_j this server offers for blocks + KV cache (default 2GiB), or auto: the device's "
                         "free memory minus 10%% of its total (at least 1 GiB) for activations and CUDA graphs")
     p.add_argument("--max-length", type=positive_int, default=2048, help="longest session (tokens) this server accepts")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help="dtype of the hosted blocks, their KV caches and the hidden states (default float32)")
     p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"],
                    help="quantize the blocks' linear layers while loading (bitsandbytes; budgeted at the quantized size)")

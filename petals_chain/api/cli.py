@@ -8,7 +8,7 @@ import socket
 import sys
 
 from petals_chain.api.admission import ADMISSION_POLICIES
-from petals_chain.cli_args import CliParser
+from petals_chain.cli_args import DTYPE_CHOICES, CliParser
 from petals_chain.heap import freeze_startup_heap
 
 
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="order of waiting requests across API keys (default fifo)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's (e.g. one that renders tools)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help="dtype of the client head and of the hidden states it sends (default float32)")
     p.add_argument("--adapters", nargs="+", default=[], metavar="NAME",
                    help="LoRA adapters (names servers list, from their --adapters folders) offered as models "
