@@ -42,7 +42,6 @@ class MessageType(enum.StrEnum):
     HEARTBEAT = "heartbeat"
     ASSIGNMENT = "assignment"
     PUSH = "push"
-    PUSHED = "pushed"
     DIRECT = "direct"
     DIRECT_OFFER = "direct_offer"
     DIRECT_HELLO = "direct_hello"
@@ -229,14 +228,6 @@ class Push(WireRecord):
     def check(self) -> None:
         if self.start_position is not None and self.start_position < 0:
             raise InvalidRequestError(f"start_position must be >= 0, got {self.start_position}")
-
-
-@dataclass
-class Pushed(WireRecord):
-    """The receiving server took pushed step `step_id` (a refusal is a typed `RelayRefusedError`)."""
-
-    TYPE = MessageType.PUSHED
-    step_id: int
 
 
 @dataclass

@@ -21,7 +21,7 @@ from hivemind.proto import runtime_pb2
 
 from petals_chain import wire, wire_parts
 from petals_chain.direct_stream import DirectDialer, DirectListener
-from petals_chain.messages import (Close, DirectOffer, DirectRequest, Forward, Open, Opened, Push, Pushed, Step, StepReply,
+from petals_chain.messages import (Close, DirectOffer, DirectRequest, Forward, Open, Opened, Push, Step, StepReply,
                                    decode_tagged)
 from petals_chain.wire import ServerInfo
 from petals_chain.errors import (
@@ -227,7 +227,10 @@ class BlockServicer:
     async def push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                    context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """A previous hop's relay stream: each message group is one pushed step (`Push`), queued
-        for its session (or refused, typed); acknowledged with `Pushed`."""
+        for its session, or refused with a typed error reply. A taken push gets no reply: an
+        acknowledgement written here would go out before the step runs (this task holds the loop until
+        it waits for the next push), putting a reply's encode and socket write, and the pusher's
+        wake-up to read it, on the chain's critical path for nothing the pusher needs."""
         from_peer = str(context.remote_id)
         async for message in wire_parts.assembled(requests, admit=self._admit):
             try:
@@ -237,7 +240,6 @@ class BlockServicer:
                 if len(message.tensors) != 1:
                     raise InvalidRequestError(f"a push carries exactly one tensor, got {len(message.tensors)}")
                 self.relay_index.deliver(push, message.tensors[0], from_peer)
-                yield wire.response(Pushed(push.step_id))
             except PetalsChainError as e:
                 yield wire.error_response(e)
 

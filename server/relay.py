@@ -139,23 +139,29 @@ class RelayLinks:
 
     async def push(self, route: list[str], step_id: int, out: torch.Tensor, start_position: int | None = None) -> None:
         """Send `out` as step `step_id` (its KV rollback `start_position`, if any) to route[0] with the
-        rest of the route (not awaiting its ack)."""
+        rest of the route (a refusal is read by `_read_refusals`, never awaited here)."""
         peer = route[0]
         link = self._links.get(peer)
         if link is None:
             channel = await self.dialer.open(peer, BlockService.handle_name("rpc_push"))
-            link = self._links[peer] = (channel, asyncio.create_task(self._read_acks(peer, channel)))
+            link = self._links[peer] = (channel, asyncio.create_task(self._read_refusals(peer, channel)))
         await link[0].send(*self._messages(route, step_id, out, start_position))
 
     def _messages(self, route: list[str], step_id: int, out: torch.Tensor, start_position: int | None) -> list:
-        return wire_parts.to_messages(Push(self.session_id, step_id, list(route[1:]), start_position).to_wire(), (out,))
+        """A push as one raw frame (no protobuf: it is encoded and decoded on the critical path), or
+        protobuf parts when the tensor does not fit one frame (a long prompt's step). Every server
+        reads both on rpc_push (`serve_framed` + `wire_parts.Assembler`)."""
+        meta = Push(self.session_id, step_id, list(route[1:]), start_position).to_wire()
+        raw = wire_parts.encode_raw(meta, out)
+        return [raw] if raw is not None else wire_parts.to_messages(meta, (out,))
 
-    async def _read_acks(self, peer: str, responses: FramedStream) -> None:
+    async def _read_refusals(self, peer: str, responses: FramedStream) -> None:
+        """The next hop answers only the pushes it refuses (typed errors); each is harmless: the
+        client's copy of that step runs instead."""
         try:
             async for response in responses:
                 meta = wire.unpack(response.metadata)
-                if meta.get("type") == "error":  # harmless: the client's copy runs instead
-                    logger.debug("push to %s refused: %s", peer[-8:], meta.get("message"))
+                logger.debug("push to %s refused: %s", peer[-8:], meta.get("message"))
         except Exception as e:
             logger.debug("push stream to %s ended: %s", peer[-8:], e)
         self._links.pop(peer, None)

@@ -209,3 +209,14 @@ def test_readme_command_rows_list_exactly_the_options_of_help(monkeypatch):
         if missing or unknown:
             problems.append(f"{' '.join(path)}: not in the README row {missing}, not in --help {unknown}")
     assert not problems, "\n".join(problems)
+
+
+def test_dtype_choices_are_the_runtime_dtypes():
+    """Every CLI's `--dtype` offers exactly what the block runtime and the wire carry (the choices live
+    torch-free in cli_args, so a command line parses without importing torch)."""
+    from petals_chain.cli_args import DTYPE_CHOICES
+    from petals_chain.runtime.block_range import DTYPES
+    from petals_chain.wire_parts import RAW_DTYPES
+
+    assert set(DTYPE_CHOICES) == set(DTYPES)
+    assert set(DTYPE_CHOICES) <= set(RAW_DTYPES)
