@@ -186,6 +186,7 @@ class BlockServicer:
                             self._take_pushes_from(session, msg.relay_from)
                         session.raw_replies = message.raw
                         if not session.inbox.claim(msg.step_id):
+                            self.relay_index.copies_skipped += 1
                             continue  # its pushed copy ran already (and was answered): run each step once
                         for response in await self._run_and_reply(session, msg.step_id, message.tensors[0],
                                                                   msg.prefix_tokens or 0, msg.push_route,

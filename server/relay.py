@@ -55,10 +55,11 @@ class RelayIndex:
         self._by_key: dict[tuple[str, str], RelayInbox] = {}
         self.pushes_taken = 0  # reported in rpc_info (extra.relay): tests and benchmarks check the path
         self.pushes_refused = 0
+        self.copies_skipped = 0  # clients' copies of steps a push had claimed (each one a message for nothing)
 
     def view(self) -> dict:
         return {"pushes_taken": self.pushes_taken, "pushes_refused": self.pushes_refused,
-                "sessions_taking_pushes": len(self._by_key)}
+                "copies_skipped": self.copies_skipped, "sessions_taking_pushes": len(self._by_key)}
 
     def register(self, session_id: str, from_peer: str, inbox: RelayInbox) -> Callable[[], None]:
         """Take pushes from `from_peer` for `session_id` into `inbox`; returns the undo."""

@@ -76,3 +76,74 @@ def test_a_slow_server_that_answers_its_probes_keeps_its_request(fast_liveness):
         return await hops.receive_while_alive(HOP, reply, 0.01, 600.0, "the step")
 
     assert asyncio.run(run()) == "the reply"
+
+
+class PushedHopChannel:
+    """A hop's stream whose server runs a pushed step: its reply comes after `reply_after_s` whether
+    or not the client's copy arrived, or (`push_lost`) only after the copy did."""
+
+    def __init__(self, reply, reply_after_s: float, push_lost: bool = False):
+        self.reply, self.reply_after_s, self.push_lost = reply, reply_after_s, push_lost
+        self.sent: list = []
+        self._copy = asyncio.Event()
+
+    async def send(self, *messages):
+        self.send_nowait(*messages)
+
+    def send_nowait(self, *messages):
+        self.sent.extend(messages)
+        self._copy.set()
+        return True
+
+    async def __anext__(self):
+        if self.push_lost:
+            await self._copy.wait()
+        await asyncio.sleep(self.reply_after_s)
+        return self.reply
+
+
+def _step_reply():
+    import torch
+
+    from petals_chain import wire_parts
+    from petals_chain.messages import StepReply
+
+    return wire_parts.encode_raw(StepReply("s", 1, 2, 0.001, 0.001).to_wire(), torch.zeros(1, 4))
+
+
+def _stream(channel):
+    from petals_chain.client.hop_client import HopStream
+
+    return HopStream(HOP, channel, raw_frames=True)
+
+
+@pytest.mark.parametrize("push_lost", [False, True], ids=["push-arrives", "push-lost"])
+def test_a_held_back_copy_goes_out_only_when_the_pushed_reply_is_late(push_lost):
+    """Server relay: a pushed hop's reply usually comes without the client's copy, which then is never
+    sent; when the push is lost the copy goes out after `copy_after_s` and the step still completes."""
+    import torch
+
+    from petals_chain.messages import Step
+
+    hops = HopClient(loop=None, p2p=None)
+    channel = PushedHopChannel(_step_reply(), reply_after_s=0.01, push_lost=push_lost)
+    result = asyncio.run(hops.step_async(_stream(channel), Step("s", 1), torch.zeros(1, 4), copy_after_s=0.2))
+    assert result.output.shape == (1, 4) and result.reply.step_id == 1
+    assert result.copy_sent_late is push_lost
+    assert len(channel.sent) == (1 if push_lost else 0)
+
+
+def test_a_step_without_a_hold_and_one_too_large_for_a_raw_frame_go_at_once():
+    import torch
+
+    from petals_chain import wire_parts
+    from petals_chain.messages import Step
+
+    hops = HopClient(loop=None, p2p=None)
+    channel = PushedHopChannel(_step_reply(), reply_after_s=0.0)
+    result = asyncio.run(hops.step_async(_stream(channel), Step("s", 1), torch.zeros(1, 4)))
+    assert len(channel.sent) == 1 and not result.copy_sent_late
+    big = torch.zeros(wire_parts.MAX_PART_BYTES // 4 + 1, 1)  # over one frame: protobuf parts, never held
+    channel = PushedHopChannel(_step_reply(), reply_after_s=0.0)
+    asyncio.run(hops.step_async(_stream(channel), Step("s", 2), big, copy_after_s=10.0))
+    assert len(channel.sent) >= 2

@@ -107,6 +107,36 @@ def test_both_relays_give_hf_tokens_and_server_relay_pushes(swarm, hf, tiny_llam
         model.backend.shutdown()
 
 
+def _copies(model, peer_id) -> int:
+    """Clients' step copies that reached a server after their push had run, or before it (the push refused)."""
+    relay = model.backend.server_info(peer_id).extra["relay"]
+    return relay["copies_skipped"] + relay["pushes_refused"]
+
+
+def test_server_relay_holds_back_the_clients_copies_once_pushes_arrive(swarm, hf, tiny_llama_path, monkeypatch):
+    """A pushed hop gets the client's copy of a step only for its first COPY_HISTORY_STEPS steps (the
+    hold is then sized from their timings); later steps run from the pushes alone, exactly. The hold
+    is made longer than any step here, so no copy goes out late whatever the machine's load."""
+    from petals_chain.client import remote_session
+
+    monkeypatch.setattr(remote_session, "COPY_GRACE_FACTOR", 1e4)
+    model = _model(tiny_llama_path, swarm, "server")
+    try:
+        ids = torch.tensor([[3, 7, 11, 15]])
+        ref = hf.generate(ids, max_new_tokens=10, do_sample=False)
+        with model.inference_session(max_length=32) as session:
+            hops = [h.peer_id for h in session.chain.hops]
+            before = [_copies(model, p) for p in hops]
+            out = model.generate(ids, max_new_tokens=10, do_sample=False)
+            after = [_copies(model, p) for p in hops]
+            late = [s.late_copies for s in session.chain.streams]
+        assert out.tolist() == ref.tolist()
+        assert [a - b for a, b in zip(after, before)] == [0] + [remote_session.COPY_HISTORY_STEPS] * 2
+        assert late == [0, 0, 0]
+    finally:
+        model.backend.shutdown()
+
+
 def test_a_push_from_a_peer_the_client_did_not_name_is_refused(swarm, tiny_llama_path):
     model = _model(tiny_llama_path, swarm, "server")
     chain = model.backend

@@ -94,6 +94,7 @@ class HopStream:
     prefix_in_inputs: bool = False  # `inputs` start with the reused prefix (a hop rebuilt by replay)
     relay_from: str | None = None  # server relay: the peer whose pushes this hop's server takes
     raw_frames: bool = False  # its server takes steps as raw frames (its open reply said so)
+    late_copies: int = 0  # server relay: steps whose held-back copy had to go out (see step_async)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class StepResult:
     output: torch.Tensor
     reply: StepReply
     client_s: float  # from sending the hidden states to the whole reply
+    copy_sent_late: bool = False  # a held-back copy (`copy_after_s`) went out before the reply came
 
 
 class HopClient:
@@ -239,17 +241,41 @@ class HopClient:
         return self.run_hop(stream.hop, self.step_async(stream, step, hidden, liveness_after_s), self.step_timeout_s + 2)
 
     async def step_async(self, stream: HopStream, step: Step, hidden: torch.Tensor,
-                         liveness_after_s: float = LIVENESS_FLOOR_S) -> StepResult:
-        """One step on `stream`; its reply awaited with liveness probes after `liveness_after_s`."""
+                         liveness_after_s: float = LIVENESS_FLOOR_S, copy_after_s: float | None = None
+                         ) -> StepResult:
+        """One step on `stream`; its reply awaited with liveness probes after `liveness_after_s`.
+
+        `copy_after_s` (server relay, a hop whose input the hop before pushes to it): the step is sent
+        only if the reply has not come within that many seconds. The server answers a pushed step on
+        this stream as it answers the client's copy, so while pushes arrive the copy is never needed:
+        held back, it costs neither side an encode, a socket write and a wake-up per hop and step
+        (on 2 shared cores, CPU taken from the hop computing). A lost or refused push delays that
+        step by `copy_after_s`; `StepResult.copy_sent_late` tells the caller, who stops holding copies
+        back for a hop whose pushes keep missing. Only a step that fits one raw frame (a decode step)
+        is held back; the rest go at once."""
         t0 = time.perf_counter()
         # a raw frame where the server takes one and the step fits it (a decode step), else protobuf parts
         meta = step.to_wire()
         raw = wire_parts.encode_raw(meta, hidden) if stream.raw_frames else None
         requests = [raw] if raw is not None else wire_parts.to_messages(meta, (hidden,))
+        if raw is None:
+            copy_after_s = None
+        copied: list[bool] = []
+
+        def send_copy() -> None:
+            copied.append(True)
+            # a small frame: written at once unless the stream is closing (then its reply wait fails anyway)
+            stream.channel.send_nowait(*requests)
 
         async def exchange() -> wire_parts.Message:
-            await stream.channel.send(*requests)  # waits only when the socket is full (a large prompt)
-            return await wire_parts.receive_one(stream.channel)
+            if copy_after_s is None:
+                await stream.channel.send(*requests)  # waits only when the socket is full (a large prompt)
+                return await wire_parts.receive_one(stream.channel)
+            held = asyncio.get_running_loop().call_later(copy_after_s, send_copy)
+            try:
+                return await wire_parts.receive_one(stream.channel)
+            finally:
+                held.cancel()
 
         try:
             reply = await self.receive_while_alive(stream.hop, exchange(), liveness_after_s, self.step_timeout_s)
@@ -263,7 +289,7 @@ class HopClient:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply: {e}") from e
         if len(reply.tensors) != 1:
             raise ServerUnavailableError(f"server {stream.hop.describe()} sent a malformed step reply")
-        return StepResult(reply.tensors[0], meta, client_s)
+        return StepResult(reply.tensors[0], meta, client_s, bool(copied))
 
     async def probe_error(self, peer_id: str, timeout_s: float) -> str | None:
         """None when the server replies to an `rpc_info` (any reply, a typed refusal included) within

@@ -36,6 +36,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Server relay: the client's copy of a step that the hop before pushes on (its fallback for a lost
+# push) is held back (`HopClient.step_async(copy_after_s=...)`) by COPY_GRACE_FACTOR times the hop's
+# median time from request to reply over its last COPY_HISTORY_STEPS pushed steps, at least
+# COPY_GRACE_FLOOR_S. Until the hop has that history (its first steps, each replacement's) and after
+# COPY_LATE_MAX copies had to go out late (its pushes keep missing: a refusing or unreachable pusher),
+# the copy goes at once. A generous factor: waiting too little costs only a copy, too long only
+# delays a step whose push was lost.
+COPY_GRACE_FACTOR = 3.0
+COPY_GRACE_FLOOR_S = 0.05
+COPY_HISTORY_STEPS = 3
+COPY_LATE_MAX = 2
+
 
 def _first_rows(tensors: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
     """The first `rows` rows of the concatenation of `tensors`, kept as a list of (cut) tensors."""
@@ -165,8 +177,13 @@ class RemoteChainSession(ChainSession):
             if before is not None and stream.relay_from != before:
                 step.relay_from = stream.relay_from = before
         stream.prefix_tokens = None  # only its first step takes cached tokens
+        # a step that registers the hop's new pusher (relay_from) must go now: the push is refused until it lands
+        copy_after_s = self._copy_after_s(stream) if pushed and step.relay_from is None else None
         # within the step timeout: step_async's reply wait covers its send too
-        result = await self.chain.hops.step_async(stream, step, hidden, self._liveness_after_s(stream.hop.peer_id))
+        result = await self.chain.hops.step_async(stream, step, hidden, self._liveness_after_s(stream.hop.peer_id),
+                                                  copy_after_s)
+        if result.copy_sent_late:
+            stream.late_copies += 1
         if start_position is not None and result.reply.position != start_position + hidden.shape[0]:
             # after a rollback every hop must hold exactly what the client does
             raise ServerUnavailableError(f"server {stream.hop.describe()} holds {result.reply.position} tokens after a "
@@ -176,6 +193,16 @@ class RemoteChainSession(ChainSession):
             stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s, result.reply.compute_s,
             pushed))
         return result.output
+
+    def _copy_after_s(self, stream: HopStream) -> float | None:
+        """How long a pushed step's copy to `stream` is held back (None: sent at once); see COPY_GRACE_FACTOR."""
+        if stream.late_copies >= COPY_LATE_MAX:
+            return None
+        recent = [t.client_s for t in self.hop_timings[-4 * COPY_HISTORY_STEPS * max(1, len(self.streams)):]
+                  if t.peer_id == stream.hop.peer_id and t.pushed][-COPY_HISTORY_STEPS:]
+        if len(recent) < COPY_HISTORY_STEPS:
+            return None
+        return max(COPY_GRACE_FLOOR_S, COPY_GRACE_FACTOR * sorted(recent)[len(recent) // 2])
 
     def _liveness_after_s(self, peer_id: str) -> float:
         """How long a step may wait for this hop's reply before the client asks whether the server
