@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "free memory minus 10%% of its total (at least 1 GiB) for activations and CUDA graphs")
     p.add_argument("--max-length", type=positive_int, default=2048, help="longest session (tokens) this server accepts")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
-                   help="dtype of the hosted blocks, their KV caches and the hidden states (default float32)")
+                   help="dtype of the hosted blocks, their KV caches and the hidden states (default float32; on a "
+                        "CPU float16 decodes about twice as fast, its weights streaming half the bytes)")
     p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"],
                    help="quantize the blocks' linear layers while loading (bitsandbytes; budgeted at the quantized size)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

@@ -49,6 +49,17 @@ def _pushes(model, peer_id) -> tuple[int, int]:
     return relay["pushes_taken"], relay["pushes_taken"] + relay["pushes_refused"]
 
 
+def _generate_counting(model, ids, count):
+    """10 greedy tokens after `ids` in one session: (tokens, `count(model, peer)` of each of the
+    session's hops before and after, the session's chain, its hop streams as they were before it closed)."""
+    with model.inference_session(max_length=32) as session:
+        hops = [h.peer_id for h in session.chain.hops]
+        before = [count(model, p) for p in hops]
+        out = model.generate(ids, max_new_tokens=10, do_sample=False)
+        after = [count(model, p) for p in hops]
+        return out, before, after, session.chain, list(session.chain.streams)
+
+
 class KillMiddle(BaseStreamer):
     def __init__(self, swarm, session, n):
         self.swarm, self.session, self.n, self.seen, self.killed = swarm, session, n, -1, None
@@ -85,12 +96,8 @@ def test_both_relays_give_hf_tokens_and_server_relay_pushes(swarm, hf, tiny_llam
     try:
         ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
         ref = hf.generate(ids, max_new_tokens=10, do_sample=False)
-        with model.inference_session(max_length=32) as session:
-            hops = [h.peer_id for h in session.chain.hops]
-            before = [_pushes(model, p) for p in hops]
-            out = model.generate(ids, max_new_tokens=10, do_sample=False)
-            after = [_pushes(model, p) for p in hops]
-            timings = session.chain.hop_timings
+        out, before, after, chain, _ = _generate_counting(model, ids, _pushes)
+        timings = chain.hop_timings
         taken = [a[0] - b[0] for a, b in zip(after, before)]
         arrived = [a[1] - b[1] for a, b in zip(after, before)]
         assert out.tolist() == ref.tolist()
@@ -124,12 +131,8 @@ def test_server_relay_holds_back_the_clients_copies_once_pushes_arrive(swarm, hf
     try:
         ids = torch.tensor([[3, 7, 11, 15]])
         ref = hf.generate(ids, max_new_tokens=10, do_sample=False)
-        with model.inference_session(max_length=32) as session:
-            hops = [h.peer_id for h in session.chain.hops]
-            before = [_copies(model, p) for p in hops]
-            out = model.generate(ids, max_new_tokens=10, do_sample=False)
-            after = [_copies(model, p) for p in hops]
-            late = [s.late_copies for s in session.chain.streams]
+        out, before, after, _, streams = _generate_counting(model, ids, _copies)
+        late = [s.late_copies for s in streams]
         assert out.tolist() == ref.tolist()
         assert [a - b for a, b in zip(after, before)] == [0] + [remote_session.COPY_HISTORY_STEPS] * 2
         assert late == [0, 0, 0]
