@@ -178,32 +178,41 @@ from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.dht_records import fetch_servers
 ids = torch.tensor([json.loads(sys.argv[2])])
 n = int(sys.argv[3])
-relay = sys.argv[5] if len(sys.argv) > 5 else "server"
+repeats = int(sys.argv[4])
+relays = (sys.argv[5] if len(sys.argv) > 5 else "server").split(",")
 direct = {"direct_streams": sys.argv[6] == "direct"} if len(sys.argv) > 6 else {}
 dtype = sys.argv[7] if len(sys.argv) > 7 else "float32"
-model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]], relay=relay,
-                                                    dtype=dtype, **direct)
+# one model per relay on the same swarm, their runs interleaved (the order alternating per repeat), so
+# that a drift of the machine's speed over the run reaches both relays alike (a paired comparison)
+models = {relay: DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]], relay=relay,
+                                                             dtype=dtype, **direct) for relay in relays}
 try:
-    model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
-    if getattr(model.backend.hops, "dialer", None) is not None:  # direct-stream offers, asked beside the warm-up
-        model.backend.loop.run(model.backend.hops.dialer.asked(), timeout_s=10)
-    best, best_step, tokens = None, None, None
-    for _ in range(int(sys.argv[4])):
-        t = time.perf_counter()  # a whole session, as the service time T of the model counts it
-        tokens = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0].tolist()
-        dt = time.perf_counter() - t
-        best = dt if best is None else min(best, dt)
-        with model.inference_session(max_length=ids.shape[1] + n + 2):  # steady-state decode steps only
-            first = model.generate(ids, max_new_tokens=1, do_sample=False)
-            t = time.perf_counter()
-            model.generate(first[:, -1:], max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            step = (time.perf_counter() - t) / n
-        best_step = step if best_step is None else min(best_step, step)
-    infos = [i.to_wire() for i in fetch_servers(model.backend.dht, "smollm2-135m")]
-    print(json.dumps({"seconds": best, "decode_step_s": best_step, "new_tokens": n, "servers": infos,
-                      "tokens": tokens, "direct_opened": model.backend.hops.dialer.direct_opened}), flush=True)
+    for model in models.values():
+        model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
+        if getattr(model.backend.hops, "dialer", None) is not None:  # direct-stream offers, asked beside the warm-up
+            model.backend.loop.run(model.backend.hops.dialer.asked(), timeout_s=10)
+    out = {relay: {"seconds": [], "decode_step_s": [], "tokens": None} for relay in relays}
+    for r in range(repeats):
+        for relay in (relays if r % 2 == 0 else relays[::-1]):
+            model, res = models[relay], out[relay]
+            t = time.perf_counter()  # a whole session, as the service time T of the model counts it
+            res["tokens"] = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0].tolist()
+            res["seconds"].append(time.perf_counter() - t)
+            with model.inference_session(max_length=ids.shape[1] + n + 2):  # steady-state decode steps only
+                first = model.generate(ids, max_new_tokens=1, do_sample=False)
+                t = time.perf_counter()
+                model.generate(first[:, -1:], max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                res["decode_step_s"].append((time.perf_counter() - t) / n)
+    for relay, res in out.items():
+        res["direct_opened"] = models[relay].backend.hops.dialer.direct_opened
+    infos = [i.to_wire() for i in fetch_servers(models[relays[0]].backend.dht, "smollm2-135m")]
+    first = out[relays[0]]  # the first relay's figures at the top level too (bench_chain reads those)
+    print(json.dumps({"seconds": min(first["seconds"]), "decode_step_s": min(first["decode_step_s"]),
+                      "new_tokens": n, "servers": infos, "tokens": first["tokens"],
+                      "direct_opened": first["direct_opened"], "relays": out}), flush=True)
 finally:
-    model.backend.shutdown()
+    for model in models.values():
+        model.backend.shutdown()
 """
 
 
@@ -308,28 +317,29 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
                         server_args=["--num-threads", str(server_threads), "--no-orchestrator", "--dtype", dtype,
                                      *(["--direct-port", "0"] if direct else [])]) as swarm:
             env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+            proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
+                                                         json.dumps(ids[0].tolist()), str(new_tokens), str(repeats),
+                                                         ",".join(relays), "direct" if direct else "p2p", dtype]),
+                                  capture_output=True, text=True, timeout=600 * len(relays), env=env)
+            if proc.returncode != 0:
+                raise RuntimeError(proc.stderr[-3000:])
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
             for relay in relays:
-                proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
-                                                             json.dumps(ids[0].tolist()), str(new_tokens),
-                                                             str(repeats), relay, "direct" if direct else "p2p",
-                                                             dtype]),
-                                      capture_output=True, text=True, timeout=600, env=env)
-                if proc.returncode != 0:
-                    raise RuntimeError(proc.stderr[-3000:])
-                res = json.loads(proc.stdout.strip().splitlines()[-1])
-                exact = exact and res["tokens"] == ref
-                out["relay"][relay] = {"step_ms": res["decode_step_s"] * 1e3, "tok_s": new_tokens / res["seconds"],
+                runs = res["relays"][relay]
+                step_s = min(runs["decode_step_s"])
+                exact = exact and runs["tokens"] == ref
+                out["relay"][relay] = {"step_ms": step_s * 1e3, "tok_s": new_tokens / min(runs["seconds"]),
+                                       "step_ms_runs": [x * 1e3 for x in runs["decode_step_s"]],
                                        "model_step_ms": model_step_ms(relay, rtt_ms, res["servers"]),
                                        # what a step costs besides the emulated RTTs: compute (blocks, the
                                        # client's embedding and LM head) and framework
-                                       "beyond_legs_ms": res["decode_step_s"] * 1e3 - legs_ms(relay, rtt_ms,
-                                                                                             n_servers),
-                                       "exact": res["tokens"] == ref, "direct_streams": res["direct_opened"]}
-                # the server-to-server RTTs the servers measured and announce (footnote 4's RTT_ij,
-                # server/peer_rtts.py), against the emulated rtt_ms
-                peer_ms = [v * 1e3 for s in res["servers"] for v in s.get("peer_rtt_s", {}).values()]
-                out["server_peer_rtt_ms_median"] = float(np.median(peer_ms)) if peer_ms else None
-                out["server_peer_rtt_reports"] = len(peer_ms)
+                                       "beyond_legs_ms": step_s * 1e3 - legs_ms(relay, rtt_ms, n_servers),
+                                       "exact": runs["tokens"] == ref, "direct_streams": runs["direct_opened"]}
+            # the server-to-server RTTs the servers measured and announce (footnote 4's RTT_ij,
+            # server/peer_rtts.py), against the emulated rtt_ms
+            peer_ms = [v * 1e3 for s in res["servers"] for v in s.get("peer_rtt_s", {}).values()]
+            out["server_peer_rtt_ms_median"] = float(np.median(peer_ms)) if peer_ms else None
+            out["server_peer_rtt_reports"] = len(peer_ms)
     out["exact"] = exact
     if "client" in out["relay"] and "server" in out["relay"]:
         out["ratio_server_vs_client_step"] = out["relay"]["server"]["step_ms"] / out["relay"]["client"]["step_ms"]
@@ -340,6 +350,13 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
         c_ms = out["relay"]["client"]["beyond_legs_ms"]
         out["ratio_bound_at_this_work"] = ((legs_ms("server", rtt_ms, n_servers) + c_ms)
                                            / (legs_ms("client", rtt_ms, n_servers) + c_ms))
+        # the two relays' runs interleaved in one client: each repeat's server-relay step over the
+        # client-relay step next to it, their median (less moved by the machine's drift than the
+        # ratio of the two bests)
+        pairs = [s_ms / c_ms for s_ms, c_ms in zip(out["relay"]["server"]["step_ms_runs"],
+                                                   out["relay"]["client"]["step_ms_runs"])]
+        out["ratio_server_vs_client_step_paired"] = pairs
+        out["ratio_server_vs_client_step_paired_median"] = float(np.median(pairs))
     out["loadavg_end"] = os.getloadavg()[0]
     return out
 
