@@ -21,7 +21,7 @@ SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # `--log-level` (type=str.upper)
 # `--dtype` of every CLI: the names of runtime/block_range.DTYPES (kept here, torch-free, so parsing a
-# command line imports no torch; tests/test_cli_args.py checks the two agree)
+# command line imports no torch; tests/test_cli_errors.py checks the two agree)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd command

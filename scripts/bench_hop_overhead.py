@@ -56,10 +56,10 @@ def compute_ms_per_range(path, bounds, steps: int, dtype: str = "float32") -> li
     for start, end in zip(bounds, bounds[1:]):
         br = BlockRange(path, start, end, model_path=path, dtype=dtype)
         kv = br.allocate_kv(steps + 40)
-        br.forward([StepInput(kv, torch.randn(20, br.hidden_size, dtype=getattr(torch, dtype)))])  # a prompt in the cache, as in the session
+        br.forward([StepInput(kv, torch.randn(20, br.hidden_size, dtype=br.dtype))])  # a prompt in the cache, as in the session
         times = []
         for _ in range(steps):
-            x = torch.randn(1, br.hidden_size, dtype=getattr(torch, dtype))
+            x = torch.randn(1, br.hidden_size, dtype=br.dtype)
             t = time.perf_counter()
             br.forward([StepInput(kv, x)])
             times.append((time.perf_counter() - t) * 1e3)

@@ -258,8 +258,7 @@ class HopClient:
         meta = step.to_wire()
         raw = wire_parts.encode_raw(meta, hidden) if stream.raw_frames else None
         requests = [raw] if raw is not None else wire_parts.to_messages(meta, (hidden,))
-        if raw is None:
-            copy_after_s = None
+        hold_s = copy_after_s if raw is not None else None  # only a one-frame step is held back
         copied: list[bool] = []
 
         def send_copy() -> None:
@@ -268,10 +267,10 @@ class HopClient:
             stream.channel.send_nowait(*requests)
 
         async def exchange() -> wire_parts.Message:
-            if copy_after_s is None:
+            if hold_s is None:
                 await stream.channel.send(*requests)  # waits only when the socket is full (a large prompt)
                 return await wire_parts.receive_one(stream.channel)
-            held = asyncio.get_running_loop().call_later(copy_after_s, send_copy)
+            held = asyncio.get_running_loop().call_later(hold_s, send_copy)
             try:
                 return await wire_parts.receive_one(stream.channel)
             finally:
