@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from petals_chain.cli_args import DTYPE_CHOICES
+
 RECORD_FIELDS = ("index", "policy", "arrival_s", "submitted_s", "start_s", "first_token_s", "end_s", "input_tokens",
                  "output_tokens", "generated_tokens", "chain", "hops", "orchestrator_wait_s", "error")
 
@@ -72,6 +74,7 @@ class Replayer:
         self.clock = clock
         self.lock = threading.Lock()
         self.written: set[int] = set()
+        self.errors: list[str] = []  # of the written records, in order
         self.t0 = 0.0
         self.out = open(out_path, "w")
 
@@ -80,8 +83,16 @@ class Replayer:
             if rec["index"] in self.written:
                 return
             self.written.add(rec["index"])
+            if rec["error"]:
+                self.errors.append(rec["error"])
             self.out.write(json.dumps(rec) + "\n")
             self.out.flush()
+
+    def failed_note(self) -> str:
+        """", N failed (first: ERROR)" once a request failed: a run whose every request fails says so
+        while it runs, not only in its summary."""
+        with self.lock:
+            return f", {len(self.errors)} failed (first: {self.errors[0]})" if self.errors else ""
 
     def run_one(self, req: dict) -> None:
         import torch
@@ -129,7 +140,7 @@ class Replayer:
         self.t0 = self.clock()
         for i, req in enumerate(self.requests):
             self.run_one(req)
-            print(f"loadgen: {i + 1}/{len(self.requests)} done (sequentially)", flush=True)
+            print(f"loadgen: {i + 1}/{len(self.requests)} done (sequentially){self.failed_note()}", flush=True)
         self.out.close()
 
     def replay(self, deadline_s: float, lead_s: float = 1.0) -> int:
@@ -144,7 +155,8 @@ class Replayer:
             t.start()
             threads.append(t)
             if (i + 1) % 10 == 0:
-                print(f"loadgen: {i + 1}/{len(self.requests)} submitted, {len(self.written)} done", flush=True)
+                print(f"loadgen: {i + 1}/{len(self.requests)} submitted, {len(self.written)} done"
+                      f"{self.failed_note()}", flush=True)
         end_by = self.clock() + deadline_s
         for t in threads:
             t.join(max(0.0, end_by - self.clock()))
@@ -167,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.loadgen", description=__doc__)
     p.add_argument("--initial-peers", nargs="+", required=True)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
+                   help="the client head's dtype: the servers' (they refuse hidden states of another)")
+    p.add_argument("--device", default="cpu", help="where the client head runs (cuda with the GPU variant)")
     p.add_argument("--requests", required=True, help="JSON list of scaled requests (experiments.workload.ScaledRequest)")
     p.add_argument("--out", required=True, help="JSONL file: one record per request")
     p.add_argument("--policy", default="", help="label written into every record")
@@ -186,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print("loadgen: --requests must hold a non-empty JSON list", file=sys.stderr)
         return 2
     model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
+                                                        dtype=args.dtype, device=args.device,
                                                         acquire_timeout_s=args.acquire_timeout,
                                                         step_timeout_s=120.0)
     try:

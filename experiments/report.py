@@ -160,6 +160,11 @@ def read_peak_service(out: Path, policy: str) -> dict[str, dict]:
     return peaks
 
 
+def _inputs_cut(sc: dict) -> str:
+    n = sc.get("inputs_cut", 0)
+    return f", {n} inputs cut to their last {sc['max_length_tokens']} tokens or fewer" if n else ""
+
+
 def _load_line(sc: dict) -> str:
     if sc.get("peak_offered_cpu_load_estimate") is None or sc.get("offered_cpu_load_estimate") is None:
         return ""
@@ -204,7 +209,7 @@ def summary_markdown(summary: dict) -> str:
              f"inter-arrival CV {sc['interarrival_cv']:.2f} (trace {sc['trace_interarrival_cv']:.2f}), mean input "
              f"{sc['mean_input_tokens']:.1f} / output {sc['mean_output_tokens']:.1f} tokens (trace "
              f"{sc['trace_mean_input_tokens']:.0f} / {sc['trace_mean_output_tokens']:.1f}), {sc['truncated']} outputs "
-             f"cut to fit. {sc.get('time_scale_reason', '')}{_load_line(sc)}", "", "\n".join(rows), ""]
+             f"cut to fit{_inputs_cut(sc)}. {sc.get('time_scale_reason', '')}{_load_line(sc)}", "", "\n".join(rows), ""]
     for p in pols:
         cpu = P[p].get("cpu")
         if cpu:

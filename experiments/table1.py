@@ -273,7 +273,8 @@ def host_cpu_use(after: dict, before: dict, wall_s: float) -> dict:
 def start_loadgen(cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: Path, policy: str,
                   extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
     return launcher.popen("loadgen", [sys.executable, "-m", "experiments.loadgen", "--initial-peers",
-                                      *swarm.initial_peers, "--model", cfg.model, "--requests", str(req_file),
+                                      *swarm.initial_peers, "--model", cfg.model, "--dtype", cfg.dtype,
+                                      "--device", cfg.device, "--requests", str(req_file),
                                       "--out", str(rec_file), "--policy", policy, "--seed", str(cfg.seed),
                                       "--deadline", str(cfg.deadline_s), *extra_args],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**swarm.env},

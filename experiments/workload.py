@@ -6,7 +6,9 @@ factors (all pure arithmetic below, unit-tested):
 
 - lengths: input tokens x `length_scale` (at least 1), output tokens x `output_scale` (at least 1);
   a request longer than the servers' `max_length_tokens` keeps its input and has its output cut to
-  fit (counted as `truncated`);
+  fit (counted as `truncated`); an input that leaves no room at all (the trace holds prompts of up to
+  7,436 tokens, over Llama-2's 4,096 context) keeps its last tokens, as a client cuts a prompt to its
+  model's context, leaving its output room up to half the context (counted as `inputs_cut`);
 - time: every arrival time x `time_scale` (> 1 stretches), which divides the rate by `time_scale`
   and leaves the shape of the inter-arrival distribution (its coefficient of variation, 13.15 for
   the whole trace) exactly as it is.
@@ -57,20 +59,21 @@ class ScaledRequest:
     trace_input_tokens: int
     trace_output_tokens: int
     truncated: bool  # output cut to fit max_length_tokens
+    input_cut: bool = False  # input cut to its last tokens: alone it left no room for output
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def scale_lengths(input_tokens: int, output_tokens: int, scale: Scale) -> tuple[int, int, bool]:
-    """(scaled input, scaled output, truncated) of one request."""
+def scale_lengths(input_tokens: int, output_tokens: int, scale: Scale) -> tuple[int, int, bool, bool]:
+    """(scaled input, scaled output, output truncated, input cut) of one request."""
     l_in = max(1, round(input_tokens * scale.length_scale))
     l_out = max(1, round(output_tokens * scale.output_scale))
-    if l_in >= scale.max_length_tokens:
-        raise ValueError(f"a scaled input of {l_in} tokens leaves no room for output within max_length "
-                         f"{scale.max_length_tokens}: lower --length-scale or raise the servers' --max-length")
+    input_cut = l_in >= scale.max_length_tokens
+    if input_cut:  # keep the prompt's last tokens; the output keeps its length up to half the context
+        l_in = scale.max_length_tokens - min(l_out, scale.max_length_tokens // 2)
     cut = l_in + l_out > scale.max_length_tokens
-    return l_in, (scale.max_length_tokens - l_in if cut else l_out), cut
+    return l_in, (scale.max_length_tokens - l_in if cut else l_out), cut, input_cut
 
 
 def scale_requests(trace: RequestTrace, n_requests: int, scale: Scale, *, offset: int = 0) -> list[ScaledRequest]:
@@ -80,9 +83,10 @@ def scale_requests(trace: RequestTrace, n_requests: int, scale: Scale, *, offset
     t0 = float(trace.arrival_s[offset])
     out = []
     for i in range(offset, offset + n_requests):
-        l_in, l_out, cut = scale_lengths(int(trace.context_tokens[i]), int(trace.generated_tokens[i]), scale)
+        l_in, l_out, cut, input_cut = scale_lengths(int(trace.context_tokens[i]), int(trace.generated_tokens[i]),
+                                                    scale)
         out.append(ScaledRequest(i, (float(trace.arrival_s[i]) - t0) * scale.time_scale, l_in, l_out,
-                                 int(trace.context_tokens[i]), int(trace.generated_tokens[i]), cut))
+                                 int(trace.context_tokens[i]), int(trace.generated_tokens[i]), cut, input_cut))
     return out
 
 
@@ -146,5 +150,6 @@ def summary(requests: list[ScaledRequest]) -> dict:
             "trace_mean_input_tokens": float(np.mean([r.trace_input_tokens for r in requests])),
             "trace_mean_output_tokens": float(np.mean([r.trace_output_tokens for r in requests])),
             "truncated": sum(r.truncated for r in requests),
+            "inputs_cut": sum(r.input_cut for r in requests),
             "max_total_tokens": max((r.input_tokens + r.output_tokens for r in requests), default=0)}
 

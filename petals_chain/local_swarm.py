@@ -58,13 +58,23 @@ class ServerProcess:
         return self.process.poll() is None
 
 
-def _reader(proc: subprocess.Popen, sink: list[str], ready: threading.Event, marker: str | tuple[str, ...]) -> None:
+def _reader(proc: subprocess.Popen, sink: list[str], ready: threading.Event,
+            marker: str | tuple[str, ...] | Callable[[str], bool]) -> None:
     markers = (marker,) if isinstance(marker, str) else marker
+    is_ready = marker if callable(marker) else (lambda line: any(m in line for m in markers))
     for line in proc.stdout:
         sink.append(line.rstrip("\n"))
-        if any(m in line for m in markers):
+        if is_ready(line):
             ready.set()
     ready.set()  # EOF: the process ended; callers check whether it is alive
+
+
+def _is_peer_maddr(line: str) -> bool:
+    """A line `petals-chain dht` prints its address on: a multiaddr with a peer id. (Not any line
+    holding "/p2p/": a traceback through hivemind/p2p/p2p_daemon.py holds it too, and was once taken
+    for the address.)"""
+    line = line.strip()
+    return line.startswith("/") and "/p2p/" in line and " " not in line
 
 
 class LocalSwarm:
@@ -112,10 +122,10 @@ class LocalSwarm:
             self.dht_process = self._spawn("dht", ["-m", "petals_chain.cli", "dht", "--host-maddrs", self._maddr("dht")])
             lines: list[str] = []
             ready = threading.Event()
-            threading.Thread(target=_reader, args=(self.dht_process, lines, ready, "/p2p/"), daemon=True).start()
-            if not ready.wait(60) or self.dht_process.poll() is not None:
+            threading.Thread(target=_reader, args=(self.dht_process, lines, ready, _is_peer_maddr), daemon=True).start()
+            if not ready.wait(60) or self.dht_process.poll() is not None or not any(map(_is_peer_maddr, lines)):
                 raise SwarmStartError("the DHT peer did not start", lines)
-            self.initial_peers = [next(line for line in lines if "/p2p/" in line).strip()]
+            self.initial_peers = [next(line for line in lines if _is_peer_maddr(line)).strip()]
             if self.orchestrator_args is not None:
                 self.start_orchestrator(self.orchestrator_args, timeout_s=self.start_timeout_s)
             for i, rng in enumerate(self.ranges):

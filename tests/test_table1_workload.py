@@ -49,13 +49,15 @@ def test_scaling_divides_the_rate_and_keeps_the_burstiness(azure):
 
 
 def test_lengths_are_cut_to_fit_max_length_and_counted():
-    trace = _trace([0, 1, 2], [160, 1600, 16], [10, 900, 1])
-    reqs = scale_requests(trace, 3, Scale(1.0, 1 / 16, max_length_tokens=200))
-    assert [(r.input_tokens, r.output_tokens, r.truncated) for r in reqs] == [(10, 10, False), (100, 100, True),
-                                                                              (1, 1, False)]
-    assert workload.summary(reqs)["truncated"] == 1
-    with pytest.raises(ValueError, match="max_length"):
-        scale_lengths(3200, 1, Scale(1.0, 1 / 16, max_length_tokens=200))
+    trace = _trace([0, 1, 2, 3], [160, 1600, 16, 4000], [10, 900, 1, 30])
+    reqs = scale_requests(trace, 4, Scale(1.0, 1 / 16, max_length_tokens=200))
+    assert [(r.input_tokens, r.output_tokens, r.truncated, r.input_cut) for r in reqs] == [
+        (10, 10, False, False), (100, 100, True, False), (1, 1, False, False), (170, 30, False, True)]
+    assert workload.summary(reqs)["truncated"] == 1 and workload.summary(reqs)["inputs_cut"] == 1
+    # an input over the context keeps its last tokens; its output keeps at most half the context
+    assert scale_lengths(3200, 1, Scale(1.0, 1 / 16, max_length_tokens=200)) == (199, 1, False, True)
+    assert scale_lengths(5000, 900, Scale(1.0, 1.0, max_length_tokens=4096)) == (3196, 900, False, True)
+    assert scale_lengths(5000, 3000, Scale(1.0, 1.0, max_length_tokens=4096)) == (2048, 2048, True, True)
 
 
 def test_offset_and_bounds():
