@@ -74,7 +74,8 @@ class Replayer:
         self.clock = clock
         self.lock = threading.Lock()
         self.written: set[int] = set()
-        self.errors: list[str] = []  # of the written records, in order
+        self.failed = 0  # written records with an error
+        self.first_error: str | None = None
         self.t0 = 0.0
         self.out = open(out_path, "w")
 
@@ -84,7 +85,8 @@ class Replayer:
                 return
             self.written.add(rec["index"])
             if rec["error"]:
-                self.errors.append(rec["error"])
+                self.failed += 1
+                self.first_error = self.first_error or rec["error"]
             self.out.write(json.dumps(rec) + "\n")
             self.out.flush()
 
@@ -92,7 +94,7 @@ class Replayer:
         """", N failed (first: ERROR)" once a request failed: a run whose every request fails says so
         while it runs, not only in its summary."""
         with self.lock:
-            return f", {len(self.errors)} failed (first: {self.errors[0]})" if self.errors else ""
+            return f", {self.failed} failed (first: {self.first_error})" if self.failed else ""
 
     def run_one(self, req: dict) -> None:
         import torch

@@ -58,15 +58,16 @@ class ServerProcess:
         return self.process.poll() is None
 
 
-def _reader(proc: subprocess.Popen, sink: list[str], ready: threading.Event,
-            marker: str | tuple[str, ...] | Callable[[str], bool]) -> None:
-    markers = (marker,) if isinstance(marker, str) else marker
-    is_ready = marker if callable(marker) else (lambda line: any(m in line for m in markers))
+def _reader(proc: subprocess.Popen, sink: list[str], ready: threading.Event, is_ready: Callable[[str], bool]) -> None:
     for line in proc.stdout:
         sink.append(line.rstrip("\n"))
         if is_ready(line):
             ready.set()
     ready.set()  # EOF: the process ended; callers check whether it is alive
+
+
+def _contains(*markers: str) -> Callable[[str], bool]:
+    return lambda line: any(m in line for m in markers)
 
 
 def _is_peer_maddr(line: str) -> bool:
@@ -123,9 +124,10 @@ class LocalSwarm:
             lines: list[str] = []
             ready = threading.Event()
             threading.Thread(target=_reader, args=(self.dht_process, lines, ready, _is_peer_maddr), daemon=True).start()
-            if not ready.wait(60) or self.dht_process.poll() is not None or not any(map(_is_peer_maddr, lines)):
+            peer = next(filter(_is_peer_maddr, lines), None) if ready.wait(60) else None
+            if peer is None or self.dht_process.poll() is not None:
                 raise SwarmStartError("the DHT peer did not start", lines)
-            self.initial_peers = [next(line for line in lines if _is_peer_maddr(line)).strip()]
+            self.initial_peers = [peer.strip()]
             if self.orchestrator_args is not None:
                 self.start_orchestrator(self.orchestrator_args, timeout_s=self.start_timeout_s)
             for i, rng in enumerate(self.ranges):
@@ -146,7 +148,7 @@ class LocalSwarm:
             "--host-maddrs", self._maddr("orchestrator"), "--http-host", self.placement("orchestrator")[1], *args])
         ready = threading.Event()
         threading.Thread(target=_reader, args=(self.orchestrator_process, self.orchestrator_lines, ready,
-                                               "orchestrator ready"), daemon=True).start()
+                                               _contains("orchestrator ready")), daemon=True).start()
         if not ready.wait(timeout_s) or self.orchestrator_process.poll() is not None:
             raise SwarmStartError("the orchestrator did not start", self.orchestrator_lines)
         line = next(line for line in self.orchestrator_lines if line.startswith("orchestrator ready"))
@@ -180,7 +182,7 @@ class LocalSwarm:
                             *self.server_args, *(extra_args or [])])
         sp = ServerProcess(name, start, end, proc)
         sp._ready = threading.Event()  # type: ignore[attr-defined]
-        threading.Thread(target=_reader, args=(proc, sp.lines, sp._ready, ("serving ", "standing by: ")),
+        threading.Thread(target=_reader, args=(proc, sp.lines, sp._ready, _contains("serving ", "standing by: ")),
                          daemon=True).start()
         self.servers.append(sp)
         if wait:
