@@ -11,6 +11,11 @@ the server's own time (queue + compute; `server_s` in the step reply), so
   model: one and (l_out - 1) times RTT + the measured per-hop cost (tau_c = l_out (RTT + hop cost)),
   RTT as the orchestrator measured it.
 `model_error` (summary.json): per server, measured / model - 1 of the means over lone requests.
+`model_drift` (summary.json, `lone_step_drift`): the probe runs after the replay the model was fitted
+on, so a change of the machine's speed between the two reads as model error. Each server's service
+log says how much: the same lone decode step (one session, one token, the same blocks) timed by the
+server itself in the replay and in the probe; `decode_compute_net_of_drift` divides the probe's wall
+ratio out of that policy's decode-compute error. A diagnostic beside `model_error`, never instead of it.
 "Lone" requests ran while no other request was in service: there the server time is compute
 only; under load it includes waiting for the server's batch. Besides the replay's lone requests (under
 the trace's bursts there may be none), the model probe (`probe_<policy>.jsonl`: after the replay, sessions
@@ -18,6 +23,7 @@ through each chain one after another) gives each chain's servers lone requests.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +135,97 @@ def error_markdown(table: dict) -> str:
             lines.append(f"| {server} | {n} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def phase_clients(logs: dict[str, list[dict]], probed: bool) -> tuple[str | None, str | None]:
+    """(replay client, probe client) of one policy's service logs (server name -> batches). Each phase
+    of a run is its own load-generator process, so its own client id, in the order warm-up, replay,
+    probe: the probe's client is the last to appear on any server (when the run probed), the replay's
+    the one with the most batches of the rest."""
+    first: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for batches in logs.values():
+        for b in batches:
+            for client, _, _ in b["items"]:
+                first[client] = min(first.get(client, math.inf), b["t_s"])
+                count[client] = count.get(client, 0) + 1
+    if not first:
+        return None, None
+    order = sorted(first, key=first.get)
+    probe = order[-1] if probed and len(order) > 1 else None
+    rest = [c for c in order if c != probe]
+    return max(rest, key=lambda c: count[c]), probe
+
+
+def _lone_decode(batches: list[dict], client: str) -> dict[int, list[tuple[float, float]]]:
+    """(wall_s, cpu_s) of `client`'s lone decode batches (one item: one token, not a prefill), by blocks."""
+    out: dict[int, list[tuple[float, float]]] = {}
+    for b in batches:
+        items = b["items"]
+        if b.get("ok", True) and len(items) == 1 and items[0][0] == client and items[0][1] == 1 and not items[0][2]:
+            out.setdefault(int(b["blocks"][0]), []).append((float(b["service_s"]), float(b["cpu_s"])))
+    return out
+
+
+MIN_DRIFT_BATCHES = 5
+
+
+def lone_step_drift(logs: dict[str, list[dict]], probed: bool) -> dict[str, dict]:
+    """Per server: the median lone decode step (wall and CPU ms) in the replay and in the probe, on the
+    block count the probe ran most, and their ratios (probe / replay); servers with fewer than
+    MIN_DRIFT_BATCHES such steps in either phase are left out."""
+    replay, probe = phase_clients(logs, probed)
+    if replay is None or probe is None:
+        return {}
+    out = {}
+    for server, batches in sorted(logs.items()):
+        a, b = _lone_decode(batches, replay), _lone_decode(batches, probe)
+        both = [k for k in b if len(b[k]) >= MIN_DRIFT_BATCHES and len(a.get(k, ())) >= MIN_DRIFT_BATCHES]
+        if not both:
+            continue
+        blocks = max(both, key=lambda k: len(b[k]))
+        ra, rb = np.asarray(a[blocks]), np.asarray(b[blocks])
+        wa, wb = np.median(ra, axis=0), np.median(rb, axis=0)
+        out[server] = {"blocks": blocks, "replay_n": len(ra), "probe_n": len(rb),
+                       "replay_wall_ms": 1e3 * wa[0], "probe_wall_ms": 1e3 * wb[0],
+                       "replay_cpu_ms": 1e3 * wa[1], "probe_cpu_ms": 1e3 * wb[1],
+                       "wall_ratio": wb[0] / wa[0], "cpu_ratio": wb[1] / wa[1]}
+    return out
+
+
+def model_drift(points: list[dict], logs_by_policy: dict[str, dict[str, list[dict]]]) -> dict:
+    """summary.json's `model_drift`: per policy and server, `lone_step_drift` and that policy's own
+    decode-compute error over its lone requests, raw and with the probe's wall ratio divided out."""
+    out = {}
+    for policy, logs in logs_by_policy.items():
+        mine = [p for p in points if p["policy"] == policy or p["policy"] == f"{policy}-probe"]
+        drift = lone_step_drift(logs, probed=any(p.get("probe") for p in mine))
+        errors = model_error(error_table(mine))
+        for server, d in drift.items():
+            e = errors.get(server, {}).get("decode_compute")
+            d["decode_compute_error"] = e
+            d["decode_compute_net_of_drift"] = None if e is None else (1 + e) / d["wall_ratio"] - 1
+        if drift:
+            out[policy] = drift
+    return out
+
+
+def model_drift_markdown(drift: dict) -> str:
+    if not drift:
+        return ""
+    lines = ["The machine between the replay and the probe (`model_drift`): each server's median lone decode step "
+             "(one session, one token) in the replay the model was fitted on and in the probe, timed by the server; "
+             "the decode-compute error of that policy's lone requests, raw and with the wall ratio divided out:", "",
+             "| policy | server | blocks | replay wall / CPU (ms) | probe wall / CPU (ms) | probe / replay wall, CPU "
+             "| decode_compute | net of drift |", "|---|---|---|---|---|---|---|---|"]
+    for policy, rows in drift.items():
+        for server, d in rows.items():
+            e, n = d["decode_compute_error"], d["decode_compute_net_of_drift"]
+            lines.append(f"| {policy} | {server} | {d['blocks']} | {d['replay_wall_ms']:.0f} / {d['replay_cpu_ms']:.1f} "
+                         f"({d['replay_n']}) | {d['probe_wall_ms']:.0f} / {d['probe_cpu_ms']:.1f} ({d['probe_n']}) | "
+                         f"{d['wall_ratio']:.2f}, {d['cpu_ratio']:.2f} | {'—' if e is None else f'{e:+.2f}'} | "
+                         f"{'—' if n is None else f'{n:+.2f}'} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(points: list[dict], path: Path) -> None:

@@ -150,13 +150,20 @@ def peak_service(batches: list[dict], window_s: float = PEAK_SERVICE_WINDOW_S) -
             "cpu_cores": float(cpu_s[sel].sum() / window_s), "sessions_per_batch": float(rows[sel].mean())}
 
 
+def read_service_logs(out: Path, policy: str) -> dict[str, list[dict]]:
+    """Server name -> its batches, from each `service_<policy>_<server>.jsonl` in a results folder."""
+    return {path.stem.removeprefix(f"service_{policy}_"):
+            [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            for path in sorted(out.glob(f"service_{policy}_*.jsonl"))}
+
+
 def read_peak_service(out: Path, policy: str) -> dict[str, dict]:
     """`peak_service` of each `service_<policy>_<server>.jsonl` in a results folder."""
     peaks = {}
-    for path in sorted(out.glob(f"service_{policy}_*.jsonl")):
-        peak = peak_service([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    for server, batches in read_service_logs(out, policy).items():
+        peak = peak_service(batches)
         if peak is not None:
-            peaks[path.stem.removeprefix(f"service_{policy}_")] = peak
+            peaks[server] = peak
     return peaks
 
 

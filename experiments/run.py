@@ -116,10 +116,12 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
     table = model_check.error_table(points)
     summary["model_check"] = table
     summary["model_error"] = model_check.model_error(table)
+    summary["model_drift"] = model_check.model_drift(points, {p: report.read_service_logs(out, p) for p in runs
+                                                              if p != PETALS_22})
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     md = report.summary_markdown(summary)
     md += ("\n## Model check (paper Figs. 9-10)\n\n" + model_check.model_error_markdown(summary["model_error"]) + "\n"
-           + model_check.error_markdown(table))
+           + model_check.model_drift_markdown(summary["model_drift"]) + "\n" + model_check.error_markdown(table))
     (out / "summary.md").write_text(md)
     (out / "model_check.json").write_text(json.dumps({"points": points, "errors": table}))
     report.cdf_plot({p: r["records"] for p, r in runs.items() if r["records"]}, out / "cdf.png",

@@ -246,6 +246,50 @@ def test_the_model_probes_sessions_count_alone_and_stay_out_of_the_replays_stati
     assert "fast0" in (tmp_path / "summary.md").read_text().split("Model error")[1]
 
 
+def test_model_drift_times_the_same_lone_step_in_the_replay_and_in_the_probe(tmp_path):
+    """A machine that slowed between the replay (the fit) and the probe reads as model error; each server's
+    service log measures by how much (its lone decode steps in both phases, told apart by the phases'
+    client ids), and the net error divides that out. Batches of other kinds do not count."""
+    from experiments.run import write_results
+
+    def batch(t_s, client, wall_s, *, tokens=1, prefill=False, blocks=10, more=()):
+        return {"t_s": t_s, "service_s": wall_s, "cpu_s": wall_s / 5, "ok": True,
+                "items": [[client, tokens, prefill], *more], "blocks": [blocks] * (1 + len(more))}
+
+    log = [batch(1.0 + i, "warmup", 0.5) for i in range(6)]                     # the warm-up: slower still
+    log += [batch(10.0 + i, "replay", 0.05) for i in range(8)]                  # the replay's lone steps
+    log += [batch(20.0 + i, "replay", 0.09, more=[["replay", 1, False]]) for i in range(30)]  # batched: not lone
+    log += [batch(50.0, "replay", 0.7, tokens=100, prefill=True)]                # a prefill: not a decode step
+    log += [batch(60.0 + i, "probe", 0.055) for i in range(6)]                   # the probe: 10 % slower
+    log += [batch(70.0 + i, "probe", 0.5, blocks=3) for i in range(2)]          # other blocks, too few
+    (tmp_path / "service_proposed_fast0.jsonl").write_text("".join(json.dumps(b) + "\n" for b in log))
+    hop = {"name": "fast0", "blocks": 10, "prefill_tokens": 100, "prefill_client_s": 0.25, "prefill_server_s": 0.2,
+           "decode_steps": 4, "decode_client_s": 0.6}
+    probe = [{**rec(1_000_000 + i, 0.0, 3.0 * i, 3.0 * i + 1.0, policy="proposed-probe"),
+              "hops": [{**hop, "decode_server_s": 0.22}]} for i in range(2)]
+    servers = {"fast0": {"t_I": 1e-4, "t_O": 5e-3, "t_o": 0.0, "rtt_s": 0.05}}  # model decode: 4 x 10 x 5 ms
+    scale = {"time_scale": 2.0, "length_scale": 0.0625, "output_scale": 1.0, "max_length_tokens": 1024, "requests": 1,
+             "offset": 0, "rate_per_s": 1.0, "trace_rate_per_s": 2.0, "interarrival_cv": 1.0,
+             "trace_interarrival_cv": 1.0, "mean_input_tokens": 100.0, "mean_output_tokens": 5.0,
+             "trace_mean_input_tokens": 1600.0, "trace_mean_output_tokens": 5.0, "truncated": 0}
+    (tmp_path / "scale.json").write_text(json.dumps({"command": "c", "scale": scale, "rtt_ms": None,
+                                                     "rtt_anchor_indices": [], "config": {"policies": ["proposed"]}}))
+    (tmp_path / "run_proposed.json").write_text(json.dumps({"policy": "proposed", "where": "localhost",
+                                                            "final_servers": servers}))
+    (tmp_path / "records_proposed.jsonl").write_text(json.dumps({**rec(0, 0.0, 0.0, 1.0), "hops": []}) + "\n")
+    (tmp_path / "probe_proposed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in probe))
+    d = write_results(tmp_path)["model_drift"]["proposed"]["fast0"]
+    assert (d["blocks"], d["replay_n"], d["probe_n"]) == (10, 8, 6)
+    assert d["replay_wall_ms"] == pytest.approx(50) and d["probe_wall_ms"] == pytest.approx(55)
+    assert d["wall_ratio"] == pytest.approx(1.1) and d["cpu_ratio"] == pytest.approx(1.1)
+    assert d["decode_compute_error"] == pytest.approx(0.22 / 0.2 - 1)
+    assert d["decode_compute_net_of_drift"] == pytest.approx((0.22 / 0.2) / 1.1 - 1)
+    assert "net of drift" in (tmp_path / "summary.md").read_text()
+    # without a probe there is nothing to compare the replay with
+    (tmp_path / "probe_proposed.jsonl").unlink()
+    assert write_results(tmp_path)["model_drift"] == {}
+
+
 def test_the_probe_targets_only_chains_it_can_reach_by_avoiding_servers():
     from experiments.table1 import probe_targets
     chains = [{"servers": ["f1"]}, {"servers": ["s2", "f1"]}, {"servers": ["s2", "s3"]}, {"servers": ["f0"]},
