@@ -78,6 +78,11 @@ def test_hop_reports_count_round_trips_only_and_unmeasured_servers_take_the_swar
     assert set(reports) == {"a", "b"} and reports["a"].steps == 2 and reports["b"].steps == 1
     assert reports["a"].comm_s == pytest.approx(0.050 + 0.054) and reports["b"].comm_s == pytest.approx(0.040)
     assert hop_reports(timings[1:3]) is None
+    # a prompt's step is not a per-step cost: moving its hidden states takes most of its time
+    prompt = HopTiming(0, "a", 10, 1676, 3.28, 0.045)
+    with_prompt = {r.peer_id: r for r in hop_reports([prompt, *timings])}
+    assert with_prompt["a"].steps == 2 and with_prompt["a"].comm_s == pytest.approx(0.050 + 0.054)
+    assert hop_reports([prompt]) is None
     assert hop_costs({"a": 0.004, "b": None, "c": 0.002, "d": 0.003}) == {"a": 0.004, "b": 0.003, "c": 0.002,
                                                                           "d": 0.003}
     assert hop_costs({"a": None, "b": None}) == {"a": None, "b": None}

@@ -30,13 +30,22 @@ logger = logging.getLogger(__name__)
 
 
 
+# Steps of at most this many tokens time a hop's per-step cost (a decode step, a speculative draft's
+# verification); a prompt's step does not: its time beyond the RTT is mostly moving its hidden states
+# (a 1,676-token bfloat16 prompt at hidden size 4,096 is 13.7 MB per hop: 3.3 s of client time against
+# 0.045 s of server time on the GPU run of 2026-11-27), which spread over the session's steps made the
+# "per-step" cost 67-103 ms there, ten times the decode steps' own
+HOP_COST_MAX_TOKENS = 16
+
+
 def hop_reports(hop_timings) -> list[HopReport] | None:
-    """Per server: steps and summed (client - server) time of the steps that reported a server time
-    and were a round trip from the client (not pushed by the hop before: with server relay only a
-    chain's first hop is timed that way; the orchestrator gives the others the swarm's median)."""
+    """Per server: steps and summed (client - server) time of the steps that reported a server time,
+    were a round trip from the client (not pushed by the hop before: with server relay only a
+    chain's first hop is timed that way; the orchestrator gives the others the swarm's median) and
+    carried at most HOP_COST_MAX_TOKENS tokens (not a prompt)."""
     acc: dict[str, list] = {}
     for t in hop_timings:
-        if t.server_s is not None and not t.pushed:
+        if t.server_s is not None and not t.pushed and t.tokens <= HOP_COST_MAX_TOKENS:
             a = acc.setdefault(t.peer_id, [0, 0.0])
             a[0] += 1
             a[1] += max(0.0, t.client_s - t.server_s)
