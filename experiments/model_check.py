@@ -9,7 +9,8 @@ the server's own time (queue + compute; `server_s` in the step reply), so
   m t_O (l_out - 1) with the start-up t_I, t_O and the per-block t_o default; m = the hop's blocks;
 - communication, measured: client time - server time (prefill step; decode steps summed);
   model: one and (l_out - 1) times RTT + the measured per-hop cost (tau_c = l_out (RTT + hop cost)),
-  RTT as the orchestrator measured it.
+  RTT as the orchestrator measured it, plus for the prefill step the measured transfer of l_in
+  tokens' hidden states there and back (`transfer_s_per_token`).
 `model_error` (summary.json): per server, measured / model - 1 of the means over lone requests.
 `model_drift` (summary.json, `lone_step_drift`): the probe runs after the replay the model was fitted
 on, so a change of the machine's speed between the two reads as model error. Each server's service
@@ -55,6 +56,7 @@ def hop_points(records: list[dict], servers: dict[str, dict], *, probe: bool = F
                 continue
             m, l_in, n_dec = h["blocks"], h["prefill_tokens"], h["decode_steps"]
             hop = s.get("hop_cost_s") or 0.0
+            transfer = (s.get("transfer_s_per_token") or 0.0) * l_in  # absent before the transfer term
             t_o = s.get("t_o")
             if t_o is None:  # the start-up model: footnote 11's t_o per block
                 pre, dec = m * (T_O_S + s["t_I"] * l_in), m * s["t_O"] * n_dec
@@ -68,7 +70,7 @@ def hop_points(records: list[dict], servers: dict[str, dict], *, probe: bool = F
                              "prefill_comm": h["prefill_client_s"] - h["prefill_server_s"],
                              "decode_comm": h["decode_client_s"] - h["decode_server_s"]},
                 "model": {"prefill_compute": pre, "decode_compute": dec,
-                          "prefill_comm": s["rtt_s"] + hop, "decode_comm": (s["rtt_s"] + hop) * n_dec}})
+                          "prefill_comm": s["rtt_s"] + hop + transfer, "decode_comm": (s["rtt_s"] + hop) * n_dec}})
     return pts
 
 

@@ -251,7 +251,7 @@ def server_models(status: dict) -> dict:
     """Per server name, the orchestrator's model from its /status: t_I, t_O (fitted when it had live
     batches), t_o per step (fitted; None: the per-block default), per-hop cost, RTT, tau_p, tau_c."""
     return {s["name"]: {"t_I": s["t_I"], "t_O": s["t_O"], "t_o": s.get("t_o"), "t_B": s.get("t_B"),
-                        "hop_cost_s": s.get("hop_cost"),
+                        "hop_cost_s": s.get("hop_cost"), "transfer_s_per_token": s.get("transfer_s_per_token"),
                         "rtt_s": s["rtt"], "tau_p": s["tau_p"], "tau_c": s["tau_c"], "memory": s["memory"],
                         "model_source": (s.get("model") or {}).get("source", "announced")}
             for s in status["servers"]}

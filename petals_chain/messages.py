@@ -328,12 +328,17 @@ class Queued(WireRecord):
 
 @dataclass
 class HopReport(WireRecord):
-    """A finished session's network time with one server: the sum over its steps of (client time -
-    server time), so the orchestrator learns the per-hop framework cost beyond its RTT probe."""
+    """A finished session's network time with one server: the sum over its decode-sized steps of
+    (client time - server time), so the orchestrator learns the per-hop framework cost beyond its RTT
+    probe; and the same over its prompt steps with their tokens, so it learns the time to move a
+    token's hidden states (the paper's Fig. 10: prefill communication grows with the input length)."""
 
     peer_id: str
     steps: int
     comm_s: float
+    prompt_steps: int = 0
+    prompt_tokens: int = 0
+    prompt_comm_s: float = 0.0
 
 
 @dataclass

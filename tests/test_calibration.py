@@ -78,11 +78,17 @@ def test_hop_reports_count_round_trips_only_and_unmeasured_servers_take_the_swar
     assert set(reports) == {"a", "b"} and reports["a"].steps == 2 and reports["b"].steps == 1
     assert reports["a"].comm_s == pytest.approx(0.050 + 0.054) and reports["b"].comm_s == pytest.approx(0.040)
     assert hop_reports(timings[1:3]) is None
-    # a prompt's step is not a per-step cost: moving its hidden states takes most of its time
+    # a prompt's step is not a per-step cost: moving its hidden states takes most of its time; it is
+    # reported apart with its tokens (a pushed prompt step is no round trip: not at all)
     prompt = HopTiming(0, "a", 10, 1676, 3.28, 0.045)
-    with_prompt = {r.peer_id: r for r in hop_reports([prompt, *timings])}
+    pushed_prompt = HopTiming(1, "b", 10, 1676, 0.3, 0.04, pushed=True)
+    with_prompt = {r.peer_id: r for r in hop_reports([prompt, pushed_prompt, *timings])}
     assert with_prompt["a"].steps == 2 and with_prompt["a"].comm_s == pytest.approx(0.050 + 0.054)
-    assert hop_reports([prompt]) is None
+    assert (with_prompt["a"].prompt_steps, with_prompt["a"].prompt_tokens) == (1, 1676)
+    assert with_prompt["a"].prompt_comm_s == pytest.approx(3.28 - 0.045)
+    assert with_prompt["b"].prompt_steps == 0 and with_prompt["b"].steps == 1
+    only = hop_reports([prompt])
+    assert len(only) == 1 and only[0].steps == 0 and only[0].prompt_tokens == 1676
     assert hop_costs({"a": 0.004, "b": None, "c": 0.002, "d": 0.003}) == {"a": 0.004, "b": 0.003, "c": 0.002,
                                                                           "d": 0.003}
     assert hop_costs({"a": None, "b": None}) == {"a": None, "b": None}
@@ -171,6 +177,34 @@ def test_the_orchestrator_replans_when_the_fitted_model_moves_the_plan_and_shows
     orch.current.installed = True
     orch.check_model(now[0])  # the model did not move since: no re-plan
     assert not orch.model_moved
+
+
+def test_the_measured_prompt_transfer_joins_tau_c_once_per_session():
+    """The paper's Fig. 10: a session's prefill communication grows with its input. Clients report their
+    prompt steps' time beyond the RTT with the tokens; per token, it joins tau_c times the mean input
+    (there and back with client relay, one leg with server relay); servers never timed take the
+    swarm's median; prompts too short to time a transfer are not taken."""
+    from petals_chain.messages import HopReport
+    now = [0.0]
+    orch = offline_orchestrator(now)
+    before = {s["peer_id"]: s["tau_c"] for s in orch.status()["servers"]}
+    assert all(s["transfer_s_per_token"] is None for s in orch.status()["servers"])
+    # pa: a 400-token prompt took 2 ms of RTT + 400 x 50 us; a 20-token one says nothing of the transfer
+    orch.release("s1", 400, 5, [HopReport("pa", 4, 4 * 0.002, prompt_steps=1, prompt_tokens=400,
+                                          prompt_comm_s=0.002 + 400 * 50e-6)])
+    orch.release("s2", 20, 5, [HopReport("pa", 4, 4 * 0.002, prompt_steps=1, prompt_tokens=20, prompt_comm_s=0.5)])
+    orch.refit()
+    view = {s["peer_id"]: s for s in orch.status()["servers"]}
+    assert view["pa"]["transfer_s_per_token"] == pytest.approx(50e-6)
+    assert view["pa"]["model"]["transfer_own"] == pytest.approx(50e-6)
+    assert view["pb"]["model"]["transfer_own"] is None and view["pb"]["transfer_s_per_token"] == pytest.approx(50e-6)
+    shape = orch.lengths.shape
+    legs = 0.5 if orch.config.relay == "server" else 1.0
+    for p in ("pa", "pb"):  # the hop costs stayed 0 (reported steps at the RTT): the difference is the transfer
+        assert view[p]["tau_c"] - before[p] == pytest.approx(legs * shape.mean_input_tokens * 50e-6)
+    from orchestrator.service.http import status_html
+    page = status_html(orch.status())
+    assert "prompt transfer / token" in page and "50.0 us" in page
 
 
 def test_without_calibration_the_orchestrator_plans_from_the_announced_profile():

@@ -150,6 +150,10 @@ def test_model_check_with_the_calibrated_model_and_model_error_in_the_summary():
     assert errors["slow0"]["decode_comm"] == pytest.approx(0.16 / 0.16 - 1, abs=1e-9)
     md = model_check.model_error_markdown(errors)
     assert "slow0" in md and "over the bound" in md
+    # with a measured prompt transfer (50 us per token there and back) the prefill step's model has it
+    servers["slow0"]["transfer_s_per_token"] = 50e-6
+    m = model_check.hop_points(recs, servers)[0]["model"]
+    assert m["prefill_comm"] == pytest.approx(0.04 + 100 * 50e-6) and m["decode_comm"] == pytest.approx(4 * 0.04)
 
 
 def test_cpu_shares_replace_the_emulated_slowdown_where_cgroups_allow(monkeypatch):

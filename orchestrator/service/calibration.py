@@ -17,7 +17,11 @@ an rpc_info ping does not see. Both go into tau_c (`tau_c = l_out (RTT + hop cos
 server relay only a chain's first hop is a round trip from the client (the others take their input
 pushed by the hop before, and the client's copy mostly arrives after the step ran), so clients report
 only round trips, and a server with none takes the swarm's median hop cost (`hop_costs`): the same
-framework runs on every server. A server with too few batches for a fit is planned from its start-up
+framework runs on every server. The cost is timed on decode-sized steps only; a prompt's step is
+reported apart, with its tokens, and its time beyond the RTT per token is the time to move a token's
+hidden states there and back (the paper's Fig. 10: prefill communication grows with the input
+length; on a GPU host with hidden size 4,096 it is seconds per hop for a long prompt, against
+milliseconds of compute). It joins tau_c once per session (`first_step_extra_s`). A server with too few batches for a fit is planned from its start-up
 profile and a fitted twin's fit (`scaled_profile_fit`).
 
 `ReplanTrigger` decides when the fitted model moved the plan enough to re-plan: the planned total
@@ -43,6 +47,7 @@ class ServiceWindow:
         self.batches: deque[tuple[float, float, float, int, int]] = deque(maxlen=max_batches)  # (P, D, wall_s, sessions, blocks)
         self.cpu: deque[tuple[float, float]] = deque(maxlen=max_batches)  # (wall_s, cpu_s)
         self.hop_cost_s: deque[float] = deque(maxlen=max_hops)
+        self.transfer_s_per_token: deque[float] = deque(maxlen=max_hops)
         self.min_batches = min_batches
         self.last_seq = -1
 
@@ -68,6 +73,18 @@ class ServiceWindow:
         return fit_service(p, d, y, t_O_profile_s=t_O_profile_s, sessions=k if min(k) > 0 else None,
                            blocks=b if min(b) > 0 else None)
 
+    def add_prompt(self, steps: int, tokens: int, comm_s: float, rtt_s: float) -> None:
+        """A finished session's prompt steps with this server (round trips from the client): the part
+        of their network time beyond one RTT each, per token, when the prompt was long enough
+        (PROMPT_MIN_TOKENS) for moving its hidden states to outweigh the per-step cost."""
+        if tokens >= PROMPT_MIN_TOKENS and steps > 0 and math.isfinite(comm_s) and comm_s >= 0:
+            self.transfer_s_per_token.append(max(0.0, comm_s - steps * rtt_s) / tokens)
+
+    @property
+    def transfer(self) -> float | None:
+        """Median round-trip transfer time per prompt token (None: no long prompt reported yet)."""
+        return float(np.median(self.transfer_s_per_token)) if self.transfer_s_per_token else None
+
     @property
     def hop_cost(self) -> float | None:
         """Median per-hop framework cost per step (None: no session reported yet)."""
@@ -80,10 +97,14 @@ class ServiceWindow:
         return sum(c for _, c in self.cpu) / wall if wall > 0 else None
 
 
+PROMPT_MIN_TOKENS = 64  # shorter prompts time the per-step cost more than the transfer
+
+
 def hop_costs(measured: dict[str, float | None]) -> dict[str, float | None]:
-    """Each server's per-hop cost: its own measured one, else the median of the servers that have one
-    (None while none has). With server relay, servers that are never a chain's first hop are never
-    timed by a round trip (see the module docstring); leaving them at 0 made tau_c too low."""
+    """Each server's per-hop cost (or per-token transfer): its own measured one, else the median of the
+    servers that have one (None while none has). With server relay, servers that are never a chain's
+    first hop are never timed by a round trip (see the module docstring); leaving them at 0 made tau_c
+    too low."""
     known = [c for c in measured.values() if c is not None]
     swarm = float(np.median(known)) if known else None
     return {p: (swarm if c is None else c) for p, c in measured.items()}

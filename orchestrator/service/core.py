@@ -314,14 +314,17 @@ class Orchestrator:
                     logger.exception("fitting server %s's service records failed; its previous model stays",
                                      self.name_of(p))
         with self.lock:
-            measured = {}
+            measured, transfer = {}, {}
             for p, rec in self.records.items():
                 w = self.windows.get(p)
                 if p in fits:
                     rec.fit = fits[p]
                 measured[p] = w.hop_cost if (w is not None and on) else None
+                transfer[p] = w.transfer if (w is not None and on) else None
             for p, cost in hop_costs(measured).items():
                 self.records[p].hop_cost_s = cost
+            for p, cost in hop_costs(transfer).items():
+                self.records[p].transfer_s_per_token = cost
             # servers without a fit of their own: a fitted twin's, scaled by their profiles (scaled_profile_fit)
             donors = [FittedProfile(r.fit, r.info.prefill_s_per_token, r.info.decode_s_per_token,
                                     r.info.end - r.info.start) for r in self.records.values() if r.fit is not None]
@@ -380,6 +383,8 @@ class Orchestrator:
                                                   "t_o_lone_batches": f.t_o_lone_batches},
                 "hop_cost": rec.hop_cost_s if rec else None,  # planned with: its own, else the swarm's median
                 "hop_cost_own": None if w is None else w.hop_cost,
+                "transfer_s_per_token": rec.transfer_s_per_token if rec else None,  # its own, else the swarm's
+                "transfer_own": None if w is None else w.transfer,
                 "batches": 0 if w is None else len(w.batches),
                 "cpu_per_wall": None if w is None else w.cpu_per_wall,
                 "scaled": None if scaled is None else {"t_I": scaled.t_I_s, "t_O": scaled.t_O_s, "t_o": scaled.t_o_s,
@@ -569,8 +574,10 @@ class Orchestrator:
         with self.lock:
             for h in hops or ():
                 rec = self.records.get(h.peer_id)
-                if rec is not None and rec.rtt_s is not None and h.steps > 0:
-                    self.window(h.peer_id).add_hop(h.comm_s / h.steps, rec.rtt_s)
+                if rec is not None and rec.rtt_s is not None:
+                    if h.steps > 0:
+                        self.window(h.peer_id).add_hop(h.comm_s / h.steps, rec.rtt_s)
+                    self.window(h.peer_id).add_prompt(h.prompt_steps, h.prompt_tokens, h.prompt_comm_s, rec.rtt_s)
             known = session_id in self.sessions.leases
             self.sessions.release(session_id, self.clock(), input_tokens=input_tokens, output_tokens=output_tokens)
             if known:
@@ -622,7 +629,7 @@ class Orchestrator:
                                 "t_I": i.prefill_s_per_token if f is None or f.t_I_s is None else f.t_I_s,
                                 "t_O": i.decode_s_per_token if f is None else f.t_O_s,
                                 "t_o": None if f is None else f.t_o_s, "t_B": None if f is None else f.t_B_s,
-                                "hop_cost": rec.hop_cost_s,
+                                "hop_cost": rec.hop_cost_s, "transfer_s_per_token": rec.transfer_s_per_token,
                                 "batch_overhead": batch_overhead_s(rec, shape, self.config.server_compute),
                                 "model": self.model_view(p),
                                 "assigned": list(assigned) if assigned else None,

@@ -25,10 +25,10 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 
 def _model_cells(m: dict | None) -> str:
     """Model vs measured of one server: the start-up profile's t_O against the one fitted from live
-    batches (or, before a fit, the profile scaled by the fitted servers'), the fitted per-step overhead, the measured per-hop cost, how well the fit describes the
+    batches (or, before a fit, the profile scaled by the fitted servers'), the fitted per-step overhead, the measured per-hop cost and prompt transfer per token, how well the fit describes the
     batches (median |measured / model - 1|) and the CPU share its batches took."""
     if not m:
-        return "<td></td>" * 6
+        return "<td></td>" * 7
     a, f, scaled = m.get("announced") or {}, m.get("fitted"), m.get("scaled")
     t_o = _ms(f["t_o"]) if f is not None else f'{_ms(scaled["t_o"])} (scaled)' if scaled else ""
     src = f if f is not None else scaled
@@ -38,7 +38,7 @@ def _model_cells(m: dict | None) -> str:
     resid = "" if f is None else f'{100 * f["median_abs_rel_residual"]:.0f}% ({f["samples"]} batches)'
     cpu = "" if m.get("cpu_per_wall") is None else f'{m["cpu_per_wall"]:.2f}'
     return (f'<td>{_ms(a.get("t_O"))} / {fitted}</td><td>{t_o}</td><td>{t_B}</td><td>{_ms(m.get("hop_cost"))}</td>'
-            f'<td>{resid}</td><td>{cpu}</td>')
+            f'<td>{_us(m.get("transfer_s_per_token"))}</td><td>{resid}</td><td>{cpu}</td>')
 
 
 def metrics_text(orch) -> str:
@@ -94,6 +94,10 @@ def metrics_text(orch) -> str:
 
 def _ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def _us(x) -> str:
+    return "-" if x is None else f"{x * 1e6:.1f} us"
 
 
 def _relayed_mark(server: dict) -> str:
@@ -162,7 +166,7 @@ table.list td, table.list th {{ border-bottom: 1px solid #ddd; }}
 <table class="list"><tr><th>name</th><th>peer</th><th>state</th><th>blocks</th><th>memory</th><th>RTT</th>
 <th>&tau;<sub>c</sub></th><th>&tau;<sub>p</sub> (per block)</th><th>sessions (server-reported)</th>
 <th>t<sub>O</sub> start-up / fitted</th><th>t<sub>o</sub> / step</th><th>t<sub>B</sub> / block and step</th>
-<th>hop cost / step</th><th>fit residual</th>
+<th>hop cost / step</th><th>prompt transfer / token</th><th>fit residual</th>
 <th>CPU / wall</th></tr>{srv_rows}</table>
 <h2>Events</h2><ul>{events}</ul>
 </body></html>

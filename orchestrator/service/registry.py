@@ -24,6 +24,8 @@ class ServerRecord:
     last_seen_s: float = 0.0
     fit: ServiceFit | None = None  # the calibrated model from live service (None: the announced t_I, t_O)
     hop_cost_s: float | None = None  # measured per-hop framework cost per step beyond the RTT
+    # measured time to move one prompt token's hidden states to the server and back, beyond the RTT
+    transfer_s_per_token: float | None = None
     # no fit of its own yet: a fitted twin's fit scaled by their profiles (calibration.scaled_profile_fit)
     scaled_fit: ServiceFit | None = None
 
@@ -77,7 +79,9 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
     per-hop cost join the RTT in every step of tau_c (they are paid once per step and server,
     whatever its blocks); the fitted t_B (per block and step, whatever the rows) joins tau_p once
     per step (a session alone pays it in full); the per-block t_o flag then no longer applies. Without
-    one: the announced start-up profile and the flags.
+    one: the announced start-up profile and the flags. Either way, once clients reported long
+    prompts, the measured transfer per prompt token (`transfer_s_per_token`) times the mean input
+    joins tau_c once per session (the paper's Fig. 10: prefill communication grows with the input).
 
     t_B is not planned as shared by a batch (no `Server.batch_block_overhead_s`): a batch reads each
     block's weights once, but on a pipelined server its sessions' steps arrive out of phase (each
@@ -91,11 +95,14 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
         raise ValueError(f"relay must be one of {', '.join(RELAYS)}, got {relay!r}")
     i, f = record.info, record.model_fit
     per_step_s = overheads.per_step_s + (record.hop_cost_s or 0.0) + (f.t_o_s if f is not None else 0.0)
+    # the prompt's hidden states: measured there and back (a client round trip); with server relay a
+    # hop's critical path receives them once (one leg, as the RTT is halved)
+    prompt_rt_s = shape.mean_input_tokens * (record.transfer_s_per_token or 0.0)
     if relay == "server":
         rtts = [record.rtt_s, *(r for o in others if o is not record and (r := peer_rtt_s(record, o)) is not None)]
-        tau_c = tau_c_relay_s(rtts, shape, per_step_s)
+        tau_c = tau_c_relay_s(rtts, shape, per_step_s, prompt_rt_s / 2)
     else:
-        tau_c = tau_c_s(record.rtt_s, shape, per_step_s)
+        tau_c = tau_c_s(record.rtt_s, shape, per_step_s, prompt_rt_s)
     if f is None:
         return tau_c, tau_p_s(i.prefill_s_per_token, i.decode_s_per_token, shape, overheads.per_block_s)
     t_I = i.prefill_s_per_token if f.t_I_s is None else f.t_I_s

@@ -39,17 +39,24 @@ HOP_COST_MAX_TOKENS = 16
 
 
 def hop_reports(hop_timings) -> list[HopReport] | None:
-    """Per server: steps and summed (client - server) time of the steps that reported a server time,
-    were a round trip from the client (not pushed by the hop before: with server relay only a
-    chain's first hop is timed that way; the orchestrator gives the others the swarm's median) and
-    carried at most HOP_COST_MAX_TOKENS tokens (not a prompt)."""
+    """Per server: steps and summed (client - server) time of the steps that reported a server time
+    and were a round trip from the client (not pushed by the hop before: with server relay only a
+    chain's first hop is timed that way; the orchestrator gives the others the swarm's median);
+    those of at most HOP_COST_MAX_TOKENS tokens as `steps`/`comm_s` (the per-step cost), the longer
+    ones (prompts) as `prompt_steps`/`prompt_tokens`/`prompt_comm_s` (the transfer per token)."""
     acc: dict[str, list] = {}
     for t in hop_timings:
-        if t.server_s is not None and not t.pushed and t.tokens <= HOP_COST_MAX_TOKENS:
-            a = acc.setdefault(t.peer_id, [0, 0.0])
-            a[0] += 1
-            a[1] += max(0.0, t.client_s - t.server_s)
-    return [HopReport(p, n, s) for p, (n, s) in acc.items()] or None
+        if t.server_s is not None and not t.pushed:
+            a = acc.setdefault(t.peer_id, [0, 0.0, 0, 0, 0.0])
+            comm_s = max(0.0, t.client_s - t.server_s)
+            if t.tokens <= HOP_COST_MAX_TOKENS:
+                a[0] += 1
+                a[1] += comm_s
+            else:
+                a[2] += 1
+                a[3] += t.tokens
+                a[4] += comm_s
+    return [HopReport(p, *a) for p, a in acc.items()] or None
 
 class OrchestratorChainProvider(ChainProvider):
     whole_chain_failover = True
