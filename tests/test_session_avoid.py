@@ -9,7 +9,9 @@ import pytest
 
 from petals_chain.client.hop_client import FailoverPolicy
 from petals_chain.client.remote_session import RemoteChainSession
-from petals_chain.errors import NoChainError
+from petals_chain.client.hop_client import HopFailed
+from petals_chain.errors import NoChainError, OutOfCacheError, ServerUnavailableError
+from petals_chain.messages import Hop
 
 
 class RecordingProvider:
@@ -23,7 +25,7 @@ class RecordingProvider:
 
 def test_avoided_servers_are_excluded_when_the_session_opens():
     provider = RecordingProvider()
-    chain = SimpleNamespace(provider=provider, num_blocks=30, max_failovers=3, model="m")
+    chain = SimpleNamespace(provider=provider, num_blocks=30, max_failovers=3, model="m", busy_backoff_s=(0.0,))
     with pytest.raises(NoChainError):
         RemoteChainSession(chain, 64, avoid=["peerA", "peerB"])
     assert provider.calls == [frozenset({"peerA", "peerB"})]
@@ -37,3 +39,44 @@ def test_avoided_servers_stay_excluded_after_a_failure():
     failed = SimpleNamespace(hop=SimpleNamespace(peer_id="peerC", describe=lambda: "peerC[0:30)"), error="reset")
     assert policy.on_failure(failed, "step") is False
     assert policy.exclude == frozenset({"peerA", "peerC"}) and policy.failovers == 1
+
+
+class GrantingProvider:
+    """Grants the same one-hop chain every time; records what the session asked and gave back."""
+
+    def __init__(self):
+        self.calls, self.finished = [], 0
+
+    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
+        self.calls.append(frozenset(exclude))
+        return [Hop("peerA", 0, 30)]
+
+    def session_finished(self, hops, *, session_id="", **_):
+        self.finished += 1
+
+
+class FullThenFreeSession(RemoteChainSession):
+    """Its server refuses the first `full` opens for want of memory (OutOfCacheError), then takes it."""
+    full = 2
+
+    def _open_hops(self, hops, prefix_hashes):
+        if self.full > 0:
+            self.full -= 1
+            raise HopFailed(hops[0], OutOfCacheError("this session needs 10.53 MiB of KV cache but only 6.57 MiB "
+                                                     "of the server's budget is free; retry later"))
+        return []
+
+
+def test_a_full_server_makes_the_open_wait_not_fail_over():
+    """A server that refuses an open for want of KV memory is up, only full: the open gives its grant
+    back, waits, and asks again, without spending the failover budget or banning the server (two Table 1
+    runs each lost a request that failed over from full server to full server); past its waits it is a
+    failure like any other."""
+    provider = GrantingProvider()
+    chain = SimpleNamespace(provider=provider, num_blocks=30, max_failovers=0, model="m", busy_backoff_s=(0.0, 0.0))
+    session = FullThenFreeSession(chain, 64)
+    assert session.failovers == 0 and session.failover.busy == 2 and not session.banned
+    assert provider.calls == [frozenset()] * 3 and provider.finished == 2  # the grant went back at each wait
+    FullThenFreeSession.full = 3  # one more refusal than waits: then a failure, over a budget of 0
+    with pytest.raises(ServerUnavailableError, match="gave up after 0 failovers.*retry later"):
+        FullThenFreeSession(chain, 64)

@@ -377,20 +377,44 @@ class HopClient:
                 pass
 
 
+# An open refused for want of KV memory (OutOfCacheError: the server is up, only full, and its own
+# admission queue already waited --admission-timeout) is asked again after these waits, beside the
+# failover budget, nothing banned. Why: the orchestrator counts a chain's free slots at its planned
+# session length, so a session longer than that can be granted a chain whose server cannot hold it
+# yet; two Table 1 runs (2026-11-27) each lost one request so, banning a full server at each try
+BUSY_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 8.0, 8.0)
+
+
 class FailoverPolicy:
     """One failover budget and ban list for one forward or one session, used the same way by a
     stateless forward, a session's open and its step: every server failure (`HopFailed`) counts;
     past `max_failovers` the caller gets `ServerUnavailableError`; the failed server is banned from
     the replacement, unless `ping_s` says it still answers and it has not been retried yet (a
-    stateless forward then runs again on it once: a stream that broke on a live server)."""
+    stateless forward then runs again on it once: a stream that broke on a live server). A server
+    that refused an open for want of memory is no failure (`on_busy`): the open waits and asks again."""
 
     def __init__(self, max_failovers: int, *, ping_s: Callable[[str], float | None] | None = None,
-                 avoid: Iterable[str] = ()):
+                 avoid: Iterable[str] = (), busy_backoff_s: tuple[float, ...] = BUSY_BACKOFF_S):
         self.max_failovers = max_failovers
         self.ping_s = ping_s
         self.failovers = 0
         self.banned: set[str] = set(avoid)  # `avoid`: servers the caller excludes from the start
         self._retried: set[str] = set()
+        self.busy_backoff_s = busy_backoff_s
+        self.busy = 0  # opens refused for want of memory so far
+
+    def on_busy(self, failed: HopFailed, what: str) -> float:
+        """An open refused with OutOfCacheError: the seconds to wait before asking for a chain again
+        (the failover budget and the ban list untouched). Past `busy_backoff_s`, it counts as a
+        failure (`on_failure`: the server is banned, or the budget is spent)."""
+        if self.busy >= len(self.busy_backoff_s):
+            self.on_failure(failed, what)
+            return 0.0
+        wait_s = self.busy_backoff_s[self.busy]
+        self.busy += 1
+        logger.info("%s: server %s is full (%s); asking again in %.0f s", what, failed.hop.describe(), failed.error,
+                    wait_s)
+        return wait_s
 
     def on_failure(self, failed: HopFailed, what: str) -> bool:
         """Count `failed`; True: retry the same server; False: it is banned, find another.

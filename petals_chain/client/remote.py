@@ -20,7 +20,7 @@ from petals_chain.background_loop import BackgroundLoop
 from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, PromptPrefix
 from petals_chain.client.orchestrated import OrchestratorChainProvider
-from petals_chain.client.hop_client import FailoverPolicy, HopClient, HopFailed, as_server_error  # noqa: F401
+from petals_chain.client.hop_client import BUSY_BACKOFF_S, FailoverPolicy, HopClient, HopFailed, as_server_error  # noqa: F401
 from petals_chain.client.remote_session import RemoteChainSession
 from petals_chain.client.routing import ChainProvider, DhtChainProvider, min_latency_chain
 from petals_chain.dht_records import fetch_servers, model_key
@@ -48,6 +48,7 @@ class RemoteChain(ChainBackend):
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
         self.max_failovers = max_failovers
+        self.busy_backoff_s = BUSY_BACKOFF_S  # an open refused by a full server waits these, in turn
         self.prefix_reuse = prefix_reuse  # send prompt prefix keys with opens (servers' prefix caches)
         if relay not in RELAYS:
             raise InvalidRequestError(f"relay must be one of {', '.join(RELAYS)}, got {relay!r}")

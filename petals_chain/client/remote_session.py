@@ -17,6 +17,7 @@ statelessly through the hops before it, and replayed ahead of its history.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 from petals_chain.client.chain import ChainSession, PromptPrefix
 from petals_chain.client.hop_client import (LIVENESS_FLOOR_S, LIVENESS_RECENT_STEPS, LIVENESS_STEP_FACTOR,
                                             FailoverPolicy, HopFailed, HopStream)
-from petals_chain.errors import MaxLengthExceededError, ServerUnavailableError, SessionIdleTimeoutError
+from petals_chain.errors import MaxLengthExceededError, OutOfCacheError, ServerUnavailableError, SessionIdleTimeoutError
 from petals_chain.messages import Hop, Open, Step
 from petals_chain.prefix_keys import prefix_hashes, usable_prefix_tokens
 
@@ -91,7 +92,7 @@ class RemoteChainSession(ChainSession):
         self.position = 0
         # one budget for open and steps; `avoid`: servers this session must not use from the start (the
         # Table 1 model probe measures one chain alone by avoiding every server outside it)
-        self.failover = FailoverPolicy(chain.max_failovers, avoid=avoid)
+        self.failover = FailoverPolicy(chain.max_failovers, avoid=avoid, busy_backoff_s=chain.busy_backoff_s)
         self.reopens = 0  # streams reopened after the server's session_idle_timeout (not failovers)
         self.rollbacks = 0  # steps that restarted below `position` (rejected drafts, an edited last turn)
         self.streams: list[HopStream] = []
@@ -107,7 +108,14 @@ class RemoteChainSession(ChainSession):
                     self.streams = self._open_hops(hops, self.prefix_hashes)
                     break
                 except HopFailed as failed:  # e.g. a server killed moments ago that the records still list
-                    self.failover.on_failure(failed, f"opening session {self.session_id[:8]}")
+                    what = f"opening session {self.session_id[:8]}"
+                    if isinstance(failed.error, OutOfCacheError):  # full, not failed: wait, then ask again
+                        wait_s = self.failover.on_busy(failed, what)
+                        # the grant goes back meanwhile (another session may fit where this one did not)
+                        chain.provider.session_finished(hops, session_id=self.session_id)
+                        time.sleep(wait_s)  # the server's memory frees as its sessions end: the wait is the point
+                    else:
+                        self.failover.on_failure(failed, what)
                     hops = chain.provider.find_chain(0, chain.num_blocks, exclude=self.failover.exclude,
                                                      max_length=max_length, session_id=self.session_id,
                                                      adapter=adapter)
