@@ -216,6 +216,18 @@ def test_wait_plan_reports_a_lasting_plan_error_without_sitting_out_the_timeout(
     assert table1.PLAN_ERROR_GRACE_S < clock.t < 600.0
 
 
+def write_proposed_run(path, requests: int, servers: dict, **run) -> None:
+    """A results folder's scale.json and run_proposed.json (the model `servers` at the end) for write_results."""
+    scale = {"time_scale": 2.0, "length_scale": 0.0625, "output_scale": 1.0, "max_length_tokens": 1024,
+             "requests": requests, "offset": 0, "rate_per_s": 1.0, "trace_rate_per_s": 2.0, "interarrival_cv": 1.0,
+             "trace_interarrival_cv": 1.0, "mean_input_tokens": 100.0, "mean_output_tokens": 5.0,
+             "trace_mean_input_tokens": 1600.0, "trace_mean_output_tokens": 5.0, "truncated": 0}
+    (path / "scale.json").write_text(json.dumps({"command": "c", "scale": scale, "rtt_ms": None,
+                                                 "rtt_anchor_indices": [], "config": {"policies": ["proposed"]}}))
+    (path / "run_proposed.json").write_text(json.dumps({"policy": "proposed", "where": "localhost",
+                                                        "final_servers": servers, **run}))
+
+
 def test_the_model_probes_sessions_count_alone_and_stay_out_of_the_replays_statistics(tmp_path):
     """Under the trace's bursts no replayed request may run alone; the probe's sessions (one after another,
     after the replay) give each chain's servers lone requests, and only those enter model_error."""
@@ -229,15 +241,7 @@ def test_the_model_probes_sessions_count_alone_and_stay_out_of_the_replays_stati
               "hops": [{**hop, "decode_server_s": 0.22}]} for i in range(2)]
     servers = {"fast0": {"t_I": 1e-4, "t_O": 5e-3, "t_o": 0.0, "rtt_s": 0.05}}  # model decode: 4 x 10 x 5 ms
     assert not any(p["lone"] for p in model_check.hop_points(replay, servers))
-    scale = {"time_scale": 2.0, "length_scale": 0.0625, "output_scale": 1.0, "max_length_tokens": 1024, "requests": 2,
-             "offset": 0, "rate_per_s": 1.0, "trace_rate_per_s": 2.0, "interarrival_cv": 1.0,
-             "trace_interarrival_cv": 1.0, "mean_input_tokens": 100.0, "mean_output_tokens": 5.0,
-             "trace_mean_input_tokens": 1600.0, "trace_mean_output_tokens": 5.0, "truncated": 0}
-    (tmp_path / "scale.json").write_text(json.dumps({"command": "c", "scale": scale, "rtt_ms": None,
-                                                     "rtt_anchor_indices": [], "config": {"policies": ["proposed"]}}))
-    (tmp_path / "run_proposed.json").write_text(json.dumps({"policy": "proposed", "where": "localhost",
-                                                            "final_servers": servers,
-                                                            "probe": {"sessions": 2, "finished": 2}}))
+    write_proposed_run(tmp_path, 2, servers, probe={"sessions": 2, "finished": 2})
     (tmp_path / "records_proposed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in replay))
     s = write_results(tmp_path)
     assert s["model_error"] == {}  # without the probe: nothing ran alone
@@ -272,14 +276,7 @@ def test_model_drift_times_the_same_lone_step_in_the_replay_and_in_the_probe(tmp
     probe = [{**rec(1_000_000 + i, 0.0, 3.0 * i, 3.0 * i + 1.0, policy="proposed-probe"),
               "hops": [{**hop, "decode_server_s": 0.22}]} for i in range(2)]
     servers = {"fast0": {"t_I": 1e-4, "t_O": 5e-3, "t_o": 0.0, "rtt_s": 0.05}}  # model decode: 4 x 10 x 5 ms
-    scale = {"time_scale": 2.0, "length_scale": 0.0625, "output_scale": 1.0, "max_length_tokens": 1024, "requests": 1,
-             "offset": 0, "rate_per_s": 1.0, "trace_rate_per_s": 2.0, "interarrival_cv": 1.0,
-             "trace_interarrival_cv": 1.0, "mean_input_tokens": 100.0, "mean_output_tokens": 5.0,
-             "trace_mean_input_tokens": 1600.0, "trace_mean_output_tokens": 5.0, "truncated": 0}
-    (tmp_path / "scale.json").write_text(json.dumps({"command": "c", "scale": scale, "rtt_ms": None,
-                                                     "rtt_anchor_indices": [], "config": {"policies": ["proposed"]}}))
-    (tmp_path / "run_proposed.json").write_text(json.dumps({"policy": "proposed", "where": "localhost",
-                                                            "final_servers": servers}))
+    write_proposed_run(tmp_path, 1, servers)
     (tmp_path / "records_proposed.jsonl").write_text(json.dumps({**rec(0, 0.0, 0.0, 1.0), "hops": []}) + "\n")
     (tmp_path / "probe_proposed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in probe))
     d = write_results(tmp_path)["model_drift"]["proposed"]["fast0"]
