@@ -317,6 +317,11 @@ def test_an_unfitted_server_takes_a_fitted_twins_fit_scaled_by_their_profiles():
     assert scaled_profile_fit(1e-4, 0.0, fast) is None
     assert scaled_profile_fit(1e-4, 1e-3, [FittedProfile(fit(None, 1e-3, 0.1), 1e-4, 0.0, 30)]) is None
     assert scaled_profile_fit(1e-4, 1e-3, [fast[2]]).t_I_s is None  # the donor saw no prefill: the profile's t_I
+    # a slow host whose short decode profile reads like a fast one's (t_O 1 ms) but whose prefill
+    # profile does not (t_I 1.6x): its twin is the slow server with the same profiles, not a fast one
+    slow_twin = FittedProfile(fit(4e-4, 17.5e-3, 0.0), 1.6e-4, 1.0e-3, 16)
+    got = scaled_profile_fit(1.6e-4, 1e-3, [slow_twin, *fast])
+    assert got.t_O_s == pytest.approx(17.5e-3) and got.t_I_s == pytest.approx(4e-4)
 
 
 def decode_windows(orch, peers, *, t_o: float, t_O: float, cpu_s: float, batches: int = 30) -> None:

@@ -143,7 +143,8 @@ def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
     looks that much faster than its fitted twins, and JFFC sends the bursts to it first (Table 1,
     2026-11-24: fast2 modelled 4.4 s, measured 23.5 s, its twins fitted at 18.5-19.5 s). The profile
     still ranks devices (it runs under the host's CPU share), so the donor is a fitted twin (profile
-    t_O within TWIN_PROFILE_TOLERANCE; any fitted server when there is none), the one with the median
+    t_O within TWIN_PROFILE_TOLERANCE, and t_I too where both profiles have one; any fitted server
+    when there is none), the one with the median
     ratio of fitted lone step to profile step among them; its t_O, t_B, t_o and t_I are scaled by the
     ratio of the profiles (t_I by the t_I profiles'). One donor, not a median per term: fits split a
     step between t_o and t_O differently (the window cannot always tell them apart), and mixing one
@@ -153,7 +154,13 @@ def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
     usable = [d for d in fitted if _positive(d.profile_t_O_s) and d.blocks > 0]
     if not usable:
         return None
-    twins = [d for d in usable if abs(d.profile_t_O_s / profile_t_O_s - 1.0) <= TWIN_PROFILE_TOLERANCE] or usable
+    # t_I as well as t_O: a short decode profile can read the same on two devices (the quick Table 1 run
+    # of 2026-11-27: 1.83 ms on fast and slow hosts, their shares 0.193 and 0.120 cores) while the
+    # prefill's, timed over many tokens, tells them apart (0.40 against 0.63 ms); slow servers without
+    # a fit then took a fast server's and were modelled 1.9x too fast
+    twins = [d for d in usable if abs(d.profile_t_O_s / profile_t_O_s - 1.0) <= TWIN_PROFILE_TOLERANCE
+             and (not (_positive(profile_t_I_s) and _positive(d.profile_t_I_s))
+                  or abs(d.profile_t_I_s / profile_t_I_s - 1.0) <= TWIN_PROFILE_TOLERANCE)] or usable
     twins.sort(key=lambda d: d.lone_step_per_profile)
     donor = twins[(len(twins) - 1) // 2]  # the median (the lower one of an even count)
     ratio_O = profile_t_O_s / donor.profile_t_O_s
