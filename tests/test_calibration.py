@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, hop_costs
+from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, own_else_swarm_median
 from petals_chain.service_fit import MIN_LONE_BATCHES, MIN_SPAN_BATCHES, fit_service, mean_level
 
 
@@ -89,9 +89,9 @@ def test_hop_reports_count_round_trips_only_and_unmeasured_servers_take_the_swar
     assert with_prompt["b"].prompt_steps == 0 and with_prompt["b"].steps == 1
     only = hop_reports([prompt])
     assert len(only) == 1 and only[0].steps == 0 and only[0].prompt_tokens == 1676
-    assert hop_costs({"a": 0.004, "b": None, "c": 0.002, "d": 0.003}) == {"a": 0.004, "b": 0.003, "c": 0.002,
+    assert own_else_swarm_median({"a": 0.004, "b": None, "c": 0.002, "d": 0.003}) == {"a": 0.004, "b": 0.003, "c": 0.002,
                                                                           "d": 0.003}
-    assert hop_costs({"a": None, "b": None}) == {"a": None, "b": None}
+    assert own_else_swarm_median({"a": None, "b": None}) == {"a": None, "b": None}
 
 
 def test_replan_trigger_fires_after_the_hold_and_has_hysteresis():

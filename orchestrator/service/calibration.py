@@ -16,13 +16,14 @@ orchestrator measured, it is the per-hop framework cost (p2pd both ways, framing
 an rpc_info ping does not see. Both go into tau_c (`tau_c = l_out (RTT + hop cost + t_o)`). With
 server relay only a chain's first hop is a round trip from the client (the others take their input
 pushed by the hop before, and the client's copy mostly arrives after the step ran), so clients report
-only round trips, and a server with none takes the swarm's median hop cost (`hop_costs`): the same
-framework runs on every server. The cost is timed on decode-sized steps only; a prompt's step is
+only round trips, and a server with none takes the swarm's median hop cost
+(`own_else_swarm_median`): the same framework runs on every server. The cost is timed on decode-sized steps only; a prompt's step is
 reported apart, with its tokens, and its time beyond the RTT per token is the time to move a token's
 hidden states there and back (the paper's Fig. 10: prefill communication grows with the input
 length; on a GPU host with hidden size 4,096 it is seconds per hop for a long prompt, against
-milliseconds of compute). It joins tau_c once per session (`first_step_extra_s`). A server with too few batches for a fit is planned from its start-up
-profile and a fitted twin's fit (`scaled_profile_fit`).
+milliseconds of compute). It joins tau_c once per session (`first_step_extra_s`). A server with too
+few batches for a fit is planned from its start-up profile and a fitted twin's fit
+(`scaled_profile_fit`).
 
 `ReplanTrigger` decides when the fitted model moved the plan enough to re-plan: the planned total
 rate or c* differs from the installed plan's by more than `enter` (relative) continuously for
@@ -100,7 +101,7 @@ class ServiceWindow:
 PROMPT_MIN_TOKENS = 64  # shorter prompts time the per-step cost more than the transfer
 
 
-def hop_costs(measured: dict[str, float | None]) -> dict[str, float | None]:
+def own_else_swarm_median(measured: dict[str, float | None]) -> dict[str, float | None]:
     """Each server's per-hop cost (or per-token transfer): its own measured one, else the median of the
     servers that have one (None while none has). With server relay, servers that are never a chain's
     first hop are never timed by a round trip (see the module docstring); leaving them at 0 made tau_c

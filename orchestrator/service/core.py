@@ -21,7 +21,7 @@ from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement, contended_chains
 from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
 from orchestrator.policies import get_policy
-from orchestrator.service.calibration import (FittedProfile, ReplanTrigger, ServiceWindow, hop_costs,
+from orchestrator.service.calibration import (FittedProfile, ReplanTrigger, ServiceWindow, own_else_swarm_median,
                                               scaled_profile_fit)
 from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.service.measurements import LengthEstimator, median
@@ -321,10 +321,9 @@ class Orchestrator:
                     rec.fit = fits[p]
                 measured[p] = w.hop_cost if (w is not None and on) else None
                 transfer[p] = w.transfer if (w is not None and on) else None
-            for p, cost in hop_costs(measured).items():
-                self.records[p].hop_cost_s = cost
-            for p, cost in hop_costs(transfer).items():
-                self.records[p].transfer_s_per_token = cost
+            hop, per_token = own_else_swarm_median(measured), own_else_swarm_median(transfer)
+            for p, rec in self.records.items():
+                rec.hop_cost_s, rec.transfer_s_per_token = hop[p], per_token[p]
             # servers without a fit of their own: a fitted twin's, scaled by their profiles (scaled_profile_fit)
             donors = [FittedProfile(r.fit, r.info.prefill_s_per_token, r.info.decode_s_per_token,
                                     r.info.end - r.info.start) for r in self.records.values() if r.fit is not None]

@@ -25,8 +25,9 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 
 def _model_cells(m: dict | None) -> str:
     """Model vs measured of one server: the start-up profile's t_O against the one fitted from live
-    batches (or, before a fit, the profile scaled by the fitted servers'), the fitted per-step overhead, the measured per-hop cost and prompt transfer per token, how well the fit describes the
-    batches (median |measured / model - 1|) and the CPU share its batches took."""
+    batches (or, before a fit, the profile scaled by the fitted servers'), the fitted per-step overhead,
+    the measured per-hop cost and prompt transfer per token, how well the fit describes the batches
+    (median |measured / model - 1|) and the CPU share its batches took."""
     if not m:
         return "<td></td>" * 7
     a, f, scaled = m.get("announced") or {}, m.get("fitted"), m.get("scaled")
