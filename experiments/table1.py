@@ -201,7 +201,7 @@ def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[work
     reqs = workload.scale_requests(trace, cfg.requests, probe, offset=cfg.offset)
     s = workload.summary(reqs)
     hops = 1 + (cfg.servers - cfg.fast_servers) / cfg.servers  # rough mean chain length, for the overhead term
-    w = workload.cpu_s_per_request(times.prefill_s_per_token, times.decode_s_per_token, num_blocks,
+    w = workload.cpu_s_per_request(times.prefill_s_per_token, times.lone_decode_s_per_block, num_blocks,
                                    s["mean_input_tokens"], s["mean_output_tokens"],
                                    step_overhead_cpu_s=cfg.step_overhead_cpu_s, hops=hops)
     shares, _ = cpu_shares(cfg)
@@ -215,7 +215,7 @@ def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[work
                   f"({'the servers CPU shares' if shares else 'the machine'}).")
     elif cfg.time_scale is None:
         reason = (f"time scale auto: W = {w:.2f} CPU-s per request (footnote 11 with t_I = "
-                  f"{times.prefill_s_per_token * 1e3:.3f} ms, t_O = {times.decode_s_per_token * 1e3:.3f} ms per token "
+                  f"{times.prefill_s_per_token * 1e3:.3f} ms, t_O = {times.lone_decode_s_per_block * 1e3:.3f} ms per token "
                   f"per block measured through the whole range's step path on 1 thread, L = {num_blocks}, "
                   f"+ {cfg.step_overhead_cpu_s * 1e3:.0f} ms per step and hop), target CPU load {cfg.target_load} of "
                   f"{capacity:.2f} cores ({'the servers CPU shares' if shares else 'the machine'}).")
@@ -596,7 +596,7 @@ def run_petals_column(cfg: Table1Config, scale_info: dict, rtt_ms, out_dir: Path
         budget = parse_size(args[1])
         k = cfg.slow_slowdown if name.startswith("slow") else 1.0
         specs.append({"name": name, "num_blocks": petals22.petals_num_blocks(budget, block_bytes, hidden_size),
-                      "throughput": 1.0 / (k * times.decode_s_per_token), "budget_bytes": budget})
+                      "throughput": 1.0 / (k * times.lone_decode_s_per_block), "budget_bytes": budget})
     if sum(s["num_blocks"] for s in specs) < scale_info["num_blocks"] or min(s["num_blocks"] for s in specs) < 1:
         return {"policy": "petals-2.2", "records": [], "unavailable": (
             f"PETALS' memory rule gives {[s['num_blocks'] for s in specs]} blocks for these budgets: they cannot "

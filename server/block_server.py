@@ -271,7 +271,7 @@ class BlockServer:
         """t_I, t_O to announce: the range's start-up profile (an emulated slowdown scales it)."""
         self.profile = cached_range_profile(block_range, self.model_name)
         self._profile_contradicted = False
-        return slowed_times(BlockTimes(self.profile.prefill_s_per_token, self.profile.decode_s_per_token),
+        return slowed_times(BlockTimes(self.profile.prefill_s_per_token, self.profile.lone_decode_s_per_block),
                             self.config.emulate_slowdown)
 
     def check_profile(self, min_batches: int = 100) -> bool:
@@ -287,17 +287,17 @@ class BlockServer:
             return False
         self._profile_checked_seq = recs[-1].seq
         fit = fit_service([r.prefill_block_tokens for r in recs], [r.decode_block_tokens for r in recs],
-                          [r.wall_s for r in recs])
-        if fit is None or fit.t_O_s <= 0:
+                          [r.wall_s for r in recs], sessions=[r.sessions for r in recs], blocks=[r.blocks for r in recs])
+        if fit is None:
             return False
-        live_t_O = fit.t_O_s / self.config.emulate_slowdown  # the emulation's sleep is not the device's
-        if not disagrees(prof, live_t_O, fit.samples):
+        live_step_s = fit.step_s(prof.blocks) / self.config.emulate_slowdown  # the emulation's sleep is not the device's
+        if not disagrees(prof, live_step_s, fit.samples):
             return False
         # once is enough: the entry is gone (the next start measures), and saying it every minute is noise
         self._profile_contradicted = True
         dropped = forget_profile(real_range(br), self.model_name)
-        logger.warning("live service (t_O %.3f ms per block-token over %d batches) disagrees with the cached start-up "
-                       "profile (%.3f ms): %s", live_t_O * 1e3, fit.samples, prof.decode_s_per_token * 1e3,
+        logger.warning("live service (a lone decode step %.1f ms, fitted over %d batches) disagrees with the cached "
+                       "start-up profile (%.1f ms): %s", live_step_s * 1e3, fit.samples, prof.lone_step_s * 1e3,
                        "dropped it; the next start measures again" if dropped else "it was already gone")
         return dropped
 

@@ -39,16 +39,36 @@ from petals_chain.runtime.block_range import StepInput
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = "range-v2"  # v2: oneDNN-packed linears (a faster step); v1 and unversioned entries are never read
+# v2: oneDNN-packed linears (a faster step); v3: t_B fitted apart and the lone step announced (see
+# `RangeProfile.lone_decode_s_per_block`); older and unversioned entries are never read
+PROFILE_VERSION = "range-v3"
 
 
 @dataclass(frozen=True)
 class RangeProfile:
     prefill_s_per_token: float  # t_I, per block
-    decode_s_per_token: float  # t_O, per block
+    decode_s_per_token: float  # t_O, per block and decode row: what each further session in a batch adds
     step_overhead_s: float  # t_o, per step of this server whatever its blocks
     blocks: int
     batches: int  # measured batches the fit used (warm-up excluded)
+    step_block_s: float = 0.0  # t_B, per block and step whatever its rows (the weights' cost)
+
+    @property
+    def lone_step_s(self) -> float:
+        """One session's decode step through the whole range: t_o + m (t_B + t_O)."""
+        return self.step_overhead_s + self.blocks * (self.step_block_s + self.decode_s_per_token)
+
+    @property
+    def lone_decode_s_per_block(self) -> float:
+        """What the server announces as its t_O (the paper's: one session's decode seconds per token and
+        block): the lone step over the range's blocks.
+
+        Why not the fitted t_O: a CPU step of 1 to 3 rows costs about one row's (oneDNN-packed
+        linears), so the marginal t_O per row is a fraction of a lone step, and without t_B the fit
+        put the rest in t_o. Announced alone it read the same on hosts of 0.193 and 0.120 cores
+        (Table 1 quick run, 2026-11-27: 1.35 and 1.35 ms) while their lone steps differ by their
+        shares; the orchestrator then planned slow servers from a fast twin's fit."""
+        return self.lone_step_s / self.blocks
 
 
 def profile_key(model_name: str, block_range, variant: str = "") -> str:
@@ -144,12 +164,15 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
         raise failures[0]
     recs = [r for r in meter.records() if r.decode_block_tokens or r.prefill_tokens > 1]
     share = own_cpu_share()
+    # with sessions and blocks, as the orchestrator fits live service: the lone steps (entering at two
+    # blocks) anchor t_o and t_B, the 3-session batch the marginal t_O
     fit = fit_service([r.prefill_block_tokens for r in recs], [r.decode_block_tokens for r in recs],
-                      [profile_seconds(r.wall_s, r.cpu_s, clock, share) for r in recs])
+                      [profile_seconds(r.wall_s, r.cpu_s, clock, share) for r in recs],
+                      sessions=[r.sessions for r in recs], blocks=[r.blocks for r in recs])
     if fit is None or fit.t_I_s is None:
         raise RuntimeError(f"the start-up profile of blocks [{start}, {end}) could not be fitted from "
                            f"{len(recs)} batches; check the range loads and runs")
-    return RangeProfile(fit.t_I_s, fit.t_O_s, fit.t_o_s, end - start, fit.samples)
+    return RangeProfile(fit.t_I_s, fit.t_O_s, fit.t_o_s, end - start, fit.samples, step_block_s=fit.t_B_s)
 
 
 def _cache_path(path: Path | None) -> Path:
@@ -192,7 +215,9 @@ def forget_profile(block_range, model_name: str, *, path: Path | None = None, va
         return True
 
 
-def disagrees(profile: RangeProfile, live_t_O_s: float, live_samples: int, *, tolerance: float = 0.5,
+def disagrees(profile: RangeProfile, live_lone_step_s: float, live_samples: int, *, tolerance: float = 0.5,
               min_samples: int = 50) -> bool:
-    """Whether live service contradicts the cached profile (decode per block-token off by > tolerance)."""
-    return live_samples >= min_samples and abs(live_t_O_s / profile.decode_s_per_token - 1.0) > tolerance
+    """Whether live service contradicts the cached profile: a lone decode step through the range off by
+    more than `tolerance` (relative). The lone step, not t_O: how a fit splits a step between t_o,
+    t_B and t_O depends on the batches it saw, the whole step does not."""
+    return live_samples >= min_samples and abs(live_lone_step_s / profile.lone_step_s - 1.0) > tolerance

@@ -139,6 +139,8 @@ def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
     re-plan): a fitted donor's fit, scaled by the two servers' start-up profiles. None without a
     usable donor, or without a profile of its own.
 
+    A profile's t_O is its lone decode step through its range, per block (server/range_profile.py:
+    `RangeProfile.lone_decode_s_per_block`), so it ranks hosts by what a session alone costs there.
     The start-up profile is a cached microbenchmark without the per-step framework cost: on the live
     swarm a step runs several times what the profile says. A server planned from its bare profile
     looks that much faster than its fitted twins, and JFFC sends the bursts to it first (Table 1,
