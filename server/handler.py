@@ -134,10 +134,9 @@ class BlockServicer:
                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         client_id = str(context.remote_id)
         session: OpenSession | None = None
-        # one inbox per stream: its client's messages (tensors arrive in parts, reassembled by the
-        # pump) and the steps the previous hop pushes (server relay), consumed in arrival order
-        inbox = RelayInbox()
-        pumping = asyncio.create_task(relay.pump(requests, inbox, self._admit))
+        # one inbox per stream: its client's messages (tensors arrive in parts, reassembled) and the
+        # steps the previous hop pushes (server relay), consumed in arrival order
+        inbox = RelayInbox(wire_parts.assembled(requests, admit=self._admit))
         idle_timeout_s = self.limits.session_idle_timeout_s
         try:
             while True:
@@ -145,7 +144,7 @@ class BlockServicer:
                     # a client that went silent must not hold its KV reservation forever (asyncio.timeout,
                     # not wait_for: on Python 3.11 wait_for wraps the get in a task, per message)
                     async with asyncio.timeout(idle_timeout_s):
-                        kind, message = await inbox.queue.get()
+                        kind, message = await inbox.next()
                 except TimeoutError:
                     logger.info("closing a session of %s idle for %.0f s", client_id, idle_timeout_s)
                     yield wire.error_response(SessionIdleTimeoutError(
@@ -200,7 +199,7 @@ class BlockServicer:
                     logger.exception("unexpected error in rpc_inference")
                     yield wire.error_response(e)
         finally:
-            pumping.cancel()
+            inbox.close()
             if session is not None:
                 self._close(session)
 
@@ -224,6 +223,7 @@ class BlockServicer:
         if session.stop_pushes is not None:
             session.stop_pushes()
         session.stop_pushes = self.relay_index.register(session.session_id, peer, session.inbox)
+        session.inbox.take_pushes()
 
     async def push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                    context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
