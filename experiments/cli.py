@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtt-data", default=None, help="RIPE Atlas file or data folder (same default)")
     p.add_argument("--deadline", type=positive_float, default=600.0, help="seconds after the last arrival for stragglers")
     p.add_argument("--out", default="results/table1", help="folder of the results (default results/table1)")
+    p.add_argument("--extend", action="store_true", help=(
+        "add --policies as further columns to the run recorded in --out (the same command but for --policies: "
+        "its requests, time scale and RTTs are reused, other settings must match); the summary covers every "
+        "column in the folder. For a five-column table over more than one sitting"))
     p.add_argument("--recompute", action="store_true",
                    help="rebuild summary, plots and model check from the files in --out (no swarm is started)")
     p.add_argument("--quick", action="store_true",
@@ -146,14 +150,15 @@ def main(argv: list[str]) -> int:
         calibrate_from=args.calibrate_from, leftover_placement=args.leftover_placement,
         kv_plan_tokens=args.kv_plan_tokens, server_compute=args.server_compute, probe_per_chain=args.probe_per_chain,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
-        command="petals-chain experiment table1 " + shlex.join(rest))
+        command="petals-chain experiment table1 " + shlex.join(rest), extend=args.extend)
     try:
         summary = write_results(Path(cfg.out)) if args.recompute else run_table1(cfg)
     except (DataNotFoundError, ValueError, EmulationUnavailableError) as e:
         print(f"petals-chain experiment table1: {e}", file=sys.stderr)
         return 2
     except FileNotFoundError as e:  # after DataNotFoundError, its subclass
-        print(f"petals-chain experiment table1: {e} (--recompute needs the folder of a run)", file=sys.stderr)
+        hint = " (--recompute needs the folder of a run)" if args.recompute else ""
+        print(f"petals-chain experiment table1: {e}{hint}", file=sys.stderr)
         return 2
     print(json.dumps({p: {"finished": s["finished"], "failed": s["failed"], "mean_response_s": s["response_s"]["mean"]}
                       for p, s in summary["policies"].items()}, indent=1))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from experiments import model_check, report, workload
@@ -26,22 +26,69 @@ def rtt_matrix(cfg: Table1Config):
     return ripe_atlas_hosts_rtt_ms(full, cfg.servers + 1, cfg.seed)
 
 
+# settings that may differ between the runs whose columns share one results folder (`--extend`):
+# where things are read from or written to, and this run's own policies; everything else (the
+# workload, the swarm, the orchestrator's options) must be the same, or the columns are not comparable
+EXTEND_MAY_DIFFER = frozenset({"policies", "out", "command", "netem_name", "petals_work", "data", "rtt_data",
+                               "calibrate_from", "extra", "warmup_timeout_s", "probe_timeout_s"})
+
+
+class ExtendMismatchError(ValueError):
+    """`--extend` into a folder of another workload or swarm."""
+
+
+def extend_base(cfg: Table1Config, out: Path) -> dict:
+    """The recorded run that `cfg` (with `extend`) adds columns to: its scale.json, after checking that
+    every setting but EXTEND_MAY_DIFFER is the same. Raises ExtendMismatchError (or FileNotFoundError)."""
+    meta_file = out / "scale.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"--extend: no scale.json in {out}; give the --out folder of an earlier "
+                                "`petals-chain experiment table1` run (or leave --extend out to start one)")
+    meta = json.loads(meta_file.read_text())
+    mine, theirs = asdict(cfg), meta["config"]
+    differ = sorted(k for k in set(mine) | set(theirs) if k not in EXTEND_MAY_DIFFER and k != "extend"
+                    and mine.get(k) != theirs.get(k))
+    if differ:
+        raise ExtendMismatchError(
+            f"--extend: {out} holds a run with other settings ({', '.join(f'{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here' for k in differ)}); "
+            f"repeat its command ({meta['command']}) with other --policies, or use another --out")
+    return meta
+
+
 def run_table1(cfg: Table1Config) -> dict:
+    """Run `cfg.policies` into `cfg.out`; with `cfg.extend`, as further columns of the run recorded
+    there (same requests, scale and RTTs: `extend_base`), the summary covering all its columns."""
     from orchestrator.sim.traces import load_azure_trace
     from petals_chain.models.checkpoint import load_config
 
     out = Path(cfg.out)
+    base = extend_base(cfg, out) if cfg.extend else None
     out.mkdir(parents=True, exist_ok=True)
     trace = load_azure_trace(cfg.data)
     times, path = measured_block_times(cfg.model, cfg.device, cfg.dtype)
     num_blocks = load_config(path).num_hidden_layers
-    scale, info = choose_scale(cfg, trace, num_blocks, times)
+    # an auto time scale is measured again at each start; the columns added must replay at the recorded one
+    scale, info = choose_scale(cfg if base is None else replace(cfg, time_scale=base["scale"]["time_scale"]),
+                               trace, num_blocks, times)
     info["num_blocks"] = num_blocks
     rtt_ms, anchors = rtt_matrix(cfg) if cfg.netem else (None, [])
     scale_out = {k: v for k, v in info.items() if not k.startswith("_")}
-    (out / "scale.json").write_text(json.dumps({"command": cfg.command, "scale": scale_out,
-                                                "config": asdict(cfg), "rtt_anchor_indices": anchors,
-                                                "rtt_ms": None if rtt_ms is None else rtt_ms.tolist()}, indent=1))
+    record = {"command": cfg.command, "scale": scale_out, "config": asdict(cfg), "rtt_anchor_indices": anchors,
+              "rtt_ms": None if rtt_ms is None else rtt_ms.tolist()}
+    if base is not None:
+        recorded = json.loads((out / "requests.json").read_text()) if (out / "requests.json").is_file() else None
+        if recorded is not None and recorded != json.loads(json.dumps([r.to_dict() for r in info["_requests"]])):
+            raise ExtendMismatchError(f"--extend: the requests recorded in {out}/requests.json differ from this "
+                                      "command's (another trace file?); use another --out")
+        if base["rtt_anchor_indices"] != anchors:
+            raise ExtendMismatchError(f"--extend: the RTT anchors recorded in {out} differ from this command's "
+                                      "(another RIPE Atlas file?); use another --out")
+        # the recorded run stays what it was (its command, scale and time scale's reason); the folder's
+        # policies are its and these, and each extending command is kept
+        policies = list(dict.fromkeys([*base["config"]["policies"], *cfg.policies]))
+        record = {**base, "config": {**base["config"], "policies": policies},
+                  "extended_by": [*base.get("extended_by", []), cfg.command]}
+    (out / "scale.json").write_text(json.dumps(record, indent=1))
     print(f"table1: {scale_out['requests']} requests, rate {scale_out['rate_per_s']:.3f} req/s (trace "
           f"{scale_out['trace_rate_per_s']:.3f}), time x{scale.time_scale:.3g}, input x{scale.length_scale:.3g}, "
           f"output x{scale.output_scale:.3g}, inter-arrival CV {scale_out['interarrival_cv']:.2f}; "

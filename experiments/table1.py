@@ -77,6 +77,8 @@ class Table1Config:
     probe_timeout_s: float = 600.0
     deadline_s: float = 600.0
     command: str = ""
+    # run `policies` as further columns of the run recorded in `out` (experiments/run.py: extend_base)
+    extend: bool = False
     extra: dict = field(default_factory=dict)
 
 

@@ -318,3 +318,53 @@ def test_peak_service_finds_the_busiest_window_of_a_service_log():
     check()
     assert report.peak_service([]) is None
     assert report.peak_service([{"t_s": 1.0, "service_s": 1.0, "ok": False, "items": []}]) is None
+
+
+def test_extend_adds_columns_to_a_recorded_run_and_refuses_another_workload(tmp_path, monkeypatch, tiny_llama_path):
+    """`--extend`: a later sitting runs more policies into the folder of an earlier run; they replay the
+    recorded requests at the recorded time scale (an auto scale is measured again at each start), the
+    summary covers every column, and a folder of other settings is refused naming what differs."""
+    import numpy as np
+
+    from experiments import run
+    from experiments.table1 import Table1Config
+    from orchestrator.sim import traces
+    from server.range_profile import RangeProfile
+
+    arrivals = np.arange(12, dtype=float) * 0.5
+    monkeypatch.setattr(traces, "load_azure_trace",
+                        lambda data=None: traces.RequestTrace(arrivals, np.full(12, 320), np.full(12, 4)))
+    speed = {"t_O": 1e-3}  # the start-up profile of each sitting: the auto time scale follows it
+    monkeypatch.setattr(run, "measured_block_times", lambda *a: (
+        RangeProfile(2e-4, speed["t_O"], 0.0, blocks=2, batches=33), tiny_llama_path))
+    ran = []
+
+    def fake_policy(cfg, policy, info, rtt_ms, out):
+        ran.append((policy, [r.to_dict() for r in info["_requests"]]))
+        (out / "requests.json").write_text(json.dumps([r.to_dict() for r in info["_requests"]]))
+        (out / f"records_{policy}.jsonl").write_text("\n".join(
+            json.dumps(rec(i, r.arrival_s, r.arrival_s, r.arrival_s + 2.0, policy=policy))
+            for i, r in enumerate(info["_requests"])) + "\n")
+        return {"policy": policy, "where": "localhost"}
+    monkeypatch.setattr(run, "run_policy", fake_policy)
+
+    cfg = Table1Config(requests=6, policies=("proposed", "petals"), netem=False, cpu="off", out=str(tmp_path),
+                       command="first")
+    run.run_table1(cfg)
+    first_scale = json.loads((tmp_path / "scale.json").read_text())["scale"]["time_scale"]
+    speed["t_O"] = 3e-3  # a slower machine today: its own auto scale would differ
+    s = run.run_table1(Table1Config(requests=6, policies=("bprr",), netem=False, cpu="off", out=str(tmp_path),
+                                    command="second", extend=True))
+    assert set(s["policies"]) == {"proposed", "petals", "bprr"}
+    assert ran[2][1] == ran[0][1]  # the same requests, at the recorded time scale
+    meta = json.loads((tmp_path / "scale.json").read_text())
+    assert meta["scale"]["time_scale"] == first_scale and meta["command"] == "first"
+    assert meta["extended_by"] == ["second"] and meta["config"]["policies"] == ["proposed", "petals", "bprr"]
+
+    with pytest.raises(run.ExtendMismatchError, match="requests: 6 there, 5 here"):
+        run.run_table1(Table1Config(requests=5, policies=("jffc-only",), netem=False, cpu="off", out=str(tmp_path),
+                                    extend=True))
+    with pytest.raises(FileNotFoundError, match="no scale.json"):
+        run.run_table1(Table1Config(policies=("jffc-only",), netem=False, cpu="off", out=str(tmp_path / "new"),
+                                    extend=True))
+    assert len(ran) == 3  # a refused extension starts nothing
