@@ -136,15 +136,13 @@ class BlockServicer:
         session: OpenSession | None = None
         # one inbox per stream: its client's messages (tensors arrive in parts, reassembled) and the
         # steps the previous hop pushes (server relay), consumed in arrival order
-        inbox = RelayInbox(wire_parts.assembled(requests, admit=self._admit))
         idle_timeout_s = self.limits.session_idle_timeout_s
+        # a client that went silent must not hold its KV reservation forever
+        inbox = RelayInbox(wire_parts.assembled(requests, admit=self._admit), idle_timeout_s)
         try:
             while True:
                 try:
-                    # a client that went silent must not hold its KV reservation forever (asyncio.timeout,
-                    # not wait_for: on Python 3.11 wait_for wraps the get in a task, per message)
-                    async with asyncio.timeout(idle_timeout_s):
-                        kind, message = await inbox.next()
+                    kind, message = await inbox.next()
                 except TimeoutError:
                     logger.info("closing a session of %s idle for %.0f s", client_id, idle_timeout_s)
                     yield wire.error_response(SessionIdleTimeoutError(

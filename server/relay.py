@@ -41,11 +41,17 @@ class RelayInbox:
     """One stream's messages: its client's (`client`: the stream's assembled message groups) and, once
     its session takes pushes, the pushed steps. The handler's task is the only reader (`next`)."""
 
-    def __init__(self, client: AsyncIterator | None = None):
+    def __init__(self, client: AsyncIterator | None = None, idle_timeout_s: float | None = None):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.last_step_id = 0  # the newest step id claimed (run or queued to run) by this session
         self._client = client
         self._pump: asyncio.Task | None = None
+        # the idle timeout: one watch timer per stream, not a timer per message (`_watch_idle`)
+        self.idle_timeout_s = idle_timeout_s
+        self._waiting_since: float | None = None  # loop time `next` began waiting (None: not waiting)
+        self._reader: asyncio.Task | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_fired = False
 
     def claim(self, step_id: int | None) -> bool:
         """True when `step_id` is new here (and now taken); steps without an id always run."""
@@ -59,17 +65,46 @@ class RelayInbox:
     async def next(self) -> tuple[str, object]:
         """The next (kind, payload): CLIENT with a message group (or the typed error of a bad one),
         PUSHED with (push, tensor), END when the client ended the stream, FAILED with the transport's
-        error. Read inline from the client's stream until `take_pushes`."""
-        if self._pump is not None or self._client is None:
-            return await self.queue.get()
+        error. Read inline from the client's stream until `take_pushes`. Raises TimeoutError when
+        nothing came for `idle_timeout_s`."""
+        loop = asyncio.get_running_loop()
+        self._waiting_since = loop.time()
+        if self.idle_timeout_s is not None and self._idle_timer is None:
+            self._reader = asyncio.current_task()
+            self._idle_timer = loop.call_later(self.idle_timeout_s, self._watch_idle)
         try:
-            return CLIENT, await anext(self._client)
-        except StopAsyncIteration:
-            return END, None
+            if self._pump is not None or self._client is None:
+                return await self.queue.get()
+            try:
+                return CLIENT, await anext(self._client)
+            except StopAsyncIteration:
+                return END, None
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the transport broke: the handler ends the stream as it would have
+                return FAILED, e
         except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the transport broke: the handler ends the stream as it would have
-            return FAILED, e
+            if not self._idle_fired:
+                raise  # cancelled from outside
+            self._idle_fired = False
+            self._reader.uncancel()  # our own cancel, turned into the timeout it stands for
+            raise TimeoutError(f"nothing arrived for {self.idle_timeout_s} s") from None
+        finally:
+            self._waiting_since = None
+
+    def _watch_idle(self) -> None:
+        """The idle timer: fires at the earliest moment the reader could have waited `idle_timeout_s`;
+        cancels its wait when it has, else looks again when it could have. Why not `asyncio.timeout`
+        around each wait: that is a timer armed and cancelled per message, on the decode step's path."""
+        loop = asyncio.get_running_loop()
+        since = self._waiting_since
+        due = self.idle_timeout_s if since is None else since + self.idle_timeout_s - loop.time()
+        if since is not None and due <= 0:
+            self._idle_timer = None
+            self._idle_fired = True
+            self._reader.cancel()
+            return
+        self._idle_timer = loop.call_later(due, self._watch_idle)
 
     def take_pushes(self) -> None:
         """Pushed steps may arrive from now on: the client's messages go through the queue too (a
@@ -81,6 +116,9 @@ class RelayInbox:
     def close(self) -> None:
         if self._pump is not None:
             self._pump.cancel()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
 
 
 class RelayIndex:

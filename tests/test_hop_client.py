@@ -78,6 +78,27 @@ def test_a_slow_server_that_answers_its_probes_keeps_its_request(fast_liveness):
     assert asyncio.run(run()) == "the reply"
 
 
+def test_a_reply_wait_ends_at_its_timeout_even_while_the_server_answers_its_probes(fast_liveness):
+    """The wait's one timer: the watcher that probes a late reply also ends the wait at the timeout."""
+    hops = HopClient(loop=None, p2p=None)
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        never: asyncio.Future = loop.create_future()
+
+        async def answered(peer_id, timeout_s):
+            return None
+
+        hops.probe_error = answered
+        t0 = loop.time()
+        with pytest.raises(TimeoutError, match="no reply to the step .* within 0.3 s"):
+            await hops.receive_while_alive(HOP, never, 0.05, 0.3, "the step")
+        assert asyncio.current_task().cancelling() == 0  # the watcher's cancel did not leak out
+        return loop.time() - t0
+
+    assert asyncio.run(run()) >= 0.3  # ended by its timeout, not before
+
+
 class PushedHopChannel:
     """A hop's stream whose server runs a pushed step: its reply comes after `reply_after_s` whether
     or not the client's copy arrived, or (`push_lost`) only after the copy did."""

@@ -75,6 +75,42 @@ class KillMiddle(BaseStreamer):
         pass
 
 
+def test_an_inbox_reads_its_client_inline_until_pushes_come_and_times_out_only_while_waiting():
+    """A stream's inbox reads its client's messages in the handler's task (no pump) until its session
+    takes pushes; then both arrive through its queue. Its idle timeout counts only the time spent
+    waiting for a message: a step that runs longer than the timeout is no idleness."""
+    async def run():
+        arrivals: asyncio.Queue = asyncio.Queue()
+
+        async def client():
+            while (item := await arrivals.get()) is not None:
+                yield item
+
+        inbox = RelayInbox(client(), idle_timeout_s=0.2)
+        arrivals.put_nowait("open")
+        assert await inbox.next() == ("client", "open")
+        assert inbox._pump is None  # read inline
+        await asyncio.sleep(0.3)  # a long step, not waiting: no timeout
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.1, arrivals.put_nowait, "step")
+        assert await inbox.next() == ("client", "step")
+        inbox.take_pushes()
+        inbox.queue.put_nowait(("pushed", "p1"))
+        assert await inbox.next() == ("pushed", "p1")
+        arrivals.put_nowait("step 2")
+        assert await inbox.next() == ("client", "step 2")  # through the pump now
+        t0 = loop.time()
+        with pytest.raises(TimeoutError):
+            await inbox.next()
+        waited_s = loop.time() - t0
+        arrivals.put_nowait(None)
+        assert await inbox.next() == ("end", None)
+        inbox.close()
+        return waited_s
+
+    assert asyncio.run(run()) >= 0.2
+
+
 def test_relay_index_takes_each_step_once_from_the_named_peer_only():
     index, inbox = RelayIndex(), RelayInbox()
     undo = index.register("s", "prev", inbox)

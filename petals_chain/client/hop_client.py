@@ -321,37 +321,44 @@ class HopClient:
         a replacement killed just before waited for its whole open timeout (15 s) with either relay."""
         # Why no task for the reply: the reply is awaited in this task, and a timer starts the probing
         # beside it only once the reply is late. A task per reply (and `asyncio.wait` on it) cost each
-        # hop of every decode step two more event-loop iterations; the probes are the rare case.
+        # hop of every decode step two more event-loop iterations; the probes are the rare case. One
+        # timer per reply, not two: the watcher also ends the wait at the timeout (`asyncio.timeout_at`
+        # around the wait was a second timer armed and cancelled per hop and step).
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         deadline = loop.time() + timeout_s
-        verdict: list[ServerUnavailableError] = []  # set by the watcher when the server is gone
+        verdict: list[Exception] = []  # set by the watcher: the server is gone, or the timeout passed
         watcher: list[asyncio.Task] = []
 
+        def end_wait(error: Exception) -> None:
+            verdict.append(error)
+            task.cancel()
+
         async def watch() -> None:
-            """Probe while the reply is late; after LIVENESS_PROBES failures in a row, cancel the wait."""
+            """Probe while the reply is late; after LIVENESS_PROBES failures in a row, or at the
+            deadline, cancel the wait."""
             failed_probes = 0
-            while True:
-                waited_s = timeout_s - (deadline - loop.time())
-                probe_error = await self.probe_error(hop.peer_id,
-                                                     max(0.5, min(LIVENESS_PROBE_S, deadline - loop.time())))
+            while (left_s := deadline - loop.time()) > 0:
+                waited_s = timeout_s - left_s
+                probe_error = await self.probe_error(hop.peer_id, max(0.5, min(LIVENESS_PROBE_S, left_s)))
                 if probe_error is None:
                     failed_probes = 0
-                    await asyncio.sleep(liveness_after_s)  # it answers: a slow server keeps its request
+                    # it answers: a slow server keeps its request (until the deadline)
+                    await asyncio.sleep(max(0.0, min(liveness_after_s, deadline - loop.time())))
                     continue
                 failed_probes += 1
                 if failed_probes >= LIVENESS_PROBES:
-                    verdict.append(ServerUnavailableError(
+                    end_wait(ServerUnavailableError(
                         f"server {hop.describe()} went silent: no reply to {what} for {waited_s:.1f} s and "
                         f"none to {LIVENESS_PROBES} liveness probes in a row ({LIVENESS_PROBE_S:.0f} s each; "
                         f"last: {probe_error})"))
-                    task.cancel()
                     return
+            end_wait(TimeoutError(f"no reply to {what} from {hop.describe()} within {timeout_s:.1f} s"))
 
-        late = loop.call_later(liveness_after_s, lambda: watcher.append(asyncio.ensure_future(watch())))
+        late = loop.call_later(min(liveness_after_s, timeout_s),
+                               lambda: watcher.append(asyncio.ensure_future(watch())))
         try:
-            async with asyncio.timeout_at(deadline):
-                return await reply
+            return await reply
         except asyncio.CancelledError:
             if not verdict:
                 raise  # cancelled from outside
