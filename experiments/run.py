@@ -30,7 +30,7 @@ def rtt_matrix(cfg: Table1Config):
 # where things are read from or written to, and this run's own policies; everything else (the
 # workload, the swarm, the orchestrator's options) must be the same, or the columns are not comparable
 EXTEND_MAY_DIFFER = frozenset({"policies", "out", "command", "netem_name", "petals_work", "data", "rtt_data",
-                               "calibrate_from", "extra", "warmup_timeout_s", "probe_timeout_s"})
+                               "calibrate_from", "extra", "warmup_timeout_s", "probe_timeout_s", "extend"})
 
 
 class ExtendMismatchError(ValueError):
@@ -46,8 +46,7 @@ def extend_base(cfg: Table1Config, out: Path) -> dict:
                                 "`petals-chain experiment table1` run (or leave --extend out to start one)")
     meta = json.loads(meta_file.read_text())
     mine, theirs = asdict(cfg), meta["config"]
-    differ = sorted(k for k in set(mine) | set(theirs) if k not in EXTEND_MAY_DIFFER and k != "extend"
-                    and mine.get(k) != theirs.get(k))
+    differ = sorted(k for k in set(mine) | set(theirs) if k not in EXTEND_MAY_DIFFER and mine.get(k) != theirs.get(k))
     if differ:
         raise ExtendMismatchError(
             f"--extend: {out} holds a run with other settings ({', '.join(f'{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here' for k in differ)}); "

@@ -79,9 +79,7 @@ class RelayInbox:
                 return CLIENT, await anext(self._client)
             except StopAsyncIteration:
                 return END, None
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the transport broke: the handler ends the stream as it would have
+            except Exception as e:  # the transport broke (a cancel is no Exception): the handler ends the stream
                 return FAILED, e
         except asyncio.CancelledError:
             if not self._idle_fired:
