@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -283,6 +285,19 @@ def start_loadgen(cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: 
                           start_new_session=True)
 
 
+def stop_loadgen(gen: subprocess.Popen | None) -> None:
+    """Kill a load generator still running (its own process group: it runs in a session of its own, so
+    a SIGTERM to the experiment does not reach it). Called before its swarm stops: a load generator left
+    running records its requests in flight as failed by servers that were only being torn down."""
+    if gen is None or gen.poll() is not None:
+        return
+    try:
+        os.killpg(gen.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended between poll() and killpg
+        pass
+    gen.wait(timeout=30)
+
+
 def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, requests, out_dir: Path,
                        policy: str) -> dict:
     """Run `warmup_per_chain` sessions per placed server (the trace's first requests, 1 s apart; records go
@@ -304,6 +319,8 @@ def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, request
     except subprocess.TimeoutExpired:
         gen.kill()
         gen.communicate()
+    finally:
+        stop_loadgen(gen)
     deadline = time.monotonic() + cfg.warmup_timeout_s
     counts, settled_since = None, time.monotonic()
     while time.monotonic() < deadline:  # fitted: every placed server's model is live, or the plan moved, or
@@ -370,6 +387,8 @@ def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: di
     except subprocess.TimeoutExpired:
         gen.kill()
         out, _ = gen.communicate()
+    finally:
+        stop_loadgen(gen)
     done = report.read_records(rec_file) if rec_file.exists() else []
     facts = {"sessions": len(probes), "finished": sum(1 for r in done if r.get("error") is None),
              "input_tokens": l_in, "output_tokens": l_out, "exit": gen.returncode,
@@ -478,6 +497,7 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
                        names=server_names(cfg), env=THREAD_ENV, start_timeout_s=600)
     result: dict = {"policy": policy, "where": launcher.label}
     lines: list[str] = []  # the load generator's output
+    gen = None  # the replay's load generator
     try:
         t_start = time.monotonic()
         print(f"[{policy}] starting a fresh swarm ({launcher.label}) ...", flush=True)
@@ -565,6 +585,7 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
             except Exception as e:  # noqa: BLE001 - the probe is extra: the replay's results stand without it
                 result["probe"] = {"error": f"{type(e).__name__}: {e}"}
     finally:
+        stop_loadgen(gen)  # interrupted mid-replay: before the servers go (see stop_loadgen)
         swarm.stop()
         launcher.close()
         write_process_logs(out_dir, policy, swarm, lines)
