@@ -317,7 +317,7 @@ def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, request
     try:
         gen.communicate(timeout=cfg.warmup_timeout_s)
     except subprocess.TimeoutExpired:
-        gen.kill()
+        stop_loadgen(gen)  # its whole process group, as on an interrupt
         gen.communicate()
     finally:
         stop_loadgen(gen)
@@ -385,7 +385,7 @@ def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: di
     try:
         out, _ = gen.communicate(timeout=cfg.probe_timeout_s)
     except subprocess.TimeoutExpired:
-        gen.kill()
+        stop_loadgen(gen)
         out, _ = gen.communicate()
     finally:
         stop_loadgen(gen)
@@ -555,7 +555,7 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
             meter.sample()
             time.sleep(2.0)
         if gen.poll() is None:
-            gen.kill()
+            stop_loadgen(gen)
             result["loadgen_error"] = f"load generator killed after {limit_s:.0f} s"
         result["cpu"] = meter.report()
         result["host_cpu"] = host_cpu_use(launcher.cpu_report(), before, time.monotonic() - t_replay)
