@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "nowhere else; 0: none)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="the servers' --dtype")
     p.add_argument("--device", default="cpu", help="the servers' --device (cuda: the GPU variant; no CPU shares)")
+    p.add_argument("--gpu-isolation", default="off", choices=["off", "mps"],
+                   help="with --device cuda: off (default; the nine processes time-slice the GPU) or mps (one CUDA MPS "
+                        "daemon for the run: their kernels run side by side, each process capped at --gpu-sm-percent "
+                        "of the SMs; needs nvidia-cuda-mps-control)")
+    p.add_argument("--gpu-sm-percent", type=positive_float, default=100 / 3,
+                   help="--gpu-isolation mps: each process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (default 33.3)")
     p.add_argument("--no-netem", action="store_true",
                    help="run every process on 127.0.0.1 without WAN emulation (results are labelled so)")
     p.add_argument("--netem-backend", default="auto", choices=["auto", "kernel", "userspace"],
@@ -131,6 +137,15 @@ def main(argv: list[str]) -> int:
         print("petals-chain experiment table1: need --requests >= 1, 1 <= --fast-servers < --servers, "
               "--max-length >= 2", file=sys.stderr)
         return 2
+    if args.gpu_isolation != "off" and not args.device.startswith("cuda"):
+        print(f"petals-chain experiment table1: --gpu-isolation {args.gpu_isolation} isolates processes on a GPU; "
+              "it needs --device cuda", file=sys.stderr)
+        return 2
+    if args.gpu_sm_percent > 100:
+        print(f"petals-chain experiment table1: --gpu-sm-percent is a percentage of the SMs, at most 100; "
+              f"got {args.gpu_sm_percent:g}", file=sys.stderr)
+        return 2
+
     def terminate(*_):  # unwind through the drivers' `finally`: swarms stopped, emulated network removed
         raise SystemExit(128 + signal.SIGTERM)
 
@@ -147,6 +162,7 @@ def main(argv: list[str]) -> int:
         n_cpus=args.cpus, fast_budget=args.fast_budget, slow_budget=args.slow_budget,
         slow_slowdown=args.slow_slowdown, netem=not args.no_netem, netem_backend=args.netem_backend,
         netem_name=args.netem_name, cpu=args.cpu, device=args.device, dtype=args.dtype, warmup_per_chain=args.warmup_per_chain,
+        gpu_isolation=args.gpu_isolation, gpu_sm_percent=args.gpu_sm_percent,
         calibrate_from=args.calibrate_from, leftover_placement=args.leftover_placement,
         kv_plan_tokens=args.kv_plan_tokens, server_compute=args.server_compute, probe_per_chain=args.probe_per_chain,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,

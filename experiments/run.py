@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -94,6 +96,28 @@ def run_table1(cfg: Table1Config) -> dict:
           f"estimated CPU load {scale_out['offered_cpu_load_estimate']:.2f} (busiest {scale_out['peak_window_s']:.0f} s: "
           f"{scale_out['peak_offered_cpu_load_estimate']:.2f}). {scale_out['time_scale_reason']}", flush=True)
     t0 = time.monotonic()
+    with gpu_isolation(cfg) as gpu_env:
+        run_columns(cfg, info, rtt_ms, out, times, path, gpu_env)
+    return write_results(out, time.monotonic() - t0)
+
+
+@contextmanager
+def gpu_isolation(cfg: Table1Config) -> Iterator[dict[str, str]]:
+    """The GPU variant's isolation for the whole run: an MPS daemon (experiments/gpu_mps.py) with
+    `--gpu-isolation mps`, else nothing."""
+    if cfg.gpu_isolation == "off":
+        yield {}
+        return
+    from experiments.gpu_mps import mps_daemon
+
+    with mps_daemon(cfg.gpu_sm_percent) as env:
+        print(f"table1: GPU isolation by MPS ({env['CUDA_MPS_PIPE_DIRECTORY']}), each process capped at "
+              f"{cfg.gpu_sm_percent:.0f} % of the SMs", flush=True)
+        yield env
+
+
+def run_columns(cfg: Table1Config, info: dict, rtt_ms, out: Path, times, path, gpu_env: dict[str, str]) -> None:
+    """Each policy's column in turn, its record written as soon as it ends."""
     for policy in cfg.policies:
         if policy == PETALS_22:
             from petals_chain.runtime.block_range import BlockRange
@@ -103,14 +127,13 @@ def run_table1(cfg: Table1Config) -> dict:
                 print(f"[petals-2.2] not run: {r['unavailable']}", flush=True)
         else:
             try:
-                r = run_policy(cfg, policy, info, rtt_ms, out)
+                r = run_policy(cfg, policy, info, rtt_ms, out, gpu_env=gpu_env)
             except EmulationUnavailableError:
                 raise  # every policy would fail the same way
             except RuntimeError as e:  # this policy's swarm did not come up: say so, go on with the next
                 print(f"[{policy}] failed: {e}", flush=True)
                 r = {"policy": policy, "unavailable": f"its swarm did not come up: {e}"}
         (out / f"run_{policy}.json").write_text(json.dumps({k: v for k, v in r.items() if k != "records"}, indent=1))
-    return write_results(out, time.monotonic() - t0)
 
 
 def write_results(out: Path, wall_s: float | None = None) -> dict:

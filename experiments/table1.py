@@ -62,6 +62,10 @@ class Table1Config:
     cpu: str = "auto"
     device: str = "cpu"  # the servers' --device (cuda: the GPU variant)
     dtype: str = "float32"  # the servers' --dtype (bfloat16 for the GPU variant)
+    # the GPU variant's isolation (experiments/gpu_mps.py): "off" (the processes time-slice the GPU) or
+    # "mps" (one MPS daemon for the run; each process capped at gpu_sm_percent of the SMs)
+    gpu_isolation: str = "off"
+    gpu_sm_percent: float = 100 / 3
     # calibration warm-up before the replay: this many sessions per placed server (not counted), then the
     # orchestrator may re-plan once from the model fitted on them (0: plan from the start-up profile only)
     warmup_per_chain: int = 2
@@ -478,8 +482,10 @@ def kv_plan_tokens(cfg: Table1Config, requests) -> int | None:
     return min(cfg.max_length_tokens, int(cfg.kv_plan_tokens))
 
 
-def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir: Path) -> dict:
-    """One fresh swarm for `policy`: start, wait for its plan, replay, collect; always stops everything."""
+def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir: Path,
+               gpu_env: dict[str, str] | None = None) -> dict:
+    """One fresh swarm for `policy`: start, wait for its plan, replay, collect; always stops everything.
+    `gpu_env`: the MPS clients' environment (experiments/gpu_mps.py) for every process of the swarm."""
     from petals_chain.local_swarm import LocalSwarm
 
     requests = scale_info["_requests"]
@@ -494,7 +500,7 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
                                         for a, n in zip(server_args(cfg, cpu_shares(cfg)[0]), server_names(cfg))],
                        orchestrator_args=orch_args,
                        placement=launcher.placement,
-                       names=server_names(cfg), env=THREAD_ENV, start_timeout_s=600)
+                       names=server_names(cfg), env={**THREAD_ENV, **(gpu_env or {})}, start_timeout_s=600)
     result: dict = {"policy": policy, "where": launcher.label}
     lines: list[str] = []  # the load generator's output
     gen = None  # the replay's load generator
@@ -525,6 +531,13 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
                       servers=server_models(status))
         print(f"[{policy}] plan online after {result['startup_s']:.0f} s: c = {status['c']}, placement "
               + ", ".join(f"{k}={v}" for k, v in result["placement"].items()), flush=True)
+        if gpu_env:  # an MPS server is listed once a client made its CUDA context through the daemon
+            from experiments.gpu_mps import server_list
+
+            mps_servers = server_list(gpu_env)
+            result["gpu_isolation"] = {"mode": "mps", "sm_percent": cfg.gpu_sm_percent, "mps_servers": mps_servers}
+            print(f"[{policy}] GPU isolation: MPS, {cfg.gpu_sm_percent:.0f} % of the SMs per process, "
+                  f"MPS server(s) {mps_servers or 'none: the servers did not connect'}", flush=True)
         if cfg.warmup_per_chain > 0:
             status = calibration_warmup(cfg, launcher, swarm, status, requests, out_dir, policy)
             result["calibration"] = {"plan_version": status["plan_version"], "model_replans": status.get("model_replans"),

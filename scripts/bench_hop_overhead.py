@@ -1,7 +1,7 @@
 """The framework's cost per hop on loopback: what a decode step costs through a server beyond its
 blocks' compute, with the baselines measured in the same run.
 
-A swarm of SmolLM2 servers on 127.0.0.1 (`--servers`, 30 blocks split evenly, one thread each);
+A swarm of servers on 127.0.0.1 (`--model`, default the embedded SmolLM2; `--servers`, its blocks split evenly, one thread each);
 one client session with the client relaying (`relay="client"`, so every hop is one request/reply
 the client times: `RemoteChainSession.hop_timings`). Per hop and decode step:
 - `client_ms`: the client's time from sending the hidden states to having the reply;
@@ -199,6 +199,9 @@ def main() -> int:
                         "each measured on the same swarm, keys of direct prefixed `direct_` (default both)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help="the servers' and the client's dtype; local HF runs in it too (default float32)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a model name or checkpoint folder, e.g. a random-weight one of SmolLM2's shape from "
+                        "scripts/make_random_checkpoint.py on a host without the embedded model (default smollm2-135m)")
     args = p.parse_args()
     transports = [t for t in args.transports.split(",") if t]
     if not transports or any(t not in ("p2p", "direct") for t in transports):
@@ -207,18 +210,23 @@ def main() -> int:
     if args.codec_only:
         print(json.dumps({"loadavg": os.getloadavg()[0], **codec_us_per_hop()}, indent=2))
         return 0
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from petals_chain.client.model import DistributedModelForCausalLM
     from petals_chain.local_swarm import LocalSwarm
     from petals_chain.models.checkpoint import resolve_model_path
 
-    path = resolve_model_path("smollm2-135m")
-    ids = AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
-                                              return_tensors="pt").input_ids
+    path = resolve_model_path(args.model)
+    try:
+        ids = AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
+                                                  return_tensors="pt").input_ids
+    except (OSError, ValueError):  # a checkpoint without a tokenizer (random weights): fixed ids
+        ids = torch.arange(1, 13).unsqueeze(0) * 37
     n = args.new_tokens
-    bounds = [round(i * 30 / args.servers) for i in range(args.servers + 1)]
+    layers = AutoConfig.from_pretrained(path).num_hidden_layers
+    bounds = [round(i * layers / args.servers) for i in range(args.servers + 1)]
     r: dict = {"servers": args.servers, "new_tokens": n, "transports": transports, "dtype": args.dtype,
+               "model": args.model, "cpu_count": os.cpu_count(),
                "loadavg_start": os.getloadavg()[0]}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     hf.generate(ids, max_new_tokens=2, do_sample=False)
@@ -230,19 +238,19 @@ def main() -> int:
     del hf
     compute = compute_ms_per_range(path, bounds, n, args.dtype)
     direct_args = ["--direct-port", "0"] if "direct" in transports else []
-    with LocalSwarm("smollm2-135m", list(zip(bounds, bounds[1:])),
+    with LocalSwarm(args.model, list(zip(bounds, bounds[1:])),
                     server_args=["--num-threads", "1", "--no-orchestrator", "--dtype", args.dtype,
                                  *direct_args]) as swarm:
         for transport, relay in [(t, rl) for t in transports for rl in ("client", "server")]:
             pre = "direct_" if transport == "direct" else ""
             kwargs = {"direct_streams": transport == "direct"} if direct_args else {}
             try:
-                model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers,
+                model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
                                                                     relay=relay, dtype=args.dtype, **kwargs)
             except TypeError:  # a tree from before the relay option (the "before" measurement): client relay only
                 if relay != "client":
                     continue
-                model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers)
+                model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers)
             try:
                 model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
                 dialer = getattr(model.backend.hops, "dialer", None)

@@ -182,10 +182,12 @@ repeats = int(sys.argv[4])
 relays = (sys.argv[5] if len(sys.argv) > 5 else "server").split(",")
 direct = {"direct_streams": sys.argv[6] == "direct"} if len(sys.argv) > 6 else {}
 dtype = sys.argv[7] if len(sys.argv) > 7 else "float32"
+model_name = sys.argv[8] if len(sys.argv) > 8 else "smollm2-135m"
+device = sys.argv[9] if len(sys.argv) > 9 else "cpu"
 # one model per relay on the same swarm, their runs interleaved (the order alternating per repeat), so
 # that a drift of the machine's speed over the run reaches both relays alike (a paired comparison)
-models = {relay: DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=[sys.argv[1]], relay=relay,
-                                                             dtype=dtype, **direct) for relay in relays}
+models = {relay: DistributedModelForCausalLM.from_pretrained(model_name, initial_peers=[sys.argv[1]], relay=relay,
+                                                             dtype=dtype, device=device, **direct) for relay in relays}
 try:
     for model in models.values():
         model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: routing, connections
@@ -205,7 +207,7 @@ try:
                 res["decode_step_s"].append((time.perf_counter() - t) / n)
     for relay, res in out.items():
         res["direct_opened"] = models[relay].backend.hops.dialer.direct_opened
-    infos = [i.to_wire() for i in fetch_servers(models[relays[0]].backend.dht, "smollm2-135m")]
+    infos = [i.to_wire() for i in fetch_servers(models[relays[0]].backend.dht, models[relays[0]].backend.model)]
     first = out[relays[0]]  # the first relay's figures at the top level too (bench_chain reads those)
     print(json.dumps({"seconds": min(first["seconds"]), "decode_step_s": min(first["decode_step_s"]),
                       "new_tokens": n, "servers": infos, "tokens": first["tokens"],
@@ -236,7 +238,8 @@ def bench_chain(name: str, rtts_ms: list[float], new_tokens: int, repeats: int) 
 
         with LocalSwarm("smollm2-135m", [(0, 10), (10, 20), (20, 30)], placement=placement,
                         server_args=["--num-threads", "1", "--no-orchestrator"]) as swarm:
-            env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, "PYTHONUNBUFFERED": "1",
+                   "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
             for ms in rtts_ms:
                 net.set_rtt_ms(uniform(ms))
                 proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
@@ -267,6 +270,19 @@ def bench_chain(name: str, rtts_ms: list[float], new_tokens: int, repeats: int) 
     return r
 
 
+def prompt_ids(path):
+    """The benchmark's prompt: a fixed sentence through the checkpoint's tokenizer, or, for a checkpoint
+    without one (random weights), fixed token ids of the same length."""
+    import torch
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
+                                                   return_tensors="pt").input_ids
+    except (OSError, ValueError):  # no tokenizer files in the folder
+        return torch.arange(1, 13).unsqueeze(0) * 37
+
+
 def legs_ms(relay: str, rtt_ms: float, n_servers: int) -> float:
     """The network part of one decode step: client relay N round trips, server relay N + 1 one-way legs."""
     return n_servers * rtt_ms if relay == "client" else (n_servers + 1) * rtt_ms / 2
@@ -282,44 +298,54 @@ def model_step_ms(relay: str, rtt_ms: float, servers: list[dict]) -> float:
 
 
 def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], new_tokens: int,
-                 repeats: int, direct: bool = False, server_threads: int = 1, dtype: str = "float32") -> dict:
+                 repeats: int, direct: bool = False, server_threads: int = 1, dtype: str = "float32",
+                 model: str = "smollm2-135m", device: str = "cpu") -> dict:
     """One swarm of `n_servers` hosts at a uniform `rtt_ms`; one client run per relay. `direct`: the servers
     take direct streams (--direct-port) and the client and servers use them. `server_threads`: each
     server's torch threads (one session's step runs on one server at a time, so with 2 threads the
     server computing has both cores, as a host of its own would). `dtype`: the servers' and the client
-    head's (`--dtype`); the reference is transformers' model in the same dtype."""
+    head's (`--dtype`); the reference is transformers' model in the same dtype. `model`: a name or a
+    checkpoint folder (e.g. scripts/make_random_checkpoint.py's, which has no tokenizer: then the
+    prompt is fixed token ids); `device`: the servers' and the client head's (cuda on a GPU host,
+    where the blocks' compute is a few ms and the relays' ratio nears (N + 1) / 2N)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from petals_chain.local_swarm import LocalSwarm
     from petals_chain.models.checkpoint import resolve_model_path
 
-    path = resolve_model_path("smollm2-135m")
-    ids = AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
-                                              return_tensors="pt").input_ids
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    ref = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0].tolist()
+    path = resolve_model_path(model)
+    ids = prompt_ids(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    ref = hf.generate(ids.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                      do_sample=False)[0].tolist()
+    layers = hf.config.num_hidden_layers
     del hf
-    layers = 30
+    if device != "cpu":
+        torch.cuda.empty_cache()
     bounds = [round(i * layers / n_servers) for i in range(n_servers + 1)]
     hosts = ["dht", *(f"s{i}" for i in range(n_servers)), "client"]
     uniform = [[0.0 if i == j else rtt_ms for j in range(len(hosts))] for i in range(len(hosts))]
     out: dict = {"relay": {}, "rtt_ms": rtt_ms, "servers": n_servers, "new_tokens": new_tokens,
                  "prompt_tokens": ids.shape[1], "transport": "direct" if direct else "p2p",
-                 "server_threads": server_threads, "dtype": dtype, "loadavg_start": os.getloadavg()[0]}
+                 "server_threads": server_threads, "dtype": dtype, "model": str(model), "device": device,
+                 "layers": layers, "loadavg_start": os.getloadavg()[0]}
     exact = True
     with netem.Network(hosts, uniform, name=name, backend="userspace") as net:
         def placement(role):
             h = "dht" if role == "dht" else role.replace("server", "s")
             return net.prefix(h), net.address(h)
 
-        with LocalSwarm("smollm2-135m", list(zip(bounds, bounds[1:])), placement=placement,
+        with LocalSwarm(str(model), list(zip(bounds, bounds[1:])), placement=placement,
                         server_args=["--num-threads", str(server_threads), "--no-orchestrator", "--dtype", dtype,
+                                     *(["--device", device] if device != "cpu" else []),
                                      *(["--direct-port", "0"] if direct else [])]) as swarm:
-            env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, "PYTHONUNBUFFERED": "1",
+                   "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
             proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
                                                          json.dumps(ids[0].tolist()), str(new_tokens), str(repeats),
-                                                         ",".join(relays), "direct" if direct else "p2p", dtype]),
+                                                         ",".join(relays), "direct" if direct else "p2p", dtype,
+                                                         str(model), device]),
                                   capture_output=True, text=True, timeout=600 * len(relays), env=env)
             if proc.returncode != 0:
                 raise RuntimeError(proc.stderr[-3000:])
@@ -382,6 +408,9 @@ def main() -> int:
                    help="--chain: each server's --num-threads (default 1; the servers compute one at a time)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help="--chain: the servers' and the client head's dtype (the HF reference runs in it too)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="--chain: a model name or checkpoint folder (scripts/make_random_checkpoint.py writes one)")
+    p.add_argument("--device", default="cpu", help="--chain: the servers' and the client head's device (cpu, cuda)")
     args = p.parse_args()
     if args.server_threads < 1:
         p.error(f"--server-threads must be >= 1, got {args.server_threads}")
@@ -390,7 +419,7 @@ def main() -> int:
         try:
             results = bench_relays(name, args.servers, args.rtt_ms, args.relay.split(","), args.new_tokens,
                                    args.repeats, direct=args.direct, server_threads=args.server_threads,
-                                   dtype=args.dtype)
+                                   dtype=args.dtype, model=args.model, device=args.device)
         finally:
             netem.cleanup(name)
         out = Path(args.out)

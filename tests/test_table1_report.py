@@ -339,7 +339,8 @@ def test_extend_adds_columns_to_a_recorded_run_and_refuses_another_workload(tmp_
         RangeProfile(2e-4, speed["t_O"], 0.0, blocks=2, batches=33), tiny_llama_path))
     ran = []
 
-    def fake_policy(cfg, policy, info, rtt_ms, out):
+    def fake_policy(cfg, policy, info, rtt_ms, out, gpu_env=None):
+        assert gpu_env == {}  # no --gpu-isolation: no MPS environment
         ran.append((policy, [r.to_dict() for r in info["_requests"]]))
         (out / "requests.json").write_text(json.dumps([r.to_dict() for r in info["_requests"]]))
         (out / f"records_{policy}.jsonl").write_text("\n".join(
