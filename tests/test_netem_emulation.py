@@ -241,3 +241,68 @@ def test_up_sigkilled_during_setup_then_down_leaves_nothing(net_name):
         proc.wait(timeout=30)
     _cli("down", "--name", net_name)
     _assert_gone(net_name)
+
+
+
+# Both ends of one stream as a session uses it (tests/test_netem_emulation.py's window test): a small
+# hello each way, then rounds of a 4.6 MB request, a pause (the server computing), a 4.6 MB reply.
+_BULK = r"""
+import asyncio, socket, struct, sys, time
+N = int(4.6e6)
+def ssthresh(w):  # struct tcp_info: tcpi_rcv_ssthresh at byte 64
+    return struct.unpack_from("I", w.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104), 64)[0]
+async def send(w, n):
+    data = b"x" * n
+    for i in range(0, n, 2 * 2**20):
+        part = data[i:i + 2 * 2**20]
+        w.write(len(part).to_bytes(8, "little") + part)
+        await w.drain()
+async def recv(r, n):
+    got = 0
+    while got < n:
+        k = int.from_bytes(await r.readexactly(8), "little"); await r.readexactly(k); got += k
+ROUNDS = 2
+"""
+SERVER = _BULK + r"""
+async def handle(r, w):
+    await recv(r, 100); await send(w, 100)
+    for _ in range(ROUNDS):
+        await recv(r, N); print("server", ssthresh(w), flush=True); await asyncio.sleep(0.5); await send(w, N)
+async def main():
+    srv = await asyncio.start_server(handle, sys.argv[1], 0)
+    print(srv.sockets[0].getsockname()[1], flush=True)
+    await srv.serve_forever()
+asyncio.run(main())
+"""
+CLIENT = _BULK + r"""
+async def main():
+    r, w = await asyncio.open_connection(sys.argv[1], int(sys.argv[2]))
+    await send(w, 100); await recv(r, 100)
+    for _ in range(ROUNDS):
+        await send(w, N); await recv(r, N); print("client", ssthresh(w), flush=True)
+asyncio.run(main())
+"""
+
+
+def test_receive_window_grows_both_ways_on_a_session_like_stream(net_name):
+    """A stream used as a session's direct stream is (4.6 MB requests and replies, a pause between) opens
+    its receive windows at both ends as on a real path. At the hub's former TUN MTU of 64 KiB the
+    receiver's kernel often stopped growing its window (rcv_ssthresh stuck at 81-99 KB: 64-KiB packets'
+    buffer overhead), so the reply moved ~81 KB per RTT: a 2,000-token prompt's hidden states took ~2.8 s
+    each way at 50 ms, 4-5x what the p2p daemons' connection took (docs/results.md, 2026-11-28)."""
+    with netem.Network(["a", "b"], [[0, 20], [20, 0]], name=net_name) as net:
+        server = net.popen("b", [sys.executable, "-c", SERVER, net.address("b")], stdout=subprocess.PIPE, text=True)
+        try:
+            port = server.stdout.readline().strip()
+            client = subprocess.run(net.command("a", [sys.executable, "-c", CLIENT, net.address("b"), port]),
+                                    capture_output=True, text=True, timeout=120)
+            assert client.returncode == 0, client.stderr[-2000:]
+            server_lines = [server.stdout.readline().split() for _ in range(2)]
+        finally:
+            server.kill()
+            server.wait()
+    seen = [line.split() for line in client.stdout.splitlines()] + server_lines
+    assert len(seen) == 4, seen
+    for end, rcv_ssthresh in seen:
+        assert int(rcv_ssthresh) > 4 * 82944, f"the {end}'s receive window stalled at {rcv_ssthresh} bytes: {seen}"
+
