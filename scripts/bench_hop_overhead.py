@@ -210,7 +210,7 @@ def main() -> int:
     if args.codec_only:
         print(json.dumps({"loadavg": os.getloadavg()[0], **codec_us_per_hop()}, indent=2))
         return 0
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from petals_chain.client.model import DistributedModelForCausalLM
     from petals_chain.local_swarm import LocalSwarm
@@ -223,12 +223,12 @@ def main() -> int:
     except (OSError, ValueError):  # a checkpoint without a tokenizer (random weights): fixed ids
         ids = torch.arange(1, 13).unsqueeze(0) * 37
     n = args.new_tokens
-    layers = AutoConfig.from_pretrained(path).num_hidden_layers
-    bounds = [round(i * layers / args.servers) for i in range(args.servers + 1)]
     r: dict = {"servers": args.servers, "new_tokens": n, "transports": transports, "dtype": args.dtype,
                "model": args.model, "cpu_count": os.cpu_count(),
                "loadavg_start": os.getloadavg()[0]}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    layers = hf.config.num_hidden_layers
+    bounds = [round(i * layers / args.servers) for i in range(args.servers + 1)]
     hf.generate(ids, max_new_tokens=2, do_sample=False)
     me = os.getpid()
     usage0, t = tree_usage(me), time.perf_counter()

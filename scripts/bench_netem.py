@@ -238,13 +238,11 @@ def bench_chain(name: str, rtts_ms: list[float], new_tokens: int, repeats: int) 
 
         with LocalSwarm("smollm2-135m", [(0, 10), (10, 20), (20, 30)], placement=placement,
                         server_args=["--num-threads", "1", "--no-orchestrator"]) as swarm:
-            env = {**os.environ, "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
             for ms in rtts_ms:
                 net.set_rtt_ms(uniform(ms))
                 proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
                                                              json.dumps(ids), str(new_tokens), str(repeats)]),
-                                      capture_output=True, text=True, timeout=600, env=env)
+                                      capture_output=True, text=True, timeout=600, env=swarm.env)
                 if proc.returncode != 0:
                     raise RuntimeError(proc.stderr[-3000:])
                 res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -340,13 +338,11 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
                         server_args=["--num-threads", str(server_threads), "--no-orchestrator", "--dtype", dtype,
                                      *(["--device", device] if device != "cpu" else []),
                                      *(["--direct-port", "0"] if direct else [])]) as swarm:
-            env = {**os.environ, "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
             proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
                                                          json.dumps(ids[0].tolist()), str(new_tokens), str(repeats),
                                                          ",".join(relays), "direct" if direct else "p2p", dtype,
                                                          str(model), device]),
-                                  capture_output=True, text=True, timeout=600 * len(relays), env=env)
+                                  capture_output=True, text=True, timeout=600 * len(relays), env=swarm.env)
             if proc.returncode != 0:
                 raise RuntimeError(proc.stderr[-3000:])
             res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -122,11 +122,9 @@ def main() -> int:
             with LocalSwarm("smollm2-135m", [(0, 30)], placement=placement,
                             server_args=["--num-threads", "1", "--no-orchestrator", "--direct-port", "0",
                                          "--max-length", "4096"]) as swarm:
-                env = {**os.environ, "PYTHONUNBUFFERED": "1",
-                       "PYTHONPATH": os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x)}
                 run = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
                                                             str(args.tokens), str(args.repeats)]),
-                                     capture_output=True, text=True, timeout=1800, env=env)
+                                     capture_output=True, text=True, timeout=1800, env=swarm.env)
                 if run.returncode != 0:
                     raise RuntimeError(run.stderr[-3000:])
                 res = json.loads(run.stdout.strip().splitlines()[-1])

@@ -244,7 +244,7 @@ def test_up_sigkilled_during_setup_then_down_leaves_nothing(net_name):
 
 
 
-# Both ends of one stream as a session uses it (tests/test_netem_emulation.py's window test): a small
+# Both ends of one stream as a session uses it (the window test below): a small
 # hello each way, then rounds of a 4.6 MB request, a pause (the server computing), a 4.6 MB reply.
 _BULK = r"""
 import asyncio, socket, struct, sys, time
