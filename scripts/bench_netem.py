@@ -221,7 +221,7 @@ finally:
 def bench_chain(name: str, rtts_ms: list[float], new_tokens: int, repeats: int) -> dict:
     from transformers import AutoTokenizer
 
-    from orchestrator.service.measurements import SessionShape, tau_c_s, tau_p_s
+    from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
     from petals_chain.local_swarm import LocalSwarm
     from petals_chain.models.checkpoint import resolve_model_path
 
