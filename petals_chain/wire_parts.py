@@ -127,6 +127,26 @@ _U32 = struct.Struct("<I")
 _DTYPE_DIMS = struct.Struct("<BB")
 _NUMPY_OF: tuple[np.dtype, ...] = tuple(np.dtype(np.int16 if name == "bfloat16" else name) for name in RAW_DTYPES)
 _SHAPES = tuple(struct.Struct(f"<{n}I") for n in range(RAW_MAX_DIMS + 1))  # a tensor's dimensions, by count
+_NUMPY_BY_DTYPE: dict[torch.dtype, np.dtype] = {DTYPES[name]: _NUMPY_OF[code] for code, name in enumerate(RAW_DTYPES)}
+_BF16_EXPONENT_BITS = 0x7F80  # bfloat16's exponent: all ones is Inf or NaN
+
+
+def all_finite(values: np.ndarray, dtype: torch.dtype) -> bool:
+    """Whether every value of a tensor of `dtype` is finite, given numpy's view of its values (bfloat16,
+    which numpy lacks, as int16 of the same bytes; then a value is Inf or NaN exactly when its exponent
+    bits are all ones). Why numpy on the decoded bytes: the receiver checks its input here, where numpy
+    has just copied them, for a fraction of a torch reduction's cost on a decode step's cold path
+    (scripts/bench_hop_overhead.py: a torch `sum(...).item()` was ~60 us of the server's hop)."""
+    if not dtype.is_floating_point:
+        return True
+    if dtype == torch.bfloat16:
+        return not ((values & _BF16_EXPONENT_BITS) == _BF16_EXPONENT_BITS).any()
+    return bool(np.isfinite(values).all())
+
+
+def _not_finite_error() -> InvalidRequestError:
+    return InvalidRequestError("hidden states contain NaN or Inf; send finite values (a float16 model overflowing "
+                               "is a common cause: use bfloat16 or float32)")
 
 
 def encode_raw(meta: dict[str, Any], tensor: torch.Tensor | None = None) -> RawFrame | None:
@@ -146,9 +166,9 @@ def encode_raw(meta: dict[str, Any], tensor: torch.Tensor | None = None) -> RawF
                               _SHAPES[len(shape)].pack(*shape), array.tobytes())))
 
 
-def decode_raw(frame: RawFrame, admit: Admit | None = None) -> Message:
-    """The group in a raw frame (its tensor copied once into its own memory); a malformed frame, or
-    a tensor `admit` refuses, raises a typed error."""
+def decode_raw(frame: RawFrame, admit: Admit | None = None, finite: bool = False) -> Message:
+    """The group in a raw frame (its tensor copied once into its own memory); a malformed frame, a
+    tensor `admit` refuses, or (with `finite`) a float tensor holding NaN or Inf raises a typed error."""
     body = memoryview(frame.body)
     if len(body) < _U32.size + _DTYPE_DIMS.size:
         raise InvalidRequestError(f"a raw frame of {len(body)} bytes is too short to hold a message")
@@ -182,6 +202,8 @@ def decode_raw(frame: RawFrame, admit: Admit | None = None) -> Message:
     # views the bytes and shapes them (one torch call instead of frombuffer + view); bfloat16, which
     # numpy lacks, as int16 of the same bytes
     array = np.frombuffer(frame.body, _NUMPY_OF[code], offset=end).reshape(shape).copy()
+    if finite and not all_finite(array, dtype):
+        raise _not_finite_error()
     tensor = torch.from_numpy(array)
     return Message(meta, [tensor.view(torch.bfloat16) if code == 1 else tensor], raw=True)
 
@@ -203,10 +225,12 @@ class Assembler:
     `feed` returns the groups a message completes (a `Message`) and the errors it causes (a typed
     error per bad group, e.g. from `admit`, which sees each tensor's header before its memory is
     allocated). After an error the rest of that group's continuation messages are dropped, so the
-    sender gets exactly one reply (the error) per group and the stream stays usable."""
+    sender gets exactly one reply (the error) per group and the stream stays usable. With `finite`, a
+    float tensor holding NaN or Inf is such a bad group too (a server's input: see `all_finite`)."""
 
-    def __init__(self, admit: Admit | None = None):
+    def __init__(self, admit: Admit | None = None, finite: bool = False):
         self.admit = admit
+        self.finite = finite
         self._meta: dict[str, Any] | None = None
         self._messages_left = 0
         self._tensors: list[torch.Tensor] = []
@@ -221,7 +245,7 @@ class Assembler:
                                                "send every part of a tensor before the next message"))
             self._reset()
             try:
-                out.append(decode_raw(message, self.admit))
+                out.append(decode_raw(message, self.admit, self.finite))
             except PetalsChainError as e:
                 out.append(e)
             return out
@@ -282,6 +306,8 @@ class Assembler:
             if p.filled_bytes != len(p.raw):
                 raise InvalidRequestError(f"tensor parts carry {p.filled_bytes} bytes, its header declares "
                                           f"{len(p.raw)}")
+            if self.finite and not all_finite(np.frombuffer(p.raw, _NUMPY_BY_DTYPE[p.dtype]), p.dtype):
+                raise _not_finite_error()
             flat = torch.frombuffer(p.raw, dtype=p.dtype) if p.raw else torch.empty(0, dtype=p.dtype)
             self._tensors.append(flat.view(p.shape))
             self._pending = None
@@ -298,10 +324,10 @@ class Assembler:
         return _Pending(dtype, shape, bytearray(math.prod(shape) * dtype.itemsize), max(1, part.chunks))
 
 
-def decode_single(message, admit: Admit | None = None) -> Message:
+def decode_single(message, admit: Admit | None = None, finite: bool = False) -> Message:
     """A unary RPC's message: one whole group of at most MAX_PART_BYTES in one message (so that the
     reply, of the same size, fits one message too), else a typed error."""
-    results = Assembler(admit).feed(message)
+    results = Assembler(admit, finite).feed(message)
     if not results:
         meta = unpack(message.metadata) if message.metadata else {}
         raise InvalidRequestError(f"this message is the first of {meta.get(PARTS_KEY, '?')} parts; a unary RPC "
@@ -316,9 +342,10 @@ def decode_single(message, admit: Admit | None = None) -> Message:
     return results[0]
 
 
-async def assembled(messages: AsyncIterator, admit: Admit | None = None) -> AsyncIterator[Message | PetalsChainError]:
+async def assembled(messages: AsyncIterator, admit: Admit | None = None,
+                    finite: bool = False) -> AsyncIterator[Message | PetalsChainError]:
     """The message groups (or a typed error per bad group) of a stream of messages."""
-    assembler = Assembler(admit)
+    assembler = Assembler(admit, finite)
     async for message in messages:
         for result in assembler.feed(message):
             yield result
@@ -341,12 +368,17 @@ async def drain(messages: AsyncIterator) -> None:
         pass
 
 
-async def receive_one(messages: AsyncIterator, admit: Admit | None = None) -> Message:
+async def receive_one(messages: AsyncIterator, admit: Admit | None = None, finite: bool = False) -> Message:
     """Read messages until one group is complete (a reply on a stream); a bad group raises its
     typed error, a stream that ends mid-group raises StopAsyncIteration."""
-    assembler = Assembler(admit)
+    first = await anext(messages)
+    if isinstance(first, RawFrame):  # a whole group (a decode step's reply): no assembler to build
+        return decode_raw(first, admit, finite)
+    assembler = Assembler(admit, finite)
+    message = first
     while True:
-        for result in assembler.feed(await anext(messages)):
+        for result in assembler.feed(message):
             if isinstance(result, PetalsChainError):
                 raise result
             return result
+        message = await anext(messages)

@@ -138,7 +138,7 @@ class BlockServicer:
         # steps the previous hop pushes (server relay), consumed in arrival order
         idle_timeout_s = self.limits.session_idle_timeout_s
         # a client that went silent must not hold its KV reservation forever
-        inbox = RelayInbox(wire_parts.assembled(requests, admit=self._admit), idle_timeout_s)
+        inbox = RelayInbox(wire_parts.assembled(requests, admit=self._admit, finite=True), idle_timeout_s)
         try:
             while True:
                 try:
@@ -231,7 +231,7 @@ class BlockServicer:
         it waits for the next push), putting a reply's encode and socket write, and the pusher's
         wake-up to read it, on the chain's critical path for nothing the pusher needs."""
         from_peer = str(context.remote_id)
-        async for message in wire_parts.assembled(requests, admit=self._admit):
+        async for message in wire_parts.assembled(requests, admit=self._admit, finite=True):
             try:
                 if isinstance(message, PetalsChainError):
                     raise message
@@ -341,7 +341,9 @@ class BlockServicer:
                         prefix_tokens: int = 0) -> tuple[torch.Tensor, float]:
         """The step's output and the forward time of the batches it ran in."""
         step = StepInput(kv, hidden)
-        stack.block_range.validate_step(step)
+        # not for NaN/Inf again: every tensor this servicer runs was decoded with finite=True (its
+        # message streams, pushes and forwards), where the check costs a fraction of a torch reduction
+        stack.block_range.validate_step(step, check_finite=False)
         step.validated = True  # once: the batch does not check it again
         if hidden.dtype != stack.block_range.dtype:
             raise InvalidRequestError(f"hidden states must be {stack.block_range.dtype}, got {hidden.dtype}")
@@ -378,7 +380,7 @@ class BlockServicer:
     async def forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Forward of whole sequences [batch, seq, hidden] without keeping a cache, in one message of
         at most MAX_PART_BYTES of tensors (larger ones come over forward_stream)."""
-        message = wire_parts.decode_single(request, admit=self._admit)
+        message = wire_parts.decode_single(request, admit=self._admit, finite=True)
         (reply,) = wire_parts.to_messages(Forward().to_wire(), (await self._forward(message, context),), reply=True)
         return reply
 
@@ -386,7 +388,7 @@ class BlockServicer:
                              context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The same forward for tensors of any size: one message group in, one out."""
         try:
-            message = await wire_parts.receive_one(requests, admit=self._admit)
+            message = await wire_parts.receive_one(requests, admit=self._admit, finite=True)
             out = await self._forward(message, context)
         except StopAsyncIteration:
             # the input ended mid-request: a caller that only half-closed still reads, and must get a

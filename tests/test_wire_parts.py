@@ -182,3 +182,53 @@ def test_raw_frames_are_refused_by_their_header_and_end_an_unfinished_group():
     results = [r for m in parts[:2] for r in assembler.feed(m)] + assembler.feed(good)
     assert isinstance(results[0], InvalidRequestError) and "early" in str(results[0])
     assert isinstance(results[1], Message) and torch.equal(results[1].tensors[0], torch.ones(2, 3))
+
+
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+@given(dtype=st.sampled_from(FLOAT_DTYPES), rows=st.integers(1, 4), seed=st.integers(0, 2**16),
+       bad=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(NON_FINITE)), max_size=3),
+       extreme=st.booleans())
+@settings(max_examples=120, deadline=None)
+def test_finite_decoding_agrees_with_torch_on_both_paths(dtype, rows, seed, bad, extreme):
+    """`finite=True` refuses a tensor exactly when torch.isfinite says it holds NaN or Inf, in a raw
+    frame and in protobuf parts (several parts), for every float dtype; finite extremes (the dtype's
+    largest magnitudes, subnormals, -0.0) pass, so no large but finite hidden state is refused."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, 64, generator=g).to(dtype)
+    if extreme:
+        info = torch.finfo(dtype)
+        flat = t.view(-1)
+        flat[0], flat[1], flat[2], flat[3] = info.max, -info.max, info.smallest_normal / 4, -0.0
+    for index, value in bad:
+        t.view(-1)[index % t.numel()] = value
+    expect_ok = bool(torch.isfinite(t).all())
+    frame = encode_raw({"type": "step"}, t)
+    groups = [[frame], to_messages({"type": "step"}, (t,), part_bytes=96)]
+    for messages in groups:
+        assembler = Assembler(finite=True)
+        (result,) = [r for m in messages for r in assembler.feed(m)]
+        if expect_ok:
+            assert isinstance(result, Message) and torch.equal(result.tensors[0].view(torch.uint8), t.view(torch.uint8))
+        else:
+            assert isinstance(result, InvalidRequestError) and "NaN or Inf" in str(result)
+        # without the check, the same bytes decode as they are (a client reading replies)
+        plain_assembler = Assembler()
+        (plain,) = [r for m in messages for r in plain_assembler.feed(m)]
+        assert torch.equal(plain.tensors[0].view(torch.uint8), t.view(torch.uint8))
+
+
+def test_a_refused_non_finite_step_leaves_the_stream_usable():
+    """One typed error for the bad group, then the next step on the same stream decodes."""
+    good = torch.randn(1, 32)
+    bad = good.clone()
+    bad[0, 5] = float("nan")
+    assembler = Assembler(finite=True)
+    first = assembler.feed(encode_raw({"type": "step", "step_id": 1}, bad))
+    second = assembler.feed(encode_raw({"type": "step", "step_id": 2}, good))
+    assert len(first) == 1 and isinstance(first[0], InvalidRequestError)
+    assert len(second) == 1 and second[0].meta["step_id"] == 2 and torch.equal(second[0].tensors[0], good)
+    with pytest.raises(InvalidRequestError, match="NaN or Inf"):
+        decode_single(to_messages({"type": "forward"}, (bad,))[0], finite=True)

@@ -123,7 +123,9 @@ class BlockRange:
         return SessionKV.allocate(first, self.end, self.kv_heads, self.head_dim, max_length_tokens,
                                   self.dtype, self.device, adapter=adapter)
 
-    def validate_step(self, step: StepInput) -> None:
+    def validate_step(self, step: StepInput, check_finite: bool = True) -> None:
+        """Refuse a step this range cannot run (typed errors). `check_finite=False`: the caller has
+        checked its values for NaN and Inf already (a server's input: wire_parts' `finite` decoding)."""
         h = step.hidden
         if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] != self.hidden_size or h.shape[0] < 1:
             shape = tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
@@ -139,7 +141,7 @@ class BlockRange:
         # one reduction instead of isfinite + all + bool (each torch call costs tens of microseconds on a
         # decode step's cold path): the float64 sum of finite float16/bfloat16/float32 values cannot
         # overflow, so it is finite exactly when every value is (no block range runs float64)
-        if not math.isfinite(h.sum(dtype=torch.float64).item()):
+        if check_finite and not math.isfinite(h.sum(dtype=torch.float64).item()):
             raise InvalidRequestError("hidden states contain NaN or Inf")
 
     @torch.inference_mode()
