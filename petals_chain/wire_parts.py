@@ -149,12 +149,51 @@ def _not_finite_error() -> InvalidRequestError:
                                "is a common cause: use bfloat16 or float32)")
 
 
-def encode_raw(meta: dict[str, Any], tensor: torch.Tensor | None = None) -> RawFrame | None:
+@dataclass
+class RawTensor:
+    """A tensor as a raw frame carried it, not decoded: `section` is the frame's tensor part (dtype
+    code, number of dimensions, shape, values), which `encode_raw` puts into another raw frame as it is;
+    `tensor()` decodes it (once, into memory of its own).
+
+    Why: a client relaying a hop's reply to the next hop (client relay) only forwards the values;
+    decoding them into a tensor and encoding that again cost the client ~0.1 ms per hop on a decode
+    step's cold path (scripts/bench_hop_overhead.py). It still needs them as a tensor for its history
+    (failover replay), and decodes them after the next hop's step is on its way, while that server
+    computes (HopClient.step_async)."""
+
+    section: bytes | memoryview
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    _decoded: torch.Tensor | None = field(default=None, repr=False)
+
+    def tensor(self) -> torch.Tensor:
+        if self._decoded is None:
+            head = _DTYPE_DIMS.size + 4 * len(self.shape)
+            code = _RAW_CODES[self.dtype]
+            if len(self.section) == head:  # no values (a dimension of 0)
+                self._decoded = torch.empty(self.shape, dtype=self.dtype)
+            else:
+                array = np.frombuffer(self.section, _NUMPY_OF[code], offset=head).reshape(self.shape).copy()
+                tensor = torch.from_numpy(array)
+                self._decoded = tensor.view(torch.bfloat16) if code == 1 else tensor
+        return self._decoded
+
+
+def as_tensor(x: torch.Tensor | RawTensor) -> torch.Tensor:
+    """`x` as a tensor (a RawTensor decoded, once)."""
+    return x.tensor() if isinstance(x, RawTensor) else x
+
+
+def encode_raw(meta: dict[str, Any], tensor: torch.Tensor | RawTensor | None = None) -> RawFrame | None:
     """`meta` and `tensor` as one raw frame, or None when they do not fit one (a tensor over
-    MAX_PART_BYTES, of another dtype or more dimensions: send `to_messages` then)."""
+    MAX_PART_BYTES, of another dtype or more dimensions: send `to_messages` then). A RawTensor's
+    section goes in as it came (it fit a raw frame already)."""
     if tensor is None:
         packed = pack(meta)
         return RawFrame(b"".join((_U32.pack(len(packed)), packed, _DTYPE_DIMS.pack(255, 0))))
+    if isinstance(tensor, RawTensor):
+        packed = pack(meta)
+        return RawFrame(b"".join((_U32.pack(len(packed)), packed, tensor.section)))
     code = _RAW_CODES.get(tensor.dtype)
     if code is None or tensor.dim() > RAW_MAX_DIMS:
         return None
@@ -166,9 +205,10 @@ def encode_raw(meta: dict[str, Any], tensor: torch.Tensor | None = None) -> RawF
                               _SHAPES[len(shape)].pack(*shape), array.tobytes())))
 
 
-def decode_raw(frame: RawFrame, admit: Admit | None = None, finite: bool = False) -> Message:
-    """The group in a raw frame (its tensor copied once into its own memory); a malformed frame, a
-    tensor `admit` refuses, or (with `finite`) a float tensor holding NaN or Inf raises a typed error."""
+def _parse_raw(frame: RawFrame, admit: Admit | None) -> tuple[dict[str, Any], int, tuple[int, ...], int, int]:
+    """(metadata, dtype code, shape, where the tensor part starts, where its values start) of a raw
+    frame, checked to hold exactly the values its header declares (code 255: no tensor); a malformed
+    frame, or a tensor `admit` refuses, raises a typed error."""
     body = memoryview(frame.body)
     if len(body) < _U32.size + _DTYPE_DIMS.size:
         raise InvalidRequestError(f"a raw frame of {len(body)} bytes is too short to hold a message")
@@ -177,10 +217,11 @@ def decode_raw(frame: RawFrame, admit: Admit | None = None, finite: bool = False
     if end + _DTYPE_DIMS.size > len(body):
         raise InvalidRequestError(f"a raw frame declares {meta_bytes} bytes of metadata, more than it holds")
     meta = unpack(body[_U32.size:end])
+    section = end
     code, dims = _DTYPE_DIMS.unpack_from(body, end)
     end += _DTYPE_DIMS.size
     if code == 255 and dims == 0 and end == len(body):
-        return Message(meta, [], raw=True)
+        return meta, code, (), section, end
     if code >= len(RAW_DTYPES) or dims > RAW_MAX_DIMS:
         raise InvalidRequestError(f"a raw frame's tensor has dtype code {code} and {dims} dimensions; codes are "
                                   f"0..{len(RAW_DTYPES) - 1} ({', '.join(RAW_DTYPES)}), at most {RAW_MAX_DIMS} "
@@ -196,7 +237,17 @@ def decode_raw(frame: RawFrame, admit: Admit | None = None, finite: bool = False
                                   f"carries {len(body) - end}")
     if admit is not None:
         admit(shape, dtype)
-    if not nbytes:
+    return meta, code, shape, section, end
+
+
+def decode_raw(frame: RawFrame, admit: Admit | None = None, finite: bool = False) -> Message:
+    """The group in a raw frame (its tensor copied once into its own memory); a malformed frame, a
+    tensor `admit` refuses, or (with `finite`) a float tensor holding NaN or Inf raises a typed error."""
+    meta, code, shape, _, end = _parse_raw(frame, admit)
+    if code == 255:
+        return Message(meta, [], raw=True)
+    dtype = DTYPES[RAW_DTYPES[code]]
+    if end == len(frame.body):
         return Message(meta, [torch.empty(shape, dtype=dtype)], raw=True)
     # the one copy: into memory the tensor owns and may write (the frame's bytes are read-only); numpy
     # views the bytes and shapes them (one torch call instead of frombuffer + view); bfloat16, which
@@ -368,12 +419,22 @@ async def drain(messages: AsyncIterator) -> None:
         pass
 
 
-async def receive_one(messages: AsyncIterator, admit: Admit | None = None, finite: bool = False) -> Message:
+def decode_raw_lazy(frame: RawFrame) -> Message:
+    """A raw frame's group with its tensor left as a `RawTensor` (checked, not decoded)."""
+    meta, code, shape, section, _ = _parse_raw(frame, None)
+    if code == 255:
+        return Message(meta, [], raw=True)
+    return Message(meta, [RawTensor(memoryview(frame.body)[section:], DTYPES[RAW_DTYPES[code]], shape)], raw=True)
+
+
+async def receive_one(messages: AsyncIterator, admit: Admit | None = None, finite: bool = False,
+                      lazy: bool = False) -> Message:
     """Read messages until one group is complete (a reply on a stream); a bad group raises its
-    typed error, a stream that ends mid-group raises StopAsyncIteration."""
+    typed error, a stream that ends mid-group raises StopAsyncIteration. `lazy` (no `admit` or
+    `finite` then): a raw frame's tensor comes as a `RawTensor`, decoded when asked."""
     first = await anext(messages)
     if isinstance(first, RawFrame):  # a whole group (a decode step's reply): no assembler to build
-        return decode_raw(first, admit, finite)
+        return decode_raw_lazy(first) if lazy else decode_raw(first, admit, finite)
     assembler = Assembler(admit, finite)
     message = first
     while True:

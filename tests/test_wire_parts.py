@@ -17,7 +17,10 @@ from petals_chain.wire_parts import (
     Assembler,
     Message,
     RawFrame,
+    RawTensor,
+    as_tensor,
     decode_raw,
+    decode_raw_lazy,
     decode_single,
     encode_raw,
     split_tensor,
@@ -139,6 +142,17 @@ def test_raw_frames_roundtrip_bit_exactly_and_name_themselves_raw(shape, dtype, 
     if back.numel():
         back.view(-1)[0] = 0  # its own memory, writable (the frame's bytes are not)
     assert decode_raw(encode_raw(meta)).tensors == []  # metadata alone
+    # the lazy form (a client relaying a reply): forwarded into the next frame byte for byte as the
+    # tensor would be encoded, and decoded to the same bits when asked
+    (lazy,) = decode_raw_lazy(encode_raw(meta, t)).tensors
+    assert isinstance(lazy, RawTensor) and lazy.shape == t.shape and lazy.dtype == t.dtype
+    onward = {"type": "step", "step_id": step_id + 1}
+    assert encode_raw(onward, lazy).body == encode_raw(onward, t).body
+    decoded = as_tensor(lazy)
+    assert decoded is as_tensor(lazy)  # decoded once
+    assert decoded.dtype == t.dtype and decoded.shape == t.shape
+    assert torch.equal(decoded.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    assert decode_raw_lazy(encode_raw(meta)).tensors == []
 
 
 def test_tensors_that_do_not_fit_one_raw_frame_take_the_parts_path():

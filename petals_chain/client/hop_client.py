@@ -99,7 +99,9 @@ class HopStream:
 
 @dataclass(frozen=True)
 class StepResult:
-    output: torch.Tensor
+    # a decode step's reply in a raw frame stays a RawTensor: the next hop gets its bytes as they came
+    # (client relay), and `wire_parts.as_tensor` decodes it where the values are needed
+    output: torch.Tensor | wire_parts.RawTensor
     reply: StepReply
     client_s: float  # from sending the hidden states to the whole reply
     copy_sent_late: bool = False  # a held-back copy (`copy_after_s`) went out before the reply came
@@ -236,14 +238,19 @@ class HopClient:
         return HopStream(hop, channel, prefix_match_tokens=match, relay_from=open_msg.relay_from,
                          raw_frames=bool(opened.raw_frames))
 
-    def step(self, stream: HopStream, step: Step, hidden: torch.Tensor, liveness_after_s: float = LIVENESS_FLOOR_S
-             ) -> StepResult:
+    def step(self, stream: HopStream, step: Step, hidden: torch.Tensor | wire_parts.RawTensor,
+             liveness_after_s: float = LIVENESS_FLOOR_S) -> StepResult:
         return self.run_hop(stream.hop, self.step_async(stream, step, hidden, liveness_after_s), self.step_timeout_s + 2)
 
-    async def step_async(self, stream: HopStream, step: Step, hidden: torch.Tensor,
+    async def step_async(self, stream: HopStream, step: Step, hidden: torch.Tensor | wire_parts.RawTensor,
                          liveness_after_s: float = LIVENESS_FLOOR_S, copy_after_s: float | None = None
                          ) -> StepResult:
         """One step on `stream`; its reply awaited with liveness probes after `liveness_after_s`.
+
+        `hidden` may be the previous hop's reply as it came (a `RawTensor`): a raw frame carries its
+        bytes on as they are, and it is decoded (for the caller's history) only once this step is on
+        its way, while the server computes. The reply's output is a RawTensor when it came as a raw
+        frame.
 
         `copy_after_s` (server relay, a hop whose input the hop before pushes to it): the step is sent
         only if the reply has not come within that many seconds. The server answers a pushed step on
@@ -257,7 +264,7 @@ class HopClient:
         # a raw frame where the server takes one and the step fits it (a decode step), else protobuf parts
         meta = step.to_wire()
         raw = wire_parts.encode_raw(meta, hidden) if stream.raw_frames else None
-        requests = [raw] if raw is not None else wire_parts.to_messages(meta, (hidden,))
+        requests = [raw] if raw is not None else wire_parts.to_messages(meta, (wire_parts.as_tensor(hidden),))
         hold_s = copy_after_s if raw is not None else None  # only a one-frame step is held back
         copied: list[bool] = []
 
@@ -269,10 +276,12 @@ class HopClient:
         async def exchange() -> wire_parts.Message:
             if hold_s is None:
                 await stream.channel.send(*requests)  # waits only when the socket is full (a large prompt)
-                return await wire_parts.receive_one(stream.channel)
+                wire_parts.as_tensor(hidden)  # off the critical path now: the server has the step
+                return await wire_parts.receive_one(stream.channel, lazy=True)
             held = asyncio.get_running_loop().call_later(hold_s, send_copy)
             try:
-                return await wire_parts.receive_one(stream.channel)
+                wire_parts.as_tensor(hidden)
+                return await wire_parts.receive_one(stream.channel, lazy=True)
             finally:
                 held.cancel()
 

@@ -28,6 +28,7 @@ import torch
 from petals_chain.client.chain import ChainSession, PromptPrefix
 from petals_chain.client.hop_client import (LIVENESS_FLOOR_S, LIVENESS_RECENT_STEPS, LIVENESS_STEP_FACTOR,
                                             FailoverPolicy, HopFailed, HopStream)
+from petals_chain import wire_parts
 from petals_chain.errors import MaxLengthExceededError, OutOfCacheError, ServerUnavailableError, SessionIdleTimeoutError
 from petals_chain.messages import Hop, Open, Step
 from petals_chain.prefix_keys import prefix_hashes, usable_prefix_tokens
@@ -165,12 +166,14 @@ class RemoteChainSession(ChainSession):
     def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         """One step of `stream`'s hop alone, with a fresh step id (replays); raises HopFailed or the
         server's other typed errors."""
-        return self.chain.hops.run_hop(stream.hop, self._call_async(stream, hidden),
-                                       self.chain.step_timeout_s + 2)
+        return wire_parts.as_tensor(self.chain.hops.run_hop(stream.hop, self._call_async(stream, hidden),
+                                                            self.chain.step_timeout_s + 2))
 
-    async def _call_async(self, stream: HopStream, hidden: torch.Tensor, step_id: int | None = None,
-                          index: int | None = None, start_position: int | None = None) -> torch.Tensor:
-        """One step of `stream`'s hop, on the loop. With `index` (its place in the chain) and server
+    async def _call_async(self, stream: HopStream, hidden: torch.Tensor | wire_parts.RawTensor,
+                          step_id: int | None = None, index: int | None = None, start_position: int | None = None
+                          ) -> torch.Tensor | wire_parts.RawTensor:
+        """One step of `stream`'s hop, on the loop; its output as the reply carried it (a RawTensor
+        from a raw frame: `wire_parts.as_tensor` decodes it). With `index` (its place in the chain) and server
         relay on, the step names the route on, and tells the hop its previous peer when that
         changed; the hop may have run it already from a push, and then answers at once.
         `start_position`: a rollback step (every hop, and every push, carries it)."""
@@ -302,19 +305,22 @@ class RemoteChainSession(ChainSession):
         if self.steps == 0:
             self.input_tokens = hidden.shape[0]
         self.steps += 1
-        return x
+        return wire_parts.as_tensor(x)  # the last hop's reply, decoded for the caller (the LM head)
 
-    async def _relay_async(self, i: int, x: torch.Tensor, step_id: int, done: list[HopStream],
-                           start_position: int | None = None) -> tuple[int, torch.Tensor, Exception | None]:
+    async def _relay_async(self, i: int, x: torch.Tensor | wire_parts.RawTensor, step_id: int,
+                           done: list[HopStream], start_position: int | None = None
+                           ) -> tuple[int, torch.Tensor | wire_parts.RawTensor, Exception | None]:
         """Hops `i`.. of one step; returns where it stopped, that hop's input and its error (as
-        `HopClient.run_hop` would raise it), or (len, output, None)."""
+        `HopClient.run_hop` would raise it), or (len, output, None). A hop's reply goes on to the
+        next hop as it came (a RawTensor); each hop's history keeps its input as a tensor, decoded
+        by `step_async` while that hop computed."""
         while i < len(self.streams):
             stream = self.streams[i]
             try:
                 out = await self._call_async(stream, x, step_id, index=i, start_position=start_position)
             except Exception as e:
                 return i, x, self.chain.hops.hop_error(stream.hop, e, self.chain.step_timeout_s)
-            stream.inputs.append(x)
+            stream.inputs.append(wire_parts.as_tensor(x))
             done.append(stream)
             x, i = out, i + 1
         return i, x, None
