@@ -168,14 +168,8 @@ class RawTensor:
 
     def tensor(self) -> torch.Tensor:
         if self._decoded is None:
-            head = _DTYPE_DIMS.size + 4 * len(self.shape)
-            code = _RAW_CODES[self.dtype]
-            if len(self.section) == head:  # no values (a dimension of 0)
-                self._decoded = torch.empty(self.shape, dtype=self.dtype)
-            else:
-                array = np.frombuffer(self.section, _NUMPY_OF[code], offset=head).reshape(self.shape).copy()
-                tensor = torch.from_numpy(array)
-                self._decoded = tensor.view(torch.bfloat16) if code == 1 else tensor
+            self._decoded = _raw_values(self.section, _RAW_CODES[self.dtype], self.shape,
+                                        _DTYPE_DIMS.size + 4 * len(self.shape))
         return self._decoded
 
 
@@ -240,23 +234,30 @@ def _parse_raw(frame: RawFrame, admit: Admit | None) -> tuple[dict[str, Any], in
     return meta, code, shape, section, end
 
 
+def _raw_values(buffer: bytes | memoryview, code: int, shape: tuple[int, ...], offset: int,
+                finite: bool = False) -> torch.Tensor:
+    """The tensor of dtype code `code` and `shape` whose values start at `offset` of `buffer` (and run
+    to its end, as `_parse_raw` checked); with `finite`, NaN or Inf raises a typed error."""
+    dtype = DTYPES[RAW_DTYPES[code]]
+    if offset == len(buffer):  # no values (a dimension of 0)
+        return torch.empty(shape, dtype=dtype)
+    # the one copy: into memory the tensor owns and may write (the frame's bytes are read-only); numpy
+    # views the bytes and shapes them (one torch call instead of frombuffer + view); bfloat16, which
+    # numpy lacks, as int16 of the same bytes
+    array = np.frombuffer(buffer, _NUMPY_OF[code], offset=offset).reshape(shape).copy()
+    if finite and not all_finite(array, dtype):
+        raise _not_finite_error()
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if code == 1 else tensor
+
+
 def decode_raw(frame: RawFrame, admit: Admit | None = None, finite: bool = False) -> Message:
     """The group in a raw frame (its tensor copied once into its own memory); a malformed frame, a
     tensor `admit` refuses, or (with `finite`) a float tensor holding NaN or Inf raises a typed error."""
     meta, code, shape, _, end = _parse_raw(frame, admit)
     if code == 255:
         return Message(meta, [], raw=True)
-    dtype = DTYPES[RAW_DTYPES[code]]
-    if end == len(frame.body):
-        return Message(meta, [torch.empty(shape, dtype=dtype)], raw=True)
-    # the one copy: into memory the tensor owns and may write (the frame's bytes are read-only); numpy
-    # views the bytes and shapes them (one torch call instead of frombuffer + view); bfloat16, which
-    # numpy lacks, as int16 of the same bytes
-    array = np.frombuffer(frame.body, _NUMPY_OF[code], offset=end).reshape(shape).copy()
-    if finite and not all_finite(array, dtype):
-        raise _not_finite_error()
-    tensor = torch.from_numpy(array)
-    return Message(meta, [tensor.view(torch.bfloat16) if code == 1 else tensor], raw=True)
+    return Message(meta, [_raw_values(frame.body, code, shape, end, finite)], raw=True)
 
 
 @dataclass

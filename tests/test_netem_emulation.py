@@ -243,7 +243,6 @@ def test_up_sigkilled_during_setup_then_down_leaves_nothing(net_name):
     _assert_gone(net_name)
 
 
-
 # Both ends of one stream as a session uses it (the window test below): a small
 # hello each way, then rounds of a 4.6 MB request, a pause (the server computing), a 4.6 MB reply.
 _BULK = r"""
@@ -305,4 +304,3 @@ def test_receive_window_grows_both_ways_on_a_session_like_stream(net_name):
     assert len(seen) == 4, seen
     for end, rcv_ssthresh in seen:
         assert int(rcv_ssthresh) > 4 * 82944, f"the {end}'s receive window stalled at {rcv_ssthresh} bytes: {seen}"
-
