@@ -9,7 +9,11 @@ the client times: `RemoteChainSession.hop_timings`). Per hop and decode step:
 - `compute_ms`: the server's batch forward time for the step (`StepReply.compute_s`); a tree that
   does not report it falls back to the same blocks' forward timed here in-process (one thread);
 framework cost per hop = client_ms - compute_ms (median and p90), split into wire (client - server)
-and server-side overhead (server - compute). `--transports p2p,direct` (default): the same on one
+and server-side overhead (server - compute). Per whole decode step, for both relays
+(`step_framework_ms_per_hop_<relay>_relay_*`): the step's client time (`RemoteChainSession.step_timings`:
+the caller's `step` call, its hand-off to the client's event loop included) minus its hops' batch forward
+times, over the number of hops; under server relay the hops' replies to the client overlap the next
+hop's work, so this is the only per-hop cost that relay has. `--transports p2p,direct` (default): the same on one
 swarm whose servers also take direct TCP streams (launch-server --direct-port), once with the client
 through the p2p daemons and once direct (keys of the direct run prefixed `direct_`). Also one session's tok/s through the chain (each relay)
 against local HF generate with one thread; and our framing's CPU cost per hop (`codec_*_us`: the
@@ -268,6 +272,7 @@ def main() -> int:
                     if transport == "direct":  # what carried the steps (a fallback to p2p would void the row)
                         r[f"{pre}streams_opened_direct_{relay}_relay"] = model.backend.hops.dialer.direct_opened
                     timings = session.chain.hop_timings
+                    step_timings = getattr(session.chain, "step_timings", [])  # a tree from before: none
                 batches_us, _ = batch_cpu_us(model, peers, cursors)
                 usage0 = tree_usage(me)  # the same processes idle for as long: what they do anyway
                 time.sleep(elapsed_s)
@@ -280,6 +285,13 @@ def main() -> int:
                 r[f"{pre}{kind}_wakeups_per_hop_{relay}"] = (used[kind][1] - idle[kind][1]) / per_hop
             r[f"{pre}servers_framework_cpu_us_per_hop_{relay}"] = (used["servers"][0] - idle["servers"][0]
                                                                     - batches_us) / per_hop
+            # per decode step, either relay: (the step's client time - its hops' batch forward times) / hops
+            per_step = [(st.client_s - sum(h.compute_s for h in timings[st.first_hop:st.end_hop])) * 1e3 / args.servers
+                        for st in step_timings if st.tokens == 1 and st.end_hop - st.first_hop == args.servers
+                        and all(h.compute_s is not None for h in timings[st.first_hop:st.end_hop])]
+            if per_step:
+                r[f"{pre}step_framework_ms_per_hop_{relay}_relay_median"] = float(np.median(per_step))
+                r[f"{pre}step_framework_ms_per_hop_{relay}_relay_p90"] = pct(per_step, 90)
             if relay != "client":
                 continue
             decode = [h for h in timings if h.tokens == 1]

@@ -146,6 +146,11 @@ def test_both_relays_give_hf_tokens_and_server_relay_pushes(swarm, hf, tiny_llam
         else:
             assert arrived == [0, 0, 0]
             assert not any(t.pushed for t in timings)
+        # one whole-step timing per step (the prompt, then 9 decode steps), each over its 3 hops' timings
+        steps = chain.step_timings
+        assert [st.tokens for st in steps] == [6] + [1] * 9
+        assert [(st.first_hop, st.end_hop) for st in steps] == [(3 * k, 3 * k + 3) for k in range(10)]
+        assert all(st.client_s >= max(t.client_s for t in timings[st.first_hop:st.end_hop]) for st in steps)
     finally:
         model.backend.shutdown()
 

@@ -80,6 +80,19 @@ class HopTiming:
     pushed: bool = False
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """One step through the whole chain, timed by the client: `client_s` from `step` being called to
+    its output (every hop, either relay; a failover's replay included); its hops' timings are
+    `hop_timings[first_hop:end_hop]`. Under server relay the hops' own times overlap (a hop computes
+    while the client reads the hop before's reply), so only this says what a step cost."""
+
+    tokens: int
+    client_s: float
+    first_hop: int
+    end_hop: int
+
+
 class RemoteChainSession(ChainSession):
     def __init__(self, chain: RemoteChain, max_length: int, prefix: PromptPrefix | None = None,
                  adapter: str | None = None, *, session_id: str | None = None, avoid: Iterable[str] = ()):
@@ -101,6 +114,7 @@ class RemoteChainSession(ChainSession):
         self.input_tokens = 0  # tokens of the first step (the prompt)
         self.steps = 0
         self.hop_timings: list[HopTiming] = []
+        self.step_timings: list[StepTiming] = []
         hops = chain.provider.find_chain(0, chain.num_blocks, exclude=self.failover.exclude, max_length=max_length,
                                          session_id=self.session_id, adapter=adapter)
         try:
@@ -253,6 +267,7 @@ class RemoteChainSession(ChainSession):
         return len(self.streams)
 
     def step(self, hidden: torch.Tensor, start_position: int | None = None) -> torch.Tensor:
+        t0_s, first_hop = time.perf_counter(), len(self.hop_timings)
         start = self.check_start(start_position)
         if start + hidden.shape[0] > self.max_length:
             raise MaxLengthExceededError(f"session opened with max_length={self.max_length} cannot take "
@@ -305,7 +320,10 @@ class RemoteChainSession(ChainSession):
         if self.steps == 0:
             self.input_tokens = hidden.shape[0]
         self.steps += 1
-        return wire_parts.as_tensor(x)  # the last hop's reply, decoded for the caller (the LM head)
+        output = wire_parts.as_tensor(x)  # the last hop's reply, decoded for the caller (the LM head)
+        self.step_timings.append(StepTiming(hidden.shape[0], time.perf_counter() - t0_s, first_hop,
+                                            len(self.hop_timings)))
+        return output
 
     async def _relay_async(self, i: int, x: torch.Tensor | wire_parts.RawTensor, step_id: int,
                            done: list[HopStream], start_position: int | None = None
