@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the orchestrator's --server-compute: auto (default) = shared for servers with a live fit (a chain's "
         "capacity is cut where its busiest server saturates), parallel = the paper's model (capacities from "
         "the cache reservation alone, sessions batch without slowing each other)"))
+    p.add_argument("--daemons-in-share", action="store_true", help=(
+        "count each server host's hivemind DHT process and p2p daemon against its CPU share (before "
+        "2026-11-29 they were; default: they run outside it, as a real host runs them beside its device)"))
     p.add_argument("--cpus", type=positive_float, default=2.0, help="cores the auto time scale may count on (default 2)")
     p.add_argument("--fast-budget", type=_size, default="480MiB", help="fast servers' --memory-budget")
     p.add_argument("--slow-budget", type=_size, default="240MiB", help="slow servers' --memory-budget")
@@ -164,6 +167,7 @@ def main(argv: list[str]) -> int:
         netem_name=args.netem_name, cpu=args.cpu, device=args.device, dtype=args.dtype, warmup_per_chain=args.warmup_per_chain,
         gpu_isolation=args.gpu_isolation, gpu_sm_percent=args.gpu_sm_percent,
         calibrate_from=args.calibrate_from, leftover_placement=args.leftover_placement,
+        daemons_in_share=args.daemons_in_share,
         kv_plan_tokens=args.kv_plan_tokens, server_compute=args.server_compute, probe_per_chain=args.probe_per_chain,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest), extend=args.extend)

@@ -20,6 +20,7 @@ import sys
 import urllib.request
 
 import numpy as np
+import psutil
 
 CLIENT_HOST = "client"  # DHT peer, orchestrator and load generator
 _FETCH = "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
@@ -53,6 +54,11 @@ class _Hosts(abc.ABC):
         """Hosts' CPU quotas lifted for the duration (loading that is not measured); none here."""
         return contextlib.nullcontext()
 
+    def exempt_daemons(self, server_pids: dict[str, int]) -> dict[str, list[int]]:
+        """Each server's DHT process and p2p daemon out of its host's CPU share (netem/cpu.py: a real
+        host runs them on its own CPU beside the device); server name -> pids moved. None here."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -67,6 +73,25 @@ class Localhost(_Hosts):
     def fetch_json(self, role: str, url: str) -> dict:
         with urllib.request.urlopen(url, timeout=10) as r:
             return json.load(r)
+
+
+def daemon_pids(root_pid: int) -> list[int]:
+    """The p2p daemons (`p2pd`) under `root_pid` and the processes that started them (hivemind's DHT
+    process; never `root_pid` itself, the server), parents first."""
+    try:
+        tree = psutil.Process(root_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out: list[int] = []
+    for p in tree:
+        try:
+            if p.name() != "p2pd":
+                continue
+            parent = p.ppid()
+        except psutil.NoSuchProcess:
+            continue
+        out += [q for q in (parent, p.pid) if q != root_pid and q not in out]
+    return out
 
 
 def ripe_atlas_hosts_rtt_ms(rtt_matrix_ms: np.ndarray, n_hosts: int, seed: int) -> tuple[np.ndarray, list[int]]:
@@ -116,6 +141,9 @@ class EmulatedHosts(_Hosts):
 
     def cpu_unlimited(self) -> contextlib.AbstractContextManager:
         return self.net.cpu_unlimited()
+
+    def exempt_daemons(self, server_pids: dict[str, int]) -> dict[str, list[int]]:
+        return {name: self.net.exempt(self.host_of(name), daemon_pids(pid)) for name, pid in server_pids.items()}
 
     def close(self) -> None:
         self.net.__exit__(None, None, None)

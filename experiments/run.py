@@ -47,7 +47,8 @@ def extend_base(cfg: Table1Config, out: Path) -> dict:
         raise FileNotFoundError(f"--extend: no scale.json in {out}; give the --out folder of an earlier "
                                 "`petals-chain experiment table1` run (or leave --extend out to start one)")
     meta = json.loads(meta_file.read_text())
-    mine, theirs = asdict(cfg), meta["config"]
+    # a run recorded before `daemons_in_share` existed ran its servers' daemons inside the hosts' shares
+    mine, theirs = asdict(cfg), {"daemons_in_share": True, **meta["config"]}
     differ = sorted(k for k in set(mine) | set(theirs) if k not in EXTEND_MAY_DIFFER and mine.get(k) != theirs.get(k))
     if differ:
         raise ExtendMismatchError(
@@ -164,7 +165,7 @@ def write_results(out: Path, wall_s: float | None = None) -> dict:
             continue
         s = report.policy_summary(r["records"], n_requests, meta["config"].get("deadline_s"))
         s.update({k: r.get(k) for k in ("c", "placement", "left_out_of_plan", "unused_by_plan", "chains", "servers",
-                                        "final_servers", "host_cpu", "cpu", "startup_s", "probe",
+                                        "final_servers", "host_cpu", "daemons_exempted", "cpu", "startup_s", "probe",
                                         "final_metrics",
                                         "loadgen_exit", "loadgen_error", "loadgen_tail")})
         s["peak_service"] = report.read_peak_service(out, p)

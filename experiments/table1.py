@@ -60,6 +60,9 @@ class Table1Config:
     # compute isolation (netem/cpu.py): "auto" (shares when netem runs on CPU with writable cgroups),
     # "off", or a spec: 0.25 for every host, or fast=0.2,slow=0.12,client=0.5 (roles or host names)
     cpu: str = "auto"
+    # a server host's hivemind DHT process and p2p daemon: outside its CPU share (False, the default: a real
+    # host runs them on its own CPU beside the device the share stands for; netem/cpu.py) or inside (True)
+    daemons_in_share: bool = False
     device: str = "cpu"  # the servers' --device (cuda: the GPU variant)
     dtype: str = "float32"  # the servers' --dtype (bfloat16 for the GPU variant)
     # the GPU variant's isolation (experiments/gpu_mps.py): "off" (the processes time-slice the GPU) or
@@ -273,8 +276,11 @@ def host_cpu_use(after: dict, before: dict, wall_s: float) -> dict:
         used = None if a.get("cpu_s") is None or b.get("cpu_s") is None else a["cpu_s"] - b["cpu_s"]
         held = (None if a.get("throttled_s") is None or b.get("throttled_s") is None
                 else a["throttled_s"] - b["throttled_s"])
+        daemons = (None if a.get("daemons_cpu_s") is None or b.get("daemons_cpu_s") is None
+                   else a["daemons_cpu_s"] - b["daemons_cpu_s"])
         out[h] = {"share_cores": a["cores"], "cpuset": a.get("cpuset"), "cpu_s": used,
-                  "used_cores": None if used is None or wall_s <= 0 else used / wall_s, "throttled_s": held}
+                  "used_cores": None if used is None or wall_s <= 0 else used / wall_s, "throttled_s": held,
+                  "daemons_cores": None if daemons is None or wall_s <= 0 else daemons / wall_s}
     return out
 
 
@@ -513,6 +519,8 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
             swarm.start(wait_servers=False)  # the plan is what counts: a server it leaves out never gets a range
             status = wait_plan(launcher, swarm.orchestrator_url, swarm)
         result["startup_s"] = time.monotonic() - t_start
+        if not cfg.daemons_in_share:
+            result["daemons_exempted"] = launcher.exempt_daemons({s.name: s.process.pid for s in swarm.servers})
         (out_dir / f"status_{policy}.json").write_text(json.dumps(status, indent=1))
         names = {s["peer_id"]: s["name"] for s in status["servers"]}
         idle = [s for s in status["servers"] if s["assigned"] is None and s["end"] <= s["start"]]

@@ -17,6 +17,13 @@ Every group is `<hierarchy>/petals-chain-netem/NAME-h<i>` (named like the host's
 `cleanup` finds and removes the groups of a run that crashed, after the processes in them are gone.
 A process enters its host's groups by the `enter_argv` wrapper (`sh` writes its pid to each group's
 `cgroup.procs`, then `exec`s the command): its children inherit them.
+
+Each host also has a daemons group, `NAME-h<i>-daemons` (cpu and cpuacct only, no quota, measured):
+`exempt` moves processes there that a real host runs on its own CPU beside the device the share
+stands for (a server's hivemind DHT process and p2p daemon: the paper's MIG slice does not run
+them). Why: in the Table 1 runs those two used 0.019 cores per server host, steadily (DHT stores
+every 2 s by each server, the orchestrator's reads), 16 % of a 0.12-core slow host's share, so the
+emulated device was that much slower than its stated share whenever it was busy.
 """
 from __future__ import annotations
 
@@ -174,6 +181,13 @@ def group_name(network: str, i: int) -> str:
     return f"{network}-h{i}"
 
 
+DAEMONS_SUFFIX = "-daemons"
+
+
+def daemons_group_name(network: str, i: int) -> str:
+    return f"{group_name(network, i)}{DAEMONS_SUFFIX}"
+
+
 def _dirs(layout: CgroupLayout, name: str, with_cpuset: bool) -> list[Path]:
     out = [layout.cpu / PARENT / name]
     if layout.acct != layout.cpu:
@@ -201,6 +215,8 @@ class HostShare:
     cores: float  # the share: cores per period
     procs_files: tuple[str, ...]  # the cgroup.procs files a process of this host enters
     cpuset: str | None  # cores it is pinned to, or None
+    daemons_group: str = ""  # its daemons group (no quota): `exempt` moves processes there
+    daemons_procs_files: tuple[str, ...] = ()
 
 
 def apply(network: str, shares: dict[int, float], layout: CgroupLayout | None = None) -> dict[int, HostShare]:
@@ -227,8 +243,33 @@ def apply(network: str, shares: dict[int, float], layout: CgroupLayout | None = 
             cpuset = str(cores[k % len(cores)])
             cs_dir = layout.cpuset / PARENT / name
             (cs_dir / "cpuset.cpus").write_text(cpuset)
-        out[i] = HostShare(name, share, tuple(str(d / "cgroup.procs") for d in dirs), cpuset)
+        daemons = daemons_group_name(network, i)
+        daemon_dirs = _dirs(layout, daemons, with_cpuset=False)  # cpu and cpuacct: unlimited, measured
+        for d in daemon_dirs:
+            _mkdir(d, None)
+        set_quota(layout, daemons, None)
+        out[i] = HostShare(name, share, tuple(str(d / "cgroup.procs") for d in dirs), cpuset, daemons,
+                           tuple(str(d / "cgroup.procs") for d in daemon_dirs))
     return out
+
+
+def exempt(procs_files: tuple[str, ...], pids: list[int]) -> list[int]:
+    """Move `pids` (whole processes) into a host's daemons group (`HostShare.daemons_procs_files`):
+    they stop counting against the host's share. Returns the pids moved (a process that exited
+    meanwhile is skipped)."""
+    moved = []
+    for pid in pids:
+        try:
+            for f in procs_files:
+                Path(f).write_text(str(pid))
+            moved.append(pid)
+        except ProcessLookupError:
+            continue
+        except OSError as e:
+            if e.errno == 3:  # ESRCH: the process is gone
+                continue
+            raise NetemError(f"cannot move process {pid} into {procs_files}: {e}") from e
+    return moved
 
 
 def set_quota(layout: CgroupLayout, group: str, cores: float | None) -> None:
@@ -280,8 +321,8 @@ def throttled_s(layout: CgroupLayout, group: str) -> float | None:
 
 
 def owned_groups(network: str, layout: CgroupLayout) -> list[Path]:
-    """Every group directory of network `network` (NAME-h<i>) in every hierarchy used."""
-    pat = re.compile(rf"^{re.escape(network)}-h\d+$")
+    """Every group directory of network `network` (NAME-h<i>, NAME-h<i>-daemons) in every hierarchy used."""
+    pat = re.compile(rf"^{re.escape(network)}-h\d+({re.escape(DAEMONS_SUFFIX)})?$")
     out = []
     for h in {layout.cpu, layout.acct, *([layout.cpuset] if layout.cpuset else [])}:
         parent = h / PARENT

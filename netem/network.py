@@ -169,7 +169,9 @@ class Network:
             if self.cpu_shares:
                 shares = netem_cpu.apply(st.name, self.cpu_shares)
                 st.extra["cpu"] = {str(i): {"group": s.group, "cores": s.cores, "procs": list(s.procs_files),
-                                            "cpuset": s.cpuset} for i, s in shares.items()}
+                                            "cpuset": s.cpuset, "daemons_group": s.daemons_group,
+                                            "daemons_procs": list(s.daemons_procs_files)}
+                                   for i, s in shares.items()}
                 write_state(st, self.directory)
                 self.log("netem: CPU shares " + ", ".join(
                     f"{st.hosts[i]}={s.cores:g}" + (f" (core {s.cpuset})" if s.cpuset else "") for i, s in shares.items()))
@@ -277,8 +279,18 @@ class Network:
 
     def cpu_report(self) -> dict[str, dict]:
         """Per host with a CPU share: the share (cores), the pinned core, CPU seconds used so far and
-        seconds held back by the quota (the experiment turns them into measured use)."""
+        seconds held back by the quota (the experiment turns them into measured use), and the CPU
+        seconds of its exempted daemons (`daemons_cpu_s`, outside the share)."""
         return cpu_report(self.state)
+
+    def exempt(self, host: str | int, pids: list[int]) -> list[int]:
+        """Move processes of `host` out of its CPU share into its daemons group (no quota, still
+        measured): what a real host runs on its own CPU beside the device (netem/cpu.py). Returns the
+        pids moved; none when the host has no share."""
+        share = self.state.extra.get("cpu", {}).get(str(self.state.index(host)))
+        if share is None or not share.get("daemons_procs"):
+            return []
+        return netem_cpu.exempt(tuple(share["daemons_procs"]), pids)
 
     def popen(self, host: str | int, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command(host, argv), **popen_kwargs)
@@ -324,7 +336,9 @@ def cpu_report(state: NetworkState) -> dict[str, dict]:
     layout = netem_cpu.detect()
     return {state.hosts[int(i)]: {"cores": s["cores"], "cpuset": s["cpuset"],
                                   "cpu_s": netem_cpu.usage_s(layout, s["group"]),
-                                  "throttled_s": netem_cpu.throttled_s(layout, s["group"])}
+                                  "throttled_s": netem_cpu.throttled_s(layout, s["group"]),
+                                  "daemons_cpu_s": (netem_cpu.usage_s(layout, s["daemons_group"])
+                                                    if s.get("daemons_group") else None)}
             for i, s in shares.items()}
 
 

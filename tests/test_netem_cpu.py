@@ -124,3 +124,58 @@ def test_cleanup_removes_the_groups_a_crashed_run_left(layout):
         assert not netem_cpu.owned_groups(name, layout)
     finally:
         netem_cpu.remove(name, layout)
+
+
+# a process that starts a real hivemind DHT (its forked DHT process starts the p2p daemon), as a
+# server does, says so, and lives until its stdin closes
+DHT_HOLDER = """
+import sys
+from petals_chain.process_signals import start_dht
+dht = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+print("ready", flush=True)
+sys.stdin.read()
+dht.shutdown()
+"""
+
+
+def _cgroups_of(pid: int) -> str:
+    with open(f"/proc/{pid}/cgroup") as f:
+        return f.read()
+
+
+def test_a_servers_dht_daemons_leave_the_share_and_are_still_measured(layout):
+    from experiments.hosts import daemon_pids
+
+    try:
+        require_capabilities(tc=False, tun=True)
+    except MissingCapabilityError as e:
+        pytest.skip(str(e))
+    name = "c" + uuid.uuid4().hex[:6]
+    holder = None
+    try:
+        with netem.Network(["a", "b"], [[0, 10], [10, 0]], backend="userspace", name=name, cpu={"a": 0.25}) as net:
+            with net.cpu_unlimited():  # importing hivemind at a quarter of a core is slow, and not the point
+                holder = subprocess.Popen(net.command("a", [sys.executable, "-c", DHT_HOLDER]), stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True)
+                assert holder.stdout.readline().strip() == "ready"
+            pids = daemon_pids(holder.pid)
+            names = {pid: open(f"/proc/{pid}/comm").read().strip() for pid in pids}
+            assert "p2pd" in names.values() and len(pids) == 2, names  # the DHT process and its daemon
+            assert all(f"{name}-h0" in _cgroups_of(pid) for pid in pids)
+            assert net.exempt("b", pids) == []  # a host without a share has nothing to leave
+            assert sorted(net.exempt("a", pids)) == sorted(pids)
+            for pid in pids:
+                assert f"{name}-h0-daemons" in _cgroups_of(pid), _cgroups_of(pid)
+            holder_groups = _cgroups_of(holder.pid)  # the server itself stays inside its share
+            assert f"{name}-h0" in holder_groups and f"{name}-h0-daemons" not in holder_groups
+            report = net.cpu_report()["a"]
+            assert report["daemons_cpu_s"] is not None and report["daemons_cpu_s"] >= 0.0
+            assert len(netem_cpu.owned_groups(name, layout)) >= 2
+            holder.stdin.close()
+            assert holder.wait(timeout=60) == 0
+        assert not netem_cpu.owned_groups(name, layout)  # both groups of the host went with the network
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+        netem.cleanup(name)
+    assert not netem_cpu.owned_groups(name, layout)

@@ -132,6 +132,10 @@ def test_quick_mode_end_to_end(tmp_path):
             assert set(s["host_cpu"]) == set(sc["cpu_shares"]) and all(
                 v["used_cores"] is not None and v["used_cores"] <= v["share_cores"] * 1.2 + 0.05
                 for v in s["host_cpu"].values()), s["host_cpu"]
+            # every server's DHT process and p2p daemon left its host's share, and still counted apart
+            moved = s["daemons_exempted"]
+            assert set(moved) == set(sc["cpu_shares"]) - {"client"} and all(len(p) == 2 for p in moved.values()), moved
+            assert all(v["daemons_cores"] is not None for h, v in s["host_cpu"].items() if h != "client")
     from netem import cpu as netem_cpu
     try:
         assert not netem_cpu.owned_groups(net_name, netem_cpu.detect())  # the groups went with the network

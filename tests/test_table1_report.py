@@ -368,4 +368,13 @@ def test_extend_adds_columns_to_a_recorded_run_and_refuses_another_workload(tmp_
     with pytest.raises(FileNotFoundError, match="no scale.json"):
         run.run_table1(Table1Config(policies=("jffc-only",), netem=False, cpu="off", out=str(tmp_path / "new"),
                                     extend=True))
-    assert len(ran) == 3  # a refused extension starts nothing
+    # a run recorded before `daemons_in_share` existed had its servers' daemons inside the shares: only
+    # --daemons-in-share extends it
+    meta["config"].pop("daemons_in_share")
+    (tmp_path / "scale.json").write_text(json.dumps(meta))
+    with pytest.raises(run.ExtendMismatchError, match="daemons_in_share: True there, False here"):
+        run.run_table1(Table1Config(requests=6, policies=("jffc-only",), netem=False, cpu="off", out=str(tmp_path),
+                                    extend=True))
+    run.run_table1(Table1Config(requests=6, policies=("jffc-only",), netem=False, cpu="off", out=str(tmp_path),
+                                daemons_in_share=True, extend=True))
+    assert len(ran) == 4  # a refused extension starts nothing
