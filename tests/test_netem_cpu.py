@@ -74,11 +74,16 @@ def test_a_share_caps_a_busy_process_and_cleanup_removes_the_groups(layout):
     assert removed and not netem_cpu.owned_groups(name, layout)
 
 
-def test_a_network_host_with_a_share_runs_in_its_groups_and_down_removes_them(layout):
+def _need_tun() -> None:
+    """The userspace backend's hosts need root and /dev/net/tun: skip saying which is missing."""
     try:
         require_capabilities(tc=False, tun=True)
     except MissingCapabilityError as e:
         pytest.skip(str(e))
+
+
+def test_a_network_host_with_a_share_runs_in_its_groups_and_down_removes_them(layout):
+    _need_tun()
     name = "c" + uuid.uuid4().hex[:6]
     try:
         with netem.Network(["a", "b"], [[0, 10], [10, 0]], backend="userspace", name=name, cpu={"a": 0.25}) as net:
@@ -146,10 +151,7 @@ def _cgroups_of(pid: int) -> str:
 def test_a_servers_dht_daemons_leave_the_share_and_are_still_measured(layout):
     from experiments.hosts import daemon_pids
 
-    try:
-        require_capabilities(tc=False, tun=True)
-    except MissingCapabilityError as e:
-        pytest.skip(str(e))
+    _need_tun()
     name = "c" + uuid.uuid4().hex[:6]
     holder = None
     try:
