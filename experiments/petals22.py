@@ -129,6 +129,9 @@ def run_petals22(cfg, launcher, requests_file: Path, records_file: Path, server_
             facts["servers"][spec["name"]] = {**spec, "blocks": m.group(1) if m else "?"}
             log(f"[petals-2.2] {spec['name']} started: blocks {facts['servers'][spec['name']]['blocks']}")
         facts["startup_s"] = time.monotonic() - t0
+        if not cfg.daemons_in_share:  # as for our servers: a host's DHT process and p2pd run beside its device
+            names = {spec["name"] for spec in server_specs}
+            facts["daemons_exempted"] = launcher.exempt_daemons({p.name: p.popen.pid for p in procs if p.name in names})
         gen = _Proc("loadgen", launcher.popen("loadgen", [
             str(python), "-m", "experiments.petals_loadgen", "--initial-peers", peer, "--model", str(model),
             "--dht-prefix", DHT_PREFIX, "--requests", str(requests_file), "--out", str(records_file),
