@@ -263,11 +263,9 @@ def exempt(procs_files: tuple[str, ...], pids: list[int]) -> list[int]:
             for f in procs_files:
                 Path(f).write_text(str(pid))
             moved.append(pid)
-        except ProcessLookupError:
+        except ProcessLookupError:  # ESRCH: the process is gone
             continue
         except OSError as e:
-            if e.errno == 3:  # ESRCH: the process is gone
-                continue
             raise NetemError(f"cannot move process {pid} into {procs_files}: {e}") from e
     return moved
 
