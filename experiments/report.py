@@ -238,10 +238,10 @@ def summary_markdown(summary: dict) -> str:
         if hc:
             lines.append(f"- {p}: CPU share / measured use per host during the replay (cores): "
                          + ", ".join(f"{h} {v['share_cores']:.3f} / {_cores(v['used_cores'])}" for h, v in hc.items()))
-            daemons = {h: v["daemons_cores"] for h, v in hc.items() if v.get("daemons_cores") is not None}
             if P[p].get("daemons_exempted"):  # the servers' DHT processes and p2p daemons outside the shares
                 lines.append(f"- {p}: the servers' DHT processes and p2p daemons ran outside the shares, using (cores): "
-                             + ", ".join(f"{h} {_cores(v)}" for h, v in daemons.items() if h != "client"))
+                             + ", ".join(f"{h} {_cores(v['daemons_cores'])}" for h, v in hc.items()
+                                         if h != "client" and v.get("daemons_cores") is not None))
     for p in pols:
         peaks = P[p].get("peak_service")
         if peaks:

@@ -143,9 +143,13 @@ dht.shutdown()
 """
 
 
-def _cgroups_of(pid: int) -> str:
-    with open(f"/proc/{pid}/cgroup") as f:
+def _proc_file(pid: int, name: str) -> str:
+    with open(f"/proc/{pid}/{name}") as f:
         return f.read()
+
+
+def _cgroups_of(pid: int) -> str:
+    return _proc_file(pid, "cgroup")
 
 
 def test_a_servers_dht_daemons_leave_the_share_and_are_still_measured(layout):
@@ -161,7 +165,7 @@ def test_a_servers_dht_daemons_leave_the_share_and_are_still_measured(layout):
                                           stdout=subprocess.PIPE, text=True)
                 assert holder.stdout.readline().strip() == "ready"
             pids = daemon_pids(holder.pid)
-            names = {pid: open(f"/proc/{pid}/comm").read().strip() for pid in pids}
+            names = {pid: _proc_file(pid, "comm").strip() for pid in pids}
             assert "p2pd" in names.values() and len(pids) == 2, names  # the DHT process and its daemon
             assert all(f"{name}-h0" in _cgroups_of(pid) for pid in pids)
             assert net.exempt("b", pids) == []  # a host without a share has nothing to leave
