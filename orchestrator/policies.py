@@ -24,7 +24,7 @@ from orchestrator.cache_gca import gca
 from orchestrator.dispatch import Dispatcher, QueueOrder, make_dispatcher
 from orchestrator.model import ChainSpec, Cluster, InfeasibleClusterError, Placement
 from orchestrator.placement_gbp_cr import max_capacity
-from orchestrator.placement_leftover import place_leftover
+from orchestrator.placement_leftover import place_leftover, tune_c_with_leftover
 from orchestrator.tuning import TuningRow, evaluate_c, tune_c
 
 
@@ -80,6 +80,11 @@ def _place_proposed(cluster: Cluster, req: PlacementRequest) -> Placed:
                                          "lower c, or add servers or memory")
         table = (cand.row,)
     placement, chains, placed = cand.gbp.placement, cand.gca.chains, ()
+    if req.leftover and req.c is None and req.tuning != "surrogate":
+        # c tuned over the plans the leftover step produces (orchestrator.placement_leftover)
+        choice = tune_c_with_leftover(cluster, req.tuning)
+        lo = choice.result
+        return Placed(lo.placement, tuple(lo.gca.chains), choice.c, req.tuning, table, lo.placed)
     if req.leftover:
         lo = place_leftover(cluster, placement, cand.row.c, cand.gca)
         placement, chains, placed = lo.placement, lo.gca.chains, lo.placed

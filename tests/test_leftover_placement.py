@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import gca
-from orchestrator.model import chain_slot_usage, residual_slots, total_service_rate_per_s
-from orchestrator.placement_gbp_cr import gbp_cr
-from orchestrator.placement_leftover import place_leftover
+from orchestrator.model import chain_slot_usage, contended_chains, residual_slots, total_service_rate_per_s
+from orchestrator.placement_gbp_cr import gbp_cr, max_capacity
+from orchestrator.placement_leftover import TIE_REL, place_leftover, tune_c_with_leftover
 from orchestrator.planner import plan
+from orchestrator.tuning import tune_c
 from tests.orchestrator_strategies import clusters, make_cluster
 
 
@@ -48,3 +50,56 @@ def test_never_lowers_gca_rate_nor_raises_the_lower_bound(cluster, c):
     used = chain_slot_usage(res.gca.chains, cluster.num_servers)
     assert all(u <= s for u, s in zip(used, residual_slots(cluster, res.placement)))
     assert set(res.placed) | set(res.rejected) <= set(g.placement.unused_servers())
+
+
+def _installed_plan(cluster, c):
+    """GBP-CR + leftover + GCA for one c, computed directly: (objective lower bound, nu), None if no chain."""
+    g = gbp_cr(cluster, c)
+    if g.num_chains == 0:
+        return None
+    chains = contended_chains(cluster, place_leftover(cluster, g.placement, c).gca.chains)
+    return theorem37_bounds(chains, cluster.arrival_rate_per_s).lower_s, total_service_rate_per_s(chains)
+
+
+def test_the_live_table1_cluster_gets_the_tied_c_with_more_slots():
+    # The calibrated plan of the 2026-11-29 Table 1 run (MB, s): 3 fast servers that hold all 30 blocks,
+    # 6 slow ones that hold 17 at c = 1 (2 sessions) or 15 at c = 5..8 (8 sessions). At lambda = 1.04/s the
+    # lower bound is the fast chains' service time for every c up to 8 (c = 1 and 5 differ by 1.6e-5);
+    # tuning GBP-CR + GCA alone chose c = 1 (30 slots), the installed plan's tuning takes c = 5 (48).
+    fast, slow = (503.3, 0.603, 0.155), (251.7, 0.70, 0.334)
+    servers = [fast] * 3 + [slow] * 6
+    cl = make_cluster([m for m, _, _ in servers], [t for _, t, _ in servers], [p for _, _, p in servers],
+                      num_blocks=30, block_size=14.16, cache_size=0.321, arrival_rate=1.042, rho_bar=0.7)
+    old = plan(cl, "proposed", c=tune_c(cl, "lower")[0].row.c, leftover=True)
+    new = plan(cl, "proposed", leftover=True)
+    assert old.c == 1 and sorted(ch.capacity for ch in old.chains) == [2, 2, 2, 8, 8, 8]
+    assert new.c > 1 and sorted(ch.capacity for ch in new.chains) == [8] * 6
+    assert new.total_rate_per_s > old.total_rate_per_s
+    assert new.bounds.lower_s <= old.bounds.lower_s * (1 + TIE_REL)
+    assert new.unused_servers == ()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(clusters(max_servers=6, max_blocks=5), st.sampled_from([0.0, TIE_REL, 0.1]))
+def test_leftover_tuning_is_within_the_tie_of_the_best_installed_plan_and_widest_among_the_tied(cluster, tie):
+    plans = {c: p for c in range(1, max_capacity(cluster) + 1) if (p := _installed_plan(cluster, c)) is not None}
+    assume(plans)
+    choice = tune_c_with_leftover(cluster, "lower", tie)
+    assert (choice.objective_s, choice.rate_per_s) == plans[choice.c]
+    best = min(obj for obj, _ in plans.values())
+    assert choice.objective_s <= best * (1 + tie)  # inf <= inf when every c overloads the cluster
+    # an overloaded cluster (every bound infinite) gets its widest plan, as tune_c does
+    tied = [c for c, (obj, _) in plans.items() if obj <= best * (1 + tie) or math.isinf(best)]
+    assert choice.rate_per_s >= max(plans[c][1] for c in tied)
+    assert choice.c == min(c for c in tied if plans[c][1] == choice.rate_per_s)
+    # the plan `plan(..., leftover=True)` installs is this choice
+    p = plan(cluster, "proposed", tuning="lower", leftover=True)
+    assert p.c == choice.c and p.placement == choice.result.placement
+
+
+def test_leftover_tuning_rejects_what_it_cannot_rank():
+    cl = make_cluster([4.4, 4.4], [0.1, 0.1], [0.1, 0.1], num_blocks=4)
+    with pytest.raises(ValueError, match="'lower' or 'upper'"):
+        tune_c_with_leftover(cl, "surrogate")
+    with pytest.raises(ValueError, match="tie_rel"):
+        tune_c_with_leftover(cl, "lower", -0.1)
