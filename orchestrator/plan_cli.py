@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for tuning c (default: lower); policy proposed only")
     parser.add_argument("--leftover-placement", action="store_true",
                         help="also place blocks on the servers GBP-CR leaves idle, as `petals-chain orchestrator "
-                             "--leftover-placement` does, c auto then tuned over those plans (policy proposed only)")
+                             "--leftover-placement` does, c auto's ties going to the widest of those plans (policy proposed only)")
     parser.add_argument("--table", action="store_true", help="include the per-c tuning table")
     try:
         args = parser.parse_args(argv)

@@ -80,8 +80,8 @@ def _place_proposed(cluster: Cluster, req: PlacementRequest) -> Placed:
                                          "lower c, or add servers or memory")
         table = (cand.row,)
     placement, chains, placed = cand.gbp.placement, cand.gca.chains, ()
-    if req.leftover and req.c is None and req.tuning != "surrogate":
-        # c tuned over the plans the leftover step produces (orchestrator.placement_leftover)
+    if req.leftover and req.c is None:
+        # ties of the objective go to the widest plan after the leftover step (orchestrator.placement_leftover)
         choice = tune_c_with_leftover(cluster, req.tuning)
         lo = choice.result
         return Placed(lo.placement, tuple(lo.gca.chains), choice.c, req.tuning, table, lo.placed)

@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for tuning c (default lower)")
     p.add_argument("--leftover-placement", action=argparse.BooleanOptionalAction, default=False,
                    help="give servers GBP-CR leaves idle blocks where GCA is tightest, kept only if that lowers neither "
-                        "the total rate nor raises the Theorem 3.7 lower bound; c auto is then tuned over the plans it "
-                        "installs, ties within 1%% going to the larger total rate (default off: docs/orchestrator.md)")
+                        "the total rate nor raises the Theorem 3.7 lower bound; c auto's ties (objectives within 1%%) then "
+                        "go to the larger total rate after this step (default off: docs/orchestrator.md)")
     p.add_argument("--arrival-rate", type=positive_float, default=0.5, help="lambda, sessions per second (planning input)")
     p.add_argument("--rho", type=positive_float, default=0.7, help="target load rho_bar in (0, 1)")
     p.add_argument("--mean-input-tokens", type=positive_float, default=64.0, help="expected l_in (updated from finished sessions)")
