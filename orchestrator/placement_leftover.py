@@ -24,7 +24,7 @@ from orchestrator.cache_gca import GcaResult, gca
 from orchestrator.model import (BlockInterval, Cluster, InfeasibleClusterError, Placement, contended_chains,
                                total_service_rate_per_s)
 from orchestrator.placement_gbp_cr import GbpCrSweep, blocks_per_server, max_capacity
-from orchestrator.tuning import TUNINGS, evaluate_c
+from orchestrator.tuning import TUNINGS, TuningRow, evaluate_c
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,8 @@ class LeftoverChoice:
     rate_per_s: float
 
 
-def tune_c_with_leftover(cluster: Cluster, tuning: str = "lower", tie_rel: float = TIE_REL) -> LeftoverChoice:
+def tune_c_with_leftover(cluster: Cluster, tuning: str = "lower",
+                         tie_rel: float = TIE_REL) -> tuple[LeftoverChoice, list[TuningRow]]:
     """c* when the leftover step runs (beyond the paper): c ranked by the paper's objective, as
     ``tune_c`` does, but the c whose objective is within ``tie_rel`` of the best are a tie, won by the
     installed plan (after the leftover step) with the larger nu, then the smaller c. Why: tied
@@ -107,7 +108,8 @@ def tune_c_with_leftover(cluster: Cluster, tuning: str = "lower", tie_rel: float
     the larger nu has that headroom for what the planned lambda leaves out (the trace's bursts, a
     lambda estimated low). Why not rank by the installed plan's bound: in the simulator on the paper's
     Fig. 8 instances that chose a c with a lower bound but 40 % less nu, 7 % faster under Poisson
-    arrivals and up to 2.3x slower under the Azure trace's (docs/results.md, 2026-11-29)."""
+    arrivals and up to 2.3x slower under the Azure trace's (docs/results.md, 2026-11-29).
+    Returns the choice and the per-c table, as ``tune_c`` does."""
     if tuning not in TUNINGS:
         raise ValueError(f"tuning must be one of {TUNINGS}, got {tuning!r}")
     if not tie_rel >= 0:
@@ -135,4 +137,4 @@ def tune_c_with_leftover(cluster: Cluster, tuning: str = "lower", tie_rel: float
             seen[key] = (res, total_service_rate_per_s(contended_chains(cluster, res.gca.chains)))
         res, rate = seen[key]
         options.append(LeftoverChoice(cand.row.c, res, objective[i], rate))
-    return max(options, key=lambda o: (o.rate_per_s, -o.c))
+    return max(options, key=lambda o: (o.rate_per_s, -o.c)), [cand.row for cand in cands]

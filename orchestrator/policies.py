@@ -68,6 +68,11 @@ class Policy:
 
 
 def _place_proposed(cluster: Cluster, req: PlacementRequest) -> Placed:
+    if req.c is None and req.leftover:
+        # ties of the objective go to the widest plan after the leftover step (orchestrator.placement_leftover)
+        choice, rows = tune_c_with_leftover(cluster, req.tuning)
+        lo = choice.result
+        return Placed(lo.placement, tuple(lo.gca.chains), choice.c, req.tuning, tuple(rows), lo.placed)
     if req.c is None:
         cand, table = tune_c(cluster, req.tuning)
         table = tuple(table)
@@ -80,11 +85,6 @@ def _place_proposed(cluster: Cluster, req: PlacementRequest) -> Placed:
                                          "lower c, or add servers or memory")
         table = (cand.row,)
     placement, chains, placed = cand.gbp.placement, cand.gca.chains, ()
-    if req.leftover and req.c is None:
-        # ties of the objective go to the widest plan after the leftover step (orchestrator.placement_leftover)
-        choice = tune_c_with_leftover(cluster, req.tuning)
-        lo = choice.result
-        return Placed(lo.placement, tuple(lo.gca.chains), choice.c, req.tuning, table, lo.placed)
     if req.leftover:
         lo = place_leftover(cluster, placement, cand.row.c, cand.gca)
         placement, chains, placed = lo.placement, lo.gca.chains, lo.placed

@@ -85,7 +85,8 @@ def test_leftover_tuning_keeps_the_objective_within_the_tie_and_takes_the_widest
     rows = {c: cand.row.objective(tuning) for c in range(1, max_capacity(cluster) + 1)
             if (cand := evaluate_c(cluster, c)) is not None}
     assume(rows)
-    choice = tune_c_with_leftover(cluster, tuning, tie)
+    choice, table = tune_c_with_leftover(cluster, tuning, tie)
+    assert [r.c for r in table] == sorted(rows)
     best = min(rows.values())
     assert choice.objective == rows[choice.c]
     tied = [c for c, o in rows.items() if math.isinf(best) or o <= best * (1 + tie)]
