@@ -21,10 +21,9 @@ import numpy as np
 
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import GcaResult, gca
-from orchestrator.model import (BlockInterval, Cluster, InfeasibleClusterError, Placement, contended_chains,
-                               total_service_rate_per_s)
-from orchestrator.placement_gbp_cr import GbpCrSweep, blocks_per_server, max_capacity
-from orchestrator.tuning import TUNINGS, TuningRow, evaluate_c
+from orchestrator.model import BlockInterval, Cluster, Placement, contended_chains, total_service_rate_per_s
+from orchestrator.placement_gbp_cr import blocks_per_server
+from orchestrator.tuning import TUNINGS, TuningRow, candidates
 
 
 @dataclass(frozen=True)
@@ -114,14 +113,7 @@ def tune_c_with_leftover(cluster: Cluster, tuning: str = "lower",
         raise ValueError(f"tuning must be one of {TUNINGS}, got {tuning!r}")
     if not tie_rel >= 0:
         raise ValueError(f"tie_rel must be >= 0, got {tie_rel}")
-    sweep, gca_cache = GbpCrSweep(cluster), {}
-    cands = [cand for c in range(1, max_capacity(cluster) + 1)
-             if (cand := evaluate_c(cluster, c, gca_cache, sweep)) is not None]
-    if not cands:
-        s = cluster.service
-        raise InfeasibleClusterError(
-            f"no complete chain for any c: the servers cannot hold the model's {s.num_blocks} blocks of size "
-            f"{s.block_size:.6g} plus one cache slot each; add servers or memory")
+    cands = candidates(cluster)
     objective = [cand.row.objective(tuning) for cand in cands]
     best = min(objective)
     # every c ties when all are infinite (an overloaded cluster): the widest plan wins, as in tune_c

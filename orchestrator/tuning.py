@@ -72,29 +72,32 @@ def evaluate_c(cluster: Cluster, c: int, cache: dict | None = None,
     return CandidatePlan(row=row, gbp=g, gca=gc)
 
 
-def tune_c(cluster: Cluster, tuning: str = "lower", c_max: int | None = None) -> tuple[CandidatePlan, list[TuningRow]]:
-    """Brute-force c* (eq. 14 / §3.2.3). Returns the chosen candidate and the whole table."""
-    if tuning not in TUNINGS:
-        raise ValueError(f"tuning must be one of {TUNINGS}, got {tuning!r}")
+def candidates(cluster: Cluster, c_max: int | None = None) -> list[CandidatePlan]:
+    """GBP-CR + GCA + bounds for every c in [1, c_max] (default max_capacity) that forms a complete
+    chain, in c order; InfeasibleClusterError if none does."""
     hi = max_capacity(cluster) if c_max is None else min(c_max, max_capacity(cluster))
     cache: dict = {}
     sweep = GbpCrSweep(cluster)
-    best: CandidatePlan | None = None
-    table: list[TuningRow] = []
-    for c in range(1, hi + 1):
-        cand = evaluate_c(cluster, c, cache, sweep)
-        if cand is None:
-            continue
-        table.append(cand.row)
-        if best is None or _better(cand.row, best.row, tuning):
-            best = cand
-    if best is None:
+    out = [cand for c in range(1, hi + 1) if (cand := evaluate_c(cluster, c, cache, sweep)) is not None]
+    if not out:
         s = cluster.service
         raise InfeasibleClusterError(
             f"no complete chain for any c in [1, {hi}]: the servers cannot hold the model's "
             f"{s.num_blocks} blocks of size {s.block_size:.6g} plus one cache slot each; "
             f"add servers or memory")
-    return best, table
+    return out
+
+
+def tune_c(cluster: Cluster, tuning: str = "lower", c_max: int | None = None) -> tuple[CandidatePlan, list[TuningRow]]:
+    """Brute-force c* (eq. 14 / §3.2.3). Returns the chosen candidate and the whole table."""
+    if tuning not in TUNINGS:
+        raise ValueError(f"tuning must be one of {TUNINGS}, got {tuning!r}")
+    cands = candidates(cluster, c_max)
+    best = cands[0]
+    for cand in cands[1:]:
+        if _better(cand.row, best.row, tuning):
+            best = cand
+    return best, [cand.row for cand in cands]
 
 
 def _better(a: TuningRow, b: TuningRow, tuning: str) -> bool:
