@@ -10,7 +10,7 @@ import sys
 
 from orchestrator.cli_args import positive_float
 from orchestrator.policies import POLICY_NAMES
-from petals_chain.cli_args import DTYPE_CHOICES, CliParser, parse_size
+from petals_chain.cli_args import DTYPE_CHOICES, CliParser, parse_size, positive_int
 
 POLICIES = (*POLICY_NAMES, "petals-2.2")  # the registry's policies, and petals-2.2: real PETALS 2.2
 
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--daemons-in-share", action="store_true", help=(
         "count each server host's hivemind DHT process and p2p daemon against its CPU share (before "
         "2026-11-29 they were; default: they run outside it, as a real host runs them beside its device)"))
+    p.add_argument("--max-batch-tokens", type=positive_int, default=2048, metavar="N", help=(
+        "the servers' --max-batch-tokens (default 2048: no prompt of --max-length 1024 is cut): a smaller budget "
+        "runs long prompts in chunks interleaved with other sessions' decode steps (chunked prefill)"))
     p.add_argument("--cpus", type=positive_float, default=2.0, help="cores the auto time scale may count on (default 2)")
     p.add_argument("--fast-budget", type=_size, default="480MiB", help="fast servers' --memory-budget")
     p.add_argument("--slow-budget", type=_size, default="240MiB", help="slow servers' --memory-budget")
@@ -167,7 +170,7 @@ def main(argv: list[str]) -> int:
         netem_name=args.netem_name, cpu=args.cpu, device=args.device, dtype=args.dtype, warmup_per_chain=args.warmup_per_chain,
         gpu_isolation=args.gpu_isolation, gpu_sm_percent=args.gpu_sm_percent,
         calibrate_from=args.calibrate_from, leftover_placement=args.leftover_placement,
-        daemons_in_share=args.daemons_in_share,
+        daemons_in_share=args.daemons_in_share, max_batch_tokens=args.max_batch_tokens,
         kv_plan_tokens=args.kv_plan_tokens, server_compute=args.server_compute, probe_per_chain=args.probe_per_chain,
         model=args.model, data=args.data, petals_work=args.petals_work, rtt_data=args.rtt_data, out=args.out, deadline_s=args.deadline,
         command="petals-chain experiment table1 " + shlex.join(rest), extend=args.extend)

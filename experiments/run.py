@@ -47,8 +47,9 @@ def extend_base(cfg: Table1Config, out: Path) -> dict:
         raise FileNotFoundError(f"--extend: no scale.json in {out}; give the --out folder of an earlier "
                                 "`petals-chain experiment table1` run (or leave --extend out to start one)")
     meta = json.loads(meta_file.read_text())
-    # a run recorded before `daemons_in_share` existed ran its servers' daemons inside the hosts' shares
-    mine, theirs = asdict(cfg), {"daemons_in_share": True, **meta["config"]}
+    # a run recorded before `daemons_in_share` existed ran its servers' daemons inside the hosts' shares;
+    # one recorded before `max_batch_tokens` existed ran the servers' default budget, 2048
+    mine, theirs = asdict(cfg), {"daemons_in_share": True, "max_batch_tokens": 2048, **meta["config"]}
     differ = sorted(k for k in set(mine) | set(theirs) if k not in EXTEND_MAY_DIFFER and mine.get(k) != theirs.get(k))
     if differ:
         raise ExtendMismatchError(

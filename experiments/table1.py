@@ -63,6 +63,10 @@ class Table1Config:
     # a server host's hivemind DHT process and p2p daemon: outside its CPU share (False, the default: a real
     # host runs them on its own CPU beside the device the share stands for; netem/cpu.py) or inside (True)
     daemons_in_share: bool = False
+    # the servers' --max-batch-tokens: one batched forward's token budget, longer prompts run in chunks
+    # interleaved with other sessions' decode steps (chunked prefill; 2048, the servers' default, never cuts
+    # a prompt of this experiment's --max-length 1024)
+    max_batch_tokens: int = 2048
     device: str = "cpu"  # the servers' --device (cuda: the GPU variant)
     dtype: str = "float32"  # the servers' --dtype (bfloat16 for the GPU variant)
     # the GPU variant's isolation (experiments/gpu_mps.py): "off" (the processes time-slice the GPU) or
@@ -141,7 +145,7 @@ def cpu_shares(cfg: Table1Config) -> tuple[dict[str, float] | None, str]:
 
 
 def server_args(cfg: Table1Config, shares: dict[str, float] | None = None) -> list[list[str]]:
-    dev = ([] if cfg.device == "cpu" else ["--device", cfg.device]) + \
+    dev = ["--max-batch-tokens", str(cfg.max_batch_tokens)] + ([] if cfg.device == "cpu" else ["--device", cfg.device]) + \
         ([] if cfg.dtype == "float32" else ["--dtype", cfg.dtype])
     if shares:  # a host at a fraction of a core announces late when busy: a 15 s record, not 6 s, so the
         dev = dev + ["--announce-period", "5"]  # orchestrator does not drop a starved server as gone

@@ -378,3 +378,12 @@ def test_extend_adds_columns_to_a_recorded_run_and_refuses_another_workload(tmp_
     run.run_table1(Table1Config(requests=6, policies=("jffc-only",), netem=False, cpu="off", out=str(tmp_path),
                                 daemons_in_share=True, extend=True))
     assert len(ran) == 4  # a refused extension starts nothing
+    # one recorded before `max_batch_tokens` existed ran the servers' default budget, 2048: only that extends it
+    meta["config"].pop("max_batch_tokens")
+    (tmp_path / "scale.json").write_text(json.dumps(meta))
+    with pytest.raises(run.ExtendMismatchError, match="max_batch_tokens: 2048 there, 128 here"):
+        run.run_table1(Table1Config(requests=6, policies=("jffc-only",), netem=False, cpu="off", out=str(tmp_path),
+                                    daemons_in_share=True, max_batch_tokens=128, extend=True))
+    run.run_table1(Table1Config(requests=6, policies=("jffc-only",), netem=False, cpu="off", out=str(tmp_path),
+                                daemons_in_share=True, extend=True))
+    assert len(ran) == 5

@@ -154,6 +154,24 @@ def test_the_server_compute_model_reaches_the_orchestrator():
         table1_parser().parse_args(["--server-compute", "gpu"])
 
 
+def test_the_batch_token_budget_reaches_every_server():
+    """--max-batch-tokens (chunked prefill) is the same for every server of every column; 2048, the
+    servers' own default, when not given; a budget under 1 is refused by the experiment's parser."""
+    from experiments.cli import build_parser as table1_parser
+    from experiments.table1 import Table1Config, server_args
+    from server.cli import build_parser
+    peer = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmesM6xndavBMs1jxAgfk6s4aGbemH7CT3hRJcVyMFqVsy"]
+    assert table1_parser().parse_args([]).max_batch_tokens == 2048 == build_parser().parse_args(peer).max_batch_tokens
+    assert table1_parser().parse_args(["--max-batch-tokens", "128"]).max_batch_tokens == 128
+    for bad in ("0", "-5", "many"):
+        with pytest.raises(SystemExit):
+            table1_parser().parse_args(["--max-batch-tokens", bad])
+    for shares in (None, {"slow0": 0.12}):
+        per_server = server_args(Table1Config(max_batch_tokens=128), shares)
+        assert len(per_server) == 9
+        assert {build_parser().parse_args(peer + a).max_batch_tokens for a in per_server} == {128}
+
+
 def test_the_kv_plan_length_reaches_the_orchestrator_and_its_cluster():
     """--kv-plan-tokens: auto = the replayed sessions' 95th percentile of prompt + output tokens; the
     orchestrator's cluster then reserves s_c for that many tokens (KV is linear in them), within each
