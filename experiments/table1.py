@@ -358,6 +358,15 @@ def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, request
         if st["plan_version"] > v0:
             break
         time.sleep(2.0)
+    # The warm-up had its chance: from here the replay runs on one plan. Without the hold the calibrated
+    # model, refitted on the replay's own batches, re-planned minutes into it (every column of the x1.17
+    # runs of 2026-11-29 until this hold: slow servers swapped halves mid-replay, one column's slow chains
+    # drained for up to 60 s in its first burst).
+    st = hold_model_replans(launcher, swarm)
+    deadline = time.monotonic() + 120.0  # a re-plan decided before the hold: its wait for sessions is 60 s
+    while st["model_replan_pending"] and st["plan_version"] == v0 and time.monotonic() < deadline:
+        time.sleep(1.0)
+        st = launcher.fetch_json("orchestrator", url + "status")
     if st["plan_version"] > v0:
         print(f"[{policy}] the calibrated model re-planned (v{st['plan_version']}): waiting for it to be online",
               flush=True)
@@ -422,6 +431,21 @@ PROBE_INDEX0 = 1_000_000  # probe records' indices: apart from the replay's
 
 
 PLAN_ERROR_GRACE_S = 60.0
+
+
+def hold_model_replans(launcher, swarm, timeout_s: float = 30.0) -> dict:
+    """SIGUSR1 to the orchestrator (`Orchestrator.hold_model_replans`): its calibrated model decides no
+    re-plan from now on. Returns its /status once that says so."""
+    os.kill(swarm.orchestrator_process.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = launcher.fetch_json("orchestrator", swarm.orchestrator_url + "status")
+        if st.get("model_replans_held"):
+            return st
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the orchestrator did not hold its calibrated re-plans within {timeout_s:.0f} s of "
+                               "SIGUSR1 (is it older than this driver?)")
+        time.sleep(0.5)
 
 
 def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:

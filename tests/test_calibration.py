@@ -179,6 +179,52 @@ def test_the_orchestrator_replans_when_the_fitted_model_moves_the_plan_and_shows
     assert not orch.model_moved
 
 
+def _slower_live_service(orch) -> None:
+    """Every server's batches: decode 3x slower than the announced profile (the calibrated model moves the plan)."""
+    for peer in ("pa", "pb", "pc"):
+        for seq in range(30):
+            dec = 4 * (1 + seq % 4)
+            orch.window(peer).add_batch(seq, 0 if seq % 5 else 64 * 4, 0 if not seq % 5 else dec,
+                                        1.5e-3 + (1e-4 * 64 * 4 if not seq % 5 else 3e-3 * dec), 0.5e-3)
+    orch.refit()
+
+
+def test_held_model_replans_let_no_moved_model_replan_but_keep_one_already_decided():
+    """`hold_model_replans` (SIGUSR1; the Table 1 driver after its warm-up): the same moved model that
+    re-plans in the test above decides nothing once held; a re-plan decided before the hold still runs;
+    /status says both."""
+    now = [0.0]
+    orch = offline_orchestrator(now)
+    orch._plan(now[0])
+    orch.current.installed = True
+    assert orch.status()["model_replans_held"] is False and orch.status()["model_replan_pending"] is False
+    assert orch.hold_model_replans() is False  # nothing decided yet
+    assert orch.hold_model_replans() is False  # idempotent
+    _slower_live_service(orch)
+    for t in (10.0, 61.0, 200.0, 400.0):
+        now[0] = t
+        orch.check_model(t)
+    assert not orch.model_moved and not orch._plan_due(now[0])
+    view = orch.status()
+    assert view["model_replans_held"] is True and view["model_replans"] == 0 and view["plan_version"] == 1
+    assert sum("re-plans held" in e for e in view["events"]) == 1
+
+    now = [0.0]
+    orch = offline_orchestrator(now)  # decided first, held after: the decided one goes ahead
+    orch._plan(now[0])
+    orch.current.installed = True
+    _slower_live_service(orch)
+    for t in (10.0, 61.0):
+        now[0] = t
+        orch.check_model(t)
+    assert orch.model_moved and orch.status()["model_replan_pending"] is True
+    assert orch.hold_model_replans() is True
+    assert orch._plan_due(now[0])
+    orch._plan(now[0])
+    assert orch.current.version == 2 and orch.status()["model_replans"] == 1
+    assert orch.status()["model_replan_pending"] is False
+
+
 def test_the_measured_prompt_transfer_joins_tau_c_once_per_session():
     """The paper's Fig. 10: a session's prefill communication grows with its input. Clients report their
     prompt steps' time beyond the RTT with the tokens; per token, it joins tau_c times the mean input

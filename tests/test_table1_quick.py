@@ -119,6 +119,11 @@ def test_quick_mode_end_to_end(tmp_path):
     orch_log = (out / "log_proposed_orchestrator.txt").read_text()
     assert "granted after" in orch_log and "released after" in orch_log, orch_log[-2000:]
     assert "loadgen:" in (out / "log_proposed_loadgen.txt").read_text()
+    # after the warm-up the calibrated re-plans are held (SIGUSR1): the replay and the probe ran on one plan
+    assert "re-plans held" in orch_log, orch_log[-2000:]
+    calibrated = json.loads((out / "status_proposed_calibrated.json").read_text())
+    final = json.loads((out / "status_proposed_final.json").read_text())
+    assert calibrated["model_replans_held"] and final["plan_version"] == calibrated["plan_version"]
     # the model probe: after the replay, one session through each chain of the final plan, each alone; their
     # servers get a model error even when no replayed request ran alone
     probe = summary["policies"]["proposed"]["probe"]

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most one re-plan asked by the calibrated model per this many seconds (default 300)")
     p.add_argument("--model-replans", type=int, default=None,
                    help="at most this many re-plans asked by the calibrated model (default: no limit; the Table 1 "
-                        "experiment allows 1, after its calibration warm-up)")
+                        "experiment allows 1, after its calibration warm-up). SIGUSR1 to the orchestrator holds them "
+                        "from then on (a measurement that must run on one plan; /status: model_replans_held)")
     p.add_argument("--model-replan-wait", type=float, default=60.0,
                    help="a re-plan asked by the calibrated model waits up to this many seconds for the servers it "
                         "moves to end their sessions (servers announce their sessions every few seconds); after "
@@ -145,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         model_replan_wait_s=args.model_replan_wait, lost_after_s=args.lost_after,
         max_model_replans=args.model_replans, identity_path=args.identity_path,
         allowed_peers=allowed_peers))
+    # SIGUSR1: hold the calibrated re-plans (a measurement that must run on one plan; Orchestrator.hold_model_replans).
+    # The handler runs on the main thread, which only waits for `stop` below and never holds the core's lock.
+    signal.signal(signal.SIGUSR1, lambda *_: orch.hold_model_replans())
     http = None
     if args.http_port >= 0:
         http = serve_http(orch, args.http_host, args.http_port)

@@ -183,6 +183,8 @@ class Orchestrator:
         self.model_moved_s = -math.inf  # ... since then
         self._model_retry_s = -math.inf  # ... a deferred one is tried again from then (servers were busy)
         self.model_replans = 0
+        # `hold_model_replans` (SIGUSR1): the calibrated model decides no further re-plan (churn still re-plans)
+        self.model_replans_held = False
         self._last_service_poll_s = -math.inf
         self._last_model_check_s = -math.inf
         self.first_registration_s = math.inf
@@ -337,7 +339,8 @@ class Orchestrator:
             cur = self.current
             if cur is None or not cur.installed or self.model_moved or not self.config.calibrate:
                 return
-            if self.config.max_model_replans is not None and self.model_replans >= self.config.max_model_replans:
+            if self.model_replans_held or (self.config.max_model_replans is not None
+                                           and self.model_replans >= self.config.max_model_replans):
                 return
             # Only a *fitted* model may move the plan: until a server the installed plan uses has a live
             # fit, the "difference" is the start-up profile against itself plus whatever joined or left
@@ -638,7 +641,8 @@ class Orchestrator:
                 "model": self.model, "peer_id": self.peer_id, "policy": self.config.policy,
                 "plan_version": cur.version if cur else 0, "plan_installed": bool(cur and cur.installed),
                 "c": cur.plan.c if cur else None, "plan_error": self.plan_error,
-                "model_replans": self.model_replans,
+                "model_replans": self.model_replans, "model_replans_held": self.model_replans_held,
+                "model_replan_pending": self.model_moved,
                 "num_blocks": self.config.num_blocks, "servers": servers,
                 "chains": self.sessions.chain_views(), "queue_length": self.sessions.queue_length,
                 "queue_order": self.sessions.queue_order, "sessions": len(self.sessions.leases),
@@ -649,6 +653,19 @@ class Orchestrator:
                             "dropped": self.sessions.metrics.dropped},
                 "events": list(self.events[-15:]),
             }
+
+    def hold_model_replans(self) -> bool:
+        """From now on the calibrated model decides no re-plan (a server joining or leaving still re-plans;
+        one already decided goes ahead). For a measurement that must run on one plan: the Table 1 driver
+        holds them once its calibration warm-up had its chance to re-plan, so the replay never meets one.
+        Returns whether a decided re-plan is still pending."""
+        with self.lock:
+            first, self.model_replans_held = not self.model_replans_held, True
+            pending = self.model_moved
+        if first:
+            self.log_event("calibrated re-plans held: from now on the plan moves only when servers join or leave"
+                           + (" (the re-plan already decided goes ahead)" if pending else ""))
+        return pending
 
     def plan_input(self) -> dict:
         """The measured inputs of the current plan, as `petals-chain plan` takes them, and its output."""
