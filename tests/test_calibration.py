@@ -131,6 +131,16 @@ def offline_orchestrator(now):
     return orch
 
 
+def _slower_live_service(orch) -> None:
+    """30 batches per server: decode 3x slower than the announced profile, 1.5 ms per step (the calibrated
+    model moves the plan once refitted)."""
+    for peer in ("pa", "pb", "pc"):
+        for seq in range(30):
+            dec = 4 * (1 + seq % 4)
+            orch.window(peer).add_batch(seq, 0 if seq % 5 else 64 * 4, 0 if not seq % 5 else dec,
+                                        1.5e-3 + (1e-4 * 64 * 4 if not seq % 5 else 3e-3 * dec), 0.5e-3)
+
+
 def test_the_orchestrator_replans_when_the_fitted_model_moves_the_plan_and_shows_model_vs_measured():
     from petals_chain.messages import HopReport
     now = [0.0]
@@ -138,12 +148,7 @@ def test_the_orchestrator_replans_when_the_fitted_model_moves_the_plan_and_shows
     orch._plan(now[0])
     orch.current.installed = True
     first = orch.current.plan
-    # live service: decode 3x slower than the start-up profile said, 1.5 ms per step, 30 batches each
-    for peer, w in (("pa", 0), ("pb", 0), ("pc", 0)):
-        for seq in range(30):
-            dec = 4 * (1 + seq % 4)
-            orch.window(peer).add_batch(seq, 0 if seq % 5 else 64 * 4, 0 if not seq % 5 else dec,
-                                        1.5e-3 + (1e-4 * 64 * 4 if not seq % 5 else 3e-3 * dec), 0.5e-3)
+    _slower_live_service(orch)  # decode 3x slower than the start-up profile said, 1.5 ms per step
     orch.release("s", 10, 5, [HopReport("pa", 5, 5 * 0.0045)])  # 4.5 ms per step against a 2 ms RTT
     orch.refit()
     view = orch.status()["servers"]
@@ -179,16 +184,6 @@ def test_the_orchestrator_replans_when_the_fitted_model_moves_the_plan_and_shows
     assert not orch.model_moved
 
 
-def _slower_live_service(orch) -> None:
-    """Every server's batches: decode 3x slower than the announced profile (the calibrated model moves the plan)."""
-    for peer in ("pa", "pb", "pc"):
-        for seq in range(30):
-            dec = 4 * (1 + seq % 4)
-            orch.window(peer).add_batch(seq, 0 if seq % 5 else 64 * 4, 0 if not seq % 5 else dec,
-                                        1.5e-3 + (1e-4 * 64 * 4 if not seq % 5 else 3e-3 * dec), 0.5e-3)
-    orch.refit()
-
-
 def test_held_model_replans_let_no_moved_model_replan_but_keep_one_already_decided():
     """`hold_model_replans` (SIGUSR1; the Table 1 driver after its warm-up): the same moved model that
     re-plans in the test above decides nothing once held; a re-plan decided before the hold still runs;
@@ -201,6 +196,7 @@ def test_held_model_replans_let_no_moved_model_replan_but_keep_one_already_decid
     assert orch.hold_model_replans() is False  # nothing decided yet
     assert orch.hold_model_replans() is False  # idempotent
     _slower_live_service(orch)
+    orch.refit()
     for t in (10.0, 61.0, 200.0, 400.0):
         now[0] = t
         orch.check_model(t)
@@ -214,6 +210,7 @@ def test_held_model_replans_let_no_moved_model_replan_but_keep_one_already_decid
     orch._plan(now[0])
     orch.current.installed = True
     _slower_live_service(orch)
+    orch.refit()
     for t in (10.0, 61.0):
         now[0] = t
         orch.check_model(t)
