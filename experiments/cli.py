@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-from pathlib import Path
 import signal
 import sys
+from pathlib import Path
 
 from orchestrator.cli_args import positive_float
 from orchestrator.policies import POLICY_NAMES
-from petals_chain.cli_args import DTYPE_CHOICES, CliParser, parse_size, positive_int
+from petals_chain.cli.args import DTYPE_CHOICES, CliParser, parse_size, positive_int
 
 POLICIES = (*POLICY_NAMES, "petals-2.2")  # the registry's policies, and petals-2.2: real PETALS 2.2
 

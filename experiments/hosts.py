@@ -11,9 +11,8 @@ and `close()`.
 """
 from __future__ import annotations
 
-import contextlib
-
 import abc
+import contextlib
 import json
 import subprocess
 import sys

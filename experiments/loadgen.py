@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from petals_chain.cli_args import DTYPE_CHOICES
+from petals_chain.cli.args import DTYPE_CHOICES
 
 RECORD_FIELDS = ("index", "policy", "arrival_s", "submitted_s", "start_s", "first_token_s", "end_s", "input_tokens",
                  "output_tokens", "generated_tokens", "chain", "hops", "orchestrator_wait_s", "error")

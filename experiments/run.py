@@ -15,14 +15,24 @@ from pathlib import Path
 
 from experiments import model_check, report, workload
 from experiments.hosts import EmulationUnavailableError
-from experiments.table1 import (PETALS_22, Table1Config, choose_scale, measured_block_times, run_petals_column,
-                                run_policy)
+from experiments.table1 import (
+    PETALS_22,
+    Table1Config,
+    choose_scale,
+    measured_block_times,
+    run_petals_column,
+    run_policy,
+)
 
 
 def rtt_matrix(cfg: Table1Config):
     """RTTs between the client host and the servers' hosts: RIPE Atlas anchors drawn with the seed."""
     from experiments.hosts import ripe_atlas_hosts_rtt_ms
-    from netem.topology import RIPE_ATLAS_FILENAME, load_ripe_atlas_rtt_matrix, resolve_data_file
+    from netem.topology import (
+        RIPE_ATLAS_FILENAME,
+        load_ripe_atlas_rtt_matrix,
+        resolve_data_file,
+    )
 
     full = load_ripe_atlas_rtt_matrix(resolve_data_file(RIPE_ATLAS_FILENAME, cfg.rtt_data))
     return ripe_atlas_hosts_rtt_ms(full, cfg.servers + 1, cfg.seed)

@@ -520,7 +520,7 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
                gpu_env: dict[str, str] | None = None) -> dict:
     """One fresh swarm for `policy`: start, wait for its plan, replay, collect; always stops everything.
     `gpu_env`: the MPS clients' environment (experiments/gpu_mps.py) for every process of the swarm."""
-    from petals_chain.local_swarm import LocalSwarm
+    from petals_chain.swarm.local import LocalSwarm
 
     requests = scale_info["_requests"]
     req_file = out_dir / "requests.json"
@@ -657,7 +657,7 @@ def run_petals_column(cfg: Table1Config, scale_info: dict, rtt_ms, out_dir: Path
                       hidden_size: int) -> dict:
     """Real PETALS 2.2 on the same hosts, trace and budgets (experiments/petals22.py), or why it cannot run."""
     from experiments import petals22
-    from petals_chain.cli_args import parse_size
+    from petals_chain.cli.args import parse_size
 
     python, model = petals22.petals_paths(cfg.petals_work)
     reason = petals22.why_unavailable(python, model)

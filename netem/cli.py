@@ -15,12 +15,27 @@ import sys
 
 import numpy as np
 
-from netem.errors import NetemError, TopologyError
 from netem.cpu import parse_shares
-from netem.network import BACKENDS, Network, cleanup, command_in, cpu_report, hub_alive, measure_state_rtt_ms
+from netem.errors import NetemError, TopologyError
+from netem.network import (
+    BACKENDS,
+    Network,
+    cleanup,
+    command_in,
+    cpu_report,
+    hub_alive,
+    measure_state_rtt_ms,
+)
 from netem.state import DEFAULT_NAME, read_state
-from netem.topology import (DataNotFoundError, RIPE_ATLAS_FILENAME, Topology, load_topology_json, resolve_data_file,
-                            ripe_topology, synthetic_topology)
+from netem.topology import (
+    RIPE_ATLAS_FILENAME,
+    DataNotFoundError,
+    Topology,
+    load_topology_json,
+    resolve_data_file,
+    ripe_topology,
+    synthetic_topology,
+)
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 

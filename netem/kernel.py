@@ -10,7 +10,13 @@ runs it.
 """
 from __future__ import annotations
 
-from netem.state import (NetworkState, bridge_dev, switch_netns, veth_host_dev, veth_switch_dev)
+from netem.state import (
+    NetworkState,
+    bridge_dev,
+    switch_netns,
+    veth_host_dev,
+    veth_switch_dev,
+)
 from netem.system import run
 
 UNLIMITED_RATE = "100gbit"  # htb needs a rate; without --bandwidth the link is this fast

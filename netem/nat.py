@@ -24,6 +24,7 @@ from netem.errors import MissingCapabilityError
 from netem.state import NetworkState, nat_addresses, nat_netns, tun_dev, veth_host_dev
 from netem.system import run
 
+
 def nat_tool() -> str:
     """`nft` or `iptables` (the first found on PATH), else MissingCapabilityError saying how to get one."""
     for tool in ("nft", "iptables"):

@@ -17,11 +17,23 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from netem import cpu as netem_cpu, kernel, nat
+from netem import cpu as netem_cpu
+from netem import kernel, nat
 from netem.errors import MissingCapabilityError, NetemError, NetworkExistsError
 from netem.probe import measure_rtt_ms
-from netem.state import (DEFAULT_NAME, DEFAULT_SUBNET, NetworkState, host_addresses, nat_addresses, owned_netns, read_state,
-                         recorded_names, state_dir, state_path, write_state)
+from netem.state import (
+    DEFAULT_NAME,
+    DEFAULT_SUBNET,
+    NetworkState,
+    host_addresses,
+    nat_addresses,
+    owned_netns,
+    read_state,
+    recorded_names,
+    state_dir,
+    state_path,
+    write_state,
+)
 from netem.system import kill_netns_processes, list_netns, require_capabilities, run
 from netem.topology import validate_rtt_matrix
 

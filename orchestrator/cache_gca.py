@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.model import ChainSpec, Cluster, InfeasibleClusterError, Placement, chain_from_path, residual_slots
+from orchestrator.model import (
+    ChainSpec,
+    Cluster,
+    InfeasibleClusterError,
+    Placement,
+    chain_from_path,
+    residual_slots,
+)
 
 
 @dataclass(frozen=True)

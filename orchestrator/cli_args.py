@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 # the positive-number types are the one set every command shares (light: no torch, no hivemind)
-from petals_chain.cli_args import positive_float, positive_int
+from petals_chain.cli.args import positive_float, positive_int
 
 __all__ = ["parse_c", "positive_float", "positive_int"]
 

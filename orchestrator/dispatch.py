@@ -40,6 +40,7 @@ import numpy as np
 
 from orchestrator.model import ChainSpec
 
+
 @dataclass(frozen=True)
 class Start:
     job_id: int

@@ -7,7 +7,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from orchestrator.model import BlockInterval, Cluster, InfeasibleClusterError, Placement, robust_floor_div
+from orchestrator.model import (
+    BlockInterval,
+    Cluster,
+    InfeasibleClusterError,
+    Placement,
+    robust_floor_div,
+)
 
 
 @dataclass(frozen=True)

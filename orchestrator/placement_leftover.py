@@ -21,7 +21,13 @@ import numpy as np
 
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import GcaResult, gca
-from orchestrator.model import BlockInterval, Cluster, Placement, contended_chains, total_service_rate_per_s
+from orchestrator.model import (
+    BlockInterval,
+    Cluster,
+    Placement,
+    contended_chains,
+    total_service_rate_per_s,
+)
 from orchestrator.placement_gbp_cr import blocks_per_server
 from orchestrator.tuning import TUNINGS, TuningRow, candidates
 

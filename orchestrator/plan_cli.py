@@ -1,15 +1,14 @@
 """`petals-chain plan`: read a cluster JSON, print the plan as JSON (docs/orchestrator.md)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from orchestrator.cli_args import parse_c
 from orchestrator.cluster_io import cluster_from_dict, plan_to_dict
 from orchestrator.planner import POLICIES, plan
 from orchestrator.tuning import TUNINGS
-from orchestrator.cli_args import parse_c
-from petals_chain.cli_args import CliParser
+from petals_chain.cli.args import CliParser
 
 
 def main(argv: list[str]) -> int:

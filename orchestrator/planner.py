@@ -20,8 +20,14 @@ from orchestrator.baselines.options import BaselineOptions
 from orchestrator.baselines.request_router import PerRequestRouter
 from orchestrator.bounds import ResponseTimeBounds, theorem37_bounds
 from orchestrator.dispatch import Dispatcher
-from orchestrator.model import (ChainSpec, Cluster, InfeasibleClusterError, Placement, contended_chains,
-                               total_service_rate_per_s)
+from orchestrator.model import (
+    ChainSpec,
+    Cluster,
+    InfeasibleClusterError,
+    Placement,
+    contended_chains,
+    total_service_rate_per_s,
+)
 from orchestrator.policies import POLICY_NAMES, PlacementRequest, get_policy
 from orchestrator.tuning import TUNINGS, TuningRow
 

@@ -16,7 +16,11 @@ from typing import Callable
 
 import numpy as np
 
-from orchestrator.baselines.bprr import BprrRouter, bprr_placement, bprr_target_concurrency
+from orchestrator.baselines.bprr import (
+    BprrRouter,
+    bprr_placement,
+    bprr_target_concurrency,
+)
 from orchestrator.baselines.jffc_only import jffc_only_chains, jffc_only_placement
 from orchestrator.baselines.options import BaselineOptions
 from orchestrator.baselines.petals import PetalsRouter, petals_placement

@@ -17,7 +17,12 @@ from typing import Literal
 
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import GcaResult, gca
-from orchestrator.model import Cluster, InfeasibleClusterError, contended_chains, total_service_rate_per_s
+from orchestrator.model import (
+    Cluster,
+    InfeasibleClusterError,
+    contended_chains,
+    total_service_rate_per_s,
+)
 from orchestrator.placement_gbp_cr import GbpCrResult, GbpCrSweep, max_capacity
 
 Tuning = Literal["lower", "upper", "surrogate"]

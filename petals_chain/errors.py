@@ -151,7 +151,7 @@ class RelayRefusedError(PetalsChainError):
 
 
 class DirectRefusedError(PetalsChainError):
-    """A server refused a direct stream (petals_chain/direct_stream.py): the ticket is not one it issued
+    """A server refused a direct stream (petals_chain/transport/direct_stream.py): the ticket is not one it issued
     (it restarted), the stream name is unknown, or the hello was malformed. The client asks for a
     new ticket or uses the p2p stream instead; nothing is lost."""
 

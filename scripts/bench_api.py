@@ -34,7 +34,7 @@ from pathlib import Path
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
+from petals_chain.swarm.local import REPO_ROOT, LocalSwarm
 
 PROMPTS = ["Once upon a time, in a small village by the sea,", "The history of the printing press begins",
            "Here is a recipe for a simple tomato soup:", "The main causes of the French Revolution were",
@@ -119,7 +119,7 @@ def history_text(tokenizer, tokens: int, round_index: int) -> str:
 
 
 def prefix_reuse(client: OpenAI, model: str, tokenizer, history_tokens: int, rounds: int) -> dict:
-    firsts, seconds, hits = [], [], []
+    firsts, seconds = [], []
     for r in range(rounds):
         messages = [{"role": "user", "content": history_text(tokenizer, history_tokens, r)}]
         ttft1, reply = chat_ttft_s(client, model, messages, 16)

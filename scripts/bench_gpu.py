@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from petals_chain.client.model import DistributedModelForCausalLM  # noqa: E402
-from petals_chain.local_swarm import LocalSwarm  # noqa: E402
 from petals_chain.models.checkpoint import load_config  # noqa: E402
 from petals_chain.runtime.block_range import BlockRange, StepInput  # noqa: E402
+from petals_chain.swarm.local import LocalSwarm  # noqa: E402
 from scripts.bench_swarm import codec_roundtrip  # noqa: E402
 from scripts.make_random_checkpoint import make_random_checkpoint  # noqa: E402
 

@@ -45,7 +45,7 @@ import torch
 REPO = Path(os.environ.get("PETALS_CHAIN_TREE", Path(__file__).resolve().parents[1]))  # the tree measured
 sys.path.insert(0, str(REPO))
 
-from petals_chain.cli_args import DTYPE_CHOICES  # noqa: E402  (the tree measured, as below)
+from petals_chain.cli.args import DTYPE_CHOICES  # noqa: E402  (the tree measured, as below)
 
 
 def pct(xs, q) -> float:
@@ -120,7 +120,7 @@ def usage_delta(before: dict, after: dict, root: int) -> dict[str, tuple[float, 
 
 def batch_cpu_us(model, peers: list[str], since: dict[str, int]) -> tuple[float, dict[str, int]]:
     """The servers' batch CPU (us) after the cursors `since` (their service records), and the new cursors."""
-    from petals_chain.protocol import fetch_service_records
+    from petals_chain.transport.protocol import fetch_service_records
 
     total, cursors = 0.0, {}
     for peer in peers:
@@ -137,8 +137,8 @@ def codec_us_per_hop(reps: int = 300, n: int = 20, cold_reps: int = 100) -> dict
     p2pd are not in it), in protobuf parts (`codec_*`) and in raw frames (`codec_raw_*`, what decode
     steps use). Also each cold (`*_cold_*`, median of `cold_reps` single runs right after a forward-like
     matmul): what a hop pays, several times the hot figure on this machine."""
-    from petals_chain import wire_parts
-    from petals_chain.messages import Close, Open, Step, StepReply, decode_tagged
+    from petals_chain.wire import parts as wire_parts
+    from petals_chain.wire.messages import Close, Open, Step, StepReply, decode_tagged
 
     x = torch.randn(1, 576)  # one SmolLM2 hidden state
     step, reply = Step("s" * 32, 5, push_route=["a" * 46, "b" * 46]), StepReply("s" * 32, 5, 12, 0.01, 0.005)
@@ -217,8 +217,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from petals_chain.client.model import DistributedModelForCausalLM
-    from petals_chain.local_swarm import LocalSwarm
     from petals_chain.models.checkpoint import resolve_model_path
+    from petals_chain.swarm.local import LocalSwarm
 
     path = resolve_model_path(args.model)
     try:

@@ -43,7 +43,7 @@ import netem
 from netem.probe import measure_rtt_ms, measure_throughput_bit_s
 from netem.state import state_path
 from netem.system import socket_in_netns
-from petals_chain.cli_args import DTYPE_CHOICES
+from petals_chain.cli.args import DTYPE_CHOICES
 
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN_BYTES_2000_TOKEN_PREFILL = 2000 * 576 * 4  # SmolLM2-135M hidden size 576, float32
@@ -175,7 +175,7 @@ CLIENT = r"""
 import json, sys, time
 import torch
 from petals_chain.client.model import DistributedModelForCausalLM
-from petals_chain.dht_records import fetch_servers
+from petals_chain.swarm.records import fetch_servers
 ids = torch.tensor([json.loads(sys.argv[2])])
 n = int(sys.argv[3])
 repeats = int(sys.argv[4])
@@ -222,8 +222,8 @@ def bench_chain(name: str, rtts_ms: list[float], new_tokens: int, repeats: int) 
     from transformers import AutoTokenizer
 
     from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
-    from petals_chain.local_swarm import LocalSwarm
     from petals_chain.models.checkpoint import resolve_model_path
+    from petals_chain.swarm.local import LocalSwarm
 
     path = resolve_model_path("smollm2-135m")
     ids = AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
@@ -309,8 +309,8 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
     import torch
     from transformers import AutoModelForCausalLM
 
-    from petals_chain.local_swarm import LocalSwarm
     from petals_chain.models.checkpoint import resolve_model_path
+    from petals_chain.swarm.local import LocalSwarm
 
     path = resolve_model_path(model)
     ids = prompt_ids(path)

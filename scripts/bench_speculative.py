@@ -128,7 +128,7 @@ def run(rtts_ms: list[float], new_tokens: int, modes: list[tuple[int, str]], rep
 
     import netem
     from experiments.hosts import EmulatedHosts
-    from petals_chain.local_swarm import LocalSwarm
+    from petals_chain.swarm.local import LocalSwarm
 
     name = "s" + uuid.uuid4().hex[:6]
     servers = ["s0", "s1", "s2"]  # the DHT peer runs on the client's host (experiments.hosts)

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from petals_chain import wire_parts
 from petals_chain.client.model import DistributedModelForCausalLM
-from petals_chain.local_swarm import LocalSwarm
 from petals_chain.models.checkpoint import load_config, resolve_model_path
 from petals_chain.runtime.block_range import BlockRange, StepInput
+from petals_chain.swarm.local import LocalSwarm
+from petals_chain.wire import parts as wire_parts
 
 PROMPT = "Tell me a short story about a lighthouse keeper."
 # a long prefill on a loaded 1-thread server can outlast the client's default 30 s step timeout
@@ -101,7 +101,10 @@ def codec_roundtrip(hidden: torch.Tensor) -> None:
 
 def codec_roundtrip_hivemind(hidden: torch.Tensor) -> None:
     """The same with hivemind's split_for_streaming / combine_from_streaming (PETALS' way)."""
-    from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.compression.serialization import (
+        deserialize_torch_tensor,
+        serialize_torch_tensor,
+    )
     from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
     for _ in range(2):  # request and reply

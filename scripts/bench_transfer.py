@@ -93,7 +93,7 @@ def main() -> int:
     args = p.parse_args()
     if not 1 <= args.tokens <= 4090 or args.repeats < 1:
         p.error("need 1 <= --tokens <= 4090 and --repeats >= 1")
-    from petals_chain.local_swarm import LocalSwarm
+    from petals_chain.swarm.local import LocalSwarm
 
     n_bytes = args.tokens * 576 * 4
     name = "bt" + uuid.uuid4().hex[:5]

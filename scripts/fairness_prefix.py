@@ -28,9 +28,10 @@ import torch
 
 from petals_chain.client.chain import PromptPrefix
 from petals_chain.client.remote import RemoteChain
-from petals_chain.local_swarm import LocalSwarm
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.runtime.client_head import ClientHead
+from petals_chain.swarm.local import LocalSwarm
+from scripts.fairness_log import max_backlogged_gap, read_log, service_by_client
 
 
 def add_arguments(p) -> None:
@@ -110,7 +111,6 @@ def server_sizes(head: ClientHead, args) -> dict[str, int]:
 
 
 def run_shared_prefix(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
-    from scripts.bench_fairness import max_backlogged_gap, read_log, service_by_client
 
     policy, *params = spec.split(":")
     log = out_dir / f"service_prefix_{spec.replace(':', '_').replace('=', '')}.jsonl"

@@ -30,8 +30,8 @@ import torch  # noqa: E402
 
 from petals_chain.client.model import DistributedModelForCausalLM  # noqa: E402
 from petals_chain.client.remote import RemoteChain  # noqa: E402
-from petals_chain.local_swarm import LocalSwarm  # noqa: E402
 from petals_chain.models.checkpoint import load_config, resolve_model_path  # noqa: E402
+from petals_chain.swarm.local import LocalSwarm  # noqa: E402
 from tests.fuzz_messages import ORCHESTRATOR_RPCS, SERVER_RPCS, RpcFuzzer  # noqa: E402
 
 

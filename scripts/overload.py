@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
+from soak import Tally, references, tokenize  # noqa: E402
 
 from petals_chain.client.model import DistributedModelForCausalLM  # noqa: E402
 from petals_chain.errors import PetalsChainError  # noqa: E402
-from petals_chain.local_swarm import LocalSwarm  # noqa: E402
-from soak import Tally, references, tokenize  # noqa: E402
+from petals_chain.swarm.local import LocalSwarm  # noqa: E402
 
 MIB = 2**20
 

@@ -34,8 +34,13 @@ if str(REPO_ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from netem.topology import (DataNotFoundError, RIPE_ATLAS_FILENAME, load_ripe_atlas_rtt_matrix,  # noqa: E402
-                            resolve_data_file, synthetic_rtt_ms)
+from netem.topology import (  # noqa: E402
+    RIPE_ATLAS_FILENAME,
+    DataNotFoundError,
+    load_ripe_atlas_rtt_matrix,
+    resolve_data_file,
+    synthetic_rtt_ms,
+)
 from orchestrator.sim import paper_experiments as ex  # noqa: E402
 from orchestrator.sim import paper_report as rep  # noqa: E402
 from orchestrator.sim.authors_setup import AuthorsChoices, authors_rtt_ms_from_csv  # noqa: E402

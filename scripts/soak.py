@@ -30,8 +30,8 @@ import torch  # noqa: E402
 
 from petals_chain.client.model import DistributedModelForCausalLM  # noqa: E402
 from petals_chain.errors import PetalsChainError  # noqa: E402
-from petals_chain.local_swarm import LocalSwarm  # noqa: E402
 from petals_chain.models.checkpoint import resolve_model_path  # noqa: E402
+from petals_chain.swarm.local import LocalSwarm  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",
            "The history of the printing press", "A haiku about rain:"]

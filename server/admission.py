@@ -18,7 +18,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from petals_chain.errors import AdmissionTimeoutError, OutOfCacheError, SchedulerPolicyError
+from petals_chain.errors import (
+    AdmissionTimeoutError,
+    OutOfCacheError,
+    SchedulerPolicyError,
+)
 from server.memory import KVBudget
 from server.policies import AdmissionRequest
 

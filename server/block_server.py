@@ -23,31 +23,65 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from petals_chain.background_loop import BackgroundLoop
-from petals_chain.process_signals import start_dht
-from petals_chain.reachability import (UnreachableError, check_reachability, circuit_maddrs, dht_ping_s, p2pd_flags,
-                                       relay_peer_id, relayed_dht_kwargs, serve_dial_back)
-from petals_chain.dht_records import announce_server, fetch_servers, model_key
-from petals_chain.direct_stream import DirectDialer, DirectListener, offered_hosts
-from petals_chain.heap import freeze_startup_heap
-from petals_chain.swarm_identity import SwarmIdentity
+from petals_chain.errors import PetalsChainError
 from petals_chain.models.checkpoint import load_config, resolve_model_path
 from petals_chain.models.family import get_family
-from petals_chain import wire
-from petals_chain.errors import PetalsChainError
-from petals_chain.messages import AssignmentReply, AssignmentRequest, AssignmentStatus
-from petals_chain.orchestrator_records import find_orchestrator
-from petals_chain.protocol import BlockService, OrchestratorService, ping_block_server_s
+from petals_chain.process.heap import freeze_startup_heap
+from petals_chain.process.loop import BackgroundLoop
+from petals_chain.process.signals import start_dht
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.runtime.lora import adapter_name
-from petals_chain.wire import Reachability, ServerInfo, ServerState
-from server.block_selection import HeldSpan, better_start, block_throughputs, choose_start
+from petals_chain.swarm.identity import SwarmIdentity
+from petals_chain.swarm.reachability import (
+    UnreachableError,
+    check_reachability,
+    circuit_maddrs,
+    dht_ping_s,
+    p2pd_flags,
+    relay_peer_id,
+    relayed_dht_kwargs,
+    serve_dial_back,
+)
+from petals_chain.swarm.records import (
+    announce_server,
+    fetch_servers,
+    find_orchestrator,
+    model_key,
+)
+from petals_chain.transport.direct_stream import (
+    DirectDialer,
+    DirectListener,
+    offered_hosts,
+)
+from petals_chain.transport.protocol import (
+    BlockService,
+    OrchestratorService,
+    ping_block_server_s,
+)
+from petals_chain.wire import codec as wire
+from petals_chain.wire.messages import (
+    AssignmentReply,
+    AssignmentRequest,
+    AssignmentStatus,
+)
+from petals_chain.wire.records import Reachability, ServerInfo, ServerState
+from server.block_selection import (
+    HeldSpan,
+    better_start,
+    block_throughputs,
+    choose_start,
+)
+from server.emulation import real_range, slowed_times
 from server.handler import BlockServicer, ServicerLimits
 from server.peer_rtts import PeerRtts, choose_peers
-from server.emulation import real_range, slowed_times
-from server.service_log import ServiceLog
 from server.profiling import BlockTimes
-from server.range_profile import RangeProfile, cached_range_profile, disagrees, forget_profile
+from server.range_profile import (
+    RangeProfile,
+    cached_range_profile,
+    disagrees,
+    forget_profile,
+)
+from server.service_log import ServiceLog
 from server.service_meter import ServiceMeter
 from server.serving_stack import StackSlot, build_stack
 
@@ -201,7 +235,7 @@ class BlockServer:
             threading.Thread(target=self._rebalance, name="rebalance", daemon=True).start()
 
     def _check_reachability(self) -> tuple[Reachability, tuple[str, ...]]:
-        """Ask the initial peers to dial this host back (petals_chain/reachability.py); log the verdict.
+        """Ask the initial peers to dial this host back (petals_chain/swarm/reachability.py); log the verdict.
         Loopback-only listeners (a swarm on one machine) need no check."""
         c = self.config
         if all("/ip4/127." in m for m in c.host_maddrs) or not c.initial_peers:
@@ -278,7 +312,7 @@ class BlockServer:
         """Compare the cached start-up profile with live service (the fit of this range's recent batches);
         when they disagree, drop the cache entry so the next start measures instead of trusting it.
         Returns whether it dropped it."""
-        from petals_chain.service_fit import fit_service
+        from petals_chain.algorithms.service_fit import fit_service
         br, prof = self.block_range, self.profile
         if br is None or prof is None or prof.blocks != br.end - br.start or self._profile_contradicted:
             return False
@@ -355,7 +389,7 @@ class BlockServer:
 
     def _measure_relay_rtts(self) -> None:
         """A relayed server: DHT pings to each relay it is due for (`relay_rtts`, announced as
-        ServerInfo.relay_rtt_s; the orchestrator adds its own RTT to the relay: petals_chain/reachability.py)."""
+        ServerInfo.relay_rtt_s; the orchestrator adds its own RTT to the relay: petals_chain/swarm/reachability.py)."""
         relays = [r for m in self.relay_maddrs if (r := relay_peer_id(m)) is not None]
         for relay in self.relay_rtts.due(relays, time.monotonic()):
             self.relay_rtts.measure(relay, lambda p: dht_ping_s(self.dht, p), time.monotonic())

@@ -8,11 +8,23 @@ import signal
 import sys
 import threading
 
-from petals_chain.cli_args import (DTYPE_CHOICES, LOG_LEVELS, CliParser, identity_path, listen_maddr, non_negative_float,
-                                   non_negative_int, parse_size, peer_maddr, positive_float, positive_int, probability,
-                                   run_main)
+from petals_chain.cli.args import (
+    DTYPE_CHOICES,
+    LOG_LEVELS,
+    CliParser,
+    identity_path,
+    listen_maddr,
+    non_negative_float,
+    non_negative_int,
+    parse_size,
+    peer_maddr,
+    positive_float,
+    positive_int,
+    probability,
+    run_main,
+)
 
-__all__ = ["build_parser", "main", "parse_size"]  # parse_size lives in petals_chain.cli_args (one parser of sizes)
+__all__ = ["build_parser", "main", "parse_size"]  # parse_size lives in petals_chain.cli.args (one parser of sizes)
 
 
 def parse_size_or_zero(text: str) -> int:
@@ -87,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also take the per-step streams on plain TCP at PORT (0: a free port), beside the p2p daemons: "
                         "about 1.5 ms less per hop and step. Clients get a ticket over p2p (authenticated) first, "
                         "but the TCP traffic is not encrypted: for loopback, a LAN or a private network only "
-                        "(default: off; petals_chain/direct_stream.py)")
+                        "(default: off; petals_chain/transport/direct_stream.py)")
     p.add_argument("--identity-path", default=None, type=identity_path,
                    help="private key file for a stable peer id (`petals-chain identity new PATH` makes one)")
     p.add_argument("--allowed-peers", default=None, metavar="FILE",
@@ -167,8 +179,11 @@ def _main(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from petals_chain.errors import PetalsChainError
-    from server.policies import make_policy, parse_policy_args  # light: checks flags before torch loads
-    from petals_chain.membership import load_allowed_peers
+    from petals_chain.transport.membership import load_allowed_peers
+    from server.policies import (  # light: checks flags before torch loads
+        make_policy,
+        parse_policy_args,
+    )
 
     try:
         policy_args = parse_policy_args(args.policy, args.policy_arg)

@@ -19,11 +19,6 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-from petals_chain import wire, wire_parts
-from petals_chain.direct_stream import DirectDialer, DirectListener
-from petals_chain.messages import (Close, DirectOffer, DirectRequest, Forward, Open, Opened, Push, Step, StepReply,
-                                   decode_tagged)
-from petals_chain.wire import ServerInfo
 from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
@@ -36,9 +31,26 @@ from petals_chain.errors import (
 from petals_chain.runtime.block_range import StepInput
 from petals_chain.runtime.kv_cache import SessionKV
 from petals_chain.runtime.lora import check_adapter
-from server.prefix_cache import PrefixPin
+from petals_chain.transport.direct_stream import DirectDialer, DirectListener
+from petals_chain.wire import codec as wire
+from petals_chain.wire import parts as wire_parts
+from petals_chain.wire import records as wire_records
+from petals_chain.wire.messages import (
+    Close,
+    DirectOffer,
+    DirectRequest,
+    Forward,
+    Open,
+    Opened,
+    Push,
+    Step,
+    StepReply,
+    decode_tagged,
+)
+from petals_chain.wire.records import ServerInfo
 from server import relay
-from server.relay import RelayIndex, RelayInbox, RelayLinks
+from server.prefix_cache import PrefixPin
+from server.relay import RelayInbox, RelayIndex, RelayLinks
 from server.reservation import SessionReservation
 from server.service_meter import ServiceMeter
 from server.serving_stack import ServingStack, StackSlot
@@ -95,7 +107,7 @@ class OpenSession:
 
 
 class BlockServicer:
-    """Implementation behind `petals_chain.protocol.BlockService`. It sees the server through five
+    """Implementation behind `petals_chain.transport.protocol.BlockService`. It sees the server through five
     typed things only: its limits, the slot holding the current serving stack (and whether it takes
     new sessions), `info()` and the service `meter` for rpc_info, its `dialer` for pushing to next
     hops (server/relay.py), and its `direct` listener (None: it offers no direct streams)."""
@@ -118,10 +130,10 @@ class BlockServicer:
 
     async def info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:  # any request gets the info; a well-formed one may also ask for the measured batches
-            since = wire.decode_request(request, wire.InfoRequest).service_since_seq
+            since = wire.decode_request(request, wire_records.InfoRequest).service_since_seq
         except PetalsChainError:
             since = None
-        return wire.response(wire.InfoReply(self._info(), self.meter.since(since)))
+        return wire.response(wire_records.InfoReply(self._info(), self.meter.since(since)))
 
     @wire.replies_with_typed_errors
     async def direct(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:

@@ -3,7 +3,7 @@
 With server relay a step reaches server j from the hop before it, not from the client, so the
 orchestrator's tau_c,ij = steps x RTT_ij / 2 needs server-to-server RTTs, which only the servers can
 measure. Each server times `rpc_info` round trips (the same probe the orchestrator and clients use,
-`petals_chain.protocol.ping_block_server_s`) to a bounded set of peers and announces the medians in
+`petals_chain.transport.protocol.ping_block_server_s`) to a bounded set of peers and announces the medians in
 `ServerInfo.peer_rtt_s` (seconds, by peer id); the orchestrator reads them
 (`orchestrator.service.registry.peer_rtt_s`).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from petals_chain.wire import ServerInfo
+from petals_chain.wire.records import ServerInfo
 
 
 def can_adjoin(start: int, end: int, other: ServerInfo) -> bool:

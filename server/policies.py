@@ -27,9 +27,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from petals_chain.algorithms.vtc import VirtualTokenCounters
 from petals_chain.errors import InvalidRequestError
-from petals_chain.vtc import VirtualTokenCounters
-from server.policy_base import AdmissionRequest, ArrivalOrderPolicy, PolicyParam, SchedulingPolicy, WorkItem
+from server.policy_base import (
+    AdmissionRequest,
+    ArrivalOrderPolicy,
+    PolicyParam,
+    SchedulingPolicy,
+    WorkItem,
+)
 from server.policy_dlpm import DLPMPolicy
 
 __all__ = ["AdmissionRequest", "PolicyParam", "SchedulingPolicy", "WorkItem", "FCFSPolicy", "VTCPolicy", "DLPMPolicy",

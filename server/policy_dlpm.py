@@ -27,8 +27,14 @@ longer for the next admission). Theorem 4.1's bound is about clients whose work 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 from petals_chain.errors import InvalidRequestError
-from server.policy_base import AdmissionRequest, ArrivalOrderPolicy, PolicyParam, WorkItem
+from server.policy_base import (
+    AdmissionRequest,
+    ArrivalOrderPolicy,
+    PolicyParam,
+    WorkItem,
+)
 
 
 class DLPMPolicy(ArrivalOrderPolicy):

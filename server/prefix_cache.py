@@ -1,6 +1,6 @@
 """Prefix KV cache of a block server: KV of recently served prompt prefixes, reused by new sessions.
 
-Keys are chained chunk hashes computed by the client (`petals_chain/prefix_keys.py`): the prompt is
+Keys are chained chunk hashes computed by the client (`petals_chain/wire/prefix_keys.py`): the prompt is
 cut into chunks of `chunk_tokens` token ids and the hash of chunk i covers chunk i's ids and the
 hash of chunk i-1, so one hash names a whole prefix. The server never sees token ids (hop 0 gets
 embeddings, later hops hidden states); it stores, per chunk, the KV its blocks computed for those

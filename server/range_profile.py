@@ -1,7 +1,7 @@
 """The start-up profile: what a step through this server's whole hosted range costs, measured through
 the server's real step path (a `StepScheduler` batch over `BlockRange.forward`, CUDA synchronized),
 warm-up excluded, and fitted with the orchestrator's own service model
-(petals_chain.service_fit.fit_service: wall = t_o + t_I P + t_O D per batch, P and D the
+(petals_chain.algorithms.service_fit.fit_service: wall = t_o + t_I P + t_O D per batch, P and D the
 prefill and decode block-tokens).
 
 Timed by wall seconds on CUDA (the device's speed), by CPU seconds otherwise (`profile_clock`: a
@@ -109,7 +109,7 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
     """Prefills of two lengths from the first block, decode steps entering at the first and at the
     middle block, `repeats` times, through a StepScheduler batch each (after one warm-up round that
     is not counted); the fit of the batches' seconds by `clock` (`profile_seconds`)."""
-    from petals_chain.service_fit import fit_service
+    from petals_chain.algorithms.service_fit import fit_service
     from server.policies import make_policy
     from server.scheduler import StepScheduler
     from server.service_meter import ServiceMeter

@@ -25,11 +25,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import torch
-from petals_chain import wire, wire_parts
+
 from petals_chain.errors import RelayRefusedError
-from petals_chain.framed_stream import FramedStream
-from petals_chain.messages import Push
-from petals_chain.protocol import BlockService
+from petals_chain.transport.framed_stream import FramedStream
+from petals_chain.transport.protocol import BlockService
+from petals_chain.wire import codec as wire
+from petals_chain.wire import parts as wire_parts
+from petals_chain.wire.messages import Push
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,12 @@ from typing import Any
 
 import torch
 
-from petals_chain.errors import PetalsChainError, SchedulerPolicyError, ServerUnavailableError, SessionClosedError
+from petals_chain.errors import (
+    PetalsChainError,
+    SchedulerPolicyError,
+    ServerUnavailableError,
+    SessionClosedError,
+)
 from petals_chain.runtime.block_range import StepInput
 from server.policies import SchedulingPolicy, WorkItem
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from petals_chain.wire import BatchService
+from petals_chain.wire.records import BatchService
 
 MAX_RECORDS = 512  # ~ the last minute of a busy server; the orchestrator polls every few seconds
 MAX_REPLY_RECORDS = 256  # keeps rpc_info's metadata far below wire.MAX_METADATA_BYTES (~60 bytes each)

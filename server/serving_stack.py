@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
 from petals_chain.runtime.block_range import BlockRange
+from petals_chain.wire.prefix_keys import PREFIX_CHUNK_TOKENS
 from server.admission import AdmissionQueue
 from server.emulation import maybe_slowed
 from server.memory import KVBudget

@@ -16,7 +16,13 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, max_posit
 
 
 def _config(variant: str):
-    from transformers import BloomConfig, FalconConfig, MistralConfig, MixtralConfig, Qwen2Config
+    from transformers import (
+        BloomConfig,
+        FalconConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+    )
 
     rotary = dict(COMMON, intermediate_size=96, num_hidden_layers=4, num_key_value_heads=2, tie_word_embeddings=False)
     if variant == "qwen2":

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from hivemind.proto import runtime_pb2
 
-from petals_chain import wire, wire_parts
 from petals_chain.errors import PetalsChainError
+from petals_chain.wire import codec as wire
+from petals_chain.wire import parts as wire_parts
 
 WEIRD_VALUES: list[Any] = [None, True, -1, 0, 2**31, 2**63 - 1, -(2**63), 1e308, -1e308, math.nan, math.inf, "",
                            "x" * 10_000, b"\x00\xff", [], [1, [2, [3]]], {"a": {"b": None}}, 3.5, -0.0]
@@ -210,8 +211,9 @@ class RpcFuzzer:
             return self._forward_stream(sid)
         fuzzed = fuzz(rpc, self.rng, hidden=self.hidden, session_id=sid)
         if rpc in ORCHESTRATOR_RPCS:
-            from petals_chain.protocol import OrchestratorService
             from hivemind.p2p import PeerID
+
+            from petals_chain.transport.protocol import OrchestratorService
 
             stub = OrchestratorService.get_stub(self.chain.p2p, PeerID.from_base58(self.orchestrator_peer))
         else:
@@ -231,8 +233,9 @@ class RpcFuzzer:
         return outcome
 
     def release_grants(self) -> None:
-        from petals_chain.protocol import OrchestratorService
         from hivemind.p2p import PeerID
+
+        from petals_chain.transport.protocol import OrchestratorService
 
         stub = OrchestratorService.get_stub(self.chain.p2p, PeerID.from_base58(self.orchestrator_peer))
         for sid in sorted(self.granted):

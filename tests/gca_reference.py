@@ -9,7 +9,16 @@ from __future__ import annotations
 import networkx as nx
 
 from orchestrator.cache_gca import GcaResult, _allocate
-from orchestrator.model import SINK, SOURCE, ChainSpec, Cluster, Placement, link_time_s, residual_slots, routing_links
+from orchestrator.model import (
+    SINK,
+    SOURCE,
+    ChainSpec,
+    Cluster,
+    Placement,
+    link_time_s,
+    residual_slots,
+    routing_links,
+)
 
 
 def gca_networkx(cluster: Cluster, placement: Placement, residual: list[int] | None = None) -> GcaResult:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
-
 from hypothesis import strategies as st
 
 from orchestrator.model import BlockInterval, Cluster, Placement, Server, Service

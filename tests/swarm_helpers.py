@@ -10,10 +10,10 @@ import urllib.request
 import pytest
 import torch
 
-from petals_chain import wire_parts
 from petals_chain.client.remote import RemoteChain
 from petals_chain.client.routing import ChainProvider, Hop
 from petals_chain.errors import PetalsChainError, error_from_code
+from petals_chain.wire import parts as wire_parts
 
 
 class RawStream:

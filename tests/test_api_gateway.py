@@ -2,20 +2,19 @@
 client (and raw HTTP where a client library would hide what we test)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-
-import json
 import urllib.error
 import urllib.request
 
 import pytest
 
-from petals_chain.local_swarm import LocalSwarm
+from petals_chain.swarm.local import LocalSwarm
 
 openai = pytest.importorskip("openai", reason="the gateway tests need the official `openai` package (pip install openai)")
 

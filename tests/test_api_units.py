@@ -9,10 +9,20 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from petals_chain.api.admission import AdmissionQueue, CapacityError, FifoPolicy, make_admission_policy
+from petals_chain.api.admission import (
+    AdmissionQueue,
+    CapacityError,
+    FifoPolicy,
+    make_admission_policy,
+)
 from petals_chain.api.engine import StopScanner
 from petals_chain.api.metrics import GatewayMetrics
-from petals_chain.errors import AcquireTimeoutError, MaxLengthExceededError, NoChainError, ServerUnavailableError
+from petals_chain.errors import (
+    AcquireTimeoutError,
+    MaxLengthExceededError,
+    NoChainError,
+    ServerUnavailableError,
+)
 
 text_st = st.text(alphabet="abcXY \ufffd", max_size=30)
 
@@ -207,7 +217,7 @@ def test_metrics_export_the_client_heads_lm_batching_read_at_scrape_time():
     (["--initial-peers", "/ip4/127.0.0.1/tcp/5/p2p/12D3KooWJ2xx", "--port", "70000"], "--port must be in 0..65535"),
 ])
 def test_api_cli_bad_arguments_exit_2_with_one_clear_line(args, message, capsys):
-    from petals_chain.api.cli import main
+    from petals_chain.cli.api import main
 
     assert main(["--port", "0", *args]) == 2
     err = capsys.readouterr().err

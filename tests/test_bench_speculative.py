@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from petals_chain.local_swarm import REPO_ROOT
+from petals_chain.swarm.local import REPO_ROOT
 
 
 def load_bench():

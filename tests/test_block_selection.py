@@ -4,7 +4,13 @@ from __future__ import annotations
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from server.block_selection import HeldSpan, better_start, block_throughputs, choose_start, swarm_min_with
+from server.block_selection import (
+    HeldSpan,
+    better_start,
+    block_throughputs,
+    choose_start,
+    swarm_min_with,
+)
 
 
 def test_throughputs_sum_the_rates_of_the_servers_holding_each_block():

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from orchestrator.service.calibration import ReplanTrigger, ServiceWindow, own_else_swarm_median
-from petals_chain.service_fit import MIN_LONE_BATCHES, MIN_SPAN_BATCHES, fit_service, mean_level
+from orchestrator.service.calibration import (
+    ReplanTrigger,
+    ServiceWindow,
+    own_else_swarm_median,
+)
+from petals_chain.algorithms.service_fit import (
+    MIN_LONE_BATCHES,
+    MIN_SPAN_BATCHES,
+    fit_service,
+    mean_level,
+)
 
 
 @settings(max_examples=30, deadline=None)
@@ -121,7 +131,7 @@ def test_replan_trigger_waits_for_the_minimum_interval():
 def offline_orchestrator(now):
     from orchestrator.service.core import Orchestrator, OrchestratorConfig
     from orchestrator.service.registry import ServerRecord
-    from petals_chain.wire import ServerInfo
+    from petals_chain.wire.records import ServerInfo
     cfg = OrchestratorConfig(model="m", initial_peers=[], num_blocks=4, calibration_min_batches=10,
                              replan_hold_s=30.0, model_replan_period_s=60.0)
     orch = Orchestrator.offline(cfg, lambda: now[0])
@@ -142,7 +152,7 @@ def _slower_live_service(orch) -> None:
 
 
 def test_the_orchestrator_replans_when_the_fitted_model_moves_the_plan_and_shows_model_vs_measured():
-    from petals_chain.messages import HopReport
+    from petals_chain.wire.messages import HopReport
     now = [0.0]
     orch = offline_orchestrator(now)
     orch._plan(now[0])
@@ -227,7 +237,7 @@ def test_the_measured_prompt_transfer_joins_tau_c_once_per_session():
     prompt steps' time beyond the RTT with the tokens; per token, it joins tau_c times the mean input
     (there and back with client relay, one leg with server relay); servers never timed take the
     swarm's median; prompts too short to time a transfer are not taken."""
-    from petals_chain.messages import HopReport
+    from petals_chain.wire.messages import HopReport
     now = [0.0]
     orch = offline_orchestrator(now)
     before = {s["peer_id"]: s["tau_c"] for s in orch.status()["servers"]}
@@ -265,7 +275,7 @@ def test_the_model_replan_waits_for_a_live_fit():
     """A server that joins (or whose record expired and came back) changes the plan the announced
     profiles give; that is not the calibrated model moving, and must not spend a model re-plan."""
     from orchestrator.service.registry import ServerRecord
-    from petals_chain.wire import ServerInfo
+    from petals_chain.wire.records import ServerInfo
     now = [0.0]
     orch = offline_orchestrator(now)
     orch._plan(now[0])
@@ -335,7 +345,7 @@ def test_a_model_replan_waits_for_the_servers_it_moves_to_end_their_sessions_the
 
 def test_an_unfitted_server_takes_a_fitted_twins_fit_scaled_by_their_profiles():
     from orchestrator.service.calibration import FittedProfile, scaled_profile_fit
-    from petals_chain.service_fit import ServiceFit
+    from petals_chain.algorithms.service_fit import ServiceFit
 
     def fit(t_I, t_O, t_o):
         return ServiceFit(t_I, t_O, t_o, samples=30, median_abs_rel_residual=0.05)

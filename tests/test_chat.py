@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from petals_chain.chat_cli import Conversation, read_message
-from petals_chain.local_swarm import REPO_ROOT
+from petals_chain.cli.chat import Conversation, read_message
+from petals_chain.swarm.local import REPO_ROOT
 
 
 class Terminal:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from petals_chain.cli import SUBCOMMANDS
+from petals_chain.cli.main import SUBCOMMANDS
 
 REPO = Path(__file__).resolve().parents[1]
 # a well-formed peer address nobody listens on (the peer id is a real one's format: Qm...)
@@ -214,9 +214,9 @@ def test_readme_command_rows_list_exactly_the_options_of_help(monkeypatch):
 def test_dtype_choices_are_the_runtime_dtypes():
     """Every CLI's `--dtype` offers exactly what the block runtime and the wire carry (the choices live
     torch-free in cli_args, so a command line parses without importing torch)."""
-    from petals_chain.cli_args import DTYPE_CHOICES
+    from petals_chain.cli.args import DTYPE_CHOICES
     from petals_chain.runtime.block_range import DTYPES
-    from petals_chain.wire_parts import RAW_DTYPES
+    from petals_chain.wire.parts import RAW_DTYPES
 
     assert set(DTYPE_CHOICES) == set(DTYPES)
     assert set(DTYPE_CHOICES) <= set(RAW_DTYPES)

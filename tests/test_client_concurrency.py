@@ -10,10 +10,10 @@ import pytest
 import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 
-from petals_chain.runtime.row_batcher import RowBatcher
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.client.remote import as_server_error
 from petals_chain.errors import OutOfCacheError, ServerUnavailableError
+from petals_chain.runtime.row_batcher import RowBatcher
 from tests.swarm_helpers import wait_for
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sun is a"]

@@ -130,7 +130,7 @@ def test_quantized_equals_hf_same_bitsandbytes_config(gpu_llama_bf16_path, quant
 
 def test_swarm_on_cuda_equals_hf_with_multi_turn_and_prefix_hits(gpu_llama_path):
     from petals_chain.client.model import DistributedModelForCausalLM
-    from petals_chain.local_swarm import LocalSwarm
+    from petals_chain.swarm.local import LocalSwarm
 
     hf = hf_model(gpu_llama_path)
     args = ["--device", "cuda", "--memory-budget", "2GiB", "--max-length", "512"]

@@ -1,4 +1,4 @@
-"""Direct TCP streams (petals_chain/direct_stream.py): a ticket binds a connection to the peer id it was
+"""Direct TCP streams (petals_chain/transport/direct_stream.py): a ticket binds a connection to the peer id it was
 issued to; anything else (no ticket, a wrong one, garbage, an oversized or missing hello, an unknown
 stream) is refused with a typed error or closed, and the listener goes on serving; the dialer falls back
 to p2p and keeps doing so for a while. Over a real swarm: exact tokens with both relays over direct
@@ -6,18 +6,24 @@ streams, pushes between servers go direct, and a SIGKILLed hop fails over with i
 from __future__ import annotations
 
 import asyncio
+
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from petals_chain import direct_stream, wire
-from petals_chain.direct_stream import DirectDialer, DirectListener, offered_hosts
 from petals_chain.errors import DirectRefusedError
-from petals_chain.framed_stream import frame, read_frame
-from petals_chain.messages import DirectHello, DirectOffer
+from petals_chain.transport import direct_stream
+from petals_chain.transport.direct_stream import (
+    DirectDialer,
+    DirectListener,
+    offered_hosts,
+)
+from petals_chain.transport.framed_stream import frame, read_frame
+from petals_chain.wire import codec as wire
+from petals_chain.wire.messages import DirectHello, DirectOffer
 
 PEER = "QmNXgtEeWZ2VmJiDu8GHUg19hBAF9gwQcUTUvDXwx4P6g5"  # a well-formed peer id (the caller's)
 ME = "QmP9pyB1tm7rzJtDZ6xQBdh9vkcKZ5v9bUxSooUnVf1ALE"
@@ -239,7 +245,7 @@ RANGES = [(0, 2), (2, 4), (4, 6), (2, 4), (2, 4)]  # a chain of three and two sp
 
 @pytest.fixture(scope="module")
 def swarm(tiny_llama_path):
-    from petals_chain.local_swarm import LocalSwarm
+    from petals_chain.swarm.local import LocalSwarm
 
     with LocalSwarm(str(tiny_llama_path), RANGES, server_args=["--num-threads", "1", "--direct-port", "0"]) as s:
         yield s
@@ -354,9 +360,9 @@ def test_a_server_answers_raw_steps_in_raw_frames_and_refuses_bad_ones_typed(swa
     same step sent in protobuf parts; a malformed raw frame gets a typed error and the stream serves on."""
     import uuid
 
-    from petals_chain import wire_parts
-    from petals_chain.messages import Open, Step, StepReply
-    from petals_chain.wire_parts import RawFrame
+    from petals_chain.wire import parts as wire_parts
+    from petals_chain.wire.messages import Open, Step, StepReply
+    from petals_chain.wire.parts import RawFrame
 
     model = _model(tiny_llama_path, swarm, "client", direct=direct)
     try:

@@ -8,8 +8,8 @@ import pytest
 from transformers.generation.streamers import BaseStreamer
 
 from petals_chain.client.model import DistributedModelForCausalLM
-from petals_chain.dht_records import fetch_servers
-from petals_chain.local_swarm import LocalSwarm
+from petals_chain.swarm.local import LocalSwarm
+from petals_chain.swarm.records import fetch_servers
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.service.sessions import Sessions
-from petals_chain.messages import Hop
+from petals_chain.wire.messages import Hop
 
 
 def hops(*peers):

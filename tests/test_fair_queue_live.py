@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from petals_chain.client.remote import RemoteChain
-from petals_chain.local_swarm import LocalSwarm
 from petals_chain.models.checkpoint import load_config
+from petals_chain.swarm.local import LocalSwarm
 from tests.swarm_helpers import get_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]

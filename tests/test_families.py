@@ -10,9 +10,17 @@ import torch
 from petals_chain.errors import UnsupportedModelError
 from petals_chain.models.family import REGISTRY, get_family
 from petals_chain.runtime.block_range import BlockRange, StepInput
-from tests.exactness_helpers import chain_logits_per_step, chain_ranges, hf_logits_per_step
+from tests.exactness_helpers import (
+    chain_logits_per_step,
+    chain_ranges,
+    hf_logits_per_step,
+)
 from tests.family_checkpoints import VARIANTS, VOCAB, load_hf
-from tests.test_device_placement import FactoryCallsWithoutDevice, assert_graph_decode_equals_eager, run_every_step_kind
+from tests.test_device_placement import (
+    FactoryCallsWithoutDevice,
+    assert_graph_decode_equals_eager,
+    run_every_step_kind,
+)
 
 LOGIT_TOLERANCE = 1e-5  # float32
 # (KV heads, head dim) each variant's cache must have: Falcon's caches hold the real KV heads only

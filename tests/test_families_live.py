@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from petals_chain.client.model import DistributedModelForCausalLM
-from petals_chain.local_swarm import LocalSwarm
+from petals_chain.swarm.local import LocalSwarm
 from tests.family_checkpoints import VOCAB, load_hf
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""petals_chain/framed_stream.py: the per-step streams speak hivemind's stream bytes with one write
+"""petals_chain/transport/framed_stream.py: the per-step streams speak hivemind's stream bytes with one write
 per message, so they interoperate with hivemind's own stubs and handlers both ways (two real p2p
 daemons on 127.0.0.1), end cleanly, and carry a handler's failure as hivemind does."""
 from __future__ import annotations
@@ -10,7 +10,11 @@ from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from petals_chain.framed_stream import FramedStream, add_framed_handler, read_frame
+from petals_chain.transport.framed_stream import (
+    FramedStream,
+    add_framed_handler,
+    read_frame,
+)
 
 pytestmark = [pytest.mark.integration]
 

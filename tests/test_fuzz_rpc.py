@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.client.remote import RemoteChain
-from petals_chain.local_swarm import LocalSwarm
 from petals_chain.models.checkpoint import load_config
+from petals_chain.swarm.local import LocalSwarm
 from tests.fuzz_messages import ORCHESTRATOR_RPCS, SERVER_RPCS, RpcFuzzer, fuzz
 from tests.swarm_helpers import get_json, wait_for
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from petals_chain.heap import freeze_startup_heap
+from petals_chain.process.heap import freeze_startup_heap
 
 
 class Node:

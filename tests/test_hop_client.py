@@ -11,7 +11,7 @@ import pytest
 from petals_chain.client import hop_client
 from petals_chain.client.hop_client import LIVENESS_PROBES, HopClient
 from petals_chain.errors import ServerUnavailableError
-from petals_chain.messages import Hop, Open
+from petals_chain.wire.messages import Hop, Open
 
 HOP = Hop("QmPeer", 0, 6)
 
@@ -126,8 +126,8 @@ class PushedHopChannel:
 def _step_reply():
     import torch
 
-    from petals_chain import wire_parts
-    from petals_chain.messages import StepReply
+    from petals_chain.wire import parts as wire_parts
+    from petals_chain.wire.messages import StepReply
 
     return wire_parts.encode_raw(StepReply("s", 1, 2, 0.001, 0.001).to_wire(), torch.zeros(1, 4))
 
@@ -144,7 +144,7 @@ def test_a_held_back_copy_goes_out_only_when_the_pushed_reply_is_late(push_lost)
     sent; when the push is lost the copy goes out after `copy_after_s` and the step still completes."""
     import torch
 
-    from petals_chain.messages import Step
+    from petals_chain.wire.messages import Step
 
     hops = HopClient(loop=None, p2p=None)
     channel = PushedHopChannel(_step_reply(), reply_after_s=0.01, push_lost=push_lost)
@@ -157,8 +157,8 @@ def test_a_held_back_copy_goes_out_only_when_the_pushed_reply_is_late(push_lost)
 def test_a_step_without_a_hold_and_one_too_large_for_a_raw_frame_go_at_once():
     import torch
 
-    from petals_chain import wire_parts
-    from petals_chain.messages import Step
+    from petals_chain.wire import parts as wire_parts
+    from petals_chain.wire.messages import Step
 
     hops = HopClient(loop=None, p2p=None)
     channel = PushedHopChannel(_step_reply(), reply_after_s=0.0)

@@ -12,9 +12,9 @@ import torch
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.client.remote import RemoteChain
 from petals_chain.errors import RequestTooLargeError
-from petals_chain.local_swarm import LocalSwarm
 from petals_chain.models.checkpoint import load_config
-from petals_chain.wire_parts import MAX_PART_BYTES
+from petals_chain.swarm.local import LocalSwarm
+from petals_chain.wire.parts import MAX_PART_BYTES
 
 pytestmark = [pytest.mark.integration]
 

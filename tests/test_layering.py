@@ -4,6 +4,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.import_graph import cycles, graph
+
 REPO = Path(__file__).resolve().parents[1]
 OURS = {"petals_chain", "server", "orchestrator", "netem", "experiments", "scripts", "tests"}
 
@@ -50,16 +52,71 @@ def test_server_imports_only_petals_chain_and_netems_cpu_share_reader():
     assert violations("server", {"petals_chain", "netem"}) == []
 
 
-def test_petals_chain_imports_server_or_orchestrator_only_lazily_in_its_cli_modules_and_never_netem():
+def test_petals_chain_imports_server_or_orchestrator_only_lazily_in_cli_and_never_netem():
     # the CLI names subcommands as "module:function" strings; a CLI module may import the one it runs;
     # `petals-chain netem` is such a string too, so petals_chain never imports netem (DESIGN.md)
     assert [v for v in violations("petals_chain", set(), lazy_ok=lambda p: False) if v.endswith("imports netem")] == []
-    assert violations("petals_chain", {"netem"}, lazy_ok=lambda p: p.name == "cli.py" or p.name.endswith("_cli.py")) == []
+    assert violations("petals_chain", {"netem"}, lazy_ok=lambda p: p.parts[:2] == ("petals_chain", "cli")) == []
 
 
 def test_the_orchestrators_algorithms_import_no_server_and_only_the_cli_helpers_of_petals_chain():
-    # algorithms and sim/: numpy, scipy, networkx, netem; its CLI modules share petals_chain/cli_args.py
+    # algorithms and sim/: numpy, scipy, networkx, netem; its CLI modules share petals_chain/cli/args.py
     # as every CLI does; service/ (the online orchestrator) may use petals_chain's wire and loop helpers
     assert violations("orchestrator", {"netem"}, skip=lambda p: "service" in p.parts or p.name.endswith("cli_args.py")
                       or p.name.endswith("_cli.py")) == []
     assert violations("orchestrator", {"netem", "petals_chain"}) == []
+
+
+# DESIGN.md's layers inside petals_chain, bottom up: a subpackage may import only those listed (and
+# itself). `cli/` is every command's entry point and may import anything.
+PETALS_CHAIN_LAYERS = {
+    "errors": set(),
+    "wire": {"errors"},
+    "algorithms": {"errors"},
+    "process": {"errors"},
+    "models": {"errors"},
+    "transport": {"errors", "wire"},
+    "swarm": {"errors", "wire", "transport", "process"},
+    "runtime": {"errors", "models"},
+    "client": {"errors", "wire", "transport", "swarm", "process", "models", "runtime", "algorithms"},
+    "api": {"errors", "wire", "client", "models", "runtime", "algorithms", "process"},
+}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "petals_chain" and len(parts) > 1 else None
+
+
+def test_petals_chain_subpackages_import_only_the_layers_below_them():
+    g = graph()
+    known = set(PETALS_CHAIN_LAYERS) | {"cli"}
+    bad = []
+    for module, deps in sorted(g.items()):
+        layer = _layer(module)
+        if layer is None or layer == "cli":
+            continue
+        assert layer in known, f"{module}: a new petals_chain subpackage; add it to PETALS_CHAIN_LAYERS and DESIGN.md"
+        for dep in sorted(deps):
+            dep_layer = _layer(dep)
+            if dep.split(".")[0] != "petals_chain":
+                continue
+            if dep_layer is None or (dep_layer != layer and dep_layer not in PETALS_CHAIN_LAYERS[layer]):
+                bad.append(f"{module} imports {dep}")
+    assert bad == []
+
+
+def test_no_module_outside_cli_sits_at_the_top_of_petals_chain():
+    # the flat grab bag is gone: only the package's own __init__ and errors.py live at the top
+    top = sorted(p.name for p in (REPO / "petals_chain").glob("*.py"))
+    assert top == ["__init__.py", "errors.py"]
+
+
+def test_the_module_import_graph_has_no_cycles():
+    assert cycles(graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle_closed_by_a_function_local_import():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(g) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from petals_chain.client.orchestrated import OrchestratorChainProvider
-from petals_chain.messages import ChainGrant, HeartbeatReply
+from petals_chain.wire.messages import ChainGrant, HeartbeatReply
 
 
 def _grant(chain_id: int) -> ChainGrant:

@@ -5,13 +5,23 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import gca
-from orchestrator.model import chain_slot_usage, contended_chains, residual_slots, total_service_rate_per_s
+from orchestrator.model import (
+    chain_slot_usage,
+    contended_chains,
+    residual_slots,
+    total_service_rate_per_s,
+)
 from orchestrator.placement_gbp_cr import gbp_cr, max_capacity
-from orchestrator.placement_leftover import TIE_REL, place_leftover, tune_c_with_leftover
+from orchestrator.placement_leftover import (
+    TIE_REL,
+    place_leftover,
+    tune_c_with_leftover,
+)
 from orchestrator.planner import plan
 from orchestrator.tuning import evaluate_c, tune_c
 from tests.orchestrator_strategies import clusters, make_cluster

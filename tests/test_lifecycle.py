@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
+from petals_chain.swarm.local import REPO_ROOT, LocalSwarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 CTRL_C_DEADLINE_S = 5.0  # the promise for every long-running command

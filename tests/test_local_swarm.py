@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from petals_chain.local_swarm import LocalSwarm, SwarmStartError, _is_peer_maddr
+from petals_chain.swarm.local import LocalSwarm, SwarmStartError, _is_peer_maddr
 
 # What a DHT peer that failed in hivemind printed on a GPU host (missing multiaddr dependencies): the
 # traceback's path holds "/p2p/", and was once passed to the servers as the swarm's address.

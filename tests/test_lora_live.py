@@ -12,8 +12,8 @@ import torch
 
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.errors import UnknownAdapterError
-from petals_chain.local_swarm import LocalSwarm
-from petals_chain.wire import ServerInfo, ServerState
+from petals_chain.swarm.local import LocalSwarm
+from petals_chain.wire.records import ServerInfo, ServerState
 from tests.family_checkpoints import VOCAB, load_hf, load_hf_with_lora, save_random_lora
 from tests.swarm_helpers import RawStream
 

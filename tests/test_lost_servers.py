@@ -3,7 +3,8 @@ at once when it announced offline (orchestrator.service.registry.lost_servers)."
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from orchestrator.service.registry import lost_servers
 

@@ -6,13 +6,13 @@ import torch
 
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.client.remote import RemoteChain
-from petals_chain.messages import Hop
-from petals_chain.errors import InvalidRequestError, NotAllowedError, NoChainError
-from petals_chain.local_swarm import LocalSwarm
-from petals_chain.membership import parse_allowed_peers
+from petals_chain.errors import InvalidRequestError, NoChainError, NotAllowedError
 from petals_chain.models.checkpoint import load_config
-from petals_chain.swarm_identity import SwarmIdentity
-from petals_chain.wire_parts import MAX_PART_BYTES
+from petals_chain.swarm.identity import SwarmIdentity
+from petals_chain.swarm.local import LocalSwarm
+from petals_chain.transport.membership import parse_allowed_peers
+from petals_chain.wire.messages import Hop
+from petals_chain.wire.parts import MAX_PART_BYTES
 from tests.swarm_helpers import ListedChains, RawStream
 
 PEER = "QmSwuCzywcxNfG4R76jt2sdSJRFBtUPRFPcxj7C2bchx6y"

@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from petals_chain.errors import InvalidRequestError
-from server.memory_budget import AUTO_MARGIN_MIN_BYTES, auto_memory_budget, free_and_total_bytes
+from server.memory_budget import (
+    AUTO_MARGIN_MIN_BYTES,
+    auto_memory_budget,
+    free_and_total_bytes,
+)
 
 
 def test_auto_budget_on_cpu_is_available_memory_minus_the_margin():

@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
-from petals_chain.reachability import relay_peer_id
+from petals_chain.swarm.local import REPO_ROOT, LocalSwarm
+from petals_chain.swarm.reachability import relay_peer_id
 from tests.swarm_helpers import emulated_network, get_in_netns, wait_for
 
 pytestmark = pytest.mark.integration

@@ -135,7 +135,7 @@ def test_cleanup_removes_the_groups_a_crashed_run_left(layout):
 # server does, says so, and lives until its stdin closes
 DHT_HOLDER = """
 import sys
-from petals_chain.process_signals import start_dht
+from petals_chain.process.signals import start_dht
 dht = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 print("ready", flush=True)
 sys.stdin.read()

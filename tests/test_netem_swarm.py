@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import netem
-from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
+from petals_chain.swarm.local import REPO_ROOT, LocalSwarm
 from tests.swarm_helpers import emulated_network, get_in_netns, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]

@@ -9,14 +9,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.dispatch import DISPATCHERS, make_dispatcher
 from orchestrator.service.sessions import Queued, Sessions, chain_specs
 from orchestrator.sim.engine import simulate
-from petals_chain import wire
 from petals_chain.errors import AcquireTimeoutError
-from petals_chain.messages import Hop
+from petals_chain.wire import codec as wire
+from petals_chain.wire.messages import Hop
 
 
 def live_chains(caps_times):

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from petals_chain import wire
 from petals_chain.client.orchestrated import OrchestratorChainProvider
 from petals_chain.client.remote import RemoteChain
 from petals_chain.errors import OrchestratorUnavailableError
-from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
 from petals_chain.models.checkpoint import load_config
-from petals_chain.protocol import OrchestratorService
+from petals_chain.swarm.local import REPO_ROOT, LocalSwarm
+from petals_chain.transport.protocol import OrchestratorService
+from petals_chain.wire import codec as wire
 from tests.swarm_helpers import get_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]

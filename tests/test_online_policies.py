@@ -12,8 +12,8 @@ import torch
 
 from petals_chain.client.remote import RemoteChain
 from petals_chain.client.routing import DhtChainProvider
-from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
 from petals_chain.models.checkpoint import load_config
+from petals_chain.swarm.local import REPO_ROOT, LocalSwarm
 from tests.swarm_helpers import get_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]

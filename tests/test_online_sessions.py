@@ -4,14 +4,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.planner import make_baseline_router, plan
-from orchestrator.service.sessions import Sessions
-from orchestrator.service.measurements import LengthEstimator
-from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
-from orchestrator.service.registry import Overheads, ServerRecord, build_cluster, cluster_to_dict
 from orchestrator.cluster_io import cluster_from_dict
-from petals_chain.messages import Hop
-from petals_chain.wire import ServerInfo
+from orchestrator.planner import make_baseline_router, plan
+from orchestrator.service.measurements import LengthEstimator
+from orchestrator.service.registry import (
+    Overheads,
+    ServerRecord,
+    build_cluster,
+    cluster_to_dict,
+)
+from orchestrator.service.sessions import Sessions
+from orchestrator.session_times import SessionShape, tau_c_s, tau_p_s
+from petals_chain.wire.messages import Hop
+from petals_chain.wire.records import ServerInfo
 
 
 def hops(*peers):
@@ -205,6 +210,7 @@ def test_replan_keeps_busy_and_fixed_servers_unless_forced():
 def test_metrics_text_and_status_page_render_without_a_network():
     import threading
     from types import SimpleNamespace
+
     from orchestrator.service.http import PALETTE, metrics_text, status_html
     ds = Sessions()
     ds.install_chains(chains_cap6(), 3, 0.0)

@@ -2,12 +2,22 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from orchestrator.baselines.bprr import BprrRouter, bprr_placement, bprr_target_concurrency
+from orchestrator.baselines.bprr import (
+    BprrRouter,
+    bprr_placement,
+    bprr_target_concurrency,
+)
 from orchestrator.baselines.jffc_only import jffc_only_chains, jffc_only_placement
 from orchestrator.baselines.petals import PetalsRouter, petals_blocks, petals_placement
-from orchestrator.model import BlockInterval, InfeasibleClusterError, Placement, residual_slots
+from orchestrator.model import (
+    BlockInterval,
+    InfeasibleClusterError,
+    Placement,
+    residual_slots,
+)
 from orchestrator.planner import make_baseline_router
 from tests.orchestrator_strategies import clusters, make_cluster
 

@@ -1,9 +1,14 @@
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from orchestrator.bounds import exact_ctmc_mean_response_time, exact_k2_mean_response_time, theorem37_bounds
+from orchestrator.bounds import (
+    exact_ctmc_mean_response_time,
+    exact_k2_mean_response_time,
+    theorem37_bounds,
+)
 from orchestrator.model import BlockInterval, ChainSpec
 
 

@@ -7,13 +7,21 @@ import math
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import cluster_from_dict
-from orchestrator.model import (ChainSpec, Cluster, InvalidClusterError, Placement, BlockInterval,
-                                contended_chains, link_time_s, saturating_capacity,
-                                server_busy_s)
+from orchestrator.model import (
+    BlockInterval,
+    ChainSpec,
+    Cluster,
+    InvalidClusterError,
+    contended_chains,
+    link_time_s,
+    saturating_capacity,
+    server_busy_s,
+)
 from orchestrator.placement_gbp_cr import GbpCrSweep, gbp_cr, max_capacity
 from orchestrator.planner import plan
 from tests.orchestrator_strategies import clusters, make_cluster, placements
@@ -125,10 +133,14 @@ def test_cluster_files_take_batch_overhead_and_reject_bad_values():
 
 
 def test_the_orchestrator_marks_servers_shared_by_its_server_compute_setting():
-    from petals_chain.service_fit import ServiceFit
-    from orchestrator.service.registry import ServerRecord, batch_overhead_s, build_cluster
+    from orchestrator.service.registry import (
+        ServerRecord,
+        batch_overhead_s,
+        build_cluster,
+    )
     from orchestrator.session_times import SessionShape
-    from petals_chain.wire import ServerInfo
+    from petals_chain.algorithms.service_fit import ServiceFit
+    from petals_chain.wire.records import ServerInfo
     shape = SessionShape(100, 21)
     info = ServerInfo("p", "m", 0, 4, "online", 4000, 100, 10, 2048, 40, 1e-4, 1e-3, name="p")
     bare, fitted = ServerRecord(info, rtt_s=0.01), ServerRecord(info, rtt_s=0.01, fit=ServiceFit(2e-4, 1e-3, 0.05, 30, 0.1))
@@ -177,10 +189,15 @@ def test_cluster_files_take_batch_block_overhead_within_tau_p():
 
 
 def test_the_fitted_t_B_goes_into_tau_p_and_is_not_planned_as_shared():
-    from petals_chain.service_fit import ServiceFit
-    from orchestrator.service.registry import Overheads, ServerRecord, build_cluster, server_params
+    from orchestrator.service.registry import (
+        Overheads,
+        ServerRecord,
+        build_cluster,
+        server_params,
+    )
     from orchestrator.session_times import SessionShape
-    from petals_chain.wire import ServerInfo
+    from petals_chain.algorithms.service_fit import ServiceFit
+    from petals_chain.wire.records import ServerInfo
     shape = SessionShape(100, 21)
     info = ServerInfo("p", "m", 0, 4, "online", 4000, 100, 10, 2048, 40, 1e-4, 1e-3, name="p")
     f = ServiceFit(2e-4, 1e-3, 0.05, 30, 0.1, t_B_s=0.01, blocks_separable=True)

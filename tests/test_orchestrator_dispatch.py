@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.bounds import exact_ctmc_mean_response_time, theorem37_bounds
 from orchestrator.dispatch import DISPATCHERS, Start, make_dispatcher

@@ -1,10 +1,22 @@
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.model import InfeasibleClusterError
-from orchestrator.placement_gbp_cr import blocks_per_server, gbp_cr, gbp_cr_or_raise, max_capacity
+from orchestrator.placement_gbp_cr import (
+    blocks_per_server,
+    gbp_cr,
+    gbp_cr_or_raise,
+    max_capacity,
+)
 from orchestrator.reference_optima import brute_force_disjoint_chains
-from tests.orchestrator_strategies import clusters, fig1_cluster, fig2_cluster, make_cluster, times
+from tests.orchestrator_strategies import (
+    clusters,
+    fig1_cluster,
+    fig2_cluster,
+    make_cluster,
+    times,
+)
 
 
 @pytest.mark.parametrize("L", [3, 4, 5, 7])

@@ -1,12 +1,24 @@
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.cache_gca import gca, gca_or_raise
-from tests.gca_reference import gca_networkx
-from orchestrator.model import BlockInterval, InfeasibleClusterError, Placement, chain_slot_usage, residual_slots
+from orchestrator.model import (
+    BlockInterval,
+    InfeasibleClusterError,
+    Placement,
+    chain_slot_usage,
+    residual_slots,
+)
 from orchestrator.placement_gbp_cr import gbp_cr
 from orchestrator.reference_optima import optimal_cache_allocation
-from tests.orchestrator_strategies import clusters, fig2_cluster, make_cluster, placements
+from tests.gca_reference import gca_networkx
+from tests.orchestrator_strategies import (
+    clusters,
+    fig2_cluster,
+    make_cluster,
+    placements,
+)
 
 
 def test_fig2_gca_three_chains_of_capacity_5():

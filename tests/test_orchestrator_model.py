@@ -1,9 +1,19 @@
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from orchestrator.model import (SINK, SOURCE, BlockInterval, InvalidClusterError, Placement, chain_from_path,
-                                residual_slots, robust_floor_div, routing_links)
+from orchestrator.model import (
+    SINK,
+    SOURCE,
+    BlockInterval,
+    InvalidClusterError,
+    Placement,
+    chain_from_path,
+    residual_slots,
+    robust_floor_div,
+    routing_links,
+)
 from tests.orchestrator_strategies import make_cluster
 
 

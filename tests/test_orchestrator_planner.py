@@ -4,15 +4,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.baselines.request_router import PerRequestRouter
+from orchestrator.cluster_io import cluster_from_dict
 from orchestrator.dispatch import JffcDispatcher
 from orchestrator.model import InfeasibleClusterError, chain_slot_usage, residual_slots
 from orchestrator.plan_cli import main
 from orchestrator.planner import POLICIES, make_plan_dispatcher, plan
 from orchestrator.tuning import tune_c
-from orchestrator.cluster_io import cluster_from_dict
 from tests.orchestrator_strategies import clusters, fig1_cluster, make_cluster, simulate
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cluster.json"
@@ -148,7 +149,7 @@ def test_cli_unreadable_and_bad_args(tmp_path, capsys):
 
 
 def test_umbrella_cli_dispatches_plan(capsys):
-    from petals_chain.cli import main as umbrella
+    from petals_chain.cli.main import main as umbrella
     assert umbrella(["plan", "--cluster", str(EXAMPLE), "--c", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["c"] == 2
 

@@ -6,7 +6,7 @@ import signal
 import time
 import urllib.request
 
-from petals_chain.local_swarm import LocalSwarm
+from petals_chain.swarm.local import LocalSwarm
 
 
 def _status(url: str) -> dict:

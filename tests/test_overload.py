@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from petals_chain.local_swarm import REPO_ROOT
+from petals_chain.swarm.local import REPO_ROOT
 
 pytestmark = [pytest.mark.integration]
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from petals_chain.local_swarm import REPO_ROOT
+from petals_chain.swarm.local import REPO_ROOT
 
 
 def test_top_level_import_is_the_client_class():
     import petals_chain
-    from petals_chain import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
+    from petals_chain import (
+        AutoDistributedModelForCausalLM,
+        DistributedModelForCausalLM,
+    )
     from petals_chain.client.model import DistributedModelForCausalLM as Direct
 
     assert DistributedModelForCausalLM is Direct and AutoDistributedModelForCausalLM is Direct
@@ -28,7 +31,7 @@ def test_unknown_top_level_name_is_an_attribute_error():
 
 
 def test_import_and_cli_help_do_not_load_torch():
-    code = ("import sys, petals_chain, petals_chain.cli; petals_chain.cli.main(['--help']); "
+    code = ("import sys, petals_chain, petals_chain.cli.main; petals_chain.cli.main.main(['--help']); "
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.model import Cluster, Server, Service, total_service_rate_per_s

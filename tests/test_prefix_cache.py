@@ -11,13 +11,16 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from petals_chain.errors import InvalidRequestError, OutOfCacheError
-from petals_chain.prefix_keys import prefix_hashes, usable_prefix_tokens
 from petals_chain.runtime.block_range import BlockRange, StepInput
 from petals_chain.runtime.client_head import ClientHead
 from petals_chain.runtime.kv_cache import SessionKV
+from petals_chain.wire.prefix_keys import (
+    check_prefix_hashes,
+    prefix_hashes,
+    usable_prefix_tokens,
+)
 from server.memory import KVBudget
 from server.policies import make_policy
-from petals_chain.prefix_keys import check_prefix_hashes
 from server.prefix_cache import PrefixCache
 from server.scheduler import StepScheduler
 
@@ -334,7 +337,7 @@ def test_cache_floor_is_kept_from_sessions_and_from_advertised_slots():
 
 
 def test_stream_messages_carry_the_prefix_fields_and_refuse_bad_ones():
-    from petals_chain.messages import Open, Opened, Step
+    from petals_chain.wire.messages import Open, Opened, Step
 
     hashes = _hashes(list(range(40)), chunk=16)
     wire_open = Open("s", 64, 0, prefix_hashes=hashes).to_wire()

@@ -5,13 +5,12 @@ server relay, and span failover with client relay)."""
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.errors import InvalidRequestError
-from petals_chain.local_swarm import LocalSwarm
-from petals_chain.prefix_keys import prefix_hashes
+from petals_chain.swarm.local import LocalSwarm
+from petals_chain.wire.prefix_keys import prefix_hashes
 from tests.swarm_helpers import RawStream
 from tests.test_failover import KillAfter
 

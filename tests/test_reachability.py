@@ -8,9 +8,18 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 
 from petals_chain.errors import InvalidRequestError
-from petals_chain.reachability import (DialBackRequest, RelayRoutes, _ip_port, circuit_maddrs, encode_circuit,
-                                       p2pd_flags, relay_peer_id, relayed_dht_kwargs, relayed_rtt_s)
-from petals_chain.wire import Reachability, ServerInfo, ServerState
+from petals_chain.swarm.reachability import (
+    DialBackRequest,
+    RelayRoutes,
+    _ip_port,
+    circuit_maddrs,
+    encode_circuit,
+    p2pd_flags,
+    relay_peer_id,
+    relayed_dht_kwargs,
+    relayed_rtt_s,
+)
+from petals_chain.wire.records import Reachability, ServerInfo, ServerState
 
 RELAY = "12D3KooWAmCZfRvtmdrqeznXwpfTMDuLpYYeLyAHPUwMU9DivFz7"
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from petals_chain import wire, wire_parts
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.errors import RelayRefusedError, error_from_code
-from petals_chain.local_swarm import LocalSwarm
-from petals_chain.messages import Open, Push
+from petals_chain.swarm.local import LocalSwarm
+from petals_chain.wire import codec as wire
+from petals_chain.wire import parts as wire_parts
+from petals_chain.wire.messages import Open, Push
 from server.relay import RelayInbox, RelayIndex
 from tests.swarm_helpers import RawStream
 

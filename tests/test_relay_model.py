@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.service.registry import Overheads, ServerRecord, build_cluster
 from orchestrator.session_times import SessionShape, tau_c_relay_s, tau_c_s
-from petals_chain.wire import ServerInfo
+from petals_chain.wire.records import ServerInfo
 
 
 def _record(peer: str, rtt_s: float, peer_rtt_s: dict[str, float]) -> ServerRecord:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from petals_chain.client.routing import min_latency_chain
 from petals_chain.errors import NoChainError
-from petals_chain.wire import ServerInfo
+from petals_chain.wire.records import ServerInfo
 
 
 def server(name, start, end, decode_s=0.001, free=10, max_len=2048):

@@ -4,7 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from petals_chain.errors import InvalidRequestError, MaxLengthExceededError, ModelNotFoundError
+from petals_chain.errors import (
+    InvalidRequestError,
+    MaxLengthExceededError,
+    ModelNotFoundError,
+)
 from petals_chain.models.checkpoint import read_tensors, resolve_model_path
 from petals_chain.runtime.block_range import BlockRange, StepInput
 

@@ -7,7 +7,11 @@ from transformers import AutoModelForCausalLM
 
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.runtime.block_range import StepInput
-from tests.exactness_helpers import chain_ranges, chain_logits_per_step, hf_logits_per_step
+from tests.exactness_helpers import (
+    chain_logits_per_step,
+    chain_ranges,
+    hf_logits_per_step,
+)
 
 QUANT_TOLERANCE = {"nf4": 0.35, "int8": 0.12}  # relative L2 error of the final hidden state, stated in README
 

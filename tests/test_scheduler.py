@@ -10,11 +10,20 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from petals_chain.errors import SchedulerPolicyError, SessionClosedError
+from petals_chain.errors import (
+    InvalidRequestError,
+    SchedulerPolicyError,
+    SessionClosedError,
+)
 from petals_chain.runtime.block_range import StepInput
-from server.policies import FCFSPolicy, VTCPolicy, WorkItem, make_policy, parse_policy_args
+from server.policies import (
+    FCFSPolicy,
+    VTCPolicy,
+    WorkItem,
+    make_policy,
+    parse_policy_args,
+)
 from server.scheduler import StepScheduler
-from petals_chain.errors import InvalidRequestError
 
 
 @dataclass

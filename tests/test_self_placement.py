@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from petals_chain.client.model import DistributedModelForCausalLM
-from petals_chain.local_swarm import LocalSwarm
+from petals_chain.swarm.local import LocalSwarm
 from tests.swarm_helpers import wait_for
 
 pytestmark = pytest.mark.integration

@@ -11,10 +11,14 @@ import time
 import pytest
 import torch
 
-from petals_chain import wire
 from petals_chain.client.model import DistributedModelForCausalLM
-from petals_chain.errors import AdmissionTimeoutError, OutOfCacheError, SessionIdleTimeoutError
-from petals_chain.local_swarm import REPO_ROOT, LocalSwarm
+from petals_chain.errors import (
+    AdmissionTimeoutError,
+    OutOfCacheError,
+    SessionIdleTimeoutError,
+)
+from petals_chain.swarm.local import REPO_ROOT, LocalSwarm
+from petals_chain.wire import codec as wire
 from tests.swarm_helpers import RawStream
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]

@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from petals_chain import wire
 from petals_chain.runtime.block_range import BlockRange, StepInput
+from petals_chain.wire import codec as wire
+from petals_chain.wire import records as wire_records
 from server import range_profile
 from server.policies import make_policy
 from server.scheduler import StepScheduler
@@ -47,17 +48,17 @@ def test_every_batch_is_measured_and_served_by_cursor_as_typed_records(tiny_llam
     assert sum(r.prefill_block_tokens for r in recs) == 5 * 6 + 2 * 3 and sum(r.decode_block_tokens for r in recs) == 6
     assert all(r.wall_s > 0 and r.cpu_s >= 0 and r.sessions >= 1 for r in recs)
     # rpc_info: the records after a cursor, typed on the wire; no cursor, no records
-    reply = wire.InfoReply.from_wire(wire.InfoReply(_info(), meter.since(recs[0].seq)).to_wire())
+    reply = wire_records.InfoReply.from_wire(wire_records.InfoReply(_info(), meter.since(recs[0].seq)).to_wire())
     assert [r.seq for r in reply.service] == [r.seq for r in recs[1:]]
-    assert isinstance(reply.service[0], wire.BatchService)
-    assert meter.since(None) is None and "service" not in wire.InfoReply(_info(), None).to_wire()
-    req = wire.decode_request(wire.request(wire.InfoRequest(service_since_seq=-1)), wire.InfoRequest)
+    assert isinstance(reply.service[0], wire_records.BatchService)
+    assert meter.since(None) is None and "service" not in wire_records.InfoReply(_info(), None).to_wire()
+    req = wire.decode_request(wire.request(wire_records.InfoRequest(service_since_seq=-1)), wire_records.InfoRequest)
     assert req.service_since_seq == -1
-    assert wire.decode_request(wire.request({}), wire.InfoRequest).service_since_seq is None  # an older client
+    assert wire.decode_request(wire.request({}), wire_records.InfoRequest).service_since_seq is None  # an older client
 
 
 def _info():
-    return wire.ServerInfo("p", "m", 0, 6, "online", 1, 1, 1, 64, 1, 1e-4, 1e-3)
+    return wire_records.ServerInfo("p", "m", 0, 6, "online", 1, 1, 1, 64, 1, 1e-4, 1e-3)
 
 
 def test_the_range_profile_is_fitted_through_the_step_path_cached_by_shape_and_dropped_on_disagreement(

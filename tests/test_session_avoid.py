@@ -7,11 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from petals_chain.client.hop_client import FailoverPolicy
+from petals_chain.client.hop_client import FailoverPolicy, HopFailed
 from petals_chain.client.remote_session import RemoteChainSession
-from petals_chain.client.hop_client import HopFailed
 from petals_chain.errors import NoChainError, OutOfCacheError, ServerUnavailableError
-from petals_chain.messages import Hop
+from petals_chain.wire.messages import Hop
 
 
 class RecordingProvider:

@@ -7,11 +7,15 @@ import pytest
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from petals_chain.dht_records import announce_server, fetch_servers, servers_key
 from petals_chain.errors import IdentityError
-from petals_chain.process_signals import start_dht
-from petals_chain.swarm_identity import SwarmIdentity, peer_id_of_public_key, swarm_validators
-from petals_chain.wire import ServerInfo
+from petals_chain.process.signals import start_dht
+from petals_chain.swarm.identity import (
+    SwarmIdentity,
+    peer_id_of_public_key,
+    swarm_validators,
+)
+from petals_chain.swarm.records import announce_server, fetch_servers, servers_key
+from petals_chain.wire.records import ServerInfo
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -113,7 +117,7 @@ def test_live_dht_refuses_a_forged_server_record(victim):
 
 
 def test_identity_cli_new_and_show(tmp_path, capsys):
-    from petals_chain.cli import main
+    from petals_chain.cli.main import main
 
     path = str(tmp_path / "peer.id")
     assert main(["identity", "new", path]) == 0

@@ -9,7 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from netem.topology import AZURE_CODE_TRACE_FILENAME, DATA_ENV_VAR, DataNotFoundError, resolve_data_file
+from netem.topology import (
+    AZURE_CODE_TRACE_FILENAME,
+    DATA_ENV_VAR,
+    DataNotFoundError,
+    resolve_data_file,
+)
 from orchestrator.sim.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

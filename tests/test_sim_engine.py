@@ -9,7 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from orchestrator.sim.engine import SimulationError, exp_job_sizes, poisson_arrivals_s, simulate
+from orchestrator.sim.engine import (
+    SimulationError,
+    exp_job_sizes,
+    poisson_arrivals_s,
+    simulate,
+)
 
 
 @dataclass(frozen=True)

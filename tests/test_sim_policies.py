@@ -5,12 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from netem.topology import synthetic_rtt_ms
 from orchestrator.bounds import exact_ctmc_mean_response_time, theorem37_bounds
 from orchestrator.model import BlockInterval, ChainSpec
 from orchestrator.planner import plan
 from orchestrator.sim.paper_setup import draw_paper_instance, to_cluster
-from orchestrator.sim.policy_runs import poisson_workload, simulate_chains, simulate_plan
-from netem.topology import synthetic_rtt_ms
+from orchestrator.sim.policy_runs import (
+    poisson_workload,
+    simulate_chains,
+    simulate_plan,
+)
 
 
 def _random_chains(rng: np.random.Generator, k: int) -> list[ChainSpec]:

@@ -204,7 +204,7 @@ def test_gateway_engine_prompt_lookup_greedy_identical_and_counted(tiny):
 
 @pytest.mark.parametrize("text,k", [("ngram:4", 4), ("ngram:1", 1)])
 def test_api_speculative_flag_parses(text, k):
-    from petals_chain.api.cli import parse_speculative
+    from petals_chain.cli.api import parse_speculative
 
     assert parse_speculative(text) == k
 
@@ -213,7 +213,7 @@ def test_api_speculative_flag_parses(text, k):
 def test_api_speculative_flag_refuses_bad_values(text):
     import argparse
 
-    from petals_chain.api.cli import parse_speculative
+    from petals_chain.cli.api import parse_speculative
 
     with pytest.raises(argparse.ArgumentTypeError, match="ngram:K"):
         parse_speculative(text)
@@ -223,7 +223,7 @@ def test_api_speculative_flag_refuses_bad_values(text):
 def test_generate_cli_prompt_lookup_same_text_and_stats_line(smollm2_path, capsys):
     import json
 
-    from petals_chain.generate_cli import main
+    from petals_chain.cli.generate import main
 
     prompt = ("Repeat this list exactly: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa. "
               "alpha, beta, gamma, delta,")
@@ -278,7 +278,9 @@ def _generate_recording_steps(model, ids, costs: StepCostModel | None = None, **
 @pytest.mark.parametrize("schedule", ["adaptive", "constant"])
 def test_no_lookup_match_is_one_plain_step(tiny, monkeypatch, schedule):
     """A round whose lookup finds nothing sends exactly what plain decoding sends: one 1-token step."""
-    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    from transformers.generation.candidate_generator import (
+        PromptLookupCandidateGenerator,
+    )
 
     hf, model = tiny
     ids = torch.tensor([REPETITIVE])
@@ -329,7 +331,9 @@ def test_adaptive_drafts_when_steps_cost_alike_and_stays_in_bounds(tiny, monkeyp
 
 
 def _drafter(costs: StepCostModel, max_draft_tokens: int = 4):
-    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    from transformers.generation.candidate_generator import (
+        PromptLookupCandidateGenerator,
+    )
 
     return AdaptivePromptLookup(PromptLookupCandidateGenerator(num_output_tokens=max_draft_tokens, max_length=1000),
                                 max_draft_tokens, costs)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from petals_chain.client.model import DistributedModelForCausalLM
-from petals_chain.local_swarm import LocalSwarm
+from petals_chain.swarm.local import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

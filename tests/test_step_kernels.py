@@ -7,12 +7,22 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-from petals_chain.models.attention import _alibi_bias, _segment_mask, grouped_attention, segment_attention
+from petals_chain.models.attention import (
+    _alibi_bias,
+    _segment_mask,
+    grouped_attention,
+    segment_attention,
+)
 from petals_chain.models.family import AttentionSegment
-from petals_chain.runtime.packed_linear import PackedLinear, pack_linears, packing_available
+from petals_chain.runtime.packed_linear import (
+    PackedLinear,
+    pack_linears,
+    packing_available,
+)
 from petals_chain.runtime.quantization import module_bytes
 
 

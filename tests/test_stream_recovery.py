@@ -15,10 +15,10 @@ import asyncio
 import pytest
 import torch
 
-from petals_chain import wire_parts
 from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.errors import InvalidRequestError, error_from_code
-from petals_chain.local_swarm import LocalSwarm
+from petals_chain.swarm.local import LocalSwarm
+from petals_chain.wire import parts as wire_parts
 from tests.swarm_helpers import ListedChains, wait_for
 
 pytestmark = [pytest.mark.integration]

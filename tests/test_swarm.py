@@ -13,8 +13,8 @@ from petals_chain.errors import (
     OutOfCacheError,
     UnknownSessionError,
 )
-from petals_chain.local_swarm import LocalSwarm
-from petals_chain import wire
+from petals_chain.swarm.local import LocalSwarm
+from petals_chain.wire import codec as wire
 from tests.swarm_helpers import RawStream
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]

@@ -13,7 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from netem.topology import AZURE_CODE_TRACE_FILENAME, RIPE_ATLAS_FILENAME, DataNotFoundError, resolve_data_file
+from netem.topology import (
+    AZURE_CODE_TRACE_FILENAME,
+    RIPE_ATLAS_FILENAME,
+    DataNotFoundError,
+    resolve_data_file,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

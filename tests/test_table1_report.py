@@ -301,7 +301,8 @@ def test_the_probe_targets_only_chains_it_can_reach_by_avoiding_servers():
 
 
 def test_peak_service_finds_the_busiest_window_of_a_service_log():
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     @settings(max_examples=40, deadline=None)
     @given(st.lists(st.tuples(st.floats(0.0, 500.0), st.floats(0.001, 5.0), st.integers(1, 4)), min_size=1,

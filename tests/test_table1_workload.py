@@ -182,7 +182,7 @@ def test_the_kv_plan_length_reaches_the_orchestrator_and_its_cluster():
     from orchestrator.service.cli import build_parser
     from orchestrator.service.registry import ServerRecord, build_cluster
     from orchestrator.session_times import SessionShape
-    from petals_chain.wire import ServerInfo
+    from petals_chain.wire.records import ServerInfo
     reqs = [ScaledRequest(i, float(i), 10 * i, 5, 10 * i, 5, False) for i in range(1, 21)]  # 15, 25, .., 205 tokens
     assert kv_plan_tokens(Table1Config(kv_plan_tokens="auto"), reqs) == 195  # the 19th of 20
     assert kv_plan_tokens(Table1Config(kv_plan_tokens="max"), reqs) is None

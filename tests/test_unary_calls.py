@@ -7,14 +7,17 @@ import asyncio
 import uuid
 
 import pytest
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import ControlClient, DaemonConnector
 from hivemind.proto import p2pd_pb2, runtime_pb2
 
-from hivemind.p2p import PeerID
-
-from petals_chain import wire
-from petals_chain.protocol import BlockService, OrchestratorService, call_unary
+from petals_chain.transport.protocol import (
+    BlockService,
+    OrchestratorService,
+    call_unary,
+)
+from petals_chain.wire import codec as wire
+from petals_chain.wire import records as wire_records
 
 
 def _frame(message) -> bytes:
@@ -97,7 +100,7 @@ def test_the_services_stubs_time_out_unary_calls_without_cancelling_them():
         for service, method in ((BlockService, "rpc_info"), (OrchestratorService, "rpc_acquire")):
             stub = service.get_stub(P2PStandIn(), peer)
             with pytest.raises(TimeoutError):
-                await getattr(stub, method)(wire.request(wire.InfoRequest()), timeout=0.05)
+                await getattr(stub, method)(wire.request(wire_records.InfoRequest()), timeout=0.05)
         assert len(replies) == 2 and not any(f.cancelled() for f in replies)
         with pytest.raises(ValueError, match="not supported"):  # hivemind's own stream caller
             await BlockService.get_stub(P2PStandIn(), peer).rpc_inference(None, timeout=1.0)

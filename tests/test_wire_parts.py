@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from petals_chain import wire
 from petals_chain.errors import InvalidRequestError, PetalsChainError
-from petals_chain.wire_parts import (
+from petals_chain.wire import codec as wire
+from petals_chain.wire.parts import (
     DTYPES,
     MAX_PART_BYTES,
     PARTS_KEY,

@@ -7,12 +7,17 @@ import math
 
 import msgpack
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from petals_chain import messages as m
 from petals_chain.errors import ERROR_TYPES, ErrorCode, InvalidRequestError
-from petals_chain.orchestrator_records import OrchestratorInfo
-from petals_chain.wire import InfoReply, ServerInfo, ServerState
+from petals_chain.wire import messages as m
+from petals_chain.wire.records import (
+    InfoReply,
+    OrchestratorInfo,
+    ServerInfo,
+    ServerState,
+)
 
 HOPS = (m.Hop("a", 0, 10, "A"), m.Hop("b", 10, 30))
 GRANT = m.ChainGrant("s1", 3, 2, HOPS, 0.5, 15.0, wait_s=0.25, extra={"seq": 7})

@@ -31,7 +31,13 @@ import math
 import numpy as np
 
 from orchestrator.baselines.request_router import PerRequestRouter
-from orchestrator.model import BlockInterval, Cluster, InfeasibleClusterError, Placement, robust_floor_div
+from orchestrator.model import (
+    BlockInterval,
+    Cluster,
+    InfeasibleClusterError,
+    Placement,
+    robust_floor_div,
+)
 from orchestrator.placement_gbp_cr import gbp_cr, max_capacity
 
 

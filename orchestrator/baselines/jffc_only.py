@@ -2,7 +2,14 @@
 session's cache, each such server a one-server chain, dispatched by JFFC."""
 from __future__ import annotations
 
-from orchestrator.model import BlockInterval, ChainSpec, Cluster, InfeasibleClusterError, Placement, residual_slots
+from orchestrator.model import (
+    BlockInterval,
+    ChainSpec,
+    Cluster,
+    InfeasibleClusterError,
+    Placement,
+    residual_slots,
+)
 
 
 def jffc_only_placement(cluster: Cluster) -> Placement:

@@ -24,8 +24,14 @@ from typing import Sequence
 import numpy as np
 
 from orchestrator.baselines.request_router import PerRequestRouter
-from orchestrator.model import (BlockInterval, Cluster, InfeasibleClusterError, Placement, residual_slots,
-                               robust_floor_div)
+from orchestrator.model import (
+    BlockInterval,
+    Cluster,
+    InfeasibleClusterError,
+    Placement,
+    residual_slots,
+    robust_floor_div,
+)
 
 PETALS_CACHE_SESSIONS = 2.0
 PETALS_STEP_OVERHEAD_S = 0.018

@@ -26,7 +26,14 @@ from collections import deque
 import numpy as np
 
 from orchestrator.dispatch import Dispatcher, Start
-from orchestrator.model import ChainSpec, Cluster, InfeasibleClusterError, Placement, chain_from_path, residual_slots
+from orchestrator.model import (
+    ChainSpec,
+    Cluster,
+    InfeasibleClusterError,
+    Placement,
+    chain_from_path,
+    residual_slots,
+)
 
 
 def end_dp_shortest_path(placement: Placement, num_blocks: int, link_cost) -> list[int] | None:

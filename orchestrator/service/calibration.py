@@ -1,7 +1,7 @@
 """The calibrated service model: what the live swarm measures, fitted per server. Pure (time passed in).
-The fit of one window is `petals_chain/service_fit.py` (the servers' start-up profile uses it too).
+The fit of one window is `petals_chain/algorithms/service_fit.py` (the servers' start-up profile uses it too).
 
-Servers report each batch they ran (`petals_chain.wire.BatchService`: wall and CPU seconds, sessions,
+Servers report each batch they ran (`petals_chain.wire.records.BatchService`: wall and CPU seconds, sessions,
 and block-tokens of prefill and of decode). The orchestrator fits per server, over a sliding window,
 
     wall_s = t_o + t_B * blocks + t_I * prefill_block_tokens + t_O * decode_block_tokens
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from petals_chain.service_fit import ServiceFit, fit_service
+from petals_chain.algorithms.service_fit import ServiceFit, fit_service
 
 
 class ServiceWindow:

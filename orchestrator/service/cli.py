@@ -7,14 +7,22 @@ import signal
 import sys
 import threading
 
+from orchestrator.cli_args import parse_c, positive_float
 from orchestrator.dispatch import DISPATCHERS
 from orchestrator.model import SERVER_COMPUTE
 from orchestrator.planner import POLICIES
 from orchestrator.tuning import TUNINGS
-from orchestrator.cli_args import parse_c, positive_float
-from petals_chain.heap import freeze_startup_heap
-from petals_chain.cli_args import (LOG_LEVELS, CliParser, identity_path, listen_maddr, non_negative_float,
-                                   non_negative_int, peer_maddr, positive_int)
+from petals_chain.cli.args import (
+    LOG_LEVELS,
+    CliParser,
+    identity_path,
+    listen_maddr,
+    non_negative_float,
+    non_negative_int,
+    peer_maddr,
+    positive_int,
+)
+from petals_chain.process.heap import freeze_startup_heap
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from petals_chain.errors import PetalsChainError
     from petals_chain.models.checkpoint import load_config, resolve_model_path
-
-    from petals_chain.membership import load_allowed_peers
+    from petals_chain.transport.membership import load_allowed_peers
 
     try:
         num_blocks = load_config(resolve_model_path(args.model)).num_hidden_layers

@@ -15,29 +15,46 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-
 from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
 from orchestrator.model import Cluster, Placement, contended_chains
-from orchestrator.planner import Plan, make_baseline_router, plan as run_plan
+from orchestrator.planner import Plan, make_baseline_router
+from orchestrator.planner import plan as run_plan
 from orchestrator.policies import get_policy
-from orchestrator.service.calibration import (FittedProfile, ReplanTrigger, ServiceWindow, own_else_swarm_median,
-                                              scaled_profile_fit)
-from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
+from orchestrator.service.calibration import (
+    FittedProfile,
+    ReplanTrigger,
+    ServiceWindow,
+    own_else_swarm_median,
+    scaled_profile_fit,
+)
 from orchestrator.service.measurements import LengthEstimator, median
+from orchestrator.service.registry import (
+    HeldRange,
+    Overheads,
+    ServerRecord,
+    batch_overhead_s,
+    build_cluster,
+    cluster_to_dict,
+    keep_held_ranges,
+    lost_servers,
+    server_params,
+)
+from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.session_times import SessionShape
-from orchestrator.service.registry import (HeldRange, Overheads, ServerRecord, batch_overhead_s, build_cluster, cluster_to_dict,
-                                           keep_held_ranges, lost_servers, server_params)
-from petals_chain.background_loop import BackgroundLoop
-from petals_chain.process_signals import start_dht
-from petals_chain.dht_records import fetch_servers, model_key
 from petals_chain.errors import UnknownAdapterError
-from petals_chain.reachability import RelayRoutes, dht_ping_s, relayed_rtt_s
-from petals_chain.messages import Assignment, AssignmentStatus, Hop
-from petals_chain.orchestrator_records import OrchestratorInfo, announce_orchestrator
-from petals_chain.wire import ServerState
-from petals_chain.swarm_identity import SwarmIdentity
-from petals_chain.protocol import OrchestratorService, fetch_service_records, ping_block_server_s
+from petals_chain.process.loop import BackgroundLoop
+from petals_chain.process.signals import start_dht
+from petals_chain.swarm.identity import SwarmIdentity
+from petals_chain.swarm.reachability import RelayRoutes, dht_ping_s, relayed_rtt_s
+from petals_chain.swarm.records import announce_orchestrator, fetch_servers, model_key
+from petals_chain.transport.protocol import (
+    OrchestratorService,
+    fetch_service_records,
+    ping_block_server_s,
+)
+from petals_chain.wire.messages import Assignment, AssignmentStatus, Hop
+from petals_chain.wire.records import OrchestratorInfo, ServerState
 
 logger = logging.getLogger(__name__)
 

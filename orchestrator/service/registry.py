@@ -10,9 +10,9 @@ import logging
 from dataclasses import dataclass
 
 from orchestrator.model import SERVER_COMPUTE, BlockInterval, Cluster, Server, Service
-from petals_chain.service_fit import ServiceFit
 from orchestrator.session_times import SessionShape, tau_c_relay_s, tau_c_s, tau_p_s
-from petals_chain.wire import ServerInfo
+from petals_chain.algorithms.service_fit import ServiceFit
+from petals_chain.wire.records import ServerInfo
 
 logger = logging.getLogger(__name__)
 

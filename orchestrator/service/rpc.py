@@ -1,4 +1,4 @@
-"""Handlers behind `petals_chain.protocol.OrchestratorService`: acquire, release, heartbeat, assignment.
+"""Handlers behind `petals_chain.transport.protocol.OrchestratorService`: acquire, release, heartbeat, assignment.
 Each is decode -> owner -> encode: the sessions' owner (orchestrator.service.sessions.Sessions) or
 the orchestrator (orchestrator.service.core) does the work under its one lock.
 
@@ -15,10 +15,21 @@ import logging
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-from orchestrator.service.sessions import MAX_POLL_S, Queued as Waiting
-from petals_chain import wire
-from petals_chain.messages import (Acquire, AssignmentReply, AssignmentRequest, ChainGrant, Granted, Heartbeat,
-                                   HeartbeatReply, Queued, Release, Released)
+from orchestrator.service.sessions import MAX_POLL_S
+from orchestrator.service.sessions import Queued as Waiting
+from petals_chain.wire import codec as wire
+from petals_chain.wire.messages import (
+    Acquire,
+    AssignmentReply,
+    AssignmentRequest,
+    ChainGrant,
+    Granted,
+    Heartbeat,
+    HeartbeatReply,
+    Queued,
+    Release,
+    Released,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,12 @@ from typing import Callable
 
 from orchestrator.dispatch import Dispatcher, Start, make_dispatcher
 from orchestrator.model import BlockInterval, ChainSpec
-from petals_chain.errors import AcquireTimeoutError, MaxLengthExceededError, NoChainError
-from petals_chain.messages import ChainGrant, Hop
+from petals_chain.errors import (
+    AcquireTimeoutError,
+    MaxLengthExceededError,
+    NoChainError,
+)
+from petals_chain.wire.messages import ChainGrant, Hop
 
 logger = logging.getLogger(__name__)
 

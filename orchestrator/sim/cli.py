@@ -76,9 +76,19 @@ def _cluster_and_meta(args) -> tuple[object, dict]:
             raw = dict(raw, arrival_rate=args.arrival_rate)
         return cluster_from_dict(raw), {"cluster": args.cluster}, None
 
-    from netem.topology import DataNotFoundError, RIPE_ATLAS_FILENAME, load_ripe_atlas_rtt_matrix, resolve_data_file, synthetic_rtt_ms
+    from netem.topology import (
+        RIPE_ATLAS_FILENAME,
+        DataNotFoundError,
+        load_ripe_atlas_rtt_matrix,
+        resolve_data_file,
+        synthetic_rtt_ms,
+    )
     from orchestrator.sim.authors_setup import AuthorsChoices, authors_rtt_ms_from_csv
-    from orchestrator.sim.paper_setup import DEFAULT_ARRIVAL_RATE_PER_S, draw_paper_instance, to_cluster
+    from orchestrator.sim.paper_setup import (
+        DEFAULT_ARRIVAL_RATE_PER_S,
+        draw_paper_instance,
+        to_cluster,
+    )
 
     try:
         authors = AuthorsChoices.all_on() if args.setup == "authors" else AuthorsChoices.parse(args.authors_choices)
@@ -133,11 +143,9 @@ def _workload(args, cluster, rng):
 def run(args) -> dict:
     from orchestrator.planner import plan
     from orchestrator.policies import get_policy
-    from orchestrator.sim.policy_runs import simulate_plan
-
     from orchestrator.sim.authors_setup import AUTHORS_JOBS_PER_RUN
     from orchestrator.sim.paper_experiments import baseline_options
-    from orchestrator.sim.policy_runs import DEFAULT_WARMUP_FRACTION
+    from orchestrator.sim.policy_runs import DEFAULT_WARMUP_FRACTION, simulate_plan
 
     cluster, meta, inst = _cluster_and_meta(args)
     opts = baseline_options(inst.authors, inst.is_high) if inst is not None else None

@@ -26,18 +26,31 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from orchestrator.baselines.options import BaselineOptions
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import gca
-from orchestrator.model import InfeasibleClusterError, residual_slots, total_service_rate_per_s
+from orchestrator.model import (
+    InfeasibleClusterError,
+    residual_slots,
+    total_service_rate_per_s,
+)
 from orchestrator.placement_gbp_cr import blocks_per_server, gbp_cr
 from orchestrator.planner import plan
 from orchestrator.reference_optima import optimal_cache_allocation
-from orchestrator.tuning import evaluate_c, tune_c
-from orchestrator.baselines.options import BaselineOptions
-from orchestrator.sim.authors_setup import (AUTHORS_JOBS_PER_RUN, AUTHORS_PETALS_CACHE_GB_PER_BLOCK,
-                                            AUTHORS_PETALS_LOW_BLOCK_CAP, AuthorsChoices)
+from orchestrator.sim.authors_setup import (
+    AUTHORS_JOBS_PER_RUN,
+    AUTHORS_PETALS_CACHE_GB_PER_BLOCK,
+    AUTHORS_PETALS_LOW_BLOCK_CAP,
+    AuthorsChoices,
+)
 from orchestrator.sim.paper_setup import draw_paper_instance, to_cluster
-from orchestrator.sim.policy_runs import DEFAULT_WARMUP_FRACTION, poisson_workload, simulate_chains, simulate_plan
+from orchestrator.sim.policy_runs import (
+    DEFAULT_WARMUP_FRACTION,
+    poisson_workload,
+    simulate_chains,
+    simulate_plan,
+)
+from orchestrator.tuning import evaluate_c, tune_c
 
 FIG_IDS = {"fig3": 3, "fig4": 4, "fig5": 5, "fig67": 6, "fig8": 8, "fig8x": 9, "leftover": 8}
 DISPATCH_POLICIES = ("jffc", "jsq", "jiq", "sed", "sa-jsq")

@@ -24,8 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.session_times import SessionShape, tau_c_s
-from orchestrator.sim.authors_setup import (AUTHORS_CACHE_SIZE_GB, AUTHORS_HIGH_TAU_P_S, AUTHORS_LOW_TAU_P_S,
-                                            AUTHORS_PREFILL_EXTRA_S, AuthorsChoices)
+from orchestrator.sim.authors_setup import (
+    AUTHORS_CACHE_SIZE_GB,
+    AUTHORS_HIGH_TAU_P_S,
+    AUTHORS_LOW_TAU_P_S,
+    AUTHORS_PREFILL_EXTRA_S,
+    AuthorsChoices,
+)
 
 NUM_BLOCKS = 70
 BLOCK_SIZE_GB = 1.32

@@ -6,7 +6,7 @@ fair scheduler cannot tell the gateway's users apart: fairness across API keys h
 Policies are chosen by name (`--admission fifo|vtc`), like the servers' scheduling policies:
 
 - `fifo`: arrival order, whoever the user.
-- `vtc`: the servers' Virtual Token Counter (`petals_chain/vtc.py`, one implementation) over API
+- `vtc`: the servers' Virtual Token Counter (`petals_chain/algorithms/vtc.py`, one implementation) over API
   keys: the freed slot goes to the waiting user with the smallest counter; a user is charged
   `w_in` per prompt token when a request is admitted and `w_out` per generated token when it
   finishes (the gateway learns the count then); a user who becomes active is lifted, so idle time
@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from petals_chain.vtc import VirtualTokenCounters
+from petals_chain.algorithms.vtc import VirtualTokenCounters
 
 
 class CapacityError(Exception):

@@ -24,7 +24,6 @@ from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.client.speculation import AdaptivePromptLookup
 from petals_chain.errors import InvalidRequestError
 
-
 # pick_allowed's candidates per round after a rejected first pick: a softmax and a multinomial (or a sort)
 # over the whole vocabulary cost about as much for 64 candidates as for one
 REJECTION_DRAWS = 64

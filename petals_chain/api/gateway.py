@@ -26,12 +26,30 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from petals_chain.api import tools
-from petals_chain.api.admission import AdmissionQueue, CapacityError, make_admission_policy
-from petals_chain.api.engine import GenerationResult, SamplingParams, TokenLogprob, run_generation
+from petals_chain.api.admission import (
+    AdmissionQueue,
+    CapacityError,
+    make_admission_policy,
+)
+from petals_chain.api.engine import (
+    GenerationResult,
+    SamplingParams,
+    TokenLogprob,
+    run_generation,
+)
 from petals_chain.api.metrics import CONTENT_TYPE, GatewayMetrics
 from petals_chain.api.openai_schema import (
-    APIError, ChatRequest, CompletionRequest, chat_body, chat_choice, chat_chunk, chat_delta, completion_body,
-    completion_choice, now_s, usage,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    chat_body,
+    chat_choice,
+    chat_chunk,
+    chat_delta,
+    completion_body,
+    completion_choice,
+    now_s,
+    usage,
 )
 from petals_chain.errors import InvalidRequestError, PetalsChainError
 

@@ -19,7 +19,7 @@ from petals_chain.runtime.block_range import BlockRange, StepInput
 @dataclass(frozen=True)
 class PromptPrefix:
     """The prompt a session opens with, so a chain can reuse its hops' cached prefix KV: token ids
-    (hashed into prefix keys, `petals_chain/prefix_keys.py`) and their embeddings (the input a hop
+    (hashed into prefix keys, `petals_chain/wire/prefix_keys.py`) and their embeddings (the input a hop
     replacing a failed one needs to rebuild the skipped prefix)."""
 
     token_ids: list[int]

@@ -17,9 +17,6 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
-from petals_chain import wire, wire_parts
-from petals_chain.direct_stream import DirectDialer
-from petals_chain.framed_stream import FramedStream
 from petals_chain.errors import (
     InvalidRequestError,
     MaxLengthExceededError,
@@ -28,9 +25,22 @@ from petals_chain.errors import (
     PetalsChainError,
     ServerUnavailableError,
 )
-from petals_chain.messages import Close, Forward, Hop, Open, Opened, Step, StepReply
-from petals_chain.prefix_keys import PREFIX_CHUNK_TOKENS
-from petals_chain.protocol import BlockService
+from petals_chain.transport.direct_stream import DirectDialer
+from petals_chain.transport.framed_stream import FramedStream
+from petals_chain.transport.protocol import BlockService
+from petals_chain.wire import codec as wire
+from petals_chain.wire import parts as wire_parts
+from petals_chain.wire import records as wire_records
+from petals_chain.wire.messages import (
+    Close,
+    Forward,
+    Hop,
+    Open,
+    Opened,
+    Step,
+    StepReply,
+)
+from petals_chain.wire.prefix_keys import PREFIX_CHUNK_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +136,7 @@ class HopClient:
 
     async def open_channel(self, peer_id: str) -> FramedStream:
         """A new `rpc_inference` stream to `peer_id` (one socket write per message): a direct TCP stream
-        where the server offers one (petals_chain/direct_stream.py), else through the p2p daemons."""
+        where the server offers one (petals_chain/transport/direct_stream.py), else through the p2p daemons."""
         return await self.dialer.open(peer_id, BlockService.handle_name("rpc_inference"))
 
     def run(self, coro, timeout_s: float):
@@ -304,7 +314,7 @@ class HopClient:
         `timeout_s`, else why not (a refused dial, a timeout): it runs on the server's RPC loop, not
         behind the compute, so a busy server answers."""
         try:
-            await self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s)
+            await self.stub(peer_id).rpc_info(wire.request(wire_records.InfoRequest()), timeout=timeout_s)
         except P2PHandlerError:
             return None  # its handler ran and raised: the host is there
         except (TimeoutError, asyncio.TimeoutError):

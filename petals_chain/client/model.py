@@ -18,8 +18,17 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from petals_chain.client.chain import ChainBackend, ChainSession, LocalChain, PromptPrefix
-from petals_chain.client.speculation import SCHEDULES, AdaptivePromptLookup, StepCostModel
+from petals_chain.client.chain import (
+    ChainBackend,
+    ChainSession,
+    LocalChain,
+    PromptPrefix,
+)
+from petals_chain.client.speculation import (
+    SCHEDULES,
+    AdaptivePromptLookup,
+    StepCostModel,
+)
 from petals_chain.errors import InvalidRequestError
 from petals_chain.models.checkpoint import resolve_model_path
 from petals_chain.runtime.block_range import BlockRange

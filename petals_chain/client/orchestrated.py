@@ -18,13 +18,23 @@ import time
 
 from hivemind.p2p import PeerID
 
-from petals_chain import wire
 from petals_chain.client.routing import ChainProvider
 from petals_chain.errors import OrchestratorUnavailableError, PetalsChainError
-from petals_chain.messages import (Acquire, HopReport, ChainGrant, Granted, Heartbeat, HeartbeatReply, Queued, Release, Released,
-                                   decode_tagged)
-from petals_chain.protocol import OrchestratorService
-from petals_chain.wire_record import WireRecord
+from petals_chain.transport.protocol import OrchestratorService
+from petals_chain.wire import codec as wire
+from petals_chain.wire.messages import (
+    Acquire,
+    ChainGrant,
+    Granted,
+    Heartbeat,
+    HeartbeatReply,
+    HopReport,
+    Queued,
+    Release,
+    Released,
+    decode_tagged,
+)
+from petals_chain.wire.record import WireRecord
 
 logger = logging.getLogger(__name__)
 

@@ -15,20 +15,30 @@ from collections.abc import Iterable
 
 import torch
 
-from petals_chain import wire
-from petals_chain.background_loop import BackgroundLoop
-from petals_chain.process_signals import start_dht
 from petals_chain.client.chain import ChainBackend, PromptPrefix
+from petals_chain.client.hop_client import (  # noqa: F401
+    BUSY_BACKOFF_S,
+    FailoverPolicy,
+    HopClient,
+    HopFailed,
+    as_server_error,
+)
 from petals_chain.client.orchestrated import OrchestratorChainProvider
-from petals_chain.client.hop_client import BUSY_BACKOFF_S, FailoverPolicy, HopClient, HopFailed, as_server_error  # noqa: F401
 from petals_chain.client.remote_session import RemoteChainSession
-from petals_chain.client.routing import ChainProvider, DhtChainProvider, min_latency_chain
-from petals_chain.dht_records import fetch_servers, model_key
+from petals_chain.client.routing import (
+    ChainProvider,
+    DhtChainProvider,
+    min_latency_chain,
+)
 from petals_chain.errors import InvalidRequestError, NoChainError
-from petals_chain.orchestrator_records import find_orchestrator
-from petals_chain.protocol import ping_block_server_s
-from petals_chain.reachability import RelayRoutes
-from petals_chain.swarm_identity import SwarmIdentity, swarm_validators
+from petals_chain.process.loop import BackgroundLoop
+from petals_chain.process.signals import start_dht
+from petals_chain.swarm.identity import SwarmIdentity, swarm_validators
+from petals_chain.swarm.reachability import RelayRoutes
+from petals_chain.swarm.records import fetch_servers, find_orchestrator, model_key
+from petals_chain.transport.protocol import ping_block_server_s
+from petals_chain.wire import codec as wire
+from petals_chain.wire import records as wire_records
 
 logger = logging.getLogger(__name__)
 RELAY_RECORDS_REFRESH_S = 5.0  # servers' records are re-read for relay routes at most this often
@@ -63,7 +73,7 @@ class RemoteChain(ChainBackend):
         self.loop = BackgroundLoop("client-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         # `direct_streams`: session streams over plain TCP to servers that offer them (launch-server
-        # --direct-port), else through the p2p daemons (petals_chain/direct_stream.py)
+        # --direct-port), else through the p2p daemons (petals_chain/transport/direct_stream.py)
         self.hops = HopClient(self.loop, self.p2p, step_timeout_s=step_timeout_s, open_timeout_s=open_timeout_s,
                               direct_streams=direct_streams)
         # a private swarm: records of servers (and of an orchestrator) not on this list are ignored
@@ -83,7 +93,7 @@ class RemoteChain(ChainBackend):
 
     def dial_relayed(self, peer_ids: list[str]) -> None:
         """Connect to the relayed servers among `peer_ids` through their relays before talking to them
-        (petals_chain/reachability.py); this client learns who is relayed from the servers' DHT records,
+        (petals_chain/swarm/reachability.py); this client learns who is relayed from the servers' DHT records,
         read again when a peer is new to it (at most every RELAY_RECORDS_REFRESH_S)."""
         now = time.monotonic()
         if (any(p not in self.relay_routes.known for p in peer_ids)
@@ -106,9 +116,9 @@ class RemoteChain(ChainBackend):
         self.dial_relayed([peer_id])
         return ping_block_server_s(self.loop, self.p2p, peer_id)
 
-    def server_info(self, peer_id: str) -> wire.ServerInfo:
-        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request(wire.InfoRequest()), timeout=5.0), timeout_s=7.0)
-        return wire.decode_reply(wire.unpack(resp.metadata), wire.InfoReply).info
+    def server_info(self, peer_id: str) -> wire_records.ServerInfo:
+        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request(wire_records.InfoRequest()), timeout=5.0), timeout_s=7.0)
+        return wire.decode_reply(wire.unpack(resp.metadata), wire_records.InfoReply).info
 
     def forward(self, hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
         """Stateless forward of [batch, seq, hidden] through a whole chain (rpc_forward), with the LoRA

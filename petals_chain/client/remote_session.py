@@ -25,13 +25,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from petals_chain import wire_parts
 from petals_chain.client.chain import ChainSession, PromptPrefix
-from petals_chain.client.hop_client import (LIVENESS_FLOOR_S, LIVENESS_RECENT_STEPS, LIVENESS_STEP_FACTOR,
-                                            FailoverPolicy, HopFailed, HopStream)
-from petals_chain.errors import MaxLengthExceededError, OutOfCacheError, ServerUnavailableError, SessionIdleTimeoutError
-from petals_chain.messages import Hop, Open, Step
-from petals_chain.prefix_keys import prefix_hashes, usable_prefix_tokens
+from petals_chain.client.hop_client import (
+    LIVENESS_FLOOR_S,
+    LIVENESS_RECENT_STEPS,
+    LIVENESS_STEP_FACTOR,
+    FailoverPolicy,
+    HopFailed,
+    HopStream,
+)
+from petals_chain.errors import (
+    MaxLengthExceededError,
+    OutOfCacheError,
+    ServerUnavailableError,
+    SessionIdleTimeoutError,
+)
+from petals_chain.wire import parts as wire_parts
+from petals_chain.wire.messages import Hop, Open, Step
+from petals_chain.wire.prefix_keys import prefix_hashes, usable_prefix_tokens
 
 if TYPE_CHECKING:
     from petals_chain.client.remote import RemoteChain

@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from petals_chain.errors import NoChainError, UnknownAdapterError
-from petals_chain.messages import Hop
-from petals_chain.wire import ServerInfo, ServerState
+from petals_chain.wire.messages import Hop
+from petals_chain.wire.records import ServerInfo, ServerState
 
 NO_CACHE_PENALTY_S = 10.0
 

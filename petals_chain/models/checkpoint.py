@@ -14,7 +14,11 @@ import torch
 from safetensors import safe_open
 
 from petals_chain.errors import ModelNotFoundError
-from petals_chain.models.convert import CHECKPOINT_FILE, convert_gguf, find_embedded_gguf
+from petals_chain.models.convert import (
+    CHECKPOINT_FILE,
+    convert_gguf,
+    find_embedded_gguf,
+)
 
 EMBEDDED_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct"}
 

@@ -17,9 +17,15 @@ from petals_chain.models.checkpoint import load_config, read_tensors, resolve_mo
 from petals_chain.models.family import AttentionSegment, get_family
 from petals_chain.runtime.decode_graphs import DecodeGraphs, attention_backends
 from petals_chain.runtime.kv_cache import SessionKV, kv_bytes_per_block
-from petals_chain.runtime.lora import LoraRows, adapter_name, attach_adapter, check_adapter, load_adapter_blocks
-from petals_chain.runtime.quantization import module_bytes, quantize_linears
+from petals_chain.runtime.lora import (
+    LoraRows,
+    adapter_name,
+    attach_adapter,
+    check_adapter,
+    load_adapter_blocks,
+)
 from petals_chain.runtime.packed_linear import pack_linears
+from petals_chain.runtime.quantization import module_bytes, quantize_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

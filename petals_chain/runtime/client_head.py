@@ -8,8 +8,8 @@ import torch
 from petals_chain.models.checkpoint import load_config, read_tensors, resolve_model_path
 from petals_chain.models.family import get_family
 from petals_chain.runtime.block_range import parse_dtype
-from petals_chain.runtime.row_batcher import RowBatcher
 from petals_chain.runtime.packed_linear import pack_linears
+from petals_chain.runtime.row_batcher import RowBatcher
 
 # the LM head's batcher waits for expected sessions at most this fraction of its average call
 # (row_batcher.py; the server's scheduler gathers its batches with the same default, 0.5)

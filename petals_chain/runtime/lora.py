@@ -17,7 +17,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from petals_chain.errors import ModelNotFoundError, UnknownAdapterError, UnsupportedModelError
+from petals_chain.errors import (
+    ModelNotFoundError,
+    UnknownAdapterError,
+    UnsupportedModelError,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -10,7 +10,11 @@ import copy
 
 import torch
 from torch import nn
-from transformers.models.falcon.modeling_falcon import FalconDecoderLayer, FalconRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.falcon.modeling_falcon import (
+    FalconDecoderLayer,
+    FalconRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from petals_chain.errors import UnsupportedModelError
 from petals_chain.models.attention import segment_attention

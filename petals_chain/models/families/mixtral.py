@@ -15,8 +15,8 @@ from transformers.models.mixtral.modeling_mixtral import (
     MixtralRotaryEmbedding,
 )
 
-from petals_chain.models.family import register_family
 from petals_chain.models.families.mistral import MistralFamily
+from petals_chain.models.family import register_family
 
 _MOE = "block_sparse_moe."
 

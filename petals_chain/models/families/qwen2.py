@@ -2,7 +2,11 @@
 config turns it on, a sliding window on the layers `layer_types` marks 'sliding_attention'."""
 from __future__ import annotations
 
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import (
+    Qwen2DecoderLayer,
+    Qwen2RMSNorm,
+    Qwen2RotaryEmbedding,
+)
 
 from petals_chain.models.decoder import RotaryDecoderFamily
 from petals_chain.models.family import register_family

@@ -49,5 +49,5 @@ def check_prefix_hashes(hashes: object) -> list[str]:
     for h in hashes:
         if not isinstance(h, str) or len(h) != HASH_CHARS or any(c not in "0123456789abcdef" for c in h):
             raise InvalidRequestError(f"each prefix hash must be {HASH_CHARS} lowercase hex characters "
-                                      "(petals_chain.prefix_keys.prefix_hashes computes them)")
+                                      "(petals_chain.wire.prefix_keys.prefix_hashes computes them)")
     return list(hashes)

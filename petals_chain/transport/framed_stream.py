@@ -6,7 +6,7 @@ write can wake the daemon, which forwards what it has read as its own frame, so 
 the daemons as up to three frames and wakes every process on the path up to three times; the
 receiving side also makes one task per message and a writer task behind a queue on the caller's side.
 
-Besides hivemind's frames, our own ends also carry raw frames (`RAW_MARKER`, petals_chain/wire_parts.py:
+Besides hivemind's frames, our own ends also carry raw frames (`RAW_MARKER`, petals_chain/wire/parts.py:
 `RawFrame`): a decode step's small group without protobuf, sent only to a server that said in its
 open reply that it takes them, and answered so only to a caller that sent them.
 
@@ -28,7 +28,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from petals_chain.wire_parts import RawFrame
+from petals_chain.wire.parts import RawFrame
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ async def serve_framed(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
                        handler: Handler, request_type=runtime_pb2.ExpertRequest) -> None:
     """Run `handler(requests, context)` on one stream: the requests read in the handler's own coroutine
     (no reader task or queue per stream), each response written in one write; the socket is closed at
-    the end. Used by the p2p handlers below and by the direct streams (petals_chain/direct_stream.py)."""
+    the end. Used by the p2p handlers below and by the direct streams (petals_chain/transport/direct_stream.py)."""
     name = context.handle_name
 
     async def requests():

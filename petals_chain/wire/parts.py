@@ -17,7 +17,7 @@ hivemind's `combine_from_streaming` + `deserialize_torch_tensor` copy the whole 
 (`b"".join`, then `bytearray`).
 
 Raw frames (`RawFrame`): a group of metadata and at most one tensor that fits one part can also
-travel as one raw frame on our own framed streams (petals_chain/framed_stream.py: `RAW_MARKER`),
+travel as one raw frame on our own framed streams (petals_chain/transport/framed_stream.py: `RAW_MARKER`),
 without protobuf: `<I` metadata length, the msgpack metadata, then `<BB` dtype code and number of
 dimensions, `<I` per dimension, and the tensor's bytes. Why: a decode step's four codec passes per
 hop (the client's step, the server's reading of it, the server's reply, the client's reading of
@@ -39,7 +39,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from petals_chain.errors import InvalidRequestError, PetalsChainError
-from petals_chain.wire import field_of, pack, unpack
+from petals_chain.wire.codec import field_of, pack, unpack
 
 # The one part size: half of hivemind's 4 MiB p2pd message limit (its MAX_UNARY_PAYLOAD_SIZE),
 # leaving room for metadata and protobuf framing. A message's tensor payload never exceeds it.

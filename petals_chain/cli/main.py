@@ -10,16 +10,16 @@ from __future__ import annotations
 import importlib
 import sys
 
-from petals_chain.cli_args import run_main
+from petals_chain.cli.args import run_main
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("petals_chain.demo_cli:main", "start a local private swarm and generate through it"),
-    "generate": ("petals_chain.generate_cli:main", "generate text locally through block ranges or through a swarm"),
-    "chat": ("petals_chain.chat_cli:main", "chat in the terminal through a swarm (or in-process): history, streaming, /clear"),
-    "api": ("petals_chain.api.cli:main", "serve the OpenAI API (completions, chat, streaming) over a swarm"),
-    "dht": ("petals_chain.dht_cli:main", "start a bootstrap DHT peer and print its multiaddr"),
-    "identity": ("petals_chain.identity_cli:main", "make a peer identity file (stable peer id, signs DHT records) or show its peer id"),
-    "convert": ("petals_chain.models.convert_cli:main", "convert the embedded GGUF model into the local cache"),
+    "demo": ("petals_chain.cli.demo:main", "start a local private swarm and generate through it"),
+    "generate": ("petals_chain.cli.generate:main", "generate text locally through block ranges or through a swarm"),
+    "chat": ("petals_chain.cli.chat:main", "chat in the terminal through a swarm (or in-process): history, streaming, /clear"),
+    "api": ("petals_chain.cli.api:main", "serve the OpenAI API (completions, chat, streaming) over a swarm"),
+    "dht": ("petals_chain.cli.dht:main", "start a bootstrap DHT peer and print its multiaddr"),
+    "identity": ("petals_chain.cli.identity:main", "make a peer identity file (stable peer id, signs DHT records) or show its peer id"),
+    "convert": ("petals_chain.cli.convert:main", "convert the embedded GGUF model into the local cache"),
     "plan": ("orchestrator.plan_cli:main", "plan block placement and chains for a cluster JSON (GBP-CR + GCA)"),
     "orchestrator": ("orchestrator.service.cli:main", "run the online orchestrator (GBP-CR + GCA + JFFC) for a swarm"),
     "simulate": ("orchestrator.sim.cli:main", "run the discrete-event simulator on a cluster"),

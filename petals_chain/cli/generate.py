@@ -12,9 +12,17 @@ import signal
 import sys
 import time
 
+from petals_chain.cli.args import (
+    DTYPE_CHOICES,
+    EXIT_INTERRUPTED,
+    CliParser,
+    identity_path,
+    peer_maddr,
+    positive_float,
+    positive_int,
+    probability,
+)
 from petals_chain.errors import PetalsChainError
-from petals_chain.cli_args import (DTYPE_CHOICES, EXIT_INTERRUPTED, CliParser, identity_path, peer_maddr, positive_float, positive_int,
-                                   probability)
 
 
 def _exit_interrupted(_signum, _frame) -> None:
@@ -109,7 +117,7 @@ def main(argv: list[str]) -> int:
     try:
         path = resolve_model_path(args.model)
         if args.initial_peers:
-            from petals_chain.membership import load_allowed_peers
+            from petals_chain.transport.membership import load_allowed_peers
 
             model = DistributedModelForCausalLM.from_pretrained(
                 args.model, initial_peers=args.initial_peers, dtype=args.dtype, device=args.device,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from petals_chain.cli_args import CliParser, identity_path
+
+from petals_chain.cli.args import CliParser, identity_path
 
 
 def main(argv: list[str]) -> int:
@@ -29,8 +30,10 @@ def main(argv: list[str]) -> int:
         print(f"petals-chain identity: no file {args.path}; make one with `petals-chain identity new {args.path}`",
               file=sys.stderr)
         return 2
-    from petals_chain.errors import IdentityError  # after the checks: hivemind takes seconds to import
-    from petals_chain.swarm_identity import SwarmIdentity
+    from petals_chain.errors import (
+        IdentityError,  # after the checks: hivemind takes seconds to import
+    )
+    from petals_chain.swarm.identity import SwarmIdentity
 
     try:
         print(SwarmIdentity.load_or_create(args.path).peer_id)

@@ -15,7 +15,13 @@ import threading
 import time
 import urllib.request
 
-from petals_chain.cli_args import CliParser, non_negative_int, one_line, parse_size, positive_int
+from petals_chain.cli.args import (
+    CliParser,
+    non_negative_int,
+    one_line,
+    parse_size,
+    positive_int,
+)
 
 DEFAULT_BUDGETS = "300MiB,340MiB,380MiB,420MiB"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sun is a", "In 1492, Columbus",
@@ -24,7 +30,9 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
 
 
 def get_policy_names() -> tuple[str, ...]:
-    from orchestrator.policies import POLICY_NAMES  # the registry (planner, simulator, service read it too)
+    from orchestrator.policies import (
+        POLICY_NAMES,  # the registry (planner, simulator, service read it too)
+    )
     return POLICY_NAMES
 
 
@@ -98,11 +106,11 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, terminate)
     from transformers import AutoTokenizer, TextStreamer
 
+    from petals_chain.cli.generate import encode_prompt
     from petals_chain.client.model import DistributedModelForCausalLM
     from petals_chain.errors import PetalsChainError
-    from petals_chain.generate_cli import encode_prompt
-    from petals_chain.local_swarm import LocalSwarm, SwarmStartError
     from petals_chain.models.checkpoint import cache_dir, resolve_model_path
+    from petals_chain.swarm.local import LocalSwarm, SwarmStartError
 
     path = resolve_model_path(args.model)  # convert once here, not in every server
     check_budgets(path, [parse_size(b) for b in budgets], args.max_length)  # before any process starts

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from petals_chain.process_signals import deferred_interrupts
+from petals_chain.process.signals import deferred_interrupts
 
 # Where a process of the swarm runs: role ("dht", "orchestrator", "server0", ...) -> (argv prefix that
 # runs a command on that host, IPv4 address it listens on). The default runs everything here on
@@ -26,7 +26,7 @@ Placement = Callable[[str], tuple[list[str], str]]
 
 def on_localhost(role: str) -> tuple[list[str], str]:
     return [], "127.0.0.1"
-REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout this module was imported from
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout this module was imported from
 
 
 class SwarmStartError(RuntimeError):

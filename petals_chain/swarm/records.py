@@ -1,4 +1,6 @@
-"""Where swarm records live in the DHT, and how they are written and read."""
+"""Where swarm records live in the DHT, and how they are written and read: the servers' records under
+`servers_key(model)` and the online orchestrator's under `orchestrator_key(model)` (the records
+themselves are `petals_chain/wire/records.py`)."""
 from __future__ import annotations
 
 import logging
@@ -7,8 +9,8 @@ from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
 from petals_chain.errors import InvalidRequestError
-from petals_chain.swarm_identity import SwarmIdentity
-from petals_chain.wire import ServerInfo, ServerState
+from petals_chain.swarm.identity import SwarmIdentity
+from petals_chain.wire.records import OrchestratorInfo, ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -54,3 +56,30 @@ def fetch_servers(dht: DHT, model: str, *, states: tuple[ServerState, ...] = (Se
         if info.state in states and (allowed is None or info.peer_id in allowed):
             infos.append(info)
     return sorted(infos, key=lambda i: (i.start, i.peer_id))
+
+
+def orchestrator_key(model: str) -> str:
+    return f"petals-chain:{model}:orchestrator"
+
+
+def announce_orchestrator(dht: DHT, info: OrchestratorInfo, owner: SwarmIdentity, ttl_s: float) -> bool:
+    return store_record(dht, orchestrator_key(info.model), owner, info.to_wire(), ttl_s)
+
+
+def find_orchestrator(dht: DHT, model: str, allowed: frozenset[str] | None = None) -> OrchestratorInfo | None:
+    """The live orchestrator of `model` (the most recently announced one if several), or None; with
+    `allowed`, only an orchestrator whose peer id is on that list."""
+    found = dht.get(orchestrator_key(model), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return None
+    best = None
+    for entry in found.value.values():
+        try:
+            info = OrchestratorInfo.from_wire(entry.value)
+        except InvalidRequestError:
+            continue
+        if allowed is not None and info.peer_id not in allowed:
+            continue
+        if best is None or entry.expiration_time > best[0]:
+            best = (entry.expiration_time, info)
+    return None if best is None else best[1]

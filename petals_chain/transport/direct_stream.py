@@ -3,7 +3,7 @@
 Why: a step's message crosses two p2p daemons each way (the caller's and the server's p2pd), which
 on loopback is 1.55 ms of the ~1.9 ms framework cost per hop (scripts/bench_hop_overhead.py). A
 direct stream is one TCP connection between the two Python processes carrying the same frames as the
-p2p stream (petals_chain/framed_stream.py) into the same handler (`serve_framed`).
+p2p stream (petals_chain/transport/framed_stream.py) into the same handler (`serve_framed`).
 
 Trust. The caller's identity still comes from p2p: it asks the server over p2p (`rpc_direct`, where
 libp2p authenticates its peer id and encrypts) for a ticket, 16 random bytes the server binds to that
@@ -32,11 +32,23 @@ from collections.abc import Callable
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from petals_chain import wire
 from petals_chain.errors import DirectRefusedError, PetalsChainError
-from petals_chain.framed_stream import _HEADER_BYTES, FramedStream, Handler, frame, read_frame, serve_framed
-from petals_chain.messages import DirectHello, DirectOffer, DirectReady, DirectRequest
-from petals_chain.protocol import BlockService
+from petals_chain.transport.framed_stream import (
+    _HEADER_BYTES,
+    FramedStream,
+    Handler,
+    frame,
+    read_frame,
+    serve_framed,
+)
+from petals_chain.transport.protocol import BlockService
+from petals_chain.wire import codec as wire
+from petals_chain.wire.messages import (
+    DirectHello,
+    DirectOffer,
+    DirectReady,
+    DirectRequest,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from petals_chain.errors import InvalidRequestError
-from petals_chain.prefix_keys import check_prefix_hashes
-from petals_chain.wire_record import WireRecord
+from petals_chain.wire.prefix_keys import check_prefix_hashes
+from petals_chain.wire.record import WireRecord
 
 MAX_SESSION_ID_CHARS = 128
 
@@ -247,7 +247,7 @@ class Forward(WireRecord):
     adapter: str | None = None
 
 
-# -- direct streams (petals_chain/direct_stream.py) ------------------------------------------------
+# -- direct streams (petals_chain/transport/direct_stream.py) ------------------------------------------------
 @dataclass
 class DirectRequest(WireRecord):
     """Ask a server (over p2p: the caller's peer id is authenticated) for a ticket to its direct streams."""

@@ -8,8 +8,8 @@ import socket
 import sys
 
 from petals_chain.api.admission import ADMISSION_POLICIES
-from petals_chain.cli_args import DTYPE_CHOICES, CliParser
-from petals_chain.heap import freeze_startup_heap
+from petals_chain.cli.args import DTYPE_CHOICES, CliParser
+from petals_chain.process.heap import freeze_startup_heap
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per finished session, with the request id (the servers' and orchestrator's logs name it too)
     logging.getLogger("petals_chain.api").setLevel(logging.INFO)
-    from petals_chain.membership import load_allowed_peers
+    from petals_chain.transport.membership import load_allowed_peers
 
     try:
         model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,

@@ -13,13 +13,21 @@ from __future__ import annotations
 import argparse
 import time
 
-from petals_chain.cli_args import DTYPE_CHOICES, CliParser, identity_path, peer_maddr, positive_float, positive_int, probability
+from petals_chain.cli.args import (
+    DTYPE_CHOICES,
+    CliParser,
+    identity_path,
+    peer_maddr,
+    positive_float,
+    positive_int,
+    probability,
+)
 
 PROMPT, CONTINUATION = ">>> ", "... "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from petals_chain.generate_cli import parse_ranges
+    from petals_chain.cli.generate import parse_ranges
 
     p = CliParser(prog="petals-chain chat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
@@ -144,8 +152,8 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer, TextStreamer
 
     from petals_chain.client.model import DistributedModelForCausalLM
-    from petals_chain.membership import load_allowed_peers
     from petals_chain.models.checkpoint import load_config, resolve_model_path
+    from petals_chain.transport.membership import load_allowed_peers
 
     path = resolve_model_path(args.model)
     if args.initial_peers:

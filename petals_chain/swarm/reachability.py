@@ -45,11 +45,11 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon import Multiaddr
 from hivemind.proto import runtime_pb2
 
-from petals_chain import wire
 from petals_chain.errors import InvalidRequestError, PetalsChainError
-from petals_chain.wire import Reachability
-from petals_chain.protocol import call_unary
-from petals_chain.wire_record import WireRecord
+from petals_chain.transport.protocol import call_unary
+from petals_chain.wire import codec as wire
+from petals_chain.wire.record import WireRecord
+from petals_chain.wire.records import Reachability
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey
 
 from petals_chain.errors import IdentityError
+from petals_chain.wire.records import OrchestratorInfo, ServerInfo
 
 
 def peer_id_of_public_key(ssh_public_key: bytes) -> str:
@@ -118,9 +119,6 @@ class SwarmRecordValidator(RecordValidatorBase):
 
 def parse_swarm_record(value: Any):
     """The typed record `value` holds (ServerInfo or OrchestratorInfo), or None."""
-    from petals_chain.orchestrator_records import OrchestratorInfo
-    from petals_chain.wire import ServerInfo
-
     for kind in (ServerInfo, OrchestratorInfo):
         try:
             return kind.from_wire(value)

@@ -1,11 +1,11 @@
 """`petals-chain dht`: start a bootstrap DHT peer, print its full multiaddrs, serve until Ctrl-C/SIGTERM."""
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
-from petals_chain.cli_args import CliParser, identity_path, listen_maddr, peer_maddr
+
+from petals_chain.cli.args import CliParser, identity_path, listen_maddr, peer_maddr
 
 
 def main(argv: list[str]) -> int:
@@ -18,10 +18,10 @@ def main(argv: list[str]) -> int:
                    help="do not relay for servers behind NATs (by default this peer relays and answers their "
                         "dial-back reachability checks)")
     args = p.parse_args(argv)
-    from petals_chain.background_loop import BackgroundLoop
-    from petals_chain.process_signals import start_dht
-    from petals_chain.reachability import p2pd_flags, serve_dial_back
-    from petals_chain.swarm_identity import SwarmIdentity
+    from petals_chain.process.loop import BackgroundLoop
+    from petals_chain.process.signals import start_dht
+    from petals_chain.swarm.identity import SwarmIdentity
+    from petals_chain.swarm.reachability import p2pd_flags, serve_dial_back
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -6,15 +6,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from typing import AsyncIterator, TypeVar  # hivemind detects streams by typing.AsyncIterator, not collections.abc
+from typing import (  # hivemind detects streams by typing.AsyncIterator, not collections.abc
+    AsyncIterator,
+    TypeVar,
+)
 
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from petals_chain import wire, wire_parts
 from petals_chain.errors import NotAllowedError
-from petals_chain.framed_stream import add_framed_handler
-from petals_chain.membership import check_allowed
+from petals_chain.transport.framed_stream import add_framed_handler
+from petals_chain.transport.membership import check_allowed
+from petals_chain.wire import codec as wire
+from petals_chain.wire import parts as wire_parts
+from petals_chain.wire import records as wire_records
 
 
 class _MembersOnly(ServicerBase):
@@ -44,7 +49,7 @@ class _MembersOnly(ServicerBase):
 class BlockService(_MembersOnly):
     """Delegates each RPC to `impl` (the server's `BlockServicer`)."""
 
-    # the per-step streams: served with one socket write per message (petals_chain/framed_stream.py,
+    # the per-step streams: served with one socket write per message (petals_chain/transport/framed_stream.py,
     # same bytes as hivemind's streams, so hivemind's stubs call them as before)
     FRAMED_STREAMS = ("rpc_inference", "rpc_push")
 
@@ -76,7 +81,7 @@ class BlockService(_MembersOnly):
         return self._refusal(context) or await self.impl.info(request, context)
 
     async def rpc_direct(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        """A ticket for the direct streams (petals_chain/direct_stream.py), bound to the caller's peer id."""
+        """A ticket for the direct streams (petals_chain/transport/direct_stream.py), bound to the caller's peer id."""
         return self._refusal(context) or await self.impl.direct(request, context)
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
@@ -182,19 +187,19 @@ def ping_block_server_s(loop, p2p, peer_id: str, *, timeout_s: float = 3.0) -> f
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     start = time.perf_counter()
     try:
-        loop.run(stub.rpc_info(wire.request(wire.InfoRequest()), timeout=timeout_s), timeout_s=timeout_s + 1)
+        loop.run(stub.rpc_info(wire.request(wire_records.InfoRequest()), timeout=timeout_s), timeout_s=timeout_s + 1)
     except Exception:
         return None
     return time.perf_counter() - start
 
 
 def fetch_service_records(loop, p2p, peer_id: str, since_seq: int, *, timeout_s: float = 3.0):
-    """The batches a block server ran after `since_seq` (`wire.BatchService`, oldest first) from its
+    """The batches a block server ran after `since_seq` (`wire_records.BatchService`, oldest first) from its
     rpc_info; None when it does not answer. The orchestrator's calibrated model reads them."""
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     try:
-        resp = loop.run(stub.rpc_info(wire.request(wire.InfoRequest(service_since_seq=since_seq)), timeout=timeout_s),
+        resp = loop.run(stub.rpc_info(wire.request(wire_records.InfoRequest(service_since_seq=since_seq)), timeout=timeout_s),
                         timeout_s=timeout_s + 1)
-        return wire.decode_reply(wire.unpack(resp.metadata), wire.InfoReply).service or []
+        return wire.decode_reply(wire.unpack(resp.metadata), wire_records.InfoReply).service or []
     except Exception:
         return None
