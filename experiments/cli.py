@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         "capacity is cut where its busiest server saturates), parallel = the paper's model (capacities from "
         "the cache reservation alone, sessions batch without slowing each other)"))
     p.add_argument("--daemons-in-share", action="store_true", help=(
-        "count each server host's hivemind DHT process and p2p daemon against its CPU share (before "
-        "2026-11-29 they were; default: they run outside it, as a real host runs them beside its device)"))
+        "count each server host's hivemind DHT process and p2p daemon against its CPU share (as runs "
+        "recorded before this flag did; default: they run outside it, as a real host runs them beside its device)"))
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048, metavar="N", help=(
         "the servers' --max-batch-tokens (default 2048: no prompt of --max-length 1024 is cut): a smaller budget "
         "runs long prompts in chunks interleaved with other sessions' decode steps (chunked prefill)"))

@@ -1,8 +1,8 @@
 """GPU isolation for the GPU variant: nine servers on one GPU as independent devices, through CUDA MPS.
 
 Without it, nine CUDA processes on one GPU time-slice it: one process's kernels wait while another's
-run, so a lone decode step timed in a busy replay is 2-3x the same step timed alone (the GPU run of
-2026-11-27: 12-17 ms against 5 ms; the model check's decode compute -0.34..-0.62). The paper's
+run, so a lone decode step timed in a busy replay is 2-3x the same step timed alone (a GPU run in
+docs/results.md: 12-17 ms against 5 ms; the model check's decode compute -0.34..-0.62). The paper's
 servers were MIG slices; MIG is the GPU's configuration, which an experiment must not change. MPS
 (the Multi-Process Service) is a user-space daemon: the processes that connect to it share one GPU
 context, their kernels run side by side on the SMs instead of in turns, and

@@ -360,7 +360,7 @@ def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, request
         time.sleep(2.0)
     # The warm-up had its chance: from here the replay runs on one plan. Without the hold the calibrated
     # model, refitted on the replay's own batches, re-planned minutes into it (every column of the x1.17
-    # runs of 2026-11-29 until this hold: slow servers swapped halves mid-replay, one column's slow chains
+    # runs before this hold, docs/results.md: slow servers swapped halves mid-replay, one column's slow chains
     # drained for up to 60 s in its first burst).
     st = hold_model_replans(launcher, swarm)
     deadline = time.monotonic() + 120.0  # a re-plan decided before the hold: its wait for sessions is 60 s
@@ -381,7 +381,7 @@ def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: di
                 policy: str) -> dict:
     """After the replay: `probe_per_chain` sessions of the replay's mean lengths through each dispatchable
     chain of `status`, one after another, so each runs alone in the system (the model check needs
-    requests alone, and under the trace's bursts few or none are: the full run of 2026-11-24 had none).
+    requests alone, and under the trace's bursts few or none are: one full run had none, docs/results.md).
     Each session avoids every server outside its chain, so the orchestrator's JFFC grants that chain
     (a per-request router, the PETALS policy, computes its own route and ignores this: its probes go
     where it routes them). Records go to probe_<policy>.jsonl (counted nowhere but in the model check)."""

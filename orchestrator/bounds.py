@@ -75,7 +75,7 @@ def theorem37_bounds(chains: Sequence[ChainSpec], arrival_rate_per_s: float) -> 
     shared server runs at its lone time, not at the full chain's busy time); the upper bound keeps
     c_k slots of 1 / T_k (every session at the full chain's time: the pessimistic end). Without this
     the lower bound charged a lone session the busy time of a full chain, which favoured splitting a
-    server's range over more hops at any load (Table 1 quick runs, 2026-11-24: c* = 10-11 with 3-hop
+    server's range over more hops at any load (Table 1 quick runs, docs/results.md: c* = 10-11 with 3-hop
     chains and twice the mean response of the c = 1 plan)."""
     mu, cap = _rates_caps(chains)
     lam = float(arrival_rate_per_s)

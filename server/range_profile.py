@@ -66,7 +66,7 @@ class RangeProfile:
         Why not the fitted t_O: a CPU step of 1 to 3 rows costs about one row's (oneDNN-packed
         linears), so the marginal t_O per row is a fraction of a lone step, and without t_B the fit
         put the rest in t_o. Announced alone it read the same on hosts of 0.193 and 0.120 cores
-        (Table 1 quick run, 2026-11-27: 1.35 and 1.35 ms) while their lone steps differ by their
+        (a Table 1 quick run, docs/results.md: 1.35 and 1.35 ms) while their lone steps differ by their
         shares; the orchestrator then planned slow servers from a fast twin's fit."""
         return self.lone_step_s / self.blocks
 
@@ -221,8 +221,8 @@ def disagrees(profile: RangeProfile, live_lone_step_s: float, live_samples: int,
     than `factor` times slower or faster. The lone step, not t_O: how a fit splits a step between
     t_o, t_B and t_O depends on the batches it saw, the whole step does not.
 
-    Why a factor of 2 (it was +-50 %): under load a lone step's CPU time grows (the full Table 1 run of
-    2026-11-27: 1.45-1.77x the profile's on 13 of 18 servers, in CPU seconds per share as in wall
+    Why a factor of 2 (it was +-50 %): under load a lone step's CPU time grows (a full Table 1 run,
+    docs/results.md: 1.45-1.77x the profile's on 13 of 18 servers, in CPU seconds per share as in wall
     seconds, so not the quota's throttling), the orchestrator's live fit follows that, and a profile
     measured again would read the same as before: dropping it only cost each next start a minute. The
     check is for a profile taken in a bad moment (one measured during an overload read 5x)."""

@@ -177,7 +177,7 @@ def test_mps_daemon_serves_the_processes_given_its_environment():
 
 
 def test_exactness_tests_pass_under_mps():
-    """`experiment table1 --gpu-isolation mps` on an H200 (2026-11-28; Llama-2-7B shape, bfloat16, each process
+    """`experiment table1 --gpu-isolation mps` on an H200 (docs/results.md; Llama-2-7B shape, bfloat16, each process
     capped at 33 % of the SMs) saw hidden states with NaN or Inf in 54 of 60 requests, never without MPS; the
     cause is not known. This runs this file's exactness tests in a process that reaches the GPU through an
     MPS daemon with that cap: a failure here puts the fault in the blocks' kernels under MPS."""

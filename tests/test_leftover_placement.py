@@ -71,7 +71,7 @@ def _installed_rate(cluster, c):
 
 
 def test_the_live_table1_cluster_gets_the_tied_c_with_more_slots():
-    # The calibrated plan of the 2026-11-29 Table 1 run (MB, s): 3 fast servers that hold all 30 blocks,
+    # The calibrated plan of a Table 1 run (docs/results.md) (MB, s): 3 fast servers that hold all 30 blocks,
     # 6 slow ones that hold 17 at c = 1 (2 sessions) or 15 at c = 5..8 (8 sessions). At lambda = 1.04/s the
     # lower bound is the fast chains' service time for every c up to 7 (c = 1 and 5 differ by 1.6e-5);
     # tune_c takes c = 1 (30 slots after the leftover step), the tie rule c = 5 (48).

@@ -288,7 +288,7 @@ def test_receive_window_grows_both_ways_on_a_session_like_stream(net_name):
     its receive windows at both ends as on a real path. At the hub's former TUN MTU of 64 KiB the
     receiver's kernel often stopped growing its window (rcv_ssthresh stuck at 81-99 KB: 64-KiB packets'
     buffer overhead), so the reply moved ~81 KB per RTT: a 2,000-token prompt's hidden states took ~2.8 s
-    each way at 50 ms, 4-5x what the p2p daemons' connection took (docs/results.md, 2026-11-28)."""
+    each way at 50 ms, 4-5x what the p2p daemons' connection took (docs/results.md)."""
     with netem.Network(["a", "b"], [[0, 20], [20, 0]], name=net_name) as net:
         server = net.popen("b", [sys.executable, "-c", SERVER, net.address("b")], stdout=subprocess.PIPE, text=True)
         try:

@@ -62,7 +62,7 @@ def mean_level(values: np.ndarray) -> float:
 
     Why the mean and not the median: the paper's tau_p is a session's mean time in service (a chain's
     rate is 1 / E[T]), and a lone step's time on a host with a CPU quota is skewed to the right (the
-    Table 1 run of 2026-11-24: lone decode steps on the 0.12-core hosts had their mean 12-17 % above
+    full Table 1 run in docs/results.md: lone decode steps on the 0.12-core hosts had their mean 12-17 % above
     their median, on the 0.193-core hosts within +-7 %), so a median anchors the model below what a
     session takes on average. The fence keeps one stalled step (a swapped-in page, a GC pause) from
     moving a window of a few lone steps."""
@@ -86,7 +86,7 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
     holds steps of one block count only (a server every chain runs whole), t_o and t_B are the same
     column; the step's fixed part is then put per block (t_o = 0): measured on these CPU hosts, a
     lone step's in-server overhead beyond the blocks' compute is 5-10 ms of 0.2-0.4 s, so a step
-    through fewer blocks costs proportionally less (Table 1 quick run, 2026-11-24: a fast server's
+    through fewer blocks costs proportionally less (a Table 1 quick run, docs/results.md: a fast server's
     lone steps took 0.16-0.18 s through 14 blocks, 0.29-0.33 s through 30). Without `blocks`, t_B = 0
     and the fixed part is t_o (the start-up profile and the server's own cache check).
 

@@ -13,7 +13,7 @@ class BackgroundLoop:
     def __init__(self, name: str = "petals-chain-loop"):
         # The standard library's loop, not uvloop's: with uvloop (0.22-0.23) a process running two of
         # these loops (a client's chain and its orchestrator link) segfaulted inside run_forever in CI
-        # (tests/test_fuzz_rpc.py, 2026-11-25); uvloop saved ~0.05 ms per hop, within the runs' spread
+        # (tests/test_fuzz_rpc.py; docs/results.md); uvloop saved ~0.05 ms per hop, within the runs' spread
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
