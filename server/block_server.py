@@ -104,7 +104,9 @@ class BlockServer:
 
     # the start-up's stages, in order (each `_start_<stage>(resources)`); tests inject failures here
     STARTUP = ("blocks", "dht", "loop", "p2p", "handlers", "peer_rtts", "announce", "placement", "online")
-    THREAD_JOIN_S = 10.0  # how long the unwinding waits for one of the server's threads to end
+    # how long the unwinding waits for the server's threads to end, all together (each waits on `_stop`,
+    # so this is for one caught mid-step, e.g. a peer's RTT probe; a Ctrl-C must end within seconds)
+    THREAD_JOIN_S = 3.0
 
     def __init__(self, config: ServerConfig):
         self.config = config
@@ -133,6 +135,7 @@ class BlockServer:
         # `offline` ends before it, so `offline` (the later expiration) is the record that stays
         self._announcing = threading.Lock()
         self._announcer: threading.Thread | None = None
+        self._join_deadline_s: float | None = None
         if self.self_placed:
             total = get_family(cfg := load_config(self.path)).num_blocks(cfg)
             if not 1 <= config.num_blocks <= total:
@@ -246,8 +249,10 @@ class BlockServer:
         return t
 
     def _join(self, thread: threading.Thread) -> None:
-        thread.join(timeout=self.THREAD_JOIN_S)
-        if thread.is_alive():
+        if self._join_deadline_s is None:  # the first join of an unwinding starts its one deadline
+            self._join_deadline_s = time.monotonic() + self.THREAD_JOIN_S
+        thread.join(timeout=max(0.0, self._join_deadline_s - time.monotonic()))
+        if thread.is_alive():  # a daemon: it ends on its own (a move still loading stops its stack itself)
             logger.warning("thread %s did not end within %.0f s of the shutdown", thread.name, self.THREAD_JOIN_S)
 
     def _on_loop(self, make_coro, what: str) -> None:
