@@ -8,7 +8,12 @@ With `start=end=None` (`--blocks auto`) the range comes from the orchestrator: m
 one block loaded temporarily -> join the DHT and register handlers -> announce `joining` with no
 blocks (budget, s_m, s_c, t_I, t_O) -> ask the orchestrator (rpc_assignment) until it assigns a
 range -> load exactly that range -> announce `online`. A later plan may move the server; it moves
-only while it holds no session.
+only while it holds no session and none waits to open.
+
+The start-up is a stack of resources (`BlockServer.STARTUP`): a failure at any stage tears down what
+the earlier stages started, in reverse order. The lifecycle (state, serving stack, profile) is owned by
+`server/lifecycle.py:ServerLifecycle`; every record is built from one snapshot of it, and `offline`
+is final.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from contextlib import ExitStack
 
 import torch
 from hivemind.p2p import PeerID
@@ -71,8 +76,10 @@ from server.block_selection import (
     block_throughputs,
     choose_start,
 )
+from server.config import ServerConfig
 from server.emulation import real_range, slowed_times
 from server.handler import BlockServicer, ServicerLimits
+from server.lifecycle import LifecycleView, ServerLifecycle
 from server.peer_rtts import PeerRtts, choose_peers
 from server.profiling import BlockTimes
 from server.range_profile import (
@@ -83,65 +90,24 @@ from server.range_profile import (
 )
 from server.service_log import ServiceLog
 from server.service_meter import ServiceMeter
-from server.serving_stack import StackSlot, build_stack
+from server.serving_stack import build_stack
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ServerConfig:
-    model: str
-    start: int | None  # None (with end None): take the range the orchestrator assigns
-    end: int | None
-    initial_peers: list[str]
-    memory_budget_bytes: int = 2 * 2**30
-    max_length_tokens: int = 2048
-    dtype: str = "float32"
-    quant: str = "none"
-    device: str = "cpu"
-    adapters: list[str] = field(default_factory=list)  # PEFT LoRA folders (petals_chain/runtime/lora.py)
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
-    identity_path: str | None = None
-    allowed_peers: frozenset[str] | None = None  # private swarm: only these peers may call (None: anyone)
-    name: str = ""
-    policy: str = "fcfs"
-    policy_args: dict = field(default_factory=dict)  # checked by server.policies.parse_policy_args
-    max_batch_tokens: int = 2048
-    batch_gather: float = 0.5  # StepScheduler's gather_fraction (0: never wait for expected sessions)
-    session_idle_timeout_s: float = 300.0
-    admission_timeout_s: float = 10.0
-    admission_queue: int = 64
-    service_log: str | None = None  # JSONL path: one line per batch (bench_fairness reads it)
-    prefix_sharing: str = "client"  # prefix KV cache scope: client | swarm | off (server/prefix_cache.py)
-    prefix_cache_max_bytes: int | None = None
-    prefix_cache_min_bytes: int = 0  # memory set aside for the prefix cache: sessions never take it
-    max_step_tokens: int | None = None  # most tokens one step/forward request carries (None: max_length_tokens)
-    announce_period_s: float = 2.0
-    record_ttl_s: float = 6.0
-    num_threads: int | None = None
-    orchestrator_wait_s: float = 30.0
-    emulate_slowdown: float = 1.0  # EMULATION (server/emulation.py): batches take this many times their compute
-    cuda_graphs: bool = True  # on CUDA: replay captured graphs for decode steps (runtime/decode_graphs.py)
-    assignment_poll_s: float = 1.0
-    # self-placement without an orchestrator (server/block_selection.py): serve this many blocks,
-    # chosen from the DHT records, and re-choose every ~rebalance_period_s when it helps enough
-    num_blocks: int | None = None
-    balance_quality: float = 0.75
-    rebalance_period_s: float = 30.0
-    announce_maddrs: list[str] = field(default_factory=list)  # --announce-maddrs / --public-maddrs
-    use_relay: bool = True  # False (--no-relay): an unreachable server stops instead of joining through relays
-    relay_service: bool = True  # False (--no-relay-service): a reachable server refuses to relay for others
-    direct_port: int | None = None  # --direct-port: also serve the per-step streams on plain TCP (0: a free port)
-    # RTTs to other servers (server/peer_rtts.py), announced as ServerInfo.peer_rtt_s for footnote 4's
-    # tau_c,ij: every peer_rtt_check_s the DHT's records are read and chosen peers not measured within
-    # peer_rtt_period_s are probed (peer_rtt_probes rpc_info round trips each), at most peer_rtt_max_peers
-    peer_rtt_check_s: float = 10.0
-    peer_rtt_period_s: float = 30.0
-    peer_rtt_probes: int = 3
-    peer_rtt_max_peers: int = 8
-
-
 class BlockServer:
+    """One block server. Its start-up is a stack of resources (`STARTUP`, each stage pushing the undo
+    of what it started onto one `ExitStack`): a start-up that fails (or is interrupted) at any stage
+    tears down exactly what the stages before it started, in reverse order, and `shutdown` unwinds
+    the same stack. Its lifecycle (state, serving stack, profile) has one owner, `self.lifecycle`
+    (server/lifecycle.py); the announcer builds each record from one snapshot of it."""
+
+    # the start-up's stages, in order (each `_start_<stage>(resources)`); tests inject failures here
+    STARTUP = ("blocks", "dht", "loop", "p2p", "handlers", "peer_rtts", "announce", "placement", "online")
+    # how long the unwinding waits for the server's threads to end, all together (each waits on `_stop`,
+    # so this is for one caught mid-step, e.g. a peer's RTT probe; a Ctrl-C must end within seconds)
+    THREAD_JOIN_S = 3.0
+
     def __init__(self, config: ServerConfig):
         self.config = config
         if config.num_threads:
@@ -149,90 +115,152 @@ class BlockServer:
         self.model_name = model_key(config.model)
         self.max_length_tokens = config.max_length_tokens
         self.session_idle_timeout_s = config.session_idle_timeout_s
-        self.service_log = ServiceLog(config.service_log) if config.service_log else None
+        self.service_log: ServiceLog | None = None
         self.meter = ServiceMeter()  # every batch's measured service, for the orchestrator's model
-        self.profile: RangeProfile | None = None  # the start-up profile of the loaded range (or the probe)
-        self._profile_checked_seq = -1
-        self._profile_contradicted = False  # live service disagreed with the cached profile once: done checking
+        self.lifecycle = ServerLifecycle()  # state, serving stack, profile: one owner, one lock
+        self._profile_checked_seq = -1  # the announcer thread's (check_profile): batches checked so far
         self.max_step_tokens = config.max_step_tokens or config.max_length_tokens
         self.path = resolve_model_path(config.model)
         self.self_placed = config.num_blocks is not None  # --num-blocks: chooses its own span
         self.auto = config.start is None and not self.self_placed
-        self.stacks = StackSlot()  # the serving stack (server/serving_stack.py): one value, swapped whole
         self.orchestrator = None
         self.peer_rtts = PeerRtts(max_peers=config.peer_rtt_max_peers, probes=config.peer_rtt_probes,
                                   period_s=config.peer_rtt_period_s)  # before rpc_info can be called (info())
         self.relay_rtts = PeerRtts(probes=config.peer_rtt_probes, period_s=config.peer_rtt_period_s)  # relayed only
         self.relay_maddrs: tuple[str, ...] = ()
+        self.reachability = Reachability.DIRECT
+        self.dht = self.loop = self.p2p = self.direct = None
+        self._stop = threading.Event()  # the server's threads end when it is set
+        # announcements one at a time, each from one snapshot: a store begun before shutdown's
+        # `offline` ends before it, so `offline` (the later expiration) is the record that stays
+        self._announcing = threading.Lock()
+        self._announcer: threading.Thread | None = None
+        self._join_deadline_s: float | None = None
         if self.self_placed:
             total = get_family(cfg := load_config(self.path)).num_blocks(cfg)
             if not 1 <= config.num_blocks <= total:
                 raise PetalsChainError(f"--num-blocks {config.num_blocks}: the model has {total} blocks; "
                                        f"choose 1..{total}")
             self.total_blocks = total
+        with ExitStack() as resources:
+            for stage in self.STARTUP:
+                getattr(self, f"_start_{stage}")(resources)
+            self._resources = resources.pop_all()  # shutdown unwinds them
+
+    # -- start-up stages (each pushes the undo of what it started) ------------------------------
+    def _start_blocks(self, resources: ExitStack) -> None:
+        """The service log, and the blocks: a fixed range's stack, or the one-block probe's profile."""
+        if self.config.service_log:
+            self.service_log = ServiceLog(self.config.service_log)
+            resources.callback(self.service_log.close)
+        # whatever stack the lifecycle holds when the start-up unwinds (a fixed range's, an assigned one)
+        resources.callback(self._stop_serving)
+        c = self.config
         if self.auto or self.self_placed:  # measure on one block loaded for the purpose, before holding any
-            probe = BlockRange(self.path, 0, 1, dtype=config.dtype, quant=config.quant, device=config.device,
-                               model_path=self.path)
-            self.times = self._profile(probe)
+            probe = BlockRange(self.path, 0, 1, dtype=c.dtype, quant=c.quant, device=c.device, model_path=self.path)
+            self.lifecycle.set_profile(*self._profile(probe))
             self._sizes = (probe.block_bytes, probe.kv_bytes_per_block(self.max_length_tokens),
                            str(probe.dtype).removeprefix("torch."))
             del probe
         else:
-            self._load(config.start, config.end)
-        self.state = ServerState.JOINING
-        self.identity = SwarmIdentity.load_or_create(config.identity_path)
+            self._load(c.start, c.end)
+
+    def _start_dht(self, resources: ExitStack) -> None:
+        c = self.config
+        self.identity = SwarmIdentity.load_or_create(c.identity_path)
         self.reachability, self.relay_maddrs = self._check_reachability()
         relayed = self.reachability == Reachability.RELAYED
-        with p2pd_flags(relay_service=config.relay_service and not relayed):
-            self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                                 announce_maddrs=config.announce_maddrs or None, use_relay=config.use_relay,
-                                 **(relayed_dht_kwargs(config.initial_peers) if relayed else {}),
+        with p2pd_flags(relay_service=c.relay_service and not relayed):
+            self.dht = start_dht(initial_peers=c.initial_peers, host_maddrs=c.host_maddrs,
+                                 announce_maddrs=c.announce_maddrs or None, use_relay=c.use_relay,
+                                 **(relayed_dht_kwargs(c.initial_peers) if relayed else {}),
                                  **self.identity.dht_kwargs())
+        resources.callback(self.dht.shutdown)
         self.peer_id = str(self.dht.peer_id)
+
+    def _start_loop(self, resources: ExitStack) -> None:
         self.loop = BackgroundLoop("server-p2p")
+        resources.callback(self.loop.stop)
+
+    def _start_p2p(self, resources: ExitStack) -> None:
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
+        # its tasks must end before the loop stops
+        resources.callback(self._on_loop, lambda: self.p2p.shutdown(), "p2p shutdown")
+
+    def _start_handlers(self, resources: ExitStack) -> None:
+        """The RPC handlers on p2p, the direct listener's port, and the dial-back service."""
+        c = self.config
         limits = ServicerLimits(self.max_length_tokens, self.max_step_tokens, self.session_idle_timeout_s)
-        self.direct = None
-        if config.direct_port is not None:
+        if c.direct_port is not None:
             visible = self.loop.run(self.p2p.get_visible_maddrs(), timeout_s=30)
-            bind, hosts = offered_hosts(config.announce_maddrs, config.host_maddrs, [str(m) for m in visible])
-            self.direct = DirectListener(self.p2p, hosts, bind_host=bind, port=config.direct_port)
-        self._servicer = BlockServicer(limits, self.stacks, self.info, self.meter, DirectDialer(self.p2p), self.direct)
-        self.servicer = BlockService(self._servicer, config.allowed_peers)
+            bind, hosts = offered_hosts(c.announce_maddrs, c.host_maddrs, [str(m) for m in visible])
+            self.direct = DirectListener(self.p2p, hosts, bind_host=bind, port=c.direct_port)
+        self._servicer = BlockServicer(limits, self.lifecycle, self.info, self.meter, DirectDialer(self.p2p),
+                                       self.direct)
+        self.servicer = BlockService(self._servicer, c.allowed_peers)
+        resources.callback(self._on_loop, lambda: self.servicer.remove_p2p_handlers(self.p2p), "removing handlers")
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         if self.direct is not None:  # the same handlers as the p2p streams (the allowlist's check included)
+            resources.callback(self._on_loop, self.direct.close, "closing the direct listener")
             self.loop.run(self.direct.start({BlockService.handle_name(m): (getattr(self.servicer, m),
                                                                            runtime_pb2.ExpertRequest)
                                              for m in BlockService.FRAMED_STREAMS}), timeout_s=30)
             logger.info("direct streams on port %d (offered at %s)", self.direct.port, ", ".join(self.direct.hosts))
-        if not relayed:  # a reachable server checks others' reachability too
+        if self.reachability != Reachability.RELAYED:  # a reachable server checks others' reachability too
             self.loop.run(serve_dial_back(self.p2p), timeout_s=30)
         else:  # the first record already says what the relayed path costs (see _measure_relay_rtts)
             self._measure_relay_rtts()
-        self._stop = threading.Event()
+
+    def _start_peer_rtts(self, resources: ExitStack) -> None:
         # from now on, also while an auto server waits for its assignment: the orchestrator plans its
-        # range with these RTTs (the thread ends with _stop, also when the start below fails)
-        threading.Thread(target=self._measure_peer_rtts, name="peer-rtts", daemon=True).start()
-        try:
-            self._announce()
-            if self.auto:
-                self._join_orchestrator()
-            elif self.self_placed:
-                start = choose_start(self._others_throughputs(), config.num_blocks)
-                logger.info("--num-blocks %d: taking blocks [%d, %d), the swarm's weakest", config.num_blocks, start,
-                            start + config.num_blocks)
-                self._load(start, start + config.num_blocks)
-        except BaseException:
-            self.shutdown()
-            raise
-        self._set_state(ServerState.ONLINE)
+        # range with these RTTs
+        self._thread(resources, self._measure_peer_rtts, "peer-rtts")
+
+    def _start_announce(self, resources: ExitStack) -> None:
+        """The first record (joining); from here on, the unwinding announces `offline` first."""
+        resources.callback(self._go_offline)
         self._announce()
-        self._announcer = threading.Thread(target=self._announce_loop, name="announcer", daemon=True)
-        self._announcer.start()
+
+    def _start_placement(self, resources: ExitStack) -> None:
+        """`--blocks auto`: the orchestrator's assignment; `--num-blocks`: the swarm's weakest span."""
         if self.auto:
-            threading.Thread(target=self._follow_assignments, name="assignments", daemon=True).start()
+            self._join_orchestrator()
+        elif self.self_placed:
+            n = self.config.num_blocks
+            start = choose_start(self._others_throughputs(), n)
+            logger.info("--num-blocks %d: taking blocks [%d, %d), the swarm's weakest", n, start, start + n)
+            self._load(start, start + n)
+
+    def _start_online(self, resources: ExitStack) -> None:
+        if self.lifecycle.go_online():
+            self._announce()
+        self._announcer = self._thread(resources, self._announce_loop, "announcer")
+        if self.auto:
+            self._thread(resources, self._follow_assignments, "assignments")
         if self.self_placed:
-            threading.Thread(target=self._rebalance, name="rebalance", daemon=True).start()
+            self._thread(resources, self._rebalance, "rebalance")
+
+    def _thread(self, resources: ExitStack, target, name: str) -> threading.Thread:
+        """A thread of the server's that runs until `_stop`; the unwinding sets it and joins the thread."""
+        t = threading.Thread(target=target, name=name, daemon=True)
+        resources.callback(self._join, t)
+        resources.callback(self._stop.set)
+        t.start()
+        return t
+
+    def _join(self, thread: threading.Thread) -> None:
+        if self._join_deadline_s is None:  # the first join of an unwinding starts its one deadline
+            self._join_deadline_s = time.monotonic() + self.THREAD_JOIN_S
+        thread.join(timeout=max(0.0, self._join_deadline_s - time.monotonic()))
+        if thread.is_alive():  # a daemon: it ends on its own (a move still loading stops its stack itself)
+            logger.warning("thread %s did not end within %.0f s of the shutdown", thread.name, self.THREAD_JOIN_S)
+
+    def _on_loop(self, make_coro, what: str) -> None:
+        """Run a teardown coroutine on the loop; a failure is logged, never stops the unwinding."""
+        try:
+            self.loop.run(make_coro(), timeout_s=5)
+        except Exception:  # noqa: BLE001 - the rest must still be torn down
+            logger.debug("%s failed during shutdown", what, exc_info=True)
 
     def _check_reachability(self) -> tuple[Reachability, tuple[str, ...]]:
         """Ask the initial peers to dial this host back (petals_chain/swarm/reachability.py); log the verdict.
@@ -246,7 +274,8 @@ class BlockServer:
             raise UnreachableError(
                 f"this server is not reachable from the swarm (dial-back: {check.detail}) and --no-relay forbids "
                 "joining through a relay: forward a TCP port to this host, listen on it (--host-maddrs "
-                "/ip4/0.0.0.0/tcp/PORT) and announce it (--announce-maddrs /ip4/PUBLIC_IP/tcp/PORT), or drop --no-relay")
+                "/ip4/0.0.0.0/tcp/PORT) and announce it (--announce-maddrs /ip4/PUBLIC_IP/tcp/PORT), or drop "
+                "--no-relay")
         if check.reachability == Reachability.RELAYED and not relays:
             raise UnreachableError(f"this server is not reachable (dial-back: {check.detail}) and no initial peer "
                                    "has a /p2p/ id to relay through: pass full multiaddrs as --initial-peers")
@@ -259,33 +288,39 @@ class BlockServer:
         return check.reachability, relays if check.reachability == Reachability.RELAYED else ()
 
     def _load(self, start: int, end: int) -> None:
-        """Build a stack for [start, end) and swap it in; the old one (which holds no session: a move
-        waits for that) stops after the swap, so no handler ever sees a half-replaced stack."""
+        """Build a stack for [start, end), profile it and put both in place in one step; the old one
+        (which holds no session: a move waits for that) stops after the swap, so no handler ever sees a
+        half-replaced stack. Once shut down, the new stack is stopped instead of put in place."""
         stack = build_stack(self.config, self.path, start, end, on_batch=self._on_batch)
-        # the start-up profile of exactly this range, through the real step path (cached per shape)
-        self.times = self._while_announcing(lambda: self._profile(real_range(stack.block_range)))
-        old = self.stacks.swap(stack)
-        if old is not None:
-            old.stop()
-            del old
-        freeze_startup_heap(f"blocks [{start}, {end})")  # steps never meet a full collection of it
+        try:
+            # the start-up profile of exactly this range, through the real step path (cached per shape)
+            times, profile = self._while_announcing(lambda: self._profile(real_range(stack.block_range)))
+        except BaseException:
+            stack.stop()
+            raise
+        to_stop = self.lifecycle.install(stack, times, profile)
+        if to_stop is not None:
+            to_stop.stop()
+            del to_stop
+        if not self.lifecycle.stopped:
+            freeze_startup_heap(f"blocks [{start}, {end})")  # steps never meet a full collection of it
 
     @property
     def block_range(self) -> BlockRange | None:
         """The current stack's blocks (None before `--blocks auto` gets an assignment)."""
-        stack = self.stacks.current
+        stack = self.lifecycle.current
         return None if stack is None else stack.block_range
 
-    def _set_state(self, state: ServerState) -> None:
-        self.state = state
-        self.stacks.set_accepting(state == ServerState.ONLINE)
+    @property
+    def state(self) -> ServerState:
+        return self.lifecycle.snapshot().state
 
     def _while_announcing(self, fn):
         """Run `fn` (seconds: a profile on a loaded machine) while the record stays fresh in the DHT:
         an `--blocks auto` server measures its range before the announcer thread runs, and a record
         that expires (6 s) makes the orchestrator drop the server and re-plan."""
-        announcer = getattr(self, "_announcer", None)
-        if getattr(self, "dht", None) is None or (announcer is not None and announcer.is_alive()):
+        announcer = self._announcer
+        if self.dht is None or (announcer is not None and announcer.is_alive()):
             return fn()  # no DHT yet (a fixed range measures first), or the announcer already runs
         done = threading.Event()
 
@@ -301,34 +336,39 @@ class BlockServer:
             done.set()
             t.join(timeout=15)
 
-    def _profile(self, block_range) -> BlockTimes:
-        """t_I, t_O to announce: the range's start-up profile (an emulated slowdown scales it)."""
-        self.profile = cached_range_profile(block_range, self.model_name)
-        self._profile_contradicted = False
-        return slowed_times(BlockTimes(self.profile.prefill_s_per_token, self.profile.lone_decode_s_per_block),
-                            self.config.emulate_slowdown)
+    def _profile(self, block_range) -> tuple[BlockTimes, RangeProfile]:
+        """The range's start-up profile and the t_I, t_O to announce from it (an emulated slowdown
+        scales them); the caller hands both to the lifecycle."""
+        profile = cached_range_profile(block_range, self.model_name)
+        return slowed_times(BlockTimes(profile.prefill_s_per_token, profile.lone_decode_s_per_block),
+                            self.config.emulate_slowdown), profile
 
     def check_profile(self, min_batches: int = 100) -> bool:
         """Compare the cached start-up profile with live service (the fit of this range's recent batches);
         when they disagree, drop the cache entry so the next start measures instead of trusting it.
-        Returns whether it dropped it."""
+        Returns whether it dropped it. Run by the announcer thread only."""
         from petals_chain.algorithms.service_fit import fit_service
-        br, prof = self.block_range, self.profile
-        if br is None or prof is None or prof.blocks != br.end - br.start or self._profile_contradicted:
+        view = self.lifecycle.snapshot()
+        br, prof = (view.stack.block_range if view.stack is not None else None), view.profile
+        if br is None or prof is None or prof.blocks != br.end - br.start or view.profile_contradicted:
             return False
         recs = [r for r in self.meter.records() if r.seq > self._profile_checked_seq]
         if len(recs) < min_batches:
             return False
         self._profile_checked_seq = recs[-1].seq
         fit = fit_service([r.prefill_block_tokens for r in recs], [r.decode_block_tokens for r in recs],
-                          [r.wall_s for r in recs], sessions=[r.sessions for r in recs], blocks=[r.blocks for r in recs])
+                          [r.wall_s for r in recs], sessions=[r.sessions for r in recs],
+                          blocks=[r.blocks for r in recs])
         if fit is None:
             return False
-        live_step_s = fit.step_s(prof.blocks) / self.config.emulate_slowdown  # the emulation's sleep is not the device's
+        # the emulation's sleep is not the device's
+        live_step_s = fit.step_s(prof.blocks) / self.config.emulate_slowdown
         if not disagrees(prof, live_step_s, fit.samples):
             return False
-        # once is enough: the entry is gone (the next start measures), and saying it every minute is noise
-        self._profile_contradicted = True
+        # once is enough: the entry is gone (the next start measures), and saying it every minute is
+        # noise; and not at all when a move replaced this profile meanwhile
+        if not self.lifecycle.note_profile_contradicted(prof):
+            return False
         dropped = forget_profile(real_range(br), self.model_name)
         logger.warning("live service (a lone decode step %.1f ms, fitted over %d batches) disagrees with the cached "
                        "start-up profile (%.1f ms): %s", live_step_s * 1e3, fit.samples, prof.lone_step_s * 1e3,
@@ -349,7 +389,8 @@ class BlockServer:
                 if time.monotonic() > deadline:
                     raise PetalsChainError(
                         f"--blocks auto: no orchestrator of {self.model_name} found in the DHT within "
-                        f"{self.config.orchestrator_wait_s:.0f} s; start `petals-chain orchestrator` or pass --blocks START:END")
+                        f"{self.config.orchestrator_wait_s:.0f} s; start `petals-chain orchestrator` or pass "
+                        "--blocks START:END")
                 time.sleep(0.5)
         logger.info("orchestrator %s found; waiting for an assignment", self.orchestrator.peer_id)
         while not self._stop.is_set():
@@ -406,7 +447,7 @@ class BlockServer:
                     self._measure_relay_rtts()
                 infos = fetch_servers(self.dht, self.model_name, states=(ServerState.ONLINE, ServerState.JOINING),
                                       allowed=self.config.allowed_peers)
-                stack = self.stacks.current
+                stack = self.lifecycle.current
                 start, end = (stack.block_range.start, stack.block_range.end) if stack is not None else (0, 0)
                 peers = choose_peers(self.peer_id, start, end, infos, self.peer_rtts.max_peers)
                 for peer in self.peer_rtts.due(peers, time.monotonic()):
@@ -429,7 +470,8 @@ class BlockServer:
         records are read again right before a move."""
         rng = random.Random(self.peer_id)
         n = self.config.num_blocks
-        rate = 1.0 / self.times.decode_s_per_token if self.times.decode_s_per_token > 0 else 0.0
+        times = self.lifecycle.snapshot().times
+        rate = 1.0 / times.decode_s_per_token if times.decode_s_per_token > 0 else 0.0
         while not self._stop.wait(self.config.rebalance_period_s * (0.5 + rng.random())):
             try:
                 target = better_start(self._others_throughputs(), self.block_range.start, n, rate,
@@ -440,37 +482,41 @@ class BlockServer:
             if target is not None:
                 self._move_to(target, target + n, "rebalance: the swarm's weakest blocks moved")
 
-    def _move_to(self, start: int, end: int, why: str) -> None:
-        """Reload blocks [start, end) if no session is open (a session is never dropped for a move).
-        New opens are refused first, so none slips in between the check and the swap."""
-        self.stacks.set_accepting(False)
-        stack = self.stacks.current
-        if stack is not None and len(stack.sessions):
-            self.stacks.set_accepting(self.state == ServerState.ONLINE)
-            return
+    def _move_to(self, start: int, end: int, why: str) -> bool:
+        """Reload blocks [start, end) if no session is open, none waits in admission and no open is in
+        flight (a session is never dropped for a move); returns whether it moved. The check and the
+        refusal of new opens are one step (`ServerLifecycle.begin_move`). A shutdown during the move is
+        final: the move then neither puts its stack in place nor announces `online`."""
+        if not self.lifecycle.begin_move():
+            return False
         logger.info("%s: moving to blocks [%d, %d)", why, start, end)
-        self._set_state(ServerState.JOINING)
-        self._announce()
+        self._announce()  # joining
+        moved = False
         try:
             self._load(start, end)
+            moved = not self.lifecycle.stopped
         except Exception:
             logger.exception("loading blocks [%d, %d) failed", start, end)
-            return
         finally:
-            self._set_state(ServerState.ONLINE)
-            self._announce()
-        print(f"serving {self.model_name} blocks [{start}, {end}) as {self.peer_id} ({why})", flush=True)
+            if self.lifecycle.end_move():
+                self._announce()
+        if moved:
+            print(f"serving {self.model_name} blocks [{start}, {end}) as {self.peer_id} ({why})", flush=True)
+        return moved
 
     # -- records ------------------------------------------------------------------------------
-    def info(self) -> ServerInfo:
-        stack = self.stacks.current  # one read: the whole record describes one stack
+    def info(self, view: LifecycleView | None = None) -> ServerInfo:
+        """The record of one lifecycle snapshot (`view`; default: now): one stack, its profile, its state."""
+        view = view if view is not None else self.lifecycle.snapshot()
+        stack, times = view.stack, view.times
         if stack is None:  # --blocks auto, before the assignment: no blocks yet
             s_m, s_c, dtype = self._sizes
             return ServerInfo(
-                peer_id=self.peer_id, model=self.model_name, start=0, end=0, state=ServerState.JOINING,
+                peer_id=self.peer_id, model=self.model_name, start=0, end=0,
+                state=ServerState.OFFLINE if view.state == ServerState.OFFLINE else ServerState.JOINING,
                 memory_budget_bytes=self.config.memory_budget_bytes, block_bytes=s_m, kv_bytes_per_block=s_c,
                 max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
-                prefill_s_per_token=self.times.prefill_s_per_token, decode_s_per_token=self.times.decode_s_per_token,
+                prefill_s_per_token=times.prefill_s_per_token, decode_s_per_token=times.decode_s_per_token,
                 dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True},
                 peer_rtt_s=self.peer_rtts.view(), relay_rtt_s=self.relay_rtts.view(),
                 adapters=[adapter_name(a) for a in self.config.adapters],
@@ -481,12 +527,12 @@ class BlockServer:
         # measured from the sessions' KV tensors, independently of the reservations that admit them
         allocated = stack.sessions.allocated_bytes()
         return ServerInfo(
-            peer_id=self.peer_id, model=self.model_name, start=br.start, end=br.end, state=self.state,
+            peer_id=self.peer_id, model=self.model_name, start=br.start, end=br.end, state=view.state,
             memory_budget_bytes=budget.memory_budget_bytes, block_bytes=br.block_bytes,
             kv_bytes_per_block=br.kv_bytes_per_block(self.max_length_tokens), max_length_tokens=self.max_length_tokens,
             max_step_tokens=self.max_step_tokens,
-            free_kv_slots=budget.free_slots(per_session), prefill_s_per_token=self.times.prefill_s_per_token,
-            decode_s_per_token=self.times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
+            free_kv_slots=budget.free_slots(per_session), prefill_s_per_token=times.prefill_s_per_token,
+            decode_s_per_token=times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
             quant=br.quant, name=self.config.name, active_sessions=active, adapters=list(br.adapters),
             peer_rtt_s=self.peer_rtts.view(), relay_rtt_s=self.relay_rtts.view(),
             reachability=self.reachability, relay_maddrs=self.relay_maddrs,
@@ -505,16 +551,23 @@ class BlockServer:
                    "kv_peak_reserved_bytes": budget.peak_reserved_bytes, "kv_allocated_bytes": allocated},
         )
 
-    def _announce(self, timeout_s: float = 10.0) -> None:
-        if not self.dht.is_alive():  # e.g. Ctrl-C or a group kill reached the DHT process first
-            logger.warning("DHT process is gone; cannot announce state %r", self.state)
-            return
-        try:
-            announce_server(self.dht, self.info(), self.identity, self.config.record_ttl_s, timeout_s=timeout_s)
-        except TimeoutError:
-            logger.warning("announcing state %r timed out after %.0f s (will retry)", self.state, timeout_s)
-        except Exception:
-            logger.exception("announce failed (will retry)")
+    def _announce(self, timeout_s: float = 10.0, *, final: bool = False) -> None:
+        """Store the record of one lifecycle snapshot. One at a time (`_announcing`); once offline only
+        shutdown's own announcement (`final`) goes out, so `offline` is the last record stored."""
+        with self._announcing:
+            view = self.lifecycle.snapshot()
+            if view.state == ServerState.OFFLINE and not final:
+                return
+            if not self.dht.is_alive():  # e.g. Ctrl-C or a group kill reached the DHT process first
+                logger.warning("DHT process is gone; cannot announce state %r", view.state)
+                return
+            try:
+                announce_server(self.dht, self.info(view), self.identity, self.config.record_ttl_s,
+                                timeout_s=timeout_s)
+            except TimeoutError:
+                logger.warning("announcing state %r timed out after %.0f s (will retry)", view.state, timeout_s)
+            except Exception:
+                logger.exception("announce failed (will retry)")
 
     def _announce_loop(self) -> None:
         while not self._stop.wait(self.config.announce_period_s):
@@ -525,29 +578,24 @@ class BlockServer:
                 logger.exception("checking the start-up profile against live service failed")
 
     # -- shutdown -----------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._set_state(ServerState.OFFLINE)
-        self._announce(timeout_s=3.0)
-        stack = self.stacks.current
+    def _go_offline(self) -> None:
+        """Offline for good (the lifecycle refuses every later transition), announced, and the
+        serving stack stopped; later calls do nothing."""
+        first, stack = self.lifecycle.shut_down()
+        if first:
+            self._announce(timeout_s=3.0, final=True)
         if stack is not None:
             stack.stop()
-        if self.direct is not None:
-            try:
-                self.loop.run(self.direct.close(), timeout_s=5)
-            except Exception:
-                logger.debug("closing the direct listener failed during shutdown", exc_info=True)
-        try:
-            self.loop.run(self.servicer.remove_p2p_handlers(self.p2p), timeout_s=5)
-        except Exception:
-            logger.debug("removing handlers failed during shutdown", exc_info=True)
-        try:
-            self.loop.run(self.p2p.shutdown(), timeout_s=5)  # its tasks must end before the loop stops
-        except Exception:
-            logger.debug("p2p shutdown failed", exc_info=True)
-        self.dht.shutdown()
-        self.loop.stop()
-        if self.service_log is not None:
-            self.service_log.close()
+
+    def _stop_serving(self) -> None:
+        """The serving stack stopped (without an announcement: a start-up unwinding past its DHT)."""
+        _, stack = self.lifecycle.shut_down()
+        if stack is not None:
+            stack.stop()
+
+    def shutdown(self) -> None:
+        """Announce `offline` (final), stop serving, then tear down what the start-up started, in
+        reverse order: threads, handlers and the direct listener, p2p, the loop, the DHT, the log."""
+        self._stop.set()
+        self._go_offline()
+        self._resources.close()

@@ -191,7 +191,8 @@ def _main(argv: list[str]) -> int:
     except PetalsChainError as e:
         print(f"launch-server: {e}", file=sys.stderr)
         return 2
-    from server.block_server import BlockServer, ServerConfig
+    from server.block_server import BlockServer
+    from server.config import ServerConfig
 
     stop = threading.Event()
     started = threading.Event()

@@ -28,7 +28,6 @@ from petals_chain.errors import (
     SessionIdleTimeoutError,
     UnknownSessionError,
 )
-from petals_chain.runtime.block_range import StepInput
 from petals_chain.runtime.kv_cache import SessionKV
 from petals_chain.runtime.lora import check_adapter
 from petals_chain.transport.direct_stream import DirectDialer, DirectListener
@@ -49,11 +48,13 @@ from petals_chain.wire.messages import (
 )
 from petals_chain.wire.records import ServerInfo
 from server import relay
+from server.lifecycle import ServerLifecycle
 from server.prefix_cache import PrefixPin
 from server.relay import RelayInbox, RelayIndex, RelayLinks
 from server.reservation import SessionReservation
 from server.service_meter import ServiceMeter
-from server.serving_stack import ServingStack, StackSlot
+from server.serving_stack import ServingStack
+from server.step_request import StepRequest
 
 logger = logging.getLogger(__name__)
 
@@ -106,16 +107,29 @@ class OpenSession:
         return self.reservation.prefix_pin
 
 
+def the_tensor(message: wire_parts.Message, what: str) -> torch.Tensor:
+    """The one tensor a step, a push or a forward carries (`what`: e.g. "a step carries")."""
+    if len(message.tensors) != 1:
+        raise InvalidRequestError(f"{what} exactly one tensor, got {len(message.tensors)}")
+    return message.tensors[0]
+
+
 class BlockServicer:
     """Implementation behind `petals_chain.transport.protocol.BlockService`. It sees the server through five
-    typed things only: its limits, the slot holding the current serving stack (and whether it takes
-    new sessions), `info()` and the service `meter` for rpc_info, its `dialer` for pushing to next
-    hops (server/relay.py), and its `direct` listener (None: it offers no direct streams)."""
+    typed things only: its limits, the server's `lifecycle` (the current serving stack, and opens
+    through it: `ServerLifecycle.opening`), `info()` and the service `meter` for rpc_info, its `dialer`
+    for pushing to next hops (server/relay.py), and its `direct` listener (None: no direct streams).
 
-    def __init__(self, limits: ServicerLimits, stacks: StackSlot, info: Callable[[], ServerInfo],
+    One step's way: its message (`Step`, or a pushed `Push`) and its tensor become one `StepRequest`,
+    checked once (`_request`: the session's rules, then the range's in `StepRequest.checked`) before
+    anything of the session changes; `_step` applies its prefix reuse and KV rollback and runs it;
+    `_compute` is the one place its output comes back from the scheduler (steps, pushed steps and
+    forward rows alike)."""
+
+    def __init__(self, limits: ServicerLimits, lifecycle: ServerLifecycle, info: Callable[[], ServerInfo],
                  meter: ServiceMeter, dialer: DirectDialer, direct: DirectListener | None = None):
         self.limits = limits
-        self.stacks = stacks
+        self.lifecycle = lifecycle
         self._info = info
         self.meter = meter
         self.dialer = dialer  # streams to the next hop: direct where it offers them, else p2p
@@ -123,7 +137,7 @@ class BlockServicer:
         self.relay_index = RelayIndex()  # which session takes pushes from which peer
 
     def _stack(self, what: str) -> ServingStack:
-        stack = self.stacks.current
+        stack = self.lifecycle.current
         if stack is None:
             raise ServerUnavailableError(f"this server holds no blocks right now ({what}); use another server")
         return stack
@@ -168,8 +182,7 @@ class BlockServicer:
                 try:
                     if kind == relay.PUSHED:  # claimed by rpc_push already
                         push, hidden = message
-                        for response in await self._run_and_reply(session, push.step_id, hidden, 0, push.push_route,
-                                                                  push.start_position):
+                        for response in await self._run_and_reply(session, push, hidden):
                             yield response
                         continue
                     if isinstance(message, PetalsChainError):  # a bad group (refused by its header, or malformed)
@@ -189,17 +202,14 @@ class BlockServicer:
                             raise UnknownSessionError("step before open: send an 'open' message first")
                         if msg.session_id != session.session_id:
                             raise UnknownSessionError(f"unknown session {msg.session_id!r} on this stream")
-                        if len(message.tensors) != 1:
-                            raise InvalidRequestError(f"a step carries exactly one tensor, got {len(message.tensors)}")
+                        hidden = the_tensor(message, "a step carries")
                         if msg.relay_from is not None:  # the previous hop changed (the client failed it over)
                             self._take_pushes_from(session, msg.relay_from)
                         session.raw_replies = message.raw
                         if not session.inbox.claim(msg.step_id):
                             self.relay_index.copies_skipped += 1
                             continue  # its pushed copy ran already (and was answered): run each step once
-                        for response in await self._run_and_reply(session, msg.step_id, message.tensors[0],
-                                                                  msg.prefix_tokens or 0, msg.push_route,
-                                                                  msg.start_position):
+                        for response in await self._run_and_reply(session, msg, hidden):
                             yield response
                     else:  # Close
                         return
@@ -213,18 +223,22 @@ class BlockServicer:
             if session is not None:
                 self._close(session)
 
-    async def _run_and_reply(self, session: OpenSession, step_id: int | None, hidden: torch.Tensor,
-                             prefix_tokens: int, push_route: list[str] | None, start_position: int | None = None
+    async def _run_and_reply(self, session: OpenSession, msg: Step | Push, hidden: torch.Tensor
                              ) -> list[runtime_pb2.ExpertResponse | wire_parts.RawFrame]:
+        """Run one step (the client's `Step` or a pushed `Push`, with its tensor), push its output on
+        and build its reply."""
         t0 = time.perf_counter()
-        out, compute_s = await self._step(session, hidden, prefix_tokens, start_position)
-        if push_route and step_id is not None:
+        request = self._request(session, hidden, msg.prefix_tokens if isinstance(msg, Step) else None,
+                                msg.start_position)
+        out, compute_s = await self._step(session, request, msg.start_position)
+        if msg.push_route and msg.step_id is not None:
             # the next hop gets it first (server relay), with the step's rollback; this reply feeds
             # the client's history
-            session.links.push_soon(push_route, step_id, out, start_position)
+            session.links.push_soon(msg.push_route, msg.step_id, out, msg.start_position)
         # server_s: this step's time inside the server (queue + batch compute), so a client can tell
         # server time from network time (the Table 1 model check)
-        reply = StepReply(session.session_id, step_id, session.kv.past_tokens, time.perf_counter() - t0, compute_s)
+        reply = StepReply(session.session_id, msg.step_id, session.kv.past_tokens, time.perf_counter() - t0,
+                          compute_s)
         meta = reply.to_wire()
         raw = wire_parts.encode_raw(meta, out) if session.raw_replies else None
         return [raw] if raw is not None else wire_parts.to_messages(meta, (out,), reply=True)
@@ -248,9 +262,7 @@ class BlockServicer:
                 if isinstance(message, PetalsChainError):
                     raise message
                 push = Push.from_wire(message.meta)
-                if len(message.tensors) != 1:
-                    raise InvalidRequestError(f"a push carries exactly one tensor, got {len(message.tensors)}")
-                self.relay_index.deliver(push, message.tensors[0], from_peer)
+                self.relay_index.deliver(push, the_tensor(message, "a push carries"), from_peer)
             except PetalsChainError as e:
                 yield wire.error_response(e)
 
@@ -272,31 +284,30 @@ class BlockServicer:
                 "a server started with a larger --max-step-tokens")
 
     async def _open(self, msg: Open, client_id: str, inbox: RelayInbox) -> OpenSession:
-        stack = self.stacks.current
-        if stack is None or not self.stacks.accepting:
-            raise ServerUnavailableError("this server holds no blocks right now (waiting for or loading its "
-                                         "assignment); use another server")
-        block_range = stack.block_range
-        session_id, max_length = msg.session_id, msg.max_length
-        first_block = block_range.start if msg.entry_block is None else msg.entry_block
-        if max_length > self.limits.max_length_tokens:
-            raise MaxLengthExceededError(
-                f"max_length={max_length} exceeds this server's limit of {self.limits.max_length_tokens} tokens; "
-                "use a smaller max_length or a server started with a larger --max-length")
-        if not block_range.start <= first_block < block_range.end:
-            raise InvalidRequestError(
-                f"entry_block {first_block} is outside this server's blocks [{block_range.start}, {block_range.end})")
-        check_adapter(msg.adapter, block_range.adapters)  # before any memory is reserved
-        nbytes = block_range.kv_bytes_per_block(max_length) * (block_range.end - first_block)
-        cache = stack.prefix_cache
-        hashes = list(msg.prefix_hashes or ()) if cache is not None else []  # checked by Open.check
-        # a prefix's KV depends on the adapter it was computed with: never shared across adapters
-        namespace = cache.namespace(client_id, first_block, msg.adapter) if cache is not None else ""
-        # waits in the admission queue while memory is full (OutOfCacheError / AdmissionTimeoutError)
-        reservation = await SessionReservation.acquire(
-            stack, key=f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}", session_id=session_id, client_id=client_id,
-            nbytes=nbytes, max_length=max_length, first_block=first_block, adapter=msg.adapter,
-            wait_s=msg.admission_wait_s, prefix_namespace=namespace, prefix_hashes=hashes)
+        # counted as opening from the accepting check until it is in the session table or gave up
+        # (a wait for memory included): a move of the server waits for it (ServerLifecycle.begin_move)
+        with self.lifecycle.opening() as stack:
+            block_range = stack.block_range
+            session_id, max_length = msg.session_id, msg.max_length
+            first_block = block_range.start if msg.entry_block is None else msg.entry_block
+            if max_length > self.limits.max_length_tokens:
+                raise MaxLengthExceededError(
+                    f"max_length={max_length} exceeds this server's limit of {self.limits.max_length_tokens} tokens; "
+                    "use a smaller max_length or a server started with a larger --max-length")
+            if not block_range.start <= first_block < block_range.end:
+                raise InvalidRequestError(f"entry_block {first_block} is outside this server's blocks "
+                                          f"[{block_range.start}, {block_range.end})")
+            check_adapter(msg.adapter, block_range.adapters)  # before any memory is reserved
+            nbytes = block_range.kv_bytes_per_block(max_length) * (block_range.end - first_block)
+            cache = stack.prefix_cache
+            hashes = list(msg.prefix_hashes or ()) if cache is not None else []  # checked by Open.check
+            # a prefix's KV depends on the adapter it was computed with: never shared across adapters
+            namespace = cache.namespace(client_id, first_block, msg.adapter) if cache is not None else ""
+            # waits in the admission queue while memory is full (OutOfCacheError / AdmissionTimeoutError)
+            reservation = await SessionReservation.acquire(
+                stack, key=f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}", session_id=session_id,
+                client_id=client_id, nbytes=nbytes, max_length=max_length, first_block=first_block,
+                adapter=msg.adapter, wait_s=msg.admission_wait_s, prefix_namespace=namespace, prefix_hashes=hashes)
         session = OpenSession(session_id, reservation, inbox, RelayLinks(self.dialer, session_id), namespace, hashes)
         reservation.hold("relay streams", session.links.close)
         reservation.hold("relay index entry", lambda: session.stop_pushes() if session.stop_pushes else None)
@@ -311,20 +322,44 @@ class BlockServicer:
                     block_range.end, max_length)
         return session
 
-    async def _step(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int = 0,
-                    start_position: int | None = None) -> tuple[torch.Tensor, float]:
-        cache = session.stack.prefix_cache
-        if session.prefix_pin is not None and not session.prefix_pin.released:
-            # the first step: copy the part of the cached prefix that every hop holds (the client
-            # sends the minimum of the hops' matches), then let the cache evict it again
-            session.prefix_tokens = cache.take(session.prefix_pin, prefix_tokens, session.kv, session.client_id)
+    def _request(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int | None,
+                 start_position: int | None) -> StepRequest:
+        """The step as the scheduler runs it, checked once, before anything of the session changes
+        (a refused step loses nothing: no prefix taken, no rollback): the session's rules here (the
+        prefix reuse of its first step, the KV rollback's bound), the range's in `StepRequest.checked`."""
+        kv, pin = session.kv, session.prefix_pin
+        first = pin is not None and not pin.released
+        prefix_tokens = prefix_tokens or 0
+        if first:
+            # the first step: it takes the part of the cached prefix that every hop holds (the client
+            # sends the minimum of the hops' matches)
+            session.stack.prefix_cache.check_take(pin, prefix_tokens, kv)
+            held = prefix_tokens
         elif prefix_tokens:
             raise InvalidRequestError("prefix_tokens is only valid in the first step of a session whose open sent "
                                       "prefix_hashes to a server with a prefix cache (its open reply says so)")
+        else:
+            held = kv.past_tokens
+        if start_position is not None and not 0 <= start_position <= held:
+            raise InvalidRequestError(
+                f"start_position={start_position} is past this session's {held} processed tokens; a step "
+                "may only restart at or before the current position (send the missing tokens first)")
+        return StepRequest.checked(session.stack.block_range, kv, hidden, key=session.reservation.key,
+                                   client_id=session.client_id, start_tokens=held if start_position is None
+                                   else start_position, prefix_tokens=prefix_tokens if first else session.prefix_tokens)
+
+    async def _step(self, session: OpenSession, request: StepRequest,
+                    start_position: int | None = None) -> tuple[torch.Tensor, float]:
+        """Run a checked step: take its prefix from the cache (a first step), roll the session back
+        to `start_position`, compute, offer the prompt's new chunks to the cache."""
+        cache = session.stack.prefix_cache
+        if session.prefix_pin is not None and not session.prefix_pin.released:
+            # copy the prefix in, then let the cache evict it again
+            session.prefix_tokens = cache.take(session.prefix_pin, request.prefix_tokens, session.kv,
+                                               session.client_id)
         if start_position is not None:
             self._roll_back(session, start_position)
-        out, compute_s = await self._run_step(session.stack, session.reservation.key, session.client_id, session.kv,
-                                              hidden, session.prefix_tokens)
+        out, compute_s = await self._compute(session.stack, request)
         if cache is not None and session.prefix_stored < len(session.prefix_hashes):
             # offer the prompt's full chunks this session computed (no other step of it runs now)
             cache.insert(session.prefix_namespace, session.prefix_hashes, session.kv)
@@ -333,32 +368,20 @@ class BlockServicer:
 
     @staticmethod
     def _roll_back(session: OpenSession, start_position: int) -> None:
-        """KV rollback: the step starts at `start_position` (at most the session's length). The static
+        """KV rollback (its bound checked by `_request`): the step starts at `start_position`. The static
         cache stays allocated and the step overwrites it from there; the prompt's chunk hashes are cut to
         the chunks still below it, so positions that now hold other tokens are never offered to the
         prefix cache under the prompt's keys (chunks offered earlier are copies, still valid)."""
-        kv = session.kv
-        if not 0 <= start_position <= kv.past_tokens:
-            raise InvalidRequestError(
-                f"start_position={start_position} is past this session's {kv.past_tokens} processed tokens; a step "
-                "may only restart at or before the current position (send the missing tokens first)")
-        kv.past_tokens = start_position
+        session.kv.past_tokens = start_position
         cache = session.stack.prefix_cache
         kept = start_position // cache.chunk_tokens if cache is not None else 0
         if kept < len(session.prefix_hashes):
             del session.prefix_hashes[kept:]
             session.prefix_stored = min(session.prefix_stored, kept)
 
-    async def _run_step(self, stack: ServingStack, key: str, client_id: str, kv: SessionKV, hidden: torch.Tensor,
-                        prefix_tokens: int = 0) -> tuple[torch.Tensor, float]:
-        """The step's output and the forward time of the batches it ran in."""
-        step = StepInput(kv, hidden)
-        # not for NaN/Inf again: every tensor this servicer runs was decoded with finite=True (its
-        # message streams, pushes and forwards), where the check costs a fraction of a torch reduction
-        stack.block_range.validate_step(step, check_finite=False)
-        step.validated = True  # once: the batch does not check it again
-        if hidden.dtype != stack.block_range.dtype:
-            raise InvalidRequestError(f"hidden states must be {stack.block_range.dtype}, got {hidden.dtype}")
+    async def _compute(self, stack: ServingStack, request: StepRequest) -> tuple[torch.Tensor, float]:
+        """Run a checked request through the stack's scheduler: the step's output and the forward time
+        of the batches it ran in. The one place a step's output tensor comes back to the handler."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         loop_thread = threading.get_ident()
@@ -381,9 +404,9 @@ class BlockServicer:
         # long step (a prompt) never runs inline: it would hold this loop for seconds, and with it the
         # rpc_info liveness probes (a client then takes the busy server for a dead one: a 2,048-token
         # prefill at load 10 did), pushes and other streams; next to its compute the hop is nothing
-        inline = len(stack.sessions) <= 1 and hidden.shape[0] <= INLINE_MAX_TOKENS
+        inline = len(stack.sessions) <= 1 and request.n_tokens <= INLINE_MAX_TOKENS
         # an inline batch's service record is written after this step's reply is on its way
-        job = stack.scheduler.submit(key, client_id, step, deliver, prefix_tokens=prefix_tokens, inline=inline,
+        job = stack.scheduler.submit(request, deliver, inline=inline,
                                      defer=lambda observe: loop.call_later(OBSERVE_AFTER_S, observe))
         return await future, job.compute_s
 
@@ -428,11 +451,10 @@ class BlockServicer:
         entry_block = request.entry_block
         check_adapter(request.adapter, block_range.adapters)
         first_block = block_range.start if entry_block is None else entry_block
-        if len(message.tensors) != 1:
-            raise InvalidRequestError(f"rpc_forward carries exactly one tensor, got {len(message.tensors)}")
-        hidden = message.tensors[0]
+        hidden = the_tensor(message, "rpc_forward carries")
         if hidden.dim() != 3 or hidden.shape[0] < 1:
-            raise InvalidRequestError(f"rpc_forward takes [batch, seq, {block_range.hidden_size}], got {tuple(hidden.shape)}")
+            raise InvalidRequestError(f"rpc_forward takes [batch, seq, {block_range.hidden_size}], "
+                                      f"got {tuple(hidden.shape)}")
         if hidden.shape[1] > self.limits.max_length_tokens:
             raise MaxLengthExceededError(f"sequence of {hidden.shape[1]} tokens exceeds this server's "
                                          f"limit of {self.limits.max_length_tokens}")
@@ -446,7 +468,9 @@ class BlockServicer:
                 max_length=seq.shape[0], first_block=first_block, adapter=request.adapter, wait_s=0.0,
                 register=False)
             try:
-                outputs.append((await self._run_step(stack, key, client_id, row_reservation.kv, seq))[0])
+                request = StepRequest.checked(block_range, row_reservation.kv, seq, key=key, client_id=client_id,
+                                              start_tokens=0)
+                outputs.append((await self._compute(stack, request))[0])
             finally:
                 row_reservation.release()
         return torch.stack(outputs)

@@ -135,18 +135,23 @@ class PrefixCache:
                 if chunk is not None:
                     chunk.pins -= 1
 
+    def check_take(self, pin: PrefixPin, use_tokens: int, kv: SessionKV) -> None:
+        """Refuse (typed) what `take` would refuse, changing nothing (a server checks a first step
+        whole before any of it happens)."""
+        if pin.released:
+            raise InvalidRequestError("prefix_tokens must come with the session's first step")
+        if use_tokens < 0 or use_tokens % self.chunk_tokens or use_tokens > pin.tokens:
+            raise InvalidRequestError(
+                f"prefix_tokens={use_tokens} must be a multiple of {self.chunk_tokens} and at most the "
+                f"{pin.tokens} tokens this server matched at open (send the minimum over the chain's hops)")
+        if kv.past_tokens != 0 or use_tokens > kv.max_length_tokens:
+            raise InvalidRequestError("prefix_tokens must come with the session's first step, within max_length")
+
     def take(self, pin: PrefixPin, use_tokens: int, kv: SessionKV, client_id: str = "") -> int:
         """Copy the first `use_tokens` (a multiple of chunk_tokens, at most the pinned prefix) of the
         pinned prefix into the session's empty cache and unpin; returns the tokens copied."""
         with self.budget.lock:
-            if pin.released:
-                raise InvalidRequestError("prefix_tokens must come with the session's first step")
-            if use_tokens < 0 or use_tokens % self.chunk_tokens or use_tokens > pin.tokens:
-                raise InvalidRequestError(
-                    f"prefix_tokens={use_tokens} must be a multiple of {self.chunk_tokens} and at most the "
-                    f"{pin.tokens} tokens this server matched at open (send the minimum over the chain's hops)")
-            if kv.past_tokens != 0 or use_tokens > kv.max_length_tokens:
-                raise InvalidRequestError("prefix_tokens must come with the session's first step, within max_length")
+            self.check_take(pin, use_tokens, kv)
             c = self.chunk_tokens
             for i, k in enumerate(pin.chunks[:use_tokens // c]):
                 chunk = self._chunks[k]  # pinned: still here

@@ -35,7 +35,6 @@ import torch
 
 from netem.cpu import own_cpu_share
 from petals_chain.models.checkpoint import cache_dir
-from petals_chain.runtime.block_range import StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +112,7 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
     from server.policies import make_policy
     from server.scheduler import StepScheduler
     from server.service_meter import ServiceMeter
+    from server.step_request import StepRequest
 
     start, end = block_range.start, block_range.end
     entries = sorted({start, (start + end) // 2})
@@ -125,7 +125,7 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
             failures.append(err)
 
     def step(scheduler: StepScheduler, kv, x) -> None:  # one batch: submitted, then run on this thread
-        scheduler.submit("profile", "profile", StepInput(kv, x), deliver)
+        scheduler.submit(StepRequest(kv, x, key="profile", client_id="profile"), deliver)
         while scheduler.run_once():
             pass
 
@@ -137,7 +137,7 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
         for kv in kvs:
             step(scheduler, kv, x)  # each session's first token
         for i, kv in enumerate(kvs):
-            scheduler.submit(f"profile-{i}", "profile", StepInput(kv, x), deliver)
+            scheduler.submit(StepRequest(kv, x, key=f"profile-{i}", client_id="profile"), deliver)
         while scheduler.run_once():
             pass
 

@@ -1,6 +1,7 @@
 """The server's execution loop: one thread takes waiting steps of all open sessions and batches them.
 
-Handlers `submit` a validated step with a `deliver(result, error)` callback. The policy
+Handlers `submit` a validated step (`server/step_request.py:StepRequest`, made and checked once by the
+handler) with a `deliver(result, error)` callback. The policy
 (`server/policies.py`) owns the waiting queue; every call into it runs under the scheduler's one
 lock. A step longer than the batch budget runs in chunks (the policy cuts it), interleaved with
 other sessions' steps; its rows are delivered together once the last chunk ran, in order.
@@ -39,6 +40,7 @@ from petals_chain.errors import (
 )
 from petals_chain.runtime.block_range import StepInput
 from server.policies import SchedulingPolicy, WorkItem
+from server.step_request import StepRequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,26 +57,33 @@ class SchedulerStats:
     policy_failures: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
-    """One submitted step: its rows may run over several batches (chunked prefill)."""
+    """One submitted step and how far it ran: its rows may run over several batches (chunked prefill)."""
 
     job_id: int
-    session_id: str
-    client_id: str
-    step: StepInput
+    request: StepRequest
     deliver: Callable[[Any, BaseException | None], None]
     rows_done: int = 0
     compute_s: float = 0.0  # forward time of the batches its rows ran in (shared with their other steps)
     outputs: list[torch.Tensor] = field(default_factory=list)
 
     @property
+    def session_id(self) -> str:
+        return self.request.key
+
+    @property
+    def client_id(self) -> str:
+        return self.request.client_id
+
+    @property
     def total_rows(self) -> int:
-        return self.step.hidden.shape[0]
+        return self.request.hidden.shape[0]
 
 
 class StepScheduler:
-    """`executor` is anything with `forward(list[StepInput]) -> list[Tensor]` (a `BlockRange`).
+    """`executor` is anything with `forward(list[StepInput]) -> list[Tensor]` (a `BlockRange`);
+    a `StepRequest` is a `StepInput`, handed to it as it is when a batch runs all its rows.
     With `start_thread=False` nothing runs until the caller calls `run_once()` (tests)."""
 
     def __init__(self, executor, policy: SchedulingPolicy, *, max_batch_tokens: int = 2048,
@@ -112,11 +121,10 @@ class StepScheduler:
             self._thread.start()
 
     # -- handler side ---------------------------------------------------------------------------
-    def submit(self, session_id: str, client_id: str, step: StepInput,
-               deliver: Callable[[Any, BaseException | None], None], prefix_tokens: int = 0,
+    def submit(self, request: StepRequest, deliver: Callable[[Any, BaseException | None], None], *,
                inline: bool = False, defer: Callable[[Callable[[], None]], Any] | None = None) -> _Job:
-        """Returns the job (its `compute_s` is final once delivered). `prefix_tokens`: tokens of the
-        session's prompt taken from the prefix cache (DLPM's locality).
+        """Queue `request` (its `key` is the session's here); `deliver(output, None)` or
+        `deliver(None, error)` is called once. Returns the job (its `compute_s` is final once delivered).
         `inline`: when nothing else waits or runs, run the batch on the caller's thread now (no
         hand-off to the scheduler thread and back: the lean path of a lone session); otherwise it
         waits for the scheduler thread as usual, so batches still form under load. `defer`: how an
@@ -126,20 +134,21 @@ class StepScheduler:
         with self._cond:
             if self._stopped:
                 raise ServerUnavailableError("this server is shutting down; use another server")
+            session_id = request.key
             delivered_s = self._delivered_s.pop(session_id, None)
             if delivered_s is not None:
                 gap_s = self.clock() - delivered_s
                 prev_s = self._return_s.get(session_id)
                 self._return_s[session_id] = gap_s if prev_s is None else 0.5 * (prev_s + gap_s)
             job_id = next(self._job_ids)
-            job = _Job(job_id, session_id, client_id, step, deliver)
+            job = _Job(job_id, request, deliver)
             ok, seq = self._call_policy("next_seq", self.policy.next_seq)
             self._jobs[job_id] = job
             if not ok:
                 self._fail_job(job, self._policy_error("next_seq", RuntimeError("no arrival number")))
                 return job
-            item = WorkItem(seq, session_id, client_id, job.total_rows, step.kv.past_tokens, self.clock(), job,
-                            prefix_tokens=prefix_tokens)
+            item = WorkItem(seq, session_id, request.client_id, job.total_rows, request.kv.past_tokens, self.clock(),
+                            job, prefix_tokens=request.prefix_tokens)
             self._call_policy("enqueue", lambda: self.policy.enqueue(item))
             # not while other sessions are expected back within the gathering window: their batch
             # forms on the scheduler thread (_gather)
@@ -287,7 +296,7 @@ class StepScheduler:
     def _blocks_of(self, job: _Job) -> int:
         """Blocks this step runs here (a session may enter mid-range); 0 for executors without blocks."""
         try:
-            return int(self.block_range.end - job.step.kv.first_block)
+            return int(self.block_range.end - job.request.kv.first_block)
         except AttributeError:
             return 0
 
@@ -297,10 +306,11 @@ class StepScheduler:
             torch.cuda.synchronize(self._device)
         start_s = self.clock()
         cpu0_s = time.process_time()  # the whole process: torch's intra-op threads do the work
-        # a whole step's rows as they are: a slice is one more torch call on the decode step's path
-        steps = [StepInput(it.payload.step.kv, it.payload.step.hidden if it.n_tokens == it.payload.total_rows else
-                           it.payload.step.hidden[it.row_offset:it.row_offset + it.n_tokens],
-                           validated=it.payload.step.validated) for it in batch]
+        # a whole step as it came (no new object, no slice: each is one more call on the decode step's
+        # path); a chunk of a prefill as a slice of its rows
+        steps = [it.payload.request if it.n_tokens == it.payload.total_rows else
+                 StepInput(it.payload.request.kv, it.payload.request.hidden[it.row_offset:it.row_offset + it.n_tokens],
+                           validated=it.payload.request.validated) for it in batch]
         try:
             outputs = self.block_range.forward(steps)
             if self._on_cuda:  # kernels run asynchronously: the batch ends when they do

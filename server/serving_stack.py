@@ -1,11 +1,12 @@
 """The server's serving stack: blocks, KV budget, scheduler, admission queue and prefix cache,
-built together by one factory (`build_stack`) and swapped as one value (`StackSlot`).
+built together by one factory (`build_stack`) and swapped as one value (by the server's lifecycle,
+`server/lifecycle.py`).
 
 Why one value: the collaborators hold references to one another (admission reserves from the
 budget and asks the scheduler's policy; the prefix cache is the budget's reclaimer; the scheduler
 reports who waits for memory). Built apart and replaced attribute by attribute, a handler running
-during a reload could see the new budget with the old scheduler. Here a handler reads the slot
-once (`StackSlot.current`) and keeps that stack; a session's reservation (`server/reservation.py`)
+during a reload could see the new budget with the old scheduler. Here a handler reads the stack
+once (`ServerLifecycle.current`) and keeps it; a session's reservation (`server/reservation.py`)
 releases into the stack it was acquired from, even after a swap.
 
 The sessions a stack holds are in its `SessionTable` (one owner: what `info()` counts and what a
@@ -16,20 +17,26 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from petals_chain.runtime.block_range import BlockRange
+from petals_chain.runtime.kv_cache import SessionKV
 from petals_chain.wire.prefix_keys import PREFIX_CHUNK_TOKENS
 from server.admission import AdmissionQueue
+from server.config import ServerConfig
 from server.emulation import maybe_slowed
 from server.memory import KVBudget
 from server.policies import make_policy
 from server.prefix_cache import PrefixCache
 from server.scheduler import StepScheduler
 
-if TYPE_CHECKING:
-    from server.block_server import ServerConfig
-    from server.reservation import SessionReservation
+
+class HeldSession(Protocol):
+    """What the table reads of an entry (a `server/reservation.py:SessionReservation`, which
+    imports this module: the table names only what it uses)."""
+
+    key: str
+    kv: SessionKV | None
 
 
 class SessionTable:
@@ -37,9 +44,9 @@ class SessionTable:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._by_key: dict[str, SessionReservation] = {}
+        self._by_key: dict[str, HeldSession] = {}
 
-    def add(self, reservation: SessionReservation) -> None:
+    def add(self, reservation: HeldSession) -> None:
         with self._lock:
             self._by_key[reservation.key] = reservation
 
@@ -83,33 +90,12 @@ def build_stack(config: ServerConfig, path, start: int, end: int,
     scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
                               gather_fraction=c.batch_gather, on_batch=on_batch,
                               waiting_for_memory=lambda: admission.waiting_clients() if admission is not None else [])
-    admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
-    prefix_cache = (None if c.prefix_sharing == "off" else
-                    PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes))
-    return ServingStack(block_range, budget, scheduler, admission, prefix_cache)
-
-
-class StackSlot:
-    """The server's current stack (None before `--blocks auto` gets an assignment) and whether it
-    accepts new sessions; `swap` replaces the stack in one step and returns the old one."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._stack: ServingStack | None = None
-        self._accepting = False
-
-    @property
-    def current(self) -> ServingStack | None:
-        return self._stack  # one reference read: a handler keeps what it got
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting
-
-    def swap(self, stack: ServingStack | None) -> ServingStack | None:
-        with self._lock:
-            old, self._stack = self._stack, stack
-            return old
-
-    def set_accepting(self, accepting: bool) -> None:
-        self._accepting = accepting
+    try:  # the scheduler's thread runs already: a stack that is not made must not leave it behind
+        admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
+        prefix_cache = (None if c.prefix_sharing == "off" else
+                        PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing,
+                                    max_bytes=c.prefix_cache_max_bytes))
+        return ServingStack(block_range, budget, scheduler, admission, prefix_cache)
+    except BaseException:
+        scheduler.stop()
+        raise

@@ -7,10 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from petals_chain.runtime.block_range import BlockRange, StepInput
+from petals_chain.runtime.block_range import BlockRange
 from petals_chain.runtime.client_head import ClientHead
 from server.policies import make_policy
 from server.scheduler import StepScheduler
+from server.step_request import StepRequest
 from tests.exactness_helpers import hf_logits_per_step
 
 
@@ -22,7 +23,7 @@ def _step(sched: StepScheduler, name: str, kv, hidden: torch.Tensor) -> torch.Te
         box["r"], box["e"] = result, error
         done.set()
 
-    sched.submit(name, "client-" + name, StepInput(kv, hidden), deliver)
+    sched.submit(StepRequest(kv, hidden, key=name, client_id="client-" + name), deliver)
     assert done.wait(60), "step not delivered within 60 s"
     assert box["e"] is None, box["e"]
     return box["r"]

@@ -60,8 +60,8 @@ def test_dlpm_prefers_the_longest_cached_prefix_among_clients_with_credit():
     sched, rng, _ = make(dlpm, budget=8)
     res = Results()
     kvs = {n: FakeKV(0) for n in ("plain", "hit")}
-    sched.submit("plain", "a", _step(kvs["plain"], 8), res.deliver("plain"))
-    sched.submit("hit", "b", _step(kvs["hit"], 8), res.deliver("hit"), prefix_tokens=64)
+    sched.submit(_step(kvs["plain"], 8, "plain", "a"), res.deliver("plain"))
+    sched.submit(_step(kvs["hit"], 8, "hit", "b", prefix_tokens=64), res.deliver("hit"))
     sched.run_once()
     assert rng.batches[0] == [(id(kvs["hit"]), 8)]  # arrived later, but its session reused 64 tokens
     run_all(sched)
@@ -132,8 +132,8 @@ def test_work_item_split_keeps_the_prefix_locality():
     assert tail.prefix_tokens == 32 and tail.is_prefill and tail.past_tokens == 4
 
 
-def _step(kv, n):
+def _step(kv, n, key, client_id, prefix_tokens=0):
     import torch
 
-    from petals_chain.runtime.block_range import StepInput
-    return StepInput(kv, torch.zeros(n, 2))
+    from server.step_request import StepRequest
+    return StepRequest(kv, torch.zeros(n, 2), key=key, client_id=client_id, prefix_tokens=prefix_tokens)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from petals_chain.errors import InvalidRequestError, OutOfCacheError
-from petals_chain.runtime.block_range import BlockRange, StepInput
+from petals_chain.runtime.block_range import BlockRange
 from petals_chain.runtime.client_head import ClientHead
 from petals_chain.runtime.kv_cache import SessionKV
 from petals_chain.wire.prefix_keys import (
@@ -23,6 +23,7 @@ from server.memory import KVBudget
 from server.policies import make_policy
 from server.prefix_cache import PrefixCache
 from server.scheduler import StepScheduler
+from server.step_request import StepRequest
 
 C = 4  # chunk tokens in the unit tests
 CHUNK_BYTES = 2 * 2 * 1 * C * 2 * 4  # keys + values: 2 blocks x 1 head x C tokens x dim 2 x float32
@@ -215,7 +216,7 @@ def _run(sched: StepScheduler, name: str, kv, hidden: torch.Tensor, prefix_token
         box["r"], box["e"] = result, error
         done.set()
 
-    sched.submit(name, "client", StepInput(kv, hidden), deliver, prefix_tokens=prefix_tokens)
+    sched.submit(StepRequest(kv, hidden, key=name, client_id="client", prefix_tokens=prefix_tokens), deliver)
     assert done.wait(60), "step not delivered within 60 s"
     assert box["e"] is None, box["e"]
     return box["r"]

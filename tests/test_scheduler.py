@@ -15,7 +15,6 @@ from petals_chain.errors import (
     SchedulerPolicyError,
     SessionClosedError,
 )
-from petals_chain.runtime.block_range import StepInput
 from server.policies import (
     FCFSPolicy,
     VTCPolicy,
@@ -24,6 +23,7 @@ from server.policies import (
     parse_policy_args,
 )
 from server.scheduler import StepScheduler
+from server.step_request import StepRequest
 
 
 @dataclass
@@ -91,7 +91,7 @@ def make(policy=None, budget=128):
 
 
 def submit(sched, res, name, kv, n, client="c"):
-    sched.submit(name, client, StepInput(kv, torch.zeros(n, 2)), res.deliver(name))
+    sched.submit(StepRequest(kv, torch.zeros(n, 2), key=name, client_id=client), res.deliver(name))
 
 
 def run_all(sched, limit=20000):

@@ -9,13 +9,14 @@ import sys
 import pytest
 import torch
 
-from petals_chain.runtime.block_range import BlockRange, StepInput
+from petals_chain.runtime.block_range import BlockRange
 from petals_chain.wire import codec as wire
 from petals_chain.wire import records as wire_records
 from server import range_profile
 from server.policies import make_policy
 from server.scheduler import StepScheduler
 from server.service_meter import ServiceMeter
+from server.step_request import StepRequest
 
 
 @pytest.fixture(autouse=True)
@@ -33,11 +34,14 @@ def test_every_batch_is_measured_and_served_by_cursor_as_typed_records(tiny_llam
     sched = StepScheduler(br, make_policy("fcfs"), start_thread=False, on_batch=meter.on_batch)
     done = []
     a, b = br.allocate_kv(16), br.allocate_kv(16, first_block=3)  # b enters mid-range: 3 blocks
-    sched.submit("a", "c", StepInput(a, torch.randn(5, br.hidden_size)), lambda out, err: done.append(err))
-    sched.submit("b", "c", StepInput(b, torch.randn(2, br.hidden_size)), lambda out, err: done.append(err))
+    sched.submit(StepRequest(a, torch.randn(5, br.hidden_size), key="a", client_id="c"),
+                 lambda out, err: done.append(err))
+    sched.submit(StepRequest(b, torch.randn(2, br.hidden_size), key="b", client_id="c"),
+                 lambda out, err: done.append(err))
     while sched.run_once():
         pass
-    sched.submit("a", "c", StepInput(a, torch.randn(1, br.hidden_size)), lambda out, err: done.append(err))
+    sched.submit(StepRequest(a, torch.randn(1, br.hidden_size), key="a", client_id="c"),
+                 lambda out, err: done.append(err))
     while sched.run_once():
         pass
     sched.stop()
@@ -132,15 +136,17 @@ def test_live_service_that_contradicts_the_profile_drops_it_once(monkeypatch, ca
     from types import SimpleNamespace
 
     from server import block_server
+    from server.lifecycle import ServerLifecycle
     from server.service_meter import ServiceMeter
 
     forgotten = []
     monkeypatch.setattr(block_server, "forget_profile", lambda br, name: forgotten.append(name) or len(forgotten) == 1)
     srv = block_server.BlockServer.__new__(block_server.BlockServer)
-    srv.stacks = SimpleNamespace(current=SimpleNamespace(block_range=SimpleNamespace(start=0, end=4)))
-    srv.profile = range_profile.RangeProfile(1e-4, 1e-3, 1e-3, blocks=4, batches=20)
+    srv.lifecycle = ServerLifecycle()
+    profile = range_profile.RangeProfile(1e-4, 1e-3, 1e-3, blocks=4, batches=20)
+    srv.lifecycle.install(SimpleNamespace(block_range=SimpleNamespace(start=0, end=4)), None, profile)
     srv.config, srv.model_name = SimpleNamespace(emulate_slowdown=1.0), "m"
-    srv.meter, srv._profile_checked_seq, srv._profile_contradicted = ServiceMeter(), -1, False
+    srv.meter, srv._profile_checked_seq = ServiceMeter(), -1
 
     def serve(n):  # decode batches of 1-4 sessions at 3x the profile's t_O
         for i in range(n):

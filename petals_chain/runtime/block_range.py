@@ -45,7 +45,7 @@ class StepInput:
 
     kv: SessionKV
     hidden: torch.Tensor
-    validated: bool = False  # `validate_step` passed already (the server checks at submit): skip it in forward
+    validated: bool = False  # `validate_step` passed already (a server's `StepRequest`): skip it in forward
 
 
 class BlockRange:
@@ -129,10 +129,13 @@ class BlockRange:
         return SessionKV.allocate(first, self.end, self.kv_heads, self.head_dim, max_length_tokens,
                                   self.dtype, self.device, adapter=adapter)
 
-    def validate_step(self, step: StepInput, check_finite: bool = True) -> None:
+    def validate_step(self, step: StepInput, check_finite: bool = True, past_tokens: int | None = None) -> None:
         """Refuse a step this range cannot run (typed errors). `check_finite=False`: the caller has
-        checked its values for NaN and Inf already (a server's input: wire_parts' `finite` decoding)."""
+        checked its values for NaN and Inf already (a server's input: wire_parts' `finite` decoding).
+        `past_tokens`: where the step will start, when the caller checks it before moving the session
+        there (a server's KV rollback or prefix reuse; default: where the session is)."""
         h = step.hidden
+        past = step.kv.past_tokens if past_tokens is None else past_tokens
         if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] != self.hidden_size or h.shape[0] < 1:
             shape = tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
             raise InvalidRequestError(f"hidden states must have shape [n_tokens >= 1, {self.hidden_size}], got {shape}")
@@ -140,9 +143,9 @@ class BlockRange:
             raise InvalidRequestError(f"hidden states must be a float tensor, got {h.dtype}")
         if step.kv.end_block != self.end or not self.start <= step.kv.first_block < self.end:
             raise InvalidRequestError("this KV cache was not allocated by this block range")
-        if step.kv.past_tokens + h.shape[0] > step.kv.max_length_tokens:
+        if past + h.shape[0] > step.kv.max_length_tokens:
             raise MaxLengthExceededError(
-                f"session would reach {step.kv.past_tokens + h.shape[0]} tokens but was opened with max_length="
+                f"session would reach {past + h.shape[0]} tokens but was opened with max_length="
                 f"{step.kv.max_length_tokens}; open the session with a larger max_length")
         # one reduction instead of isfinite + all + bool (each torch call costs tens of microseconds on a
         # decode step's cold path): the float64 sum of finite float16/bfloat16/float32 values cannot
