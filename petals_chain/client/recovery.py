@@ -115,10 +115,13 @@ class Recovery:
                         failed.error, wait_s)
             return Decision(Action.WAIT, wait_s)
         self.failovers += 1
+        peer = failed.hop.peer_id
         if self.failovers > self.max_failovers:
+            # the operation gives up, but the server did fail: later sessions should not try it either
+            self.failed_peers.add(peer)
+            self.health.report_failure(peer)
             raise ServerUnavailableError(f"{what} gave up after {self.max_failovers} failovers; last: "
                                          f"{failed.error}") from failed.error
-        peer = failed.hop.peer_id
         if self.ping_s is not None and peer not in self._retried and self.ping_s(peer) is not None:
             self._retried.add(peer)
             logger.warning("%s: server %s failed (%s) but answers; retrying it once", what, failed.hop.describe(),
