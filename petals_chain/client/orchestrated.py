@@ -8,6 +8,8 @@ deadline, and only then gets `OrchestratorUnavailableError`), or `AcquireTimeout
 refine the orchestrator's tau estimates). A heartbeat thread renews the leases of open sessions. On
 a server failure the session asks again with the failed server excluded and replaces its whole chain
 (`whole_chain_failover`), so it always runs on exactly the chain the orchestrator counts it on.
+The provider keeps only the leases held now; what a session was granted is on its `Lease`
+(`client/lease.py`), which also makes sure each grant is released once.
 """
 from __future__ import annotations
 

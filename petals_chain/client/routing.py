@@ -10,6 +10,7 @@ it would process, with a penalty when it reports no free KV slot.
 from __future__ import annotations
 
 import heapq
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -128,13 +129,19 @@ class DhtChainProvider(ChainProvider):
         self.wait_for_chain_s = wait_for_chain_s
         self.rtt_ttl_s = rtt_ttl_s
         self.clock = clock
+        # every session's thread routes through here: the RTT cache is read and written under the lock,
+        # never held across a ping (two threads may ping one peer at once; the later answer stays)
+        self._lock = threading.Lock()
         self._rtt: dict[str, tuple[float, float | None]] = {}
 
     def _rtt_s(self, peer_id: str) -> float | None:
         now = self.clock()
-        cached = self._rtt.get(peer_id)
+        with self._lock:
+            cached = self._rtt.get(peer_id)
         if cached is None or now - cached[0] > self.rtt_ttl_s:
-            cached = self._rtt[peer_id] = (now, self.ping_s(peer_id))
+            cached = (now, self.ping_s(peer_id))
+            with self._lock:
+                self._rtt[peer_id] = cached
         return cached[1]
 
     def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
@@ -149,5 +156,6 @@ class DhtChainProvider(ChainProvider):
             except NoChainError:
                 if self.clock() >= deadline:
                     raise
-                self._rtt = {p: v for p, v in self._rtt.items() if v[1] is not None}  # retry unreachable peers
+                with self._lock:  # retry unreachable peers
+                    self._rtt = {p: v for p, v in self._rtt.items() if v[1] is not None}
                 time.sleep(0.5)  # servers may still be joining: poll the DHT again
