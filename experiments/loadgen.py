@@ -103,7 +103,6 @@ class Replayer:
         rec.update(index=req["index"], policy=self.policy, arrival_s=req["arrival_s"], input_tokens=req["input_tokens"],
                    output_tokens=req["output_tokens"], generated_tokens=0, submitted_s=self.clock() - self.t0)
         backend, head = self.model.backend, self.model.head
-        provider = backend.provider
         rng = np.random.default_rng([self.seed, req["index"]])
         ids = torch.tensor(prompt_ids(rng, req["input_tokens"], self.model.config.vocab_size))
         session = None
@@ -111,9 +110,11 @@ class Replayer:
             with torch.inference_mode():
                 # "avoid" (the model probe's requests): servers outside the one chain this request measures
                 session = backend.open_session(req["input_tokens"] + req["output_tokens"], avoid=req.get("avoid", ()))
-                granted = getattr(provider, "granted_at_s", {}).get(session.session_id)
+                # the orchestrator's grant lives on the session's lease (None with client-side routing)
+                lease = getattr(session, "lease", None)
+                granted = lease.granted_at_s if lease is not None else None
                 rec["start_s"] = (granted if granted is not None else self.clock()) - self.t0
-                grant = getattr(provider, "last_grant", {}).get(session.session_id)
+                grant = lease.grant if lease is not None else None
                 rec["orchestrator_wait_s"] = grant.wait_s if grant is not None else None
                 names = {h.peer_id: h.name for h in grant.hops} if grant is not None else {}
                 rec["chain"] = session.describe()
@@ -184,14 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help="the client head's dtype: the servers' (they refuse hidden states of another)")
     p.add_argument("--device", default="cpu", help="where the client head runs (cuda with the GPU variant)")
-    p.add_argument("--requests", required=True, help="JSON list of scaled requests (experiments.workload.ScaledRequest)")
+    p.add_argument("--requests", required=True,
+                   help="JSON list of scaled requests (experiments.workload.ScaledRequest)")
     p.add_argument("--out", required=True, help="JSONL file: one record per request")
     p.add_argument("--policy", default="", help="label written into every record")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
-    p.add_argument("--deadline", type=float, default=600.0, help="seconds after the last arrival to wait for stragglers")
+    p.add_argument("--deadline", type=float, default=600.0,
+                   help="seconds after the last arrival to wait for stragglers")
     p.add_argument("--acquire-timeout", type=float, default=900.0, help="seconds a request may wait for a chain")
     p.add_argument("--sequential", action="store_true",
-                   help="run the requests one after another, each alone, ignoring their arrival times (the model probe)")
+                   help="run the requests one after another, each alone, ignoring their arrival times "
+                        "(the model probe)")
     args = p.parse_args(argv)
     import torch
 

@@ -76,7 +76,8 @@ def test_server_serves_only_members(tiny_llama_path, tmp_path):
             outsider_model.backend.provider = ListedChains([server_id, open_id], config.num_hidden_layers)
             with outsider_model.inference_session(max_length=16) as session:
                 out_outsider = outsider_model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
-                assert [h.peer_id for h in session.chain.hops] == [open_id] and session.chain.banned == {server_id}
+                assert [h.peer_id for h in session.chain.hops] == [open_id]
+                assert session.chain.failed_peers == {server_id}
             assert out_outsider.tolist() == out.tolist()
         finally:
             outsider_model.backend.shutdown()

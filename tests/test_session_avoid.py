@@ -7,13 +7,25 @@ from types import SimpleNamespace
 
 import pytest
 
-from petals_chain.client.hop_client import FailoverPolicy, HopFailed
+from petals_chain.client.hop_client import HopFailed
+from petals_chain.client.peer_health import PeerHealth
+from petals_chain.client.recovery import Recovery
 from petals_chain.client.remote_session import RemoteChainSession
+from petals_chain.client.routing import ChainProvider
+from petals_chain.client.session_context import SessionContext
 from petals_chain.errors import NoChainError, OutOfCacheError, ServerUnavailableError
 from petals_chain.wire.messages import Hop
 
 
-class RecordingProvider:
+def context(provider, *, max_failovers=3, busy_backoff_s=(0.0,), health=None) -> SessionContext:
+    """A session's context without a network: these sessions never reach a server's stream."""
+    return SessionContext(model="m", num_blocks=30, dtype=None, step_timeout_s=1.0, max_failovers=max_failovers,
+                          server_relay=True, loop=None, hops=None, provider=provider,
+                          peer_health=health if health is not None else PeerHealth(),
+                          relays=SimpleNamespace(dial=lambda peers: None), busy_backoff_s=busy_backoff_s)
+
+
+class RecordingProvider(ChainProvider):
     def __init__(self):
         self.calls = []
 
@@ -24,7 +36,7 @@ class RecordingProvider:
 
 def test_avoided_servers_are_excluded_when_the_session_opens():
     provider = RecordingProvider()
-    chain = SimpleNamespace(provider=provider, num_blocks=30, max_failovers=3, model="m", busy_backoff_s=(0.0,))
+    chain = context(provider)
     with pytest.raises(NoChainError):
         RemoteChainSession(chain, 64, avoid=["peerA", "peerB"])
     assert provider.calls == [frozenset({"peerA", "peerB"})]
@@ -34,13 +46,13 @@ def test_avoided_servers_are_excluded_when_the_session_opens():
 
 
 def test_avoided_servers_stay_excluded_after_a_failure():
-    policy = FailoverPolicy(2, avoid=["peerA"])
+    recovery = Recovery(2, PeerHealth(), avoid=["peerA"])
     failed = SimpleNamespace(hop=SimpleNamespace(peer_id="peerC", describe=lambda: "peerC[0:30)"), error="reset")
-    assert policy.on_failure(failed, "step") is False
-    assert policy.exclude == frozenset({"peerA", "peerC"}) and policy.failovers == 1
+    assert recovery.decide(failed, "step").action == "replace"
+    assert recovery.exclude() == frozenset({"peerA", "peerC"}) and recovery.failovers == 1
 
 
-class GrantingProvider:
+class GrantingProvider(ChainProvider):
     """Grants the same one-hop chain every time; records what the session asked and gave back."""
 
     def __init__(self):
@@ -72,9 +84,10 @@ def test_a_full_server_makes_the_open_wait_not_fail_over():
     runs each lost a request that failed over from full server to full server); past its waits it is a
     failure like any other."""
     provider = GrantingProvider()
-    chain = SimpleNamespace(provider=provider, num_blocks=30, max_failovers=0, model="m", busy_backoff_s=(0.0, 0.0))
+    health = PeerHealth()
+    chain = context(provider, max_failovers=0, busy_backoff_s=(0.0, 0.0), health=health)
     session = FullThenFreeSession(chain, 64)
-    assert session.failovers == 0 and session.failover.busy == 2 and not session.banned
+    assert session.failovers == 0 and session.recovery.busy == 2 and not session.failed_peers and not health.banned()
     assert provider.calls == [frozenset()] * 3 and provider.finished == 2  # the grant went back at each wait
     FullThenFreeSession.full = 3  # one more refusal than waits: then a failure, over a budget of 0
     with pytest.raises(ServerUnavailableError, match="gave up after 0 failovers.*retry later"):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.client.peer_health import PeerHealth
 from petals_chain.errors import InvalidRequestError, error_from_code
 from petals_chain.swarm.local import LocalSwarm
 from petals_chain.wire import parts as wire_parts
@@ -40,8 +41,11 @@ def clients(swarm, tiny_llama_path):
 
     def get(relay: str) -> DistributedModelForCausalLM:
         if relay not in made:
+            # bans that outlast the module: a server seen failing stays out of every later chain of
+            # that client however slowly a loaded machine runs the tests
             made[relay] = DistributedModelForCausalLM.from_pretrained(
-                str(tiny_llama_path), initial_peers=swarm.initial_peers, step_timeout_s=60.0, relay=relay)
+                str(tiny_llama_path), initial_peers=swarm.initial_peers, step_timeout_s=60.0, relay=relay,
+                peer_health=PeerHealth(base_ban_s=3600.0, max_ban_s=3600.0))
         return made[relay]
 
     try:
@@ -99,7 +103,7 @@ def test_idle_session_reopens_and_replays_after_the_servers_idle_timeout(swarm, 
                  "the servers to close the idle session")
         out2 = client.generate(torch.tensor([second]), max_new_tokens=5, do_sample=False)
         assert session.chain.reopens == len(peers) and session.chain.failovers == 0
-        assert not session.chain.banned and [h.peer_id for h in session.chain.hops] == peers
+        assert not session.chain.failed_peers and [h.peer_id for h in session.chain.hops] == peers
     ref1 = hf.generate(torch.tensor([first]), max_new_tokens=5, do_sample=False)
     ref2 = hf.generate(torch.tensor([ref1[0].tolist() + second]), max_new_tokens=5, do_sample=False)
     assert out1.tolist() == ref1.tolist()
@@ -148,8 +152,9 @@ def test_stateless_forward_fails_over_from_a_dead_server(swarm, client):
 @pytest.mark.parametrize("relay", ["server", "client"])
 def test_a_dead_replacement_is_failed_over_too(swarm, clients, hf, caplog, relay):
     """The server of a session dies, and so does the first replacement its provider offers (a record
-    that outlives its server): the session fails over again instead of failing; a new session offered
-    the dead servers first opens on the live one, with either relay. Death is noticed from the closed
+    that outlives its server): the session fails over again instead of failing; a new session of the
+    same client is not offered the dead servers at all (the client's peer-health list bans them for
+    every session) and opens on the live one, with either relay. Death is noticed from the closed
     stream, the refused dial or the refused liveness probes (a stream opened to a server killed a
     moment before is never reset: tests/test_hop_client.py), never by waiting for a timeout."""
     client = clients(relay)
@@ -167,18 +172,20 @@ def test_a_dead_replacement_is_failed_over_too(swarm, clients, hf, caplog, relay
             swarm.kill_server(first)
             swarm.kill_server(second)
             out2 = client.generate(torch.tensor([[9]]), max_new_tokens=3, do_sample=False)
-            assert session.chain.failovers == 2 and session.chain.banned == {first.peer_id, second.peer_id}
+            assert session.chain.failovers == 2 and session.chain.failed_peers == {first.peer_id, second.peer_id}
             assert [h.peer_id for h in session.chain.hops] == [third.peer_id]
+        asked_before = len(provider.excludes)
         with client.inference_session(max_length=32) as fresh:
             out3 = client.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
-            assert fresh.chain.failovers == 2 and [h.peer_id for h in fresh.chain.hops] == [third.peer_id]
+            assert fresh.chain.failovers == 0 and [h.peer_id for h in fresh.chain.hops] == [third.peer_id]
+        assert provider.excludes[asked_before] >= {first.peer_id, second.peer_id}  # excluded at the fresh open
     finally:
         chain.provider = previous
     ref1 = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
     ref2 = hf.generate(torch.tensor([ref1[0].tolist() + [9]]), max_new_tokens=3, do_sample=False)
     assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist() and out3.tolist() == ref1.tolist()
     reasons = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
-    assert len(reasons) >= 4 and not any("no reply within" in r for r in reasons), reasons
+    assert len(reasons) >= 2 and not any("no reply within" in r for r in reasons), reasons
 
 
 def test_a_silent_server_is_failed_over_by_the_liveness_probe(swarm, client, hf, caplog):
@@ -202,7 +209,7 @@ def test_a_silent_server_is_failed_over_by_the_liveness_probe(swarm, client, hf,
             for p in frozen:
                 p.suspend()
             out2 = client.generate(torch.tensor([[9]]), max_new_tokens=3, do_sample=False)
-            assert silent.peer_id in session.chain.banned and session.chain.hops[0].peer_id in spares
+            assert silent.peer_id in session.chain.failed_peers and session.chain.hops[0].peer_id in spares
     finally:
         chain.provider = previous
         for p in frozen:
@@ -214,7 +221,9 @@ def test_a_silent_server_is_failed_over_by_the_liveness_probe(swarm, client, hf,
     ref2 = hf.generate(torch.tensor([ref1[0].tolist() + [9]]), max_new_tokens=3, do_sample=False)
     assert out1.tolist() == ref1.tolist() and out2.tolist() == ref2.tolist()
     reasons = [r.getMessage() for r in caplog.records if "replacing blocks" in r.getMessage()]
-    assert f"server {silent.peer_id[-6:]}[0:6) failed (server {silent.peer_id[-6:]}[0:6) went silent" in reasons[0], reasons
-    # the dead spare offered next is failed over by its probes too, even when the dial to it hangs
-    # (it did, for the whole open timeout, while the silent server was frozen)
+    silent_name = f"{silent.peer_id[-6:]}[0:6)"
+    assert f"server {silent_name} failed (server {silent_name} went silent" in reasons[0], reasons
+    # no wait ran to a timeout: a dead spare offered next (servers[4], killed by the forward test, unless
+    # this client's ban list already excludes it) is failed over by its probes too, even when the dial
+    # to it hangs (it did, for the whole open timeout, while the silent server was frozen)
     assert not any("no reply within" in r for r in reasons), reasons

@@ -68,7 +68,8 @@ def check_budgets(path, budgets_bytes: list[int], max_length_tokens: int) -> Non
     if held < num_blocks:
         raise InvalidRequestError(
             f"--budgets: together the servers hold {held} of the model's {num_blocks} blocks (each block "
-            f"{per_block / mib:.1f} MiB with one session's KV); add servers or memory, e.g. --budgets {DEFAULT_BUDGETS}")
+            f"{per_block / mib:.1f} MiB with one session's KV); add servers or memory, e.g. "
+            f"--budgets {DEFAULT_BUDGETS}")
 
 
 def _get(url: str) -> dict:
@@ -86,7 +87,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--policy", default="proposed", choices=get_policy_names(),
                    help="the orchestrator's placement and dispatch policy (default proposed: GBP-CR + GCA + JFFC)")
     p.add_argument("--c", default="3", help="cache reservation c for the proposed policy: auto or N (default 3)")
-    p.add_argument("--sessions", type=non_negative_int, default=8, help="concurrent sessions after the chat (default 8)")
+    p.add_argument("--sessions", type=non_negative_int, default=8,
+                   help="concurrent sessions after the chat (default 8)")
     p.add_argument("--session-tokens", type=positive_int, default=12, help="tokens each concurrent session generates")
     p.add_argument("--prompt", default="Explain in three sentences why the sky is blue.", help="the chat's message")
     p.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens of the chat's answer (default 48)")
@@ -121,7 +123,8 @@ def main(argv: list[str]) -> int:
     try:
         with LocalSwarm(args.model, [None] * len(budgets),
                         server_args=["--num-threads", "1", "--max-length", str(args.max_length)],
-                        per_server_args=[["--memory-budget", b] for b in budgets], orchestrator_args=orch_args) as swarm:
+                        per_server_args=[["--memory-budget", b] for b in budgets],
+                        orchestrator_args=orch_args) as swarm:
             deadline = time.monotonic() + 60
             while not (status := _get(swarm.orchestrator_url + "status"))["plan_installed"]:
                 if time.monotonic() > deadline:
@@ -137,7 +140,8 @@ def main(argv: list[str]) -> int:
                       f"tau_c {s['tau_c'] * 1e3:6.1f} ms  tau_p {s['tau_p'] * 1e3:6.2f} ms/block")
             print(f"  (tau_p from each server's t_I/t_O: measured at its start, or read from "
                   f"{cache_dir() / 'throughput.json'} if measured before; delete that file to measure again)")
-            print("chains:" if args.policy in ("proposed", "jffc-only") else "chains (per-request routes, made on demand):")
+            print("chains:" if args.policy in ("proposed", "jffc-only")
+                  else "chains (per-request routes, made on demand):")
             for k in status["chains"]:
                 print(f"  {' -> '.join(names.get(p, p[-8:]) for p in k['servers'])}  blocks {k['blocks']}  "
                       f"capacity {k['capacity']}  T = {k['service_time']:.2f} s")
@@ -175,8 +179,7 @@ def main(argv: list[str]) -> int:
                             t1 = time.perf_counter()
                             o = m.generate(prompt, max_new_tokens=args.session_tokens, do_sample=False)
                             t2 = time.perf_counter()
-                            grant = model.backend.provider.last_grant.get(s.chain.session_id) \
-                                if hasattr(model.backend.provider, "last_grant") else None
+                            grant = getattr(s.chain, "grant", None)  # the orchestrator's, on the session
                             rows[i] = (t1 - t0, grant.wait_s if grant else float("nan"), t2 - t1, s.chain.describe(),
                                        tokenizer.decode(o[0, prompt.shape[1]:], skip_special_tokens=True))
                     except PetalsChainError as e:
@@ -196,7 +199,8 @@ def main(argv: list[str]) -> int:
                 for e in errors:
                     print("  " + e)
                 st = _get(swarm.orchestrator_url + "status")
-                print(f"orchestrator: {st['metrics']['admitted']} sessions admitted, queue length {st['queue_length']}, "
+                print(f"orchestrator: {st['metrics']['admitted']} sessions admitted, "
+                      f"queue length {st['queue_length']}, "
                       f"expected lengths now in={st['expected_lengths']['input_tokens']:.1f} "
                       f"out={st['expected_lengths']['output_tokens']:.1f} tokens")
             if args.keep_running:

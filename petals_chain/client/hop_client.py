@@ -1,6 +1,5 @@
-"""How the client talks to one server (`HopClient`: stub, timeouts, error mapping) and the one
-failover policy (`FailoverPolicy`) that a stateless forward, a session's open and a session's step
-all follow when a server fails.
+"""How the client talks to one server (`HopClient`: stub, timeouts, error mapping, forward/open/step/
+close); what a failure then leads to is `recovery.py`'s.
 
 Only transport errors and a server's typed "unavailable"/"out of cache" replies count as the
 server's failure (`as_server_error`); a local error propagates unchanged and bans nobody.
@@ -10,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -250,7 +248,8 @@ class HopClient:
 
     def step(self, stream: HopStream, step: Step, hidden: torch.Tensor | wire_parts.RawTensor,
              liveness_after_s: float = LIVENESS_FLOOR_S) -> StepResult:
-        return self.run_hop(stream.hop, self.step_async(stream, step, hidden, liveness_after_s), self.step_timeout_s + 2)
+        return self.run_hop(stream.hop, self.step_async(stream, step, hidden, liveness_after_s),
+                            self.step_timeout_s + 2)
 
     async def step_async(self, stream: HopStream, step: Step, hidden: torch.Tensor | wire_parts.RawTensor,
                          liveness_after_s: float = LIVENESS_FLOOR_S, copy_after_s: float | None = None
@@ -401,65 +400,3 @@ class HopClient:
                 self.loop.run(close(s), timeout_s=2)
             except Exception:
                 pass
-
-
-# An open refused for want of KV memory (OutOfCacheError: the server is up, only full, and its own
-# admission queue already waited --admission-timeout) is asked again after these waits, beside the
-# failover budget, nothing banned. Why: the orchestrator counts a chain's free slots at its planned
-# session length, so a session longer than that can be granted a chain whose server cannot hold it
-# yet; two Table 1 runs (2026-11-27) each lost one request so, banning a full server at each try
-BUSY_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 8.0, 8.0)
-
-
-class FailoverPolicy:
-    """One failover budget and ban list for one forward or one session, used the same way by a
-    stateless forward, a session's open and its step: every server failure (`HopFailed`) counts;
-    past `max_failovers` the caller gets `ServerUnavailableError`; the failed server is banned from
-    the replacement, unless `ping_s` says it still answers and it has not been retried yet (a
-    stateless forward then runs again on it once: a stream that broke on a live server). A server
-    that refused an open for want of memory is no failure (`on_busy`): the open waits and asks again."""
-
-    def __init__(self, max_failovers: int, *, ping_s: Callable[[str], float | None] | None = None,
-                 avoid: Iterable[str] = (), busy_backoff_s: tuple[float, ...] = BUSY_BACKOFF_S):
-        self.max_failovers = max_failovers
-        self.ping_s = ping_s
-        self.failovers = 0
-        self.banned: set[str] = set(avoid)  # `avoid`: servers the caller excludes from the start
-        self._retried: set[str] = set()
-        self.busy_backoff_s = busy_backoff_s
-        self.busy = 0  # opens refused for want of memory so far
-
-    def on_busy(self, failed: HopFailed, what: str) -> float:
-        """An open refused with OutOfCacheError: the seconds to wait before asking for a chain again
-        (the failover budget and the ban list untouched). Past `busy_backoff_s`, it counts as a
-        failure (`on_failure`: the server is banned, or the budget is spent)."""
-        if self.busy >= len(self.busy_backoff_s):
-            self.on_failure(failed, what)
-            return 0.0
-        wait_s = self.busy_backoff_s[self.busy]
-        self.busy += 1
-        logger.info("%s: server %s is full (%s); asking again in %.0f s", what, failed.hop.describe(), failed.error,
-                    wait_s)
-        return wait_s
-
-    def on_failure(self, failed: HopFailed, what: str) -> bool:
-        """Count `failed`; True: retry the same server; False: it is banned, find another.
-        Raises ServerUnavailableError once the budget is spent (`what` names the operation)."""
-        self.failovers += 1
-        if self.failovers > self.max_failovers:
-            raise ServerUnavailableError(f"{what} gave up after {self.max_failovers} failovers; last: "
-                                         f"{failed.error}") from failed.error
-        peer = failed.hop.peer_id
-        if self.ping_s is not None and peer not in self._retried and self.ping_s(peer) is not None:
-            self._retried.add(peer)
-            logger.warning("%s: server %s failed (%s) but answers; retrying it once", what, failed.hop.describe(),
-                           failed.error)
-            return True
-        logger.warning("%s: server %s failed (%s); asking for a replacement", what, failed.hop.describe(),
-                       failed.error)
-        self.banned.add(peer)
-        return False
-
-    @property
-    def exclude(self) -> frozenset[str]:
-        return frozenset(self.banned)

@@ -293,7 +293,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         # Run from where `ids` leave what the chain holds (rolling it back when they differ), and at
         # least the positions whose logits are asked for: a sequence the chain already holds whole
         # (a regenerated turn) recomputes its last token, which costs one token, not the prompt.
-        start = min(_common_prefix_tokens(ids, session.processed_ids), session.position, len(ids) - max(1, logits_to_keep))
+        start = min(_common_prefix_tokens(ids, session.processed_ids), session.position,
+                    len(ids) - max(1, logits_to_keep))
         if start < 0:
             raise InvalidRequestError(f"logits_to_keep={logits_to_keep} asks for more positions than the "
                                       f"{len(ids)} input tokens")

@@ -8,6 +8,8 @@ deadline, and only then gets `OrchestratorUnavailableError`), or `AcquireTimeout
 refine the orchestrator's tau estimates). A heartbeat thread renews the leases of open sessions. On
 a server failure the session asks again with the failed server excluded and replaces its whole chain
 (`whole_chain_failover`), so it always runs on exactly the chain the orchestrator counts it on.
+The provider keeps only the leases held now; what a session was granted is on its `Lease`
+(`client/lease.py`), which also makes sure each grant is released once.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import time
 
 from hivemind.p2p import PeerID
 
-from petals_chain.client.routing import ChainProvider
+from petals_chain.client.routing import Acquired, ChainProvider
 from petals_chain.errors import OrchestratorUnavailableError, PetalsChainError
 from petals_chain.transport.protocol import OrchestratorService
 from petals_chain.wire import codec as wire
@@ -78,23 +80,35 @@ class OrchestratorChainProvider(ChainProvider):
         self.rediscover = rediscover
         self.loop = loop
         self.p2p = p2p
-        self.orchestrator_peer_id = orchestrator_peer_id
         self.acquire_timeout_s = acquire_timeout_s
         self.poll_s = poll_s
         self.rpc_margin_s = rpc_margin_s
         self.retry_unavailable_s = retry_unavailable_s  # between acquire attempts while no orchestrator answers
-        self.grants: dict[str, ChainGrant] = {}
-        self.last_grant: dict[str, ChainGrant] = {}  # kept after release, for callers that report waits
-        self.granted_at_s: dict[str, float] = {}  # time.monotonic() when each grant arrived (kept after release)
+        # Written by the sessions' threads and the heartbeat thread, so all under `_lock`: the leases held
+        # now (an entry from a grant to its release or loss: as many as open sessions, never more), the
+        # orchestrator's address (moved by `_call` when the DHT names a new one) and the heartbeat period.
+        # What a session was granted (wait, chain) lives on the session's lease, not here.
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self.grants: dict[str, ChainGrant] = {}
+        self._orchestrator_peer_id = orchestrator_peer_id
         self._heartbeat_period_s = 2.0
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="lease-heartbeat", daemon=True)
         self._thread.start()
 
+    @property
+    def orchestrator_peer_id(self) -> str:
+        with self._lock:
+            return self._orchestrator_peer_id
+
+    def held_leases(self) -> int:
+        with self._lock:
+            return len(self.grants)
+
     def _call(self, method: str, meta: WireRecord, timeout_s: float) -> dict:
+        peer_id = self.orchestrator_peer_id
         try:
-            return self._call_once(method, meta, timeout_s)
+            return self._call_once(peer_id, method, meta, timeout_s)
         except OrchestratorUnavailableError:
             new = None
             if self.rediscover is not None:
@@ -102,20 +116,24 @@ class OrchestratorChainProvider(ChainProvider):
                     new = self.rediscover()
                 except Exception:
                     logger.debug("looking the orchestrator up again failed", exc_info=True)
-            if not new or new == self.orchestrator_peer_id:
+            if not new or new == peer_id:
                 raise
-            logger.warning("orchestrator %s is gone; using %s, which the DHT announces now",
-                           self.orchestrator_peer_id[-8:], new[-8:])
-            self.orchestrator_peer_id = new
-            return self._call_once(method, meta, timeout_s)
+            with self._lock:
+                # compare-and-set: another thread may have moved it already (to this one or a newer one)
+                moved = self._orchestrator_peer_id == peer_id
+                if moved:
+                    self._orchestrator_peer_id = new
+            if moved:
+                logger.warning("orchestrator %s is gone; using %s, which the DHT announces now", peer_id[-8:], new[-8:])
+            return self._call_once(new, method, meta, timeout_s)
 
-    def _call_once(self, method: str, meta: WireRecord, timeout_s: float) -> dict:
-        stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(self.orchestrator_peer_id))
+    def _call_once(self, peer_id: str, method: str, meta: WireRecord, timeout_s: float) -> dict:
+        stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(peer_id))
         try:
             resp = self.loop.run(getattr(stub, method)(wire.request(meta), timeout=timeout_s), timeout_s=timeout_s + 2)
         except Exception as e:
             raise OrchestratorUnavailableError(
-                f"the orchestrator {self.orchestrator_peer_id[-8:]} did not answer {method} "
+                f"the orchestrator {peer_id[-8:]} did not answer {method} "
                 f"({type(e).__name__}: {e or 'no reply'}); restart it, or open the model with "
                 "use_orchestrator=False to route client-side") from None
         out = wire.unpack(resp.metadata)
@@ -123,6 +141,10 @@ class OrchestratorChainProvider(ChainProvider):
         return out
 
     def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
+        return self.acquire(start, end, exclude=exclude, max_length=max_length, session_id=session_id,
+                            adapter=adapter).hops
+
+    def acquire(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None) -> Acquired:
         if not session_id:
             raise PetalsChainError("OrchestratorChainProvider.find_chain needs the session id")
         deadline = time.monotonic() + self.acquire_timeout_s
@@ -145,10 +167,9 @@ class OrchestratorChainProvider(ChainProvider):
                 grant = out.grant
                 with self._lock:
                     self.grants[session_id] = grant
-                    self.last_grant[session_id] = grant
-                    self.granted_at_s[session_id] = time.monotonic()
                     self._heartbeat_period_s = max(0.5, grant.lease_ttl_s / 3)
-                return [dataclasses.replace(h, start=max(h.start, start)) for h in grant.hops if h.end > start]
+                hops = [dataclasses.replace(h, start=max(h.start, start)) for h in grant.hops if h.end > start]
+                return Acquired(hops, grant)
             if time.monotonic() > deadline + self.rpc_margin_s:  # the orchestrator should have said so
                 raise OrchestratorUnavailableError("the orchestrator kept the session queued past its timeout")
             logger.debug("session %s queued at position %s", session_id[:8], out.position)
@@ -162,8 +183,12 @@ class OrchestratorChainProvider(ChainProvider):
         except PetalsChainError as e:  # the lease expires by itself; say so, do not fail the caller's close
             logger.warning("release of session %s failed: %s (its lease will expire)", session_id[:8], e)
 
+    def _heartbeat_period(self) -> float:
+        with self._lock:
+            return self._heartbeat_period_s
+
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._heartbeat_period_s):
+        while not self._stop.wait(self._heartbeat_period()):
             try:
                 self.heartbeat_once()
             except PetalsChainError as e:

@@ -9,7 +9,6 @@ failures live in `remote_session.py`; this module finds the servers and runs sta
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Iterable
 
@@ -17,31 +16,31 @@ import torch
 
 from petals_chain.client.chain import ChainBackend, PromptPrefix
 from petals_chain.client.hop_client import (  # noqa: F401
-    BUSY_BACKOFF_S,
-    FailoverPolicy,
     HopClient,
     HopFailed,
     as_server_error,
 )
+from petals_chain.client.lease import Lease
 from petals_chain.client.orchestrated import OrchestratorChainProvider
+from petals_chain.client.peer_health import PeerHealth
+from petals_chain.client.recovery import BUSY_BACKOFF_S, Action, Decision, Recovery
 from petals_chain.client.remote_session import RemoteChainSession
 from petals_chain.client.routing import (
     ChainProvider,
     DhtChainProvider,
     min_latency_chain,
 )
+from petals_chain.client.session_context import RelayDialer, SessionContext
 from petals_chain.errors import InvalidRequestError, NoChainError
 from petals_chain.process.loop import BackgroundLoop
 from petals_chain.process.signals import start_dht
 from petals_chain.swarm.identity import SwarmIdentity, swarm_validators
-from petals_chain.swarm.reachability import RelayRoutes
 from petals_chain.swarm.records import fetch_servers, find_orchestrator, model_key
 from petals_chain.transport.protocol import ping_block_server_s
 from petals_chain.wire import codec as wire
 from petals_chain.wire import records as wire_records
 
 logger = logging.getLogger(__name__)
-RELAY_RECORDS_REFRESH_S = 5.0  # servers' records are re-read for relay routes at most this often
 
 RELAYS = ("server", "client")
 
@@ -51,7 +50,7 @@ class RemoteChain(ChainBackend):
                  max_failovers: int = 3, wait_for_chain_s: float = 20.0, use_orchestrator: bool = True,
                  acquire_timeout_s: float = 120.0, allowed_servers: frozenset[str] | list[str] | None = None,
                  identity_path: str | None = None, prefix_reuse: bool = True, relay: str = "server",
-                 direct_streams: bool = True):
+                 direct_streams: bool = True, peer_health: PeerHealth | None = None):
         self.model = model_key(model)
         self.num_blocks = config.num_hidden_layers
         self.dtype = dtype
@@ -85,24 +84,21 @@ class RemoteChain(ChainBackend):
             provider = OrchestratorChainProvider(
                 self.loop, self.p2p, self.orchestrator.peer_id, acquire_timeout_s=acquire_timeout_s,
                 rediscover=lambda: getattr(find_orchestrator(self.dht, self.model, allowed), "peer_id", None))
-        self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model, allowed=allowed), self.ping_s,
-                                                     wait_for_chain_s=wait_for_chain_s)
-        self._allowed = allowed
-        self.relay_routes = RelayRoutes()
-        self._records_read_s = -1e18
+        self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model, allowed=allowed),
+                                                     self.ping_s, wait_for_chain_s=wait_for_chain_s)
+        # who is relayed (behind a NAT) and connecting through the relays: one owner for every session
+        self.relays = RelayDialer(self.loop, self.p2p, lambda: fetch_servers(self.dht, self.model, allowed=allowed))
+        # servers seen failing, banned with backoff for every session of this client (pass one object to
+        # several clients to share it)
+        self.peer_health = peer_health if peer_health is not None else PeerHealth()
 
-    def dial_relayed(self, peer_ids: list[str]) -> None:
-        """Connect to the relayed servers among `peer_ids` through their relays before talking to them
-        (petals_chain/swarm/reachability.py); this client learns who is relayed from the servers' DHT records,
-        read again when a peer is new to it (at most every RELAY_RECORDS_REFRESH_S)."""
-        now = time.monotonic()
-        if (any(p not in self.relay_routes.known for p in peer_ids)
-                and now - self._records_read_s >= RELAY_RECORDS_REFRESH_S):
-            self._records_read_s = now
-            self.relay_routes.update(fetch_servers(self.dht, self.model, allowed=self._allowed))
-        for p in peer_ids:
-            if self.relay_routes.relayed(p):
-                self.loop.run(self.relay_routes.connect(self.p2p, p), timeout_s=15)
+    def session_context(self) -> SessionContext:
+        """What a session opened now uses of this client (the provider as set now: tests swap it)."""
+        return SessionContext(model=self.model, num_blocks=self.num_blocks, dtype=self.dtype,
+                              step_timeout_s=self.step_timeout_s, max_failovers=self.max_failovers,
+                              server_relay=self.server_relay, loop=self.loop, hops=self.hops, provider=self.provider,
+                              peer_health=self.peer_health, relays=self.relays,
+                              busy_backoff_s=tuple(self.busy_backoff_s))
 
     @property
     def server_relay(self) -> bool:
@@ -113,11 +109,12 @@ class RemoteChain(ChainBackend):
 
     def ping_s(self, peer_id: str) -> float | None:
         """Round trip of rpc_info, or None when the peer does not answer within 3 s."""
-        self.dial_relayed([peer_id])
+        self.relays.dial([peer_id])
         return ping_block_server_s(self.loop, self.p2p, peer_id)
 
     def server_info(self, peer_id: str) -> wire_records.ServerInfo:
-        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request(wire_records.InfoRequest()), timeout=5.0), timeout_s=7.0)
+        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request(wire_records.InfoRequest()), timeout=5.0),
+                             timeout_s=7.0)
         return wire.decode_reply(wire.unpack(resp.metadata), wire_records.InfoReply).info
 
     def forward(self, hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
@@ -127,29 +124,33 @@ class RemoteChain(ChainBackend):
         # a stateless forward has no cache to rebuild, so it simply runs again: on the same chain once
         # if the server still answers (a stream that broke on a live server), else on a chain without
         # it (the same session id keeps an orchestrator's lease)
-        policy = FailoverPolicy(self.max_failovers, ping_s=self.ping_s)
-        hops = self.provider.find_chain(0, self.num_blocks, max_length=hidden.shape[1], session_id=sid, adapter=adapter)
+        recovery = Recovery(self.max_failovers, self.peer_health, ping_s=self.ping_s)
+        lease = Lease(self.provider, sid, num_blocks=self.num_blocks, max_length=hidden.shape[1], adapter=adapter)
+
+        def attempt() -> torch.Tensor:
+            self.relays.dial([h.peer_id for h in lease.hops])
+            x = hidden
+            for hop in lease.hops:
+                x = self.hops.forward(hop, x.to(self.dtype), adapter)
+            self.peer_health.report_success(h.peer_id for h in lease.hops)
+            return x
+
+        def repair(_failed: HopFailed, decision: Decision) -> None:
+            if decision.action is not Action.SAME:
+                recovery.ask(lease.acquire)
+
         try:
-            while True:
-                try:
-                    self.dial_relayed([h.peer_id for h in hops])
-                    x = hidden
-                    for hop in hops:
-                        x = self.hops.forward(hop, x.to(self.dtype), adapter)
-                    return x
-                except HopFailed as failed:
-                    if not policy.on_failure(failed, "forward"):
-                        hops = self.provider.find_chain(0, self.num_blocks, exclude=policy.exclude,
-                                                        max_length=hidden.shape[1], session_id=sid, adapter=adapter)
+            recovery.ask(lease.acquire)
+            return recovery.run(attempt, repair, "forward")
         finally:
-            self.provider.session_finished(hops, session_id=sid)
+            lease.release(lease.hops)
 
     def open_session(self, max_length: int, prefix: PromptPrefix | None = None, adapter: str | None = None, *,
                      session_id: str | None = None, avoid: Iterable[str] = ()) -> "RemoteChainSession":
         """`prefix`: the prompt, offered to the hops' prefix caches (`remote_session.py`); `adapter`:
         the LoRA adapter of the session (only servers that list it are used); `avoid`: peer ids of
         servers the session must not use."""
-        return RemoteChainSession(self, max_length, prefix if self.prefix_reuse else None, adapter,
+        return RemoteChainSession(self.session_context(), max_length, prefix if self.prefix_reuse else None, adapter,
                                   session_id=session_id, avoid=avoid)
 
     def unready_reason(self) -> str | None:

@@ -1,10 +1,13 @@
-"""A session's relay through a chain of servers, and its recovery (used by `RemoteChain`).
+"""A session's relay through a chain of servers, and its recovery (opened by `RemoteChain`, which
+hands it a frozen `SessionContext`: the session reads nothing else of the client).
 
 Each hop keeps the history of the inputs it was sent, so when a server fails the session asks its
 `ChainProvider` for a replacement of the chain from that hop on (with an orchestrator: the whole
-chain), replays the history through the replacement to rebuild its KV cache, and continues: the
-output is identical to a run without the failure. A stream the server closed for idleness is
-reopened on the same server and replayed. `as_server_error` says which failures are a server's.
+chain, and the session's `Lease` moves to it), replays the history through the replacement to
+rebuild its KV cache, and continues: the output is identical to a run without the failure. A stream
+the server closed for idleness is reopened on the same server and replayed. Open and steps (and the
+reopens inside a step) fail over by one loop with one budget (`recovery.py:Recovery.run`), banning
+failed servers in the client's `PeerHealth`. `as_server_error` says which failures are a server's.
 
 Prefix reuse: a session opened with its prompt (`PromptPrefix`) sends the prompt's chained chunk
 hashes with every hop's `open`; each hop answers how many tokens of it its cache holds
@@ -20,8 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,22 +32,21 @@ from petals_chain.client.hop_client import (
     LIVENESS_FLOOR_S,
     LIVENESS_RECENT_STEPS,
     LIVENESS_STEP_FACTOR,
-    FailoverPolicy,
     HopFailed,
     HopStream,
+    StepResult,
 )
+from petals_chain.client.lease import Lease
+from petals_chain.client.recovery import Action, Decision, Recovery
+from petals_chain.client.session_context import SessionContext
 from petals_chain.errors import (
     MaxLengthExceededError,
-    OutOfCacheError,
     ServerUnavailableError,
     SessionIdleTimeoutError,
 )
 from petals_chain.wire import parts as wire_parts
 from petals_chain.wire.messages import Hop, Open, Step
 from petals_chain.wire.prefix_keys import prefix_hashes, usable_prefix_tokens
-
-if TYPE_CHECKING:
-    from petals_chain.client.remote import RemoteChain
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ class HopTiming:
     tokens: int
     client_s: float
     server_s: float | None
-    compute_s: float | None = None  # the server's batch forward time for it: client_s - compute_s is framework + network
+    # the server's batch forward time for it: client_s - compute_s is framework + network
+    compute_s: float | None = None
     # its input was pushed to it by the hop before (server relay): the client's copy often arrives after
     # the pushed step ran, so client_s - server_s is not a round trip and says nothing of the hop's cost
     pushed: bool = False
@@ -104,20 +106,38 @@ class StepTiming:
     end_hop: int
 
 
+@dataclass
+class _StepRun:
+    """Where one `step` stands while it runs, fails and is repaired: the hop it continues from, that
+    hop's input, the step id the chain runs it under, the hops that already ran it (whose history a
+    whole-chain failover takes back) and the servers reopened during it."""
+
+    x0: torch.Tensor
+    x: torch.Tensor | wire_parts.RawTensor
+    step_id: int
+    rollback_start: int | None
+    i: int = 0
+    done: list[HopStream] = field(default_factory=list)
+    reopened: set[str] = field(default_factory=set)
+
+
 class RemoteChainSession(ChainSession):
-    def __init__(self, chain: RemoteChain, max_length: int, prefix: PromptPrefix | None = None,
+    def __init__(self, ctx: SessionContext, max_length: int, prefix: PromptPrefix | None = None,
                  adapter: str | None = None, *, session_id: str | None = None, avoid: Iterable[str] = ()):
-        self.chain = chain
+        self.ctx = ctx
         self.max_length = max_length
         self.adapter = adapter  # the LoRA adapter every hop runs this session with (None: base model)
         self.prefix = prefix
-        self.prefix_hashes = prefix_hashes(prefix.token_ids, chain.model) if prefix is not None else []
+        self.prefix_hashes = prefix_hashes(prefix.token_ids, ctx.model) if prefix is not None else []
         self.prefix_tokens = 0  # tokens of the prompt every hop took from its cache
         self.session_id = session_id or uuid.uuid4().hex
         self.position = 0
         # one budget for open and steps; `avoid`: servers this session must not use from the start (the
         # Table 1 model probe measures one chain alone by avoiding every server outside it)
-        self.failover = FailoverPolicy(chain.max_failovers, avoid=avoid, busy_backoff_s=chain.busy_backoff_s)
+        self.recovery = Recovery(ctx.max_failovers, ctx.peer_health, avoid=avoid, busy_backoff_s=ctx.busy_backoff_s)
+        # the session's hold on its chain (with an orchestrator: its lease and grant), released in `close`
+        self.lease = Lease(ctx.provider, self.session_id, num_blocks=ctx.num_blocks, max_length=max_length,
+                           adapter=adapter)
         self.reopens = 0  # streams reopened after the server's session_idle_timeout (not failovers)
         self.rollbacks = 0  # steps that restarted below `position` (rejected drafts, an edited last turn)
         self.streams: list[HopStream] = []
@@ -126,27 +146,13 @@ class RemoteChainSession(ChainSession):
         self.steps = 0
         self.hop_timings: list[HopTiming] = []
         self.step_timings: list[StepTiming] = []
-        hops = chain.provider.find_chain(0, chain.num_blocks, exclude=self.failover.exclude, max_length=max_length,
-                                         session_id=self.session_id, adapter=adapter)
         try:
-            while True:
-                try:
-                    self.streams = self._open_hops(hops, self.prefix_hashes)
-                    break
-                except HopFailed as failed:  # e.g. a server killed moments ago that the records still list
-                    what = f"opening session {self.session_id[:8]}"
-                    if isinstance(failed.error, OutOfCacheError):  # full, not failed: wait, then ask again
-                        wait_s = self.failover.on_busy(failed, what)
-                        # the grant goes back meanwhile (another session may fit where this one did not)
-                        chain.provider.session_finished(hops, session_id=self.session_id)
-                        time.sleep(wait_s)  # the server's memory frees as its sessions end: the wait is the point
-                    else:
-                        self.failover.on_failure(failed, what)
-                    hops = chain.provider.find_chain(0, chain.num_blocks, exclude=self.failover.exclude,
-                                                     max_length=max_length, session_id=self.session_id,
-                                                     adapter=adapter)
-        except Exception:
-            chain.provider.session_finished(hops, session_id=self.session_id)
+            self.recovery.ask(self.lease.acquire)
+            self.streams = self.recovery.run(lambda: self._open_hops(self.lease.hops, self.prefix_hashes),
+                                             self._repair_open, f"opening session {self.session_id[:8]}",
+                                             busy_waits=True)
+        except BaseException:
+            self.close()
             raise
         if self.prefix_hashes:
             self.prefix_tokens = usable_prefix_tokens([s.prefix_match_tokens for s in self.streams],
@@ -155,14 +161,30 @@ class RemoteChainSession(ChainSession):
                 s.prefix_tokens = self.prefix_tokens
             self.position = self.prefix_tokens  # the first step starts after the reused prefix
 
+    def _repair_open(self, failed: HopFailed, decision: Decision) -> None:
+        """A chain failed at open (e.g. a server killed moments ago that the records still list): ask
+        for another; a full server (WAIT) gets the grant back meanwhile (another session may fit where
+        this one did not) and the open waits, the server's memory freeing as its sessions end."""
+        if decision.action is Action.WAIT:
+            self.lease.give_back()
+            self.recovery.sleep(decision.wait_s)
+        self.recovery.ask(self.lease.acquire)
+
+    @property
+    def grant(self):
+        """The orchestrator's grant of this session's chain (`ChainGrant`: its wait, chain id, plan
+        version), None with client-side routing."""
+        return self.lease.grant
+
     # -- stream plumbing ----------------------------------------------------------------------
     @property
     def failovers(self) -> int:
-        return self.failover.failovers
+        return self.recovery.failovers
 
     @property
-    def banned(self) -> set[str]:
-        return self.failover.banned
+    def failed_peers(self) -> set[str]:
+        """Servers this session failed over from (banned for every session of the client meanwhile)."""
+        return self.recovery.failed_peers
 
     def _new_step_id(self) -> int:
         """Step ids increase over the session on every hop: a hop runs each id once (server relay's
@@ -175,7 +197,7 @@ class RemoteChainSession(ChainSession):
         hop whose step carries more than the tensor (the first step's cached-prefix count), and
         before a server behind a NAT (reached through a libp2p relay): the hop before it could not
         dial it, so the client relays that leg itself, as with `relay="client"`."""
-        if not self.chain.server_relay:
+        if not self.ctx.server_relay:
             return None
         route = []
         for s in self.streams[index + 1:]:
@@ -186,13 +208,13 @@ class RemoteChainSession(ChainSession):
 
     def _takes_pushes(self, stream: HopStream) -> bool:
         """Whether the hop before `stream` pushes this step to it (see `_route`)."""
-        return not stream.prefix_tokens and not self.chain.relay_routes.relayed(stream.hop.peer_id)
+        return not stream.prefix_tokens and not self.ctx.relays.relayed(stream.hop.peer_id)
 
     def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         """One step of `stream`'s hop alone, with a fresh step id (replays); raises HopFailed or the
         server's other typed errors."""
-        return wire_parts.as_tensor(self.chain.hops.run_hop(stream.hop, self._call_async(stream, hidden),
-                                                            self.chain.step_timeout_s + 2))
+        return wire_parts.as_tensor(self.ctx.hops.run_hop(stream.hop, self._call_async(stream, hidden),
+                                                            self.ctx.step_timeout_s + 2))
 
     async def _call_async(self, stream: HopStream, hidden: torch.Tensor | wire_parts.RawTensor,
                           step_id: int | None = None, index: int | None = None, start_position: int | None = None
@@ -205,7 +227,7 @@ class RemoteChainSession(ChainSession):
         step = Step(self.session_id, self._new_step_id() if step_id is None else step_id,
                     prefix_tokens=stream.prefix_tokens, start_position=start_position)
         pushed = False
-        if index is not None and self.chain.server_relay:
+        if index is not None and self.ctx.server_relay:
             step.push_route = self._route(index)
             # before this hop's prefix count is spent below: the route of the hop before named it
             pushed = index > 0 and self._takes_pushes(stream)
@@ -216,14 +238,23 @@ class RemoteChainSession(ChainSession):
         # a step that registers the hop's new pusher (relay_from) must go now: the push is refused until it lands
         copy_after_s = self._copy_after_s(stream) if pushed and step.relay_from is None else None
         # within the step timeout: step_async's reply wait covers its send too
-        result = await self.chain.hops.step_async(stream, step, hidden, self._liveness_after_s(stream.hop.peer_id),
-                                                  copy_after_s)
+        result = await self.ctx.hops.step_async(stream, step, hidden, self._liveness_after_s(stream.hop.peer_id),
+                                                copy_after_s)
+        return self._received(stream, step, hidden, result, pushed)
+
+    def _received(self, stream: HopStream, step: Step, hidden: torch.Tensor | wire_parts.RawTensor,
+                  result: StepResult, pushed: bool) -> torch.Tensor | wire_parts.RawTensor:
+        """Every reply to a step of this session comes through here, once per hop and step (the
+        chain's steps and the replays of failovers and reopens alike), on the loop, before its output
+        goes on to the next hop: the one place to check a reply. Raising `ServerUnavailableError`
+        here fails the hop over (the step coroutine maps it to `HopFailed`)."""
         if result.copy_sent_late:
             stream.late_copies += 1
-        if start_position is not None and result.reply.position != start_position + hidden.shape[0]:
+        if step.start_position is not None and result.reply.position != step.start_position + hidden.shape[0]:
             # after a rollback every hop must hold exactly what the client does
             raise ServerUnavailableError(f"server {stream.hop.describe()} holds {result.reply.position} tokens after a "
-                                         f"step from {start_position} with {hidden.shape[0]}; it ignored the rollback")
+                                         f"step from {step.start_position} with {hidden.shape[0]}; it ignored the "
+                                         "rollback")
         self.hop_timings.append(HopTiming(
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
             stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s, result.reply.compute_s,
@@ -256,21 +287,23 @@ class RemoteChainSession(ChainSession):
         `HopFailed` naming the hop (what was opened is closed again). With server relay each hop
         takes pushes from the one before it (`before`: the peer before the first)."""
         opened: list[HopStream] = []
-        self.chain.dial_relayed([h.peer_id for h in hops])  # servers behind NATs: through their relays
+        self.ctx.relays.dial([h.peer_id for h in hops])  # servers behind NATs: through their relays
         try:
             for hop in hops:
-                relay_from = before if self.chain.server_relay else None
-                opened.append(self.chain.hops.open(hop, Open(self.session_id, self.max_length, hop.start,
-                                                             prefix_hashes=hashes or None, adapter=self.adapter,
-                                                             relay_from=relay_from)))
+                relay_from = before if self.ctx.server_relay else None
+                opened.append(self.ctx.hops.open(hop, Open(self.session_id, self.max_length, hop.start,
+                                                           prefix_hashes=hashes or None, adapter=self.adapter,
+                                                           relay_from=relay_from)))
                 before = hop.peer_id
         except BaseException:
             self._close_streams(opened)
             raise
+        self.ctx.peer_health.report_success(h.peer_id for h in hops)  # they answered: their failures are past
         return opened
 
     def _close_streams(self, streams: list[HopStream]) -> None:
-        self.chain.hops.close(streams)
+        if streams:
+            self.ctx.hops.close(streams)
 
     # -- the session API ------------------------------------------------------------------------
     @property
@@ -289,44 +322,12 @@ class RemoteChainSession(ChainSession):
         # a rollback step tells every hop where it starts (a replacement replayed meanwhile already
         # holds exactly that many tokens, so it is right for it too)
         rollback_start = start if rollback else None
-        x = x0 = hidden.to(self.chain.dtype)
-        i = 0
-        step_id = self._new_step_id()  # one id along the chain: a hop runs it once, pushed or sent
-        done_this_step: list[HopStream] = []
-        reopened_this_step: set[str] = set()
-        while True:
-            # the happy path runs every hop in one coroutine on the loop (no thread hand-off per hop);
-            # it stops at the first failure, handled here as before
-            i, x, error = self.chain.loop.run(self._relay_async(i, x, step_id, done_this_step, rollback_start),
-                                              timeout_s=(self.chain.step_timeout_s + 3) * (len(self.streams) - i) + 2)
-            if error is None:
-                break
-            stream = self.streams[i]
-            try:
-                try:
-                    raise error
-                except SessionIdleTimeoutError as e:
-                    # the server closed a stream we left idle past its --session-idle-timeout: a healthy
-                    # server, so reopen there and replay (no ban, no failover); twice in a step is a fault
-                    if stream.hop.peer_id in reopened_this_step:
-                        raise HopFailed(stream.hop, ServerUnavailableError(
-                            f"server {stream.hop.describe()} closed the reopened session at once: {e}")) from e
-                    reopened_this_step.add(stream.hop.peer_id)
-                    self._reopen(i, e)
-                    step_id = self._new_step_id()  # after the replay's
-                    continue  # retry hop i (reopened, cache rebuilt) with the same input
-            except HopFailed as failed:
-                if self.chain.provider.whole_chain_failover:
-                    for s in done_this_step:  # the replay covers past steps; this one restarts at hop 0
-                        s.inputs.pop()
-                    done_this_step = []
-                    self._failover(i, failed)
-                    i, x = 0, x0
-                    step_id = self._new_step_id()  # after the replay's
-                    continue
-                self._failover(i, failed)
-                step_id = self._new_step_id()  # after the replay's
-                continue  # retry hop i (now a replacement) with the same input
+        x0 = hidden.to(self.ctx.dtype)
+        run = _StepRun(x0=x0, x=x0,
+                       step_id=self._new_step_id(),  # one id along the chain: a hop runs it once, pushed or sent
+                       rollback_start=rollback_start)
+        x = self.recovery.run(lambda: self._attempt_step(run), lambda failed, _: self._repair_step(run, failed),
+                              f"session {self.session_id[:8]}")
         self.position += hidden.shape[0]
         if self.steps == 0:
             self.input_tokens = hidden.shape[0]
@@ -335,6 +336,43 @@ class RemoteChainSession(ChainSession):
         self.step_timings.append(StepTiming(hidden.shape[0], time.perf_counter() - t0_s, first_hop,
                                             len(self.hop_timings)))
         return output
+
+    def _attempt_step(self, run: _StepRun) -> torch.Tensor | wire_parts.RawTensor:
+        """The step's hops from `run.i` on; a server's failure is raised as `HopFailed` for the
+        recovery loop. A stream the server closed for idleness (past its --session-idle-timeout) is
+        no failure: the server is healthy, so hop `run.i` is reopened there and replayed, and the step
+        goes on (a reopen that fails is a failure; twice in a step on one server is a fault)."""
+        while True:
+            # the happy path runs every hop in one coroutine on the loop (no thread hand-off per hop)
+            # and stops at the first failure
+            run.i, run.x, error = self.ctx.loop.run(
+                self._relay_async(run.i, run.x, run.step_id, run.done, run.rollback_start),
+                timeout_s=(self.ctx.step_timeout_s + 3) * (len(self.streams) - run.i) + 2)
+            if error is None:
+                return run.x
+            if not isinstance(error, SessionIdleTimeoutError):
+                raise error
+            stream = self.streams[run.i]
+            if stream.hop.peer_id in run.reopened:
+                raise HopFailed(stream.hop, ServerUnavailableError(
+                    f"server {stream.hop.describe()} closed the reopened session at once: {error}")) from error
+            run.reopened.add(stream.hop.peer_id)
+            self._reopen(run.i, error)
+            run.step_id = self._new_step_id()  # after the replay's
+
+    def _repair_step(self, run: _StepRun, failed: HopFailed) -> None:
+        """Replace the failed hop (`run.i`) and replay; the step then goes on from the replacement,
+        with its input. A whole-chain failover (an orchestrator's) restarts the step at hop 0: the
+        replay rebuilds past steps, so this step's input leaves the history of the hops it ran on."""
+        if self.ctx.provider.whole_chain_failover:
+            for s in run.done:
+                s.inputs.pop()
+            run.done = []
+            self._replace(0, failed.error)
+            run.i, run.x = 0, run.x0
+        else:
+            self._replace(run.i, failed.error)
+        run.step_id = self._new_step_id()  # after the replay's
 
     async def _relay_async(self, i: int, x: torch.Tensor | wire_parts.RawTensor, step_id: int,
                            done: list[HopStream], start_position: int | None = None
@@ -348,7 +386,7 @@ class RemoteChainSession(ChainSession):
             try:
                 out = await self._call_async(stream, x, step_id, index=i, start_position=start_position)
             except Exception as e:
-                return i, x, self.chain.hops.hop_error(stream.hop, e, self.chain.step_timeout_s)
+                return i, x, self.ctx.hops.hop_error(stream.hop, e, self.ctx.step_timeout_s)
             stream.inputs.append(wire_parts.as_tensor(x))
             done.append(stream)
             x, i = out, i + 1
@@ -384,35 +422,20 @@ class RemoteChainSession(ChainSession):
             new.prefix_in_inputs = bool(self.prefix_tokens)
         self.streams[index] = new
 
-    def _failover(self, index: int, failed: HopFailed) -> None:
-        """Replace the failed hop `index` and rebuild the KV caches by replaying the inputs it had
-        received. With client-side routing only the failed span is replaced: the new hops end at
-        the start of a later hop, which is kept with its cache (or at the last block). An
-        orchestrator's provider replaces the whole chain, replayed from block 0, so the session
-        always runs on the chain it is counted on. A replacement that fails while it is opened or
-        replayed (e.g. a server killed moments ago that the records still list) is itself failed
-        over, within the same `FailoverPolicy` budget."""
-        while True:
-            self.failover.on_failure(failed, f"session {self.session_id[:8]}")
-            try:
-                self._replace(index, failed.error)
-                return
-            except HopFailed as again:
-                logger.warning("replacement %s failed too (%s)", again.hop.describe(), again.error)
-                failed = again
-
     def _replace(self, index: int, error: Exception) -> None:
+        """Replace the failed hop `index` and rebuild the KV caches by replaying the inputs it had
+        received. With client-side routing only the failed span is replaced: the new hops end at the
+        start of a later hop, which is kept with its cache (or at the last block). An orchestrator's
+        provider replaces the whole chain (the lease moves to it), replayed from block 0, so the
+        session always runs on the chain it is counted on. A replacement that fails while it is
+        opened or replayed raises `HopFailed`: the recovery loop counts it and replaces again."""
         failed = self.streams[index]
-        if self.chain.provider.whole_chain_failover:
+        if self.ctx.provider.whole_chain_failover:
             index, failed = 0, self.streams[0]
-            new_hops = self.chain.provider.find_chain(0, self.chain.num_blocks, exclude=self.failover.exclude,
-                                                      max_length=self.max_length, session_id=self.session_id,
-                                                      adapter=self.adapter)
+            new_hops = self.recovery.ask(self.lease.acquire)
         else:
-            ends = frozenset({s.hop.start for s in self.streams[index + 1:]} | {self.chain.num_blocks})
-            new_hops = self.chain.provider.find_span(failed.hop.start, ends, exclude=self.failover.exclude,
-                                                     max_length=self.max_length, session_id=self.session_id,
-                                                     adapter=self.adapter)
+            ends = frozenset({s.hop.start for s in self.streams[index + 1:]} | {self.ctx.num_blocks})
+            new_hops = self.recovery.ask(lambda exclude: self.lease.find_span(failed.hop.start, ends, exclude))
         new_end = new_hops[-1].end
         keep_from = next((i for i in range(index + 1, len(self.streams)) if self.streams[i].hop.start == new_end),
                          len(self.streams))
@@ -422,7 +445,7 @@ class RemoteChainSession(ChainSession):
         inputs = self._with_prefix_input(index, failed)
         history = torch.cat(inputs) if inputs else None
         before = self.streams[index - 1].hop.peer_id if index > 0 else None
-        replacement = self._open_hops(new_hops, before=before)  # raises HopFailed: _failover tries another
+        replacement = self._open_hops(new_hops, before=before)  # raises HopFailed: the recovery loop tries another
         try:
             if history is not None:
                 x = history
@@ -442,9 +465,9 @@ class RemoteChainSession(ChainSession):
         run statelessly (`rpc_forward`) through the hops before it."""
         if not self.prefix_tokens or stream.prefix_in_inputs:
             return list(stream.inputs)
-        x = self.prefix.hidden[:self.prefix_tokens].to(self.chain.dtype)
+        x = self.prefix.hidden[:self.prefix_tokens].to(self.ctx.dtype)
         for before in self.streams[:index]:
-            x = self.chain.hops.forward(before.hop, x.unsqueeze(0), self.adapter)[0]
+            x = self.ctx.hops.forward(before.hop, x.unsqueeze(0), self.adapter)[0]
         return [x, *stream.inputs]
 
     @property
@@ -455,8 +478,9 @@ class RemoteChainSession(ChainSession):
         return " -> ".join(h.describe() for h in self.hops)
 
     def close(self) -> None:
+        """Close the streams and release the lease (once: a second close sends nothing)."""
         hops = self.hops
         self._close_streams(self.streams)
         self.streams = []
-        self.chain.provider.session_finished(hops, session_id=self.session_id, input_tokens=self.input_tokens,
-                                             output_tokens=self.steps, hop_timings=tuple(self.hop_timings))
+        self.lease.release(hops, input_tokens=self.input_tokens, output_tokens=self.steps,
+                           hop_timings=tuple(self.hop_timings))

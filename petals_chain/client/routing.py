@@ -10,15 +10,26 @@ it would process, with a penalty when it reports no free KV slot.
 from __future__ import annotations
 
 import heapq
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from petals_chain.errors import NoChainError, UnknownAdapterError
-from petals_chain.wire.messages import Hop
+from petals_chain.wire.messages import ChainGrant, Hop
 from petals_chain.wire.records import ServerInfo, ServerState
 
 NO_CACHE_PENALTY_S = 10.0
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """A whole chain a provider chose for a session, with the orchestrator's grant behind it (None
+    from client-side routing): its chain id, plan version and the session's wait in the queue."""
+
+    hops: list[Hop]
+    grant: ChainGrant | None = None
 
 
 class ChainProvider(ABC):
@@ -31,6 +42,12 @@ class ChainProvider(ABC):
                    max_length: int = 0, session_id: str = "", adapter: str | None = None) -> list[Hop]:
         """Hops covering `[start, end)`, each serving the LoRA `adapter` if one is asked for;
         raises NoChainError when none exists."""
+
+    def acquire(self, start: int, end: int, *, exclude: frozenset[str] = frozenset(), max_length: int = 0,
+                session_id: str = "", adapter: str | None = None) -> Acquired:
+        """`find_chain`, with the grant that comes with the chain (`client/lease.py` keeps it on the session)."""
+        return Acquired(self.find_chain(start, end, exclude=exclude, max_length=max_length, session_id=session_id,
+                                        adapter=adapter))
 
     def find_span(self, start: int, ends: frozenset[int], *, exclude: frozenset[str] = frozenset(),
                   max_length: int = 0, session_id: str = "", adapter: str | None = None) -> list[Hop]:
@@ -105,19 +122,26 @@ class DhtChainProvider(ChainProvider):
     """Client-side routing from DHT records (used when no orchestrator is present)."""
 
     def __init__(self, fetch_servers: Callable[[], list[ServerInfo]], ping_s: Callable[[str], float | None],
-                 *, wait_for_chain_s: float = 20.0, rtt_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+                 *, wait_for_chain_s: float = 20.0, rtt_ttl_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.fetch_servers = fetch_servers
         self.ping_s = ping_s
         self.wait_for_chain_s = wait_for_chain_s
         self.rtt_ttl_s = rtt_ttl_s
         self.clock = clock
+        # every session's thread routes through here: the RTT cache is read and written under the lock,
+        # never held across a ping (two threads may ping one peer at once; the later answer stays)
+        self._lock = threading.Lock()
         self._rtt: dict[str, tuple[float, float | None]] = {}
 
     def _rtt_s(self, peer_id: str) -> float | None:
         now = self.clock()
-        cached = self._rtt.get(peer_id)
+        with self._lock:
+            cached = self._rtt.get(peer_id)
         if cached is None or now - cached[0] > self.rtt_ttl_s:
-            cached = self._rtt[peer_id] = (now, self.ping_s(peer_id))
+            cached = (now, self.ping_s(peer_id))
+            with self._lock:
+                self._rtt[peer_id] = cached
         return cached[1]
 
     def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
@@ -132,5 +156,6 @@ class DhtChainProvider(ChainProvider):
             except NoChainError:
                 if self.clock() >= deadline:
                     raise
-                self._rtt = {p: v for p, v in self._rtt.items() if v[1] is not None}  # retry unreachable peers
+                with self._lock:  # retry unreachable peers
+                    self._rtt = {p: v for p, v in self._rtt.items() if v[1] is not None}
                 time.sleep(0.5)  # servers may still be joining: poll the DHT again
