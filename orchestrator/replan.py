@@ -189,6 +189,25 @@ def _better(a: Evaluated, b: Evaluated, tuning: str) -> bool:
     return a.rate_per_s > b.rate_per_s
 
 
+def incremental(cluster: Cluster, installed: Placement, c: int, leftover: bool = False) -> Evaluated:
+    """The re-plan after servers joined or left, without re-planning the swarm: every server that holds
+    blocks keeps them (fixed), GBP-CR with fixed servers fills the chains a lost server broke with idle
+    servers in Alg. 1's order (a joined server is one of them) and goes on while the target is not met;
+    ``leftover`` then gives the idle servers blocks where GCA gains from them. Moves nobody. Cost: one
+    GBP-CR pass over the free servers and one GCA over the placed ones, against the whole plan's c* sweep.
+
+    The bound against the whole re-plan (``decide`` with this as the zero-move candidate): the whole plan
+    replaces it only if it gains at least ``min_gain``; so while it stands, its objective is within
+    1 / (1 - min_gain) of the whole plan's, unless the whole plan has less total capacity (the
+    never-worse invariant refuses it then) (tests/test_replan.py checks both against the whole re-plan)."""
+    keep = {j: r for j, r in enumerate(installed.ranges) if r is not None}
+    ev = evaluate(cluster, gbp_cr_fixed(cluster, c, keep), c)
+    if leftover:
+        lo = place_leftover(cluster, ev.placement, c)
+        ev = evaluate(cluster, lo.placement, c, lo.gca.chains)
+    return ev
+
+
 @dataclass(frozen=True)
 class Decision:
     """What a re-plan installs: ``step`` (at most ``max_moves`` movers from the installed placement
@@ -262,11 +281,9 @@ def decide(cluster: Cluster, installed: Placement, fresh: Evaluated, *, tuning: 
     # it where GCA gains from them (leftover); the installed servers are fixed
     c0 = installed_c if installed_c is not None else fresh.c
     if c0 is not None:
-        keep = {j: r for j, r in enumerate(installed.ranges) if r is not None}
-        cands["repair"] = evaluate(cluster, gbp_cr_fixed(cluster, c0, keep), c0)
+        cands["repair"] = incremental(cluster, installed, c0)
         if leftover:
-            lo = place_leftover(cluster, cands["repair"].placement, c0)
-            cands["leftover"] = evaluate(cluster, lo.placement, c0, lo.gca.chains)
+            cands["leftover"] = incremental(cluster, installed, c0, leftover=True)
     ok = {name: ev for name, ev in cands.items() if not_worse(ev, base, tuning)}
     still = [ev for ev in ok.values() if not movers(installed, ev.placement)]
     best_still = base

@@ -241,3 +241,66 @@ def test_max_capacity_constrained_plan_tunes_c():
     cl = _twins(2)
     ev = constrained_placement(cl, {0: BlockInterval(0, 2)}, None, "lower")
     assert ev is not None and 1 <= ev.c <= max_capacity(cl) and math.isfinite(ev.lower_s)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(clusters(max_servers=8, max_blocks=5), st.data())
+def test_an_incremental_replan_after_a_leave_or_join_is_held_to_the_whole_replan(cluster, data):
+    """After one server leaves or joins an installed plan: the incremental re-plan (placed servers fixed)
+    moves nobody and is never worse than the plan it repairs; decide() replaces it by the whole re-plan
+    unless that gains less than min_gain, so what stays installed is within 1 / (1 - min_gain) of the
+    whole re-plan's objective, or the whole re-plan has less total capacity (the stated bound)."""
+    from dataclasses import replace
+    try:
+        p = plan(cluster, "proposed")
+    except ValueError:
+        assume(False)
+    leave = data.draw(st.booleans())
+    if leave:
+        assume(cluster.num_servers >= 2)
+        lost = data.draw(st.integers(0, cluster.num_servers - 1))
+        keep = [j for j in range(cluster.num_servers) if j != lost]
+        cl = replace(cluster, servers=tuple(cluster.servers[j] for j in keep))
+        inst = Placement(tuple(p.placement.ranges[j] for j in keep))
+    else:
+        new = data.draw(st.sampled_from(cluster.servers))
+        cl = replace(cluster, servers=(*cluster.servers, replace(new, name="joined")))
+        inst = Placement((*p.placement.ranges, None))
+    assume(inst.used_servers())
+    from orchestrator.replan import incremental
+    inc = incremental(cl, inst, p.c)
+    assert not movers(inst, inc.placement)
+    before = evaluate(cl, inst, p.c)
+    assert not_worse(inc, before, "lower") or not inc.chains and not before.chains
+    try:
+        w = plan(cl, "proposed")
+    except ValueError:
+        return
+    whole = evaluate(cl, w.placement, w.c, w.chains)
+    min_gain = 0.05
+    d = decide(cl, inst, whole, min_gain=min_gain, installed_c=p.c)
+    got = d.step if d.install else before
+    assert not_worse(got, before, "lower")
+    if not d.movers:
+        o_w, o_got = whole.objective("lower"), got.objective("lower")
+        assert (whole.capacity < before.capacity or not not_worse(whole, before, "lower")
+                or not math.isfinite(o_w) or o_got <= o_w / (1 - min_gain) * (1 + 1e-9)
+                or whole.placement == got.placement)
+
+
+def test_a_move_budget_moves_at_most_that_many_servers_per_step():
+    """Four servers that hold two blocks each, all on [0, 2) (no chain); the plan wants two chains
+    [0, 2) + [2, 4): two servers move. With a budget of 1, one moves (the step's chain is whole), one is
+    left for the next re-plan; the step is never worse than the installed placement."""
+    cl = make_cluster([1.0] * 4, [0.1, 0.11, 0.12, 0.13], [0.2] * 4, num_blocks=4, block_size=0.4,
+                      cache_size=0.05, arrival_rate=3.0, rho_bar=0.7)
+    p = plan(cl, "proposed", c=1)
+    assert sorted((r.start, r.end) for r in p.placement.ranges if r) == [(0, 2), (0, 2), (2, 4), (2, 4)]
+    inst = Placement((BlockInterval(0, 2),) * 4)
+    fresh = evaluate(cl, p.placement, p.c, p.chains)
+    d = decide(cl, inst, fresh, installed_c=1)
+    assert d.install and len(d.movers) == 2 and not d.pending_movers
+    d = decide(cl, inst, fresh, installed_c=1, max_moves=1)
+    assert d.install and len(d.movers) == 1 and len(d.pending_movers) == 1
+    assert d.step.capacity >= 1 and not_worse(d.step, d.baseline, "lower")
+    assert set(movers(inst, d.step.placement)) == set(d.movers)

@@ -24,6 +24,7 @@ from orchestrator.planner import Plan, make_baseline_router
 from orchestrator.planner import plan as run_plan
 from orchestrator.policies import get_policy
 from orchestrator.replan import Decision, Evaluated, constrained_placement, decide, evaluate
+from orchestrator.replan import incremental as incremental_plan
 from orchestrator.service.calibration import (
     FittedProfile,
     ReplanTrigger,
@@ -112,6 +113,7 @@ class OrchestratorConfig:
     max_moves_per_replan: int | None = None  # at most this many servers holding blocks move per re-plan
     replan_min_gain: float = 0.02  # a re-plan that moves servers must gain this much (relative) in the model
     equivalent_servers_rel: float = 0.05  # servers this close in tau^c, tau^p (same memory) are interchangeable
+    incremental_replan: bool = True  # a join or leave is re-planned at once with the placed servers fixed
     max_acquire_timeout_s: float = 600.0
     rtt_probes: int = 5
     announce_period_s: float = 2.0
@@ -218,6 +220,7 @@ class Orchestrator:
         self._epoch = 0  # counts changes of the server set (a plan made over an older one may be stale)
         self.last_decision: str | None = None  # why the last re-plan moved what it moved (or nothing)
         self.last_plan_timing: dict = {}
+        self._whole_pending = False  # an incremental re-plan ran: the whole one follows at the period
         self.records: dict[str, ServerRecord] = {}
         self.lengths = LengthEstimator(SessionShape(config.mean_input_tokens, config.mean_output_tokens),
                                        prior_weight=config.length_prior_sessions)
@@ -495,8 +498,16 @@ class Orchestrator:
             self._drain_step(now)
             return
         with self.lock:
-            if not self._plan_due(now):
+            if self._incremental_due(now):
+                quick = True
+            elif self._plan_due(now):
+                quick = False
+            else:
                 return
+        if quick:  # a join or a leave: repaired at once, moving nobody; the whole re-plan at the period
+            self._plan(now, incremental=True)
+            return
+        with self.lock:
             peers = [p for p, r in self.records.items() if r.rtt_s is not None]
         # fresh RTTs right before planning (those taken at registration may have met loading servers)
         rtts = {p: self.measure_rtt(p) for p in peers}
@@ -519,13 +530,22 @@ class Orchestrator:
                                   self.first_registration_s, c.expected_wait_s)
         if self.model_moved:  # the trigger already waited its hold and the minimum interval
             return now >= self._model_retry_s
-        if not self.known_changed:
+        if not (self.known_changed or self._whole_pending):
             return False
         stale = any(p not in self.records for p in cur.peers if cur.assignment(p))
         due = now - cur.created_s >= self.config.replan_period_s
         # an installed plan keeps serving on its surviving chains until the slow time scale comes
         # round; a plan still loading that lost a server could never come online
         return due or (stale and not cur.installed)
+
+    def _incremental_due(self, now: float) -> bool:
+        """Servers joined or left an installed plan of the proposed policy: re-plan incrementally now
+        (orchestrator/replan.py:incremental), before the whole re-plan's period comes round."""
+        cur = self.current
+        return (self.known_changed and not self.model_moved and self.drain is None and cur is not None
+                and cur.installed and self.policy.tunes_c and self.config.incremental_replan
+                and now - cur.created_s < self.config.replan_period_s
+                and any(r.rtt_s is not None for r in self.records.values()))
 
     # The planner runs outside `self.lock` (which the RPC handlers take, through the sessions' owner): a
     # snapshot of its inputs is taken under the lock, the plan is made without it, and the result is
@@ -543,17 +563,21 @@ class Orchestrator:
         return (cur is not None and cur.installed and self.config.drain_timeout_s > 0
                 and self.sessions.mode == "chains")
 
-    def _plan(self, now: float, fixed_peers: frozenset[str] = frozenset(), drain: bool = True) -> None:
+    def _plan(self, now: float, fixed_peers: frozenset[str] = frozenset(), drain: bool = True,
+              incremental: bool = False) -> None:
         """Re-plan (or make the first plan) and apply it: at once, or after draining the servers it moves.
-        `fixed_peers`: servers the planner must keep on their ranges (busy movers at a drain's deadline)."""
+        `fixed_peers`: servers the planner must keep on their ranges (busy movers at a drain's deadline).
+        `incremental`: every server holding blocks keeps them, idle ones fill what a lost one broke."""
         with self._plan_lock:
             t0 = time.perf_counter()
             snap = self._snapshot()
             t1 = time.perf_counter()
-            out = self._decide(snap, fixed_peers)
+            out = self._decide(snap, fixed_peers, incremental)
             t2 = time.perf_counter()
             with self.lock:
                 self._apply(out, snap, now, drain)
+                # after an incremental re-plan the whole one is still owed (at the period)
+                self._whole_pending = incremental and out.error is None
             t3 = time.perf_counter()
             # /status: how long the last plan took, and how much of it held the lock the RPC handlers take
             self.last_plan_timing = {"snapshot_s": t1 - t0, "plan_s": t2 - t1, "apply_s": t3 - t2}
@@ -568,7 +592,7 @@ class Orchestrator:
                 held[p] = HeldRange(info.start, info.end, fixed=not info.extra.get("auto", False), busy=busy)
         return held
 
-    def _decide(self, snap: _Snapshot, fixed_peers: frozenset[str]) -> _Outcome:
+    def _decide(self, snap: _Snapshot, fixed_peers: frozenset[str], incremental: bool = False) -> _Outcome:
         """The planner and the re-plan decision, on the snapshot only (no lock held)."""
         cfg = self.config
         try:
@@ -583,7 +607,12 @@ class Orchestrator:
             keep_busy = not snap.can_drain and not cfg.force_replan
             fixed = {peers.index(p): BlockInterval(h.start, h.end) for p, h in held.items()
                      if h.fixed or p in fixed_peers or (keep_busy and h.busy)}
-            if fixed:
+            cur = snap.current
+            if incremental and cur is not None and cur.plan.c is not None:
+                inst = Placement(tuple(BlockInterval(held[p].start, held[p].end) if p in held else None
+                                       for p in peers))
+                fresh = incremental_plan(cluster, inst, cur.plan.c, cfg.leftover_placement)
+            elif fixed:
                 fresh = constrained_placement(cluster, fixed, cfg.c, cfg.tuning)
                 if fresh is None:
                     raise InfeasibleClusterError("with the fixed servers on their ranges no complete chain forms")
