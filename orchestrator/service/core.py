@@ -595,6 +595,7 @@ class Orchestrator:
     def _decide(self, snap: _Snapshot, fixed_peers: frozenset[str], incremental: bool = False) -> _Outcome:
         """The planner and the re-plan decision, on the snapshot only (no lock held)."""
         cfg = self.config
+        whole = None
         try:
             cluster, peers = build_cluster(snap.records, cfg.num_blocks, snap.shape, cfg.arrival_rate_per_s,
                                            cfg.rho_bar, self.overheads, relay=cfg.relay,
@@ -620,8 +621,8 @@ class Orchestrator:
                     lo = place_leftover(cluster, fresh.placement, fresh.c)
                     fresh = evaluate(cluster, lo.placement, fresh.c, lo.gca.chains)
             else:
-                p = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
-                fresh = evaluate(cluster, p.placement, p.c, p.chains)
+                whole = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
+                fresh = evaluate(cluster, whole.placement, whole.c, whole.chains)
         except ValueError as e:  # InvalidClusterError / InfeasibleClusterError
             return _Outcome(error=str(e))
         installed = Placement(tuple(BlockInterval(held[p].start, held[p].end) if p in held else None for p in peers))
@@ -632,7 +633,7 @@ class Orchestrator:
                    max_moves=cfg.max_moves_per_replan, equivalent_rel=cfg.equivalent_servers_rel,
                    installed_c=cur.plan.c if cur is not None else None, leftover=cfg.leftover_placement)
         return _Outcome(cluster=cluster, peers=peers, decision=d, fresh=fresh,
-                        pinned=[p for p, h in held.items() if peers.index(p) in fixed])
+                        pinned=[p for p, h in held.items() if peers.index(p) in fixed], plan=whole)
 
     def _decide_overlay(self, cluster: Cluster, peers: list[str], held: dict[str, HeldRange],
                         snap: _Snapshot) -> _Outcome:
@@ -670,7 +671,8 @@ class Orchestrator:
         self.trigger.planned(out.fresh.rate_per_s, out.fresh.c, now)
         self.last_decision = d.reason
         if not d.install:
-            if cur is not None and cur.installed and _chain_key(d.baseline.chains) != _chain_key(cur.chains):
+            if (cur is not None and cur.installed and d.baseline.chains
+                    and _chain_key(d.baseline.chains) != _chain_key(cur.chains)):
                 # the same placement under the current model: its chains, moving nobody
                 self._new_version(out, d.baseline, now, "refreshed chains; " + d.reason)
             else:
@@ -692,7 +694,9 @@ class Orchestrator:
         version = (self.current.version if self.current else 0) + 1
         if moving:  # servers that will reload take their old chains with them (drained: none holds a session)
             self.sessions.drop_servers(set(moving), now)
-        plan = out.plan if out.plan is not None else _as_plan(cfg.policy, ev, cluster, cfg.tuning)
+        # the planner's own Plan (its c* table, leftover servers) when it is what is installed
+        plan = (out.plan if out.plan is not None and out.plan.placement == ev.placement
+                else _as_plan(cfg.policy, ev, cluster, cfg.tuning))
         self.current = InstalledPlan(version, plan, cluster, peers, ev.placement, list(ev.chains), created_s=now)
         placed = [(p, r) for p, r in zip(peers, ev.placement.ranges) if r is not None]
         unused = [p for p, r in zip(peers, ev.placement.ranges) if r is None]
