@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reference", action="store_true", help="also time the replaced implementation and compare plans")
     ap.add_argument("--incremental", action="store_true", help="also time re-plans after one leave and one join")
+    ap.add_argument("--leftover", action="store_true",
+                    help="also plan with the leftover step (--leftover-placement): capacity, nu, bound, time")
     ap.add_argument("--json", default=None, help="write the measurements to this file")
     a = ap.parse_args()
     cluster = random_cluster(a.servers, a.blocks, np.random.default_rng(a.seed), a.arrival_rate)
@@ -71,6 +73,14 @@ def main() -> None:
            "c": p.c, "chains": len(p.chains), "lower_s": p.bounds.lower_s}
     if a.incremental:
         out.update(churn(cluster, p, a.tuning))
+    if a.leftover:
+        lo, t_lo, cpu_lo = _timed(lambda: plan(cluster, "proposed", None, a.tuning, leftover=True))
+        out["leftover"] = {"cpu_s": cpu_lo, "wall_s": t_lo, "cpu_ratio": cpu_lo / cpu, "c": lo.c,
+                           "capacity_off": sum(k.capacity for k in p.chains),
+                           "capacity_on": sum(k.capacity for k in lo.chains),
+                           "nu_off": p.total_rate_per_s, "nu_on": lo.total_rate_per_s,
+                           "lower_s_off": p.bounds.lower_s, "lower_s_on": lo.bounds.lower_s,
+                           "idle_off": len(p.unused_servers), "placed": len(lo.leftover_servers)}
     out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out["date"] = time.strftime("%Y-%m-%d %H:%M")
     print(json.dumps(out))

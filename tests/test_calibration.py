@@ -99,8 +99,8 @@ def test_hop_reports_count_round_trips_only_and_unmeasured_servers_take_the_swar
     assert with_prompt["b"].prompt_steps == 0 and with_prompt["b"].steps == 1
     only = hop_reports([prompt])
     assert len(only) == 1 and only[0].steps == 0 and only[0].prompt_tokens == 1676
-    assert own_else_swarm_median({"a": 0.004, "b": None, "c": 0.002, "d": 0.003}) == {"a": 0.004, "b": 0.003, "c": 0.002,
-                                                                          "d": 0.003}
+    assert own_else_swarm_median({"a": 0.004, "b": None, "c": 0.002, "d": 0.003}) == {
+        "a": 0.004, "b": 0.003, "c": 0.002, "d": 0.003}
     assert own_else_swarm_median({"a": None, "b": None}) == {"a": None, "b": None}
 
 

@@ -18,10 +18,12 @@ pytestmark = [pytest.mark.integration]
 
 SERVER_ARGS = ["--num-threads", "1", "--max-length", "128", "--memory-budget", "16MiB"]
 # a tiny threshold and hold: the first live fits (20 batches) move the model past it, so the calibrated
-# re-plan runs once while the load runs; the drain is short so that the test never waits long for it
+# re-plan runs once while the load runs; the drain is short so that the test never waits long for it;
+# --leftover-placement: GBP-CR alone leaves one of the two servers idle (one chain meets the target), and
+# the leaving server's sessions need a chain to fail over to
 ORCH_ARGS = ["--expected-servers", "2", "--c", "2", "--replan-period", "3", "--lease-ttl", "5",
              "--replan-threshold", "0.01", "--replan-hold", "1", "--model-replan-period", "1",
-             "--model-replans", "1", "--drain-timeout", "15"]
+             "--model-replans", "1", "--drain-timeout", "15", "--leftover-placement"]
 
 
 def _capacity(status: dict) -> int:
@@ -79,7 +81,11 @@ def test_continuous_load_through_a_calibrated_replan_a_join_and_a_leave(tiny_lla
             swarm.wait_ready([late])
             n_before = len(results)
             wait_for(lambda: len(results) >= n_before + 2, 120, "sessions after the join")
-            swarm.kill_server(swarm.servers[0], signal.SIGTERM)  # a clean leave: announced offline
+            st = get_json(url + "status")
+            busy = [s["peer_id"] for s in st["servers"] if s["active_sessions"]] or \
+                [p for c in st["chains"] if c["dispatchable"] for p in c["servers"]]
+            leaving = next(sp for sp in swarm.servers if sp.peer_id in busy)
+            swarm.kill_server(leaving, signal.SIGTERM)  # a clean leave (announced offline) of a serving server
             wait_for(lambda: len(get_json(url + "status")["servers"]) == 2, 60, "the leave noticed")
             n_before = len(results)
             wait_for(lambda: len(results) >= n_before + 2, 120, "sessions after the leave")
