@@ -134,8 +134,8 @@ class GbpCrSweep:
             busy = None
         else:  # Server.busy_s of c sessions through the server's m blocks
             b_arr = self.arrays.shared_per_block_s
-            busy = np.nan_to_num(self.arrays.batch_overhead_s + m_arr * b_arr + c * (self.arrays.tau_p_s - b_arr) * m_arr,
-                                 nan=0.0)
+            busy = np.nan_to_num(self.arrays.batch_overhead_s + m_arr * b_arr
+                                 + c * (self.arrays.tau_p_s - b_arr) * m_arr, nan=0.0)
         holders = np.flatnonzero(m_arr > 0)
         # line 1, 3: by t_j / m_j, ties to the smaller index (lexsort: last key is the primary one)
         order = holders[np.lexsort((holders, t_arr[holders] / m_arr[holders]))].tolist()
@@ -203,6 +203,99 @@ def gbp_cr_or_raise(cluster: Cluster, c: int) -> GbpCrResult:
         total = sum(blocks_per_server(cluster, c))
         raise InfeasibleClusterError(
             f"with cache reservation c={c} the servers hold {total} blocks in total (each block needs "
-            f"{s.block_size + s.cache_size * c:.6g} in the cluster's memory unit), fewer than the model's {s.num_blocks}: "
+            f"{s.block_size + s.cache_size * c:.6g} in the cluster's memory unit), fewer than the model's "
+            f"{s.num_blocks}: "
             f"add servers or memory, or lower c")
     return res
+
+
+def gbp_cr_fixed(cluster: Cluster, c: int, fixed: dict[int, BlockInterval]) -> Placement:
+    """GBP-CR (Alg. 1) with some servers' ranges given (beyond the paper: a server that holds live
+    sessions, or was started on fixed blocks, keeps its range). Pure.
+
+    The fixed servers seed chains: in Alg. 1's order (t_j / m_j, eq. 9, over their own ranges) each
+    joins the first seeded chain whose blocks it does not overlap, else starts one. Each seeded chain's
+    uncovered block intervals are then filled with the free servers in Alg. 1's order, line 4-6
+    within the gap (a server that does not fit is shifted back to end at the gap's end, or starts at
+    block 0); then Alg. 1 goes on with the servers left, counting the seeded chains' scaled rate
+    (line 8) towards the target lambda / (rho_bar c) of line 9. The chains themselves are GCA's on the
+    returned placement (fixed servers included), as for GBP-CR's. With no fixed server this is
+    exactly Alg. 1 (`gbp_cr(cluster, c).placement`)."""
+    if c < 1:
+        raise ValueError(f"capacity requirement c must be >= 1, got {c}")
+    L = cluster.service.num_blocks
+    for j, r in fixed.items():
+        if not 0 <= j < cluster.num_servers or r is None or not 0 <= r.start < r.end <= L:
+            raise ValueError(f"fixed server {j}: range {r} is not within [0, {L}) of a server of the cluster")
+    if not fixed:
+        return gbp_cr(cluster, c).placement
+    arrays = server_arrays(cluster)
+    m = _blocks_array(cluster, c, arrays).tolist()
+    t = [sv.tau_c_s + sv.tau_p_s * mj for sv, mj in zip(cluster.servers, m)]  # eq. (9)
+    ranges: list[BlockInterval | None] = [None] * cluster.num_servers
+    for j, r in fixed.items():
+        ranges[j] = BlockInterval(r.start, r.end)
+
+    def t_fixed(j: int) -> float:
+        sv, n = cluster.servers[j], fixed[j].end - fixed[j].start
+        return sv.tau_c_s + sv.tau_p_s * n
+
+    seeds: list[list[int]] = []  # fixed servers of each seeded chain
+    covered: list[np.ndarray] = []
+    for j in sorted(fixed, key=lambda j: (t_fixed(j) / (fixed[j].end - fixed[j].start), j)):
+        r = fixed[j]
+        for k, cov in enumerate(covered):
+            if not cov[r.start:r.end].any():
+                cov[r.start:r.end] = True
+                seeds[k].append(j)
+                break
+        else:
+            cov = np.zeros(L, dtype=bool)
+            cov[r.start:r.end] = True
+            covered.append(cov)
+            seeds.append([j])
+    free = [j for j in sorted((j for j in range(cluster.num_servers) if j not in fixed and m[j] > 0),
+                              key=lambda j: (t[j] / m[j], j))]
+    pos = 0
+    nu = 0.0
+    for k, cov in enumerate(covered):
+        T = sum(t_fixed(j) for j in seeds[k])
+        complete = True
+        gaps, b = [], 0
+        while b < L:  # the maximal uncovered intervals [g0, g1)
+            if cov[b]:
+                b += 1
+                continue
+            g0 = b
+            while b < L and not cov[b]:
+                b += 1
+            gaps.append((g0, b))
+        for g0, g1 in gaps:
+            a = g0
+            while a < g1:
+                if pos >= len(free):
+                    complete = False
+                    break
+                j = free[pos]
+                pos += 1
+                start = max(0, min(a, g1 - m[j]))  # line 4, within the gap
+                ranges[j] = BlockInterval(start, start + m[j])
+                T += t[j]  # line 5
+                a = start + m[j]  # line 6
+            if not complete:
+                break
+        if complete:
+            nu += 1.0 / T if T > 0 else math.inf  # line 8
+    target = cluster.arrival_rate_per_s / (cluster.rho_bar * c)
+    a, T = 1, 0.0
+    while pos < len(free) and nu < target * (1 - 1e-12):  # lines 3-12 on the servers left
+        j = free[pos]
+        pos += 1
+        a_j = min(a, L - m[j] + 1)
+        ranges[j] = BlockInterval(a_j - 1, a_j - 1 + m[j])
+        T += t[j]
+        a = min(a + m[j] - 1, L) + 1
+        if a > L:
+            nu += 1.0 / T if T > 0 else math.inf
+            a, T = 1, 0.0
+    return Placement(tuple(ranges))

@@ -99,8 +99,8 @@ def test_hop_reports_count_round_trips_only_and_unmeasured_servers_take_the_swar
     assert with_prompt["b"].prompt_steps == 0 and with_prompt["b"].steps == 1
     only = hop_reports([prompt])
     assert len(only) == 1 and only[0].steps == 0 and only[0].prompt_tokens == 1676
-    assert own_else_swarm_median({"a": 0.004, "b": None, "c": 0.002, "d": 0.003}) == {"a": 0.004, "b": 0.003, "c": 0.002,
-                                                                          "d": 0.003}
+    assert own_else_swarm_median({"a": 0.004, "b": None, "c": 0.002, "d": 0.003}) == {
+        "a": 0.004, "b": 0.003, "c": 0.002, "d": 0.003}
     assert own_else_swarm_median({"a": None, "b": None}) == {"a": None, "b": None}
 
 
@@ -299,48 +299,85 @@ def test_the_model_replan_waits_for_a_live_fit():
     assert orch.model_moved
 
 
-def test_a_model_replan_waits_for_the_servers_it_moves_to_end_their_sessions_then_installs_one_plan():
-    """A server's active_sessions is as old as its last announcement: right after the calibration
-    warm-up the re-plan saw servers still "busy", pinned them to their old ranges and installed a mix
-    of two plans (Table 1, 2026-11-24). It now waits (bounded) for them and installs the fresh plan whole."""
+def _online(orch) -> None:
+    """Every server loaded what the current plan assigns it and announces it online (as servers do)."""
     from dataclasses import replace
-    now = [0.0]
+    for p, rec in orch.records.items():
+        a = orch.current.assignment(p)
+        rec.info = replace(rec.info, start=a[0] if a else 0, end=a[1] if a else 0, state="online",
+                           extra={"auto": True})
+
+
+def _auto_orchestrator(now):
+    from dataclasses import replace
     orch = offline_orchestrator(now)
     for rec in orch.records.values():  # placed by the orchestrator (--blocks auto), not fixed
-        rec.info = replace(rec.info, extra={"auto": True})
+        rec.info = replace(rec.info, start=0, end=0, state="joining", extra={"auto": True})
     orch._plan(now[0])
-    orch.current.installed = True
-    fresh = orch.current.placement.ranges[orch.current.peers.index("pa")]
-    assert (fresh.start, fresh.end) != (0, 2)
+    _online(orch)
+    orch._maybe_install(now[0])
+    assert orch.current.installed and orch.sessions.mode == "chains"
+    return orch
 
-    def busy(active: int) -> None:  # pa holds [0, 2) (auto-placed) with `active` sessions
-        info = orch.records["pa"].info
-        orch.records["pa"].info = replace(info, start=0, end=2, active_sessions=active, extra={"auto": True})
 
-    busy(1)
-    orch.model_moved, orch.model_moved_s = True, 100.0  # as the trigger sets them (test above)
-    now[0] = 100.0
-    assert orch._plan_due(now[0])
-    orch._plan(now[0])
-    assert orch.current.version == 1 and orch.model_moved  # waiting, nothing installed
-    assert any("waits" in e and "pa" in e for e in orch.events)
-    assert not orch._plan_due(101.0) and orch._plan_due(102.0)  # retried after the next service poll
-    busy(0)  # the fresh record: its sessions ended
-    orch._plan(102.0)
-    assert orch.current.version == 2 and not orch.model_moved and orch.model_replans == 1
-    r = orch.current.placement.ranges[orch.current.peers.index("pa")]
-    assert (r.start, r.end) == (fresh.start, fresh.end) and "kept" not in orch.events[-1]
+def test_a_model_replan_drains_the_servers_it_moves_then_installs_the_new_plan():
+    """Drain, then move: the re-plan first stops granting on chains through the servers it moves (a new
+    session waits, never granted there), keeps their old assignment while their sessions run, and installs
+    the new plan once they ended; the fresh plan is installed whole (no server kept)."""
+    now = [0.0]
+    orch = _auto_orchestrator(now)
+    old = orch.current.assignment("pa")
+    g, _ = orch.sessions.acquire("s1", "c1", 64, 0.0, timeout_s=600)
+    assert g is not None and "pa" in [h.peer_id for h in g.hops]
+    _slower_live_service(orch)
+    orch.refit()
+    orch.model_moved, orch.model_moved_s = True, 100.0
+    orch._plan(100.0)
+    assert orch.drain is not None and "pa" in orch.drain.movers and orch.current.version == 1
+    assert orch.status()["replan"]["draining"] == ["pa"]
+    g2, _ = orch.sessions.acquire("s2", "c2", 64, 100.0, timeout_s=600)
+    assert g2 is None  # the only chain runs through the draining server: s2 waits
+    for t in (110.0, 150.0):
+        orch._maybe_plan(t)
+        assert orch.drain is not None and orch.assignment_for("pa").start == old[0]
+    orch.release("s1", 10, 5)
+    orch._maybe_plan(151.0)
+    assert orch.drain is None and orch.current.version == 2 and orch.model_replans == 1
+    assert orch.current.assignment("pa") != old and "kept" not in orch.events[-1]
+    assert "drained in" in orch.events[-1]
+    _online(orch)
+    grants_before = orch.sessions.metrics.admitted
+    orch._maybe_install(152.0)
+    assert orch.sessions.metrics.admitted == grants_before + 1  # s2, waiting, gets the new plan's chain
 
-    # sessions that do not end: after model_replan_wait_s the plan goes in around them (never dropped)
-    busy(1)
-    orch.current.installed = True
-    orch.model_moved, orch.model_moved_s = True, 200.0
-    orch._plan(200.0 + orch.config.model_replan_wait_s / 2)
-    assert orch.current.version == 2
-    orch._plan(200.0 + orch.config.model_replan_wait_s)
-    assert orch.current.version == 3 and "kept" in orch.events[-1]
-    r = orch.current.placement.ranges[orch.current.peers.index("pa")]
-    assert (r.start, r.end) == (0, 2)
+
+def test_at_the_drain_deadline_busy_movers_are_kept_by_the_planner_not_overlaid():
+    """Sessions that do not end: at the drain deadline the re-plan is made again with the server that still
+    holds them fixed on its range (GBP-CR/GCA around it), and its chain takes sessions again."""
+    now = [0.0]
+    orch = _auto_orchestrator(now)
+    old = orch.current.assignment("pa")
+    orch.sessions.acquire("s1", "c1", 64, 0.0, timeout_s=600)
+    _slower_live_service(orch)
+    orch.refit()
+    orch.model_moved, orch.model_moved_s = True, 100.0
+    orch._plan(100.0)
+    assert orch.drain is not None
+    deadline = orch.drain.deadline_s
+    assert deadline == 100.0 + orch.config.drain_timeout_s
+    orch._maybe_plan(deadline - 1)
+    assert orch.drain is not None
+    orch.sessions.heartbeat("s1", deadline)
+    orch._maybe_plan(deadline)
+    assert orch.drain is None
+    assert orch.current.assignment("pa") == old  # never moved while it held s1
+    assert "s1" in orch.sessions.leases  # and s1 was not dropped
+    assert any("drain deadline" in e for e in orch.events)
+    assert orch.status()["replan"]["last_decision"] and "kept" in orch.events[-1]
+    orch._maybe_install(deadline + 1)  # every server already holds its range: the plan goes online
+    ch = [c for c in orch.status()["chains"] if c["dispatchable"]]
+    assert ch and any("pa" in c["servers"] for c in ch)
+    assert any(c["in_use"] == 1 and "pa" in c["servers"] for c in ch)  # s1 counted on the new chain
 
 
 def test_an_unfitted_server_takes_a_fitted_twins_fit_scaled_by_their_profiles():

@@ -94,10 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most this many re-plans asked by the calibrated model (default: no limit; the Table 1 "
                         "experiment allows 1, after its calibration warm-up). SIGUSR1 to the orchestrator holds them "
                         "from then on (a measurement that must run on one plan; /status: model_replans_held)")
-    p.add_argument("--model-replan-wait", type=float, default=60.0,
-                   help="a re-plan asked by the calibrated model waits up to this many seconds for the servers it "
-                        "moves to end their sessions (servers announce their sessions every few seconds); after "
-                        "that it keeps busy servers where they are (default 60)")
+    p.add_argument("--drain-timeout", "--model-replan-wait", dest="drain_timeout", type=non_negative_float,
+                   default=60.0,
+                   help="a re-plan that moves servers first stops granting sessions on chains through them and waits "
+                        "up to this many seconds for their sessions to end; then it plans again with the servers "
+                        "still holding sessions kept on their ranges (with --force-replan: moves them anyway, their "
+                        "sessions fail over). 0: no drain (default 60)")
+    p.add_argument("--max-moves-per-replan", type=positive_int, default=None, metavar="N",
+                   help="at most N servers holding blocks move per re-plan, each step drained; the rest move at "
+                        "later re-plans (default: no limit)")
+    p.add_argument("--replan-min-gain", type=non_negative_float, default=0.02,
+                   help="a re-plan that moves servers is installed only if it lowers the model's mean response "
+                        "(the tuning objective) by at least this fraction; /status says why one was not (default 0.02)")
+    p.add_argument("--equivalent-servers", type=non_negative_float, default=0.05, metavar="REL",
+                   help="servers of the same memory whose tau_c, tau_p agree within REL (relative) are "
+                        "interchangeable: a plan that differs from the installed one only by swapping them "
+                        "moves nothing (default 0.05)")
     p.add_argument("--replan-hold", type=float, default=30.0,
                    help="seconds the calibrated model must keep the plan moved before it re-plans (default 30)")
     p.add_argument("--lost-after", type=non_negative_float, default=10.0,
@@ -150,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, calibrate=args.calibrate,
         replan_enter=args.replan_threshold, replan_exit=args.replan_threshold / 2,
         model_replan_period_s=args.model_replan_period, replan_hold_s=args.replan_hold,
-        model_replan_wait_s=args.model_replan_wait, lost_after_s=args.lost_after,
+        drain_timeout_s=args.drain_timeout, max_moves_per_replan=args.max_moves_per_replan,
+        replan_min_gain=args.replan_min_gain, equivalent_servers_rel=args.equivalent_servers,
+        lost_after_s=args.lost_after,
         max_model_replans=args.model_replans, identity_path=args.identity_path,
         allowed_peers=allowed_peers))
     # SIGUSR1: hold the calibrated re-plans (a measurement that must run on one plan; Orchestrator.hold_model_replans).

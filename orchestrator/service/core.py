@@ -15,12 +15,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
-from orchestrator.model import Cluster, Placement, contended_chains
+from orchestrator.model import BlockInterval, Cluster, InfeasibleClusterError, Placement, contended_chains
+from orchestrator.placement_leftover import place_leftover
 from orchestrator.planner import Plan, make_baseline_router
 from orchestrator.planner import plan as run_plan
 from orchestrator.policies import get_policy
+from orchestrator.replan import Decision, Evaluated, constrained_placement, decide, evaluate
+from orchestrator.replan import incremental as incremental_plan
 from orchestrator.service.calibration import (
     FittedProfile,
     ReplanTrigger,
@@ -28,6 +32,7 @@ from orchestrator.service.calibration import (
     own_else_swarm_median,
     scaled_profile_fit,
 )
+from orchestrator.service.installed import Drain, InstalledPlan
 from orchestrator.service.measurements import LengthEstimator, median
 from orchestrator.service.registry import (
     HeldRange,
@@ -38,6 +43,7 @@ from orchestrator.service.registry import (
     cluster_to_dict,
     keep_held_ranges,
     lost_servers,
+    rtt_partners,
     server_params,
 )
 from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
@@ -101,9 +107,13 @@ class OrchestratorConfig:
     replan_hold_s: float = 30.0  # ... continuously for this long
     model_replan_period_s: float = 300.0  # ... at most once per this (slower than churn: a re-plan may reload servers)
     max_model_replans: int | None = None  # ... and at most this many times (None: no limit)
-    # ... and waits up to this long for the servers it would move to hold no session: moving none of them
-    # (they are pinned) would install a mix of the old and the new plan that neither planned
-    model_replan_wait_s: float = 60.0
+    # Re-plans (orchestrator/replan.py): servers a re-plan moves first drain (no new session on their chains)
+    # for up to this long; then the re-plan is made again with the servers still holding sessions fixed
+    drain_timeout_s: float = 60.0
+    max_moves_per_replan: int | None = None  # at most this many servers holding blocks move per re-plan
+    replan_min_gain: float = 0.02  # a re-plan that moves servers must gain this much (relative) in the model
+    equivalent_servers_rel: float = 0.05  # servers this close in tau^c, tau^p (same memory) are interchangeable
+    incremental_replan: bool = True  # a join or leave is re-planned at once with the placed servers fixed
     max_acquire_timeout_s: float = 600.0
     rtt_probes: int = 5
     announce_period_s: float = 2.0
@@ -115,22 +125,48 @@ class OrchestratorConfig:
     allowed_peers: frozenset[str] | None = None  # private swarm: plan with and answer only these peers
 
 
-@dataclass
-class PlanState:
-    version: int
-    plan: Plan
-    cluster: Cluster
-    peers: list[str]  # cluster index -> peer id
-    placement: Placement  # what servers are told to load (plan placement, pinned servers kept)
-    chains: list  # ChainSpec over `placement`
-    installed: bool = False
-    created_s: float = 0.0
+PlanState = InstalledPlan  # the name the tests and the Table 1 driver knew
 
-    def assignment(self, peer_id: str) -> tuple[int, int] | None:
-        if peer_id not in self.peers:
-            return None
-        r = self.placement.ranges[self.peers.index(peer_id)]
-        return None if r is None else (r.start, r.end)
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """The planner's inputs, copied under the lock (the planner then runs without it)."""
+
+    records: list[ServerRecord]
+    sessions_per_peer: dict[str, int]
+    current: InstalledPlan | None
+    model_moved: bool
+    epoch: int
+    shape: SessionShape
+    can_drain: bool  # a move can be drained first (static chains installed, --drain-timeout > 0)
+
+
+@dataclass
+class _Outcome:
+    error: str | None = None
+    cluster: Cluster | None = None
+    peers: list[str] = field(default_factory=list)
+    decision: Decision | None = None
+    fresh: Evaluated | None = None
+    pinned: list[str] = field(default_factory=list)
+    plan: Plan | None = None  # a baseline's own Plan (the proposed policy's is made from `decision`)
+
+
+def _copy_record(r: ServerRecord) -> ServerRecord:
+    """A record as the planner reads it (its info and fits are replaced whole, never edited: a shallow copy
+    is a snapshot). Spelled out: copy.copy costs ~10x as much, and the snapshot is taken under the lock."""
+    return ServerRecord(r.info, r.rtt_s, r.last_seen_s, r.fit, r.hop_cost_s, r.transfer_s_per_token, r.scaled_fit)
+
+
+def _chain_key(chains) -> tuple:
+    return tuple((k.servers, k.blocks, k.capacity, round(k.service_time_s, 12)) for k in chains)
+
+
+def _as_plan(policy: str, ev: Evaluated, cluster: Cluster, tuning: str) -> Plan:
+    """The Plan record of an evaluated placement (what /plan-input and the trigger read)."""
+    return Plan(policy=policy, c=ev.c, placement=ev.placement, chains=ev.chains, total_rate_per_s=ev.rate_per_s,
+                bounds=theorem37_bounds(ev.chains, cluster.arrival_rate_per_s) if ev.chains else None,
+                unused_servers=tuple(ev.placement.unused_servers()), tuning=tuning)
 
 
 def first_plan_due(now_s: float, measured: int, expected: int, last_change_s: float, settle_s: float,
@@ -179,6 +215,12 @@ class Orchestrator:
         self.clock = clock
         self.model = model_key(config.model)
         self.lock = threading.RLock()
+        self._plan_lock = threading.Lock()  # one plan at a time; never taken by an RPC handler
+        self.drain: Drain | None = None  # a re-plan's movers draining
+        self._epoch = 0  # counts changes of the server set (a plan made over an older one may be stale)
+        self.last_decision: str | None = None  # why the last re-plan moved what it moved (or nothing)
+        self.last_plan_timing: dict = {}
+        self._whole_pending = False  # an incremental re-plan ran: the whole one follows at the period
         self.records: dict[str, ServerRecord] = {}
         self.lengths = LengthEstimator(SessionShape(config.mean_input_tokens, config.mean_output_tokens),
                                        prior_weight=config.length_prior_sessions)
@@ -186,8 +228,8 @@ class Orchestrator:
         self.policy = get_policy(config.policy)
         # one lock: the sessions' owner shares it, so the plan and the sessions change together
         self.sessions = Sessions(lease_ttl_s=config.lease_ttl_s, queue=config.queue, lock=self.lock)
-        self.sessions.expected_tokens = (config.mean_input_tokens, config.mean_output_tokens)
-        self.current: PlanState | None = None  # the plan servers are loading / running
+        self.sessions.set_expected_tokens(config.mean_input_tokens, config.mean_output_tokens)
+        self.current: InstalledPlan | None = None  # the plan servers are loading / running (swapped whole)
         self.plan_error: str | None = None
         self.last_change_s = self.clock()
         self.known_changed = False  # server set differs from the one of the current plan
@@ -241,7 +283,8 @@ class Orchestrator:
                 logger.exception("control loop iteration failed")
 
     def tick(self, now: float) -> None:
-        found = fetch_servers(self.dht, self.model, states=(ServerState.JOINING, ServerState.ONLINE, ServerState.OFFLINE),
+        found = fetch_servers(self.dht, self.model,
+                              states=(ServerState.JOINING, ServerState.ONLINE, ServerState.OFFLINE),
                               allowed=self.config.allowed_peers)
         offline = {i.peer_id for i in found if i.state == ServerState.OFFLINE}
         infos = {i.peer_id: i for i in found if i.peer_id not in offline}
@@ -252,10 +295,12 @@ class Orchestrator:
             rtt = self.measure_rtt(p)
             with self.lock:
                 self.records[p] = ServerRecord(infos[p], rtt, now)
+                self._epoch += 1
                 self.first_registration_s = min(self.first_registration_s, now)
                 self.last_change_s = now
                 self.known_changed = True
-            self.log_event(f"server {infos[p].name or p} registered: budget {infos[p].memory_budget_bytes / 2**20:.0f} MiB, "
+            self.log_event(f"server {infos[p].name or p} registered: "
+                           f"budget {infos[p].memory_budget_bytes / 2**20:.0f} MiB, "
                            f"rtt {'n/a' if rtt is None else f'{rtt * 1e3:.2f} ms'}")
         with self.lock:
             for p, info in infos.items():
@@ -368,15 +413,13 @@ class Orchestrator:
             placed = [p for p in cur.peers if cur.assignment(p) is not None]
             if not any(p in self.records and self.records[p].fit is not None for p in placed):
                 return
-            records = [r for r in self.records.values() if r.rtt_s is not None]
-            cfg = self.config
-            try:
-                cluster, _ = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
-                                           cfg.rho_bar, self.overheads, relay=cfg.relay,
-                                           compute=cfg.server_compute, kv_plan_tokens=cfg.kv_plan_tokens)
-            except ValueError:
-                return
-        try:
+            records = [_copy_record(r) for r in self.records.values() if r.rtt_s is not None]
+            shape = self.lengths.shape
+        cfg = self.config
+        try:  # outside the lock: the RPC handlers take it
+            cluster, _ = build_cluster(records, cfg.num_blocks, shape, cfg.arrival_rate_per_s,
+                                       cfg.rho_bar, self.overheads, relay=cfg.relay,
+                                       compute=cfg.server_compute, kv_plan_tokens=cfg.kv_plan_tokens)
             p = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
         except ValueError:
             return
@@ -421,7 +464,8 @@ class Orchestrator:
         if reported:
             to_relay = {}
             for relay in reported:
-                pings = [x for x in (dht_ping_s(self.dht, relay) for _ in range(self.config.rtt_probes)) if x is not None]
+                pings = [x for x in (dht_ping_s(self.dht, relay) for _ in range(self.config.rtt_probes))
+                         if x is not None]
                 to_relay[relay] = median(pings) if pings else None
             rtt = relayed_rtt_s(to_relay, reported)
             if rtt is not None:
@@ -438,6 +482,7 @@ class Orchestrator:
                 del self.records[p]
             if not gone:
                 return
+            self._epoch += 1
             dropped, _ = self.sessions.drop_servers(set(gone), now)
             self.last_change_s = now
             self.known_changed = True
@@ -449,9 +494,20 @@ class Orchestrator:
 
     # -- planning ------------------------------------------------------------------------------
     def _maybe_plan(self, now: float) -> None:
+        if self.drain is not None:
+            self._drain_step(now)
+            return
         with self.lock:
-            if not self._plan_due(now):
+            if self._incremental_due(now):
+                quick = True
+            elif self._plan_due(now):
+                quick = False
+            else:
                 return
+        if quick:  # a join or a leave: repaired at once, moving nobody; the whole re-plan at the period
+            self._plan(now, incremental=True)
+            return
+        with self.lock:
             peers = [p for p, r in self.records.items() if r.rtt_s is not None]
         # fresh RTTs right before planning (those taken at registration may have met loading servers)
         rtts = {p: self.measure_rtt(p) for p in peers}
@@ -459,12 +515,13 @@ class Orchestrator:
             for p, rtt in rtts.items():
                 if p in self.records and rtt is not None:
                     self.records[p].rtt_s = rtt
-            if self._plan_due(self.clock()):
-                self._plan(now)
+            due = self._plan_due(self.clock())
+        if due:
+            self._plan(now)
 
     def _plan_due(self, now: float) -> bool:
         measured = [r for r in self.records.values() if r.rtt_s is not None]
-        if not measured:
+        if not measured or self.drain is not None:
             return False
         cur = self.current
         if cur is None:
@@ -472,8 +529,8 @@ class Orchestrator:
             return first_plan_due(now, len(measured), c.expected_servers, self.last_change_s, c.settle_s,
                                   self.first_registration_s, c.expected_wait_s)
         if self.model_moved:  # the trigger already waited its hold and the minimum interval
-            return now >= self._model_retry_s  # (a deferred one: after the next service poll)
-        if not self.known_changed:
+            return now >= self._model_retry_s
+        if not (self.known_changed or self._whole_pending):
             return False
         stale = any(p not in self.records for p in cur.peers if cur.assignment(p))
         due = now - cur.created_s >= self.config.replan_period_s
@@ -481,67 +538,212 @@ class Orchestrator:
         # round; a plan still loading that lost a server could never come online
         return due or (stale and not cur.installed)
 
-    def _plan(self, now: float) -> None:
+    def _incremental_due(self, now: float) -> bool:
+        """Servers joined or left an installed plan of the proposed policy: re-plan incrementally now
+        (orchestrator/replan.py:incremental), before the whole re-plan's period comes round."""
+        cur = self.current
+        return (self.known_changed and not self.model_moved and self.drain is None and cur is not None
+                and cur.installed and self.policy.tunes_c and self.config.incremental_replan
+                and now - cur.created_s < self.config.replan_period_s
+                and any(r.rtt_s is not None for r in self.records.values()))
+
+    # The planner runs outside `self.lock` (which the RPC handlers take, through the sessions' owner): a
+    # snapshot of its inputs is taken under the lock, the plan is made without it, and the result is
+    # applied under it again, unless a server it plans with was dropped meanwhile (then it re-plans at
+    # the next tick). `_plan_lock` only keeps two plans from running at once (the control thread plans;
+    # tests call `_plan` directly); no RPC handler takes it.
+    def _snapshot(self) -> _Snapshot:
+        with self.lock:
+            return _Snapshot([_copy_record(r) for r in self.records.values() if r.rtt_s is not None],
+                             self.sessions.sessions_per_peer(), self.current, self.model_moved, self._epoch,
+                             self.lengths.shape, self._can_drain())
+
+    def _can_drain(self) -> bool:
+        cur = self.current
+        return (cur is not None and cur.installed and self.config.drain_timeout_s > 0
+                and self.sessions.mode == "chains")
+
+    def _plan(self, now: float, fixed_peers: frozenset[str] = frozenset(), drain: bool = True,
+              incremental: bool = False) -> None:
+        """Re-plan (or make the first plan) and apply it: at once, or after draining the servers it moves.
+        `fixed_peers`: servers the planner must keep on their ranges (busy movers at a drain's deadline).
+        `incremental`: every server holding blocks keeps them, idle ones fill what a lost one broke."""
+        with self._plan_lock:
+            t0 = time.perf_counter()
+            snap = self._snapshot()
+            t1 = time.perf_counter()
+            out = self._decide(snap, fixed_peers, incremental)
+            t2 = time.perf_counter()
+            with self.lock:
+                self._apply(out, snap, now, drain)
+                # after an incremental re-plan the whole one is still owed (at the period)
+                self._whole_pending = incremental and out.error is None
+            t3 = time.perf_counter()
+            # /status: how long the last plan took, and how much of it held the lock the RPC handlers take
+            self.last_plan_timing = {"snapshot_s": t1 - t0, "plan_s": t2 - t1, "apply_s": t3 - t2}
+
+    def _held(self, snap: _Snapshot, peers: list[str]) -> dict[str, HeldRange]:
+        held = {}
+        recs = {r.peer_id: r for r in snap.records}
+        for p in peers:
+            info = recs[p].info
+            if info.has_blocks:
+                busy = bool(snap.sessions_per_peer.get(p, 0) or info.active_sessions)
+                held[p] = HeldRange(info.start, info.end, fixed=not info.extra.get("auto", False), busy=busy)
+        return held
+
+    def _decide(self, snap: _Snapshot, fixed_peers: frozenset[str], incremental: bool = False) -> _Outcome:
+        """The planner and the re-plan decision, on the snapshot only (no lock held)."""
         cfg = self.config
-        records = [r for r in self.records.values() if r.rtt_s is not None]
+        whole = None
         try:
-            cluster, peers = build_cluster(records, cfg.num_blocks, self.lengths.shape, cfg.arrival_rate_per_s,
+            cluster, peers = build_cluster(snap.records, cfg.num_blocks, snap.shape, cfg.arrival_rate_per_s,
                                            cfg.rho_bar, self.overheads, relay=cfg.relay,
                                            compute=cfg.server_compute, kv_plan_tokens=cfg.kv_plan_tokens)
-            result = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
+            held = self._held(snap, peers)
+            if not self.policy.tunes_c:
+                return self._decide_overlay(cluster, peers, held, snap)
+            # without a drain (none possible, or none wanted) a server holding sessions keeps its range,
+            # unless --force-replan: then they fail over, as on churn
+            keep_busy = not snap.can_drain and not cfg.force_replan
+            fixed = {peers.index(p): BlockInterval(h.start, h.end) for p, h in held.items()
+                     if h.fixed or p in fixed_peers or (keep_busy and h.busy)}
+            cur = snap.current
+            if incremental and cur is not None and cur.plan.c is not None:
+                inst = Placement(tuple(BlockInterval(held[p].start, held[p].end) if p in held else None
+                                       for p in peers))
+                fresh = incremental_plan(cluster, inst, cur.plan.c, cfg.leftover_placement)
+            elif fixed:
+                fresh = constrained_placement(cluster, fixed, cfg.c, cfg.tuning)
+                if fresh is None:
+                    raise InfeasibleClusterError("with the fixed servers on their ranges no complete chain forms")
+                if cfg.leftover_placement:
+                    lo = place_leftover(cluster, fresh.placement, fresh.c)
+                    fresh = evaluate(cluster, lo.placement, fresh.c, lo.gca.chains)
+            else:
+                whole = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
+                fresh = evaluate(cluster, whole.placement, whole.c, whole.chains)
         except ValueError as e:  # InvalidClusterError / InfeasibleClusterError
-            if self.plan_error != str(e):
-                self.log_event(f"cannot plan yet: {e}")
-            self.plan_error = str(e)
-            self.sessions.no_chain_reason = str(e) if self.current is None else None
+            return _Outcome(error=str(e))
+        installed = Placement(tuple(BlockInterval(held[p].start, held[p].end) if p in held else None for p in peers))
+        busy = frozenset(j for j, p in enumerate(peers) if p in held and held[p].busy)
+        cur = snap.current
+        d = decide(cluster, installed if cur is not None else Placement((None,) * len(peers)), fresh,
+                   tuning=cfg.tuning, fixed=fixed, busy=busy, min_gain=cfg.replan_min_gain,
+                   max_moves=cfg.max_moves_per_replan, equivalent_rel=cfg.equivalent_servers_rel,
+                   installed_c=cur.plan.c if cur is not None else None, leftover=cfg.leftover_placement)
+        return _Outcome(cluster=cluster, peers=peers, decision=d, fresh=fresh,
+                        pinned=[p for p, h in held.items() if peers.index(p) in fixed], plan=whole)
+
+    def _decide_overlay(self, cluster: Cluster, peers: list[str], held: dict[str, HeldRange],
+                        snap: _Snapshot) -> _Outcome:
+        """The baselines (petals, bprr, jffc-only) plan the whole swarm; servers that must not move keep their
+        ranges over it (`keep_held_ranges`), and GCA builds the chains over what servers will hold."""
+        cfg = self.config
+        result = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
+        ranges, pinned = keep_held_ranges(list(result.placement.ranges), peers, held, force=cfg.force_replan)
+        placement = Placement(tuple(ranges))
+        chains = tuple(contended_chains(cluster, gca(cluster, placement).chains)) if pinned else result.chains
+        ev = evaluate(cluster, placement, result.c, chains)
+        d = Decision(True, "baseline policy: planned whole", ev, ev, ev)
+        return _Outcome(cluster=cluster, peers=peers, decision=d, fresh=ev, pinned=pinned, plan=result)
+
+    def _apply(self, out: _Outcome, snap: _Snapshot, now: float, drain: bool) -> None:
+        """Under the lock: install the decided plan, start draining its movers, or say why not."""
+        cfg = self.config
+        if out.error is not None:
+            if self.plan_error != out.error:
+                self.log_event(f"cannot plan yet: {out.error}")
+            self.plan_error = out.error
+            self.sessions.set_no_chain_reason(out.error if self.current is None else None)
             self.known_changed = False
             return
-        self.plan_error = None
-        self.sessions.no_chain_reason = None
-        held = {}
-        for p in peers:
-            info = self.records[p].info
-            if info.has_blocks:
-                busy = bool(self.sessions.sessions_on(p) or info.active_sessions)
-                held[p] = HeldRange(info.start, info.end, fixed=not info.extra.get("auto", False), busy=busy)
-        # a re-plan the model asked for never moves a server that holds sessions (it would drop them)
-        ranges, pinned = keep_held_ranges(list(result.placement.ranges), peers, held,
-                                          force=cfg.force_replan and not self.model_moved)
-        busy = [self.records[p].info.name or p[-8:] for p in pinned if not held[p].fixed]
-        pinned = [self.records[p].info.name or p[-8:] for p in pinned]
-        if busy and self.model_moved and now - self.model_moved_s < cfg.model_replan_wait_s:
-            # A server's active_sessions is as old as its last announcement, so sessions that just ended
-            # (a calibration warm-up) still pin it: wait for fresh records or the sessions to drain.
-            if self._model_retry_s < self.model_moved_s:  # the first wait for this move
-                self.log_event(f"the re-plan waits (up to {cfg.model_replan_wait_s:g} s) for sessions on "
-                               f"{', '.join(busy)} to end")
-            self._model_retry_s = now + cfg.service_poll_s
+        if snap.epoch != self._epoch and any(p not in self.records for p in out.peers):
+            self.known_changed = True  # a server it planned with left meanwhile: plan again at the next tick
             return
-        placement = Placement(tuple(ranges))
-        if pinned:  # chains over the placement servers will really hold (contended as the plan's are)
-            chains = list(contended_chains(cluster, gca(cluster, placement).chains))
-            if not chains:
-                self.log_event("the kept ranges and the new plan form no complete chain; sessions wait for the "
-                               "next re-plan (or use --force-replan)")
-        else:
-            chains = list(result.chains)
-        version = (self.current.version if self.current else 0) + 1
-        if self.current is not None:  # servers that will reload take their old chains with them
-            moving = {p for p in peers if self.current.assignment(p) is not None
-                      and self.current.assignment(p) != (None if placement.ranges[peers.index(p)] is None else
-                                                         (placement.ranges[peers.index(p)].start,
-                                                          placement.ranges[peers.index(p)].end))}
-            if moving:
-                self.sessions.drop_servers(moving, now)
-        self.current = PlanState(version, result, cluster, peers, placement, chains, created_s=now)
+        self.plan_error = None
+        self.sessions.set_no_chain_reason(None)
+        d, cur = out.decision, self.current
+        was_model = self.model_moved
         self.known_changed = False
-        self.model_replans += int(self.model_moved)
         self.model_moved = False
-        self.trigger.planned(result.total_rate_per_s, result.c, now)
-        desc = ", ".join(f"{self.records[p].info.name or p[-8:]}=[{r.start},{r.end})" if r else
-                         f"{self.records[p].info.name or p[-8:]}=unused" for p, r in zip(peers, placement.ranges))
-        self.log_event(f"plan v{version} ({cfg.policy}, c={result.c}): {desc}"
+        self.model_replans += int(was_model)
+        self.trigger.planned(out.fresh.rate_per_s, out.fresh.c, now)
+        self.last_decision = d.reason
+        if not d.install:
+            if (cur is not None and cur.installed and d.baseline.chains
+                    and _chain_key(d.baseline.chains) != _chain_key(cur.chains)):
+                # the same placement under the current model: its chains, moving nobody
+                self._new_version(out, d.baseline, now, "refreshed chains; " + d.reason)
+            else:
+                self.log_event(f"re-plan not installed: {d.reason}")
+            return
+        moving = {out.peers[j] for j in d.movers}
+        if (drain and moving and cur is not None and cur.installed and cfg.drain_timeout_s > 0
+                and self.sessions.mode == "chains"):
+            self.sessions.stop_granting(moving, now)
+            self.drain = Drain(frozenset(moving), now, now + cfg.drain_timeout_s, out, self._epoch)
+            self.log_event(f"re-plan: {d.reason}; draining {', '.join(sorted(self.name_of(p) for p in moving))} "
+                           f"(no new session on their chains; up to {cfg.drain_timeout_s:g} s) before they move")
+            return
+        self._new_version(out, d.step, now, d.reason, moving)
+
+    def _new_version(self, out: _Outcome, ev: Evaluated, now: float, why: str, moving: set[str] = frozenset()) -> None:
+        cfg = self.config
+        peers, cluster = out.peers, out.cluster
+        version = (self.current.version if self.current else 0) + 1
+        if moving:  # servers that will reload take their old chains with them (drained: none holds a session)
+            self.sessions.drop_servers(set(moving), now)
+        # the planner's own Plan (its c* table, leftover servers) when it is what is installed
+        plan = (out.plan if out.plan is not None and out.plan.placement == ev.placement
+                else _as_plan(cfg.policy, ev, cluster, cfg.tuning))
+        self.current = InstalledPlan(version, plan, cluster, peers, ev.placement, list(ev.chains), created_s=now)
+        placed = [(p, r) for p, r in zip(peers, ev.placement.ranges) if r is not None]
+        unused = [p for p, r in zip(peers, ev.placement.ranges) if r is None]
+        desc = ", ".join([f"{self.name_of(p)}=[{r.start},{r.end})" for p, r in placed[:40]]
+                         + ([f"... {len(placed) - 40} more"] if len(placed) > 40 else [])
+                         + ([f"{self.name_of(p)}=unused" for p in unused] if len(unused) <= 8
+                            else [f"{len(unused)} servers unused"]))
+        pinned = [self.name_of(p) for p in out.pinned]
+        self.log_event(f"plan v{version} ({cfg.policy}, c={plan.c}): {desc}; {why}"
                        + (f"; kept (live sessions or fixed --blocks): {', '.join(pinned)}" if pinned else ""))
+
+    def _drain_step(self, now: float) -> None:
+        """A drain in progress: install its plan once the movers hold no session; at the deadline, re-plan
+        with the movers that still do fixed on their ranges (GBP-CR/GCA re-run around them), or, with
+        --force-replan, move them anyway (their sessions fail over, as on churn)."""
+        with self.lock:
+            dr = self.drain
+            per_peer = self.sessions.sessions_per_peer()
+
+            def sessions_of(p: str) -> int:
+                rec = self.records.get(p)
+                return per_peer.get(p, 0) + (rec.info.active_sessions if rec is not None else 0)
+            state = dr.state(now, sessions_of)
+            if state == "draining":
+                return
+            busy = frozenset(dr.busy(sessions_of))
+            # every server holding a session keeps its range in the re-plan, not only the movers: the plan
+            # made without a drain moves idle servers only
+            holding = frozenset(p for p in self.records if sessions_of(p) > 0)
+            self.drain = None
+            out = dr.pending
+            if dr.epoch == self._epoch and (state == "drained" or self.config.force_replan):
+                if busy:
+                    self.log_event(f"drain deadline: {', '.join(self.name_of(p) for p in busy)} still hold "
+                                   "sessions; moved anyway (--force-replan): they fail over")
+                self._new_version(out, out.decision.step, now, out.decision.reason
+                                  + f"; drained in {now - dr.started_s:.1f} s", set(dr.movers))
+                return
+            self.known_changed = True
+        why = ("servers joined or left while draining: re-planning" if dr.epoch != self._epoch else
+               f"drain deadline: {', '.join(self.name_of(p) for p in busy)} still hold sessions: re-planning "
+               "with them kept on their ranges")
+        self.log_event(why)
+        self._plan(now, fixed_peers=holding, drain=False)
+        with self.lock:  # chains drained for a move that was not made take sessions again
+            if self.current is not None and self.current.installed and self.sessions.draining():
+                self._install_chains(self.current, now)
 
     def _maybe_install(self, now: float) -> None:
         with self.lock:
@@ -559,18 +761,22 @@ class Orchestrator:
             if self.policy.per_request:
                 self._install_router(cur, now)
             else:
-                max_len = {p: self.records[p].info.max_length_tokens for p in cur.peers}
-                specs = []
-                for k in cur.chains:
-                    hops = tuple(Hop(cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
-                    specs.append((hops, k.capacity, k.dispatch_time_s, min(max_len[h.peer_id] for h in hops)))
-                self.sessions.install_chains(specs, cur.version, now, dispatch=self.config.dispatch)
+                self._install_chains(cur, now)
             chains = self.sessions.chain_views()
         self.log_event(f"plan v{cur.version} online: {len(chains)} chain(s) installed: " + "; ".join(
             f"{'->'.join(self.name_of(p) for p in ch['servers'])} cap {ch['capacity']} T={ch['service_time']:.3f}s"
             for ch in chains if ch["dispatchable"]))
 
-    def _install_router(self, cur: PlanState, now: float, exclude: set[str] = frozenset()) -> None:
+    def _install_chains(self, cur: InstalledPlan, now: float) -> None:
+        max_len = {p: self.records[p].info.max_length_tokens for p in cur.peers if p in self.records}
+        specs = []
+        for k in cur.chains:
+            hops = tuple(Hop(cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
+            if all(h.peer_id in max_len for h in hops):
+                specs.append((hops, k.capacity, k.dispatch_time_s, min(max_len[h.peer_id] for h in hops)))
+        self.sessions.install_chains(specs, cur.version, now, dispatch=self.config.dispatch)
+
+    def _install_router(self, cur: InstalledPlan, now: float, exclude: set[str] = frozenset()) -> None:
         """Router mode: a per-request router over the plan's placement, without lost servers."""
         keep = [j for j, p in enumerate(cur.peers) if p not in exclude and p in self.records]
         cluster = Cluster(cur.cluster.service, tuple(cur.cluster.servers[j] for j in keep),
@@ -597,12 +803,12 @@ class Orchestrator:
                     if h.steps > 0:
                         self.window(h.peer_id).add_hop(h.comm_s / h.steps, rec.rtt_s)
                     self.window(h.peer_id).add_prompt(h.prompt_steps, h.prompt_tokens, h.prompt_comm_s, rec.rtt_s)
-            known = session_id in self.sessions.leases
+            known = self.sessions.holds_lease(session_id)
             self.sessions.release(session_id, self.clock(), input_tokens=input_tokens, output_tokens=output_tokens)
             if known:
                 self.lengths.observe(input_tokens, output_tokens)
                 shape = self.lengths.shape
-                self.sessions.expected_tokens = (shape.mean_input_tokens, shape.mean_output_tokens)
+                self.sessions.set_expected_tokens(shape.mean_input_tokens, shape.mean_output_tokens)
             return known
 
     def peers_without_adapter(self, adapter: str) -> set[str]:
@@ -611,7 +817,8 @@ class Orchestrator:
             served = sorted({a for rec in self.records.values() for a in rec.info.adapters})
             if adapter not in served:
                 raise UnknownAdapterError(f"no server of this swarm serves adapter {adapter!r}; served adapters: "
-                                          f"{served or 'none'}. Choose one of them, or start servers with --adapters PATH")
+                                          f"{served or 'none'}. Choose one of them, or start servers with "
+                                          "--adapters PATH")
             return {p for p, rec in self.records.items() if adapter not in rec.info.adapters}
 
     def name_of(self, peer_id: str) -> str:
@@ -619,13 +826,14 @@ class Orchestrator:
         return (rec.info.name if rec and rec.info.name else peer_id[-8:])
 
     def assignment_for(self, peer_id: str) -> Assignment:
-        with self.lock:
-            cur = self.current
-            if cur is None or peer_id not in cur.peers:
-                return Assignment(AssignmentStatus.PENDING, cur.version if cur else 0)
-            r = cur.assignment(peer_id)
-            return (Assignment(AssignmentStatus.UNUSED, cur.version) if r is None
-                    else Assignment(AssignmentStatus.ASSIGNED, cur.version, *r))
+        """Read from the installed plan without the lock: `self.current` is replaced whole, never edited
+        (a drain keeps the movers on their old ranges until the new plan is installed)."""
+        cur = self.current
+        if cur is None or peer_id not in cur._assigned:
+            return Assignment(AssignmentStatus.PENDING, cur.version if cur else 0)
+        r = cur.assignment(peer_id)
+        return (Assignment(AssignmentStatus.UNUSED, cur.version) if r is None
+                else Assignment(AssignmentStatus.ASSIGNED, cur.version, *r))
 
     # -- views ---------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -633,11 +841,12 @@ class Orchestrator:
             cur = self.current
             shape = self.lengths.shape
             servers = []
+            partners = rtt_partners(list(self.records.values()))
             for p, rec in sorted(self.records.items(), key=lambda kv: (kv[1].info.start, kv[0])):
                 i = rec.info
                 try:
                     tau_c, tau_p = server_params(rec, shape, self.overheads, self.config.relay,
-                                                 list(self.records.values()))
+                                                 partners.get(p, []))
                 except ValueError:
                     tau_c, tau_p = None, None
                 assigned = cur.assignment(p) if cur else None
@@ -660,6 +869,12 @@ class Orchestrator:
                 "c": cur.plan.c if cur else None, "plan_error": self.plan_error,
                 "model_replans": self.model_replans, "model_replans_held": self.model_replans_held,
                 "model_replan_pending": self.model_moved,
+                "replan": {"last_decision": self.last_decision, "last_plan_timing": dict(self.last_plan_timing),
+                           "draining": sorted(self.name_of(p) for p in self.drain.movers) if self.drain else [],
+                           "drain_deadline_in_s": (self.drain.deadline_s - self.clock()) if self.drain else None,
+                           "drain_timeout_s": self.config.drain_timeout_s,
+                           "max_moves_per_replan": self.config.max_moves_per_replan,
+                           "min_gain": self.config.replan_min_gain},
                 "num_blocks": self.config.num_blocks, "servers": servers,
                 "chains": self.sessions.chain_views(), "queue_length": self.sessions.queue_length,
                 "queue_order": self.sessions.queue_order, "sessions": len(self.sessions.leases),

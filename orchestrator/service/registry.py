@@ -2,7 +2,8 @@
 `Cluster`. Pure: the service feeds records in, gets a Cluster and the peer id of each index.
 
 Units: memory, s_m and s_c in bytes (the model's unit-free `memory`/`block_size`/`cache_size`
-accept any single unit); times in seconds. Server names in the Cluster are peer ids (unique); display names live in the records.
+accept any single unit); times in seconds. Server names in the Cluster are peer ids (unique); display names
+live in the records.
 """
 from __future__ import annotations
 
@@ -126,6 +127,20 @@ def lost_servers(last_seen_s: dict[str, float], present: set[str], offline: set[
             if p in offline or (p not in present and now_s - seen >= grace_s)]
 
 
+def rtt_partners(records: list[ServerRecord]) -> dict[str, list[ServerRecord]]:
+    """Per server, the others that can give it a pair RTT (`peer_rtt_s`: one of the two reports the other).
+    Only those change `server_params`' relay term, so passing them instead of every server gives the same
+    tau^c in O(J x reports) instead of O(J^2) (a server probes at most 8 peers: server/peer_rtts.py)."""
+    by_id = {r.peer_id: r for r in records}
+    partners: dict[str, set[str]] = {}
+    for r in records:
+        for o in r.info.peer_rtt_s:
+            if o in by_id and o != r.peer_id:
+                partners.setdefault(r.peer_id, set()).add(o)
+                partners.setdefault(o, set()).add(r.peer_id)
+    return {p: [by_id[o] for o in sorted(v)] for p, v in partners.items()}
+
+
 def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionShape, arrival_rate_per_s: float,
                   rho_bar: float, overheads: Overheads = Overheads(), relay: str = "client",
                   compute: str = "parallel", kv_plan_tokens: int | None = None) -> tuple[Cluster, list[str]]:
@@ -149,9 +164,10 @@ def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionSh
     s_c = max(kv)
     if any(r.info.block_bytes != s_m for r in usable) or any(x != s_c for x in kv):
         logger.warning("servers report different s_m / s_c (dtype or max_length differ); planning with the largest")
+    partners = rtt_partners(usable)
     servers = []
     for r in usable:
-        tau_c, tau_p = server_params(r, shape, overheads, relay, usable)
+        tau_c, tau_p = server_params(r, shape, overheads, relay, partners.get(r.peer_id, []))
         servers.append(Server(name=r.peer_id, memory=float(r.info.memory_budget_bytes), tau_c_s=tau_c,
                               tau_p_s=tau_p, rtt_s=r.rtt_s, batch_overhead_s=batch_overhead_s(r, shape, compute)))
     cluster = Cluster(service=Service(num_blocks=num_blocks, block_size=float(s_m), cache_size=float(s_c)),

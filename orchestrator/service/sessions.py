@@ -123,7 +123,7 @@ class _Binding:
     """What the installed dispatcher's chain ids mean on the live swarm."""
     dispatcher: Dispatcher
     per_request: bool
-    chains: list[tuple[tuple[Hop, ...], float, int]] = field(default_factory=list)  # static: index -> (hops, T, max_len)
+    chains: list[tuple[tuple[Hop, ...], float, int]] = field(default_factory=list)  # static: (hops, T, max_len)
     peers: list[str] = field(default_factory=list)  # per-request: cluster index -> peer id
     max_length: dict[str, int] = field(default_factory=dict)  # per-request: peer -> max_length
 
@@ -203,11 +203,47 @@ class Sessions:
             else:
                 b = _Binding(dispatcher, True, peers=list(peers or []), max_length=dict(max_length or {}))
             self._binding = b
+            if chains is not None:
+                self._carry_over(chains)
             grants: list[ChainGrant] = []
             for w in self._waiting_in_order():
                 if w.session_id in self.queue and self._can_dispatch(w):
                     grants += self._arrive(w, now_s)
             return grants
+
+    def _carry_over(self, chains: list[tuple[tuple[Hop, ...], int, float, int]]) -> None:
+        """Sessions on an earlier chain with the same hops as a new one move onto it (up to its capacity):
+        they hold its servers' slots, so the new chain is installed with them counted, not with its whole
+        capacity free beside them (which would grant more sessions than the servers hold slots for)."""
+        by_hops: dict[tuple, LiveChain] = {}
+        for ch in self.chains.values():
+            if not ch.dispatchable and ch.in_use > 0:
+                by_hops.setdefault(tuple(ch.hops), ch)
+        if not by_hops:
+            return
+        on: dict[int, list[Lease]] = {}
+        for lease in self.leases.values():
+            on.setdefault(lease.chain_id, []).append(lease)
+        for i, (h, _, _, _) in enumerate(chains):
+            old = by_hops.pop(tuple(h), None)
+            new = self.chains.get(self._live_of_index.get(i, -1))
+            if old is None or new is None:
+                continue
+            for lease in on.get(old.chain_id, []):
+                if new.in_use >= new.capacity:
+                    break
+                self._next_job += 1
+                if not self._binding.dispatcher.on_arrival(self._next_job, frozenset({i})):
+                    self._binding.dispatcher.cancel(self._next_job)
+                    break
+                lease.job_id, lease.chain_id = self._next_job, new.chain_id
+                self._job_session[self._next_job] = lease.session_id
+                new.in_use += 1
+                old.in_use -= 1
+            if old.in_use == 0:
+                del self.chains[old.chain_id]
+            else:
+                old.capacity = old.in_use
 
     def _retire_all(self) -> None:
         for cid in list(self.chains):
@@ -481,6 +517,61 @@ class Sessions:
                 del self.chains[cid]
             self.metrics.dropped += len(dropped)
             return dropped, grants
+
+    def stop_granting(self, peer_ids: set[str], now_s: float) -> list[ChainGrant]:
+        """A re-plan drains `peer_ids` before moving them: chains through them take no new session
+        (the dispatcher's `disable`, so no policy-specific code), their sessions keep their leases and
+        end as usual (their completions free no slot). Chains avoiding them keep serving. Returns grants
+        (waiters a per-chain-queue dispatcher re-dispatches). A per-request router is not drained (its
+        routes are computed per session over live slots): returns []."""
+        with self.lock:
+            b = self._binding
+            gone = [cid for cid, ch in self.chains.items() if ch.dispatchable and set(ch.peers) & peer_ids]
+            for cid in gone:
+                ch = self.chains[cid]
+                ch.dispatchable = False
+                ch.capacity = ch.in_use
+                if ch.in_use == 0:
+                    del self.chains[cid]
+            if b is None or b.per_request:
+                return []
+            for lease in self.leases.values():
+                if lease.chain_id in gone:
+                    self._job_session.pop(lease.job_id, None)
+                    lease.job_id = -1  # the dispatcher forgets its jobs on disabled chains
+            index = [i for i, cid in self._live_of_index.items() if cid in gone]
+            for i in index:
+                del self._live_of_index[i]
+            return self._starts(b.dispatcher.disable(index), now_s)
+
+    def draining(self) -> list[int]:
+        """Chains that take no new session (an earlier plan's, or drained for a move)."""
+        with self.lock:
+            return sorted(cid for cid, ch in self.chains.items() if not ch.dispatchable)
+
+    def sessions_per_peer(self) -> dict[str, int]:
+        """Leases per server (one pass over the leases)."""
+        with self.lock:
+            out: dict[str, int] = {}
+            for lease in self.leases.values():
+                ch = self.chains.get(lease.chain_id)
+                for p in (ch.peers if ch is not None else ()):
+                    out[p] = out.get(p, 0) + 1
+            return out
+
+    def holds_lease(self, session_id: str) -> bool:
+        with self.lock:
+            return session_id in self.leases
+
+    def set_expected_tokens(self, input_tokens: float, output_tokens: float) -> None:
+        """The expected (l_in, l_out) a fair queue charges at a grant (the service keeps them current)."""
+        with self.lock:
+            self.expected_tokens = (float(input_tokens), float(output_tokens))
+
+    def set_no_chain_reason(self, reason: str | None) -> None:
+        """Why no plan exists (acquire then fails at once with NoChainError), or None."""
+        with self.lock:
+            self.no_chain_reason = reason
 
     # -- the RPC side: one poll of a waiting session ---------------------------------------------
     def take_grant(self, session_id: str) -> ChainGrant | None:
