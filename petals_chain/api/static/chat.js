@@ -223,6 +223,11 @@ document.addEventListener("DOMContentLoaded", () => {
     $("empty").hidden = false;
     $("input").focus();
   });
+  if (document.body.dataset.keyRequired === "true" && !apiKey()) {
+    status("This gateway needs an API key: type one of its --api-key values above.");
+    $("api-key").focus();
+    return;
+  }
   loadModels();
   $("input").focus();
 });
