@@ -150,6 +150,16 @@ def test_errors_in_ollama_shape_with_the_right_status(client, served):
     assert r.status == 400 and "/v1/chat/completions" in json.loads(r.read())["error"]
     # Ollama's "load the model" request (no messages): answered at once, the swarm keeps it loaded
     assert client.chat(model=MODEL, messages=[]).done_reason == "load"
+    # the body is JSON whatever the Content-Type says (Ollama's examples are `curl -d '{...}'`: form encoding)
+    form = {**AUTH, "Content-Type": "application/x-www-form-urlencoded"}
+    r = _post(served + "/api/chat", {"model": MODEL, "messages": [], "stream": False}, headers=form)
+    assert r.status == 200 and json.loads(r.read())["done_reason"] == "load"
+    req = urllib.request.Request(served + "/api/chat", data=b'{"model": ', method="POST", headers=AUTH)
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        raise AssertionError("malformed JSON was accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 400 and "not valid JSON" in json.loads(e.read())["error"]
 
 
 def test_tags_show_and_version(client, served, smollm2_path):

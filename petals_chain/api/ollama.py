@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -413,6 +414,15 @@ class OllamaAPI:
         return {**self._piece(body, chat, ""), "done": True, "done_reason": "load"}
 
 
+async def _parse(request: Request, cls: type[BaseModel]) -> BaseModel:
+    """The body as JSON whatever its Content-Type: Ollama's own examples are `curl -d '{...}'`, which
+    sends form encoding. Errors go to the gateway's validation handler (a 400 in Ollama's shape)."""
+    try:
+        return cls.model_validate_json(await request.body() or b"{}")
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
 def _line(obj: dict) -> str:
     return json.dumps(obj, separators=(",", ":")) + "\n"
 
@@ -421,12 +431,12 @@ def add_routes(app: FastAPI, gateway) -> OllamaAPI:
     api = OllamaAPI(gateway)
 
     @app.post("/api/chat")
-    async def chat(request: Request, body: ChatBody):
-        return await api.run(request, body)
+    async def chat(request: Request):
+        return await api.run(request, await _parse(request, ChatBody))
 
     @app.post("/api/generate")
-    async def generate(request: Request, body: GenerateBody):
-        return await api.run(request, body)
+    async def generate(request: Request):
+        return await api.run(request, await _parse(request, GenerateBody))
 
     @app.get("/api/tags")
     async def tags(request: Request):
@@ -434,8 +444,9 @@ def add_routes(app: FastAPI, gateway) -> OllamaAPI:
         return await asyncio.to_thread(api.tags)  # the first call reads the checkpoint's headers
 
     @app.post("/api/show")
-    async def show(request: Request, body: ShowBody):
+    async def show(request: Request):
         gateway._user(request)
+        body = await _parse(request, ShowBody)
         name = body.model or body.name
         if not name:
             raise APIError(400, "'model' is required: the name of a model /api/tags lists", param="model")
