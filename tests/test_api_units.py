@@ -152,7 +152,7 @@ def test_vtc_admission_keeps_backlogged_users_within_one_request(users, output_t
 
 
 def test_swarm_errors_map_to_http_statuses():
-    from petals_chain.api.gateway import _api_error
+    from petals_chain.api.openai_schema import api_error_of as _api_error
 
     assert _api_error(NoChainError("none")).status == 503
     assert _api_error(AcquireTimeoutError("queued too long")).status == 503

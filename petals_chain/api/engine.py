@@ -4,7 +4,8 @@ The decode loop is ours rather than transformers' `generate` because a gateway n
 does not give per request: a random generator of its own (`seed` must reproduce a request while
 other requests sample concurrently, and `generate` draws from torch's global RNG), stop strings
 checked on the decoded text, a cancel flag checked between steps (client disconnect), and every
-token handed out as it comes. Sampling uses transformers' own logits warpers (temperature, top-p);
+token handed out as it comes. Sampling uses transformers' own logits warpers (temperature, top-k,
+top-p);
 greedy (temperature 0) is argmax, token for token what `generate(do_sample=False)` produces.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from petals_chain.api.constrain import TextConstraint
@@ -34,6 +35,7 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
+    top_k: int = 0  # sample among the k likeliest tokens only (0: all)
     stop: tuple[str, ...] = ()
     seed: int | None = None
     prompt_lookup_tokens: int = 0  # speculative decoding by prompt lookup: up to K drafts per step (0: off)
@@ -57,6 +59,7 @@ class TokenLogprob:
 class GenerationResult:
     text: str = ""
     completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the generated tokens (a stop string's included)
     finish_reason: str = "length"  # "stop" (eos or a stop string), "length", "cancelled"
     time_to_first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)  # when each token was produced (clock)
@@ -118,6 +121,8 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
     if params.temperature > 0:
         if params.temperature != 1.0:
             warpers.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k > 0:  # HF's order in `generate`: temperature, top-k, top-p
+            warpers.append(TopKLogitsWarper(params.top_k))
         if params.top_p < 1.0:
             warpers.append(TopPLogitsWarper(params.top_p))
     eos = _eos_ids(model, tokenizer)
@@ -244,12 +249,14 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
                     result.finish_reason = "stop"
                     break
         result.failovers = getattr(session.chain, "failovers", 0)
+        result.chain = session.chain.describe()  # the chain that served the answer (after any failover)
     if result.finish_reason != "cancelled":
         delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True), final=True)
         if delta or pending:
             on_text(delta, pending)
     result.text = scanner.sent
     result.completion_tokens = len(generated)
+    result.token_ids = generated
     return result
 
 

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from petals_chain.api import tools
+from petals_chain.api import chat_page, ollama, tools
 from petals_chain.api.admission import (
     AdmissionQueue,
     CapacityError,
@@ -42,6 +42,7 @@ from petals_chain.api.openai_schema import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    api_error_of,
     chat_body,
     chat_choice,
     chat_chunk,
@@ -49,17 +50,15 @@ from petals_chain.api.openai_schema import (
     completion_body,
     completion_choice,
     now_s,
+    served_by,
     usage,
 )
-from petals_chain.errors import InvalidRequestError, PetalsChainError
 
 logger = logging.getLogger(__name__)
 
 # The client hung up before the answer: nobody reads this reply, but the request ends cleanly and
 # is counted under nginx's "client closed request" status.
 CLIENT_CLOSED_REQUEST = 499
-# Swarm-side failures that mean "no capacity / no healthy chain right now": the client may retry.
-UNAVAILABLE_STATUS = 503
 # A client's X-Request-Id goes into session ids and log lines: keep it short and plain.
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 # /ready asks the DHT at most this often (probes come every few seconds from every replica's orchestrator)
@@ -77,6 +76,7 @@ class GatewayConfig:
     adapters: list[str] = field(default_factory=list)  # LoRA adapters offered as models named 'MODEL:ADAPTER'
     prompt_lookup_tokens: int = 0  # --speculative ngram:K (0: off)
     prompt_lookup_schedule: str = "adaptive"  # --speculative-schedule
+    chat_page: bool = True  # the chat page at / (--no-chat-page: off)
 
 
 class Gateway:
@@ -130,7 +130,8 @@ class Gateway:
         if body.n > 1 and body.temperature == 0:
             logger.info("n=%d with temperature 0: the choices will be identical", body.n)
         return [SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                               stop=body.stop_list(), seed=None if body.seed is None else body.seed + i,
+                               top_k=max(body.top_k or 0, 0), stop=body.stop_list(),
+                               seed=None if body.seed is None else body.seed + i,
                                top_logprobs=body.top_logprobs_count(),
                                prompt_lookup_tokens=self.config.prompt_lookup_tokens,
                                prompt_lookup_schedule=self.config.prompt_lookup_schedule,
@@ -152,12 +153,19 @@ class Gateway:
                                     "without 'tools'", param="tools")
             kwargs["tools"] = offered
         forced = tools.forced_call(self.tokenizer, body) if offered else None
+        return self._template_ids(messages, **kwargs), bool(offered), forced
+
+    def _template_ids(self, messages: list[dict], **kwargs) -> list[int]:
+        """The chat template's prompt for `messages` (the OpenAI and Ollama chat endpoints both)."""
+        if not self.tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template: use /v1/completions (or /api/generate with "
+                                "raw=true)", param="messages")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
                                                      **kwargs)["input_ids"]
         except Exception as e:  # a template's own raise_exception (e.g. roles that must alternate)
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
-        return list(ids), bool(offered), forced
+        return list(ids)
 
     async def _start(self, request: Request, user: str, prompt_ids: list[int], params: list[SamplingParams],
                      adapter: str | None = None):
@@ -241,7 +249,7 @@ class Gateway:
             index, kind, value = await self._next_event(request, events, cancel)
             if kind == "error":
                 cancel.set()
-                raise _api_error(value)
+                raise api_error_of(value)
             if kind == "done":
                 results[index] = value
         return [results[i] for i in range(n)]
@@ -268,7 +276,7 @@ class Gateway:
                             yield "data: [DONE]\n\n"
                             return
                     else:
-                        yield _sse(_api_error(value).body())
+                        yield _sse(api_error_of(value).body())
                         return
                     item = await events.get()
             finally:  # the client went away (Starlette cancels us) or the stream ended: stop the sessions
@@ -282,7 +290,7 @@ class Gateway:
         item = await self._next_event(request, events, cancel)
         if item[1] == "error":
             cancel.set()
-            raise _api_error(item[2])
+            raise api_error_of(item[2])
         return item
 
     # -- logprobs in OpenAI's two shapes ---------------------------------------------------------
@@ -324,9 +332,10 @@ class Gateway:
         if not body.stream:
             results = await self._collect(request, events, cancel, body.n)
             return completion_body(rid, body.model, created,
-                                   [completion_choice(i, r.text, r.finish_reason, self._completion_logprobs(r.logprobs))
-                                    for i, r in enumerate(results)],
-                                   usage(len(prompt_ids), sum(r.completion_tokens for r in results)))
+                                   [{**completion_choice(i, r.text, r.finish_reason,
+                                                         self._completion_logprobs(r.logprobs)),
+                                     "petals_chain": served_by(r)} for i, r in enumerate(results)],
+                                   _usage(len(prompt_ids), results))
         first = await self._first_event(request, events, cancel)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         offsets = [0] * body.n  # per choice: characters streamed so far (logprobs' text_offset)
@@ -337,12 +346,12 @@ class Gateway:
             yield completion_body(rid, body.model, created, [completion_choice(index, text, None, logprobs)], None)
 
         def on_done(index, r: GenerationResult):
-            yield completion_body(rid, body.model, created, [completion_choice(index, "", r.finish_reason)], None)
+            yield completion_body(rid, body.model, created, [{**completion_choice(index, "", r.finish_reason),
+                                                              "petals_chain": served_by(r)}], None)
 
         def on_end(results):
             if include_usage:
-                yield completion_body(rid, body.model, created, [],
-                                      usage(len(prompt_ids), sum(r.completion_tokens for r in results)))
+                yield completion_body(rid, body.model, created, [], _usage(len(prompt_ids), results))
 
         return self._stream(events, cancel, first, body.n, on_text, on_done, on_end)
 
@@ -361,9 +370,9 @@ class Gateway:
             for i, r in enumerate(results):
                 content, calls = tools.parse_tool_calls(r.text) if with_tools else (r.text, [])
                 finish = call_finish if calls else r.finish_reason
-                choices.append(chat_choice(i, content, finish, self._chat_logprobs(r.logprobs), calls))
-            return chat_body(rid, body.model, created, choices,
-                             usage(len(prompt_ids), sum(r.completion_tokens for r in results)))
+                choices.append({**chat_choice(i, content, finish, self._chat_logprobs(r.logprobs), calls),
+                                "petals_chain": served_by(r)})
+            return chat_body(rid, body.model, created, choices, _usage(len(prompt_ids), results))
         first = await self._first_event(request, events, cancel)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         role_sent = [False] * body.n
@@ -394,12 +403,13 @@ class Gateway:
                     yield delta_chunk(index, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
             if not role_sent[index]:
                 yield delta_chunk(index, {"content": ""})
-            yield delta_chunk(index, {}, finish)
+            last = delta_chunk(index, {}, finish)
+            last["choices"][0]["petals_chain"] = served_by(r)
+            yield last
 
         def on_end(results):
             if include_usage:
-                yield chat_chunk(rid, body.model, created, [],
-                                 usage(len(prompt_ids), sum(r.completion_tokens for r in results)))
+                yield chat_chunk(rid, body.model, created, [], _usage(len(prompt_ids), results))
 
         return self._stream(events, cancel, first, body.n, on_text, on_done, on_end)
 
@@ -421,17 +431,20 @@ class Gateway:
 
         app.add_middleware(_RequestContext, metrics=self.metrics)
 
+        # errors in the shape of the API the path belongs to: OpenAI's under /v1, Ollama's under /api
         @app.exception_handler(APIError)
-        async def api_error(_, e: APIError):
-            return JSONResponse(e.body(), status_code=e.status)
+        async def api_error(request: Request, e: APIError):
+            return JSONResponse(e.body_for(request.url.path), status_code=e.status)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, e: RequestValidationError):
-            return JSONResponse(_validation_error(e.errors(), await request.body()).body(), status_code=400)
+            return JSONResponse(_validation_error(e.errors(), await request.body()).body_for(request.url.path),
+                                status_code=400)
 
         @app.exception_handler(StarletteHTTPException)
-        async def http_error(_, e: StarletteHTTPException):
-            return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        async def http_error(request: Request, e: StarletteHTTPException):
+            return JSONResponse(APIError(e.status_code, str(e.detail)).body_for(request.url.path),
+                                status_code=e.status_code)
 
         @app.get("/health")
         async def health():
@@ -469,6 +482,8 @@ class Gateway:
         async def chat(request: Request, body: ChatRequest):
             return await gw.chat(request, body)
 
+        ollama.add_routes(app, gw)
+        chat_page.add_routes(app, enabled=gw.config.chat_page, api_key_required=bool(gw.config.api_keys))
         return app
 
     def _model_card(self, name: str) -> dict:
@@ -510,7 +525,8 @@ class _RequestContext:
                                       "(it names the request's sessions in the swarm's logs); send a shorter id",
                                  param="X-Request-Id")
                 state["request_id"] = request_id = uuid.uuid4().hex
-                return await JSONResponse(error.body(), status_code=400)(scope, receive, send_status)
+                return await JSONResponse(error.body_for(scope.get("path", "")), status_code=400)(
+                    scope, receive, send_status)
             await self.app(scope, receive, send_status)
         finally:
             path = scope.get("path", "")
@@ -539,7 +555,16 @@ def _validation_error(errors: list[dict], raw_body: bytes) -> APIError:
     return APIError(400, f"{msg} ('{param}')" if param else msg, param=param)
 
 
-KNOWN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
+KNOWN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+                         "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version",
+                         *chat_page.PATHS})
+
+
+def _usage(prompt_tokens: int, results: list[GenerationResult]) -> dict:
+    """A request's usage over its choices; cached tokens: what every choice's chain took from its
+    prefix caches (each choice is a session of its own)."""
+    return usage(prompt_tokens, sum(r.completion_tokens for r in results),
+                 min((r.prefix_hit_tokens for r in results), default=0))
 
 
 def _sse(obj: dict) -> str:
@@ -551,13 +576,3 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _api_error(error: BaseException) -> APIError:
-    """A session's failure as the HTTP error the client gets."""
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, InvalidRequestError):
-        return APIError(400, str(error))
-    if isinstance(error, PetalsChainError):  # no chain, queue timeout, servers gone, out of cache
-        return APIError(UNAVAILABLE_STATUS, f"the swarm cannot serve the request now: {error}", type="server_error",
-                        code=error.code)
-    return APIError(500, f"internal error in the gateway: {type(error).__name__}: {error}", type="server_error")

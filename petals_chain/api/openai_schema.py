@@ -11,6 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from petals_chain.errors import InvalidRequestError, PetalsChainError
+
+# Swarm-side failures that mean "no capacity / no healthy chain right now": the client may retry.
+UNAVAILABLE_STATUS = 503
+
 
 class APIError(Exception):
     """An error the gateway answers in OpenAI's error JSON with `status`."""
@@ -22,6 +27,22 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The error in the shape of the API `path` belongs to: Ollama's (`/api/...`) is one string."""
+        return {"error": self.message} if path.startswith("/api/") else self.body()
+
+
+def api_error_of(error: BaseException) -> APIError:
+    """A session's failure as the HTTP error the client gets."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return APIError(400, str(error))
+    if isinstance(error, PetalsChainError):  # no chain, queue timeout, servers gone, out of cache
+        return APIError(UNAVAILABLE_STATUS, f"the swarm cannot serve the request now: {error}", type="server_error",
+                        code=error.code)
+    return APIError(500, f"internal error in the gateway: {type(error).__name__}: {error}", type="server_error")
 
 
 class StreamOptions(BaseModel):
@@ -53,6 +74,8 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # not OpenAI's: vLLM's extension (and Ollama's option); None, 0 or -1: all tokens
+    top_k: int | None = Field(default=None, ge=-1)
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
@@ -223,9 +246,21 @@ def chat_delta(index: int, delta: dict, finish_reason: str | None, logprobs: dic
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """`cached_tokens`: prompt tokens the chain took from its servers' prefix caches (OpenAI's
+    `prompt_tokens_details.cached_tokens`)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def served_by(result) -> dict:
+    """Not OpenAI's: which chain of servers served a choice (`GenerationResult`), added to the choice
+    (and to a stream's finishing chunk) as `petals_chain`: the chat page shows it."""
+    return {"chain": result.chain, "hops": result.hops, "failovers": result.failovers,
+            "prefix_hit_tokens": result.prefix_hit_tokens}
 
 
 def now_s() -> int:

@@ -1,4 +1,5 @@
-"""`petals-chain api`: serve the OpenAI API (completions, chat completions, models) over a swarm."""
+"""`petals-chain api`: serve the OpenAI API (completions, chat completions, models), the Ollama API
+(/api/chat, /api/generate, /api/tags, /api/show, /api/version) and a chat page (/) over a swarm."""
 from __future__ import annotations
 
 import argparse
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", type=parse_speculative, default=0, metavar="ngram:K",
                    help="speculative decoding: ngram:K drafts up to K tokens by prompt lookup, verified in one chain "
                         "step (exact greedy output, same sampling distribution; default off)")
+    p.add_argument("--no-chat-page", action="store_true",
+                   help="do not serve the chat page at / (the OpenAI and Ollama APIs stay)")
     p.add_argument("--speculative-schedule", choices=("adaptive", "constant"), default="adaptive",
                    help="adaptive (default): send 0..K drafted tokens per round, as many as pay off by the measured "
                         "acceptance and chain step times; constant: all K")
@@ -126,7 +129,8 @@ def main(argv: list[str]) -> int:
                                                       max_concurrent=args.max_concurrent,
                                                       queue_timeout_s=args.queue_timeout, max_length=args.max_length,
                                                       admission=args.admission, prompt_lookup_tokens=args.speculative,
-                                                      prompt_lookup_schedule=args.speculative_schedule))
+                                                      prompt_lookup_schedule=args.speculative_schedule,
+                                                      chat_page=not args.no_chat_page))
     port = sock.getsockname()[1]
     # Why 2 s: Ctrl-C must end the whole command within 5 s, and uvicorn first waits this long for
     # requests in flight (then the DHT child and p2p daemon are stopped)
@@ -140,6 +144,9 @@ def main(argv: list[str]) -> int:
     routing = "orchestrator" if getattr(model.backend, "orchestrator", None) else "client-side routing"
     print(f"api ready at http://{args.host}:{port}/v1 (model {args.model}, {routing}, "
           f"{args.max_concurrent} concurrent sessions)", flush=True)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"Ollama API at http://{shown}:{port} (/api/chat, /api/generate, /api/tags)"
+          + ("" if args.no_chat_page else f"; chat page at http://{shown}:{port}/"), flush=True)
     try:
         server.run(sockets=[sock])
     finally:
