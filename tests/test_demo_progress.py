@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from petals_chain.cli.demo import STARTING, StartupProgress
+from petals_chain.cli.demo import LOADING, STARTING, StartupProgress
 
 
 @dataclass
@@ -47,7 +47,7 @@ def test_each_phase_is_reported_once_as_it_happens():
     assert progress.phase == {"server0": "registered, waiting for the plan", "server1": STARTING}
     swarm.orchestrator_lines.append("plan v1 (proposed, c=3): server0=[0,21), server1=unused")
     progress.poll()
-    assert progress.phase == {"server0": "loading blocks [0,21) and measuring them", "server1": "left out by the plan"}
+    assert progress.phase == {"server0": LOADING, "server1": "left out by the plan"}
     swarm.servers[0].lines.append("serving smollm2-135m blocks [0, 21) as QmABC (plan v1)")
     swarm.servers[1].lines.append("standing by: smollm2-135m as QmDEF: plan v1 leaves this server without blocks; ...")
     assert not progress.servers_ready()
@@ -60,7 +60,7 @@ def test_each_phase_is_reported_once_as_it_happens():
 
 
 def test_a_quiet_spell_names_who_is_still_busy_with_what():
-    swarm, clock, printed, progress = make(3)
+    swarm, clock, printed, progress = make(4)
     swarm.orchestrator_lines.append("server server2 registered: budget 380 MiB, rtt 2.00 ms")
     progress.poll()
     clock.now_s += 14.9
@@ -68,6 +68,14 @@ def test_a_quiet_spell_names_who_is_still_busy_with_what():
     assert len(printed) == 1
     clock.now_s += 0.1
     progress.poll()
-    assert printed[-1] == (f"  [   25 s] still server0, server1: {STARTING}; server2: registered, waiting for the plan")
+    assert printed[-1] == (f"  [   25 s] still server0, server1, server3: {STARTING}; "
+                           "server2: registered, waiting for the plan")
     progress.poll()
     assert len(printed) == 2  # the next such line only after another quiet spell
+    swarm.orchestrator_lines.append("plan v1 (proposed, c=3): server0=[11,30), server1=[0,21), server2=[0,24), "
+                                    "server3=unused")
+    swarm.servers[0].lines.append("serving smollm2-135m blocks [11, 30) as QmABC (plan v1)")
+    progress.poll()
+    clock.now_s += 15
+    progress.poll()
+    assert printed[-1] == f"  [   40 s] still server1 [0,21), server2 [0,24): {LOADING}; server3: left out by the plan"

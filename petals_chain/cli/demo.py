@@ -83,6 +83,7 @@ def _get(url: str) -> dict:
 ORCHESTRATOR_EVENTS = ("server ", "plan v", "cannot plan yet")
 SERVER_MARKERS = ("serving ", "standing by: ", "start-up profile from the cache")
 STARTING = "starting (importing torch, measuring one block's t_I and t_O)"
+LOADING = "loading the blocks the plan gave it and measuring them"
 
 
 class StartupProgress:
@@ -93,7 +94,8 @@ class StartupProgress:
 
     def __init__(self, swarm, start_s: float, *, clock=time.monotonic, quiet_s: float = 15.0, out=print):
         self.swarm, self.start_s, self.clock, self.quiet_s, self.out = swarm, start_s, clock, quiet_s, out
-        self.phase = {sp.name: STARTING for sp in swarm.servers}
+        self.phase = {sp.name: STARTING for sp in swarm.servers}  # name -> what it is doing now
+        self.blocks: dict[str, str] = {}  # name -> the range the plan gave it, e.g. "[0,21)"
         self.done: set[str] = set()
         self._seen: dict[str, int] = {}  # how many lines of each process were read
         self._last_news_s = clock()
@@ -120,8 +122,8 @@ class StartupProgress:
                 for part in line.split("): ", 1)[1].split("; ")[0].split(", "):
                     name, _, where = part.partition("=")
                     if name in self.phase and name not in self.done:
-                        self.phase[name] = ("left out by the plan" if where == "unused" else
-                                            f"loading blocks {where} and measuring them")
+                        self.phase[name] = "left out by the plan" if where == "unused" else LOADING
+                        self.blocks[name] = where
         for sp in self.swarm.servers:
             for line in self._new_lines(sp.name, sp.lines):
                 if line.startswith("serving "):
@@ -136,9 +138,12 @@ class StartupProgress:
             by_phase: dict[str, list[str]] = {}
             for name, phase in self.phase.items():
                 if name not in self.done:
-                    by_phase.setdefault(phase, []).append(name)
+                    by_phase.setdefault(phase, []).append(self._named(name))
             if by_phase:
                 self.say("still " + "; ".join(f"{', '.join(names)}: {phase}" for phase, names in by_phase.items()))
+
+    def _named(self, name: str) -> str:
+        return f"{name} {self.blocks[name]}" if self.phase[name] == LOADING else name
 
     def servers_ready(self) -> bool:
         return len(self.done) == len(self.swarm.servers)
