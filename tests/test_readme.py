@@ -88,6 +88,16 @@ def test_every_runnable_block_is_accounted_for():
     assert not set(RUN) & set(COVERED_ELSEWHERE)
 
 
+def test_the_readme_is_a_guide_not_a_notebook():
+    """Measurement history lives in docs/benchmarks.md and docs/results.md: the README shows each
+    figure once, without dates or the load average it was measured at."""
+    text = README.read_text(encoding="utf-8")
+    dated = [line for line in text.splitlines() if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
+    assert not dated, f"dated lines in the README (move them to docs/benchmarks.md): {dated}"
+    loads = [line for line in text.splitlines() if re.search(r"\bload (average )?~?\d", line, re.I)]
+    assert not loads, f"load averages in the README (move them to docs/benchmarks.md): {loads}"
+
+
 def test_plan_block_prints_the_shown_output(tmp_path):
     blocks = readme_blocks()
     _, command = blocks[("test", "plan")]

@@ -83,7 +83,7 @@ def _get(url: str) -> dict:
 ORCHESTRATOR_EVENTS = ("server ", "plan v", "cannot plan yet")
 SERVER_MARKERS = ("serving ", "standing by: ", "start-up profile from the cache")
 STARTING = "starting (importing torch, measuring one block's t_I and t_O)"
-LOADING = "loading the blocks the plan gave it and measuring them"
+LOADING = "loading the assigned blocks and measuring them"
 
 
 class StartupProgress:
