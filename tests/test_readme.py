@@ -1,10 +1,11 @@
 """The README's code blocks, run as written.
 
 Every ```bash / ```python block a user would run carries a marker line `<!-- readme-test: NAME -->`
-just above it (invisible on GitHub). `test_every_runnable_block_is_accounted_for` keeps this file
-in step with the README: a new or renamed block fails it until it is run here (RUN) or named with
-the test that covers it and why it is not run verbatim (COVERED_ELSEWHERE: root, hours, the suite
-itself). The blocks in RUN are read from the README at test time, so what runs is what it says.
+just above it (invisible on GitHub), in the README and in the docs its text moved to (DOCS:
+docs/reference.md, docs/benchmarks.md). `test_every_runnable_block_is_accounted_for` keeps this file
+in step with them: a new or renamed block fails it until it is run here (RUN) or named with the
+test that covers it and why it is not run verbatim (COVERED_ELSEWHERE: root, hours, the suite
+itself). The blocks in RUN are read from the files at test time, so what runs is what they say.
 
 Run as written, with two substitutions a shared test machine needs, nothing else: the fixed ports
 (31337, 8000) become free ones, and the commands run in a scratch folder whose `.venv` is this
@@ -27,6 +28,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = (README, REPO / "docs" / "reference.md", REPO / "docs" / "benchmarks.md")  # files with marked blocks
 FENCE = re.compile(r"<!-- readme-(test|output): ([a-z0-9-]+) -->\n```(\w*)\n(.*?)\n```", re.S)
 ANY_BLOCK = re.compile(r"^```(\w*)\n", re.M)
 
@@ -40,9 +42,13 @@ RUN = {  # executed by a test in this file
 }
 COVERED_ELSEWHERE = {  # not run verbatim here: where the same commands are tested, and why
     "quickstart": "make demo = `petals-chain demo` (tests/test_demo.py, fewer tokens); make test is this suite",
+    "chat-local": "`chat` is interactive: tests/test_chat.py types into it on a pseudo-terminal; `generate` "
+                  "without peers (in-process blocks of SmolLM2): tests/test_speculative.py's CLI test",
     "gpu-host": "needs a CUDA GPU: tests/test_cuda.py (skips without one) runs servers and clients with --device cuda",
-    "swarm-across-hosts": "a multi-host template (A.A.A.A); the same commands on one host: tests/test_online_orchestrator.py",
-    "reproduce-paper": "minutes to 15 min; its --quick path: tests/test_sim_cli.py's smoke run of scripts/reproduce_paper.py",
+    "swarm-across-hosts": "a multi-host template (A.A.A.A); the same commands on one host: "
+                          "tests/test_online_orchestrator.py",
+    "reproduce-paper": "minutes to 15 min; its --quick path: tests/test_sim_cli.py's smoke run of "
+                       "scripts/reproduce_paper.py",
     "netem-steps": "needs root (network namespaces): tests/test_netem_swarm.py runs the same swarm on emulated hosts",
     "netem-python": "needs root: tests/test_netem_emulation.py drives netem.Network the same way",
     "table1": "minutes to hours: tests/test_table1_quick.py runs `experiment table1 --quick`'s path on a small scale",
@@ -58,25 +64,38 @@ COVERED_ELSEWHERE = {  # not run verbatim here: where the same commands are test
 
 
 def readme_blocks() -> dict[tuple[str, str], tuple[str, str]]:
-    """{(kind, name): (language, text)} of the marked blocks."""
+    """{(kind, name): (language, text)} of the marked blocks of the README and DOCS (names unique across them)."""
     blocks = {}
-    for kind, name, lang, text in FENCE.findall(README.read_text(encoding="utf-8")):
-        assert (kind, name) not in blocks, f"two README blocks are marked readme-{kind}: {name}"
-        blocks[(kind, name)] = (lang, text)
+    for path in DOCS:
+        for kind, name, lang, text in FENCE.findall(path.read_text(encoding="utf-8")):
+            assert (kind, name) not in blocks, f"two blocks are marked readme-{kind}: {name} (one in {path.name})"
+            blocks[(kind, name)] = (lang, text)
     return blocks
 
 
 def test_every_runnable_block_is_accounted_for():
-    text = README.read_text(encoding="utf-8")
-    runnable = [m for m in ANY_BLOCK.finditer(text) if m.group(1) in ("bash", "sh", "python", "console")]
-    marked = {m.start() for m in FENCE.finditer(text)}
-    unmarked = [text[m.start():].splitlines()[1] for m in runnable
-                if not any(0 <= m.start() - start < 80 for start in marked)]
-    assert not unmarked, ("README blocks without a `<!-- readme-test: NAME -->` line above them (add one, and run "
+    unmarked = []
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        runnable = [m for m in ANY_BLOCK.finditer(text) if m.group(1) in ("bash", "sh", "python", "console")]
+        marked = {m.start() for m in FENCE.finditer(text)}
+        unmarked += [f"{path.name}: {text[m.start():].splitlines()[1]}" for m in runnable
+                     if not any(0 <= m.start() - start < 80 for start in marked)]
+    assert not unmarked, ("blocks without a `<!-- readme-test: NAME -->` line above them (add one, and run "
                           f"the block in tests/test_readme.py or list it in COVERED_ELSEWHERE): {unmarked}")
     names = {name for kind, name in readme_blocks() if kind == "test"}
     assert names == set(RUN) | set(COVERED_ELSEWHERE), names ^ (set(RUN) | set(COVERED_ELSEWHERE))
     assert not set(RUN) & set(COVERED_ELSEWHERE)
+
+
+def test_the_readme_is_a_guide_not_a_notebook():
+    """Measurement history lives in docs/benchmarks.md and docs/results.md: the README shows each
+    figure once, without dates or the load average it was measured at."""
+    text = README.read_text(encoding="utf-8")
+    dated = [line for line in text.splitlines() if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
+    assert not dated, f"dated lines in the README (move them to docs/benchmarks.md): {dated}"
+    loads = [line for line in text.splitlines() if re.search(r"\bload (average )?~?\d", line, re.I)]
+    assert not loads, f"load averages in the README (move them to docs/benchmarks.md): {loads}"
 
 
 def test_plan_block_prints_the_shown_output(tmp_path):
