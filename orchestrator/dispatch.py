@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -352,6 +353,8 @@ class PrefixParams:
     - ``w_in``, ``w_out``: the charge w_e * tokens + w_q * output tokens (VTC's, DLPM's weights).
     - ``max_skips``: E2's bound on how often a waiting job may be passed over by longer matches
       (Preble's priority levels avoid starvation); None: plain LPM (rr-lpm).
+    - ``lookahead``: a freed slot's longest-match search looks at the first `lookahead` candidates of
+      the queue (arrival order), so an event costs O(lookahead) lookups however long the queue grows.
     """
     window: int = 256
     th_bal: float = 2.0
@@ -360,6 +363,7 @@ class PrefixParams:
     w_in: float = 1.0
     w_out: float = 2.0
     max_skips: int | None = 16
+    lookahead: int = 64
 
 
 class _PromptAwareDispatcher(Dispatcher):
@@ -465,7 +469,7 @@ class _PromptAwareDispatcher(Dispatcher):
         if bound is not None and self._skips.get(oldest, 0) >= bound:
             return oldest
         best, best_m = oldest, -1
-        for j in waiting:
+        for j in itertools.islice(waiting, self.params.lookahead):
             m = self.match_tokens(k, self._queue[j][1])
             if m > best_m:
                 best, best_m = j, m
@@ -642,15 +646,20 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
 
     def _pick_waiting(self, k: int, waiting: list[int]) -> int:
         d = self.client_deficit
-        by_match = sorted(waiting, key=lambda j: -self.match_tokens(k, self._queue[j][1]))  # stable: FIFO ties
-        active = {self._queue[j][1].client_id for j in waiting}
-        while True:
-            for j in by_match:
-                if d.get(self._queue[j][1].client_id, 0.0) > 0:
-                    return j
+        eligible = [j for j in waiting if d.get(self._queue[j][1].client_id, 0.0) > 0]
+        if not eligible:  # Alg. 1 line 7: every waiting client is out of quantum: all get Q^u (enough rounds)
+            active = {self._queue[j][1].client_id for j in waiting}
             rounds = min(int(-d.get(c, 0.0) // self.params.quantum_client) + 1 for c in active)
             for c in active:
                 d[c] = d.get(c, 0.0) + rounds * self.params.quantum_client
+            eligible = [j for j in waiting if d[self._queue[j][1].client_id] > 0]
+        # Alg. 1 line 3-4: the longest match among the jobs whose client may be served (first of equals)
+        best, best_m = eligible[0], -1
+        for j in itertools.islice(eligible, self.params.lookahead):
+            m = self.match_tokens(k, self._queue[j][1])
+            if m > best_m:
+                best, best_m = j, m
+        return best
 
     def _queued(self, job_id: int, req: DispatchRequest) -> None:
         self._waiting_of[req.client_id] = self._waiting_of.get(req.client_id, 0) + 1

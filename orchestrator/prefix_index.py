@@ -55,6 +55,7 @@ class PrefixIndex:
         self.max_entries = max_entries
         self.chunk_tokens = chunk_tokens
         self._entries: OrderedDict[tuple[Hashable, str, Hashable], None] = OrderedDict()  # LRU order, oldest first
+        self._by_namespace: dict[tuple[Hashable, str], set] = {}  # (server, namespace) -> hashes: the lookups' view
         self.dropped_lru = 0  # entries pushed out by the bound (not by a server's eviction)
 
     def __len__(self) -> int:
@@ -69,10 +70,12 @@ class PrefixIndex:
     # -- lookups --------------------------------------------------------------------------
     def held_chunks(self, hop: HopKey, client_id: str, hashes: Sequence[Hashable]) -> int:
         """Leading chunks of `hashes` the hop's server holds for this client (no side effects)."""
-        ns = namespace(self.sharing, client_id, hop.first_block)
+        held = self._by_namespace.get((hop.server, namespace(self.sharing, client_id, hop.first_block)))
+        if not held:
+            return 0
         n = 0
         for h in hashes:
-            if (hop.server, ns, h) not in self._entries:
+            if h not in held:
                 break
             n += 1
         return n
@@ -97,7 +100,8 @@ class PrefixIndex:
         self._touch((server, ns, h))
 
     def evict(self, server: Hashable, ns: str, h: Hashable) -> None:
-        self._entries.pop((server, ns, h), None)
+        if self._entries.pop((server, ns, h), 0) is None:
+            self._unindex((server, ns, h))
 
     def apply(self, server: Hashable, inserted: Iterable[tuple[str, Hashable]],
               evicted: Iterable[tuple[str, Hashable]]) -> None:
@@ -118,6 +122,7 @@ class PrefixIndex:
     def forget_server(self, server: Hashable) -> None:
         for key in [k for k in self._entries if k[0] == server]:
             del self._entries[key]
+            self._unindex(key)
 
     def held_by(self, server: Hashable) -> set[tuple[str, Hashable]]:
         return {(ns, h) for s, ns, h in self._entries if s == server}
@@ -127,6 +132,14 @@ class PrefixIndex:
             self._entries.move_to_end(key)
             return
         self._entries[key] = None
+        self._by_namespace.setdefault(key[:2], set()).add(key[2])
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            old, _ = self._entries.popitem(last=False)
+            self._unindex(old)
             self.dropped_lru += 1
+
+    def _unindex(self, key: tuple[Hashable, str, Hashable]) -> None:
+        held = self._by_namespace[key[:2]]
+        held.discard(key[2])
+        if not held:
+            del self._by_namespace[key[:2]]

@@ -79,6 +79,7 @@ class PrefixSimResult:
     reused_tokens: np.ndarray  # prefill tokens taken from the chain's caches
     computed_tokens: np.ndarray  # prefill tokens the chain ran
     clients: tuple[str, ...]  # per request
+    cache_contents: dict  # server -> the (namespace, chunk) entries its cache holds at the end
 
     def summary(self, *, horizon_s: float | None = None, w_in: float = 1.0, w_out: float = 2.0,
                 output_tokens: np.ndarray | None = None, prompt_tokens: np.ndarray | None = None,
@@ -167,4 +168,4 @@ def simulate_prefix(dispatcher: Dispatcher, chains: Sequence[ChainSpec], request
         raise RuntimeError("some requests never finished")
     a, st, fi = np.array(arr), np.array(start), np.array(finish)
     return PrefixSimResult(fi - a, st - a, fi, st, np.array(chain), np.array(reused), np.array(computed),
-                           tuple(q.client_id for q in requests))
+                           tuple(q.client_id for q in requests), {s: c.held() for s, c in caches.items()})
