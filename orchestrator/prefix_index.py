@@ -16,6 +16,10 @@ corrected by the servers' reports of what they inserted and evicted (`apply`), a
 between a grant and a report the index may believe a chunk the server refused to store, which costs
 one dispatch a worse chain, never a wrong output (the servers match again at open).
 
+An entry learned at a grant that the server's reports have not confirmed (an insert) after
+``PROVISIONAL_REPORTS`` of its reports is dropped: the server refused to store it (no memory), or the
+session never ran, and no report would ever mention it.
+
 Bounded: at most ``max_entries`` (server, namespace, hash) entries, least recently used dropped first.
 Pure: no clock, no I/O, no lock (its owner holds one).
 """
@@ -29,6 +33,7 @@ from petals_chain.wire.prefix_keys import PREFIX_CHUNK_TOKENS, usable_prefix_tok
 
 SHARING_SCOPES = ("client", "swarm")
 DEFAULT_MAX_ENTRIES = 1 << 18
+PROVISIONAL_REPORTS = 2  # a learned entry no report confirmed after this many reports of its server is dropped
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,9 @@ class PrefixIndex:
         self._entries: OrderedDict[tuple[Hashable, str, Hashable], None] = OrderedDict()  # LRU order, oldest first
         self._by_namespace: dict[tuple[Hashable, str], set] = {}  # (server, namespace) -> hashes: the lookups' view
         self.dropped_lru = 0  # entries pushed out by the bound (not by a server's eviction)
+        self._provisional: dict[Hashable, dict[tuple, int]] = {}  # server -> learned key -> its report count then
+        self._reports: dict[Hashable, int] = {}  # server -> reports applied
+        self.dropped_unconfirmed = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -93,8 +101,14 @@ class PrefixIndex:
         """A session with these hashes was granted a chain: each hop will hold its chunks."""
         for hop in hops:
             ns = namespace(self.sharing, client_id, hop.first_block)
+            mine = None
             for h in hashes:
-                self._touch((hop.server, ns, h))
+                key = (hop.server, ns, h)
+                if key not in self._entries and hop.server in self._reports:  # a reporting server: to be confirmed
+                    if mine is None:
+                        mine = self._provisional.setdefault(hop.server, {})
+                    mine[key] = self._reports[hop.server]
+                self._touch(key)
 
     def insert(self, server: Hashable, ns: str, h: Hashable) -> None:
         self._touch((server, ns, h))
@@ -107,22 +121,41 @@ class PrefixIndex:
               evicted: Iterable[tuple[str, Hashable]]) -> None:
         """A server's report: chunks it stored and chunks it dropped since its last report, in that order
         within each list. Evictions are applied after inserts (a chunk inserted then evicted is gone)."""
+        mine = self._provisional.get(server, {})
         for ns, h in inserted:
+            mine.pop((server, ns, h), None)
             self._touch((server, ns, h))
         for ns, h in evicted:
+            mine.pop((server, ns, h), None)
             self.evict(server, ns, h)
+        self._reported(server)
+
+    def _reported(self, server: Hashable) -> None:
+        n = self._reports[server] = self._reports.get(server, 0) + 1
+        mine = self._provisional.get(server)
+        if mine:
+            for key in [k for k, at in mine.items() if n - at >= PROVISIONAL_REPORTS]:
+                del mine[key]
+                if self._entries.pop(key, 0) is None:
+                    self._unindex(key)
+                    self.dropped_unconfirmed += 1
 
     def replace_server(self, server: Hashable, held: Iterable[tuple[str, Hashable]]) -> None:
         """A server's full listing (after its restart, or when its report cursor was lost): what it holds
         replaces everything the index believed of it."""
+        reports = self._reports.get(server, 0)
         self.forget_server(server)
         for ns, h in held:
             self._touch((server, ns, h))
+        self._reports[server] = reports
+        self._reported(server)
 
     def forget_server(self, server: Hashable) -> None:
         for key in [k for k in self._entries if k[0] == server]:
             del self._entries[key]
             self._unindex(key)
+        self._provisional.pop(server, None)
+        self._reports.pop(server, None)
 
     def held_by(self, server: Hashable) -> set[tuple[str, Hashable]]:
         return {(ns, h) for s, ns, h in self._entries if s == server}

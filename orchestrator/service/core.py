@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
-from orchestrator.dispatch import ServerCost
+from orchestrator.dispatch import PROMPT_AWARE, ServerCost
 from orchestrator.model import Cluster, Placement, contended_chains
 from orchestrator.planner import Plan, make_baseline_router
 from orchestrator.planner import plan as run_plan
@@ -30,6 +30,7 @@ from orchestrator.service.calibration import (
     scaled_profile_fit,
 )
 from orchestrator.service.measurements import LengthEstimator, median
+from orchestrator.service.prefix_reports import PrefixReportReader
 from orchestrator.service.registry import (
     HeldRange,
     Overheads,
@@ -187,6 +188,7 @@ class Orchestrator:
                                        prior_weight=config.length_prior_sessions)
         self.overheads = Overheads(config.per_block_overhead_s, config.per_step_overhead_s)
         self.policy = get_policy(config.policy)
+        self.prefix_reports = PrefixReportReader()  # the servers' prefix-cache reports, into the prefix index
         # one lock: the sessions' owner shares it, so the plan and the sessions change together
         self.sessions = Sessions(lease_ttl_s=config.lease_ttl_s, queue=config.queue, lock=self.lock,
                                  prefix_sharing=config.prefix_sharing, prefix_index_entries=config.prefix_index_entries)
@@ -280,6 +282,10 @@ class Orchestrator:
         if now - self._last_service_poll_s >= self.config.service_poll_s:
             self._last_service_poll_s = now
             self.collect_service()
+            if self.config.dispatch in PROMPT_AWARE:  # the servers' prefix caches, for the prefix index
+                with self.lock:
+                    serving = [p for p, r in self.records.items() if r.info.has_blocks]
+                self.prefix_reports.collect(self.loop, self.p2p, self.sessions, serving)
         if now - self._last_model_check_s >= self.config.model_check_s:
             self._last_model_check_s = now
             self.check_model(now)

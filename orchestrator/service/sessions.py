@@ -39,6 +39,7 @@ from orchestrator.dispatch import (
     D2lpmDispatcher,
     Dispatcher,
     DispatchRequest,
+    PrefixParams,
     Start,
     make_dispatcher,
 )
@@ -177,6 +178,7 @@ class Sessions:
         # read it and learn grants into it, the servers' reports correct it (`prefix_report`)
         self.prefix_index = PrefixIndex(sharing=prefix_sharing, max_entries=prefix_index_entries)
         self.server_costs: dict | None = None  # peer id -> dispatch.ServerCost (calibrated t_I, t_O), if known
+        self.dispatch_params: PrefixParams | None = None  # None: quanta of one expected request (below)
         if max_waiting_per_client < 1:
             raise ValueError("max_waiting_per_client must be >= 1")
         self.max_waiting_per_client = max_waiting_per_client
@@ -199,8 +201,19 @@ class Sessions:
                 self.plan_version = plan_version
                 return []
             d = make_dispatcher(dispatch, chain_specs(chains), rng, self.queue_order_key(), index=self.prefix_index,
-                                hop_servers=[[h.peer_id for h in hops] for hops, *_ in chains], costs=self.server_costs)
+                                hop_servers=[[h.peer_id for h in hops] for hops, *_ in chains], costs=self.server_costs,
+                                params=self._dispatch_params())
             return self.install(d, plan_version, now_s, chains=chains)
+
+    def _dispatch_params(self) -> PrefixParams:
+        """The prompt-aware policies' knobs: DLPM's Q^u of one expected session's charge (w_in l_in + w_out
+        l_out) and D2LPM's Q^w of four, so a flooder's backlog yields to a light client within a session or
+        two (a quantum of many sessions lets one client's burst go first; the bound 2 (U + Q^u) |W| grows
+        with it), in the units the counters charge."""
+        if self.dispatch_params is not None:
+            return self.dispatch_params
+        one = self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
+        return PrefixParams(quantum_client=one, quantum_chain=4 * one, w_in=self.w_in, w_out=self.w_out)
 
     def install_router(self, router: Dispatcher, peer_ids: list[str], max_length_tokens: dict[str, int],
                        plan_version: int, now_s: float) -> list[ChainGrant]:
@@ -528,6 +541,8 @@ class Sessions:
                      and self._live_of_index.get(self.chains[cid].index) == cid]), now_s)
             for cid in lost:
                 del self.chains[cid]
+            for p in peer_ids:  # a lost (or moved) server's cache is gone: its next report lists it anew
+                self.prefix_index.forget_server(p)
             self.metrics.dropped += len(dropped)
             return dropped, grants
 

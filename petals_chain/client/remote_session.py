@@ -127,7 +127,7 @@ class RemoteChainSession(ChainSession):
         self.hop_timings: list[HopTiming] = []
         self.step_timings: list[StepTiming] = []
         hops = chain.provider.find_chain(0, chain.num_blocks, exclude=self.failover.exclude, max_length=max_length,
-                                         session_id=self.session_id, adapter=adapter)
+                                         session_id=self.session_id, adapter=adapter, **self._prompt())
         try:
             while True:
                 try:
@@ -144,7 +144,7 @@ class RemoteChainSession(ChainSession):
                         self.failover.on_failure(failed, what)
                     hops = chain.provider.find_chain(0, chain.num_blocks, exclude=self.failover.exclude,
                                                      max_length=max_length, session_id=self.session_id,
-                                                     adapter=adapter)
+                                                     adapter=adapter, **self._prompt())
         except Exception:
             chain.provider.session_finished(hops, session_id=self.session_id)
             raise
@@ -154,6 +154,12 @@ class RemoteChainSession(ChainSession):
             for s in self.streams:
                 s.prefix_tokens = self.prefix_tokens
             self.position = self.prefix_tokens  # the first step starts after the reused prefix
+
+    def _prompt(self) -> dict:
+        """The prompt for a provider that dispatches by it (an orchestrator running e2 or d2lpm)."""
+        if not self.chain.provider.takes_prompt or self.prefix is None:
+            return {}
+        return {"prefix_hashes": self.prefix_hashes, "prompt_tokens": len(self.prefix.token_ids)}
 
     # -- stream plumbing ----------------------------------------------------------------------
     @property
