@@ -30,7 +30,9 @@ Dispatchers read no clock; the caller (simulator or online service) feeds events
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -39,16 +41,31 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from orchestrator.model import ChainSpec
+from orchestrator.prefix_index import HopKey, PrefixIndex
 
 
 @dataclass(frozen=True)
 class Start:
     job_id: int
     chain_id: int  # index into the dispatcher's chain list (static chains), or a route id for per-request routers
-    service_time_s: float  # mean service time T_k of the chain the job runs on (a job of size r takes r * service_time_s)
+    service_time_s: float  # mean service time T_k of the job's chain (a job of size r takes r * service_time_s)
 
 
 QueueOrder = Callable[[list[int]], list[int]]  # waiting job ids (arrival order) -> service order
+
+
+@dataclass(frozen=True)
+class DispatchRequest:
+    """What a session tells the dispatcher about its prompt (the live service: from `Acquire`).
+
+    ``prefix_hashes``: the prompt's chained chunk hashes (petals_chain.wire.prefix_keys), or any
+    hashable chunk names in the simulator; ``prompt_tokens``: the prompt's length; ``output_tokens``:
+    the expected output length (E2's decode load, D2LPM's w_q charge; 0: unknown)."""
+
+    client_id: str = ""
+    prefix_hashes: tuple = ()
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
 
 class Dispatcher(ABC):
@@ -57,9 +74,11 @@ class Dispatcher(ABC):
     name: str
 
     @abstractmethod
-    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None) -> list[Start]:
+    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None,
+                   request: DispatchRequest | None = None) -> list[Start]:
         """A job arrives: return the jobs that start now (possibly this one); the rest wait.
-        ``allowed``: the chains it may use (None: all)."""
+        ``allowed``: the chains it may use (None: all). ``request``: what the prompt-aware policies
+        (e2, d2lpm, rr-lpm, vtc-rr, below) read; the others ignore it."""
 
     @abstractmethod
     def on_completion(self, job_id: int) -> list[Start]:
@@ -85,7 +104,8 @@ def _check_chains(chains: Sequence[ChainSpec]) -> None:
         raise ValueError("a dispatcher needs at least one chain")
     for i, k in enumerate(chains):
         if k.capacity < 1 or not k.service_time_s > 0:
-            raise ValueError(f"chain {i} needs capacity >= 1 and service_time_s > 0, got {k.capacity}, {k.service_time_s}")
+            raise ValueError(f"chain {i} needs capacity >= 1 and service_time_s > 0, "
+                             f"got {k.capacity}, {k.service_time_s}")
 
 
 class JffcDispatcher(Dispatcher):
@@ -122,7 +142,8 @@ class JffcDispatcher(Dispatcher):
         ok = [e for e in self._free_heap if e[1] in allowed]
         return min(ok)[1] if ok else None
 
-    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None) -> list[Start]:
+    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None,
+                   request: DispatchRequest | None = None) -> list[Start]:
         # Why the queue need not be consulted: after every event no waiting job can use a free chain,
         # so a free chain the newcomer may use is one no earlier job wanted.
         k = self._fastest_free(allowed)
@@ -209,7 +230,8 @@ class _DedicatedQueueDispatcher(Dispatcher):
             mask &= keep
         return np.flatnonzero(mask)
 
-    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None) -> list[Start]:
+    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None,
+                   request: DispatchRequest | None = None) -> list[Start]:
         cand = self._candidates(allowed)
         if not len(cand):
             raise ValueError(f"{self.name}: job {job_id} may use no live chain; check fits before dispatching")
@@ -305,19 +327,443 @@ class SaJsqDispatcher(_DedicatedQueueDispatcher):
         return int(cand[best[np.argmax(self._mu[cand][best])]])
 
 
+# -- prompt-aware policies over chains (issue: prefix-aware, fair dispatch) ----------------------
+# All four keep JFFC's contract: a central queue, a job starts only on a chain with Z_k < c_k that it
+# may use, a finishing job hands its slot to a waiting job that may use that chain. They differ in
+# which free chain a newcomer takes and which waiting job takes a freed slot.
+
+
+@dataclass(frozen=True)
+class ServerCost:
+    """A server's calibrated per-block, per-token times (the paper's t_I and t_O; Preble's PrefillTime and
+    DecodeTime regressions, here linear through 0)."""
+    t_in_s: float
+    t_out_s: float
+
+
+@dataclass(frozen=True)
+class PrefixParams:
+    """Knobs of the prompt-aware policies (defaults: the papers' where they give one).
+
+    - ``window``: E2's history H, as a count of the most recent grants (dispatchers read no clock;
+      Preble's H is 3 minutes of requests).
+    - ``th_bal``: E2's rebalancing threshold Th_bal (heaviest / lightest server load).
+    - ``quantum_client``: DLPM's Q^u (the central queue's per-client deficit quantum), in charge units.
+    - ``quantum_chain``: D2LPM's Q^w (per-client, per-chain quantum of SelectWorker).
+    - ``w_in``, ``w_out``: the charge w_e * tokens + w_q * output tokens (VTC's, DLPM's weights).
+    - ``max_skips``: E2's bound on how often a waiting job may be passed over by longer matches
+      (Preble's priority levels avoid starvation); None: plain LPM (rr-lpm).
+    - ``lookahead``: a freed slot's longest-match search looks at the first `lookahead` candidates of
+      the queue (arrival order), so an event costs O(lookahead) lookups however long the queue grows.
+    """
+    window: int = 256
+    th_bal: float = 2.0
+    quantum_client: float = 4096.0
+    quantum_chain: float = 16384.0
+    w_in: float = 1.0
+    w_out: float = 2.0
+    max_skips: int | None = 16
+    lookahead: int = 64
+
+
+class _PromptAwareDispatcher(Dispatcher):
+    """Shared state of the prompt-aware policies: slots per chain, the central queue, the index."""
+
+    uses_index = True
+
+    def __init__(self, chains: Sequence[ChainSpec], *, index: PrefixIndex | None = None,
+                 hop_servers: Sequence[Sequence] | None = None, costs: dict | None = None,
+                 params: PrefixParams | None = None):
+        _check_chains(chains)
+        self._chains = list(chains)
+        self.params = params or PrefixParams()
+        self.index = index if index is not None else PrefixIndex()
+        servers = hop_servers if hop_servers is not None else [k.servers for k in chains]
+        if len(servers) != len(chains) or any(len(s) != len(k.blocks) for s, k in zip(servers, chains)):
+            raise ValueError("hop_servers must name one server per hop of every chain")
+        self._hops = [tuple(HopKey(s, b.start) for s, b in zip(ss, k.blocks)) for ss, k in zip(servers, chains)]
+        self._blocks = [tuple(b.end - b.start for b in k.blocks) for k in chains]
+        self._costs = costs or {}
+        self._busy = [0] * len(chains)
+        self._disabled: set[int] = set()
+        self._queue: OrderedDict[int, tuple[frozenset[int] | None, DispatchRequest]] = OrderedDict()
+        self._job_chain: dict[int, int] = {}
+        self._job_request: dict[int, DispatchRequest] = {}
+        self._skips: dict[int, int] = {}
+        self.hit_tokens = [0] * len(chains)  # tokens the index expected each chain to reuse
+        self.prompt_tokens = [0] * len(chains)
+
+    # -- what subclasses decide ------------------------------------------------------------
+    @abstractmethod
+    def _choose(self, req: DispatchRequest, free: list[int]) -> int:
+        """The free chain a newcomer takes (free: ascending chain ids it may use, non-empty)."""
+
+    @abstractmethod
+    def _pick_waiting(self, k: int, waiting: list[int]) -> int:
+        """The waiting job (ids in arrival order, all may use chain k) that takes chain k's freed slot."""
+
+    def _granted(self, job_id: int, k: int, req: DispatchRequest, match_tokens: int) -> None:
+        """Bookkeeping after a grant (load windows, counters)."""
+
+    def _finished(self, job_id: int, k: int, req: DispatchRequest) -> None:
+        """Bookkeeping after a completion."""
+
+    # -- shared mechanics ------------------------------------------------------------------
+    def match_tokens(self, k: int, req: DispatchRequest) -> int:
+        """Tokens chain k can reuse for this prompt (every hop must hold them)."""
+        return self.index.chain_match_tokens(self._hops[k], req.client_id, req.prefix_hashes, req.prompt_tokens)
+
+    def _free(self, allowed: frozenset[int] | None) -> list[int]:
+        return [k for k in range(len(self._chains)) if self._busy[k] < self._chains[k].capacity
+                and k not in self._disabled and (allowed is None or k in allowed)]
+
+    def _start(self, job_id: int, k: int, req: DispatchRequest) -> Start:
+        match = self.match_tokens(k, req)
+        self._busy[k] += 1
+        self._job_chain[job_id] = k
+        self._job_request[job_id] = req
+        self.hit_tokens[k] += match
+        self.prompt_tokens[k] += req.prompt_tokens
+        self._granted(job_id, k, req, match)
+        # learned at grant time (D2LPM Alg. 2 line 18): every hop stores the prompt's chunks once it ran them
+        self.index.learn(self._hops[k], req.client_id, req.prefix_hashes)
+        return Start(job_id, k, self._chains[k].service_time_s)
+
+    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None,
+                   request: DispatchRequest | None = None) -> list[Start]:
+        req = request if request is not None else DispatchRequest()
+        free = self._free(allowed)
+        if not free:
+            self._queue[job_id] = (allowed, req)
+            self._skips[job_id] = 0
+            self._queued(job_id, req)
+            return []
+        return [self._start(job_id, self._choose(req, free), req)]
+
+    def _queued(self, job_id: int, req: DispatchRequest) -> None:
+        """A job starts waiting."""
+
+    def on_completion(self, job_id: int) -> list[Start]:
+        k = self._job_chain.pop(job_id)
+        self._finished(job_id, k, self._job_request.pop(job_id))
+        if k in self._disabled:
+            return []
+        waiting = [j for j, (allowed, _) in self._queue.items() if allowed is None or k in allowed]
+        self._busy[k] -= 1
+        if not waiting:
+            return []
+        w = self._pick_waiting(k, waiting)
+        _, req = self._queue.pop(w)
+        self._skips.pop(w, None)
+        self._left_queue(w, req)
+        return [self._start(w, k, req)]
+
+    def _left_queue(self, job_id: int, req: DispatchRequest) -> None:
+        """A waiting job was granted (or cancelled)."""
+
+    def _lpm(self, k: int, waiting: list[int]) -> int:
+        """Longest prefix match on chain k among `waiting` (ties: arrival order), with E2's starvation bound:
+        the oldest waiting job goes once it has been passed over `max_skips` times."""
+        oldest = waiting[0]
+        bound = self.params.max_skips
+        if bound is not None and self._skips.get(oldest, 0) >= bound:
+            return oldest
+        best, best_m = oldest, -1
+        for j in itertools.islice(waiting, self.params.lookahead):
+            m = self.match_tokens(k, self._queue[j][1])
+            if m > best_m:
+                best, best_m = j, m
+        for j in waiting:  # every job that arrived before the winner was passed over once more
+            if j == best:
+                break
+            self._skips[j] = self._skips.get(j, 0) + 1
+        return best
+
+    def cancel(self, job_id: int) -> None:
+        entry = self._queue.pop(job_id, None)
+        if entry is not None:
+            self._skips.pop(job_id, None)
+            self._left_queue(job_id, entry[1])
+
+    def disable(self, chain_ids: Iterable[int]) -> list[Start]:
+        gone = set(chain_ids) - self._disabled
+        self._disabled |= gone
+        for job in [j for j, k in self._job_chain.items() if k in gone]:
+            del self._job_chain[job]
+            self._job_request.pop(job, None)
+        return []  # no slot freed on a live chain: nobody waiting can start
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    @property
+    def busy(self) -> tuple[int, ...]:
+        return tuple(self._busy)
+
+    def hit_rates(self) -> list[float]:
+        """Per chain: reused / prompt tokens of its grants, as the index expected them."""
+        return [h / p if p else 0.0 for h, p in zip(self.hit_tokens, self.prompt_tokens)]
+
+    def _cost(self, server) -> ServerCost:
+        return self._costs.get(server, _UNIT_COST)
+
+    def _round_robin(self, free: list[int]) -> int:
+        """The next free chain after the last one granted, cyclically."""
+        n = len(self._chains)
+        last = getattr(self, "_rr_last", -1)
+        k = min(free, key=lambda c: (c - last - 1) % n)
+        self._rr_last = k
+        return k
+
+
+_UNIT_COST = ServerCost(1.0, 1.0)
+
+
+class E2Dispatcher(_PromptAwareDispatcher):
+    """Preble's E2 (Algorithms 1-2, papers/preble-distributed-prompt-scheduling.txt) over chains.
+
+    A chain's cached length is its usable prefix: the minimum over its hops (every hop must hold it).
+    - exploit (cached > missed): among the free chains with the longest match, the least load cost;
+    - explore: the free chain of least load cost, where
+      cost_k = sum over hops s of [L_s + m_s t_I(s) missed_k]   (Alg. 2's L + P; the matched prefix free),
+      L_s = sum over the last H grants through s of m_s (t_I(s) missed_r + t_O(s) avg_out_H).
+    - rebalancing: while the heaviest server's L exceeds Th_bal x the lightest's, a request that would
+      exploit a chain through the heaviest server explores instead ("direct future requests that are
+      supposed to exploit the heavy GPU to the light GPU").
+    - a freed slot goes to the waiting job with the longest match on that chain, bounded by max_skips.
+    Not built: Alg. 2's eviction cost M (the orchestrator does not know the servers' eviction order),
+    prefix autoscaling and prefill/decode balancing (Alg. 1's DecodeRatio).
+    """
+
+    name = "e2"
+
+    def __init__(self, chains: Sequence[ChainSpec], **kw):
+        super().__init__(chains, **kw)
+        self._window: deque[tuple[tuple, float]] = deque()  # (((server, prefill_s, decode_units), ...), out)
+        self._prefill_s: dict = {}  # server -> sum of m_s t_I missed_r over the window
+        self._decode_units: dict = {}  # server -> sum of m_s t_O(s) over the window (times avg_out later)
+        self._out_sum = 0.0
+        self.rebalanced = 0  # requests sent to explore by the rebalancing rule
+
+    def _load(self, server) -> float:
+        avg_out = self._out_sum / len(self._window) if self._window else 0.0
+        return self._prefill_s.get(server, 0.0) + self._decode_units.get(server, 0.0) * avg_out
+
+    def _chain_cost(self, k: int, missed: int) -> float:
+        return sum(self._load(h.server) + m * self._cost(h.server).t_in_s * missed
+                   for h, m in zip(self._hops[k], self._blocks[k]))
+
+    def _best_by_cost(self, cands: list[int], req: DispatchRequest, match: dict[int, int]) -> int:
+        return min(cands, key=lambda k: (self._chain_cost(k, req.prompt_tokens - match[k]),
+                                         self._chains[k].dispatch_time_s, k))
+
+    def _imbalanced_heaviest(self):
+        servers = {h.server for k in range(len(self._chains)) if k not in self._disabled for h in self._hops[k]}
+        if len(servers) < 2 or not self._window:
+            return None
+        loads = {s: self._load(s) for s in servers}
+        heavy = max(loads, key=loads.get)
+        return heavy if loads[heavy] > self.params.th_bal * min(loads.values()) else None
+
+    def _choose(self, req: DispatchRequest, free: list[int]) -> int:
+        match = {k: self.match_tokens(k, req) for k in free}
+        cached = max(match.values())
+        missed = req.prompt_tokens - cached
+        if cached > 0 and missed < cached:  # exploit
+            best = [k for k in free if match[k] == cached]
+            heavy = self._imbalanced_heaviest()
+            if heavy is None or any(heavy not in {h.server for h in self._hops[k]} for k in best):
+                best = [k for k in best if heavy is None or heavy not in {h.server for h in self._hops[k]}]
+                return self._best_by_cost(best, req, match)
+            self.rebalanced += 1
+        return self._best_by_cost(free, req, match)
+
+    def _pick_waiting(self, k: int, waiting: list[int]) -> int:
+        return self._lpm(k, waiting)
+
+    def _granted(self, job_id: int, k: int, req: DispatchRequest, match_tokens: int) -> None:
+        missed = max(0, req.prompt_tokens - match_tokens)
+        parts = tuple((h.server, m * self._cost(h.server).t_in_s * missed, m * self._cost(h.server).t_out_s)
+                      for h, m in zip(self._hops[k], self._blocks[k]))
+        self._window.append((parts, float(req.output_tokens)))
+        self._add(parts, float(req.output_tokens), +1)
+        while len(self._window) > self.params.window:
+            old, out = self._window.popleft()
+            self._add(old, out, -1)
+
+    def _add(self, parts: tuple, out: float, sign: int) -> None:
+        for s, prefill, decode in parts:
+            self._prefill_s[s] = self._prefill_s.get(s, 0.0) + sign * prefill
+            self._decode_units[s] = self._decode_units.get(s, 0.0) + sign * decode
+        self._out_sum += sign * out
+
+
+class D2lpmDispatcher(_PromptAwareDispatcher):
+    """D2LPM (Algorithm 2, §5 of papers/dlpm-locality-aware-fair-scheduling.txt) over chains, with the
+    central queue served by DLPM (Algorithm 1).
+
+    Arrival on free chains (SelectWorker): G = the free chains with the longest match; G_avail = the free
+    chains with q_{i,k} > 0, replenished by Q^w on every chain until non-empty; the least-occupied chain of
+    G ∩ G_avail, else of G_avail; then q_{i,k} -= w_e input_tokens (line 16) and, at completion,
+    w_q output_tokens (line 22; the expected output length, the dispatcher sees no decode step).
+
+    A freed slot of chain k (DLPM at the central queue): the waiting jobs in order of their match on k,
+    the first whose client has deficit d_i > 0; when no waiting client has d_i > 0 they all get Q^u. A grant
+    charges d_i w_e * (prompt - match) + w_q * output (the extend tokens: reuse is cheap for whoever
+    gets it). A client that stops waiting has its deficit reset to 0 (deficit round robin), so credit or
+    debt is not carried over idle time. This is what gives the bound W_g - W_f <= 2 (U + Q^u) |W| over any
+    window in which f stays backlogged (tests/test_prefix_dispatch.py checks it).
+    """
+
+    name = "d2lpm"
+
+    def __init__(self, chains: Sequence[ChainSpec], **kw):
+        super().__init__(chains, **kw)
+        self.chain_deficit: dict[tuple[str, int], float] = {}  # q_{i,k}
+        self.client_deficit: dict[str, float] = {}  # d_i of the central queue's DLPM
+        self._waiting_of: dict[str, int] = {}
+        self.service: dict[str, float] = {}  # what each client was charged at its grants (for tests, /status)
+
+    def charge(self, req: DispatchRequest, match_tokens: int) -> float:
+        p = self.params
+        return p.w_in * max(0, req.prompt_tokens - match_tokens) + p.w_out * req.output_tokens
+
+    def _choose(self, req: DispatchRequest, free: list[int]) -> int:
+        i = req.client_id
+        match = {k: self.match_tokens(k, req) for k in free}
+        best = max(match.values())
+        group = {k for k in free if best > 0 and match[k] == best}
+        q = self.chain_deficit
+        avail = [k for k in free if q.get((i, k), 0.0) > 0]
+        if not avail:  # lines 5-6, in one step: the fewest rounds of Q^w that make some free chain positive
+            rounds = min(int(-q.get((i, k), 0.0) // self.params.quantum_chain) + 1 for k in free)
+            for k in range(len(self._chains)):
+                q[(i, k)] = q.get((i, k), 0.0) + rounds * self.params.quantum_chain
+            avail = [k for k in free if q[(i, k)] > 0]
+        cand = [k for k in avail if k in group] or avail
+        return min(cand, key=lambda k: (self._busy[k] / self._chains[k].capacity, self._chains[k].dispatch_time_s, k))
+
+    def _pick_waiting(self, k: int, waiting: list[int]) -> int:
+        d = self.client_deficit
+        eligible = [j for j in waiting if d.get(self._queue[j][1].client_id, 0.0) > 0]
+        if not eligible:  # Alg. 1 line 7: every waiting client is out of quantum: all get Q^u (enough rounds)
+            active = {self._queue[j][1].client_id for j in waiting}
+            rounds = min(int(-d.get(c, 0.0) // self.params.quantum_client) + 1 for c in active)
+            for c in active:
+                d[c] = d.get(c, 0.0) + rounds * self.params.quantum_client
+            eligible = [j for j in waiting if d[self._queue[j][1].client_id] > 0]
+        # Alg. 1 line 3-4: the longest match among the jobs whose client may be served (first of equals)
+        best, best_m = eligible[0], -1
+        for j in itertools.islice(eligible, self.params.lookahead):
+            m = self.match_tokens(k, self._queue[j][1])
+            if m > best_m:
+                best, best_m = j, m
+        return best
+
+    def _queued(self, job_id: int, req: DispatchRequest) -> None:
+        self._waiting_of[req.client_id] = self._waiting_of.get(req.client_id, 0) + 1
+
+    def _left_queue(self, job_id: int, req: DispatchRequest) -> None:
+        c = req.client_id
+        self._waiting_of[c] -= 1
+        if not self._waiting_of[c]:
+            del self._waiting_of[c]
+
+    def _granted(self, job_id: int, k: int, req: DispatchRequest, match_tokens: int) -> None:
+        c = req.client_id
+        cost = self.charge(req, match_tokens)
+        self.service[c] = self.service.get(c, 0.0) + cost
+        self.chain_deficit[(c, k)] = self.chain_deficit.get((c, k), 0.0) - self.params.w_in * req.prompt_tokens
+        if c in self._waiting_of:
+            self.client_deficit[c] = self.client_deficit.get(c, 0.0) - cost
+        else:  # DRR: a client with nothing waiting keeps neither credit nor debt
+            self.client_deficit[c] = 0.0
+
+    def _finished(self, job_id: int, k: int, req: DispatchRequest) -> None:
+        key = (req.client_id, k)
+        self.chain_deficit[key] = self.chain_deficit.get(key, 0.0) - self.params.w_out * req.output_tokens
+
+
+class RrLpmDispatcher(_PromptAwareDispatcher):
+    """The DLPM paper's RR + LPM baseline: round robin over the free chains; a freed slot goes to the
+    waiting job with the longest match on it (plain LPM: no starvation bound, no fairness)."""
+
+    name = "rr-lpm"
+
+    def __init__(self, chains: Sequence[ChainSpec], **kw):
+        kw["params"] = dataclasses.replace(kw.get("params") or PrefixParams(), max_skips=None)
+        super().__init__(chains, **kw)
+
+    def _choose(self, req: DispatchRequest, free: list[int]) -> int:
+        return self._round_robin(free)
+
+    def _pick_waiting(self, k: int, waiting: list[int]) -> int:
+        return self._lpm(k, waiting)
+
+
+class VtcRrDispatcher(_PromptAwareDispatcher):
+    """The DLPM paper's VTC baseline: round robin over the free chains; a freed slot goes to the waiting
+    job of the client with the least virtual token counter (papers/vtc-fairness-in-serving-llms.txt,
+    Algorithm 2: charged w_e * input + w_q * output tokens at the grant, prefix-blind; a client that starts
+    waiting is lifted to the least counter of the waiting clients); FIFO within a client."""
+
+    name = "vtc-rr"
+    uses_index = False
+
+    def __init__(self, chains: Sequence[ChainSpec], **kw):
+        super().__init__(chains, **kw)
+        self.counter: dict[str, float] = {}
+        self._waiting_of: dict[str, int] = {}
+
+    def _choose(self, req: DispatchRequest, free: list[int]) -> int:
+        return self._round_robin(free)
+
+    def _pick_waiting(self, k: int, waiting: list[int]) -> int:
+        return min(waiting, key=lambda j: self.counter.get(self._queue[j][1].client_id, 0.0))  # min: FIFO ties
+
+    def _queued(self, job_id: int, req: DispatchRequest) -> None:
+        c = req.client_id
+        if c not in self._waiting_of:
+            others = [self.counter.get(x, 0.0) for x in self._waiting_of]
+            if others:
+                self.counter[c] = max(self.counter.get(c, 0.0), min(others))
+        self._waiting_of[c] = self._waiting_of.get(c, 0) + 1
+
+    def _left_queue(self, job_id: int, req: DispatchRequest) -> None:
+        c = req.client_id
+        self._waiting_of[c] -= 1
+        if not self._waiting_of[c]:
+            del self._waiting_of[c]
+
+    def _granted(self, job_id: int, k: int, req: DispatchRequest, match_tokens: int) -> None:
+        p = self.params
+        c = req.client_id
+        self.counter[c] = self.counter.get(c, 0.0) + p.w_in * req.prompt_tokens + p.w_out * req.output_tokens
+
+
+PROMPT_AWARE = {"e2": E2Dispatcher, "d2lpm": D2lpmDispatcher, "rr-lpm": RrLpmDispatcher, "vtc-rr": VtcRrDispatcher}
+
 DISPATCHERS = {"jffc": JffcDispatcher, "jsq": JsqDispatcher, "jiq": JiqDispatcher,
-               "sed": SedDispatcher, "sa-jsq": SaJsqDispatcher}
+               "sed": SedDispatcher, "sa-jsq": SaJsqDispatcher, **PROMPT_AWARE}
 
 
 def make_dispatcher(name: str, chains: Sequence[ChainSpec], rng: np.random.Generator | None = None,
-                    order: QueueOrder | None = None) -> Dispatcher:
-    """Factory: ``name`` in {"jffc", "jsq", "jiq", "sed", "sa-jsq"}. ``order`` (JFFC's central queue
-    order) is refused for the per-chain-queue policies, whose queues are FIFO by definition."""
+                    order: QueueOrder | None = None, *, index: PrefixIndex | None = None,
+                    hop_servers: Sequence[Sequence] | None = None, costs: dict | None = None,
+                    params: PrefixParams | None = None) -> Dispatcher:
+    """Factory: ``name`` in DISPATCHERS. ``order`` (JFFC's central queue order) is refused for the others,
+    whose queue orders are their own. The prompt-aware policies (e2, d2lpm, rr-lpm, vtc-rr) read and
+    teach ``index`` (a PrefixIndex that outlives the dispatcher; None: a private one), name each hop's
+    server by ``hop_servers`` (default ChainSpec.servers), cost servers by ``costs`` (server -> ServerCost;
+    default 1 and 1) and take ``params``; the others ignore these."""
     if name not in DISPATCHERS:
         raise ValueError(f"unknown dispatch policy {name!r}; choose one of {sorted(DISPATCHERS)}")
     if name == "jffc":
         return JffcDispatcher(chains, order)
     if order is not None:
-        raise ValueError(f"dispatch policy {name!r} keeps a FIFO queue per chain; a queue order "
+        raise ValueError(f"dispatch policy {name!r} orders its own queue; a queue order "
                          "(e.g. --queue fair) needs --dispatch jffc")
+    if name in PROMPT_AWARE:
+        return PROMPT_AWARE[name](chains, index=index, hop_servers=hop_servers, costs=costs, params=params)
     return DISPATCHERS[name](chains, rng)

@@ -100,6 +100,11 @@ class AcquireTimeoutError(PetalsChainError):
     code = ErrorCode.ACQUIRE_TIMEOUT
 
 
+class TooManyWaitingError(AcquireTimeoutError):
+    """The client already has the most sessions the orchestrator lets one client keep waiting (a flood of
+    acquires): retry once some of them were granted. Sent as an acquire timeout (retry later)."""
+
+
 class OrchestratorUnavailableError(PetalsChainError):
     """The orchestrator did not answer (it died, or is unreachable)."""
 

@@ -50,6 +50,7 @@ from petals_chain.wire.records import ServerInfo
 from server import relay
 from server.lifecycle import ServerLifecycle
 from server.prefix_cache import PrefixPin
+from server.prefix_report import prefix_delta
 from server.relay import RelayInbox, RelayIndex, RelayLinks
 from server.reservation import SessionReservation
 from server.service_meter import ServiceMeter
@@ -144,10 +145,11 @@ class BlockServicer:
 
     async def info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:  # any request gets the info; a well-formed one may also ask for the measured batches
-            since = wire.decode_request(request, wire_records.InfoRequest).service_since_seq
+            req = wire.decode_request(request, wire_records.InfoRequest)
         except PetalsChainError:
-            since = None
-        return wire.response(wire_records.InfoReply(self._info(), self.meter.since(since)))
+            req = wire_records.InfoRequest()
+        return wire.response(wire_records.InfoReply(self._info(), self.meter.since(req.service_since_seq),
+                                                    prefix_delta(self.stacks.current, req)))
 
     @wire.replies_with_typed_errors
     async def direct(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:

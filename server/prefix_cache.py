@@ -29,6 +29,7 @@ import torch
 from petals_chain.errors import InvalidRequestError, OutOfCacheError
 from petals_chain.runtime.kv_cache import SessionKV
 from server.memory import KVBudget
+from server.prefix_report import PrefixReport
 
 SHARING_SCOPES = ("client", "swarm")
 
@@ -85,11 +86,16 @@ class PrefixCache:
         self._bytes = 0
         self._tick = itertools.count()
         budget.attach_reclaimer(self)  # the cache's chunks are what a session may evict
+        self.report = PrefixReport(self.held_keys)  # inserts and evictions, for the orchestrator's index
 
     # -- keys -------------------------------------------------------------------------------
     def namespace(self, client_id: str, first_block: int, adapter: str | None = None) -> str:
         owner = client_id if self.sharing == "client" else "*"
         return f"{owner}|{first_block}" + (f"|{adapter}" if adapter is not None else "")
+
+    def held_keys(self) -> list[tuple[str, str]]:
+        with self.budget.lock:
+            return list(self._chunks)
 
     @property
     def cached_bytes(self) -> int:
@@ -204,6 +210,7 @@ class PrefixCache:
                         if parent is not None:
                             self._chunks[parent].children += 1
                         self.stats.inserted_chunks += 1
+                        self.report.inserted(*key)
                         added += 1
                     else:
                         chunk.last_used = next(self._tick)
@@ -254,6 +261,7 @@ class PrefixCache:
         self._bytes -= chunk.nbytes
         self.budget.release(self._budget_key(chunk.key))
         self.stats.evicted_chunks += 1
+        self.report.evicted(*chunk.key)
         return chunk.nbytes
 
     def clear(self) -> None:

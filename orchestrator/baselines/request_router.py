@@ -125,7 +125,7 @@ class PerRequestRouter(Dispatcher):
         self._job_route[job_id] = rid
         return Start(job_id, rid, self._routes[rid].service_time_s)
 
-    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None) -> list[Start]:
+    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None, request=None) -> list[Start]:
         # a route is computed per request over live slots; ``allowed`` (chain indices) has no meaning here
         path = self._path()
         if path is None:  # cannot happen after the constructor's check; keep the error explicit

@@ -77,7 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=positive_float, default=15.0, help="seconds a session lease lives without a heartbeat")
     p.add_argument("--dispatch", choices=sorted(DISPATCHERS), default="jffc",
                    help="dispatcher over the chains of proposed / jffc-only (orchestrator.dispatch; the simulator's "
-                        "--dispatch): jffc (the paper) or jsq, jiq, sed, sa-jsq (a FIFO queue per chain)")
+                        "--dispatch): jffc (the paper), jsq, jiq, sed, sa-jsq (a FIFO queue per chain), or the "
+                        "prompt-aware e2 (Preble), d2lpm (fair, D2LPM), rr-lpm, vtc-rr (docs/prefix-dispatch.md)")
+    p.add_argument("--prefix-sharing", choices=["client", "swarm"], default="client",
+                   help="whose cached prefixes the prompt-aware dispatchers match a session against: its own "
+                        "client's (default; dispatch reveals nothing of other clients' prompts) or every client's "
+                        "(use with servers started with --prefix-sharing swarm)")
+    p.add_argument("--prefix-index-entries", type=positive_int, default=1 << 18,
+                   help="bound of the global prefix index (server, namespace, chunk) entries, LRU (default 262144)")
     p.add_argument("--queue", choices=["fifo", "fair"], default="fifo",
                    help="central queue order when no chain has a free slot: fifo (JFFC as in the paper) or fair "
                         "(the waiting session whose client received the least service goes first: VTC counters)")
@@ -159,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         per_block_overhead_s=args.per_block_overhead_ms / 1e3, per_step_overhead_s=args.per_step_overhead_ms / 1e3, relay=args.relay,
         server_compute=args.server_compute, kv_plan_tokens=args.kv_plan_tokens,
         expected_servers=args.expected_servers, expected_wait_s=args.expected_wait, settle_s=args.settle, replan_period_s=args.replan_period,
-        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch, calibrate=args.calibrate,
+        force_replan=args.force_replan, lease_ttl_s=args.lease_ttl, queue=args.queue, dispatch=args.dispatch,
+        prefix_sharing=args.prefix_sharing, prefix_index_entries=args.prefix_index_entries, calibrate=args.calibrate,
         replan_enter=args.replan_threshold, replan_exit=args.replan_threshold / 2,
         model_replan_period_s=args.model_replan_period, replan_hold_s=args.replan_hold,
         drain_timeout_s=args.drain_timeout, max_moves_per_replan=args.max_moves_per_replan,

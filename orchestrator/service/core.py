@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from orchestrator.bounds import theorem37_bounds
 from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
+from orchestrator.dispatch import PROMPT_AWARE, ServerCost
 from orchestrator.model import BlockInterval, Cluster, InfeasibleClusterError, Placement, contended_chains
 from orchestrator.placement_leftover import place_leftover
 from orchestrator.planner import Plan, make_baseline_router
@@ -34,6 +35,7 @@ from orchestrator.service.calibration import (
 )
 from orchestrator.service.installed import Drain, InstalledPlan
 from orchestrator.service.measurements import LengthEstimator, median
+from orchestrator.service.prefix_reports import PrefixReportReader
 from orchestrator.service.registry import (
     HeldRange,
     Overheads,
@@ -97,6 +99,8 @@ class OrchestratorConfig:
     lease_ttl_s: float = 15.0
     queue: str = "fifo"  # central queue order: fifo (JFFC, the paper) or fair (VTC counters per client)
     dispatch: str = "jffc"  # chain dispatcher (orchestrator.dispatch) for policies over static chains
+    prefix_sharing: str = "client"  # whose prefixes a prompt-aware dispatcher matches (the servers' scope)
+    prefix_index_entries: int = 1 << 18  # bound of the global prefix index (LRU)
     # the calibrated service model (orchestrator/service/calibration.py)
     calibrate: bool = True  # plan from live service fits once a server has enough batches
     service_poll_s: float = 2.0  # how often servers' batch records are read
@@ -226,8 +230,10 @@ class Orchestrator:
                                        prior_weight=config.length_prior_sessions)
         self.overheads = Overheads(config.per_block_overhead_s, config.per_step_overhead_s)
         self.policy = get_policy(config.policy)
+        self.prefix_reports = PrefixReportReader()  # the servers' prefix-cache reports, into the prefix index
         # one lock: the sessions' owner shares it, so the plan and the sessions change together
-        self.sessions = Sessions(lease_ttl_s=config.lease_ttl_s, queue=config.queue, lock=self.lock)
+        self.sessions = Sessions(lease_ttl_s=config.lease_ttl_s, queue=config.queue, lock=self.lock,
+                                 prefix_sharing=config.prefix_sharing, prefix_index_entries=config.prefix_index_entries)
         self.sessions.set_expected_tokens(config.mean_input_tokens, config.mean_output_tokens)
         self.current: InstalledPlan | None = None  # the plan servers are loading / running (swapped whole)
         self.plan_error: str | None = None
@@ -321,6 +327,10 @@ class Orchestrator:
         if now - self._last_service_poll_s >= self.config.service_poll_s:
             self._last_service_poll_s = now
             self.collect_service()
+            if self.config.dispatch in PROMPT_AWARE:  # the servers' prefix caches, for the prefix index
+                with self.lock:
+                    serving = [p for p, r in self.records.items() if r.info.has_blocks]
+                self.prefix_reports.collect(self.loop, self.p2p, self.sessions, serving)
         if now - self._last_model_check_s >= self.config.model_check_s:
             self._last_model_check_s = now
             self.check_model(now)
@@ -774,7 +784,20 @@ class Orchestrator:
             hops = tuple(Hop(cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
             if all(h.peer_id in max_len for h in hops):
                 specs.append((hops, k.capacity, k.dispatch_time_s, min(max_len[h.peer_id] for h in hops)))
-        self.sessions.install_chains(specs, cur.version, now, dispatch=self.config.dispatch)
+        self.sessions.install_chains(specs, cur.version, now, dispatch=self.config.dispatch,
+                                    server_costs=self._server_costs(cur.peers))  # E2's load cost
+
+    def _server_costs(self, peers) -> dict:
+        """Each server's calibrated t_I, t_O per block and token (its start-up profile until a fit has them)."""
+        out = {}
+        for p in peers:
+            rec = self.records.get(p)
+            if rec is not None:
+                f = rec.model_fit
+                t_in = rec.info.prefill_s_per_token if f is None or f.t_I_s is None else f.t_I_s
+                t_out = rec.info.decode_s_per_token if f is None else f.t_O_s
+                out[p] = ServerCost(float(t_in), float(t_out))
+        return out
 
     def _install_router(self, cur: InstalledPlan, now: float, exclude: set[str] = frozenset()) -> None:
         """Router mode: a per-request router over the plan's placement, without lost servers."""
@@ -878,6 +901,7 @@ class Orchestrator:
                 "num_blocks": self.config.num_blocks, "servers": servers,
                 "chains": self.sessions.chain_views(), "queue_length": self.sessions.queue_length,
                 "queue_order": self.sessions.queue_order, "sessions": len(self.sessions.leases),
+                "dispatch": self.config.dispatch, "prefix": self.sessions.prefix_status(),
                 "expected_lengths": {"input_tokens": shape.mean_input_tokens, "output_tokens": shape.mean_output_tokens,
                                      "finished_sessions": self.lengths.sessions},
                 "metrics": {"admitted": self.sessions.metrics.admitted, "released": self.sessions.metrics.released,

@@ -15,6 +15,7 @@ import logging
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
+from orchestrator.dispatch import DispatchRequest
 from orchestrator.service.sessions import MAX_POLL_S
 from orchestrator.service.sessions import Queued as Waiting
 from petals_chain.wire import codec as wire
@@ -52,10 +53,13 @@ class OrchestratorRpc:
         exclude = frozenset(msg.exclude)
         if msg.adapter is not None:  # JFFC picks among chains whose every server serves the adapter
             exclude |= orch.peers_without_adapter(msg.adapter)
-        out = await orch.sessions.poll(msg.session_id, str(context.remote_id), msg.max_length,
+        client_id = str(context.remote_id)  # the authenticated peer: the servers' --prefix-sharing client scope
+        request = DispatchRequest(client_id, tuple(msg.prefix_hashes or ()), int(msg.prompt_tokens or 0),
+                                  int(round(orch.sessions.expected_tokens[1])))
+        out = await orch.sessions.poll(msg.session_id, client_id, msg.max_length,
                                        timeout_s=min(msg.timeout_s, orch.config.max_acquire_timeout_s),
                                        poll_s=min(msg.poll_s, MAX_POLL_S), exclude=exclude,
-                                       clock=orch.clock)
+                                       clock=orch.clock, request=request)
         if isinstance(out, Waiting):
             return wire.response(Queued(out.position, out.queue_length))
         return self._granted(out)

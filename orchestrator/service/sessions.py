@@ -34,12 +34,22 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from orchestrator.dispatch import Dispatcher, Start, make_dispatcher
+from orchestrator.dispatch import (
+    PROMPT_AWARE,
+    D2lpmDispatcher,
+    Dispatcher,
+    DispatchRequest,
+    PrefixParams,
+    Start,
+    make_dispatcher,
+)
 from orchestrator.model import BlockInterval, ChainSpec
+from orchestrator.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex
 from petals_chain.errors import (
     AcquireTimeoutError,
     MaxLengthExceededError,
     NoChainError,
+    TooManyWaitingError,
 )
 from petals_chain.wire.messages import ChainGrant, Hop
 
@@ -91,6 +101,7 @@ class Waiter:
     deadline_s: float
     job_id: int = -1
     last_seen_s: float = 0.0  # last time its client polled (a client that stops polling is gone)
+    request: DispatchRequest | None = None  # its prompt, for the prompt-aware dispatchers
 
 
 @dataclass
@@ -137,7 +148,8 @@ def chain_specs(chains: list[tuple[tuple[Hop, ...], int, float, int]]) -> list[C
 
 class Sessions:
     def __init__(self, lease_ttl_s: float = 30.0, *, queue: str = "fifo", w_in: float = 1.0, w_out: float = 2.0,
-                 lock: threading.RLock | None = None):
+                 lock: threading.RLock | None = None, prefix_sharing: str = "client",
+                 prefix_index_entries: int = DEFAULT_MAX_ENTRIES, max_waiting_per_client: int = 256):
         if lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be positive")
         if queue not in QUEUE_ORDERS:
@@ -161,6 +173,16 @@ class Sessions:
         self._wakers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
         self._next_chain_id = 0
         self._next_job = 0
+        # the global prefix index outlives plans (the servers' caches do); the prompt-aware dispatchers
+        # read it and learn grants into it, the servers' reports correct it (`prefix_report`)
+        self.prefix_index = PrefixIndex(sharing=prefix_sharing, max_entries=prefix_index_entries)
+        self.server_costs: dict | None = None  # peer id -> dispatch.ServerCost (calibrated t_I, t_O), if known
+        self.dispatch_params: PrefixParams | None = None  # None: quanta of one expected request (below)
+        if max_waiting_per_client < 1:
+            raise ValueError("max_waiting_per_client must be >= 1")
+        self.max_waiting_per_client = max_waiting_per_client
+        self._waiting_of: dict[str, int] = {}
+        self.refused_floods = 0
 
     # -- installing plans ---------------------------------------------------------------------
     def queue_order_key(self) -> Callable[[list[int]], list[int]] | None:
@@ -168,17 +190,32 @@ class Sessions:
         return None if self.queue_order == "fifo" else self._fair_order
 
     def install_chains(self, chains: list[tuple[tuple[Hop, ...], int, float, int]], plan_version: int, now_s: float,
-                       *, dispatch: str = "jffc", rng=None) -> list[ChainGrant]:
+                       *, dispatch: str = "jffc", rng=None, server_costs: dict | None = None) -> list[ChainGrant]:
         """Static chains: [(hops, capacity, service_time_s, max_length_tokens)] dispatched by `dispatch`
-        (orchestrator.dispatch). Returns grants to waiting sessions."""
+        (orchestrator.dispatch); `server_costs` (peer id -> dispatch.ServerCost), E2's load cost when
+        known. Returns grants to waiting sessions."""
         chains = [c for c in chains if c[1] >= 1]
         with self.lock:
+            if server_costs is not None:
+                self.server_costs = server_costs
             if not chains:
                 self._retire_all()
                 self.plan_version = plan_version
                 return []
-            d = make_dispatcher(dispatch, chain_specs(chains), rng, self.queue_order_key())
+            d = make_dispatcher(dispatch, chain_specs(chains), rng, self.queue_order_key(), index=self.prefix_index,
+                                hop_servers=[[h.peer_id for h in hops] for hops, *_ in chains], costs=self.server_costs,
+                                params=self._dispatch_params())
             return self.install(d, plan_version, now_s, chains=chains)
+
+    def _dispatch_params(self) -> PrefixParams:
+        """The prompt-aware policies' knobs: DLPM's Q^u of one expected session's charge (w_in l_in + w_out
+        l_out) and D2LPM's Q^w of four, so a flooder's backlog yields to a light client within a session or
+        two (a quantum of many sessions lets one client's burst go first; the bound 2 (U + Q^u) |W| grows
+        with it), in the units the counters charge."""
+        if self.dispatch_params is not None:
+            return self.dispatch_params
+        one = self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
+        return PrefixParams(quantum_client=one, quantum_chain=4 * one, w_in=self.w_in, w_out=self.w_out)
 
     def install_router(self, router: Dispatcher, peer_ids: list[str], max_length_tokens: dict[str, int],
                        plan_version: int, now_s: float) -> list[ChainGrant]:
@@ -307,17 +344,31 @@ class Sessions:
 
     # -- sessions -----------------------------------------------------------------------------
     def acquire(self, session_id: str, client_id: str, max_length: int, now_s: float, *, timeout_s: float,
-                exclude: frozenset[str] = frozenset()) -> tuple[ChainGrant | None, list[ChainGrant]]:
+                exclude: frozenset[str] = frozenset(),
+                request: DispatchRequest | None = None) -> tuple[ChainGrant | None, list[ChainGrant]]:
         """Grant `session_id` a chain now, or queue it (returns None). A session that already holds a
-        lease (failover) gives it back first; the grants of other sessions that this frees come second."""
+        lease (failover) gives it back first; the grants of other sessions that this frees come second.
+        `request`: its prompt (client id, prefix hashes, token count) for the prompt-aware dispatchers.
+        A client with `max_waiting_per_client` sessions waiting already gets TooManyWaitingError: a flood of
+        acquires costs the orchestrator bounded memory and leaves the others' places in the queue alone."""
         with self.lock:
+            if (session_id not in self.queue and session_id not in self.leases
+                    and self._waiting_of.get(client_id, 0) >= self.max_waiting_per_client):
+                self.refused_floods += 1
+                raise TooManyWaitingError(
+                    f"client {client_id} already has {self.max_waiting_per_client} sessions waiting for a chain; "
+                    "retry once some of them were granted")
             others: list[ChainGrant] = []
             if session_id in self.leases:
                 others = self.release(session_id, now_s)
             if session_id in self.queue:
                 raise ValueError(f"session {session_id!r} is already waiting")
+            if request is not None and request.client_id != client_id:
+                request = DispatchRequest(client_id, request.prefix_hashes, request.prompt_tokens,
+                                          request.output_tokens)
             w = Waiter(session_id, client_id, max_length, frozenset(exclude), now_s, now_s + timeout_s,
-                       last_seen_s=now_s)
+                       last_seen_s=now_s, request=request)
+            self._waiting_of[client_id] = self._waiting_of.get(client_id, 0) + 1
             if self.queue_order == "fair" and all(q.client_id != client_id for q in self.queue.values()):
                 self._lift(client_id)
             self.queue[session_id] = w
@@ -330,7 +381,10 @@ class Sessions:
         self._next_job += 1
         w.job_id = self._next_job
         self._job_session[w.job_id] = w.session_id
-        return self._starts(self._binding.dispatcher.on_arrival(w.job_id, self._allowed(w)), now_s)
+        b = self._binding
+        if b.per_request:
+            return self._starts(b.dispatcher.on_arrival(w.job_id, self._allowed(w)), now_s)
+        return self._starts(b.dispatcher.on_arrival(w.job_id, self._allowed(w), w.request), now_s)
 
     def _starts(self, starts: list[Start], now_s: float) -> list[ChainGrant]:
         return [self._grant(self.queue[self._job_session[s.job_id]], self._live_chain(s), now_s) for s in starts]
@@ -352,6 +406,7 @@ class Sessions:
     def _grant(self, w: Waiter, ch: LiveChain, now_s: float) -> ChainGrant:
         assert ch.in_use < ch.capacity or ch.route, "the dispatcher overfilled a chain"
         del self.queue[w.session_id]
+        self._left_queue(w)
         self._job_session.pop(w.job_id, None)
         ch.in_use += 1
         wait = now_s - w.arrived_s
@@ -369,6 +424,13 @@ class Sessions:
         self._unpicked[w.session_id] = (g, now_s)
         self._wake(w.session_id)
         return g
+
+    def _left_queue(self, w: Waiter) -> None:
+        n = self._waiting_of.get(w.client_id, 0) - 1
+        if n > 0:
+            self._waiting_of[w.client_id] = n
+        else:
+            self._waiting_of.pop(w.client_id, None)
 
     def _lift(self, client_id: str) -> None:
         """VTC's counter lift: a client that starts waiting gets at least the smallest counter of the
@@ -490,6 +552,8 @@ class Sessions:
         """A waiting session leaves the queue without a grant; a poll waiting for it wakes up."""
         with self.lock:
             w = self.queue.pop(session_id, None)
+            if w is not None:
+                self._left_queue(w)
             if w is not None and w.job_id >= 0 and self._binding is not None:
                 self._binding.dispatcher.cancel(w.job_id)
                 self._job_session.pop(w.job_id, None)
@@ -515,6 +579,8 @@ class Sessions:
                      and self._live_of_index.get(self.chains[cid].index) == cid]), now_s)
             for cid in lost:
                 del self.chains[cid]
+            for p in peer_ids:  # a lost (or moved) server's cache is gone: its next report lists it anew
+                self.prefix_index.forget_server(p)
             self.metrics.dropped += len(dropped)
             return dropped, grants
 
@@ -605,7 +671,8 @@ class Sessions:
                 pass
 
     async def poll(self, session_id: str, client_id: str, max_length: int, *, timeout_s: float, poll_s: float,
-                   exclude: frozenset[str], clock: Callable[[], float]) -> ChainGrant | Queued:
+                   exclude: frozenset[str], clock: Callable[[], float],
+                   request: DispatchRequest | None = None) -> ChainGrant | Queued:
         """One long poll of acquire: the grant (made now, or since the last poll), or Queued after at most
         `poll_s`. Raises NoChainError / MaxLengthExceededError at once, AcquireTimeoutError when the
         session's own deadline passed or it left the queue."""
@@ -623,7 +690,8 @@ class Sessions:
                 if self.refuses_length(max_length):
                     raise MaxLengthExceededError(
                         f"max_length={max_length} exceeds what every chain's servers accept; use a smaller max_length")
-                self.acquire(session_id, client_id, max_length, now, timeout_s=timeout_s, exclude=exclude)
+                self.acquire(session_id, client_id, max_length, now, timeout_s=timeout_s, exclude=exclude,
+                             request=request)
                 g = self.take_grant(session_id)
                 if g is not None:
                     return g
@@ -656,6 +724,39 @@ class Sessions:
                                           f"{len(self.queue)}); retry later or raise the timeout")
             self.touch(session_id, clock())
             return Queued(list(self.queue).index(session_id) + 1, len(self.queue))
+
+    # -- the global prefix index ----------------------------------------------------------------
+    def prefix_report(self, peer_id: str, inserted: list[tuple[str, str]], evicted: list[tuple[str, str]],
+                      *, full: bool = False) -> None:
+        """A server's prefix-cache report (server/prefix_report.py): chunks it stored and dropped since its
+        last report, or (`full`) everything it holds (after its restart, or when reports were lost)."""
+        with self.lock:
+            if full:
+                self.prefix_index.replace_server(peer_id, inserted)
+            else:
+                self.prefix_index.apply(peer_id, inserted, evicted)
+
+    def forget_prefix_server(self, peer_id: str) -> None:
+        """A server left (or restarted with an empty cache): nothing of it is reusable."""
+        with self.lock:
+            self.prefix_index.forget_server(peer_id)
+
+    def prefix_status(self) -> dict:
+        """/status's prompt-aware part: the index's size, each live chain's hit rate as the dispatcher
+        expected it, and (d2lpm) the deficit counters."""
+        with self.lock:
+            b = self._binding
+            out: dict = {"prefix_sharing": self.prefix_index.sharing, "index_entries": len(self.prefix_index),
+                         "index_max_entries": self.prefix_index.max_entries,
+                         "index_dropped_lru": self.prefix_index.dropped_lru, "refused_floods": self.refused_floods}
+            d = None if b is None else b.dispatcher
+            if d is not None and getattr(d, "name", None) in PROMPT_AWARE:
+                live = {i: cid for i, cid in self._live_of_index.items()}
+                out["chain_hit_rate"] = {str(live.get(i, i)): r for i, r in enumerate(d.hit_rates())}
+                if isinstance(d, D2lpmDispatcher):
+                    out["client_deficit"] = dict(d.client_deficit)
+                    out["chain_deficit"] = {f"{c}@{live.get(k, k)}": q for (c, k), q in d.chain_deficit.items()}
+            return out
 
     # -- views ----------------------------------------------------------------------------------
     @property

@@ -26,8 +26,10 @@ class LeaseClosedError(PetalsChainError):
 
 class Lease:
     def __init__(self, provider: ChainProvider, session_id: str, *, num_blocks: int, max_length: int,
-                 adapter: str | None = None, clock: Callable[[], float] = time.monotonic):
+                 adapter: str | None = None, prompt: dict | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.provider = provider
+        self.prompt = dict(prompt or {})  # prefix_hashes / prompt_tokens, for a provider that dispatches by them
         self.session_id = session_id
         self.num_blocks = num_blocks
         self.max_length = max_length
@@ -55,7 +57,7 @@ class Lease:
             if self._released:
                 raise LeaseClosedError(f"session {self.session_id[:8]} is closed; open a new session")
         acquired = self.provider.acquire(0, self.num_blocks, exclude=exclude, max_length=self.max_length,
-                                         session_id=self.session_id, adapter=self.adapter)
+                                         session_id=self.session_id, adapter=self.adapter, **self.prompt)
         with self._lock:
             closed_meanwhile = self._released  # released by another thread while the acquire was in flight
             self._held = True

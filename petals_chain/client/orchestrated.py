@@ -36,6 +36,7 @@ from petals_chain.wire.messages import (
     Released,
     decode_tagged,
 )
+from petals_chain.wire.prefix_keys import MAX_PREFIX_HASHES, PREFIX_CHUNK_TOKENS
 from petals_chain.wire.record import WireRecord
 
 logger = logging.getLogger(__name__)
@@ -140,16 +141,25 @@ class OrchestratorChainProvider(ChainProvider):
         wire.raise_if_error(out)
         return out
 
-    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
-        return self.acquire(start, end, exclude=exclude, max_length=max_length, session_id=session_id,
-                            adapter=adapter).hops
+    takes_prompt = True
 
-    def acquire(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None) -> Acquired:
+    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None,
+                   prefix_hashes=(), prompt_tokens=0):
+        return self.acquire(start, end, exclude=exclude, max_length=max_length, session_id=session_id,
+                            adapter=adapter, prefix_hashes=prefix_hashes, prompt_tokens=prompt_tokens).hops
+
+    def acquire(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None,
+                prefix_hashes=(), prompt_tokens=0) -> Acquired:
+        """`prefix_hashes`, `prompt_tokens`: the session's prompt (its chained chunk hashes, the first
+        MAX_PREFIX_HASHES, and its length), so a prompt-aware dispatcher can send it where its prefix is cached."""
         if not session_id:
             raise PetalsChainError("OrchestratorChainProvider.find_chain needs the session id")
         deadline = time.monotonic() + self.acquire_timeout_s
-        meta = Acquire(session_id, int(max_length or 1), float(self.acquire_timeout_s), float(self.poll_s),
-                       sorted(exclude), adapter)
+        max_length = int(max_length or 1)
+        prompt_tokens = min(int(prompt_tokens), max_length)
+        hashes = list(prefix_hashes)[:min(MAX_PREFIX_HASHES, prompt_tokens // PREFIX_CHUNK_TOKENS)]
+        meta = Acquire(session_id, max_length, float(self.acquire_timeout_s), float(self.poll_s),
+                       sorted(exclude), adapter, hashes or None, prompt_tokens or None)
         while True:
             try:
                 out = decode_tagged(self._call("rpc_acquire", meta, self.poll_s + self.rpc_margin_s), Granted, Queued)

@@ -137,7 +137,7 @@ class RemoteChainSession(ChainSession):
         self.recovery = Recovery(ctx.max_failovers, ctx.peer_health, avoid=avoid, busy_backoff_s=ctx.busy_backoff_s)
         # the session's hold on its chain (with an orchestrator: its lease and grant), released in `close`
         self.lease = Lease(ctx.provider, self.session_id, num_blocks=ctx.num_blocks, max_length=max_length,
-                           adapter=adapter)
+                           adapter=adapter, prompt=self._prompt())
         self.reopens = 0  # streams reopened after the server's session_idle_timeout (not failovers)
         self.rollbacks = 0  # steps that restarted below `position` (rejected drafts, an edited last turn)
         self.streams: list[HopStream] = []
@@ -175,6 +175,12 @@ class RemoteChainSession(ChainSession):
         """The orchestrator's grant of this session's chain (`ChainGrant`: its wait, chain id, plan
         version), None with client-side routing."""
         return self.lease.grant
+
+    def _prompt(self) -> dict:
+        """The prompt for a provider that dispatches by it (an orchestrator running e2 or d2lpm)."""
+        if not self.ctx.provider.takes_prompt or self.prefix is None:
+            return {}
+        return {"prefix_hashes": self.prefix_hashes, "prompt_tokens": len(self.prefix.token_ids)}
 
     # -- stream plumbing ----------------------------------------------------------------------
     @property

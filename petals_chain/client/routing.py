@@ -36,6 +36,8 @@ class ChainProvider(ABC):
     # True: on a server failure the session replaces its whole chain (asked from block 0), not
     # only the hops from the failed one on (an orchestrator counts a session on one chain).
     whole_chain_failover: bool = False
+    # True: find_chain also takes the prompt (`prefix_hashes`, `prompt_tokens`) for prompt-aware dispatch
+    takes_prompt: bool = False
 
     @abstractmethod
     def find_chain(self, start: int, end: int, *, exclude: frozenset[str] = frozenset(),

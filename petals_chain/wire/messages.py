@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from petals_chain.errors import InvalidRequestError
-from petals_chain.wire.prefix_keys import check_prefix_hashes
+from petals_chain.wire.prefix_keys import PREFIX_CHUNK_TOKENS, check_prefix_hashes
 from petals_chain.wire.record import WireRecord
 
 MAX_SESSION_ID_CHARS = 128
@@ -307,10 +307,27 @@ class Acquire(WireRecord):
     poll_s: float = 5.0
     exclude: list[str] = field(default_factory=list)
     adapter: str | None = None  # only chains whose every server serves this LoRA adapter
+    # the prompt, for prompt-aware dispatch (--dispatch e2, d2lpm, ...): its chained chunk hashes
+    # (prefix_keys.prefix_hashes: its full chunks, the first MAX_PREFIX_HASHES) and its length in tokens
+    prefix_hashes: list[str] | None = None
+    prompt_tokens: int | None = None
 
     def check(self) -> None:
         _check_session_id(self.session_id)
         _check_max_length(self.max_length)
+        if self.prefix_hashes is not None:
+            check_prefix_hashes(self.prefix_hashes)
+        if self.prompt_tokens is not None and not 0 <= self.prompt_tokens <= self.max_length:
+            raise InvalidRequestError(f"prompt_tokens={self.prompt_tokens} must lie in [0, max_length="
+                                      f"{self.max_length}]: the session's max_length must hold its prompt")
+        if self.prefix_hashes:
+            if self.prompt_tokens is None:
+                raise InvalidRequestError("prefix_hashes need prompt_tokens (the prompt's length in tokens)")
+            if len(self.prefix_hashes) * PREFIX_CHUNK_TOKENS > self.prompt_tokens:
+                raise InvalidRequestError(
+                    f"{len(self.prefix_hashes)} prefix hashes cover {len(self.prefix_hashes) * PREFIX_CHUNK_TOKENS} "
+                    f"tokens, more than prompt_tokens={self.prompt_tokens}: hash only the prompt's full chunks "
+                    "(petals_chain.wire.prefix_keys.prefix_hashes)")
 
 
 @dataclass

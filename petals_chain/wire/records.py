@@ -111,6 +111,21 @@ class InfoRequest(WireRecord):
     TYPE = MessageType.INFO
     # with a cursor, the reply carries the batches after it (None: none; -1: all the server keeps)
     service_since_seq: int | None = None
+    # with a cursor, the reply carries the prefix cache's inserts and evictions from it (server/prefix_report.py)
+    prefix_since_seq: int | None = None
+    prefix_epoch: str | None = None
+
+
+@dataclass
+class PrefixDelta(WireRecord):
+    """A server's prefix-cache changes since a cursor: [namespace, hash] pairs it stored and dropped; with
+    `full`, `inserted` is everything it holds (the cursor was from another epoch or too old)."""
+
+    epoch: str
+    next_seq: int
+    full: bool
+    inserted: list[list[str]]
+    evicted: list[list[str]]
 
 
 @dataclass
@@ -120,6 +135,7 @@ class InfoReply(WireRecord):
     TYPE = MessageType.INFO
     info: ServerInfo
     service: list[BatchService] | None = None  # batches after the request's cursor, oldest first
+    prefix: PrefixDelta | None = None  # the prefix cache's changes after the request's prefix cursor
 
 
 @dataclass

@@ -1,0 +1,255 @@
+"""The prompt-aware dispatch policies (orchestrator.dispatch: e2, d2lpm, rr-lpm, vtc-rr), the global prefix
+index (orchestrator.prefix_index) and the prefix-aware simulator (orchestrator.sim.prefix_engine)."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.dispatch import (
+    PROMPT_AWARE,
+    D2lpmDispatcher,
+    DispatchRequest,
+    PrefixParams,
+    ServerCost,
+    make_dispatcher,
+)
+from orchestrator.model import BlockInterval, ChainSpec
+from orchestrator.prefix_index import HopKey, PrefixIndex, namespace
+from orchestrator.sim.prefix_engine import LruPrefixCache, jain_index, simulate_prefix
+from orchestrator.sim.prefix_workloads import PromptRequest, prompt_requests
+
+POLICIES = sorted(PROMPT_AWARE)
+
+
+def chains_of(n: int, capacity: int = 2, hops: int = 2) -> list[ChainSpec]:
+    blocks = tuple(BlockInterval(4 * h, 4 * h + 4) for h in range(hops))
+    return [ChainSpec(tuple(hops * k + h for h in range(hops)), blocks, capacity, 1.0 + 0.1 * k) for k in range(n)]
+
+
+def prompt(prefix: int, n_chunks: int, unique: int) -> tuple:
+    """Chunk names: a shared prefix family `prefix`, then one unique chunk."""
+    return tuple(("p", prefix, i) for i in range(n_chunks)) + (("u", unique),)
+
+
+# -- the index ----------------------------------------------------------------------------------
+def test_chain_match_is_the_minimum_over_hops_and_scoped_by_client():
+    idx = PrefixIndex(sharing="client")
+    h = [f"{i:032x}" for i in range(10)]
+    a, b = HopKey("s0", 0), HopKey("s1", 4)
+    for x in h:
+        idx.insert("s0", namespace("client", "alice", 0), x)
+    for x in h[:5]:
+        idx.insert("s1", namespace("client", "alice", 4), x)
+    assert idx.chain_match_tokens([a, b], "alice", h, 10 * 16 + 3) == 5 * 16
+    assert idx.chain_match_tokens([a], "alice", h, 10 * 16) == 9 * 16  # one token is always left to run
+    assert idx.chain_match_tokens([a, b], "bob", h, 200) == 0  # client scope: bob never sees alice's prefixes
+    swarm = PrefixIndex(sharing="swarm")
+    swarm.learn([a, b], "alice", h)
+    assert swarm.chain_match_tokens([a, b], "bob", h, 200) == 10 * 16
+
+
+def test_index_is_bounded_lru_and_evictions_prune():
+    idx = PrefixIndex(sharing="swarm", max_entries=4)
+    ns = namespace("swarm", "x", 0)
+    for i in range(6):
+        idx.insert("s", ns, i)
+    assert len(idx) == 4 and idx.held_by("s") == {(ns, i) for i in range(2, 6)} and idx.dropped_lru == 2
+    idx.apply("s", inserted=[(ns, 9)], evicted=[(ns, 3), (ns, 9)])
+    assert idx.held_by("s") == {(ns, 4), (ns, 5)} and idx.dropped_lru == 3  # 9 pushed 2 out, then was evicted
+    idx.replace_server("s", [(ns, 7)])
+    assert idx.held_by("s") == {(ns, 7)}
+
+
+# -- every policy keeps JFFC's contract ----------------------------------------------------------
+events = st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "complete", "cancel"]), st.integers(0, 3),
+                            st.integers(0, 6), st.integers(0, 3), st.booleans()), min_size=1, max_size=60)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=st.sampled_from(POLICIES), evs=events, n_chains=st.integers(1, 4))
+def test_policies_respect_capacity_allowed_sets_and_the_central_queue(policy, evs, n_chains):
+    chains = chains_of(n_chains)
+    d = make_dispatcher(policy, chains, index=PrefixIndex(sharing="swarm"))
+    running: dict[int, int] = {}
+    waiting: dict[int, frozenset | None] = {}
+    job = 0
+
+    def started(starts):
+        for s in starts:
+            assert s.job_id in waiting, "a job started that was not waiting"
+            allowed = waiting.pop(s.job_id)
+            assert allowed is None or s.chain_id in allowed
+            running[s.job_id] = s.chain_id
+
+    for kind, client, prefix, chain, restrict in evs:
+        if kind == "arrive":
+            job += 1
+            allowed = frozenset({chain % n_chains}) if restrict else None
+            waiting[job] = allowed
+            started(d.on_arrival(job, allowed, DispatchRequest(f"c{client}", prompt(prefix % 3, prefix, job),
+                                                               16 * (prefix + 1) + 5, 4)))
+        elif kind == "complete" and running:
+            j = sorted(running)[prefix % len(running)]
+            del running[j]
+            started(d.on_completion(j))
+        elif kind == "cancel" and waiting:
+            j = sorted(waiting)[prefix % len(waiting)]
+            del waiting[j]
+            d.cancel(j)
+        busy = [sum(1 for k in running.values() if k == c) for c in range(n_chains)]
+        assert all(b <= ch.capacity for b, ch in zip(busy, chains))
+        assert list(d.busy) == busy and d.queue_length == len(waiting)
+        for allowed in waiting.values():  # work conserving: nobody waits while a chain it may use is free
+            assert all(busy[c] == chains[c].capacity for c in range(n_chains) if allowed is None or c in allowed)
+    while running:  # draining finishes every waiting job
+        j = min(running)
+        del running[j]
+        started(d.on_completion(j))
+    assert not waiting
+
+
+# -- E2 ----------------------------------------------------------------------------------------
+def test_e2_exploits_the_longest_usable_match_and_explores_by_load_cost():
+    chains = chains_of(3, capacity=4)
+    idx = PrefixIndex(sharing="swarm")
+    d = make_dispatcher("e2", chains, index=idx)
+    long_prefix = prompt(7, 20, 0)[:-1]
+    # chain 2 holds the prefix on both hops, chain 1 only on its first hop: a chain reuses the minimum
+    idx.learn(d._hops[2], "a", long_prefix)
+    idx.learn(d._hops[1][:1], "a", long_prefix)
+    [s] = d.on_arrival(1, None, DispatchRequest("a", long_prefix + (("u", 1),), 21 * 16, 4))
+    assert s.chain_id == 2  # exploit: 320 matched > 16 missed
+    # a prompt with nothing matched explores: the chain of least load (chain 2 now carries job 1's load)
+    [s] = d.on_arrival(2, None, DispatchRequest("a", prompt(8, 20, 1), 21 * 16, 4))
+    assert s.chain_id != 2
+
+
+def test_e2_rebalances_away_from_a_server_over_th_bal():
+    chains = chains_of(2, capacity=50, hops=1)
+    costs = {0: ServerCost(1.0, 1.0), 1: ServerCost(1.0, 1.0)}
+    d = make_dispatcher("e2", chains, costs=costs, params=PrefixParams(th_bal=2.0))
+    hot = prompt(1, 10, 0)[:-1]
+    starts = [d.on_arrival(j, None, DispatchRequest("a", hot + (("u", j),), 11 * 16, 1))[0] for j in range(20)]
+    on = [s.chain_id for s in starts]
+    # the second would exploit chain 0, whose server's load is over 2x the idle one's: it explores chain 1;
+    # from then on both chains hold the prefix and exploitation picks the lower load cost
+    assert on[:2] == [0, 1] and d.rebalanced >= 1 and abs(on.count(0) - on.count(1)) <= 2
+
+
+# -- D2LPM ---------------------------------------------------------------------------------------
+def test_d2lpm_select_worker_spreads_a_client_once_its_chain_quantum_is_spent():
+    chains = chains_of(2, capacity=100, hops=1)
+    d = make_dispatcher("d2lpm", chains, params=PrefixParams(quantum_chain=100.0))
+    hot = prompt(1, 4, 0)[:-1]
+    on = [d.on_arrival(j, None, DispatchRequest("a", hot + (("u", j),), 5 * 16, 1))[0].chain_id for j in range(6)]
+    # q_{a,k} starts at 0: replenished by 100, spent 80 per request, so the client moves between chains
+    assert set(on) == {0, 1}
+
+
+def test_d2lpm_serves_a_light_client_before_a_flooders_backlog():
+    chains = chains_of(1, capacity=1, hops=1)
+    d = make_dispatcher("d2lpm", chains, params=PrefixParams(quantum_client=20.0))
+    req = DispatchRequest("flood", prompt(1, 4, 0), 5 * 16, 4)
+    d.on_arrival(0, None, req)
+    for j in range(1, 20):
+        d.on_arrival(j, None, DispatchRequest("flood", prompt(1, 4, j), 5 * 16, 4))
+    d.on_arrival(99, None, DispatchRequest("light", prompt(2, 4, 99), 5 * 16, 4))
+    served = []
+    running = 0
+    for _ in range(4):
+        [s] = d.on_completion(running)
+        served.append(s.job_id)
+        running = s.job_id
+    assert 99 in served[:2]  # FIFO would serve it 20th; a flooder request (24) spends its quantum (20)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_chains=st.integers(1, 3), capacity=st.integers(1, 2), seed=st.integers(0, 10_000),
+       quantum=st.sampled_from([50.0, 200.0, 1000.0]), steps=st.integers(20, 120))
+def test_d2lpm_service_bound_in_every_window(n_chains, capacity, seed, quantum, steps):
+    """Theorem 5.1/A.3: over any window in which client f stays backlogged, W_g - W_f <= 2 (U + Q^u) |W|,
+    W the service charged at grants (w_e extend tokens + w_q output), U the largest one request's charge."""
+    rng = np.random.default_rng(seed)
+    params = PrefixParams(quantum_client=quantum, quantum_chain=quantum)
+    d = make_dispatcher("d2lpm", chains_of(n_chains, capacity), params=params)
+    assert isinstance(d, D2lpmDispatcher)
+    clients = ["a", "b", "c"]
+    max_chunks, max_out = 6, 8
+    u_bound = params.w_in * (max_chunks * 16 + 15) + params.w_out * max_out
+    running: list[int] = []
+    waiting_of = {c: 0 for c in clients}
+    job_client: dict[int, str] = {}
+    history = []  # after each event: (service per client, backlogged clients)
+    job = 0
+
+    def note(starts):
+        for s in starts:
+            waiting_of[job_client[s.job_id]] -= 1
+            running.append(s.job_id)
+
+    for _ in range(steps):
+        if running and rng.random() < 0.45:
+            j = running.pop(int(rng.integers(len(running))))
+            note(d.on_completion(j))
+        else:
+            job += 1
+            c = clients[int(rng.choice(3, p=[0.6, 0.25, 0.15]))]
+            job_client[job] = c
+            waiting_of[c] += 1
+            chunks = int(rng.integers(0, max_chunks + 1))
+            req = DispatchRequest(c, prompt(int(rng.integers(2)), chunks, job), chunks * 16 + int(rng.integers(1, 16)),
+                                  int(rng.integers(0, max_out + 1)))
+            note(d.on_arrival(job, None, req))
+        history.append(({c: d.service.get(c, 0.0) for c in clients}, {c for c in clients if waiting_of[c] > 0}))
+    bound = 2 * (u_bound + params.quantum_client) * n_chains
+    for a in range(len(history)):
+        for b in range(a + 1, len(history)):
+            backlogged = set.intersection(*(history[t][1] for t in range(a, b)))
+            for f in backlogged:
+                wf = history[b][0][f] - history[a][0][f]
+                for g in clients:
+                    assert history[b][0][g] - history[a][0][g] - wf <= bound, (f, g, a, b)
+
+
+# -- the simulator --------------------------------------------------------------------------------
+def test_lru_cache_evicts_leaves_before_their_prefix():
+    gone = []
+    c = LruPrefixCache("s", 3, on_evict=lambda s, ns, h: gone.append(h))
+    c.store("n", ["a", "b"])
+    c.store("n", ["c"])
+    c.store("n", ["a", "d"])
+    assert gone == ["b"] and c.match_chunks("n", ["a", "d"]) == 2
+
+
+def test_sim_charges_prefill_only_for_unmatched_tokens():
+    chains = chains_of(1, capacity=1)
+    costs = {s: ServerCost(0.001, 0.01) for s in chains[0].servers}
+    shared = prompt(1, 8, 0)[:-1]
+    reqs = [PromptRequest(0.0, "a", shared + (("u", 0),), 9 * 16 + 5, 2),
+            PromptRequest(100.0, "a", shared + (("u", 1),), 9 * 16 + 5, 2)]
+    for policy in ["jffc", "e2"]:
+        idx = PrefixIndex(sharing="swarm")
+        res = simulate_prefix(make_dispatcher(policy, chains, index=idx), chains, reqs, costs=costs,
+                              cache_chunks=100, index=idx)
+        blocks = 8  # two hops of 4 blocks
+        assert res.computed_tokens.tolist() == [9 * 16 + 5, 16 + 5]
+        assert res.reused_tokens.tolist() == [0, 8 * 16]
+        assert np.allclose(res.response_s, [blocks * (0.001 * (9 * 16 + 5) + 0.01 * 2),
+                                            blocks * (0.001 * (16 + 5) + 0.01 * 2)])
+
+
+def test_sim_index_tracks_the_caches_through_evictions():
+    chains = chains_of(2, capacity=2)
+    costs = {s: ServerCost(0.001, 0.01) for k in chains for s in k.servers}
+    arrivals = np.cumsum(np.random.default_rng(0).exponential(0.5, 300))
+    reqs = prompt_requests("tooluse", arrivals, {"a": 1.0, "b": 1.0}, np.random.default_rng(0))
+    idx = PrefixIndex(sharing="swarm")
+    d = make_dispatcher("e2", chains, index=idx, costs=costs)
+    res = simulate_prefix(d, chains, reqs, costs=costs, cache_chunks=300, index=idx)
+    assert res.reused_tokens.sum() > 0
+    assert jain_index([1.0, 1.0]) == 1.0 and abs(jain_index([1.0, 0.0]) - 0.5) < 1e-12
+    # with no delay on the servers' reports the index holds exactly what the caches hold
+    assert sum(len(v) for v in res.cache_contents.values()) == len(idx)
+    for srv, held in res.cache_contents.items():
+        assert idx.held_by(srv) == held and len(held) <= 300
