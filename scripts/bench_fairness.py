@@ -113,6 +113,7 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
     log.unlink(missing_ok=True)
     server_args = ["--num-threads", str(args.num_threads), "--max-batch-tokens", str(args.max_batch_tokens),
                    "--max-length", "2048", "--memory-budget", args.memory_budget, "--policy", policy,
+                   "--prefill-tokens-while-decoding", str(args.prefill_tokens_while_decoding),
                    "--service-log", str(log), "--no-orchestrator"]
     if policy == "vtc":
         server_args += ["--policy-arg", f"w_in={args.w_in}", "--policy-arg", f"w_out={args.w_out}"]
@@ -249,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--w-out", type=float, default=2.0)
     p.add_argument("--memory-budget", default="2GiB")
     p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--prefill-tokens-while-decoding", type=int, default=32,
+                   help="the servers' --prefill-tokens-while-decoding in every phase (0: off, the server's default)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens per well-behaved generation")
     p.add_argument("--light-runs", type=int, default=4, help="well-behaved generations per phase")
     p.add_argument("--flooder-sessions", type=int, default=6)
@@ -276,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     head = ClientHead(path, model_path=path)
     results = [run_policy(policy, args, head, out_dir) for policy in args.policies.split(",")] \
         if "flooder" in phases else []
-    prefix_results = [fairness_prefix.run_shared_prefix(policy, args, head, out_dir)
-                      for policy in args.prefix_policies.split(",")] if "prefix" in phases else []
+    prefix_results = fairness_prefix.run_phase(args, head, out_dir) if "prefix" in phases else []
     by = {r["policy"]: r for r in results}
     summary = {"args": vars(args), "results": results, "shared_prefix": prefix_results}
     print("\n== summary (ratios within this run)")
