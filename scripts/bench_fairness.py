@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import os
+import shutil
 import statistics
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -120,23 +123,57 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
     for param in params:
         server_args += ["--policy-arg", param]
     result: dict = {"policy": spec}
-    print(f"\n== {spec}: starting a one-server swarm", flush=True)
-    with LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)], server_args=server_args) as swarm:
+    paired = args.flooder_schedule == "paired"
+    cores = sorted(os.sched_getaffinity(0))
+    pin = paired and len(cores) >= 2 and shutil.which("taskset") is not None
+
+    def placement(core: int | None):
+        prefix = [] if core is None else ["taskset", "-c", str(core)]
+        return lambda role: (prefix if role.startswith("server") else [], "127.0.0.1")
+
+    print(f"\n== {spec}: starting a one-server swarm" + (" and its twin for the light client alone" if paired else ""),
+          flush=True)
+    with ExitStack() as stack:
+        swarm = stack.enter_context(LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)],
+                                               server_args=server_args, placement=placement(cores[0] if pin else None)))
         chains = [RemoteChain("smollm2-135m", head.config, swarm.initial_peers, use_orchestrator=False,
                               step_timeout_s=300, open_timeout_s=60) for _ in range(3)]
         light, flooder, other = chains
         peer = {str(c.p2p.peer_id): name for c, name in zip(chains, ("light", "flooder", "other"))}
+        if paired:
+            # the twin: the same server on the other core, where the light client runs alone, its
+            # generations interleaved with those next to the flooder, so both see the same load
+            twin_log = log.with_name(log.stem + "_alone.jsonl")
+            twin_log.unlink(missing_ok=True)
+            twin_args = [twin_log.as_posix() if a == str(log) else a for a in server_args]
+            twin = stack.enter_context(LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)],
+                                                  server_args=twin_args,
+                                                  placement=placement(cores[1] if pin else None)))
+            light_alone = RemoteChain("smollm2-135m", head.config, twin.initial_peers, use_orchestrator=False,
+                                      step_timeout_s=300, open_timeout_s=60)
+            chains.append(light_alone)
         try:
             ids = head_ids(head, LIGHT_PROMPT)
             generate(light, head, ids, args.new_tokens)  # warm-up: routing, connections
-            alone = [generate(light, head, ids, args.new_tokens) for _ in range(args.light_runs)]
-            print(f"   light alone: mean {statistics.mean(alone):.2f} s over {len(alone)} generations", flush=True)
+            if paired:
+                generate(light_alone, head, ids, args.new_tokens)
+                alone = []
+            else:
+                alone = [generate(light, head, ids, args.new_tokens) for _ in range(args.light_runs)]
+                print(f"   light alone: mean {statistics.mean(alone):.2f} s over {len(alone)} generations", flush=True)
             with LoopingClient(flooder, head, args.flooder_sessions, args.flooder_prompt, args.flooder_decode,
                                seed=1) as flood:
                 time.sleep(args.flooder_head_start_s)  # explicit: let the flood build its backlog first
                 t0 = time.monotonic()
-                crowded = [generate(light, head, ids, args.new_tokens) for _ in range(args.light_runs)]
+                crowded = []
+                for _ in range(args.light_runs):
+                    if paired:
+                        alone.append(generate(light_alone, head, ids, args.new_tokens))
+                    crowded.append(generate(light, head, ids, args.new_tokens))
                 t1 = time.monotonic()
+            if paired:
+                print(f"   light alone (twin server, interleaved): mean {statistics.mean(alone):.2f} s over "
+                      f"{len(alone)} generations", flush=True)
             batches = read_log(log)
             # the log's clock is the server's time.monotonic(): the same clock on this host
             share = service_by_client(batches, t0, t1, args.w_in, args.w_out)
@@ -258,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flooder-prompt", type=int, default=700)
     p.add_argument("--flooder-decode", type=int, default=4)
     p.add_argument("--flooder-head-start-s", type=float, default=3.0)
+    p.add_argument("--flooder-schedule", choices=("paired", "sequential"), default="paired",
+                   help="paired: the light client's generations alone run on a twin server (its own core) "
+                        "interleaved with those next to the flooder, so both see the same load; sequential: alone "
+                        "first, then next to the flooder, on one server")
     p.add_argument("--gap-sessions", type=int, default=2, help="client b's sessions (client a runs twice as many)")
     p.add_argument("--gap-prompt", type=int, default=256)
     p.add_argument("--gap-decode", type=int, default=8)

@@ -17,8 +17,11 @@ batch was chosen or a session waiting for KV memory (both are the paper's waitin
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
+import shutil
 import threading
 import time
 from contextlib import ExitStack
@@ -52,6 +55,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prefix-schedule", choices=("paired", "sequential"), default="paired",
                    help="paired: every policy's swarm and clients at once, in the same window (the ratio does not "
                         "move with the machine's load); sequential: one policy after the other")
+    p.add_argument("--prefix-pin-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="paired: pin each policy's server to a core of its own (taskset), when there are enough")
 
 
 class PrefixClient:
@@ -120,8 +125,9 @@ class PrefixRun:
     `__enter__` starts the swarm and the clients' loops; `mark()` reads the server's cache counters
     (the window's start and end); `result()` summarizes the window once the run is over."""
 
-    def __init__(self, spec: str, args, head: ClientHead, out_dir: Path):
+    def __init__(self, spec: str, args, head: ClientHead, out_dir: Path, core: int | None = None):
         self.spec, self.args, self.head = spec, args, head
+        self.core = core  # the CPU core its server (and the server's DHT child and p2pd) is pinned to
         self.policy, *params = spec.split(":")
         self.log = out_dir / f"service_prefix_{spec.replace(':', '_').replace('=', '')}.jsonl"
         self.log.unlink(missing_ok=True)
@@ -147,7 +153,9 @@ class PrefixRun:
         gen = random.Random(7)  # the same system prompts for every policy
         vocab = head.config.vocab_size
         systems = [[gen.randrange(2, vocab) for _ in range(args.prefix_tokens)] for _ in range(args.prefix_clients)]
-        self.swarm = LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)], server_args=self.server_args)
+        pin = [] if self.core is None else ["taskset", "-c", str(self.core)]
+        self.swarm = LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)], server_args=self.server_args,
+                                placement=lambda role: (pin if role.startswith("server") else [], "127.0.0.1"))
         self.swarm.__enter__()
         try:
             self.peer = self.swarm.servers[0].peer_id
@@ -249,17 +257,22 @@ def run_paired(specs: list[str], args, head: ClientHead, out_dir: Path) -> list[
     """All policies at once (`--prefix-schedule paired`, the default): one swarm each, their clients
     running in the same warm-up and the same window, so whatever else loads the machine loads every
     policy alike and their ratio does not move with it (run one after the other, minutes apart, the
-    ratio moved from 0.64 to 4.67 with the load)."""
+    ratio moved from 0.64 to 4.67 with the load). With `--prefix-pin-cores` (the default where there
+    are as many cores as policies) each policy's server runs on a core of its own, so one policy's
+    server cannot take CPU time the other's leaves while it waits for its clients."""
     _describe(args, specs)
+    cores = sorted(os.sched_getaffinity(0))
+    pin = args.prefix_pin_cores and len(cores) >= len(specs) and shutil.which("taskset") is not None
     with ExitStack() as stack:
-        runs = [stack.enter_context(PrefixRun(spec, args, head, out_dir)) for spec in specs]
+        runs = [stack.enter_context(PrefixRun(spec, args, head, out_dir, cores[i] if pin else None))
+                for i, spec in enumerate(specs)]
         time.sleep(args.prefix_warmup_s)  # explicit warm-up window: the loops reach their steady state
         for run in runs:
             run.mark()
         time.sleep(args.prefix_duration_s)  # the measurement window: every policy's load runs for this long
         for run in runs:
             run.mark()
-    results = [run.result() for run in runs]
+    results = [{**run.result(), "core": run.core} for run in runs]
     for r in results:
         _print_result(r)
     return results
