@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import os
-import shutil
+import random
 import statistics
 import sys
 import threading
@@ -43,7 +42,13 @@ from petals_chain.client.remote import RemoteChain  # noqa: E402
 from petals_chain.runtime.client_head import ClientHead  # noqa: E402
 from petals_chain.swarm.local import LocalSwarm  # noqa: E402
 from scripts import fairness_prefix  # noqa: E402
-from scripts.fairness_log import max_backlogged_gap, read_log, service_by_client, weighted  # noqa: E402
+from scripts.fairness_log import (  # noqa: E402
+    max_backlogged_gap,
+    pin_process_tree,
+    read_log,
+    service_by_client,
+    weighted,
+)
 
 LIGHT_PROMPT = "Name a colour of the rainbow."
 
@@ -125,17 +130,15 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
     result: dict = {"policy": spec}
     paired = args.flooder_schedule == "paired"
     cores = sorted(os.sched_getaffinity(0))
-    pin = paired and len(cores) >= 2 and shutil.which("taskset") is not None
-
-    def placement(core: int | None):
-        prefix = [] if core is None else ["taskset", "-c", str(core)]
-        return lambda role: (prefix if role.startswith("server") else [], "127.0.0.1")
+    pin = paired and len(cores) >= 2
 
     print(f"\n== {spec}: starting a one-server swarm" + (" and its twin for the light client alone" if paired else ""),
           flush=True)
     with ExitStack() as stack:
         swarm = stack.enter_context(LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)],
-                                               server_args=server_args, placement=placement(cores[0] if pin else None)))
+                                               server_args=server_args, start_timeout_s=600))
+        if pin:
+            pin_process_tree(swarm.servers[0].process.pid, cores[0])
         chains = [RemoteChain("smollm2-135m", head.config, swarm.initial_peers, use_orchestrator=False,
                               step_timeout_s=300, open_timeout_s=60) for _ in range(3)]
         light, flooder, other = chains
@@ -147,8 +150,9 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
             twin_log.unlink(missing_ok=True)
             twin_args = [twin_log.as_posix() if a == str(log) else a for a in server_args]
             twin = stack.enter_context(LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)],
-                                                  server_args=twin_args,
-                                                  placement=placement(cores[1] if pin else None)))
+                                                  server_args=twin_args, start_timeout_s=600))
+            if pin:
+                pin_process_tree(twin.servers[0].process.pid, cores[1])
             light_alone = RemoteChain("smollm2-135m", head.config, twin.initial_peers, use_orchestrator=False,
                                       step_timeout_s=300, open_timeout_s=60)
             chains.append(light_alone)
@@ -188,8 +192,9 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
                 "light_step_waits": waits,
                 "flooder_completed": flood.completed, "flooder_failures": flood.failures}
             f = result["flooder"]
+            shares = json.dumps({k: round(v, 3) for k, v in f["service_share"].items()})
             print(f"   light next to flooder: mean {f['light_with_flooder_mean_s']:.2f} s -> slowdown "
-                  f"{f['slowdown']:.1f}x; service share {json.dumps({k: round(v, 3) for k, v in f['service_share'].items()})}; "
+                  f"{f['slowdown']:.1f}x; service share {shares}; "
                   f"per decode step it waited {waits.get('mean_batches_waited', float('nan')):.2f} batches, "
                   f"{waits.get('mean_other_tokens_waited', float('nan')):.0f} tokens of others' work", flush=True)
             # -- two backlogged clients -------------------------------------------------------------
@@ -270,7 +275,8 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, r in zip(axes[0], results):
         for name, pts in r["gap"]["series"].items():
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
-        ax.set_title(f"{r['policy']}: max gap {r['gap']['max_gap_weighted_tokens']:.0f} (2U = {r['gap']['bound_2U']:.0f})")
+        g = r["gap"]
+        ax.set_title(f"{r['policy']}: max gap {g['max_gap_weighted_tokens']:.0f} (2U = {g['bound_2U']:.0f})")
         ax.set_xlabel("time (s)")
         ax.set_ylabel("service received (weighted tokens)")
         ax.legend()

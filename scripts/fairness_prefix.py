@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import threading
 import time
 from contextlib import ExitStack
@@ -35,7 +34,7 @@ from petals_chain.client.remote import RemoteChain
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.runtime.client_head import ClientHead
 from petals_chain.swarm.local import LocalSwarm
-from scripts.fairness_log import max_backlogged_gap, read_log, service_by_client
+from scripts.fairness_log import max_backlogged_gap, pin_process_tree, read_log, service_by_client
 
 
 def add_arguments(p) -> None:
@@ -56,7 +55,7 @@ def add_arguments(p) -> None:
                    help="paired: every policy's swarm and clients at once, in the same window (the ratio does not "
                         "move with the machine's load); sequential: one policy after the other")
     p.add_argument("--prefix-pin-cores", action=argparse.BooleanOptionalAction, default=True,
-                   help="paired: pin each policy's server to a core of its own (taskset), when there are enough")
+                   help="paired: pin each policy's server to a core of its own once it is up, when there are enough")
 
 
 class PrefixClient:
@@ -153,11 +152,12 @@ class PrefixRun:
         gen = random.Random(7)  # the same system prompts for every policy
         vocab = head.config.vocab_size
         systems = [[gen.randrange(2, vocab) for _ in range(args.prefix_tokens)] for _ in range(args.prefix_clients)]
-        pin = [] if self.core is None else ["taskset", "-c", str(self.core)]
         self.swarm = LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)], server_args=self.server_args,
-                                placement=lambda role: (pin if role.startswith("server") else [], "127.0.0.1"))
+                                start_timeout_s=600)
         self.swarm.__enter__()
         try:
+            if self.core is not None:
+                pin_process_tree(self.swarm.servers[0].process.pid, self.core)
             self.peer = self.swarm.servers[0].peer_id
             self.chains = [RemoteChain("smollm2-135m", head.config, self.swarm.initial_peers, use_orchestrator=False,
                                        step_timeout_s=300, open_timeout_s=310) for _ in range(args.prefix_clients)]
@@ -262,7 +262,7 @@ def run_paired(specs: list[str], args, head: ClientHead, out_dir: Path) -> list[
     server cannot take CPU time the other's leaves while it waits for its clients."""
     _describe(args, specs)
     cores = sorted(os.sched_getaffinity(0))
-    pin = args.prefix_pin_cores and len(cores) >= len(specs) and shutil.which("taskset") is not None
+    pin = args.prefix_pin_cores and len(cores) >= len(specs)
     with ExitStack() as stack:
         runs = [stack.enter_context(PrefixRun(spec, args, head, out_dir, cores[i] if pin else None))
                 for i, spec in enumerate(specs)]

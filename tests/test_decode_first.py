@@ -202,3 +202,35 @@ def test_dlpm_keeps_the_prompt_limit_and_its_bound():
         assert all(-max(32.0, 2.0) < q <= 64.0 for q in dlpm.deficit.values())
     assert sched.stats.policy_failures == 0
     run_all(sched)
+
+
+@pytest.mark.parametrize("policy", ["vtc", "dlpm"])
+def test_decode_first_batches_match_hf_tiny(tiny_llama_path, policy):
+    """The limit changes only how rows are grouped into batches: tokens and logits still equal HF's
+    (tiny random Llama, real blocks, the scheduler thread, sessions decoding while others prefill)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from petals_chain.runtime.block_range import BlockRange
+    from petals_chain.runtime.client_head import ClientHead
+    from tests.exactness_helpers import hf_logits_per_step
+    from tests.test_chunked_prefill import _run_concurrently
+
+    with torch.inference_mode():
+        hf = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+        head = ClientHead(tiny_llama_path, model_path=tiny_llama_path)
+        rng = BlockRange(tiny_llama_path, 0, 6, model_path=tiny_llama_path, config=head.config)
+        sched = StepScheduler(rng, make_policy(policy), max_batch_tokens=9, prefill_tokens_while_decoding=3)
+        try:
+            gen = torch.Generator().manual_seed(2)
+            prompts = {f"s{n}": torch.randint(2, 128, (n,), generator=gen) for n in (37, 2, 19, 1)}
+            out = _run_concurrently(sched, head, rng, prompts, steps=6)
+        finally:
+            sched.stop()
+        assert sched.stats.max_batch_tokens_seen <= 9 and sched.stats.policy_failures == 0
+        for name, ids in prompts.items():
+            ref_logits, ref_tokens = hf_logits_per_step(hf, ids, 6)
+            logits, tokens = out[name]
+            assert tokens == ref_tokens
+            worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
+            assert worst <= 1e-4, f"{name}: max abs logit diff {worst}"
