@@ -103,7 +103,9 @@ class PrefixClient:
     def __exit__(self, *exc):
         self.stop.set()
         for t in self.threads:
-            t.join(300)
+            t.join(self.join_timeout_s)
+
+    join_timeout_s = 300.0  # a session waiting for memory may wait this long (--admission-timeout)
 
 
 def server_sizes(head: ClientHead, args) -> dict[str, int]:
@@ -174,12 +176,15 @@ class PrefixRun:
         self.marks.append((time.monotonic(), self.chains[0].server_info(self.peer).extra["prefix_cache"]))
 
     def __exit__(self, *exc) -> None:
+        # the window is over (what it measured is kept): stop the loops without waiting for sessions
+        # still queued for memory, whose RPCs fail once the chains shut down (the threads are daemons)
         for c in self.clients:
             c.stop.set()
-        for c in self.clients:
-            c.__exit__()
         for c in self.chains:
             c.shutdown()
+        for c in self.clients:
+            c.join_timeout_s = 10.0
+            c.__exit__()
         if self.swarm is not None:
             self.swarm.__exit__(*(exc or (None, None, None)))
             self.swarm = None
