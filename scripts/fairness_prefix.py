@@ -66,7 +66,7 @@ class PrefixClient:
         self.rng = random.Random(seed)
         self.stop = threading.Event()
         self.done: list[tuple[float, int, int]] = []  # (finish time, reused prefix tokens, prompt tokens)
-        self.failures = 0
+        self.failures: list[float] = []  # when a request failed (the loop retries it)
         self._lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(args.prefix_sessions_per_client)]
 
@@ -92,7 +92,7 @@ class PrefixClient:
                 with self._lock:
                     self.done.append((time.monotonic(), session.prefix_tokens, len(ids)))
             except Exception:
-                self.failures += 1
+                self.failures.append(time.monotonic())
                 self.stop.wait(0.05)
 
     def __enter__(self):
@@ -222,7 +222,8 @@ class PrefixRun:
             "client_reused_tokens_mean": per(sum(d[1] for v in done.values() for d in v)) or 0.0,
             "completed_by_client": {k: len(v) for k, v in done.items()},
             "service_by_client": {names.get(c, c[:8]): w for c, w in served.items()},
-            "failures": sum(c.failures for c in self.clients),
+            # within the window (the loops' sessions still running at the end fail when the chains shut down)
+            "failures": sum(t0 <= t < t1 for c in self.clients for t in c.failures),
             "evicted_chunks": after["evicted_chunks"] - before["evicted_chunks"],
             "max_gap_weighted_tokens": worst[1][0], "max_gap_pair": worst[0], "batches_both_backlogged": worst[1][1],
             "batches": len(batches), "U": u, "Q": q, "bound_2_U_plus_Q": 2 * (u + q), "sizes": self.sizes}
