@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -40,7 +42,13 @@ from petals_chain.client.remote import RemoteChain  # noqa: E402
 from petals_chain.runtime.client_head import ClientHead  # noqa: E402
 from petals_chain.swarm.local import LocalSwarm  # noqa: E402
 from scripts import fairness_prefix  # noqa: E402
-from scripts.fairness_log import max_backlogged_gap, read_log, service_by_client, weighted  # noqa: E402
+from scripts.fairness_log import (  # noqa: E402
+    max_backlogged_gap,
+    pin_process_tree,
+    read_log,
+    service_by_client,
+    weighted,
+)
 
 LIGHT_PROMPT = "Name a colour of the rainbow."
 
@@ -113,29 +121,63 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
     log.unlink(missing_ok=True)
     server_args = ["--num-threads", str(args.num_threads), "--max-batch-tokens", str(args.max_batch_tokens),
                    "--max-length", "2048", "--memory-budget", args.memory_budget, "--policy", policy,
+                   "--prefill-tokens-while-decoding", str(args.prefill_tokens_while_decoding),
                    "--service-log", str(log), "--no-orchestrator"]
     if policy == "vtc":
         server_args += ["--policy-arg", f"w_in={args.w_in}", "--policy-arg", f"w_out={args.w_out}"]
     for param in params:
         server_args += ["--policy-arg", param]
     result: dict = {"policy": spec}
-    print(f"\n== {spec}: starting a one-server swarm", flush=True)
-    with LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)], server_args=server_args) as swarm:
+    paired = args.flooder_schedule == "paired"
+    cores = sorted(os.sched_getaffinity(0))
+    pin = paired and len(cores) >= 2
+
+    print(f"\n== {spec}: starting a one-server swarm" + (" and its twin for the light client alone" if paired else ""),
+          flush=True)
+    with ExitStack() as stack:
+        swarm = stack.enter_context(LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)],
+                                               server_args=server_args, start_timeout_s=600))
+        if pin:
+            pin_process_tree(swarm.servers[0].process.pid, cores[0])
         chains = [RemoteChain("smollm2-135m", head.config, swarm.initial_peers, use_orchestrator=False,
                               step_timeout_s=300, open_timeout_s=60) for _ in range(3)]
         light, flooder, other = chains
         peer = {str(c.p2p.peer_id): name for c, name in zip(chains, ("light", "flooder", "other"))}
+        if paired:
+            # the twin: the same server on the other core, where the light client runs alone, its
+            # generations interleaved with those next to the flooder, so both see the same load
+            twin_log = log.with_name(log.stem + "_alone.jsonl")
+            twin_log.unlink(missing_ok=True)
+            twin_args = [twin_log.as_posix() if a == str(log) else a for a in server_args]
+            twin = stack.enter_context(LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)],
+                                                  server_args=twin_args, start_timeout_s=600))
+            if pin:
+                pin_process_tree(twin.servers[0].process.pid, cores[1])
+            light_alone = RemoteChain("smollm2-135m", head.config, twin.initial_peers, use_orchestrator=False,
+                                      step_timeout_s=300, open_timeout_s=60)
+            chains.append(light_alone)
         try:
             ids = head_ids(head, LIGHT_PROMPT)
             generate(light, head, ids, args.new_tokens)  # warm-up: routing, connections
-            alone = [generate(light, head, ids, args.new_tokens) for _ in range(args.light_runs)]
-            print(f"   light alone: mean {statistics.mean(alone):.2f} s over {len(alone)} generations", flush=True)
+            if paired:
+                generate(light_alone, head, ids, args.new_tokens)
+                alone = []
+            else:
+                alone = [generate(light, head, ids, args.new_tokens) for _ in range(args.light_runs)]
+                print(f"   light alone: mean {statistics.mean(alone):.2f} s over {len(alone)} generations", flush=True)
             with LoopingClient(flooder, head, args.flooder_sessions, args.flooder_prompt, args.flooder_decode,
                                seed=1) as flood:
                 time.sleep(args.flooder_head_start_s)  # explicit: let the flood build its backlog first
                 t0 = time.monotonic()
-                crowded = [generate(light, head, ids, args.new_tokens) for _ in range(args.light_runs)]
+                crowded = []
+                for _ in range(args.light_runs):
+                    if paired:
+                        alone.append(generate(light_alone, head, ids, args.new_tokens))
+                    crowded.append(generate(light, head, ids, args.new_tokens))
                 t1 = time.monotonic()
+            if paired:
+                print(f"   light alone (twin server, interleaved): mean {statistics.mean(alone):.2f} s over "
+                      f"{len(alone)} generations", flush=True)
             batches = read_log(log)
             # the log's clock is the server's time.monotonic(): the same clock on this host
             share = service_by_client(batches, t0, t1, args.w_in, args.w_out)
@@ -150,8 +192,9 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
                 "light_step_waits": waits,
                 "flooder_completed": flood.completed, "flooder_failures": flood.failures}
             f = result["flooder"]
+            shares = json.dumps({k: round(v, 3) for k, v in f["service_share"].items()})
             print(f"   light next to flooder: mean {f['light_with_flooder_mean_s']:.2f} s -> slowdown "
-                  f"{f['slowdown']:.1f}x; service share {json.dumps({k: round(v, 3) for k, v in f['service_share'].items()})}; "
+                  f"{f['slowdown']:.1f}x; service share {shares}; "
                   f"per decode step it waited {waits.get('mean_batches_waited', float('nan')):.2f} batches, "
                   f"{waits.get('mean_other_tokens_waited', float('nan')):.0f} tokens of others' work", flush=True)
             # -- two backlogged clients -------------------------------------------------------------
@@ -232,7 +275,8 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, r in zip(axes[0], results):
         for name, pts in r["gap"]["series"].items():
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
-        ax.set_title(f"{r['policy']}: max gap {r['gap']['max_gap_weighted_tokens']:.0f} (2U = {r['gap']['bound_2U']:.0f})")
+        g = r["gap"]
+        ax.set_title(f"{r['policy']}: max gap {g['max_gap_weighted_tokens']:.0f} (2U = {g['bound_2U']:.0f})")
         ax.set_xlabel("time (s)")
         ax.set_ylabel("service received (weighted tokens)")
         ax.legend()
@@ -249,12 +293,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--w-out", type=float, default=2.0)
     p.add_argument("--memory-budget", default="2GiB")
     p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--prefill-tokens-while-decoding", type=int, default=32,
+                   help="the servers' --prefill-tokens-while-decoding in every phase (0: off, the server's default)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens per well-behaved generation")
     p.add_argument("--light-runs", type=int, default=4, help="well-behaved generations per phase")
     p.add_argument("--flooder-sessions", type=int, default=6)
     p.add_argument("--flooder-prompt", type=int, default=700)
     p.add_argument("--flooder-decode", type=int, default=4)
     p.add_argument("--flooder-head-start-s", type=float, default=3.0)
+    p.add_argument("--flooder-schedule", choices=("paired", "sequential"), default="paired",
+                   help="paired: the light client's generations alone run on a twin server (its own core) "
+                        "interleaved with those next to the flooder, so both see the same load; sequential: alone "
+                        "first, then next to the flooder, on one server")
     p.add_argument("--gap-sessions", type=int, default=2, help="client b's sessions (client a runs twice as many)")
     p.add_argument("--gap-prompt", type=int, default=256)
     p.add_argument("--gap-decode", type=int, default=8)
@@ -276,8 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     head = ClientHead(path, model_path=path)
     results = [run_policy(policy, args, head, out_dir) for policy in args.policies.split(",")] \
         if "flooder" in phases else []
-    prefix_results = [fairness_prefix.run_shared_prefix(policy, args, head, out_dir)
-                      for policy in args.prefix_policies.split(",")] if "prefix" in phases else []
+    prefix_results = fairness_prefix.run_phase(args, head, out_dir) if "prefix" in phases else []
     by = {r["policy"]: r for r in results}
     summary = {"args": vars(args), "results": results, "shared_prefix": prefix_results}
     print("\n== summary (ratios within this run)")

@@ -4,7 +4,29 @@ between two backlogged clients' service."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+
+def pin_process_tree(pid: int, core: int) -> int:
+    """Pin a started process, every thread of it and its children (a server's DHT child, its p2pd) to
+    one CPU core; returns the threads pinned. Done once the server is up rather than at its start: a
+    server started on one core of a loaded machine took over 180 s to come up."""
+    pinned = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), {core})
+            pinned += 1
+            children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        for child in children:
+            pinned += pin_process_tree(int(child), core)
+    return pinned
 
 
 def read_log(path: Path) -> list[dict]:

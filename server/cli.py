@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="token budget of one batched forward; longer prompts run in chunks of at most this many "
                         "tokens, interleaved with other sessions' steps (chunked prefill)")
+    p.add_argument("--prefill-tokens-while-decoding", type=non_negative_int, default=0, metavar="N",
+                   help="while sessions decode, a batch carries at most N prompt rows (decode steps still take the "
+                        "rest of --max-batch-tokens), so a decoding session's next token never waits behind a full "
+                        "budget of others' prompt chunks; e.g. 32 on a CPU server (0: off, the default)")
     p.add_argument("--batch-gather", type=non_negative_float, default=0.5, metavar="FRACTION",
                    help="before a batch, wait for sessions expected back with their next step within this "
                         "fraction of the last batch's time, so concurrent sessions share batches (0: never wait; "
@@ -222,7 +226,8 @@ def _main(argv: list[str]) -> int:
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
             quant=args.quant, device=args.device, adapters=args.adapters, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
             name=args.name, policy=args.policy, policy_args=policy_args, max_batch_tokens=args.max_batch_tokens,
-            batch_gather=args.batch_gather, session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
+            batch_gather=args.batch_gather, prefill_tokens_while_decoding=args.prefill_tokens_while_decoding or None,
+            session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
             admission_queue=args.admission_queue, service_log=args.service_log,
             prefix_sharing=args.prefix_sharing, prefix_cache_max_bytes=args.prefix_cache_max,
             prefix_cache_min_bytes=args.prefix_cache_min,

@@ -26,6 +26,7 @@ class ServerConfig:
     policy_args: dict = field(default_factory=dict)  # checked by server.policies.parse_policy_args
     max_batch_tokens: int = 2048
     batch_gather: float = 0.5  # StepScheduler's gather_fraction (0: never wait for expected sessions)
+    prefill_tokens_while_decoding: int | None = None  # StepScheduler's cap on prompt rows while sessions decode
     session_idle_timeout_s: float = 300.0
     admission_timeout_s: float = 10.0
     admission_queue: int = 64

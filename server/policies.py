@@ -47,15 +47,15 @@ class FCFSPolicy(ArrivalOrderPolicy):
 
     name = "fcfs"
 
-    def select(self, max_batch_tokens: int) -> list[WorkItem]:
+    def select(self, max_batch_tokens: int, prefill_tokens: int | None = None) -> list[WorkItem]:
         batch: list[WorkItem] = []
         sessions: set[str] = set()
-        room = max_batch_tokens
+        room, prefill_room = max_batch_tokens, prefill_tokens
         for seq in sorted(self._queue):
             item = self._queue[seq]
             if item.session_id in sessions:
                 continue
-            run, rest = self.take_within(item, room)
+            run, rest = self.take_within(item, room, prefill_room)
             if run is None:
                 continue
             del self._queue[seq]
@@ -64,6 +64,8 @@ class FCFSPolicy(ArrivalOrderPolicy):
             batch.append(run)
             sessions.add(run.session_id)
             room -= run.n_tokens
+            if run.is_prefill and prefill_room is not None:
+                prefill_room -= run.n_tokens
             if room <= 0:
                 break
         return batch
@@ -121,30 +123,51 @@ class VTCPolicy(SchedulingPolicy):
             self.vtc.left(client)
         return item
 
-    def select(self, max_batch_tokens: int) -> list[WorkItem]:
+    def select(self, max_batch_tokens: int, prefill_tokens: int | None = None) -> list[WorkItem]:
         batch: list[WorkItem] = []
         sessions: set[str] = set()
-        room = max_batch_tokens
+        room, prefill_room = max_batch_tokens, prefill_tokens
         blocked: set[str] = set()  # clients with nothing that can join this batch
+        held: set[str] = set()  # clients whose next work is a prompt chunk the prefill limit holds back
         used: dict[str, int] = {}
         # a client in the middle of a round trip (served last batch) is active although nothing of it waits
         active = set(self._by_client) | self._last_batch_clients
         cap = max(1, int(self.max_client_share * max_batch_tokens))
+        u = max(self.vtc.cost(max_batch_tokens, 0), self.vtc.cost(0, 1))  # the largest single charge
         while room > 0:
             candidates = [c for c in self._by_client if c not in blocked]
             if not candidates:
                 break
-            # ties (a lifted newcomer equals the smallest counter) go to the oldest waiting work
-            client = self.vtc.pick(candidates, tiebreak=lambda c: min(self._by_client[c]))
+            # ties (a client lifted when its step arrives equals the smallest counter) go to a decode step
+            # first (a light client's next token, lifted after every round trip, does not lose to a prompt
+            # chunk of equal counter), then to the oldest waiting work
+            client = self.vtc.pick(candidates, tiebreak=lambda c: (
+                all(it.is_prefill for it in self._by_client[c].values()), min(self._by_client[c])))
             queue = self._by_client[client]
-            seq = next((s for s in sorted(queue) if queue[s].session_id not in sessions), None)
+            # within a client, decode steps first: its sessions' next tokens do not wait behind its own
+            # prompt chunks (the order across clients is still the counters')
+            seq = next((s for s in sorted(queue, key=lambda s: (queue[s].is_prefill, s))
+                        if queue[s].session_id not in sessions), None)
             if seq is None:
                 blocked.add(client)
                 continue
+            item = queue[seq]
+            if item.is_prefill and prefill_room is not None and prefill_room <= 0:
+                held.add(client)
+                blocked.add(client)
+                continue
+            if held and client not in held:
+                # the room the prefill limit leaves goes to others' decode steps, but never so far that a
+                # held-back client falls more than U behind (Lemma 4.3's spread, so Theorem 4.4's 2U holds)
+                floor = min(self.vtc.counters.get(c, 0.0) for c in held)
+                charge = self.vtc.cost(0, 1) if not item.is_prefill else self.vtc.cost(min(item.n_tokens, room), 0)
+                if self.vtc.counters.get(client, 0.0) + charge > floor + u:
+                    blocked.add(client)
+                    continue
             client_room = room
             if self.max_client_share < 1 and active - {client}:
                 client_room = min(room, cap - used.get(client, 0))
-            run, rest = self.take_within(queue[seq], client_room)
+            run, rest = self.take_within(item, client_room, prefill_room)
             if run is None:
                 blocked.add(client)
                 continue
@@ -158,8 +181,16 @@ class VTCPolicy(SchedulingPolicy):
             batch.append(run)
             sessions.add(run.session_id)
             room -= run.n_tokens
+            if run.is_prefill and prefill_room is not None:
+                prefill_room -= run.n_tokens
         self._last_batch_clients = {it.client_id for it in batch}
         return batch
+
+    def serves_first(self, client_id: str) -> bool:
+        """A client whose counter is at most every waiting client's gets the next batch's first room
+        (for a decode step, ties included; a client that arrives is lifted to the smallest counter)."""
+        others = [self.vtc.counters.get(c, 0.0) for c in self._by_client if c != client_id]
+        return not others or self.vtc.counters.get(client_id, 0.0) <= min(others)
 
     def remove(self, session_id: str) -> list[WorkItem]:
         gone = [(c, s) for c, q in self._by_client.items() for s, it in q.items() if it.session_id == session_id]

@@ -81,9 +81,12 @@ class SchedulingPolicy(ABC):
         """An item joins the queue."""
 
     @abstractmethod
-    def select(self, max_batch_tokens: int) -> list[WorkItem]:
+    def select(self, max_batch_tokens: int, prefill_tokens: int | None = None) -> list[WorkItem]:
         """Take the next batch out of the queue: non-empty when work waits, at most one item per
-        session, at most `max_batch_tokens` tokens in all (cut a prefill with `take_within`)."""
+        session, at most `max_batch_tokens` tokens in all (cut a prefill with `take_within`), of
+        which at most `prefill_tokens` prompt rows (None: no separate limit). The scheduler sets
+        `prefill_tokens` while sessions decode, so that their next step never waits behind a long
+        batch of others' prompt chunks; decode steps are never held back by it."""
 
     @abstractmethod
     def remove(self, session_id: str) -> list[WorkItem]:
@@ -115,14 +118,25 @@ class SchedulingPolicy(ABC):
         """Per-client counters for status reporting (empty when the policy keeps none)."""
         return {}
 
+    def serves_first(self, client_id: str) -> bool:
+        """Would a step of `client_id` arriving now go into the next batch ahead of the work that
+        waits? The scheduler waits a moment for such a client's session due back even when the
+        waiting work would fill a batch (`StepScheduler._gather`); for a policy that answers False
+        (arrival order) that wait could only delay everyone."""
+        return False
+
     # -- helpers for subclasses ---------------------------------------------------------------
     def next_seq(self) -> int:
         """The next arrival number (submitted steps and cut remainders share it)."""
         return next(self._seq)
 
-    def take_within(self, item: WorkItem, room_tokens: int) -> tuple[WorkItem | None, WorkItem | None]:
-        """(what runs now, what stays) for `item` in a batch with `room_tokens` left: a prefill
-        longer than the room is cut (chunked prefill); an item that cannot run now stays whole."""
+    def take_within(self, item: WorkItem, room_tokens: int,
+                    prefill_room_tokens: int | None = None) -> tuple[WorkItem | None, WorkItem | None]:
+        """(what runs now, what stays) for `item` in a batch with `room_tokens` left, of which
+        `prefill_room_tokens` (None: all) may be prompt rows: a prefill longer than its room is cut
+        (chunked prefill); an item that cannot run now stays whole."""
+        if item.is_prefill and prefill_room_tokens is not None:
+            room_tokens = min(room_tokens, prefill_room_tokens)
         if item.n_tokens <= room_tokens:
             return item, None
         if room_tokens <= 0 or not item.is_prefill:

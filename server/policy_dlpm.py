@@ -79,10 +79,10 @@ class DLPMPolicy(ArrivalOrderPolicy):
         self.deficit.setdefault(item.client_id, 0.0)  # line 12
         super().enqueue(item)
 
-    def select(self, max_batch_tokens: int) -> list[WorkItem]:
+    def select(self, max_batch_tokens: int, prefill_tokens: int | None = None) -> list[WorkItem]:
         batch: list[WorkItem] = []
         sessions: set[str] = set()
-        room = max_batch_tokens
+        room, prefill_room = max_batch_tokens, prefill_tokens
         progressed, borrowing = True, False
         while room > 0 and self._queue:
             if not progressed:  # nothing with credit fits: the rest of the room goes to the others
@@ -99,7 +99,7 @@ class DLPMPolicy(ArrivalOrderPolicy):
                     self._check_refill()
                     if self.deficit[client] <= 0:
                         continue
-                run, rest = self.take_within(item, room)
+                run, rest = self.take_within(item, room, prefill_room)
                 if run is None:
                     continue
                 del self._queue[seq]
@@ -111,6 +111,8 @@ class DLPMPolicy(ArrivalOrderPolicy):
                 batch.append(run)
                 sessions.add(run.session_id)
                 room -= run.n_tokens
+                if run.is_prefill and prefill_room is not None:
+                    prefill_room -= run.n_tokens
                 progressed = True
                 if room <= 0:
                     break

@@ -89,13 +89,21 @@ class StepScheduler:
     def __init__(self, executor, policy: SchedulingPolicy, *, max_batch_tokens: int = 2048,
                  clock: Callable[[], float] = time.monotonic, start_thread: bool = True,
                  on_batch: Callable[[dict], None] | None = None, gather_fraction: float = 0.5,
-                 waiting_for_memory: Callable[[], list[str]] = list):
+                 waiting_for_memory: Callable[[], list[str]] = list,
+                 prefill_tokens_while_decoding: int | None = None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if prefill_tokens_while_decoding is not None and prefill_tokens_while_decoding < 1:
+            raise ValueError(f"prefill_tokens_while_decoding must be >= 1, got {prefill_tokens_while_decoding}")
+        # at most this many prompt rows in a batch while sessions decode (None: the whole budget); see run_once
+        self.prefill_tokens_while_decoding = (None if prefill_tokens_while_decoding is None
+                                              or prefill_tokens_while_decoding >= max_batch_tokens
+                                              else prefill_tokens_while_decoding)
         if gather_fraction < 0:
             raise ValueError(f"gather_fraction must be >= 0, got {gather_fraction}")
         self.gather_fraction = gather_fraction  # 0: never wait for expected sessions
         self._delivered_s: dict[str, float] = {}  # session -> when its last step was delivered (not back yet)
+        self._delivered_client: dict[str, str] = {}  # session -> its client, for the sessions in _delivered_s
         self._return_s: dict[str, float] = {}  # session -> average gap from a delivery to its next step
         self._service_s = 0.0  # batch service time, averaged over recent batches (the gathering window's unit)
         self.gather_waits = 0  # batches that waited for expected sessions (stats)
@@ -174,6 +182,7 @@ class StepScheduler:
         """The session closed or its stream broke: its waiting work leaves the queue."""
         with self._cond:
             self._delivered_s.pop(session_id, None)
+            self._delivered_client.pop(session_id, None)
             self._return_s.pop(session_id, None)
             ok, items = self._call_policy("remove", lambda: self.policy.remove(session_id))
             for item in items if ok else ():
@@ -232,7 +241,10 @@ class StepScheduler:
 
     def _gather(self) -> None:
         """Wait (under the lock, woken by every submit) for sessions expected back within the
-        gathering window; see the module docstring."""
+        gathering window; see the module docstring. When the waiting work would fill a batch anyway,
+        wait only for sessions whose client the policy would serve ahead of it (`serves_first`: a
+        light client mid round trip under VTC), whose next step would otherwise wait one whole
+        batch of others' work."""
         if self.gather_fraction <= 0 or self._service_s <= 0:
             return
         window_s = self.gather_fraction * self._service_s
@@ -240,14 +252,14 @@ class StepScheduler:
         waited = False
         while not self._stopped:
             now_s = self.clock()
-            if sum(j.total_rows - j.rows_done for j in self._jobs.values()) >= self.max_batch_tokens:
-                break  # the batch is full anyway
+            full = sum(j.total_rows - j.rows_done for j in self._jobs.values()) >= self.max_batch_tokens
             due_s = []
             for session_id, delivered_s in list(self._delivered_s.items()):
                 expected_s = delivered_s + self._return_s.get(session_id, float("inf"))
                 if expected_s + window_s < now_s:  # overdue: idle, or gone elsewhere; stop expecting it
                     del self._delivered_s[session_id]
-                elif expected_s <= deadline_s:
+                    self._delivered_client.pop(session_id, None)
+                elif expected_s <= deadline_s and (not full or self._serves_first(session_id)):
                     due_s.append(expected_s)
             if not due_s or now_s >= deadline_s:
                 break
@@ -255,16 +267,41 @@ class StepScheduler:
             self._cond.wait(timeout=deadline_s - now_s)
         self.gather_waits += waited
 
+    def _serves_first(self, session_id: str) -> bool:
+        client = self._delivered_client.get(session_id)
+        if client is None:
+            return False
+        ok, first = self._call_policy("serves_first", lambda: self.policy.serves_first(client))
+        return bool(ok and first)
+
+    def _decoding(self) -> bool:
+        """Is a session decoding: a decode step waits, or a session's last step was delivered and its
+        next is due (lock held)? An idle session stops counting once overdue, as in _gather."""
+        if any(j.rows_done == 0 and j.total_rows == 1 and j.step.kv.past_tokens > 0 for j in self._jobs.values()):
+            return True
+        now_s, slack_s = self.clock(), max(self._service_s, 1e-3)
+        return any(now_s <= delivered_s + self._return_s.get(session_id, 2 * slack_s) + slack_s
+                   for session_id, delivered_s in self._delivered_s.items())
+
     def run_once(self, defer: Callable[[Callable[[], None]], Any] | None = None) -> int:
         """Select and run one batch; returns the number of items it ran (0: nothing waited, or the
         policy failed and the waiting work was failed)."""
         with self._cond:
             if not self._jobs:
                 return 0
-            ok, batch = self._call_policy("select", lambda: self.policy.select(self.max_batch_tokens))
+            # while sessions decode, a batch carries at most prefill_tokens_while_decoding prompt rows: the
+            # decoding sessions' next step then waits behind a short batch, not a full budget of others'
+            # prompt chunks (their decode steps still take the rest of the budget: decode steps first)
+            prefill_tokens = self.prefill_tokens_while_decoding
+            if prefill_tokens is not None and self._decoding():
+                ok, batch = self._call_policy("select", lambda: self.policy.select(self.max_batch_tokens,
+                                                                                  prefill_tokens=prefill_tokens))
+            else:
+                prefill_tokens = None
+                ok, batch = self._call_policy("select", lambda: self.policy.select(self.max_batch_tokens))
             if not ok:
                 return 0
-            problem = self._check_batch(batch)
+            problem = self._check_batch(batch, prefill_tokens)
             if problem:
                 self._policy_failed("select", SchedulerPolicyError(problem))
                 return 0
@@ -273,10 +310,10 @@ class StepScheduler:
         self._run(batch, backlogged, defer)
         return len(batch)
 
-    def _check_batch(self, batch) -> str | None:
+    def _check_batch(self, batch, prefill_tokens: int | None = None) -> str | None:
         if not isinstance(batch, list) or not batch:
             return f"select returned {batch!r} while {len(self._jobs)} step(s) wait"
-        tokens = 0
+        tokens = prefill_rows = 0
         jobs: set[int] = set()
         for it in batch:
             job = getattr(it, "payload", None)
@@ -289,8 +326,12 @@ class StepScheduler:
                         f"next row is {job.rows_done} of {job.total_rows}")
             jobs.add(job.job_id)
             tokens += it.n_tokens
+            prefill_rows += it.n_tokens if it.is_prefill else 0
         if tokens > self.max_batch_tokens:
             return f"select returned {tokens} tokens, over the budget of {self.max_batch_tokens}"
+        if prefill_tokens is not None and prefill_rows > prefill_tokens:
+            return (f"select returned {prefill_rows} prompt rows while sessions decode, over the limit of "
+                    f"{prefill_tokens}")
         return None
 
     def _blocks_of(self, job: _Job) -> int:
@@ -353,6 +394,7 @@ class StepScheduler:
                     result = job.outputs[0] if len(job.outputs) == 1 else torch.cat(job.outputs)
                     finished.append((job, result, None))
                     self._delivered_s[job.session_id] = self.clock()
+                    self._delivered_client[job.session_id] = job.client_id
         for job, result, err in finished:
             job.deliver(result, err)
         if self.on_batch is not None:

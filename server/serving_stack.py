@@ -89,6 +89,7 @@ def build_stack(config: ServerConfig, path, start: int, end: int,
     admission: AdmissionQueue | None = None  # made below; the scheduler's log asks it who waits for memory
     scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
                               gather_fraction=c.batch_gather, on_batch=on_batch,
+                              prefill_tokens_while_decoding=c.prefill_tokens_while_decoding,
                               waiting_for_memory=lambda: admission.waiting_clients() if admission is not None else [])
     try:  # the scheduler's thread runs already: a stack that is not made must not leave it behind
         admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
