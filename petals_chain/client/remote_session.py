@@ -228,6 +228,8 @@ class RemoteChainSession(ChainSession):
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
             stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s, result.reply.compute_s,
             pushed))
+        if self.verifier is not None:  # checks of the reply (client/verification.py); raising fails the hop over
+            self.verifier.on_reply(stream, hidden, result.output, start_position, replay=index is None)
         return result.output
 
     def _copy_after_s(self, stream: HopStream) -> float | None:
