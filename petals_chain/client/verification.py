@@ -73,6 +73,7 @@ logger = logging.getLogger(__name__)
 NORM_MARGIN = 10.0  # a row's RMS this many times outside the verified range of its block range is impossible
 MIN_LEARNED_ROWS = 16  # verified rows of a block range before its norm bounds apply
 LOCAL = "local"  # the client's own computation, as an opinion's name
+MAX_OPINIONS = 4  # besides the session's own servers, asked until two agree on the first disagreeing row
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class ReplyBounds:
         if tuple(output.shape) != shape_in:
             return f"a reply of shape {list(output.shape)} to a step of shape {list(shape_in)}"
         if output.dtype != dtype:
-            return f"a reply in {output.dtype} on a {dtype} chain"
+            return f"a reply of dtype {output.dtype} on a chain of dtype {dtype}"
         out = wire_parts.as_tensor(output)
         # one reduction: the per-row mean of squares is finite exactly when the row is (or overflows)
         rms = out.float().pow(2).mean(-1).sqrt()
@@ -260,7 +261,10 @@ class Verification:
         chain = self.chain
         servers = [s for s in fetch_servers(chain.dht, chain.model, allowed=chain.allowed_servers) if s.end <= end]
         try:
-            return min_latency_chain(servers, start, end, lambda _peer: 0.0, exclude=exclude | self.avoided())
+            # a random cost per server: the checker is drawn among those that can compute the span, so a
+            # server cannot tell which of its peers will check it
+            jitter = {s.peer_id: self.draw() for s in servers}
+            return min_latency_chain(servers, start, end, lambda peer: jitter[peer], exclude=exclude | self.avoided())
         except NoChainError:
             return None
 
@@ -299,6 +303,19 @@ class _HopRecord:
             n += take
         self.inputs, self.outputs, self.rows = keep_in, keep_out, rows
         self.verified_rows = min(self.verified_rows, rows)
+
+
+@dataclass
+class _Snapshot:
+    """A hop's record as an audit sees it (taken on the loop, read on the audit thread)."""
+
+    hop: Hop
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    rows: int
+    verified: int
+    record: _HopRecord
+    epoch: int
 
 
 class SessionVerifier:
@@ -369,89 +386,163 @@ class SessionVerifier:
         with self._lock:
             live = {id(s) for s in self.session.streams}
             self._records = {k: v for k, v in self._records.items() if k in live}
-            snapshot = [(record.hop, list(record.inputs), list(record.outputs), record.rows, record.verified_rows,
-                         record) for _, record in self._records.values() if record.rows > record.verified_rows]
-        snapshot = [(*entry, entry[-1].epoch) for entry in snapshot]
-        if snapshot:
+            # the chain's hops in order (a group of consecutive hops may be audited as one span)
+            snapshot = [_Snapshot(r.hop, list(r.inputs), list(r.outputs), r.rows, r.verified_rows, r, r.epoch)
+                        for r in (self._records[id(s)][1] for s in self.session.streams if id(s) in self._records)]
+        if any(s.rows > s.verified for s in snapshot):
             step = self.steps
             future = self.v.submit(lambda: self._audit_all(snapshot, step))
             with self._lock:
                 self._running = [f for f in self._running if not f.done()] + [future]
 
     # -- on the verification thread -----------------------------------------------------------
-    def _audit_all(self, snapshot, step: int) -> None:
-        for hop, inputs, outputs, rows, verified, record, epoch in snapshot:
+    def _audit_all(self, snapshot: list[_Snapshot], step: int) -> None:
+        """Audit every hop: alone where other servers compute exactly its blocks, else together with the
+        hops after it, compared at the end of the group (a server holding more blocks than one hop)."""
+        i = 0
+        while i < len(snapshot):
+            done = i + 1
             try:
-                self._audit(hop, torch.cat(inputs), torch.cat(outputs), rows, verified, record, epoch, step)
+                for j in range(i, len(snapshot)):
+                    group = snapshot[i:j + 1]
+                    if all(s.rows <= s.verified for s in group) or self._distrusted(group):
+                        break  # nothing new, or a server the session already fails over around
+                    if self._audit(group, step):
+                        done = j + 1
+                        break
+                else:
+                    self.v.count(unchecked=1)  # no other servers compute these blocks
             except Exception:
-                logger.exception("auditing server %s failed", hop.describe())
+                logger.exception("auditing server %s failed", snapshot[i].hop.describe())
+            i = done
 
-    def _audit(self, hop: Hop, x: torch.Tensor, y: torch.Tensor, rows: int, verified: int, record: _HopRecord,
-               epoch: int, step: int) -> None:
+    def _audit(self, group: list[_Snapshot], step: int) -> bool:
+        """Audit one hop or a group of consecutive hops; False when no second opinion covers its span."""
         v = self.v
+        start, end = group[0].hop.start, group[-1].hop.end
+        peers = frozenset(s.hop.peer_id for s in group)
+        rows, verified = min(s.rows for s in group), min(s.verified for s in group)
+        x, y = torch.cat(group[0].inputs)[:rows], torch.cat(group[-1].outputs)[:rows]
         tolerance = v.config.tolerance if v.config.tolerance is not None else tolerance_for(self.session.chain.dtype)
-        check, checker_ids = self._opinion(hop, x, frozenset({hop.peer_id}))
+        check, checker_ids = self._opinion(start, end, x, peers)
         if check is None:
-            v.count(unchecked=1)
-            return
+            return False
         v.count(audits=1)
         bad = first_mismatch(y[verified:], check[verified:], tolerance)
         if bad is None:
-            self._mark_verified(record, rows, epoch)
-            v.bounds.learn((hop.start, hop.end), check[verified:])
+            for s in group:
+                self._mark_verified(s.record, rows, s.epoch)
+            v.bounds.learn((start, end), check[verified:])
             v.count(rows_verified=rows - verified)
-            return
+            return True
         v.count(mismatches=1)
         q = verified + bad
-        third, third_ids = self._third_opinion(hop, x, frozenset({hop.peer_id, *checker_ids}))
-        rows_q = slice(q, q + 1)
-        verdict: Verdict | None = None
-        if third is not None:
-            agrees_check = first_mismatch(third[rows_q], check[rows_q], tolerance) is None
-            agrees_primary = first_mismatch(third[rows_q], y[rows_q], tolerance) is None
-            if agrees_check and not agrees_primary:
-                verdict = Verdict.WRONG_OUTPUT
-            elif agrees_primary and not agrees_check:
-                verdict = Verdict.WRONG_CHECK
-        err = float(row_errors(y[rows_q], check[rows_q])[0])
-        if verdict is None:
+        rq = slice(q, q + 1)
+        err = float(row_errors(y[rq], check[rq])[0])
+        if len(group) > 1 and v.local is not None:
+            # the client's own blocks say which hop of the group went wrong
+            for s in group:
+                hx, hy = torch.cat(s.inputs)[:rows], torch.cat(s.outputs)[:rows]
+                local = v.local.forward(s.hop.start, s.hop.end, hx)
+                hop_bad = first_mismatch(hy[verified:], local[verified:], tolerance)
+                if hop_bad is not None:
+                    q = verified + hop_bad
+                    self._convict(s.hop.peer_id, Verdict.WRONG_OUTPUT, s.hop.start, s.hop.end, q, hx, hy, local,
+                                  (LOCAL,), step)
+                    return True
+            # every hop computed what the client's own blocks do: the check was wrong
+            for s in group:
+                self._mark_verified(s.record, rows, s.epoch)
+            if len(checker_ids) == 1:
+                self._convict(checker_ids[0], Verdict.WRONG_CHECK, start, end, q, x, check, y, (LOCAL,), step)
+            return True
+
+        def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+            return first_mismatch(a[rq], b[rq], tolerance) is None
+
+        # more opinions until two agree at the first disagreeing row (the session's servers count as one)
+        opinions: list[tuple[tuple[str, ...], torch.Tensor]] = [(checker_ids, check)]
+        used = set(peers) | set(checker_ids)
+        reference: torch.Tensor | None = None
+        while True:
+            if any(agree(o, y) for _, o in opinions):
+                reference = y
+                break
+            pair = next(((a, b) for i, a in enumerate(opinions) for b in opinions[i + 1:] if agree(a[1], b[1])), None)
+            if pair is not None:
+                reference = pair[0][1]
+                break
+            if len(opinions) >= MAX_OPINIONS:
+                break
+            if v.local is not None and not any(ids == (LOCAL,) for ids, _ in opinions):
+                opinions.append(((LOCAL,), v.local.forward(start, end, x)))
+                continue
+            more, more_ids = self._opinion(start, end, x, frozenset(used))
+            if more is None:
+                break
+            opinions.append((more_ids, more))
+            used |= set(more_ids)
+        if reference is None:
             v.count(inconclusive=1)
-            logger.warning("server %s and its check %s disagree at position %d (relative error %.3g) and no third "
-                           "opinion settles it: nobody is blamed; the session avoids the server from there",
-                           hop.describe(), ",".join(checker_ids), q, err)
-            self._roll_back_around(hop.peer_id, q)
-            return
-        if verdict == Verdict.WRONG_CHECK:
-            # the session's server was right: its rows are trusted; the checker lied
-            for peer in checker_ids:
-                v.convict(peer)
-            self._mark_verified(record, rows, epoch)
-            accused, reference, agreeing = checker_ids[0], y, (hop.peer_id, *third_ids)
-            wrong = check
+            logger.warning("blocks [%d, %d): servers %s and %d other opinion(s) disagree at position %d (relative "
+                           "error %.3g) and no two agree: nobody is blamed; the session avoids them from there",
+                           start, end, ",".join(sorted(peers)), len(opinions), q, err)
+            self._roll_back_around(peers, q)
+            return True
+        agreeing = tuple(p for ids, o in opinions if agree(o, reference) for p in ids)
+        for ids, o in opinions:  # every opinion against the reference is wrong (convicted when one server gave it)
+            if not agree(o, reference) and len(ids) == 1 and ids != (LOCAL,):
+                self._convict(ids[0], Verdict.WRONG_CHECK, start, end, q, x, o, reference,
+                              (*(sorted(peers) if reference is y else ()), *agreeing), step)
+        if reference is y:
+            for s in group:  # the session's servers were right: their rows are trusted
+                self._mark_verified(s.record, rows, s.epoch)
+            return True
+        if len(group) == 1:
+            self._convict(group[0].hop.peer_id, Verdict.WRONG_OUTPUT, start, end, q, x, y, reference, agreeing, step)
         else:
-            v.convict(hop.peer_id)
-            self._roll_back_around(hop.peer_id, q)
-            accused, reference, agreeing = hop.peer_id, check, (*checker_ids, *third_ids)
-            wrong = y
+            v.count(inconclusive=1)
+            logger.warning("blocks [%d, %d): the hops %s computed wrong hidden states at position %d, and no "
+                           "opinion says which: nobody is blamed; the session avoids them from there", start, end,
+                           ",".join(sorted(peers)), q)
+            self._roll_back_around(peers, q)
+        return True
+
+    def _convict(self, accused: str, verdict: Verdict, start: int, end: int, q: int, x: torch.Tensor,
+                 wrong: torch.Tensor, reference: torch.Tensor, agreeing: tuple[str, ...], step: int) -> None:
+        """Ban `accused` in this process, roll the session back around it (its own server), report it."""
+        v = self.v
+        if verdict == Verdict.WRONG_OUTPUT:
+            self._roll_back_around({accused}, q)
+        if accused in v.avoided():
+            return  # caught before (in another audit): banned and reported once
+        v.convict(accused)
+        err = float(row_errors(wrong[q:q + 1], reference[q:q + 1])[0])
         logger.warning("spot check: server %s returned wrong hidden states for blocks [%d, %d) at position %d "
-                       "(relative error %.3g; %s agree on the reference): banned", accused, hop.start, hop.end, q, err,
-                       ", ".join(agreeing))
-        catch = Catch(accused, hop.start, hop.end, q, verdict, tuple(agreeing), self.session.session_id, step)
+                       "(%s, relative error %.3g; %s agree on the reference): banned", accused, start, end, q,
+                       verdict, err, ", ".join(agreeing))
+        catch = Catch(accused, start, end, q, verdict, tuple(agreeing), self.session.session_id, step)
         if v.config.report and v.send_report is not None:
             catch.reported = self._report(catch, x[:q + 1], wrong[q:q + 1], reference[q:q + 1])
         with v._lock:
             v.stats.catches.append(catch)
+
+    def _distrusted(self, group: list[_Snapshot]) -> bool:
+        avoided = self.v.avoided()
+        with self._lock:
+            return any(s.hop.peer_id in self._avoid or s.hop.peer_id in avoided for s in group)
 
     def _mark_verified(self, record: _HopRecord, rows: int, epoch: int) -> None:
         with self._lock:
             if record.epoch == epoch:  # not cut meanwhile (a rollback): the rows audited are still the record's
                 record.verified_rows = max(record.verified_rows, rows)
 
-    def _opinion(self, hop: Hop, x: torch.Tensor, exclude: frozenset[str]
+    def _opinion(self, start: int, end: int, x: torch.Tensor, exclude: frozenset[str]
                  ) -> tuple[torch.Tensor | None, tuple[str, ...]]:
-        """The span's output for `x` from servers outside `exclude` (two paths tried), and who computed it."""
+        """Blocks [start, end)'s output for `x` from servers outside `exclude` (two paths tried), and who
+        computed it."""
         for _ in range(2):
-            path = self.v.second_path(hop.start, hop.end, exclude)
+            path = self.v.second_path(start, end, exclude)
             if path is None:
                 return None, ()
             try:
@@ -463,15 +554,15 @@ class SessionVerifier:
                 return None, ()
         return None, ()
 
-    def _third_opinion(self, hop: Hop, x: torch.Tensor, exclude: frozenset[str]
+    def _third_opinion(self, start: int, end: int, x: torch.Tensor, exclude: frozenset[str]
                        ) -> tuple[torch.Tensor | None, tuple[str, ...]]:
         if self.v.local is not None:
-            return self.v.local.forward(hop.start, hop.end, x), (LOCAL,)
-        return self._opinion(hop, x, exclude)
+            return self.v.local.forward(start, end, x), (LOCAL,)
+        return self._opinion(start, end, x, exclude)
 
-    def _roll_back_around(self, peer_id: str, q: int) -> None:
+    def _roll_back_around(self, peer_ids, q: int) -> None:
         with self._lock:
-            self._avoid.add(peer_id)
+            self._avoid.update(peer_ids)
             self._catch = q if self._catch is None else min(self._catch, q)
 
     def _report(self, catch: Catch, inputs: torch.Tensor, wrong: torch.Tensor, reference: torch.Tensor) -> str:
