@@ -171,15 +171,17 @@ def test_orchestrator_excludes_after_k_distinct_reporters_never_after_one_alone(
 # -- live swarms -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def swarm(tiny_llama_path):
-    """Two honest servers and one per corruption mode, each holding the whole tiny model."""
+    """Two honest servers and one per corruption mode, each holding the whole tiny model, and an orchestrator."""
     from petals_chain.swarm.local import LocalSwarm
 
     modes = ["noise", "rare:0.25", "skip-last", "after:1"]
     ranges = [(0, 6)] * (2 + len(modes))
     per_server = [[], []] + [["--test-corrupt", m, "--test-corrupt-seed", "3"] for m in modes]
     names = ["honest0", "honest1"] + [f"corrupt-{m.split(':')[0]}" for m in modes]
+    # an orchestrator that takes reports (the clients here route by themselves, ListedChains)
     with LocalSwarm(str(tiny_llama_path), ranges, server_args=["--num-threads", "1"], per_server_args=per_server,
-                    names=names) as s:
+                    names=names, orchestrator_args=["--expected-servers", str(len(ranges)),
+                                                    "--exclude-after-reports", "2"]) as s:
         yield s
 
 
@@ -198,14 +200,16 @@ def hf_greedy(tiny_llama_path):
     return lambda ids, n: hf.generate(ids, max_new_tokens=n, do_sample=False).tolist()
 
 
-def _client(tiny_llama_path, swarm, first: str, **config):
+def _client(tiny_llama_path, swarm, first: str, allowed: set[str] | None = None, **config):
+    """A client whose sessions start on server `first` (then the others, in the swarm's order); with
+    `allowed`, it uses (and asks for opinions) only those servers."""
     from petals_chain.client.model import DistributedModelForCausalLM
     from tests.swarm_helpers import ListedChains
 
     order = [_peer(swarm, first)] + [sp.peer_id for sp in swarm.servers if sp.peer_id != _peer(swarm, first)]
     return DistributedModelForCausalLM.from_pretrained(
         str(tiny_llama_path), initial_peers=swarm.initial_peers, provider=ListedChains(order, 6),
-        verification=VerificationConfig(**config))
+        allowed_servers=allowed, verification=VerificationConfig(**config))
 
 
 def _corrupt_peers(swarm) -> set[str]:
@@ -222,15 +226,19 @@ def test_a_server_honest_for_n_sessions_is_caught_after_and_honest_ones_never_ar
     try:
         first = model.generate(PROMPT, max_new_tokens=6, do_sample=False)  # its honest session
         stats = model.backend.verification.stats
-        assert stats.catches == [] and stats.mismatches == 0 and stats.rows_verified > 0
+        after = _peer(swarm, "corrupt-after")
+        # corrupting checkers may be caught meanwhile, never the server of its honest session
+        assert after not in {c.peer_id for c in stats.catches} and stats.rows_verified > 0
+        assert {c.peer_id for c in stats.catches} <= _corrupt_peers(swarm)
         second = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
         assert first.tolist() == second.tolist() == hf_greedy(PROMPT, 6)
-        assert _peer(swarm, "corrupt-after") in {c.peer_id for c in stats.catches}
+        assert (after, Verdict.WRONG_OUTPUT) in {(c.peer_id, c.verdict) for c in stats.catches}
         assert {c.peer_id for c in stats.catches} <= _corrupt_peers(swarm)
     finally:
         model.backend.shutdown()
     # honest servers audited at every step by each other: no mismatch, nobody blamed
-    model = _client(tiny_llama_path, swarm, "honest0", check_probability=1.0, seed=3)
+    honest = {_peer(swarm, "honest0"), _peer(swarm, "honest1")}
+    model = _client(tiny_llama_path, swarm, "honest0", allowed=honest, check_probability=1.0, seed=3)
     try:
         for n in (4, 9):
             assert model.generate(PROMPT, max_new_tokens=n, do_sample=False).tolist() == hf_greedy(PROMPT, n)
@@ -256,3 +264,40 @@ def test_a_corrupting_server_is_caught_and_the_output_stays_hf_greedy(tiny_llama
         assert len(stats.catches) == len({c.peer_id for c in stats.catches})  # each caught once
     finally:
         model.backend.shutdown()
+
+
+@pytest.mark.integration
+def test_reports_of_k_distinct_clients_exclude_a_server_and_one_clients_never_do(tiny_llama_path, swarm):
+    from petals_chain.swarm.records import find_orchestrator
+    from tests.swarm_helpers import get_json, wait_for
+
+    noisy = _peer(swarm, "corrupt-noise")
+
+    def catch(model) -> str:
+        backend = model.backend  # it routes by itself (ListedChains) and reports to the swarm's orchestrator
+        wait_for(lambda: find_orchestrator(backend.dht, backend.model, None), 60, "the orchestrator's record")
+        with backend.verification._lock:  # forget this client's ban: it meets the server again
+            backend.verification.convicted.clear()
+            backend.verification.stats.catches.clear()
+        model.generate(PROMPT, max_new_tokens=3, do_sample=False)
+        (caught,) = [c for c in backend.verification.stats.catches if c.peer_id == noisy]
+        return caught.reported
+
+    def reports() -> dict:
+        return get_json(swarm.orchestrator_url + "status")["reports"]["servers"].get(noisy, {})
+
+    first = _client(tiny_llama_path, swarm, "corrupt-noise", check_probability=1.0, seed=4)
+    try:
+        for _ in range(2):  # one client, two reports: one reporter, never excluded
+            assert catch(first) == "counted: 1 reporter(s), excluded=False"
+        assert len(reports()["reporters"]) == 1 and reports()["excluded"] is False
+    finally:
+        first.backend.shutdown()
+    second = _client(tiny_llama_path, swarm, "corrupt-noise", check_probability=1.0, seed=5)
+    try:
+        assert catch(second) == "counted: 2 reporter(s), excluded=True"
+    finally:
+        second.backend.shutdown()
+    assert reports()["excluded"] is True and reports()["reports"] == 3
+    wait_for(lambda: noisy not in {s["peer_id"] for s in get_json(swarm.orchestrator_url + "status")["servers"]},
+             60, "the excluded server to leave the orchestrator's plan")

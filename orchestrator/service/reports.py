@@ -35,6 +35,7 @@ from petals_chain.algorithms.hidden_compare import digest, first_mismatch, toler
 from petals_chain.errors import BadReportError, PetalsChainError
 from petals_chain.wire.messages import ReportReply, Verdict, VerificationReport
 
+MAX_THIRD_OPINIONS = 4  # servers the orchestrator asks about one report, at most
 # forward(peer_id, entry_block, hidden [rows, hidden]) -> the server's output rows (a stateless rpc_forward)
 Forward = Callable[[str, int, torch.Tensor], Awaitable[torch.Tensor]]
 
@@ -141,32 +142,43 @@ class ServerReports:
         with self._lock:
             entry = self._accused.setdefault(accused, AccusedServer())
             entry.reports += 1
-        path = (span_path(servers, report.start, report.end, {accused, caller, *report.agreeing})
-                or span_path(servers, report.start, report.end, {accused}))
-        if path is None:
+        # third opinions: servers independent of the report first (not the accused, the reporter, or those it
+        # names as agreeing), then the agreeing ones; the first that agrees with one side decides, one that
+        # agrees with neither (itself wrong) is passed over
+        tried: set[str] = set()
+        verdict, decider, failures = None, None, []
+        for independent in (True, False):
+            while verdict is None and len(tried) < MAX_THIRD_OPINIONS:
+                exclude = {accused, *tried} | ({caller, *report.agreeing} if independent else set())
+                path = span_path(servers, report.start, report.end, exclude)
+                if path is None:
+                    break
+                tried.update(peer for peer, _ in path)
+                x = inputs
+                try:
+                    for peer, entry_block in path:
+                        x = await forward(peer, entry_block, x)
+                except PetalsChainError as e:
+                    failures.append(str(e))
+                    continue
+                third = x[report.position:report.position + 1]
+                tolerance = tolerance_for(inputs.dtype, third.dtype)
+                if first_mismatch(reference_row, third, tolerance) is None:
+                    verdict, decider = True, path[0][0]
+                elif first_mismatch(accused_row, third, tolerance) is None:
+                    verdict, decider = False, path[0][0]
+        if verdict is None:
             with self._lock:
                 entry.unverified += 1
-                entry.last = f"unverified report by {caller[-8:]}: no other server holds [{report.start}, {report.end})"
+                entry.last = (f"unverified report by {caller[-8:]}: no other server of [{report.start}, {report.end}) "
+                              f"confirmed either side{'; ' + failures[-1] if failures else ''}")
                 return ReportReply(False, len(entry.reporters), entry.excluded, entry.last)
-        x = inputs
-        try:
-            for peer, entry_block in path:
-                x = await forward(peer, entry_block, x)
-        except PetalsChainError as e:
-            with self._lock:
-                entry.unverified += 1
-                entry.last = f"unverified report by {caller[-8:]}: the third opinion failed ({e})"
-                return ReportReply(False, len(entry.reporters), entry.excluded, entry.last)
-        third = x[report.position:report.position + 1]
-        tolerance = tolerance_for(inputs.dtype, third.dtype)
-        if first_mismatch(reference_row, third, tolerance) is not None or \
-                first_mismatch(accused_row, third, tolerance) is None:
+        if not verdict:
             with self._lock:
                 self.refused += 1
-                entry.last = f"report by {caller[-8:]} contradicted by the third opinion of {path[0][0][-8:]}"
-            raise BadReportError(f"verification report refused: the orchestrator's third opinion ({path[0][0]}) "
-                                 "does not support it (its reference row is not what that server computes, or the "
-                                 "accused's row is)")
+                entry.last = f"report by {caller[-8:]} contradicted by the third opinion of {decider[-8:]}"
+            raise BadReportError(f"verification report refused: the orchestrator's third opinion ({decider}) "
+                                 "computes the accused's row, not the reference: the accused was right")
         with self._lock:
             entry.reporters.add(caller)
             entry.last = f"{report.verdict} at position {report.position} reported by {caller[-8:]}"

@@ -102,13 +102,22 @@ class RemoteChain(ChainBackend):
 
     def _send_report(self, report: VerificationReport, tensors: tuple[torch.Tensor, ...]) -> str:
         """A signed verification report to the orchestrator (rpc_report); its answer, in words."""
-        if self.orchestrator is None or self.identity is None:
+        if self.identity is None:
+            return "no identity to sign with"
+        # the swarm's orchestrator, also when this client routes by itself (its record may lag under load)
+        orchestrator = self.orchestrator
+        for attempt in range(3):
+            if orchestrator is not None:
+                break
+            time.sleep(attempt)  # on the verification thread, never a session's
+            orchestrator = find_orchestrator(self.dht, self.model, self.allowed_servers)
+        if orchestrator is None:
             return "no orchestrator to report to"
         sign_report(report, self.identity)
         (request, *more) = wire_parts.to_messages(report.to_wire(), tensors)
         if more:
             return "not sent: its evidence exceeds one message"
-        stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(self.orchestrator.peer_id))
+        stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(orchestrator.peer_id))
         resp = self.loop.run(stub.rpc_report(request, timeout=60.0), timeout_s=62.0)
         reply = wire.decode_reply(wire.unpack(resp.metadata), ReportReply)
         return (f"counted: {reply.reporters} reporter(s), excluded={reply.excluded}" if reply.counted

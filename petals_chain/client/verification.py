@@ -73,7 +73,7 @@ logger = logging.getLogger(__name__)
 NORM_MARGIN = 10.0  # a row's RMS this many times outside the verified range of its block range is impossible
 MIN_LEARNED_ROWS = 16  # verified rows of a block range before its norm bounds apply
 LOCAL = "local"  # the client's own computation, as an opinion's name
-MAX_OPINIONS = 4  # besides the session's own servers, asked until two agree on the first disagreeing row
+MAX_OPINIONS = 8  # besides the session's own servers, asked until two agree on the first disagreeing row
 
 
 @dataclass(frozen=True)
