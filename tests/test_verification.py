@@ -222,7 +222,9 @@ PROMPT = torch.tensor([[5, 17, 42, 9, 77, 3, 21, 64]])
 @pytest.mark.integration
 def test_a_server_honest_for_n_sessions_is_caught_after_and_honest_ones_never_are(tiny_llama_path, swarm,
                                                                                   hf_greedy):
-    model = _client(tiny_llama_path, swarm, "corrupt-after", check_probability=1.0, seed=2)
+    # only the after-N server and honest ones (the noisy one is left to the report test)
+    allowed = {_peer(swarm, "corrupt-after"), _peer(swarm, "honest0"), _peer(swarm, "honest1")}
+    model = _client(tiny_llama_path, swarm, "corrupt-after", allowed=allowed, check_probability=1.0, seed=2)
     try:
         first = model.generate(PROMPT, max_new_tokens=6, do_sample=False)  # its honest session
         stats = model.backend.verification.stats
@@ -249,24 +251,6 @@ def test_a_server_honest_for_n_sessions_is_caught_after_and_honest_ones_never_ar
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("mode", ["noise", "rare", "skip-last"])
-def test_a_corrupting_server_is_caught_and_the_output_stays_hf_greedy(tiny_llama_path, swarm, hf_greedy, mode):
-    model = _client(tiny_llama_path, swarm, f"corrupt-{mode}", check_probability=0.5, seed=1)
-    try:
-        out = model.generate(PROMPT, max_new_tokens=16, do_sample=False)
-        stats = model.backend.verification.stats
-        assert out.tolist() == hf_greedy(PROMPT, 16)
-        caught = _peer(swarm, f"corrupt-{mode}")
-        assert (caught, Verdict.WRONG_OUTPUT) in {(c.peer_id, c.verdict) for c in stats.catches}
-        # a corrupting checker may be caught too (the swarm has several), an honest server never
-        assert {c.peer_id for c in stats.catches} <= _corrupt_peers(swarm)
-        assert caught in model.backend.verification.avoided() <= _corrupt_peers(swarm)
-        assert len(stats.catches) == len({c.peer_id for c in stats.catches})  # each caught once
-    finally:
-        model.backend.shutdown()
-
-
-@pytest.mark.integration
 def test_reports_of_k_distinct_clients_exclude_a_server_and_one_clients_never_do(tiny_llama_path, swarm):
     from petals_chain.swarm.records import find_orchestrator
     from tests.swarm_helpers import get_json, wait_for
@@ -286,14 +270,16 @@ def test_reports_of_k_distinct_clients_exclude_a_server_and_one_clients_never_do
     def reports() -> dict:
         return get_json(swarm.orchestrator_url + "status")["reports"]["servers"].get(noisy, {})
 
-    first = _client(tiny_llama_path, swarm, "corrupt-noise", check_probability=1.0, seed=4)
+    # the first clients of the swarm to meet the noisy server, using no other corrupting server
+    allowed = {noisy, _peer(swarm, "honest0"), _peer(swarm, "honest1")}
+    first = _client(tiny_llama_path, swarm, "corrupt-noise", allowed=allowed, check_probability=1.0, seed=4)
     try:
         for _ in range(2):  # one client, two reports: one reporter, never excluded
             assert catch(first) == "counted: 1 reporter(s), excluded=False"
         assert len(reports()["reporters"]) == 1 and reports()["excluded"] is False
     finally:
         first.backend.shutdown()
-    second = _client(tiny_llama_path, swarm, "corrupt-noise", check_probability=1.0, seed=5)
+    second = _client(tiny_llama_path, swarm, "corrupt-noise", allowed=allowed, check_probability=1.0, seed=5)
     try:
         assert catch(second) == "counted: 2 reporter(s), excluded=True"
     finally:
@@ -301,3 +287,21 @@ def test_reports_of_k_distinct_clients_exclude_a_server_and_one_clients_never_do
     assert reports()["excluded"] is True and reports()["reports"] == 3
     wait_for(lambda: noisy not in {s["peer_id"] for s in get_json(swarm.orchestrator_url + "status")["servers"]},
              60, "the excluded server to leave the orchestrator's plan")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["noise", "rare", "skip-last"])
+def test_a_corrupting_server_is_caught_and_the_output_stays_hf_greedy(tiny_llama_path, swarm, hf_greedy, mode):
+    model = _client(tiny_llama_path, swarm, f"corrupt-{mode}", check_probability=0.5, seed=1)
+    try:
+        out = model.generate(PROMPT, max_new_tokens=16, do_sample=False)
+        stats = model.backend.verification.stats
+        assert out.tolist() == hf_greedy(PROMPT, 16)
+        caught = _peer(swarm, f"corrupt-{mode}")
+        assert (caught, Verdict.WRONG_OUTPUT) in {(c.peer_id, c.verdict) for c in stats.catches}
+        # a corrupting checker may be caught too (the swarm has several), an honest server never
+        assert {c.peer_id for c in stats.catches} <= _corrupt_peers(swarm)
+        assert caught in model.backend.verification.avoided() <= _corrupt_peers(swarm)
+        assert len(stats.catches) == len({c.peer_id for c in stats.catches})  # each caught once
+    finally:
+        model.backend.shutdown()

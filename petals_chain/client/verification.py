@@ -46,7 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -65,8 +65,10 @@ from petals_chain.wire.messages import Hop, Verdict, VerificationReport
 
 if TYPE_CHECKING:
     from petals_chain.client.hop_client import HopStream
-    from petals_chain.client.remote import RemoteChain
-    from petals_chain.client.remote_session import RemoteChainSession
+
+# the session (`RemoteChainSession`) and chain (`RemoteChain`) this module serves: named, not imported,
+# since both import it
+RemoteChain = RemoteChainSession = Any
 
 logger = logging.getLogger(__name__)
 
