@@ -34,6 +34,9 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_ADAPTER = "unknown_adapter"
     RELAY_REFUSED = "relay_refused"
     DIRECT_REFUSED = "direct_refused"
+    BAD_REPLY = "bad_reply"
+    VERIFICATION_ROLLBACK = "verification_rollback"
+    BAD_REPORT = "bad_report"
 
 
 class PetalsChainError(Exception):
@@ -176,6 +179,34 @@ class P2PStartError(PetalsChainError):
     code = ErrorCode.P2P_START_ERROR
 
 
+class BadReplyError(ServerUnavailableError):
+    """A server's reply was impossible (NaN/Inf, a wrong shape or dtype, norms far outside what its
+    blocks produce) or it was caught returning wrong hidden states (petals_chain/client/verification.py):
+    the client fails over around it, as around a dead server."""
+
+    code = ErrorCode.BAD_REPLY
+
+
+class VerificationRollback(PetalsChainError):
+    """A spot check found that a server returned wrong hidden states from position `trusted_position`
+    on: what the session generated after it is untrusted. `DistributedModelForCausalLM.generate`
+    handles it (rolls the session back there, fails over around the server and generates again); a
+    caller stepping a session itself must roll back to `trusted_position` and step again from there."""
+
+    code = ErrorCode.VERIFICATION_ROLLBACK
+
+    def __init__(self, message: str = "", trusted_position: int = 0):
+        super().__init__(message)
+        self.trusted_position = trusted_position
+
+
+class BadReportError(InvalidRequestError):
+    """The orchestrator refused a verification report: a bad signature, digests that do not match its
+    tensors, or evidence its own third opinion contradicts."""
+
+    code = ErrorCode.BAD_REPORT
+
+
 ERROR_TYPES: dict[ErrorCode, type[PetalsChainError]] = {
     cls.code: cls
     for cls in (
@@ -200,6 +231,9 @@ ERROR_TYPES: dict[ErrorCode, type[PetalsChainError]] = {
         UnknownAdapterError,
         RelayRefusedError,
         DirectRefusedError,
+        BadReplyError,
+        VerificationRollback,
+        BadReportError,
     )
 }
 

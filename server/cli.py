@@ -151,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EMULATION, off by default: every batch (and the t_I/t_O profiling) runs for real, then "
                         "sleeps until it took K times its compute time, emulating a K-times slower device "
                         "(server/emulation.py; used by `petals-chain experiment table1`)")
+    p.add_argument("--test-corrupt", default=None, metavar="MODE",
+                   help="TEST ONLY, off by default: return WRONG hidden states, to test clients' verification "
+                        "(server/corruption.py): noise[:SCALE] on every step, rare:P[:SCALE] (a small perturbation "
+                        "on a share P of steps), skip-last (never run the last block), after:N (honest for N "
+                        "sessions, then noise). Never use it in a real swarm")
+    p.add_argument("--test-corrupt-seed", type=non_negative_int, default=0, metavar="SEED",
+                   help="TEST ONLY: seed of --test-corrupt's random choices and noise")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
                    help="Python logging level (default WARNING)")
     return p
@@ -168,6 +175,16 @@ def _main(argv: list[str]) -> int:
         print(f"launch-server: --emulate-slowdown must be >= 1 (a slower device), got {args.emulate_slowdown}",
               file=sys.stderr)
         return 2
+    if args.test_corrupt is not None:
+        from server.corruption import parse_mode  # light: no model loads
+
+        try:
+            parse_mode(args.test_corrupt)
+        except ValueError as e:
+            print(f"launch-server: {e}", file=sys.stderr)
+            return 2
+        print(f"launch-server: TEST ONLY --test-corrupt {args.test_corrupt}: this server returns wrong hidden "
+              "states", file=sys.stderr, flush=True)
     if args.num_blocks is not None and args.blocks is not None:
         print("launch-server: give --blocks START:END or --num-blocks N, not both", file=sys.stderr)
         return 2
@@ -234,7 +251,8 @@ def _main(argv: list[str]) -> int:
             max_step_tokens=args.max_step_tokens,
             announce_period_s=args.announce_period, record_ttl_s=3 * args.announce_period, num_threads=args.num_threads,
             orchestrator_wait_s=args.orchestrator_wait, allowed_peers=allowed_peers,
-            emulate_slowdown=args.emulate_slowdown, cuda_graphs=not args.no_cuda_graphs,
+            emulate_slowdown=args.emulate_slowdown, test_corrupt=args.test_corrupt,
+            test_corrupt_seed=args.test_corrupt_seed, cuda_graphs=not args.no_cuda_graphs,
             announce_maddrs=args.announce_maddrs or [], use_relay=not args.no_relay,
             relay_service=not args.no_relay_service, num_blocks=args.num_blocks, direct_port=args.direct_port,
             balance_quality=args.balance_quality, rebalance_period_s=args.rebalance_period))

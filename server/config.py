@@ -40,6 +40,8 @@ class ServerConfig:
     num_threads: int | None = None
     orchestrator_wait_s: float = 30.0
     emulate_slowdown: float = 1.0  # EMULATION (server/emulation.py): batches take this many times their compute
+    test_corrupt: str | None = None  # TEST ONLY (server/corruption.py): return wrong hidden states this way
+    test_corrupt_seed: int = 0
     cuda_graphs: bool = True  # on CUDA: replay captured graphs for decode steps (runtime/decode_graphs.py)
     assignment_poll_s: float = 1.0
     # self-placement without an orchestrator (server/block_selection.py): serve this many blocks,

@@ -43,8 +43,11 @@ def maybe_slowed(block_range: BlockRange, factor: float):
 
 
 def real_range(block_range) -> BlockRange:
-    """The real range under an emulation wrapper (what profiling measures)."""
-    return block_range.inner if isinstance(block_range, SlowedBlockRange) else block_range
+    """The real range under any wrapper (this emulation, server/corruption.py's test mode): what profiling
+    measures. Every wrapper keeps the range it wraps as `inner`."""
+    while (inner := getattr(block_range, "inner", None)) is not None:
+        block_range = inner
+    return block_range
 
 
 def slowed_times(times: BlockTimes, factor: float) -> BlockTimes:

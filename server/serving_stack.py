@@ -24,6 +24,7 @@ from petals_chain.runtime.kv_cache import SessionKV
 from petals_chain.wire.prefix_keys import PREFIX_CHUNK_TOKENS
 from server.admission import AdmissionQueue
 from server.config import ServerConfig
+from server.corruption import maybe_corrupted
 from server.emulation import maybe_slowed
 from server.memory import KVBudget
 from server.policies import make_policy
@@ -84,6 +85,8 @@ def build_stack(config: ServerConfig, path, start: int, end: int,
     block_range = maybe_slowed(BlockRange(path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
                                           model_path=path, cuda_graphs=c.cuda_graphs, adapters=c.adapters),
                                c.emulate_slowdown)
+    # TEST ONLY (--test-corrupt, off by default): wrong outputs for the client's verification to catch
+    block_range = maybe_corrupted(block_range, c.test_corrupt, c.test_corrupt_seed)
     budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
                       cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
     admission: AdmissionQueue | None = None  # made below; the scheduler's log asks it who waits for memory

@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lost-after", type=non_negative_float, default=10.0,
                    help="seconds a server's record may be missing from the DHT before the orchestrator drops it and "
                         "its chains (a server that announces offline is dropped at once; default 10)")
+    p.add_argument("--exclude-after-reports", type=positive_int, default=3, metavar="K",
+                   help="stop planning a server once K distinct peers sent verification reports of it returning "
+                        "wrong hidden states that the orchestrator's own third opinion confirmed (default 3; one "
+                        "client's reports never suffice unless K is 1)")
     p.add_argument("--http-host", default="127.0.0.1", help="address of the status page (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=0, help="status page port (0: pick a free one; -1: no HTTP)")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         replan_min_gain=args.replan_min_gain, equivalent_servers_rel=args.equivalent_servers,
         lost_after_s=args.lost_after,
         max_model_replans=args.model_replans, identity_path=args.identity_path,
-        allowed_peers=allowed_peers))
+        allowed_peers=allowed_peers, exclude_after_reports=args.exclude_after_reports))
     # SIGUSR1: hold the calibrated re-plans (a measurement that must run on one plan; Orchestrator.hold_model_replans).
     # The handler runs on the main thread, which only waits for `stop` below and never holds the core's lock.
     signal.signal(signal.SIGUSR1, lambda *_: orch.hold_model_replans())

@@ -48,6 +48,7 @@ from orchestrator.service.registry import (
     rtt_partners,
     server_params,
 )
+from orchestrator.service.reports import ServerReports
 from orchestrator.service.sessions import UNPICKED_GRANT_TTL_S, Sessions
 from orchestrator.session_times import SessionShape
 from petals_chain.errors import UnknownAdapterError
@@ -127,6 +128,7 @@ class OrchestratorConfig:
     lost_after_s: float = 10.0
     identity_path: str | None = None
     allowed_peers: frozenset[str] | None = None  # private swarm: plan with and answer only these peers
+    exclude_after_reports: int = 3  # verification reports from this many distinct peers exclude a server
 
 
 PlanState = InstalledPlan  # the name the tests and the Table 1 driver knew
@@ -256,6 +258,7 @@ class Orchestrator:
         self.events: list[str] = []
         self.http_port = 0
         self.relay_routes = RelayRoutes()  # servers behind NATs: dialed through their relays (reachability.py)
+        self.reports = ServerReports(config.exclude_after_reports)  # clients' verification reports (reports.py)
 
     # -- announcements ----------------------------------------------------------------------
     def info(self) -> OrchestratorInfo:
@@ -292,6 +295,7 @@ class Orchestrator:
         found = fetch_servers(self.dht, self.model,
                               states=(ServerState.JOINING, ServerState.ONLINE, ServerState.OFFLINE),
                               allowed=self.config.allowed_peers)
+        found = [i for i in found if i.peer_id not in self.reports.excluded()]  # reported by k peers: never planned
         offline = {i.peer_id for i in found if i.state == ServerState.OFFLINE}
         infos = {i.peer_id: i for i in found if i.peer_id not in offline}
         self.relay_routes.update(infos.values())

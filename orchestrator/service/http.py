@@ -190,7 +190,9 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0]
         try:
             if path == "/status":
-                self._send(200, json.dumps(self.orch.status()), "application/json")
+                # clients' verification reports and the servers they excluded (orchestrator/service/reports.py)
+                status = {**self.orch.status(), "reports": self.orch.reports.view()}
+                self._send(200, json.dumps(status), "application/json")
             elif path == "/plan-input":
                 self._send(200, json.dumps(self.orch.plan_input()), "application/json")
             elif path == "/metrics":

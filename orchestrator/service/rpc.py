@@ -12,29 +12,46 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from hivemind.p2p import P2PContext
+import torch
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from orchestrator.dispatch import DispatchRequest
 from orchestrator.service.sessions import MAX_POLL_S
 from orchestrator.service.sessions import Queued as Waiting
+from petals_chain.errors import BadReportError, PetalsChainError, ServerUnavailableError
+from petals_chain.swarm.identity import peer_id_of_public_key
+from petals_chain.transport.protocol import BlockService
 from petals_chain.wire import codec as wire
+from petals_chain.wire import parts as wire_parts
 from petals_chain.wire.messages import (
     Acquire,
     AssignmentReply,
     AssignmentRequest,
     ChainGrant,
+    Forward,
     Granted,
     Heartbeat,
     HeartbeatReply,
     Queued,
     Release,
     Released,
+    VerificationReport,
 )
+from petals_chain.wire.records import ServerState
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["OrchestratorRpc", "MAX_POLL_S"]
+
+
+def _verify_signature(public_key: bytes, data: bytes, signature: bytes) -> bool:
+    from hivemind.utils.crypto import RSAPublicKey
+
+    try:
+        return RSAPublicKey.from_bytes(public_key).verify(data, signature)
+    except Exception:
+        return False
 
 
 class OrchestratorRpc:
@@ -74,6 +91,41 @@ class OrchestratorRpc:
         sids = wire.decode_request(request, Heartbeat).session_ids
         unknown = self.orch.sessions.unknown(list(sids), self.orch.clock())
         return wire.response(HeartbeatReply(unknown, self.orch.config.lease_ttl_s))
+
+    @wire.replies_with_typed_errors
+    async def report(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """A client's signed verification report (orchestrator/service/reports.py)."""
+        message = wire_parts.decode_single(request)
+        msg = VerificationReport.from_wire(message.meta)
+        caller = str(context.remote_id)
+        orch = self.orch
+        tensors = [t.to(torch.float32) if t.dtype == torch.float64 else t for t in message.tensors]
+        try:
+            orch.reports.check_report(msg, tensors, caller, orch.model, peer_id_of_public_key, _verify_signature)
+        except BadReportError:
+            with orch.reports._lock:
+                orch.reports.refused += 1
+            raise
+        with orch.lock:
+            servers = [(p, r.info.start, r.info.end) for p, r in orch.records.items()
+                       if r.info.state == ServerState.ONLINE and r.info.has_blocks]
+
+        async def forward(peer: str, entry_block: int, hidden: torch.Tensor) -> torch.Tensor:
+            (req,) = wire_parts.to_messages(Forward(entry_block).to_wire(), (hidden.unsqueeze(0),))
+            stub = BlockService.get_stub(orch.p2p, PeerID.from_base58(peer))
+            try:
+                reply = wire_parts.decode_single(await stub.rpc_forward(req, timeout=60.0))
+            except PetalsChainError:
+                raise
+            except Exception as e:
+                raise ServerUnavailableError(f"server {peer} did not answer the forward ({type(e).__name__})") from e
+            wire.raise_if_error(reply.meta)
+            return reply.tensors[0][0]
+
+        out = await orch.reports.add(msg, tensors, caller, servers, forward)
+        if out.excluded:
+            orch.log_event(f"server {msg.accused[-8:]} excluded: {out.reporters} peers reported wrong hidden states")
+        return wire.response(out)
 
     @wire.replies_with_typed_errors
     async def assignment(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:

@@ -250,6 +250,9 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
                     break
         result.failovers = getattr(session.chain, "failovers", 0)
         result.chain = session.chain.describe()  # the chain that served the answer (after any failover)
+        if session.chain.verifier is not None and result.finish_reason != "cancelled":
+            # audits still running may yet find a wrong row: VerificationRollback fails the request then
+            session.chain.verifier.settle()
     if result.finish_reason != "cancelled":
         delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True), final=True)
         if delta or pending:

@@ -9,7 +9,7 @@ import socket
 import sys
 
 from petals_chain.api.admission import ADMISSION_POLICIES
-from petals_chain.cli.args import DTYPE_CHOICES, CliParser
+from petals_chain.cli.args import DTYPE_CHOICES, CliParser, unit_interval
 from petals_chain.process.heap import freeze_startup_heap
 
 
@@ -52,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-schedule", choices=("adaptive", "constant"), default="adaptive",
                    help="adaptive (default): send 0..K drafted tokens per round, as many as pay off by the measured "
                         "acceptance and chain step times; constant: all K")
+    p.add_argument("--verify-probability", type=unit_interval, default=0.0, metavar="P",
+                   help="spot checks: after a step, with probability P, every hop's work is recomputed by other "
+                        "servers holding the same blocks, off the critical path; a server caught returning wrong "
+                        "hidden states is banned (and reported to the orchestrator), and the request that met it "
+                        "fails with verification_rollback (retry it) (default 0: only cheap checks of every reply; "
+                        "petals_chain/client/verification.py)")
+    p.add_argument("--verify-prompt-share", type=unit_interval, default=0.0, metavar="S",
+                   help="spot checks: also audit the prompt step of this share of requests (default 0)")
     return p
 
 
@@ -104,6 +112,7 @@ def main(argv: list[str]) -> int:
 
     from petals_chain.api.gateway import Gateway, GatewayConfig
     from petals_chain.client.model import DistributedModelForCausalLM
+    from petals_chain.client.verification import VerificationConfig
     from petals_chain.errors import PetalsChainError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -117,7 +126,10 @@ def main(argv: list[str]) -> int:
                                                             max_batch_rows=args.client_batch_rows,
                                                             use_orchestrator=not args.no_orchestrator,
                                                             identity_path=args.identity_path,
-                                                            allowed_servers=load_allowed_peers(args.allowed_peers))
+                                                            allowed_servers=load_allowed_peers(args.allowed_peers),
+                                                            verification=VerificationConfig(
+                                                                check_probability=args.verify_probability,
+                                                                prompt_check_share=args.verify_prompt_share))
     except PetalsChainError as e:
         print(f"petals-chain api: {e}", file=sys.stderr)
         return 2

@@ -138,6 +138,11 @@ def probability(text: str) -> float:
     return _checked_float(text, lambda v: 0 < v <= 1, "must lie in (0, 1]")
 
 
+def unit_interval(text: str) -> float:
+    """A chance or share in [0, 1] (0: never)."""
+    return _checked_float(text, lambda v: 0 <= v <= 1, "must lie in [0, 1]")
+
+
 def _checked_float(text: str, ok: Callable[[float], bool], requirement: str) -> float:
     value = _finite_float(text)
     if not ok(value):

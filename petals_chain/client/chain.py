@@ -33,6 +33,8 @@ class ChainSession(ABC):
     # it starts at that prefix's length, so the first step carries only the rest of the prompt
     position: int = 0
     failovers: int = 0  # hops replaced after a server failed
+    # checks of the servers' replies (client/verification.py:SessionVerifier): None for local chains
+    verifier = None
 
     @property
     def num_hops(self) -> int:

@@ -29,12 +29,14 @@ from petals_chain.client.speculation import (
     AdaptivePromptLookup,
     StepCostModel,
 )
-from petals_chain.errors import InvalidRequestError
+from petals_chain.errors import InvalidRequestError, VerificationRollback
 from petals_chain.models.checkpoint import resolve_model_path
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.runtime.client_head import ClientHead
 
 DEFAULT_MAX_LENGTH = 2048
+# a generate that met more spot-check catches than this gives up (each costs a rollback and a failover)
+MAX_VERIFICATION_RESTARTS = 8
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class InferenceSession:
         # measured seconds of this session's chain steps by size: what adaptive draft lengths weigh
         self.step_costs = StepCostModel()
         self.last_generate: GenerateStats | None = None  # of the latest `generate` in this session
+        self.verification_restarts = 0  # rollbacks after a spot check caught a server (client/verification.py)
         self.closed = False
 
     @property
@@ -162,19 +165,26 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # -- sessions ----------------------------------------------------------------------------
     @contextmanager
     def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None,
-                          adapter: str | None = None, session_id: str | None = None):
+                          adapter: str | None = None, session_id: str | None = None,
+                          check_probability: float | None = None):
         """`with model.inference_session(max_length=...) as s:` keeps the conversation cached on the chain;
         every `generate` inside continues it (pass only the new tokens). `prompt_ids` [n]: the first
         prompt, offered to the servers' prefix caches (the session then starts past the reused part).
         `adapter`: this session's LoRA adapter (default: the model's `active_adapter`).
-        `session_id`: what the orchestrator and servers call the session (default: a random id)."""
+        `session_id`: what the orchestrator and servers call the session (default: a random id).
+        `check_probability`: this session's chance per step of a spot check of its servers
+        (client/verification.py; default: the model's `verification` config)."""
         if self._session is not None:
             raise InvalidRequestError("an inference session is already active on this model; close it first")
+        if check_probability is not None and not 0.0 <= check_probability <= 1.0:
+            raise InvalidRequestError(f"check_probability must be in [0, 1], got {check_probability}")
         prefix = None
-        if prompt_ids is not None:
+        if prompt_ids is not None and not check_probability:  # an audit cannot cover a prefix a cache supplied
             prefix = PromptPrefix(prompt_ids.tolist(), self.head.embed_batched(prompt_ids))
         adapter = adapter if adapter is not None else self.active_adapter
         chain = self.backend.open_session(max_length, prefix, adapter, session_id=session_id)
+        if check_probability is not None and chain.verifier is not None:
+            chain.verifier.check_probability = check_probability
         # a reused prompt prefix is already on the chain
         reused = prompt_ids[:chain.position].tolist() if prompt_ids is not None else []
         session = InferenceSession(chain, max_length, reused)
@@ -192,14 +202,20 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         `prompt_lookup_schedule`: "adaptive" (default) sends 0..k of each prompt-lookup draft, the
         count that maximises expected tokens per second of measured chain time (a round with no match,
         or whose draft is not worth a longer step, is one plain 1-token step; client/speculation.py);
-        "constant": every draft as HF's lookup makes it (up to k tokens)."""
+        "constant": every draft as HF's lookup makes it (up to k tokens).
+        `check_probability`: the chance per step that the servers' work is spot-checked (a session opened
+        here; client/verification.py); a catch rolls the session back and generates again from the last
+        trusted token, so the output is what honest servers give."""
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise InvalidRequestError("generate takes input_ids of shape [1, n]: one sequence per session "
                                       "(run several sessions, e.g. in threads, for several sequences)")
         if kwargs.get("attention_mask") is not None and not bool(kwargs["attention_mask"].all()):
             raise InvalidRequestError("padding is not supported: pass one unpadded sequence")
         kwargs.pop("attention_mask", None)
+        check_probability = kwargs.pop("check_probability", None)
         if self._session is not None:
+            if check_probability is not None and self._session.chain.verifier is not None:
+                self._session.chain.verifier.check_probability = check_probability
             full = torch.tensor([self._session.token_ids + input_ids[0].tolist()], dtype=torch.long)
             return self._generate_in(self._session, full, **kwargs)
         if max_length is not None:
@@ -214,7 +230,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         budget += int(kwargs.get("prompt_lookup_num_tokens") or 0)
         # the prompt goes with the open: hops that hold its prefix skip it (generate keeps only the
         # last position's logits, so the skipped positions' logits are never needed)
-        with self.inference_session(max_length=budget, prompt_ids=input_ids[0]) as session:
+        with self.inference_session(max_length=budget, prompt_ids=input_ids[0],
+                                    check_probability=check_probability) as session:
             return self._generate_in(session, input_ids, **kwargs)
 
     def _session_length(self, prompt_tokens: int, kwargs: dict) -> int:
@@ -253,12 +270,46 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             # itself, seeing that the next ids share only a prefix with what it processed
             kwargs["use_cache"] = True
         steps, drafted = session.chain_steps, session.drafted_tokens
-        out = super().generate(full_ids, attention_mask=torch.ones_like(full_ids), **kwargs)
+        out = self._generate_verified(session, full_ids, kwargs)
         session.token_ids = out[0].tolist()
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         session.last_generate = GenerateStats(sequences.shape[1] - full_ids.shape[1], session.chain_steps - steps,
                                               session.drafted_tokens - drafted)
         return out
+
+    def _generate_verified(self, session: InferenceSession, full_ids: torch.Tensor, kwargs: dict):
+        """HF's generate, started again from the last trusted token whenever a spot check caught a server
+        (`VerificationRollback`: client/verification.py): the chain rolls back there (KV rollback), the
+        step through the caught server fails over, and the tokens generated from its wrong hidden states
+        are generated again, so the output is what honest servers give. A streamer sees the prompt and
+        the trusted tokens again after a restart."""
+        prompt_tokens = full_ids.shape[1]
+        target_tokens = self._session_length(prompt_tokens, kwargs)  # prompt + new tokens, as HF resolves it
+        ids, call_kwargs = full_ids, kwargs
+        while True:
+            out = None
+            try:
+                out = super().generate(ids, attention_mask=torch.ones_like(ids), **call_kwargs)
+                if session.chain.verifier is not None:
+                    session.chain.verifier.settle()  # audits still running may yet find a wrong row
+                return out
+            except VerificationRollback as rollback:
+                session.verification_restarts += 1
+                if session.verification_restarts > MAX_VERIFICATION_RESTARTS:
+                    raise
+                q = rollback.trusted_position
+                sequences = None if out is None else (out if isinstance(out, torch.Tensor) else out.sequences)
+                # the ids HF had: all of them after generate returned, else those the chain held before the step
+                source = sequences[0].tolist() if sequences is not None else list(session.processed_ids)
+                # tokens [0, q] are trusted (token q came from row q - 1's output); the prompt always is
+                kept = full_ids[0].tolist() if q + 1 <= prompt_tokens else source[:q + 1]
+                session.processed_ids = kept[:min(q, len(kept) - 1)]  # the next step recomputes from row q
+                left = target_tokens - len(kept)
+                if left <= 0:
+                    return torch.tensor([kept], dtype=torch.long)
+                ids = torch.tensor([kept], dtype=torch.long)
+                call_kwargs = {k: v for k, v in kwargs.items() if k != "max_length"}
+                call_kwargs["max_new_tokens"] = left
 
     def _get_candidate_generator(self, generation_config, *args, **kwargs):
         """HF's candidate generator; HF's prompt lookup is wrapped to choose its draft length per round

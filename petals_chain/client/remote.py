@@ -9,10 +9,12 @@ failures live in `remote_session.py`; this module finds the servers and runs sta
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Iterable
 
 import torch
+from hivemind.p2p import PeerID
 
 from petals_chain.client.chain import ChainBackend, PromptPrefix
 from petals_chain.client.hop_client import (  # noqa: F401
@@ -31,14 +33,17 @@ from petals_chain.client.routing import (
     min_latency_chain,
 )
 from petals_chain.client.session_context import RelayDialer, SessionContext
+from petals_chain.client.verification import Verification, VerificationConfig, sign_report
 from petals_chain.errors import InvalidRequestError, NoChainError
 from petals_chain.process.loop import BackgroundLoop
 from petals_chain.process.signals import start_dht
 from petals_chain.swarm.identity import SwarmIdentity, swarm_validators
 from petals_chain.swarm.records import fetch_servers, find_orchestrator, model_key
-from petals_chain.transport.protocol import ping_block_server_s
+from petals_chain.transport.protocol import OrchestratorService, ping_block_server_s
 from petals_chain.wire import codec as wire
+from petals_chain.wire import parts as wire_parts
 from petals_chain.wire import records as wire_records
+from petals_chain.wire.messages import ReportReply, VerificationReport
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,8 @@ class RemoteChain(ChainBackend):
                  max_failovers: int = 3, wait_for_chain_s: float = 20.0, use_orchestrator: bool = True,
                  acquire_timeout_s: float = 120.0, allowed_servers: frozenset[str] | list[str] | None = None,
                  identity_path: str | None = None, prefix_reuse: bool = True, relay: str = "server",
-                 direct_streams: bool = True, peer_health: PeerHealth | None = None):
+                 direct_streams: bool = True, peer_health: PeerHealth | None = None,
+                 verification: VerificationConfig | None = None):
         self.model = model_key(model)
         self.num_blocks = config.num_hidden_layers
         self.dtype = dtype
@@ -66,8 +72,11 @@ class RemoteChain(ChainBackend):
         # the client alone relays, hop by hop, as PETALS without rpc_push does
         self.relay = relay
         # `identity_path`: a stable peer id, e.g. to be listed in a private swarm's --allowed-peers
-        identity = ({"record_validators": swarm_validators()} if identity_path is None
-                    else SwarmIdentity.load_or_create(identity_path).dht_kwargs())
+        verification = verification or VerificationConfig()
+        # spot checks sign their reports with the peer's identity (a fresh one without `identity_path`)
+        self.identity = (SwarmIdentity.load_or_create(identity_path)
+                         if identity_path is not None or verification.spot_checks else None)
+        identity = ({"record_validators": swarm_validators()} if self.identity is None else self.identity.dht_kwargs())
         self.dht = start_dht(initial_peers=initial_peers, client_mode=True, **identity)
         self.loop = BackgroundLoop("client-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
@@ -91,6 +100,31 @@ class RemoteChain(ChainBackend):
         # servers seen failing, banned with backoff for every session of this client (pass one object to
         # several clients to share it)
         self.peer_health = peer_health if peer_health is not None else PeerHealth()
+        # cheap checks of every reply, spot checks by redundancy (client/verification.py)
+        self.verification = Verification(verification, self, send_report=self._send_report)
+
+    def _send_report(self, report: VerificationReport, tensors: tuple[torch.Tensor, ...]) -> str:
+        """A signed verification report to the orchestrator (rpc_report); its answer, in words."""
+        if self.identity is None:
+            return "no identity to sign with"
+        # the swarm's orchestrator, also when this client routes by itself (its record may lag under load)
+        orchestrator = self.orchestrator
+        for attempt in range(3):
+            if orchestrator is not None:
+                break
+            time.sleep(attempt)  # on the verification thread, never a session's
+            orchestrator = find_orchestrator(self.dht, self.model, self.allowed_servers)
+        if orchestrator is None:
+            return "no orchestrator to report to"
+        sign_report(report, self.identity)
+        (request, *more) = wire_parts.to_messages(report.to_wire(), tensors)
+        if more:
+            return "not sent: its evidence exceeds one message"
+        stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(orchestrator.peer_id))
+        resp = self.loop.run(stub.rpc_report(request, timeout=60.0), timeout_s=62.0)
+        reply = wire.decode_reply(wire.unpack(resp.metadata), ReportReply)
+        return (f"counted: {reply.reporters} reporter(s), excluded={reply.excluded}" if reply.counted
+                else f"not counted: {reply.detail}")
 
     def session_context(self) -> SessionContext:
         """What a session opened now uses of this client (the provider as set now: tests swap it)."""
@@ -150,8 +184,12 @@ class RemoteChain(ChainBackend):
         """`prefix`: the prompt, offered to the hops' prefix caches (`remote_session.py`); `adapter`:
         the LoRA adapter of the session (only servers that list it are used); `avoid`: peer ids of
         servers the session must not use."""
-        return RemoteChainSession(self.session_context(), max_length, prefix if self.prefix_reuse else None, adapter,
-                                  session_id=session_id, avoid=avoid)
+        # spot checks audit a hop from its own inputs: a prefix its cache supplied is not among them
+        reuse = self.prefix_reuse and not self.verification.config.spot_checks
+        session = RemoteChainSession(self.session_context(), max_length, prefix if reuse else None, adapter,
+                                     session_id=session_id, avoid=set(avoid) | self.verification.avoided())
+        session.verifier = self.verification.session(session)
+        return session
 
     def unready_reason(self) -> str | None:
         """None once the DHT lists online servers that cover every block (a chain the provider
@@ -166,6 +204,7 @@ class RemoteChain(ChainBackend):
         return None
 
     def shutdown(self) -> None:
+        self.verification.close()
         self.provider.close()
         try:
             self.loop.run(self.p2p.shutdown(), timeout_s=5)

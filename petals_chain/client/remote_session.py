@@ -246,10 +246,10 @@ class RemoteChainSession(ChainSession):
         # within the step timeout: step_async's reply wait covers its send too
         result = await self.ctx.hops.step_async(stream, step, hidden, self._liveness_after_s(stream.hop.peer_id),
                                                 copy_after_s)
-        return self._received(stream, step, hidden, result, pushed)
+        return self._received(stream, step, hidden, result, pushed, replay=index is None)
 
     def _received(self, stream: HopStream, step: Step, hidden: torch.Tensor | wire_parts.RawTensor,
-                  result: StepResult, pushed: bool) -> torch.Tensor | wire_parts.RawTensor:
+                  result: StepResult, pushed: bool, *, replay: bool = False) -> torch.Tensor | wire_parts.RawTensor:
         """Every reply to a step of this session comes through here, once per hop and step (the
         chain's steps and the replays of failovers and reopens alike), on the loop, before its output
         goes on to the next hop: the one place to check a reply. Raising `ServerUnavailableError`
@@ -265,6 +265,8 @@ class RemoteChainSession(ChainSession):
             next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
             stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s, result.reply.compute_s,
             pushed))
+        if self.verifier is not None:  # checks of the reply (client/verification.py); raising fails the hop over
+            self.verifier.on_reply(stream, hidden, result.output, step.start_position, replay=replay)
         return result.output
 
     def _copy_after_s(self, stream: HopStream) -> float | None:

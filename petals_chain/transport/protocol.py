@@ -120,6 +120,9 @@ class OrchestratorService(_MembersOnly):
     async def rpc_assignment(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return self._refusal(context) or await self.impl.assignment(request, context)
 
+    async def rpc_report(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return self._refusal(context) or await self.impl.report(request, context)
+
 
 # Why here, at import: hivemind's ServicerBase collects a class's handlers lazily on the first
 # get_stub and is not thread-safe about it (it sets `_rpc_handlers` to [] before filling it and

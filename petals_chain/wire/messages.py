@@ -46,6 +46,7 @@ class MessageType(enum.StrEnum):
     DIRECT_OFFER = "direct_offer"
     DIRECT_HELLO = "direct_hello"
     DIRECT_READY = "direct_ready"
+    REPORT = "report"
 
 
 class AssignmentStatus(enum.StrEnum):
@@ -414,3 +415,68 @@ class AssignmentRequest(WireRecord):
 class AssignmentReply(WireRecord):
     TYPE = MessageType.ASSIGNMENT
     assignment: Assignment
+
+
+# -- verification reports (petals_chain/client/verification.py -> orchestrator/service/reports.py) --------
+
+
+class Verdict(enum.StrEnum):
+    """What a report says: the accused server's output disagreed with two others that agreed
+    (`wrong_output`), or the accused was the second opinion and lied (`wrong_check`)."""
+
+    WRONG_OUTPUT = "wrong_output"
+    WRONG_CHECK = "wrong_check"
+
+
+@dataclass
+class VerificationReport(WireRecord):
+    """A client's signed report of a server caught returning wrong hidden states for blocks
+    `[start, end)`. Its tensors: the span's inputs for positions `[0, position]` (the history up to and
+    including the first wrong row), the accused's output row at `position` and the reference row (what
+    the opinions that agreed computed), named by their digests (`hidden_compare.digest`). `signature`
+    (base64) is the reporter's RSA signature of `signed_bytes()` with `reporter_key` (base64 OpenSSH
+    public key), whose libp2p peer id must be the caller's."""
+
+    TYPE = MessageType.REPORT
+    model: str
+    accused: str
+    agreeing: list[str]  # peer ids of the opinions that agreed with the reference ("local": the client's own)
+    start: int
+    end: int
+    position: int
+    dtype: str
+    input_digest: str
+    accused_digest: str
+    reference_digest: str
+    verdict: Verdict
+    reporter_key: str
+    signature: str = ""
+
+    def check(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise InvalidRequestError(f"bad report span [{self.start}, {self.end})")
+        if self.position < 0:
+            raise InvalidRequestError(f"report position must be >= 0, got {self.position}")
+        for name in ("input_digest", "accused_digest", "reference_digest"):
+            value = getattr(self, name)
+            if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+                raise InvalidRequestError(f"{name} must be a sha256 hex digest, got {value[:80]!r}")
+
+    def signed_bytes(self) -> bytes:
+        """What the signature covers: every field but the signature, in a fixed order."""
+        fields = self.to_wire()
+        fields.pop("signature", None)
+        return "|".join(f"{k}={fields[k]}" for k in sorted(fields)).encode()
+
+
+@dataclass
+class ReportReply(WireRecord):
+    """`counted`: the report's evidence held against the orchestrator's own third opinion and counts;
+    `reporters`: distinct peers whose reports about the accused count; `excluded`: the orchestrator no
+    longer plans the accused; `detail`: why a report did not count (e.g. no third server to check it)."""
+
+    TYPE = MessageType.REPORT
+    counted: bool
+    reporters: int
+    excluded: bool
+    detail: str = ""

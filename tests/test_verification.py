@@ -1,0 +1,307 @@
+"""Servers that return wrong hidden states are caught, the session rolls back and its output stays
+HF greedy; honest servers are never blamed; the orchestrator excludes a server only after reports of
+k distinct peers whose evidence its own third opinion confirms (client/verification.py,
+server/corruption.py, orchestrator/service/reports.py)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from petals_chain.algorithms.hidden_compare import digest, first_mismatch, row_errors, tolerance_for
+from petals_chain.client.verification import ReplyBounds, VerificationConfig, sign_report
+from petals_chain.errors import BadReportError, InvalidRequestError
+from petals_chain.wire.messages import Hop, Verdict, VerificationReport
+from server.corruption import CorruptedBlockRange, parse_mode
+
+
+# -- the test-only corrupting server ---------------------------------------------------------------
+def test_corruption_modes_parse_and_bad_ones_get_a_typed_error():
+    assert parse_mode("noise").kind == "noise" and parse_mode("noise:0.5").scale == 0.5
+    assert parse_mode("rare:0.01").probability == 0.01
+    assert parse_mode("skip-last").kind == "skip-last"
+    assert parse_mode("after:3").honest_sessions == 3
+    for bad in ("", "nois", "rare:0", "rare:2", "after:-1", "noise:-1", "rare:x"):
+        with pytest.raises(InvalidRequestError, match="--test-corrupt takes"):
+            parse_mode(bad)
+
+
+def _tiny_range(path, start=0, end=6):
+    from petals_chain.runtime.block_range import BlockRange
+
+    return BlockRange(path, start, end)
+
+
+def _run(block_range, x):
+    from petals_chain.runtime.block_range import StepInput
+
+    kv = block_range.allocate_kv(x.shape[0] + 1)
+    return block_range.forward([StepInput(kv, x)])[0]
+
+
+def test_each_mode_changes_outputs_as_named(tiny_llama_path):
+    honest = _tiny_range(tiny_llama_path)
+    x = torch.randn(5, honest.hidden_size, generator=torch.Generator().manual_seed(1))
+    ref = _run(honest, x)
+    tol = tolerance_for(torch.float32)
+    assert first_mismatch(_run(CorruptedBlockRange(honest, parse_mode("noise")), x), ref, tol) == 0
+    # skip-last: exactly the output of the first five blocks
+    assert torch.allclose(_run(CorruptedBlockRange(honest, parse_mode("skip-last")), x), _run(_tiny_range(
+        tiny_llama_path, 0, 5), x), atol=1e-5)
+    assert first_mismatch(_run(honest, x), ref, tol) is None  # the wrapper put the family back
+    after = CorruptedBlockRange(honest, parse_mode("after:2"))
+    assert [first_mismatch(_run(after, x), ref, tol) for _ in range(4)] == [None, None, 0, 0]
+    rare = CorruptedBlockRange(honest, parse_mode("rare:0.3"), seed=0)
+    outs = [_run(rare, x) for _ in range(40)]
+    corrupted = sum(first_mismatch(o, ref, tol) is not None for o in outs)
+    assert corrupted == rare.corrupted_steps and 3 <= corrupted <= 25
+    # the small perturbation is small: a few percent of a row's norm, yet 20x the float32 bound
+    errors = [float(row_errors(o, ref).max()) for o in outs if first_mismatch(o, ref, tol) is not None]
+    assert all(0.005 < e < 0.1 for e in errors)
+
+
+# -- cheap checks ----------------------------------------------------------------------------------
+def test_cheap_checks_refuse_impossible_replies_and_learn_norms_from_verified_rows():
+    bounds = ReplyBounds(margin=10.0, min_rows=4)
+    hop = Hop("peer", 0, 6)
+    x = torch.randn(3, 8)
+    assert bounds.why_impossible(hop, x, torch.randn(3, 8), torch.float32) is None
+    assert "shape" in bounds.why_impossible(hop, x, torch.randn(2, 8), torch.float32)
+    assert "dtype" in bounds.why_impossible(hop, x, torch.randn(3, 8).half(), torch.float32)
+    nan = torch.randn(3, 8)
+    nan[1, 2] = float("nan")
+    assert "NaN" in bounds.why_impossible(hop, x, nan, torch.float32)
+    assert "NaN" in bounds.why_impossible(hop, x, torch.full((3, 8), 1e30), torch.float32)  # overflows: Inf
+    bounds.learn((0, 6), torch.randn(8, 8))  # RMS about 1
+    assert bounds.why_impossible(hop, x, torch.randn(3, 8) * 3, torch.float32) is None
+    assert "row norms" in bounds.why_impossible(hop, x, torch.randn(3, 8) * 100, torch.float32)
+    assert "row norms" in bounds.why_impossible(hop, x, torch.randn(3, 8) / 100, torch.float32)
+    assert bounds.why_impossible(Hop("peer", 0, 3), x, torch.randn(3, 8) * 100, torch.float32) is None  # other span
+
+
+def test_verification_config_refuses_bad_values():
+    with pytest.raises(InvalidRequestError, match="check_probability"):
+        VerificationConfig(check_probability=1.5)
+    with pytest.raises(InvalidRequestError, match="norm_margin"):
+        VerificationConfig(norm_margin=1.0)
+
+
+# -- the orchestrator's reports --------------------------------------------------------------------
+def _signed_report(identity, accused, inputs, wrong, reference, position):
+    from petals_chain.swarm.identity import SwarmIdentity  # noqa: F401  (identity is one)
+
+    report = VerificationReport(model="m", accused=accused, agreeing=["checker"], start=0, end=6,
+                                position=position, dtype="float32", input_digest=digest(inputs),
+                                accused_digest=digest(wrong), reference_digest=digest(reference),
+                                verdict=Verdict.WRONG_OUTPUT, reporter_key="")
+    return sign_report(report, identity)
+
+
+@pytest.fixture(scope="module")
+def identities():
+    from petals_chain.swarm.identity import SwarmIdentity
+
+    return [SwarmIdentity.load_or_create() for _ in range(3)]
+
+
+def test_orchestrator_excludes_after_k_distinct_reporters_never_after_one_alone(identities):
+    from orchestrator.service.reports import ServerReports, span_path
+    from orchestrator.service.rpc import _verify_signature
+    from petals_chain.swarm.identity import peer_id_of_public_key
+
+    hidden = 8
+    weight = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(0))
+
+    async def honest_forward(peer, entry, x):  # the third opinion: an honest server's function of its input
+        return torch.tanh(x @ weight)
+
+    inputs = torch.randn(4, hidden)
+    reference = torch.tanh(inputs @ weight)[3:4]
+    wrong = reference + 0.5
+    split = [("accused", 0, 6), ("a", 0, 3), ("b", 3, 6), ("c", 2, 6), ("long", 3, 8)]
+    assert span_path(split, 0, 6, {"accused"}) == [("a", 0), ("b", 3)]
+    assert span_path(split, 3, 6, {"accused", "b"}) == [("c", 3)]
+    assert span_path(split, 0, 6, {"accused", "a"}) is None  # nothing else starts at 0; "long" ends past 6
+    servers = [("accused", 0, 6), ("checker", 0, 6), ("third", 0, 6)]
+    reports = ServerReports(exclude_after=2)
+
+    def send(identity, accused="accused", inputs=inputs, wrong=wrong, reference=reference, position=3,
+             tamper=None):
+        report = _signed_report(identity, accused, inputs, wrong, reference, position)
+        if tamper:
+            tamper(report)
+        tensors = [inputs, wrong, reference]
+        reports.check_report(report, tensors, identity.peer_id, "m", peer_id_of_public_key, _verify_signature)
+        return asyncio.run(reports.add(report, tensors, identity.peer_id, servers, honest_forward))
+
+    first = send(identities[0])
+    assert first.counted and first.reporters == 1 and not first.excluded
+    for _ in range(3):  # the same client again and again: still one reporter
+        assert send(identities[0]).reporters == 1
+    assert reports.excluded() == set()
+    second = send(identities[1])
+    assert second.counted and second.reporters == 2 and second.excluded
+    assert reports.excluded() == {"accused"}
+    view = reports.view()["servers"]["accused"]
+    assert view["reports"] == 5 and len(view["reporters"]) == 2
+
+    # bad reports get typed errors and count for nothing
+    fresh = ServerReports(exclude_after=1)
+    reports = fresh
+    with pytest.raises(BadReportError, match="third opinion"):  # an honest server framed: its row is right
+        send(identities[2], accused="checker", wrong=reference, reference=wrong)
+    with pytest.raises(BadReportError, match="signature"):
+        send(identities[2], tamper=lambda r: setattr(r, "position", 2))
+    with pytest.raises(BadReportError, match="signed by"):  # someone else's signature
+        report = _signed_report(identities[0], "accused", inputs, wrong, reference, 3)
+        reports.check_report(report, [inputs, wrong, reference], identities[2].peer_id, "m", peer_id_of_public_key,
+                             _verify_signature)
+    with pytest.raises(BadReportError, match="digest"):
+        report = _signed_report(identities[2], "accused", inputs, wrong, reference, 3)
+        reports.check_report(report, [inputs, wrong + 1, reference], identities[2].peer_id, "m",
+                             peer_id_of_public_key, _verify_signature)
+    with pytest.raises(BadReportError, match="itself"):
+        send(identities[2], accused=identities[2].peer_id)
+    with pytest.raises(BadReportError, match="base64"):
+        send(identities[2], tamper=lambda r: setattr(r, "signature", "***"))
+    assert fresh.excluded() == set()
+
+
+# -- live swarms -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def swarm(tiny_llama_path):
+    """Two honest servers and one per corruption mode, each holding the whole tiny model, and an orchestrator."""
+    from petals_chain.swarm.local import LocalSwarm
+
+    modes = ["noise", "rare:0.25", "skip-last", "after:1"]
+    ranges = [(0, 6)] * (2 + len(modes))
+    per_server = [[], []] + [["--test-corrupt", m, "--test-corrupt-seed", "3"] for m in modes]
+    names = ["honest0", "honest1"] + [f"corrupt-{m.split(':')[0]}" for m in modes]
+    # an orchestrator that takes reports (the clients here route by themselves, ListedChains)
+    with LocalSwarm(str(tiny_llama_path), ranges, server_args=["--num-threads", "1"], per_server_args=per_server,
+                    names=names, orchestrator_args=["--expected-servers", str(len(ranges)),
+                                                    "--exclude-after-reports", "2"]) as s:
+        yield s
+
+
+def _peer(swarm, name):
+    from petals_chain.swarm.records import fetch_servers  # noqa: F401
+
+    index = swarm.names.index(name)
+    return swarm.servers[index].peer_id
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_llama_path):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    return lambda ids, n: hf.generate(ids, max_new_tokens=n, do_sample=False).tolist()
+
+
+def _client(tiny_llama_path, swarm, first: str, allowed: set[str] | None = None, **config):
+    """A client whose sessions start on server `first` (then the others, in the swarm's order); with
+    `allowed`, it uses (and asks for opinions) only those servers."""
+    from petals_chain.client.model import DistributedModelForCausalLM
+    from tests.swarm_helpers import ListedChains
+
+    order = [_peer(swarm, first)] + [sp.peer_id for sp in swarm.servers if sp.peer_id != _peer(swarm, first)]
+    return DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama_path), initial_peers=swarm.initial_peers, provider=ListedChains(order, 6),
+        allowed_servers=allowed, verification=VerificationConfig(**config))
+
+
+def _corrupt_peers(swarm) -> set[str]:
+    return {sp.peer_id for name, sp in zip(swarm.names, swarm.servers) if name.startswith("corrupt")}
+
+
+PROMPT = torch.tensor([[5, 17, 42, 9, 77, 3, 21, 64]])
+
+
+@pytest.mark.integration
+def test_a_server_honest_for_n_sessions_is_caught_after_and_honest_ones_never_are(tiny_llama_path, swarm,
+                                                                                  hf_greedy):
+    # only the after-N server and honest ones (the noisy one is left to the report test)
+    allowed = {_peer(swarm, "corrupt-after"), _peer(swarm, "honest0"), _peer(swarm, "honest1")}
+    model = _client(tiny_llama_path, swarm, "corrupt-after", allowed=allowed, check_probability=1.0, seed=2)
+    try:
+        first = model.generate(PROMPT, max_new_tokens=6, do_sample=False)  # its honest session
+        stats = model.backend.verification.stats
+        after = _peer(swarm, "corrupt-after")
+        # corrupting checkers may be caught meanwhile, never the server of its honest session
+        assert after not in {c.peer_id for c in stats.catches} and stats.rows_verified > 0
+        assert {c.peer_id for c in stats.catches} <= _corrupt_peers(swarm)
+        second = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        assert first.tolist() == second.tolist() == hf_greedy(PROMPT, 6)
+        assert (after, Verdict.WRONG_OUTPUT) in {(c.peer_id, c.verdict) for c in stats.catches}
+        assert {c.peer_id for c in stats.catches} <= _corrupt_peers(swarm)
+    finally:
+        model.backend.shutdown()
+    # honest servers audited at every step by each other: no mismatch, nobody blamed
+    honest = {_peer(swarm, "honest0"), _peer(swarm, "honest1")}
+    model = _client(tiny_llama_path, swarm, "honest0", allowed=honest, check_probability=1.0, seed=3)
+    try:
+        for n in (4, 9):
+            assert model.generate(PROMPT, max_new_tokens=n, do_sample=False).tolist() == hf_greedy(PROMPT, n)
+        stats = model.backend.verification.stats
+        assert stats.mismatches == 0 and stats.catches == [] and stats.audits > 0
+    finally:
+        model.backend.shutdown()
+
+
+@pytest.mark.integration
+def test_reports_of_k_distinct_clients_exclude_a_server_and_one_clients_never_do(tiny_llama_path, swarm):
+    from petals_chain.swarm.records import find_orchestrator
+    from tests.swarm_helpers import get_json, wait_for
+
+    noisy = _peer(swarm, "corrupt-noise")
+
+    def catch(model) -> str:
+        backend = model.backend  # it routes by itself (ListedChains) and reports to the swarm's orchestrator
+        wait_for(lambda: find_orchestrator(backend.dht, backend.model, None), 60, "the orchestrator's record")
+        with backend.verification._lock:  # forget this client's ban: it meets the server again
+            backend.verification.convicted.clear()
+            backend.verification.stats.catches.clear()
+        model.generate(PROMPT, max_new_tokens=3, do_sample=False)
+        (caught,) = [c for c in backend.verification.stats.catches if c.peer_id == noisy]
+        return caught.reported
+
+    def reports() -> dict:
+        return get_json(swarm.orchestrator_url + "status")["reports"]["servers"].get(noisy, {})
+
+    # the first clients of the swarm to meet the noisy server, using no other corrupting server
+    allowed = {noisy, _peer(swarm, "honest0"), _peer(swarm, "honest1")}
+    first = _client(tiny_llama_path, swarm, "corrupt-noise", allowed=allowed, check_probability=1.0, seed=4)
+    try:
+        for _ in range(2):  # one client, two reports: one reporter, never excluded
+            assert catch(first) == "counted: 1 reporter(s), excluded=False"
+        assert len(reports()["reporters"]) == 1 and reports()["excluded"] is False
+    finally:
+        first.backend.shutdown()
+    second = _client(tiny_llama_path, swarm, "corrupt-noise", allowed=allowed, check_probability=1.0, seed=5)
+    try:
+        assert catch(second) == "counted: 2 reporter(s), excluded=True"
+    finally:
+        second.backend.shutdown()
+    assert reports()["excluded"] is True and reports()["reports"] == 3
+    wait_for(lambda: noisy not in {s["peer_id"] for s in get_json(swarm.orchestrator_url + "status")["servers"]},
+             60, "the excluded server to leave the orchestrator's plan")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["noise", "rare", "skip-last"])
+def test_a_corrupting_server_is_caught_and_the_output_stays_hf_greedy(tiny_llama_path, swarm, hf_greedy, mode):
+    model = _client(tiny_llama_path, swarm, f"corrupt-{mode}", check_probability=0.5, seed=1)
+    try:
+        out = model.generate(PROMPT, max_new_tokens=16, do_sample=False)
+        stats = model.backend.verification.stats
+        assert out.tolist() == hf_greedy(PROMPT, 16)
+        caught = _peer(swarm, f"corrupt-{mode}")
+        assert (caught, Verdict.WRONG_OUTPUT) in {(c.peer_id, c.verdict) for c in stats.catches}
+        # a corrupting checker may be caught too (the swarm has several), an honest server never
+        assert {c.peer_id for c in stats.catches} <= _corrupt_peers(swarm)
+        assert caught in model.backend.verification.avoided() <= _corrupt_peers(swarm)
+        assert len(stats.catches) == len({c.peer_id for c in stats.catches})  # each caught once
+    finally:
+        model.backend.shutdown()
