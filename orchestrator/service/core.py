@@ -158,7 +158,7 @@ def _finite(x: float) -> float | None:
 
 def _copy_record(r: ServerRecord) -> ServerRecord:
     """A record as the planner reads it (its info and fits are replaced whole, never edited: a shallow copy
-    is a snapshot). Spelled out: copy.copy costs ~10x as much, and the snapshot is taken under the lock."""
+    is a snapshot). Spelled out: copy.copy costs ~3x as much, and the snapshot is taken under the lock."""
     return ServerRecord(r.info, r.rtt_s, r.last_seen_s, r.fit, r.hop_cost_s, r.transfer_s_per_token, r.scaled_fit)
 
 
