@@ -1,7 +1,9 @@
 """Re-planning a loaded live swarm (issue 54): continuous sessions run through a calibrated re-plan, a
 server joining and a server leaving; every session's tokens equal HF's, none fails, and no re-plan
 without a server lost installs less capacity. Tiny random Llama (exactness vs HF holds), whole-model
-servers (the plan's chains are one hop each)."""
+servers (the plan's chains are one hop each). Capacities are compared in the model that planned them: the
+calibrated model's first refit may re-derive the installed chains' capacity (e.g. a CPU server saturates
+at a few sessions), which is the model correcting itself, not a re-plan losing capacity."""
 from __future__ import annotations
 
 import signal
@@ -24,6 +26,16 @@ SERVER_ARGS = ["--num-threads", "1", "--max-length", "128", "--memory-budget", "
 ORCH_ARGS = ["--expected-servers", "2", "--c", "2", "--replan-period", "3", "--lease-ttl", "5",
              "--replan-threshold", "0.01", "--replan-hold", "1", "--model-replan-period", "1",
              "--model-replans", "1", "--drain-timeout", "15", "--leftover-placement"]
+
+
+def segments_of(seen: list[tuple[int, int, int, bool]]) -> list[list[tuple[int, int, int, bool]]]:
+    """Stretches of status observations with one number of servers."""
+    out: list[list[tuple[int, int, int, bool]]] = []
+    for obs in seen:
+        if not out or out[-1][-1][1] != obs[1]:
+            out.append([])
+        out[-1].append(obs)
+    return out
 
 
 def _capacity(status: dict) -> int:
@@ -74,10 +86,11 @@ def test_continuous_load_through_a_calibrated_replan_a_join_and_a_leave(tiny_lla
             t.start()
         try:
             wait_for(lambda: get_json(url + "status")["model_replans"] >= 1, 240, "the calibrated re-plan")
-            v = get_json(url + "status")["plan_version"]
             late = swarm.add_server(None, None, name="late", wait=False)
-            wait_for(lambda: (s := get_json(url + "status"))["plan_version"] > v and s["plan_installed"]
-                     and len(s["servers"]) == 3, 120, "a re-plan with the joined server")
+            # the incremental re-plan decides with the joined server (it joins a chain where the leftover
+            # step gains from it, else it stands by: both are a decision over 3 servers)
+            wait_for(lambda: any(h["servers"] == 3 for h in get_json(url + "status")["replan"]["history"]),
+                     120, "a re-plan decision with the joined server")
             swarm.wait_ready([late])
             n_before = len(results)
             wait_for(lambda: len(results) >= n_before + 2, 120, "sessions after the join")
@@ -97,21 +110,20 @@ def test_continuous_load_through_a_calibrated_replan_a_join_and_a_leave(tiny_lla
         assert len(results) >= 6
         for p, out in results:
             assert out == refs[p]  # every session's tokens equal HF's, through every re-plan
-        # no re-plan lowers the installed capacity while no server joins or leaves: within each stretch of
-        # one server set, the capacity of the installed plans (no drain running) never goes down from one
-        # plan version to the next (the calibrated re-plan runs in the first stretch)
-        segments: list[list[tuple[int, int, int, bool]]] = []
-        for obs in seen:
-            if not segments or segments[-1][-1][1] != obs[1]:
-                segments.append([])
-            segments[-1].append(obs)
-        assert len(segments) >= 3  # before the join, with the joined server, after the leave
-        for seg in segments:
-            by_version: dict[int, int] = {}
-            for version, _, cap, installed in seg:
-                if installed:
-                    by_version[version] = cap  # the last one seen: after its chains went online
-            caps = [by_version[v] for v in sorted(by_version)]
-            assert caps == sorted(caps), seg
+        # no re-plan lowers capacity or raises the model's mean response while no server is lost: every
+        # decision, in the current model's terms (the installed placement re-evaluated on the same cluster)
+        status = get_json(url + "status")
+        history = status["replan"]["history"]
+        assert any(h["model"] for h in history)  # the calibrated re-plan is among them
+        for h in history:
+            b, r = h["baseline"], h["result"]
+            assert r["capacity"] >= b["capacity"], h
+            if b["objective_s"] is not None:
+                assert r["objective_s"] is not None and r["objective_s"] <= b["objective_s"] * (1 + 1e-9), h
+            if h["model"]:
+                assert h["movers"] == [], h  # whole-model servers: an equivalent plan moves nobody
+        # the installed plans' capacity seen from outside never went to 0 while no server was lost
+        for seg in segments_of(seen):
+            assert all(cap > 0 for _, _, cap, installed in seg if installed), seg
         status = get_json(url + "status")
         assert status["metrics"]["timed_out"] == 0

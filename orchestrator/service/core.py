@@ -158,9 +158,13 @@ class _Outcome:
     plan: Plan | None = None  # a baseline's own Plan (the proposed policy's is made from `decision`)
 
 
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no inf
+
+
 def _copy_record(r: ServerRecord) -> ServerRecord:
     """A record as the planner reads it (its info and fits are replaced whole, never edited: a shallow copy
-    is a snapshot). Spelled out: copy.copy costs ~10x as much, and the snapshot is taken under the lock."""
+    is a snapshot). Spelled out: copy.copy costs ~3x as much, and the snapshot is taken under the lock."""
     return ServerRecord(r.info, r.rtt_s, r.last_seen_s, r.fit, r.hop_cost_s, r.transfer_s_per_token, r.scaled_fit)
 
 
@@ -226,6 +230,7 @@ class Orchestrator:
         self._epoch = 0  # counts changes of the server set (a plan made over an older one may be stale)
         self.last_decision: str | None = None  # why the last re-plan moved what it moved (or nothing)
         self.last_plan_timing: dict = {}
+        self.replan_history: list[dict] = []  # the last re-plan decisions (/status replan.history)
         self._whole_pending = False  # an incremental re-plan ran: the whole one follows at the period
         self.records: dict[str, ServerRecord] = {}
         self.lengths = LengthEstimator(SessionShape(config.mean_input_tokens, config.mean_output_tokens),
@@ -684,6 +689,17 @@ class Orchestrator:
         self.model_replans += int(was_model)
         self.trigger.planned(out.fresh.rate_per_s, out.fresh.c, now)
         self.last_decision = d.reason
+        tuning = cfg.tuning
+        ev = d.step if d.install else d.baseline
+        # what each re-plan decided, in the current model's terms (/status replan.history): the invariant
+        # compares the installed step with the installed placement re-evaluated on the same cluster
+        self.replan_history.append({
+            "at_s": now, "servers": len(out.peers), "installed": d.install, "reason": d.reason,
+            "model": was_model, "movers": [self.name_of(out.peers[j]) for j in d.movers],
+            "pending_movers": [self.name_of(out.peers[j]) for j in d.pending_movers],
+            "baseline": {"capacity": d.baseline.capacity, "objective_s": _finite(d.baseline.objective(tuning))},
+            "result": {"capacity": ev.capacity, "objective_s": _finite(ev.objective(tuning))}})
+        del self.replan_history[:-20]
         if not d.install:
             if (cur is not None and cur.installed and d.baseline.chains
                     and _chain_key(d.baseline.chains) != _chain_key(cur.chains)):
@@ -897,6 +913,7 @@ class Orchestrator:
                 "model_replans": self.model_replans, "model_replans_held": self.model_replans_held,
                 "model_replan_pending": self.model_moved,
                 "replan": {"last_decision": self.last_decision, "last_plan_timing": dict(self.last_plan_timing),
+                           "history": [dict(h) for h in self.replan_history],
                            "draining": sorted(self.name_of(p) for p in self.drain.movers) if self.drain else [],
                            "drain_deadline_in_s": (self.drain.deadline_s - self.clock()) if self.drain else None,
                            "drain_timeout_s": self.config.drain_timeout_s,
