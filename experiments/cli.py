@@ -127,10 +127,14 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: petals-chain experiment EXPERIMENT [options]\n\nexperiments:\n"
               "  table1  the paper's Table 1 on a live swarm: per policy a fresh swarm in emulated WAN hosts "
-              "replaying the scaled Azure trace\n\n`petals-chain experiment table1 --help` lists its options.")
+              "replaying the scaled Azure trace\n  prefix  prompt-aware dispatch (jffc, e2, d2lpm, ...) side by "
+              "side on a local swarm with prefix caches\n\n`petals-chain experiment table1 --help` lists its options.")
         return 0
+    if argv[0] == "prefix":  # prompt-aware dispatch side by side (experiments/prefix.py)
+        from experiments.prefix import main as prefix_main
+        return prefix_main(argv[1:])
     if argv[0] != "table1":
-        print(f"petals-chain experiment: unknown experiment {argv[0]!r}; available: table1", file=sys.stderr)
+        print(f"petals-chain experiment: unknown experiment {argv[0]!r}; available: table1, prefix", file=sys.stderr)
         return 2
     rest = argv[1:]
     args = build_parser().parse_args(rest)

@@ -21,9 +21,10 @@ OTHER = "Write a haiku about the sea in winter, then explain in one sentence why
 
 
 def _ask(model, ids, n=6):
+    """(output ids, the chain's servers, prompt tokens it reused)."""
     with model.inference_session(max_length=ids.shape[1] + n + 1, prompt_ids=ids[0]) as session:
         out = model.generate(ids, max_new_tokens=n, do_sample=False)
-        return out, session.chain
+        return out, [h.peer_id for h in session.chain.hops], session.chain.prefix_tokens
 
 
 def test_e2_sends_a_shared_prefix_to_the_chain_that_holds_it(smollm2_path, smollm2_hf, smollm2_tokenizer, tmp_path):
@@ -40,13 +41,13 @@ def test_e2_sends_a_shared_prefix_to_the_chain_that_holds_it(smollm2_path, smoll
         model = DistributedModelForCausalLM.from_pretrained(
             "smollm2-135m", initial_peers=swarm.initial_peers, identity_path=str(tmp_path / "alice.key"))
         try:
-            out, first = _ask(model, prompts[0])
-            assert out.tolist() == refs[0].tolist() and first.prefix_tokens == 0
-            _, explored = _ask(model, other)  # nothing matched: explores the chain of least load (the other one)
-            assert [h.peer_id for h in explored.hops] != [h.peer_id for h in first.hops]
-            out, second = _ask(model, prompts[1])  # the system prompt is cached on `first`'s servers: exploit
-            assert [h.peer_id for h in second.hops] == [h.peer_id for h in first.hops]
-            assert second.prefix_tokens >= 48 and out.tolist() == refs[1].tolist()
+            out, first, reused = _ask(model, prompts[0])
+            assert out.tolist() == refs[0].tolist() and reused == 0 and first
+            _, explored, _ = _ask(model, other)  # nothing matched: explores the chain of least load (the other one)
+            assert explored and explored != first
+            out, second, reused = _ask(model, prompts[1])  # the system prompt is cached on `first`'s servers: exploit
+            assert second == first
+            assert reused >= 48 and out.tolist() == refs[1].tolist()
             st = get_json(url + "status")["prefix"]
             assert st["prefix_sharing"] == "client" and max(st["chain_hit_rate"].values()) > 0
 
