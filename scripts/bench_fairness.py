@@ -130,7 +130,7 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
     result: dict = {"policy": spec}
     paired = args.flooder_schedule == "paired"
     cores = sorted(os.sched_getaffinity(0))
-    pin = paired and len(cores) >= 2
+    pin = paired and args.flooder_pin_cores and len(cores) >= 2
 
     print(f"\n== {spec}: starting a one-server swarm" + (" and its twin for the light client alone" if paired else ""),
           flush=True)
@@ -305,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="paired: the light client's generations alone run on a twin server (its own core) "
                         "interleaved with those next to the flooder, so both see the same load; sequential: alone "
                         "first, then next to the flooder, on one server")
+    p.add_argument("--flooder-pin-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="paired: pin the flooder's server and the twin to a core each once they are up")
     p.add_argument("--gap-sessions", type=int, default=2, help="client b's sessions (client a runs twice as many)")
     p.add_argument("--gap-prompt", type=int, default=256)
     p.add_argument("--gap-decode", type=int, default=8)
