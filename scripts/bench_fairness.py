@@ -3,8 +3,11 @@
 For each policy a fresh one-server swarm (all blocks, `--max-batch-tokens`, `--service-log`) runs:
 
 1. **flooder**: a well-behaved client's 8-token generations (short prompts, one at a time) alone,
-   then next to a flooding client (one peer, several concurrent sessions of long prompts, each
-   retrying whatever fails, forever). Slowdown = mean latency with the flooder / alone; the script
+   and next to a flooding client (one peer, several concurrent sessions of long prompts, each
+   retrying whatever fails, forever). With `--flooder-schedule paired` (the default) the
+   generations alone run on a twin server on the other core, interleaved one by one with those
+   next to the flooder, so both means see the same load (sequential: alone first, then crowded,
+   on one server). Slowdown = mean latency with the flooder / alone; the script
    prints both policies' slowdowns, their ratio (VTC / FCFS; the goal is <= 0.5), and each
    client's share of the service (w_in per prompt token, w_out per decode token) while both ran.
 2. **service gap**: two continuously backlogged clients that differ in how much they ask for at once
@@ -15,7 +18,10 @@ For each policy a fresh one-server swarm (all blocks, `--max-batch-tokens`, `--s
    (prompts run in chunks of at most M tokens).
 3. **shared prefix** (`scripts/fairness_prefix.py`): clients whose requests share a long system
    prompt, on a server whose memory holds few sessions and less prefix cache than all clients'
-   prompts: VTC vs DLPM throughput (the DLPM paper: 2.87x), cache hit rate, service gap vs 2(U+Q).
+   prompts: VTC vs DLPM throughput (the DLPM paper: 2.87x), cache hit rate, service gap vs 2(U+Q);
+   by default both policies at once, one server each on a core of its own (`--prefix-schedule`).
+
+Every server runs with `--prefill-tokens-while-decoding` (32 here; the server's default is off).
 
 `--phases` picks which run (default: all three). Writes results/fairness/bench_fairness.json and
 results/fairness/service_over_time.png.
@@ -130,7 +136,7 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
     result: dict = {"policy": spec}
     paired = args.flooder_schedule == "paired"
     cores = sorted(os.sched_getaffinity(0))
-    pin = paired and len(cores) >= 2
+    pin = paired and args.flooder_pin_cores and len(cores) >= 2
 
     print(f"\n== {spec}: starting a one-server swarm" + (" and its twin for the light client alone" if paired else ""),
           flush=True)
@@ -305,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="paired: the light client's generations alone run on a twin server (its own core) "
                         "interleaved with those next to the flooder, so both see the same load; sequential: alone "
                         "first, then next to the flooder, on one server")
+    p.add_argument("--flooder-pin-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="paired: pin the flooder's server and the twin to a core each once they are up")
     p.add_argument("--gap-sessions", type=int, default=2, help="client b's sessions (client a runs twice as many)")
     p.add_argument("--gap-prompt", type=int, default=256)
     p.add_argument("--gap-decode", type=int, default=8)

@@ -12,8 +12,14 @@ used to run the first arrival alone and the rest as the next batch, and stayed i
 session, then seven, then one... measured through the API gateway: 2.5 sessions per batch with 8
 concurrent requests). Before a batch, the loop therefore waits for sessions it expects back (each
 session's delivery-to-next-step gap, averaged) if they are due within `gather_fraction` of a
-batch's service time (averaged over recent batches), and never longer: a session at another hop of a long chain, or idle,
-is not expected that soon and costs no wait.
+batch's service time (averaged over recent batches), and never longer: a session at another hop
+of a long chain, or idle, is not expected that soon and costs no wait.
+
+Decode steps first: while sessions decode, a batch carries at most `prefill_tokens_while_decoding`
+prompt rows (`--prefill-tokens-while-decoding`; decode steps may take the rest of the budget), so
+a decoding session's next step waits behind a short batch, not a full budget of others' prompt
+chunks; and when the waiting work would fill a batch, the gathering still waits for a session whose
+client the policy serves first (`SchedulingPolicy.serves_first`).
 
 A broken policy never kills the loop: when a hook raises, or `select` answers with nothing while
 work waits, or with a batch that breaks the contract (unknown items, two items of one session,
