@@ -72,6 +72,7 @@ def test_the_final_object_names_the_chain_that_served_it(served):
     assert r.headers["content-type"] == "application/x-ndjson"  # Ollama streams by default
     lines = [json.loads(line) for line in r.read().decode().splitlines()]
     assert lines[-1]["done"] and lines[-1]["petals_chain"]["chain"] == "local[0:15) -> local[15:30)"
+    assert lines[-1]["petals_chain"]["tokens_per_s"] is None  # one token: no time between tokens
 
 
 def test_generate_raw_equals_completions_and_its_context_continues(client, oai, smollm2_hf, smollm2_tokenizer):

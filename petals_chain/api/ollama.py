@@ -29,7 +29,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from petals_chain.api.engine import GenerationResult, SamplingParams
-from petals_chain.api.openai_schema import APIError, api_error_of
+from petals_chain.api.openai_schema import APIError, api_error_of, served_by
 
 # The Ollama release whose API these endpoints follow. Clients compare /api/version against the
 # versions that introduced features (Open WebUI, for one), so it is Ollama's numbering, not ours.
@@ -404,8 +404,7 @@ class OllamaAPI:
                "prompt_eval_duration": _ns(first_s), "eval_count": r.completion_tokens,
                "eval_duration": _ns(r.token_times_s[-1] - r.token_times_s[0]) if r.token_times_s else 0,
                # not Ollama's: the chain of servers that served the answer (the chat page's footer)
-               "petals_chain": {"chain": r.chain, "hops": r.hops, "failovers": r.failovers,
-                                "prefix_hit_tokens": r.prefix_hit_tokens}}
+               "petals_chain": served_by(r)}
         if not chat:
             out["context"] = list(prompt_ids) + list(r.token_ids)
         return out

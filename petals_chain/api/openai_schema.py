@@ -257,10 +257,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 
 
 def served_by(result) -> dict:
-    """Not OpenAI's: which chain of servers served a choice (`GenerationResult`), added to the choice
-    (and to a stream's finishing chunk) as `petals_chain`: the chat page shows it."""
+    """Not OpenAI's: which chain of servers served a choice (`GenerationResult`) and how fast, added to
+    the choice (and to a stream's finishing chunk) as `petals_chain`: the chat page shows it.
+    `tokens_per_s`: the tokens after the first over the time from the first to the last, as the gateway
+    timed them (None for fewer than two); `time_to_first_token_s` from the session's start."""
+    times = result.token_times_s
+    span_s = times[-1] - times[0] if len(times) > 1 else 0.0
     return {"chain": result.chain, "hops": result.hops, "failovers": result.failovers,
-            "prefix_hit_tokens": result.prefix_hit_tokens}
+            "prefix_hit_tokens": result.prefix_hit_tokens,
+            "tokens_per_s": (len(times) - 1) / span_s if span_s > 0 else None,
+            "time_to_first_token_s": result.time_to_first_token_s}
 
 
 def now_s() -> int:

@@ -119,7 +119,7 @@ async function send(text) {
   };
   const info = { chain: "", tokens: null, rate: null, ttft: null, cached: null, prompt: null, note: "" };
   const started = performance.now();
-  let first = null, last = null, answer = "";
+  let first = null, answer = "", served = null;
   controller = new AbortController();
   setBusy(true);
   try {
@@ -146,14 +146,12 @@ async function send(text) {
         for (const choice of chunk.choices || []) {
           const delta = (choice.delta && choice.delta.content) || "";
           if (delta) {
-            const now = performance.now();
-            if (first === null) first = now;
-            last = now;
+            if (first === null) first = performance.now();
             answer += delta;
             out.textContent = answer;
             div.scrollIntoView({ block: "end" });
           }
-          if (choice.petals_chain) info.chain = choice.petals_chain.chain;
+          if (choice.petals_chain) served = choice.petals_chain;
           if (choice.finish_reason === "length") info.note = "stopped at max tokens";
         }
         if (chunk.usage) {
@@ -177,10 +175,13 @@ async function send(text) {
     controller = null;
     setBusy(false);
   }
-  if (first !== null) {
+  if (served) {
+    // the gateway's own timing of the tokens (a busy browser may read several chunks at once)
+    info.chain = served.chain;
+    info.rate = served.tokens_per_s;
+    info.ttft = served.time_to_first_token_s;
+  } else if (first !== null) {  // stopped: no finishing chunk, so no token count; the browser's wait
     info.ttft = (first - started) / 1000;
-    // decode speed: the tokens after the first over the time they took (the first one's wait is the ttft)
-    if (info.tokens !== null && info.tokens > 1 && last > first) info.rate = (info.tokens - 1) / ((last - first) / 1000);
   }
   if (answer && div.dataset.state !== "error") history.push({ role: "assistant", content: answer });
   if (div.dataset.state !== "error" || answer) footer(div, info);
