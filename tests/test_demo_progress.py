@@ -2,9 +2,11 @@
 what it prints for each phase, and the line that names who is still busy when nothing happens."""
 from __future__ import annotations
 
+import socket
+import threading
 from dataclasses import dataclass, field
 
-from petals_chain.cli.demo import LOADING, STARTING, StartupProgress
+from petals_chain.cli.demo import LOADING, STARTING, StartupProgress, _get_or_none
 
 
 @dataclass
@@ -79,3 +81,23 @@ def test_a_quiet_spell_names_who_is_still_busy_with_what():
     clock.now_s += 15
     progress.poll()
     assert printed[-1] == f"  [   40 s] still server1 [0,21), server2 [0,24): {LOADING}; server3: left out by the plan"
+
+
+def test_a_status_page_that_does_not_answer_in_time_is_asked_again_not_a_traceback():
+    """On a busy machine the orchestrator's HTTP thread may not answer within the timeout: the start
+    loop gets None (and asks again at its next poll) instead of a TimeoutError escaping to the user."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        accepted = []
+        t = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+        t.start()  # accepts the connection and never answers
+        assert _get_or_none(f"http://127.0.0.1:{port}/status", timeout_s=0.3) is None
+        t.join(5)
+        for conn in accepted:
+            conn.close()
+    with socket.socket() as closed:  # nothing listens there any more: refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    assert _get_or_none(f"http://127.0.0.1:{port}/status", timeout_s=0.3) is None

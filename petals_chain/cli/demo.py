@@ -73,9 +73,17 @@ def check_budgets(path, budgets_bytes: list[int], max_length_tokens: int) -> Non
             f"e.g. --budgets {DEFAULT_BUDGETS}")
 
 
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
+def _get(url: str, timeout_s: float = 10.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return json.load(r)
+
+
+def _get_or_none(url: str, timeout_s: float = 10.0) -> dict | None:
+    """The orchestrator's status, or None when it did not answer in time (a busy machine: ask again)."""
+    try:
+        return _get(url, timeout_s)
+    except OSError:  # a timeout (TimeoutError), a refused or reset connection (URLError, ConnectionError)
+        return None
 
 
 # What the swarm's processes print that says where their start is (the orchestrator's events, the
@@ -166,7 +174,8 @@ def start_swarm(swarm, progress_start_s: float, *, timeout_s: float = 600.0, pol
                 raise SwarmStartError(f"{sp.name} exited while starting", sp.lines)
         if swarm.orchestrator_process.poll() is not None:
             raise SwarmStartError("the orchestrator exited", swarm.orchestrator_lines)
-        if progress.servers_ready() and (status := _get(swarm.orchestrator_url + "status"))["plan_installed"]:
+        status = _get_or_none(swarm.orchestrator_url + "status") if progress.servers_ready() else None
+        if status is not None and status["plan_installed"]:
             swarm.wait_ready()  # every server said it serves: reads their peer ids and ranges
             return status
         if time.monotonic() > deadline:
@@ -327,11 +336,14 @@ def main(argv: list[str]) -> int:
                       "the orchestrator's queue; service: generating the tokens")
                 for e in errors:
                     print("  " + e)
-                st = _get(swarm.orchestrator_url + "status")
-                print(f"orchestrator: {st['metrics']['admitted']} sessions admitted, "
-                      f"queue length {st['queue_length']}, "
-                      f"expected lengths now in={st['expected_lengths']['input_tokens']:.1f} "
-                      f"out={st['expected_lengths']['output_tokens']:.1f} tokens")
+                st = _get_or_none(swarm.orchestrator_url + "status")
+                if st is None:
+                    print("orchestrator: its status page did not answer within 10 s (a busy machine)")
+                else:
+                    print(f"orchestrator: {st['metrics']['admitted']} sessions admitted, "
+                          f"queue length {st['queue_length']}, "
+                          f"expected lengths now in={st['expected_lengths']['input_tokens']:.1f} "
+                          f"out={st['expected_lengths']['output_tokens']:.1f} tokens")
             if args.keep_running:
                 print(f"\nswarm running; status page {swarm.orchestrator_url} - Ctrl-C stops it", flush=True)
                 while True:
