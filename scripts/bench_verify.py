@@ -103,7 +103,7 @@ def detect(probabilities: list[float], trials: int, tokens: int, modes: list[str
     per_server = [[], []] + [["--test-corrupt", m, "--test-corrupt-seed", str(i)] for i, m in enumerate(modes)]
     results = []
     with LocalSwarm(str(tmp), [(0, 6)] * len(names), server_args=["--num-threads", "1"],
-                    per_server_args=per_server, names=names) as swarm:
+                    per_server_args=per_server, names=names, start_timeout_s=600) as swarm:
         for mode, sp in zip(modes, swarm.servers[2:]):
             for p in probabilities:
                 model = _client(tmp, swarm, sp.peer_id, check_probability=p, seed=17)
@@ -150,7 +150,7 @@ def detect(probabilities: list[float], trials: int, tokens: int, modes: list[str
 def smollm2_swarm():
     from petals_chain.swarm.local import LocalSwarm
 
-    return LocalSwarm("smollm2-135m", [(0, 30)] * 3, server_args=["--num-threads", "1"])
+    return LocalSwarm("smollm2-135m", [(0, 30)] * 3, server_args=["--num-threads", "1"], start_timeout_s=600)
 
 
 def overhead(swarm, p: float, pairs: int, tokens: int) -> dict:

@@ -180,7 +180,7 @@ def swarm(tiny_llama_path):
     names = ["honest0", "honest1"] + [f"corrupt-{m.split(':')[0]}" for m in modes]
     # an orchestrator that takes reports (the clients here route by themselves, ListedChains)
     with LocalSwarm(str(tiny_llama_path), ranges, server_args=["--num-threads", "1"], per_server_args=per_server,
-                    names=names, orchestrator_args=["--expected-servers", str(len(ranges)),
+                    names=names, start_timeout_s=600, orchestrator_args=["--expected-servers", str(len(ranges)),
                                                     "--exclude-after-reports", "2"]) as s:
         yield s
 
@@ -271,7 +271,7 @@ def test_reports_of_k_distinct_clients_exclude_a_server_and_one_clients_never_do
         return get_json(swarm.orchestrator_url + "status")["reports"]["servers"].get(noisy, {})
 
     # the first clients of the swarm to meet the noisy server, using no other corrupting server
-    allowed = {noisy, _peer(swarm, "honest0"), _peer(swarm, "honest1")}
+    allowed = {noisy, _peer(swarm, "honest0"), _peer(swarm, "honest1"), swarm.orchestrator_peer_id}
     first = _client(tiny_llama_path, swarm, "corrupt-noise", allowed=allowed, check_probability=1.0, seed=4)
     try:
         for _ in range(2):  # one client, two reports: one reporter, never excluded
