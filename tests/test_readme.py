@@ -37,6 +37,8 @@ RUN = {  # executed by a test in this file
     "local-swarm": "test_readme_walkthrough",
     "api-gateway": "test_readme_walkthrough",
     "api-openai": "test_readme_walkthrough",
+    "api-ollama": "test_readme_walkthrough",
+    "api-ollama-python": "test_readme_walkthrough",
     "client-library": "test_readme_walkthrough",
     "private-swarm": "test_readme_walkthrough",
 }
@@ -145,9 +147,12 @@ def test_readme_walkthrough(tmp_path, smollm2_path):
     gateway = blocks[("test", "api-gateway")][1].replace("--port 8000", f"--port {api_port}").replace(
         "127.0.0.1:8000", f"127.0.0.1:{api_port}")
     openai_py = blocks[("test", "api-openai")][1].replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
+    ollama_sh = blocks[("test", "api-ollama")][1].replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
+    ollama_py = blocks[("test", "api-ollama-python")][1].replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
     work = _scratch(tmp_path)
     (work / "openai_example.py").write_text(openai_py)
     (work / "client_example.py").write_text(client_py)
+    (work / "ollama_example.py").write_text(ollama_py)
     script = "\n".join([
         "set -eu",
         local,
@@ -155,6 +160,8 @@ def test_readme_walkthrough(tmp_path, smollm2_path):
         "echo '=== client library'", ".venv/bin/python client_example.py",
         "echo '=== gateway'", gateway,
         "echo '=== openai'", ".venv/bin/python openai_example.py",
+        "echo; echo '=== ollama'", ollama_sh,
+        "echo; echo '=== ollama python'", ".venv/bin/python ollama_example.py",
         "echo; echo '=== done'", "kill $(jobs -p)", "wait",
     ])
     proc = subprocess.Popen(["bash", "-c", script], cwd=work, env=_env(), stdout=subprocess.PIPE,
@@ -170,12 +177,19 @@ def test_readme_walkthrough(tmp_path, smollm2_path):
     private_out, rest = rest.split("=== client library", 1)
     client_out, rest = rest.split("=== gateway", 1)
     gateway_out, rest = rest.split("=== openai", 1)
-    openai_out = rest.split("=== done", 1)[0]
+    openai_out, rest = rest.split("=== ollama\n", 1)
+    ollama_out, rest = rest.split("=== ollama python", 1)
+    ollama_py_out = rest.split("=== done", 1)[0]
     chat, end = json.JSONDecoder().raw_decode(gateway_out.strip())  # curl -s adds no newline after it
     stream = gateway_out.strip()[end:]
     assert "Paris" in chat["choices"][0]["message"]["content"], chat
     assert stream.rstrip().endswith("data: [DONE]")
     assert "CompletionUsage(" in openai_out and "Paris" in openai_out
+    tags, end = json.JSONDecoder().raw_decode(ollama_out.strip())
+    assert any(m["name"].startswith("smollm2-135m") for m in tags["models"]), tags
+    ollama_chat = json.loads(ollama_out.strip()[end:].strip())
+    assert "Paris" in ollama_chat["message"]["content"] and ollama_chat["done"], ollama_chat
+    assert "Paris" in ollama_py_out and "tokens)" in ollama_py_out, ollama_py_out
     assert re.search(r"\[0:30\)", client_out), client_out  # s.chain.describe(): a one-server hop
     assert "tokens/s" in private_out and "[chain: " in private_out, private_out
     members = (work / "keys" / "members.txt").read_text().split()
@@ -187,7 +201,8 @@ def test_readme_walkthrough(tmp_path, smollm2_path):
     assert "Traceback" not in err, err[-3000:]
     assert "No such file" not in err, err[-3000:]  # e.g. `until grep` polling a log its command has not created yet
     # what the examples wrote lies in folders git ignores (the scratch folder holds only what the test put there)
-    written = {p.name for p in work.iterdir()} - {".venv", "examples", "openai_example.py", "client_example.py"}
+    written = {p.name for p in work.iterdir()} - {".venv", "examples", "openai_example.py", "client_example.py",
+                                                  "ollama_example.py"}
     assert written <= {"logs", "keys"}, written
     ignored = (REPO / ".gitignore").read_text().split()
     assert {"logs/", "keys/"} <= set(ignored)
