@@ -214,6 +214,7 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default="calibrate,detect,overhead,honest")
     p.add_argument("--out", default=str(REPO / "results" / "bench_verify.json"))
     p.add_argument("--calibrate-sessions", type=int, default=8)
+    p.add_argument("--calibrate-tokens", type=int, default=24, help="prompt tokens, and as many decode steps")
     p.add_argument("--probabilities", default="0.05,0.1,0.2")
     p.add_argument("--modes", default="noise,rare:0.01,skip-last,after:2")
     p.add_argument("--trials", type=int, default=3)
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
     sections = args.sections.split(",")
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_avg_start": os.getloadavg()}
     if "calibrate" in sections:
-        result["calibrate"] = calibrate(args.calibrate_sessions, 24, 24)
+        result["calibrate"] = calibrate(args.calibrate_sessions, args.calibrate_tokens, args.calibrate_tokens)
     if "detect" in sections:
         result["detect"] = detect([float(x) for x in args.probabilities.split(",")], args.trials,
                                   args.detect_tokens, args.modes.split(","))
