@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the hosted blocks, their KV caches and the hidden states (default float32; on a "
                         "CPU float16 decodes about twice as fast, its weights streaming half the bytes)")
     p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"],
-                   help="quantize the blocks' linear layers while loading (bitsandbytes; budgeted at the quantized size)")
+                   help="quantize the blocks' linear layers while loading (bitsandbytes; budgeted at the quantized "
+                        "size)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--adapters", nargs="+", default=[], metavar="PATH",
                    help="PEFT LoRA adapter folders to serve for the hosted blocks; a session picks one by its folder "
@@ -220,9 +221,11 @@ def _main(argv: list[str]) -> int:
         server = BlockServer(ServerConfig(
             model=args.model, start=start, end=end, initial_peers=args.initial_peers,
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
-            quant=args.quant, device=args.device, adapters=args.adapters, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
+            quant=args.quant, device=args.device, adapters=args.adapters, host_maddrs=args.host_maddrs,
+            identity_path=args.identity_path,
             name=args.name, policy=args.policy, policy_args=policy_args, max_batch_tokens=args.max_batch_tokens,
-            batch_gather=args.batch_gather, session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,
+            batch_gather=args.batch_gather, session_idle_timeout_s=args.session_idle_timeout or None,
+            admission_timeout_s=args.admission_timeout,
             admission_queue=args.admission_queue, service_log=args.service_log,
             prefix_sharing=args.prefix_sharing, prefix_cache_max_bytes=args.prefix_cache_max,
             prefix_cache_min_bytes=args.prefix_cache_min,

@@ -12,8 +12,8 @@ used to run the first arrival alone and the rest as the next batch, and stayed i
 session, then seven, then one... measured through the API gateway: 2.5 sessions per batch with 8
 concurrent requests). Before a batch, the loop therefore waits for sessions it expects back (each
 session's delivery-to-next-step gap, averaged) if they are due within `gather_fraction` of a
-batch's service time (averaged over recent batches), and never longer: a session at another hop of a long chain, or idle,
-is not expected that soon and costs no wait.
+batch's service time (averaged over recent batches), and never longer: a session at another hop of
+a long chain, or idle, is not expected that soon and costs no wait.
 
 A broken policy never kills the loop: when a hook raises, or `select` answers with nothing while
 work waits, or with a batch that breaks the contract (unknown items, two items of one session,
