@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the hosted blocks, their KV caches and the hidden states (default float32; on a "
                         "CPU float16 decodes about twice as fast, its weights streaming half the bytes)")
     p.add_argument("--quant", default="none", choices=["none", "nf4", "int8"],
-                   help="quantize the blocks' linear layers while loading (bitsandbytes; budgeted at the quantized size)")
+                   help="quantize the blocks' linear layers while loading (bitsandbytes; budgeted at the quantized "
+                        "size)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--adapters", nargs="+", default=[], metavar="PATH",
                    help="PEFT LoRA adapter folders to serve for the hosted blocks; a session picks one by its folder "
@@ -241,7 +242,8 @@ def _main(argv: list[str]) -> int:
         server = BlockServer(ServerConfig(
             model=args.model, start=start, end=end, initial_peers=args.initial_peers,
             memory_budget_bytes=args.memory_budget, max_length_tokens=args.max_length, dtype=args.dtype,
-            quant=args.quant, device=args.device, adapters=args.adapters, host_maddrs=args.host_maddrs, identity_path=args.identity_path,
+            quant=args.quant, device=args.device, adapters=args.adapters, host_maddrs=args.host_maddrs,
+            identity_path=args.identity_path,
             name=args.name, policy=args.policy, policy_args=policy_args, max_batch_tokens=args.max_batch_tokens,
             batch_gather=args.batch_gather, prefill_tokens_while_decoding=args.prefill_tokens_while_decoding or None,
             session_idle_timeout_s=args.session_idle_timeout or None, admission_timeout_s=args.admission_timeout,

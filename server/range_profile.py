@@ -72,7 +72,8 @@ class RangeProfile:
 
 def profile_key(model_name: str, block_range, variant: str = "") -> str:
     share = own_cpu_share()  # an emulated host's CPU share (netem/cpu.py) makes another device
-    return "|".join([PROFILE_VERSION, model_name, str(block_range.device), str(block_range.dtype).removeprefix("torch."),
+    return "|".join([PROFILE_VERSION, model_name, str(block_range.device),
+                     str(block_range.dtype).removeprefix("torch."),
                      block_range.quant, f"blocks={block_range.end - block_range.start}",
                      f"threads={torch.get_num_threads()}", f"cpu={'all' if share is None else f'{share:.3f}'}",
                      f"clock={profile_clock(block_range)}",

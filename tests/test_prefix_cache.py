@@ -115,7 +115,8 @@ def test_insert_match_take_copies_exact_kv_of_full_chunks():
     with pytest.raises(InvalidRequestError):
         cache.take(pin, 12, dst)  # more than this hop matched
     assert cache.take(pin, 4, dst, "alice") == 4  # the chain's minimum may be less than this hop's match
-    assert torch.equal(dst.keys[:, :, :4], src.keys[:, :, :4]) and torch.equal(dst.values[:, :, :4], src.values[:, :, :4])
+    assert torch.equal(dst.keys[:, :, :4], src.keys[:, :, :4])
+    assert torch.equal(dst.values[:, :, :4], src.values[:, :, :4])
     assert float(dst.keys[:, :, 4:].abs().sum()) == 0 and dst.past_tokens == 4
     assert pin.released and all(ch.pins == 0 for ch in cache._chunks.values())
     assert problems(cache) == []

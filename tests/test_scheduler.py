@@ -86,7 +86,8 @@ class Results:
 def make(policy=None, budget=128):
     clock = FakeClock()
     rng = FakeRange(clock)
-    sched = StepScheduler(rng, FCFSPolicy() if policy is None else policy, max_batch_tokens=budget, clock=clock, start_thread=False)
+    sched = StepScheduler(rng, FCFSPolicy() if policy is None else policy, max_batch_tokens=budget, clock=clock,
+                          start_thread=False)
     return sched, rng, clock
 
 

@@ -237,6 +237,7 @@ class BlockRange:
                           adapter: str | None = None) -> torch.Tensor:
         """Forward of whole sequences without keeping a cache: hidden [batch, seq, hidden] -> same shape."""
         if hidden.dim() != 3:
-            raise InvalidRequestError(f"hidden states must have shape [batch, seq, {self.hidden_size}], got {tuple(hidden.shape)}")
+            raise InvalidRequestError(f"hidden states must have shape [batch, seq, {self.hidden_size}], "
+                                      f"got {tuple(hidden.shape)}")
         steps = [StepInput(self.allocate_kv(hidden.shape[1], first_block, adapter), seq) for seq in hidden]
         return torch.stack(self.forward(steps))
