@@ -283,7 +283,7 @@ class StepScheduler:
     def _decoding(self) -> bool:
         """Is a session decoding: a decode step waits, or a session's last step was delivered and its
         next is due (lock held)? An idle session stops counting once overdue, as in _gather."""
-        if any(j.rows_done == 0 and j.total_rows == 1 and j.step.kv.past_tokens > 0 for j in self._jobs.values()):
+        if any(j.rows_done == 0 and j.total_rows == 1 and j.request.kv.past_tokens > 0 for j in self._jobs.values()):
             return True
         now_s, slack_s = self.clock(), max(self._service_s, 1e-3)
         return any(now_s <= delivered_s + self._return_s.get(session_id, 2 * slack_s) + slack_s
