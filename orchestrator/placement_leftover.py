@@ -88,7 +88,7 @@ def place_leftover(cluster: Cluster, placement: Placement, c: int, base: GcaResu
 # Two c whose tuning objective differs by less than this (relative) are a tie. Why 1 %: the bounds are
 # computed from fitted service times whose error against the live swarm is ~10 % (the model check),
 # and on a lightly loaded cluster the Theorem 3.7 bound is the fastest chains' service time for every
-# c that keeps them whole: c = 1 and c = 5 differed by 1.6e-5 relative in the 2026-11-29 Table 1 plan.
+# c that keeps them whole: c = 1 and c = 5 differed by 1.6e-5 relative in a Table 1 plan (docs/results.md).
 TIE_REL = 0.01
 
 
@@ -113,7 +113,7 @@ def tune_c_with_leftover(cluster: Cluster, tuning: str = "lower",
     the larger nu has that headroom for what the planned lambda leaves out (the trace's bursts, a
     lambda estimated low). Why not rank by the installed plan's bound: in the simulator on the paper's
     Fig. 8 instances that chose a c with a lower bound but 40 % less nu, 7 % faster under Poisson
-    arrivals and up to 2.3x slower under the Azure trace's (docs/results.md, 2026-11-29).
+    arrivals and up to 2.3x slower under the Azure trace's (docs/results.md).
     Returns the choice and the per-c table, as ``tune_c`` does."""
     if tuning not in TUNINGS:
         raise ValueError(f"tuning must be one of {TUNINGS}, got {tuning!r}")

@@ -585,7 +585,7 @@ def test_mean_level_drops_only_far_out_values():
 def test_lone_steps_that_separate_block_counts_the_window_does_not(t_o, t_B, t_O, few, seed):
     # a fast server running whole-range chains (30 blocks) and, now and then, the tail of a pair (14
     # blocks): fewer than MIN_SPAN_BATCHES batches at 14 blocks in the window, but all of them lone. The
-    # lone steps then give t_o and t_B apart (the Table 1 run of 2026-11-25 10:53 met this window and
+    # lone steps then give t_o and t_B apart (a Table 1 run in docs/results.md met this window and
     # its orchestrator's control loop failed with a KeyError 37 times)
     rng = np.random.default_rng(seed)
     n = 60

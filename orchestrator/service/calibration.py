@@ -143,8 +143,8 @@ def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
     `RangeProfile.lone_decode_s_per_block`), so it ranks hosts by what a session alone costs there.
     The start-up profile is a cached microbenchmark without the per-step framework cost: on the live
     swarm a step runs several times what the profile says. A server planned from its bare profile
-    looks that much faster than its fitted twins, and JFFC sends the bursts to it first (Table 1,
-    2026-11-24: fast2 modelled 4.4 s, measured 23.5 s, its twins fitted at 18.5-19.5 s). The profile
+    looks that much faster than its fitted twins, and JFFC sends the bursts to it first (a Table 1
+    run, docs/results.md: fast2 modelled 4.4 s, measured 23.5 s, its twins fitted at 18.5-19.5 s). The profile
     still ranks devices (it runs under the host's CPU share), so the donor is a fitted twin (profile
     t_O within TWIN_PROFILE_TOLERANCE, and t_I too where both profiles have one; any fitted server
     when there is none), the one with the median
@@ -157,8 +157,8 @@ def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
     usable = [d for d in fitted if _positive(d.profile_t_O_s) and d.blocks > 0]
     if not usable:
         return None
-    # t_I as well as t_O: a short decode profile can read the same on two devices (the quick Table 1 run
-    # of 2026-11-27: 1.83 ms on fast and slow hosts, their shares 0.193 and 0.120 cores) while the
+    # t_I as well as t_O: a short decode profile can read the same on two devices (a quick Table 1 run
+    # in docs/results.md: 1.83 ms on fast and slow hosts, their shares 0.193 and 0.120 cores) while the
     # prefill's, timed over many tokens, tells them apart (0.40 against 0.63 ms); slow servers without
     # a fit then took a fast server's and were modelled 1.9x too fast
     twins = [d for d in usable if abs(d.profile_t_O_s / profile_t_O_s - 1.0) <= TWIN_PROFILE_TOLERANCE

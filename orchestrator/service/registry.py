@@ -87,7 +87,7 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
     t_B is not planned as shared by a batch (no `Server.batch_block_overhead_s`): a batch reads each
     block's weights once, but on a pipelined server its sessions' steps arrive out of phase (each
     waits for the hop before), so batches mostly hold one or two sessions and each pays t_B. Measured
-    (Table 1 quick run, 2026-11-24 15:38): planning t_B as shared made batching look free, c* went to
+    (a Table 1 quick run, docs/results.md): planning t_B as shared made batching look free, c* went to
     11 (3-hop chains of 11 and 8 blocks), and the mean response doubled (48.4 s against 24.9-26.1 s
     in the runs before)."""
     if record.rtt_s is None:
@@ -117,8 +117,8 @@ def lost_servers(last_seen_s: dict[str, float], present: set[str], offline: set[
 
     Why a grace: a server's record lives `record_ttl_s` (6 s) and is renewed every 2 s; a server whose
     host is CPU-starved (its quota spent by a batch) or a DHT read that times out can miss one read.
-    Dropping at the first miss ended the chains of live servers with sessions on them (Table 1 runs,
-    2026-11-24: six servers "left" for one read each, re-registered 1-2 s later, and their sessions
+    Dropping at the first miss ended the chains of live servers with sessions on them (Table 1 runs in
+    docs/results.md: six servers "left" for one read each, re-registered 1-2 s later, and their sessions
     failed over). A server that really died is found sooner by its clients, which fail over without
     waiting for the orchestrator."""
     if grace_s < 0:

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 # Steps of at most this many tokens time a hop's per-step cost (a decode step, a speculative draft's
 # verification); a prompt's step does not: its time beyond the RTT is mostly moving its hidden states
 # (a 1,676-token bfloat16 prompt at hidden size 4,096 is 13.7 MB per hop: 3.3 s of client time against
-# 0.045 s of server time on the GPU run of 2026-11-27), which spread over the session's steps made the
+# 0.045 s of server time on a GPU run in docs/results.md), which spread over the session's steps made the
 # "per-step" cost 67-103 ms there, ten times the decode steps' own
 HOP_COST_MAX_TOKENS = 16
 
