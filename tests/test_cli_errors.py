@@ -178,11 +178,12 @@ def test_every_option_has_help_text(path, monkeypatch):
 
 
 def _readme_command_rows() -> dict[tuple[str, ...], str]:
-    """{command path: its usage cell} of the README's command tables (`| `petals-chain plan --cluster ...` | ...`)."""
+    """{command path: its usage cell} of the command tables of docs/reference.md, where every command's
+    full usage lives (`| `petals-chain plan --cluster ...` | ...`); the README's table links there."""
     import re
 
     rows = {}
-    for line in (REPO / "README.md").read_text(encoding="utf-8").splitlines():
+    for line in (REPO / "docs" / "reference.md").read_text(encoding="utf-8").splitlines():
         m = re.match(r"\| `(petals-chain [a-z0-9]+(?: (?:up|exec|status|down|table1))?|launch-server)(?=[ `])", line)
         if m:
             cell = re.split(r"(?<!\\)\|", line)[1]
@@ -192,7 +193,7 @@ def _readme_command_rows() -> dict[tuple[str, ...], str]:
 
 
 def test_readme_command_rows_list_exactly_the_options_of_help(monkeypatch):
-    """Each command's row in the README names every option its `--help` has, and no other."""
+    """Each command's row in docs/reference.md names every option its `--help` has, and no other."""
     import re
 
     rows = _readme_command_rows()

@@ -153,7 +153,7 @@ def test_vtc_counter_spread_stays_within_one_charge_with_the_prompt_limit(ops, b
 def test_a_prompt_is_not_starved_by_sessions_that_keep_decoding(decoders, sessions, prompt, budget, cap_fraction,
                                                                  policy_name, w_out):
     """Clients whose sessions decode every batch (each step back at once) never hold a waiting prompt
-    back for good: FCFS runs a chunk, then (the remainder re-enters at the back) at most
+    back for good: FCFS runs a chunk of at least one row, then (the remainder re-enters at the back) at most
     ceil(k * sessions / budget) batches of the decode steps that arrived before the cut; under VTC it finishes within
     ceil(n / cap) * (k * ceil((U + w_out) / w_out) + 1) batches, k the decoding clients (whenever the
     prompt's client has the smallest counter it gets the first room, and the others can run ahead of
@@ -170,7 +170,10 @@ def test_a_prompt_is_not_starved_by_sessions_that_keep_decoding(decoders, sessio
     sched.run_once()  # the decoders are running before the prompt arrives
     submit(sched, res, "p", FakeKV(0), prompt, client="prompt")
     u = max(1.0 * budget, w_out)
-    chunks = math.ceil(prompt / min(cap, budget))
+    # a chunk takes the room the steps ahead of it in the batch leave: under FCFS that can be a single row
+    # (decode steps that arrived before the remainder re-entered fill the rest), so FCFS's bound counts
+    # rounds of at least one row; VTC gives the prompt's client the first room when its counter is least
+    chunks = prompt if policy_name == "fcfs" else math.ceil(prompt / min(cap, budget))
     before = math.ceil(decoders * sessions / budget)
     bound = before + chunks * (1 + before if policy_name == "fcfs" else decoders * math.ceil((u + w_out) / w_out) + 1)
     for batches in range(1, bound + 1):
