@@ -1,5 +1,6 @@
 """How busy the CPUs were during a replay: our processes (each swarm process and its children, e.g.
 p2p daemons) and the whole machine (everyone on it, other users included)."""
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,13 @@ class CpuMeter:
         busy = lambda t: t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)  # noqa: E731
         total = lambda t: busy(t) + t.idle + getattr(t, "iowait", 0.0)  # noqa: E731
         n = os.cpu_count() or 1
-        return {"wall_s": wall, "ours_cpu_s": used, "ours_cores": used / wall if wall > 0 else 0.0, "n_cpus": n,
-                "machine_busy": (busy(m1) - busy(m0)) / max(1e-9, total(m1) - total(m0)),
-                # niced work (e.g. other jobs run with `nice -n 19` beside an experiment) gets CPU only
-                # when ours does not want it, but it is part of "busy"
-                "machine_nice": (m1.nice - m0.nice) / max(1e-9, total(m1) - total(m0))}
+        return {
+            "wall_s": wall,
+            "ours_cpu_s": used,
+            "ours_cores": used / wall if wall > 0 else 0.0,
+            "n_cpus": n,
+            "machine_busy": (busy(m1) - busy(m0)) / max(1e-9, total(m1) - total(m0)),
+            # niced work (e.g. other jobs run with `nice -n 19` beside an experiment) gets CPU only
+            # when ours does not want it, but it is part of "busy"
+            "machine_nice": (m1.nice - m0.nice) / max(1e-9, total(m1) - total(m0)),
+        }

@@ -13,6 +13,7 @@ cannot take the whole GPU from the others). Memory bandwidth stays shared: MPS i
 processes given its environment, not other CUDA users of the machine), yields the environment those
 processes need, and stops the daemon when the block ends, also on errors.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,16 +54,20 @@ def _control(binary: str, env: dict[str, str], command: str, timeout_s: float = 
 
 
 @contextmanager
-def mps_daemon(sm_percent: float, *, binary: str | None = None, start_timeout_s: float = 20.0) -> Iterator[dict[str, str]]:
+def mps_daemon(
+    sm_percent: float, *, binary: str | None = None, start_timeout_s: float = 20.0
+) -> Iterator[dict[str, str]]:
     """Run an MPS control daemon for the block; yields the environment of its clients: the pipe and log
     folders and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` = `sm_percent` (each client's cap on the SMs)."""
     if not 0 < sm_percent <= 100:
         raise ValueError(f"--gpu-sm-percent must be in (0, 100], got {sm_percent:g}")
     binary = binary or find_control()
     if binary is None:
-        raise MpsUnavailableError(f"--gpu-isolation mps: {CONTROL} is not on PATH nor in "
-                                  f"{', '.join(DRIVER_BIN_DIRS)} (it ships with NVIDIA's driver utilities); "
-                                  "install them or run with --gpu-isolation off")
+        raise MpsUnavailableError(
+            f"--gpu-isolation mps: {CONTROL} is not on PATH nor in "
+            f"{', '.join(DRIVER_BIN_DIRS)} (it ships with NVIDIA's driver utilities); "
+            "install them or run with --gpu-isolation off"
+        )
     # short folders: the daemon's control socket lies in the pipe folder, and a Unix socket's path is
     # limited to 107 bytes
     root = Path(tempfile.mkdtemp(prefix="pc-mps-"))
@@ -73,16 +78,20 @@ def mps_daemon(sm_percent: float, *, binary: str | None = None, start_timeout_s:
     started = subprocess.run([binary, "-d"], env=full_env, capture_output=True, text=True, timeout=start_timeout_s)
     if started.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
-        raise MpsUnavailableError(f"--gpu-isolation mps: `{CONTROL} -d` failed (exit {started.returncode}): "
-                                  f"{(started.stderr or started.stdout).strip()[-500:]}; run with --gpu-isolation off")
+        raise MpsUnavailableError(
+            f"--gpu-isolation mps: `{CONTROL} -d` failed (exit {started.returncode}): "
+            f"{(started.stderr or started.stdout).strip()[-500:]}; run with --gpu-isolation off"
+        )
     try:
         # the daemon forks and returns at once; its control pipe appears when it listens
         deadline = time.monotonic() + start_timeout_s
         while not (root / "pipe" / "control").exists():
             if time.monotonic() > deadline:
-                raise MpsUnavailableError(f"--gpu-isolation mps: the MPS daemon made no control pipe in {root / 'pipe'} "
-                                          f"within {start_timeout_s:g} s (its log: {root / 'log'}); "
-                                          "run with --gpu-isolation off")
+                raise MpsUnavailableError(
+                    f"--gpu-isolation mps: the MPS daemon made no control pipe in {root / 'pipe'} "
+                    f"within {start_timeout_s:g} s (its log: {root / 'log'}); "
+                    "run with --gpu-isolation off"
+                )
             time.sleep(0.05)
         yield {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": f"{sm_percent:g}"}
     finally:

@@ -9,6 +9,7 @@ roles are `dht`, `orchestrator`, `loadgen`, `server<i>` and the servers' names),
 `popen(role, argv, **kw)`, `fetch_json(role, url)` (an HTTP GET made from inside the role's host)
 and `close()`.
 """
+
 from __future__ import annotations
 
 import abc
@@ -41,8 +42,13 @@ class _Hosts(abc.ABC):
         return subprocess.Popen([*self.placement(role)[0], *argv], **popen_kwargs)
 
     def fetch_json(self, role: str, url: str) -> dict:
-        out = subprocess.run([*self.placement(role)[0], sys.executable, "-c", _FETCH, url], capture_output=True,
-                             text=True, timeout=30, check=True)
+        out = subprocess.run(
+            [*self.placement(role)[0], sys.executable, "-c", _FETCH, url],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         return json.loads(out.stdout)
 
     def cpu_report(self) -> dict:
@@ -104,8 +110,15 @@ def ripe_atlas_hosts_rtt_ms(rtt_matrix_ms: np.ndarray, n_hosts: int, seed: int) 
 class EmulatedHosts(_Hosts):
     """Host `client` and one host per server name, in one `netem.Network` (its RTT matrix in that order)."""
 
-    def __init__(self, server_names: list[str], rtt_ms: np.ndarray, *, backend: str = "auto", name: str,
-                 cpu: dict[str, float] | None = None):
+    def __init__(
+        self,
+        server_names: list[str],
+        rtt_ms: np.ndarray,
+        *,
+        backend: str = "auto",
+        name: str,
+        cpu: dict[str, float] | None = None,
+    ):
         import netem
 
         if not hasattr(netem, "Network"):
@@ -120,8 +133,9 @@ class EmulatedHosts(_Hosts):
             self.net.__enter__()
         except netem.NetemError as e:
             raise EmulationUnavailableError(f"WAN emulation could not start: {e}; or run with --no-netem") from e
-        self.label = (f"netem ({self.net.backend} backend): {len(self.hosts)} emulated hosts, RIPE Atlas RTTs"
-                      + (", a CPU share each" if cpu else ""))
+        self.label = f"netem ({self.net.backend} backend): {len(self.hosts)} emulated hosts, RIPE Atlas RTTs" + (
+            ", a CPU share each" if cpu else ""
+        )
         self.name = name
 
     def host_of(self, role: str) -> str:

@@ -8,6 +8,7 @@ tokens and generates exactly `output_tokens` tokens greedily (no early stop at E
 ends up as exactly one JSON line: finished, or failed with its error (also those still running at
 the replay deadline), so none is lost.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,22 @@ import numpy as np
 
 from petals_chain.cli.args import DTYPE_CHOICES
 
-RECORD_FIELDS = ("index", "policy", "arrival_s", "submitted_s", "start_s", "first_token_s", "end_s", "input_tokens",
-                 "output_tokens", "generated_tokens", "chain", "hops", "orchestrator_wait_s", "error")
+RECORD_FIELDS = (
+    "index",
+    "policy",
+    "arrival_s",
+    "submitted_s",
+    "start_s",
+    "first_token_s",
+    "end_s",
+    "input_tokens",
+    "output_tokens",
+    "generated_tokens",
+    "chain",
+    "hops",
+    "orchestrator_wait_s",
+    "error",
+)
 
 
 def prompt_ids(rng: np.random.Generator, n_tokens: int, vocab_size: int) -> list[int]:
@@ -38,29 +53,49 @@ def hop_summary(timings, names: dict[str, str]) -> list[dict]:
     the batch: queue, gathering, thread hand-offs)."""
     hops: dict[int, dict] = {}
     for t in timings:
-        h = hops.setdefault(t.hop_index, {"peer_id": t.peer_id, "name": names.get(t.peer_id, ""), "blocks": t.blocks,
-                                          "prefill_tokens": 0, "prefill_client_s": None, "prefill_server_s": None,
-                                          "prefill_batch_s": None,
-                                          "decode_steps": 0, "decode_client_s": 0.0, "decode_server_s": 0.0,
-                                          "decode_batch_s": 0.0})
+        h = hops.setdefault(
+            t.hop_index,
+            {
+                "peer_id": t.peer_id,
+                "name": names.get(t.peer_id, ""),
+                "blocks": t.blocks,
+                "prefill_tokens": 0,
+                "prefill_client_s": None,
+                "prefill_server_s": None,
+                "prefill_batch_s": None,
+                "decode_steps": 0,
+                "decode_client_s": 0.0,
+                "decode_server_s": 0.0,
+                "decode_batch_s": 0.0,
+            },
+        )
         if h["prefill_client_s"] is None:
-            h.update(prefill_tokens=t.tokens, prefill_client_s=t.client_s, prefill_server_s=t.server_s,
-                     prefill_batch_s=t.compute_s)
+            h.update(
+                prefill_tokens=t.tokens,
+                prefill_client_s=t.client_s,
+                prefill_server_s=t.server_s,
+                prefill_batch_s=t.compute_s,
+            )
         else:
             h["decode_steps"] += 1
             h["decode_client_s"] += t.client_s
-            h["decode_server_s"] = None if t.server_s is None or h["decode_server_s"] is None else \
-                h["decode_server_s"] + t.server_s
-            h["decode_batch_s"] = None if t.compute_s is None or h["decode_batch_s"] is None else \
-                h["decode_batch_s"] + t.compute_s
+            h["decode_server_s"] = (
+                None if t.server_s is None or h["decode_server_s"] is None else h["decode_server_s"] + t.server_s
+            )
+            h["decode_batch_s"] = (
+                None if t.compute_s is None or h["decode_batch_s"] is None else h["decode_batch_s"] + t.compute_s
+            )
     return [hops[i] for i in sorted(hops)]
 
 
 def running_stacks(names_by_ident: dict[int, str]) -> str:
     """The current Python stack of each named live thread (by thread ident), as text; '' if none."""
     frames = sys._current_frames()
-    parts = [f"--- {name}\n" + "".join(traceback.format_stack(frames[ident]))
-             for ident, name in sorted(names_by_ident.items(), key=lambda kv: kv[1]) if ident in frames]
+    parts = [
+        f"--- {name}\n" + "".join(traceback.format_stack(frames[ident]))
+        for ident, name in sorted(names_by_ident.items(), key=lambda kv: kv[1])
+        if ident in frames
+    ]
     return "\n".join(parts)
 
 
@@ -91,7 +126,7 @@ class Replayer:
             self.out.flush()
 
     def failed_note(self) -> str:
-        """", N failed (first: ERROR)" once a request failed: a run whose every request fails says so
+        """ ", N failed (first: ERROR)" once a request failed: a run whose every request fails says so
         while it runs, not only in its summary."""
         with self.lock:
             return f", {self.failed} failed (first: {self.first_error})" if self.failed else ""
@@ -100,8 +135,15 @@ class Replayer:
         import torch
 
         rec = {k: None for k in RECORD_FIELDS}
-        rec.update(index=req["index"], policy=self.policy, arrival_s=req["arrival_s"], input_tokens=req["input_tokens"],
-                   output_tokens=req["output_tokens"], generated_tokens=0, submitted_s=self.clock() - self.t0)
+        rec.update(
+            index=req["index"],
+            policy=self.policy,
+            arrival_s=req["arrival_s"],
+            input_tokens=req["input_tokens"],
+            output_tokens=req["output_tokens"],
+            generated_tokens=0,
+            submitted_s=self.clock() - self.t0,
+        )
         backend, head = self.model.backend, self.model.head
         rng = np.random.default_rng([self.seed, req["index"]])
         ids = torch.tensor(prompt_ids(rng, req["input_tokens"], self.model.config.vocab_size))
@@ -158,8 +200,10 @@ class Replayer:
             t.start()
             threads.append(t)
             if (i + 1) % 10 == 0:
-                print(f"loadgen: {i + 1}/{len(self.requests)} submitted, {len(self.written)} done"
-                      f"{self.failed_note()}", flush=True)
+                print(
+                    f"loadgen: {i + 1}/{len(self.requests)} submitted, {len(self.written)} done{self.failed_note()}",
+                    flush=True,
+                )
         end_by = self.clock() + deadline_s
         for t in threads:
             t.join(max(0.0, end_by - self.clock()))
@@ -168,10 +212,18 @@ class Replayer:
         for req in self.requests:  # still running at the deadline: recorded as failed, never dropped
             if req["index"] not in self.written:
                 late += 1
-                self.write({**{k: None for k in RECORD_FIELDS}, "index": req["index"], "policy": self.policy,
-                            "arrival_s": req["arrival_s"], "input_tokens": req["input_tokens"],
-                            "output_tokens": req["output_tokens"], "generated_tokens": 0,
-                            "error": f"DeadlineError: not finished {deadline_s:.0f} s after the last arrival"})
+                self.write(
+                    {
+                        **{k: None for k in RECORD_FIELDS},
+                        "index": req["index"],
+                        "policy": self.policy,
+                        "arrival_s": req["arrival_s"],
+                        "input_tokens": req["input_tokens"],
+                        "output_tokens": req["output_tokens"],
+                        "generated_tokens": 0,
+                        "error": f"DeadlineError: not finished {deadline_s:.0f} s after the last arrival",
+                    }
+                )
         if stacks:  # where the late requests hang: the evidence a hung session leaves (nothing else does)
             Path(self.out_path).with_suffix(".late_stacks.txt").write_text(stacks)
         self.out.close()
@@ -182,20 +234,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.loadgen", description=__doc__)
     p.add_argument("--initial-peers", nargs="+", required=True)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
-                   help="the client head's dtype: the servers' (they refuse hidden states of another)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPE_CHOICES,
+        help="the client head's dtype: the servers' (they refuse hidden states of another)",
+    )
     p.add_argument("--device", default="cpu", help="where the client head runs (cuda with the GPU variant)")
-    p.add_argument("--requests", required=True,
-                   help="JSON list of scaled requests (experiments.workload.ScaledRequest)")
+    p.add_argument(
+        "--requests", required=True, help="JSON list of scaled requests (experiments.workload.ScaledRequest)"
+    )
     p.add_argument("--out", required=True, help="JSONL file: one record per request")
     p.add_argument("--policy", default="", help="label written into every record")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
-    p.add_argument("--deadline", type=float, default=600.0,
-                   help="seconds after the last arrival to wait for stragglers")
+    p.add_argument(
+        "--deadline", type=float, default=600.0, help="seconds after the last arrival to wait for stragglers"
+    )
     p.add_argument("--acquire-timeout", type=float, default=900.0, help="seconds a request may wait for a chain")
-    p.add_argument("--sequential", action="store_true",
-                   help="run the requests one after another, each alone, ignoring their arrival times "
-                        "(the model probe)")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run the requests one after another, each alone, ignoring their arrival times (the model probe)",
+    )
     args = p.parse_args(argv)
     import torch
 
@@ -206,10 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(requests, list) or not requests:
         print("loadgen: --requests must hold a non-empty JSON list", file=sys.stderr)
         return 2
-    model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
-                                                        dtype=args.dtype, device=args.device,
-                                                        acquire_timeout_s=args.acquire_timeout,
-                                                        step_timeout_s=120.0)
+    model = DistributedModelForCausalLM.from_pretrained(
+        args.model,
+        initial_peers=args.initial_peers,
+        dtype=args.dtype,
+        device=args.device,
+        acquire_timeout_s=args.acquire_timeout,
+        step_timeout_s=120.0,
+    )
     try:
         print(f"loadgen: replaying {len(requests)} requests ({args.policy})", flush=True)
         replayer = Replayer(model, requests, args.policy, Path(args.out), args.seed)

@@ -5,7 +5,8 @@ Per hop of every finished request the load generator recorded the client's time 
 the server's own time (queue + compute; `server_s` in the step reply), so
 - compute, measured: the server's time of the prefill step, and summed over the decode steps;
   model: the orchestrator's at the end of the run: with a calibrated fit, t_o + m (t_B + t_I l_in)
-  and (l_out - 1)(t_o + m (t_B + t_O)), t_o per step and server, t_B per block and step; without one, m (t_o + t_I l_in) and
+  and (l_out - 1)(t_o + m (t_B + t_O)), t_o per step and server, t_B per block and step; without one, m (t_o + t_I
+  l_in) and
   m t_O (l_out - 1) with the start-up t_I, t_O and the per-block t_o default; m = the hop's blocks;
 - communication, measured: client time - server time (prefill step; decode steps summed);
   model: one and (l_out - 1) times RTT + the measured per-hop cost (tau_c = l_out (RTT + hop cost)),
@@ -22,6 +23,7 @@ only; under load it includes waiting for the server's batch. Besides the replay'
 the trace's bursts there may be none), the model probe (`probe_<policy>.jsonl`: after the replay, sessions
 through each chain one after another) gives each chain's servers lone requests.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,14 +65,27 @@ def hop_points(records: list[dict], servers: dict[str, dict], *, probe: bool = F
             else:  # calibrated: t_o per step and server
                 t_B = s.get("t_B") or 0.0  # absent in runs before the per-block term
                 pre, dec = t_o + m * (t_B + s["t_I"] * l_in), n_dec * (t_o + m * (t_B + s["t_O"]))
-            pts.append({
-                "policy": r["policy"], "index": r["index"], "server": h["name"], "lone": r["index"] in lone,
-                "probe": probe,
-                "measured": {"prefill_compute": h["prefill_server_s"], "decode_compute": h["decode_server_s"],
-                             "prefill_comm": h["prefill_client_s"] - h["prefill_server_s"],
-                             "decode_comm": h["decode_client_s"] - h["decode_server_s"]},
-                "model": {"prefill_compute": pre, "decode_compute": dec,
-                          "prefill_comm": s["rtt_s"] + hop + transfer, "decode_comm": (s["rtt_s"] + hop) * n_dec}})
+            pts.append(
+                {
+                    "policy": r["policy"],
+                    "index": r["index"],
+                    "server": h["name"],
+                    "lone": r["index"] in lone,
+                    "probe": probe,
+                    "measured": {
+                        "prefill_compute": h["prefill_server_s"],
+                        "decode_compute": h["decode_server_s"],
+                        "prefill_comm": h["prefill_client_s"] - h["prefill_server_s"],
+                        "decode_comm": h["decode_client_s"] - h["decode_server_s"],
+                    },
+                    "model": {
+                        "prefill_compute": pre,
+                        "decode_compute": dec,
+                        "prefill_comm": s["rtt_s"] + hop + transfer,
+                        "decode_comm": (s["rtt_s"] + hop) * n_dec,
+                    },
+                }
+            )
     return pts
 
 
@@ -90,10 +105,13 @@ def error_table(points: list[dict]) -> dict:
                 keep = mod > 0
                 if not keep.any():
                     continue
-                row[q] = {"n": int(keep.sum()), "measured_mean_s": float(meas[keep].mean()),
-                          "model_mean_s": float(mod[keep].mean()),
-                          "rel_error_of_means": float(meas[keep].mean() / mod[keep].mean() - 1),
-                          "median_rel_error": float(np.median(meas[keep] / mod[keep] - 1))}
+                row[q] = {
+                    "n": int(keep.sum()),
+                    "measured_mean_s": float(meas[keep].mean()),
+                    "model_mean_s": float(mod[keep].mean()),
+                    "rel_error_of_means": float(meas[keep].mean() / mod[keep].mean() - 1),
+                    "median_rel_error": float(np.median(meas[keep] / mod[keep] - 1)),
+                }
             out.setdefault(subset, {})[server] = row
     return out
 
@@ -104,15 +122,21 @@ MODEL_ERROR_QUANTITIES = ("prefill_compute", "decode_compute", "decode_comm")
 def model_error(table: dict) -> dict:
     """summary.json's `model_error`: per server, measured / model - 1 (of the means over requests alone
     in the system) of prefill compute, decode compute and decode communication."""
-    return {server: {q: row[q]["rel_error_of_means"] for q in MODEL_ERROR_QUANTITIES if q in row}
-            for server, row in table.get("lone", {}).items()}
+    return {
+        server: {q: row[q]["rel_error_of_means"] for q in MODEL_ERROR_QUANTITIES if q in row}
+        for server, row in table.get("lone", {}).items()
+    }
 
 
 def model_error_markdown(errors: dict, bound: float = 0.25) -> str:
     if not errors:
         return "Model error: no request ran alone in the system, so none is computed.\n"
-    lines = [f"Model error (measured / model - 1, requests alone in the system; goal |decode_compute| <= {bound:.2f}):",
-             "", "| server | " + " | ".join(MODEL_ERROR_QUANTITIES) + " |", "|---|" + "---|" * len(MODEL_ERROR_QUANTITIES)]
+    lines = [
+        f"Model error (measured / model - 1, requests alone in the system; goal |decode_compute| <= {bound:.2f}):",
+        "",
+        "| server | " + " | ".join(MODEL_ERROR_QUANTITIES) + " |",
+        "|---|" + "---|" * len(MODEL_ERROR_QUANTITIES),
+    ]
     for server, row in errors.items():
         cells = [f"{row[q]:+.2f}" if q in row else "—" for q in MODEL_ERROR_QUANTITIES]
         if "decode_compute" in row and abs(row["decode_compute"]) > bound:
@@ -128,12 +152,20 @@ def error_markdown(table: dict) -> str:
         if not rows:
             lines.append(f"No {title}.\n")
             continue
-        lines += [f"Relative error (measured / model - 1, of the means; median of per-request errors in brackets), "
-                  f"{title}:", "", "| server | n | " + " | ".join(QUANTITIES) + " |", "|---|---|" + "---|" * len(QUANTITIES)]
+        lines += [
+            f"Relative error (measured / model - 1, of the means; median of per-request errors in brackets), {title}:",
+            "",
+            "| server | n | " + " | ".join(QUANTITIES) + " |",
+            "|---|---|" + "---|" * len(QUANTITIES),
+        ]
         for server, row in rows.items():
             n = max((v["n"] for v in row.values()), default=0)
-            cells = [f"{100 * row[q]['rel_error_of_means']:+.0f}% ({100 * row[q]['median_rel_error']:+.0f}%)"
-                     if q in row else "—" for q in QUANTITIES]
+            cells = [
+                f"{100 * row[q]['rel_error_of_means']:+.0f}% ({100 * row[q]['median_rel_error']:+.0f}%)"
+                if q in row
+                else "—"
+                for q in QUANTITIES
+            ]
             lines.append(f"| {server} | {n} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -188,10 +220,17 @@ def lone_step_drift(logs: dict[str, list[dict]], probed: bool) -> dict[str, dict
         blocks = max(both, key=lambda k: len(b[k]))
         ra, rb = np.asarray(a[blocks]), np.asarray(b[blocks])
         wa, wb = np.median(ra, axis=0), np.median(rb, axis=0)
-        out[server] = {"blocks": blocks, "replay_n": len(ra), "probe_n": len(rb),
-                       "replay_wall_ms": 1e3 * wa[0], "probe_wall_ms": 1e3 * wb[0],
-                       "replay_cpu_ms": 1e3 * wa[1], "probe_cpu_ms": 1e3 * wb[1],
-                       "wall_ratio": wb[0] / wa[0], "cpu_ratio": wb[1] / wa[1]}
+        out[server] = {
+            "blocks": blocks,
+            "replay_n": len(ra),
+            "probe_n": len(rb),
+            "replay_wall_ms": 1e3 * wa[0],
+            "probe_wall_ms": 1e3 * wb[0],
+            "replay_cpu_ms": 1e3 * wa[1],
+            "probe_cpu_ms": 1e3 * wb[1],
+            "wall_ratio": wb[0] / wa[0],
+            "cpu_ratio": wb[1] / wa[1],
+        }
     return out
 
 
@@ -215,18 +254,24 @@ def model_drift(points: list[dict], logs_by_policy: dict[str, dict[str, list[dic
 def model_drift_markdown(drift: dict) -> str:
     if not drift:
         return ""
-    lines = ["The machine between the replay and the probe (`model_drift`): each server's median lone decode step "
-             "(one session, one token) in the replay the model was fitted on and in the probe, timed by the server; "
-             "the decode-compute error of that policy's lone requests, raw and with the wall ratio divided out:", "",
-             "| policy | server | blocks | replay wall / CPU (ms) | probe wall / CPU (ms) | probe / replay wall, CPU "
-             "| decode_compute | net of drift |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "The machine between the replay and the probe (`model_drift`): each server's median lone decode step "
+        "(one session, one token) in the replay the model was fitted on and in the probe, timed by the server; "
+        "the decode-compute error of that policy's lone requests, raw and with the wall ratio divided out:",
+        "",
+        "| policy | server | blocks | replay wall / CPU (ms) | probe wall / CPU (ms) | probe / replay wall, CPU "
+        "| decode_compute | net of drift |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for policy, rows in drift.items():
         for server, d in rows.items():
             e, n = d["decode_compute_error"], d["decode_compute_net_of_drift"]
-            lines.append(f"| {policy} | {server} | {d['blocks']} | {d['replay_wall_ms']:.0f} / {d['replay_cpu_ms']:.1f} "
-                         f"({d['replay_n']}) | {d['probe_wall_ms']:.0f} / {d['probe_cpu_ms']:.1f} ({d['probe_n']}) | "
-                         f"{d['wall_ratio']:.2f}, {d['cpu_ratio']:.2f} | {'—' if e is None else f'{e:+.2f}'} | "
-                         f"{'—' if n is None else f'{n:+.2f}'} |")
+            lines.append(
+                f"| {policy} | {server} | {d['blocks']} | {d['replay_wall_ms']:.0f} / {d['replay_cpu_ms']:.1f} "
+                f"({d['replay_n']}) | {d['probe_wall_ms']:.0f} / {d['probe_cpu_ms']:.1f} ({d['probe_n']}) | "
+                f"{d['wall_ratio']:.2f}, {d['cpu_ratio']:.2f} | {'—' if e is None else f'{e:+.2f}'} | "
+                f"{'—' if n is None else f'{n:+.2f}'} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -242,8 +287,15 @@ def plot(points: list[dict], path: Path) -> None:
             for lone, marker in ((False, "."), (True, "x")):
                 ps = [p for p in points if p["server"].startswith(kind) and p["lone"] == lone]
                 if ps:
-                    ax.scatter([p["model"][q] for p in ps], [p["measured"][q] for p in ps], s=10, marker=marker,
-                               color=color, alpha=0.6, label=f"{kind}{' (alone)' if lone else ''}")
+                    ax.scatter(
+                        [p["model"][q] for p in ps],
+                        [p["measured"][q] for p in ps],
+                        s=10,
+                        marker=marker,
+                        color=color,
+                        alpha=0.6,
+                        label=f"{kind}{' (alone)' if lone else ''}",
+                    )
         lim = max([p["model"][q] for p in points] + [p["measured"][q] for p in points] + [1e-3])
         ax.plot([0, lim], [0, lim], "k--", lw=1, label="model = measured")
         ax.set_title(q.replace("_", " "), fontsize=10)

@@ -9,11 +9,13 @@ PETALS' own memory rule applied to our budget (`petals_num_blocks`), then
 `experiments.petals_loadgen` replays the same requests through PETALS' client.
 
 What differs from our servers (stated in the results): PETALS' cache is a per-server token pool
-(`--attn_cache_tokens 4096`, PETALS' default for models without multi-query attention) that sessions wait for, not a reservation planned by an
+(`--attn_cache_tokens 4096`, PETALS' default for models without multi-query attention) that sessions wait for, not a
+reservation planned by an
 orchestrator; PETALS measures throughput with a network speed test that needs the internet, so
 `--throughput` is given (1 / (K t_O) of our measurement); slow servers are NOT slowed (PETALS has no
 emulation flag, and we do not patch it), which favours PETALS.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +40,10 @@ def petals_paths(work: str | os.PathLike | None = None) -> tuple[Path, Path]:
 
 def why_unavailable(python: Path, model: Path) -> str | None:
     if not python.exists():
-        return (f"no PETALS 2.2 environment at {python.parent.parent}: run `bash ../shared/anchors/petals_2_2_cpu.sh` "
-                "once (it builds the venv and converts the checkpoint), or pass --petals-work")
+        return (
+            f"no PETALS 2.2 environment at {python.parent.parent}: run `bash ../shared/anchors/petals_2_2_cpu.sh` "
+            "once (it builds the venv and converts the checkpoint), or pass --petals-work"
+        )
     if not (model / "config.json").exists():
         return f"no converted checkpoint at {model}: run ../shared/anchors/petals_2_2_cpu.sh once"
     return None
@@ -49,8 +53,13 @@ ATTN_CACHE_TOKENS = 4096  # PETALS' default for models without multi-query atten
 # server of our budgets could then hold a block: SmolLM2's 3 KV heads are counted as full hidden size)
 
 
-def petals_num_blocks(budget_bytes: int, block_bytes: int, hidden_size: int,
-                      attn_cache_tokens: int = ATTN_CACHE_TOKENS, dtype_bytes: int = 4) -> int:
+def petals_num_blocks(
+    budget_bytes: int,
+    block_bytes: int,
+    hidden_size: int,
+    attn_cache_tokens: int = ATTN_CACHE_TOKENS,
+    dtype_bytes: int = 4,
+) -> int:
     """PETALS 2.2's own rule (petals/server/server.py `_choose_num_blocks`) with our budget as the device
     memory: floor((M - autograd) / (block + 2 * hidden * cache_tokens * dtype)), autograd = 2 GiB * hidden / 14336."""
     autograd = 2 * GIB / 14336 * hidden_size
@@ -75,6 +84,7 @@ class _Proc:
 def _stop(procs: list[_Proc]) -> None:
     """SIGTERM then SIGKILL to each process group (PETALS' children survive a SIGTERM to the main pid)."""
     import signal
+
     for p in procs:
         try:
             os.killpg(p.popen.pid, signal.SIGTERM)
@@ -97,31 +107,81 @@ def _stop(procs: list[_Proc]) -> None:
             pass
 
 
-def run_petals22(cfg, launcher, requests_file: Path, records_file: Path, server_specs: list[dict],
-                 python: Path, model: Path, deadline_s: float, last_arrival_s: float, log) -> dict:
+def run_petals22(
+    cfg,
+    launcher,
+    requests_file: Path,
+    records_file: Path,
+    server_specs: list[dict],
+    python: Path,
+    model: Path,
+    deadline_s: float,
+    last_arrival_s: float,
+    log,
+) -> dict:
     """Start PETALS' DHT + servers in `launcher`'s hosts, replay, stop everything. `server_specs`:
     [{"name", "num_blocks", "throughput"}]. Returns run facts (chosen blocks, startup, exit code)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PETALS_CACHE": str(records_file.parent / "petals-cache"),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONWARNINGS": "ignore",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PETALS_CACHE": str(records_file.parent / "petals-cache"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
     kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     procs: list[_Proc] = []
     facts: dict = {"servers": {}}
     try:
         t0 = time.monotonic()
-        dht = _Proc("dht", launcher.popen("dht", [str(python), "-m", "petals.cli.run_dht", "--host_maddrs",
-                                                  launcher.listen_maddr("dht")], **kw), "--initial_peers")
+        dht = _Proc(
+            "dht",
+            launcher.popen(
+                "dht", [str(python), "-m", "petals.cli.run_dht", "--host_maddrs", launcher.listen_maddr("dht")], **kw
+            ),
+            "--initial_peers",
+        )
         procs.append(dht)
         if not dht.ready.wait(120) or dht.popen.poll() is not None:
             raise RuntimeError("PETALS' DHT did not start:\n" + "\n".join(dht.lines[-15:]))
         peer = re.search(r"--initial_peers (\S+)", next(x for x in dht.lines if "--initial_peers" in x)).group(1)
         for spec in server_specs:  # one at a time: each picks its blocks seeing the ones before (PETALS' way)
-            srv = _Proc(spec["name"], launcher.popen(spec["name"], [
-                str(python), "-m", "petals.cli.run_server", str(model), "--dht_prefix", DHT_PREFIX, "--initial_peers",
-                peer, "--host_maddrs", launcher.listen_maddr(spec["name"]), "--device", "cpu", "--torch_dtype",
-                "float32", "--quant_type", "none", "--num_blocks", str(spec["num_blocks"]), "--attn_cache_tokens",
-                str(ATTN_CACHE_TOKENS), "--throughput",
-                f"{spec['throughput']:.6g}", "--num_handlers", "4"], **kw), "[INFO] Started")
+            srv = _Proc(
+                spec["name"],
+                launcher.popen(
+                    spec["name"],
+                    [
+                        str(python),
+                        "-m",
+                        "petals.cli.run_server",
+                        str(model),
+                        "--dht_prefix",
+                        DHT_PREFIX,
+                        "--initial_peers",
+                        peer,
+                        "--host_maddrs",
+                        launcher.listen_maddr(spec["name"]),
+                        "--device",
+                        "cpu",
+                        "--torch_dtype",
+                        "float32",
+                        "--quant_type",
+                        "none",
+                        "--num_blocks",
+                        str(spec["num_blocks"]),
+                        "--attn_cache_tokens",
+                        str(ATTN_CACHE_TOKENS),
+                        "--throughput",
+                        f"{spec['throughput']:.6g}",
+                        "--num_handlers",
+                        "4",
+                    ],
+                    **kw,
+                ),
+                "[INFO] Started",
+            )
             procs.append(srv)
             if not srv.ready.wait(300) or srv.popen.poll() is not None:
                 raise RuntimeError(f"PETALS server {spec['name']} did not start:\n" + "\n".join(srv.lines[-15:]))
@@ -132,10 +192,33 @@ def run_petals22(cfg, launcher, requests_file: Path, records_file: Path, server_
         if not cfg.daemons_in_share:  # as for our servers: a host's DHT process and p2pd run beside its device
             names = {spec["name"] for spec in server_specs}
             facts["daemons_exempted"] = launcher.exempt_daemons({p.name: p.popen.pid for p in procs if p.name in names})
-        gen = _Proc("loadgen", launcher.popen("loadgen", [
-            str(python), "-m", "experiments.petals_loadgen", "--initial-peers", peer, "--model", str(model),
-            "--dht-prefix", DHT_PREFIX, "--requests", str(requests_file), "--out", str(records_file),
-            "--seed", str(cfg.seed), "--deadline", str(deadline_s)], **kw), "loadgen: done")
+        gen = _Proc(
+            "loadgen",
+            launcher.popen(
+                "loadgen",
+                [
+                    str(python),
+                    "-m",
+                    "experiments.petals_loadgen",
+                    "--initial-peers",
+                    peer,
+                    "--model",
+                    str(model),
+                    "--dht-prefix",
+                    DHT_PREFIX,
+                    "--requests",
+                    str(requests_file),
+                    "--out",
+                    str(records_file),
+                    "--seed",
+                    str(cfg.seed),
+                    "--deadline",
+                    str(deadline_s),
+                ],
+                **kw,
+            ),
+            "loadgen: done",
+        )
         procs.append(gen)
         meter = CpuMeter([p.popen.pid for p in procs])
         end_by = time.monotonic() + last_arrival_s + deadline_s + 240

@@ -6,6 +6,7 @@ exactly `input_tokens`, then exactly `output_tokens - 1` greedy decode steps. PE
 queue: a session waits inside the servers for cache, so its start is not observable: `start_s` stays
 null and the summary shows response times only for this column.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,15 +25,25 @@ class PetalsReplayer(Replayer):
         import torch
 
         rec = {k: None for k in RECORD_FIELDS}
-        rec.update(index=req["index"], policy="petals-2.2", arrival_s=req["arrival_s"],
-                   input_tokens=req["input_tokens"], output_tokens=req["output_tokens"], generated_tokens=0,
-                   submitted_s=self.clock() - self.t0, chain="petals routing")
+        rec.update(
+            index=req["index"],
+            policy="petals-2.2",
+            arrival_s=req["arrival_s"],
+            input_tokens=req["input_tokens"],
+            output_tokens=req["output_tokens"],
+            generated_tokens=0,
+            submitted_s=self.clock() - self.t0,
+            chain="petals routing",
+        )
         m = self.model
-        ids = torch.tensor([prompt_ids(np.random.default_rng([self.seed, req["index"]]), req["input_tokens"],
-                                       m.config.vocab_size)])
+        ids = torch.tensor(
+            [prompt_ids(np.random.default_rng([self.seed, req["index"]]), req["input_tokens"], m.config.vocab_size)]
+        )
         try:
-            with torch.inference_mode(), m.model.layers.inference_session(
-                    max_length=req["input_tokens"] + req["output_tokens"]) as sess:
+            with (
+                torch.inference_mode(),
+                m.model.layers.inference_session(max_length=req["input_tokens"] + req["output_tokens"]) as sess,
+            ):
                 hidden = sess.step(m.model.embed_tokens(ids))
                 token = int(m.lm_head(m.model.norm(hidden[:, -1:])).argmax(-1))
                 rec["first_token_s"] = self.clock() - self.t0
@@ -62,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     requests = json.loads(Path(args.requests).read_text())
-    model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
-                                                            dht_prefix=args.dht_prefix, torch_dtype=torch.float32)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, torch_dtype=torch.float32
+    )
     print(f"loadgen: replaying {len(requests)} requests (petals-2.2)", flush=True)
     late = PetalsReplayer(model, requests, "petals-2.2", Path(args.out), args.seed).replay(args.deadline)
     print(f"loadgen: done ({late} not finished by the deadline)", flush=True)

@@ -15,6 +15,7 @@ Writes --out/summary.json: per policy mean / p95 response, prefill tokens comput
 over it, failures, and a sample of outputs (`--check`) compared with HF greedy; and the ratios against jffc.
 Runs on localhost processes (no emulated WAN or CPU shares: the servers share this machine's cores).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,15 +29,18 @@ from pathlib import Path
 import numpy as np
 
 POLICIES = ("jffc", "e2", "d2lpm", "rr-lpm", "vtc-rr")
-WORDS = ("library book borrow open hours event reading room quiet cafe floor child club member card return late "
-         "fee renew shelf map archive study group printer scan wifi desk staff ask help rule guest parking").split()
+WORDS = (
+    "library book borrow open hours event reading room quiet cafe floor child club member card return late "
+    "fee renew shelf map archive study group printer scan wifi desk staff ask help rule guest parking"
+).split()
 
 
 def build_parser() -> argparse.ArgumentParser:
     from petals_chain.cli.args import CliParser
 
-    p = CliParser(prog="petals-chain experiment prefix", description=__doc__,
-                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CliParser(
+        prog="petals-chain experiment prefix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--policies", default="jffc,e2,d2lpm")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--rate", type=float, default=1.0, help="mean requests per second (the trace's times rescaled)")
@@ -51,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", type=int, default=5, help="outputs compared with HF greedy, per policy")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most (threads)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None,
-                   help="folder of the Azure trace (default: $PETALS_CHAIN_DATA, else ../shared/data)")
+    p.add_argument(
+        "--data", default=None, help="folder of the Azure trace (default: $PETALS_CHAIN_DATA, else ../shared/data)"
+    )
     p.add_argument("--out", type=Path, default=Path("results/prefix_live"))
     return p
 
@@ -76,14 +81,21 @@ def workload(args, tokenizer) -> list[dict]:
     tools = [f"Tool {t}: " + _text(rng, args.tool_words) + "\n" for t in range(args.tools)]
     w = 1.0 / np.arange(1, args.tools + 1) ** 1.1
     trace = load_azure_trace(args.data)
-    arrivals = (trace.arrival_s * (trace.mean_rate_per_s / args.rate))[:args.requests]
+    arrivals = (trace.arrival_s * (trace.mean_rate_per_s / args.rate))[: args.requests]
     weights = np.array([args.flood_weight] + [1.0] * (args.clients - 1))
     out = []
     for i, t in enumerate(arrivals):
         tool = int(rng.choice(args.tools, p=w / w.sum()))
         text = system + tools[tool] + f"Question {i}: " + _text(rng, 6) + "?\nAnswer:"
-        out.append({"i": i, "arrival_s": float(t), "client": int(rng.choice(args.clients, p=weights / weights.sum())),
-                    "tool": tool, "ids": tokenizer(text, return_tensors="pt").input_ids})
+        out.append(
+            {
+                "i": i,
+                "arrival_s": float(t),
+                "client": int(rng.choice(args.clients, p=weights / weights.sum())),
+                "tool": tool,
+                "ids": tokenizer(text, return_tensors="pt").input_ids,
+            }
+        )
     return out
 
 
@@ -91,10 +103,28 @@ def run_policy(policy: str, args, requests: list[dict], workdir: Path) -> dict:
     from petals_chain.client.model import DistributedModelForCausalLM
     from petals_chain.swarm.local import LocalSwarm
 
-    server_args = ["--num-threads", "1", "--max-length", "1024", "--prefix-sharing", "swarm",
-                   "--prefix-cache-max", args.prefix_cache]
-    orch = ["--policy", "jffc-only", "--expected-servers", str(args.servers), "--dispatch", policy,
-            "--prefix-sharing", "swarm", "--lease-ttl", "30"]
+    server_args = [
+        "--num-threads",
+        "1",
+        "--max-length",
+        "1024",
+        "--prefix-sharing",
+        "swarm",
+        "--prefix-cache-max",
+        args.prefix_cache,
+    ]
+    orch = [
+        "--policy",
+        "jffc-only",
+        "--expected-servers",
+        str(args.servers),
+        "--dispatch",
+        policy,
+        "--prefix-sharing",
+        "swarm",
+        "--lease-ttl",
+        "30",
+    ]
     records: list[dict] = []
     lock = threading.Lock()
     with LocalSwarm("smollm2-135m", [None] * args.servers, server_args=server_args, orchestrator_args=orch) as swarm:
@@ -103,9 +133,12 @@ def run_policy(policy: str, args, requests: list[dict], workdir: Path) -> dict:
             if time.monotonic() > deadline:
                 raise TimeoutError("the orchestrator installed no plan within 300 s")
             time.sleep(1.0)  # polling the status page for the plan
-        models = [DistributedModelForCausalLM.from_pretrained(
-            "smollm2-135m", initial_peers=swarm.initial_peers, identity_path=str(workdir / f"{policy}-c{c}.key"))
-            for c in range(args.clients)]
+        models = [
+            DistributedModelForCausalLM.from_pretrained(
+                "smollm2-135m", initial_peers=swarm.initial_peers, identity_path=str(workdir / f"{policy}-c{c}.key")
+            )
+            for c in range(args.clients)
+        ]
         gate = threading.Semaphore(args.concurrency)
 
         def one(r: dict, t0: float) -> None:
@@ -113,12 +146,15 @@ def run_policy(policy: str, args, requests: list[dict], workdir: Path) -> dict:
             start = time.perf_counter()
             rec = {"i": r["i"], "client": r["client"], "tool": r["tool"], "prompt_tokens": int(r["ids"].shape[1])}
             try:
-                with model.inference_session(max_length=r["ids"].shape[1] + args.output_tokens + 1,
-                                             prompt_ids=r["ids"][0]) as session:
+                with model.inference_session(
+                    max_length=r["ids"].shape[1] + args.output_tokens + 1, prompt_ids=r["ids"][0]
+                ) as session:
                     out = model.generate(r["ids"], max_new_tokens=args.output_tokens, do_sample=False)
-                    rec.update(reused_tokens=int(session.chain.prefix_tokens),
-                               chain=[h.peer_id[-6:] for h in session.chain.hops],
-                               output=out[0, r["ids"].shape[1]:].tolist())
+                    rec.update(
+                        reused_tokens=int(session.chain.prefix_tokens),
+                        chain=[h.peer_id[-6:] for h in session.chain.hops],
+                        output=out[0, r["ids"].shape[1] :].tolist(),
+                    )
                 rec["response_s"] = time.perf_counter() - (t0 + r["arrival_s"])
                 rec["run_s"] = time.perf_counter() - start
             except Exception as e:  # counted, never hidden
@@ -145,13 +181,16 @@ def run_policy(policy: str, args, requests: list[dict], workdir: Path) -> dict:
         finally:
             for m in models:
                 m.backend.shutdown()
-    return {"records": sorted(records, key=lambda x: x["i"]), "prefix_status": status.get("prefix"),
-            "wall_s": time.perf_counter() - t0}
+    return {
+        "records": sorted(records, key=lambda x: x["i"]),
+        "prefix_status": status.get("prefix"),
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def jain(xs) -> float:
     x = np.asarray(xs, dtype=float)
-    return float(x.sum() ** 2 / (len(x) * (x ** 2).sum())) if len(x) and (x ** 2).sum() else float("nan")
+    return float(x.sum() ** 2 / (len(x) * (x**2).sum())) if len(x) and (x**2).sum() else float("nan")
 
 
 def summarize(run: dict, output_tokens: int) -> dict:
@@ -162,12 +201,20 @@ def summarize(run: dict, output_tokens: int) -> dict:
     service: dict[str, float] = {}
     for r in ok:
         service[str(r["client"])] = service.get(str(r["client"]), 0.0) + r["prompt_tokens"] + 2.0 * output_tokens
-    return {"requests": len(run["records"]), "finished": len(ok), "failed": len(run["records"]) - len(ok),
-            "errors": sorted({r["error"] for r in run["records"] if "error" in r})[:5],
-            "mean_response_s": float(resp.mean()), "p95_response_s": float(np.percentile(resp, 95)),
-            "prefill_tokens_reused": int(reused), "prefill_tokens_computed": int(prompt - reused),
-            "service_by_client": service, "jain_index": jain(list(service.values())),
-            "prefix_status": run["prefix_status"], "wall_s": run["wall_s"]}
+    return {
+        "requests": len(run["records"]),
+        "finished": len(ok),
+        "failed": len(run["records"]) - len(ok),
+        "errors": sorted({r["error"] for r in run["records"] if "error" in r})[:5],
+        "mean_response_s": float(resp.mean()),
+        "p95_response_s": float(np.percentile(resp, 95)),
+        "prefill_tokens_reused": int(reused),
+        "prefill_tokens_computed": int(prompt - reused),
+        "service_by_client": service,
+        "jain_index": jain(list(service.values())),
+        "prefix_status": run["prefix_status"],
+        "wall_s": run["wall_s"],
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -175,8 +222,11 @@ def main(argv: list[str]) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies or args.requests < 1 or args.clients < 1 or args.servers < 1:
-        print(f"petals-chain experiment prefix: --policies takes a subset of {','.join(POLICIES)}; --requests, "
-              "--clients and --servers must be >= 1", file=sys.stderr)
+        print(
+            f"petals-chain experiment prefix: --policies takes a subset of {','.join(POLICIES)}; --requests, "
+            "--clients and --servers must be >= 1",
+            file=sys.stderr,
+        )
         return 2
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -193,11 +243,11 @@ def main(argv: list[str]) -> int:
         for policy in policies:
             run = run_policy(policy, args, requests, Path(tmp))
             s = summarize(run, args.output_tokens)
-            done = [r for r in run["records"] if "error" not in r][:args.check]
+            done = [r for r in run["records"] if "error" not in r][: args.check]
             checked = []
             for r in done:
                 ids = requests[r["i"]]["ids"]
-                ref = hf.generate(ids, max_new_tokens=args.output_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+                ref = hf.generate(ids, max_new_tokens=args.output_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
                 checked.append({"i": r["i"], "equal_to_hf": ref == r["output"]})
             s["hf_check"] = checked
             summary["policies"][policy] = s
@@ -206,10 +256,17 @@ def main(argv: list[str]) -> int:
             print(f"{policy}: {json.dumps({k: v for k, v in s.items() if k not in ('prefix_status',)})}", flush=True)
     base = summary["policies"].get("jffc")
     if base:
-        summary["vs_jffc"] = {p: {"mean_response": s["mean_response_s"] / base["mean_response_s"],
-                                  "reused_tokens": (s["prefill_tokens_reused"] / base["prefill_tokens_reused"]
-                                                    if base["prefill_tokens_reused"] else None)}
-                              for p, s in summary["policies"].items()}
+        summary["vs_jffc"] = {
+            p: {
+                "mean_response": s["mean_response_s"] / base["mean_response_s"],
+                "reused_tokens": (
+                    s["prefill_tokens_reused"] / base["prefill_tokens_reused"]
+                    if base["prefill_tokens_reused"]
+                    else None
+                ),
+            }
+            for p, s in summary["policies"].items()
+        }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary.get("vs_jffc", {}), indent=1))
     return 0

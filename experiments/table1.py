@@ -6,6 +6,7 @@ emulated slowdown), in emulated WAN hosts (netem, RIPE Atlas RTTs) or on localho
 the load generator replays the scaled Azure code trace; records, the summary table, a CDF plot and
 the model check go to `--out`.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,12 @@ from experiments import report, workload
 from experiments.cpu import CpuMeter
 
 # Thread bounds for every process: 9 servers must not thrash a few cores.
-THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+THREAD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 PETALS_22 = "petals-2.2"  # the real PETALS 2.2 column (experiments/petals22.py)
 SLOW_OVER_FAST = 175.0 / 109.0  # the paper's slow/fast per-block time (§4.1.1: 175 ms vs 109 ms)
 FITS_SETTLED_S = 8.0  # no new batch record for this long after the warm-up: 4 of the orchestrator's 2 s reads
@@ -115,9 +121,13 @@ def cpu_shares(cfg: Table1Config) -> tuple[dict[str, float] | None, str]:
     if not cfg.netem:
         return None, "no CPU shares without netem hosts (--no-netem); slow servers by --emulate-slowdown"
     if cfg.device != "cpu":
-        return None, f"no CPU shares on {cfg.device}: a CPU quota does not slow GPU kernels; slow servers by --emulate-slowdown"
+        return (
+            None,
+            f"no CPU shares on {cfg.device}: a CPU quota does not slow GPU kernels; slow servers by --emulate-slowdown",
+        )
     if cfg.cpu == "auto":
         from netem import cpu as netem_cpu
+
         try:
             why = netem_cpu.writable(netem_cpu.detect())
         except netem_cpu.CpuLimitUnavailableError as e:
@@ -129,11 +139,16 @@ def cpu_shares(cfg: Table1Config) -> tuple[dict[str, float] | None, str]:
         # fast f, slow f / ratio, client 0.5: together HEADROOM of the cores, so no host waits for another
         fast = (HEADROOM * cfg.n_cpus - CLIENT_CPU_SHARE) / (n_fast + n_slow / cfg.slow_slowdown)
         if fast <= 0.02:
-            return None, f"{cfg.n_cpus:g} cores are too few for {cfg.servers} servers' shares; slow servers by --emulate-slowdown"
+            return (
+                None,
+                f"{cfg.n_cpus:g} cores are too few for {cfg.servers} servers' shares; slow servers by "
+                f"--emulate-slowdown",
+            )
         shares = {"client": CLIENT_CPU_SHARE, "fast": min(1.0, fast), "slow": min(1.0, fast) / cfg.slow_slowdown}
         default = None
     else:
         from netem.cpu import parse_shares
+
         default, shares = parse_shares(cfg.cpu)
     out = {}
     for h in hosts:
@@ -145,8 +160,11 @@ def cpu_shares(cfg: Table1Config) -> tuple[dict[str, float] | None, str]:
 
 
 def server_args(cfg: Table1Config, shares: dict[str, float] | None = None) -> list[list[str]]:
-    dev = ["--max-batch-tokens", str(cfg.max_batch_tokens)] + ([] if cfg.device == "cpu" else ["--device", cfg.device]) + \
-        ([] if cfg.dtype == "float32" else ["--dtype", cfg.dtype])
+    dev = (
+        ["--max-batch-tokens", str(cfg.max_batch_tokens)]
+        + ([] if cfg.device == "cpu" else ["--device", cfg.device])
+        + ([] if cfg.dtype == "float32" else ["--dtype", cfg.dtype])
+    )
     if shares:  # a host at a fraction of a core announces late when busy: a 15 s record, not 6 s, so the
         dev = dev + ["--announce-period", "5"]  # orchestrator does not drop a starved server as gone
     out = []
@@ -201,12 +219,16 @@ def measured_cpu_s_per_request(folder: str | Path, servers_only: bool) -> tuple[
             what = "our processes' CPU"
         else:
             continue
-        return used / done, (f"W = {used / done:.2f} CPU-s per request measured in {folder} ({policy}: {what} "
-                             f"during the replay, {used:.0f} CPU-s / {done} finished requests)")
+        return used / done, (
+            f"W = {used / done:.2f} CPU-s per request measured in {folder} ({policy}: {what} "
+            f"during the replay, {used:.0f} CPU-s / {done} finished requests)"
+        )
     raise CalibrationError(
-        f"--calibrate-from {folder}: no run_<policy>.json with {'per-host CPU (host_cpu)' if servers_only else 'CPU use'} "
+        f"--calibrate-from {folder}: no run_<policy>.json with "
+        f"{'per-host CPU (host_cpu)' if servers_only else 'CPU use'} "
         f"and finished records there; give the folder of an earlier `petals-chain experiment table1 --out` run "
-        f"{'with CPU shares' if servers_only else 'without CPU shares'}")
+        f"{'with CPU shares' if servers_only else 'without CPU shares'}"
+    )
 
 
 def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[workload.Scale, dict]:
@@ -216,60 +238,103 @@ def choose_scale(cfg: Table1Config, trace, num_blocks: int, times) -> tuple[work
     reqs = workload.scale_requests(trace, cfg.requests, probe, offset=cfg.offset)
     s = workload.summary(reqs)
     hops = 1 + (cfg.servers - cfg.fast_servers) / cfg.servers  # rough mean chain length, for the overhead term
-    w = workload.cpu_s_per_request(times.prefill_s_per_token, times.lone_decode_s_per_block, num_blocks,
-                                   s["mean_input_tokens"], s["mean_output_tokens"],
-                                   step_overhead_cpu_s=cfg.step_overhead_cpu_s, hops=hops)
+    w = workload.cpu_s_per_request(
+        times.prefill_s_per_token,
+        times.lone_decode_s_per_block,
+        num_blocks,
+        s["mean_input_tokens"],
+        s["mean_output_tokens"],
+        step_overhead_cpu_s=cfg.step_overhead_cpu_s,
+        hops=hops,
+    )
     shares, _ = cpu_shares(cfg)
     # with shares the servers' compute is what their shares add up to, not the machine's cores
     capacity = sum(v for h, v in shares.items() if h != "client") if shares else cfg.n_cpus
     estimate = w
     if cfg.time_scale is None and cfg.calibrate_from:
         w, measured = measured_cpu_s_per_request(cfg.calibrate_from, servers_only=bool(shares))
-        reason = (f"time scale auto from measured service: {measured}; footnote 11 estimated {estimate:.2f}; "
-                  f"target CPU load {cfg.target_load} of {capacity:.2f} cores "
-                  f"({'the servers CPU shares' if shares else 'the machine'}).")
+        reason = (
+            f"time scale auto from measured service: {measured}; footnote 11 estimated {estimate:.2f}; "
+            f"target CPU load {cfg.target_load} of {capacity:.2f} cores "
+            f"({'the servers CPU shares' if shares else 'the machine'})."
+        )
     elif cfg.time_scale is None:
-        reason = (f"time scale auto: W = {w:.2f} CPU-s per request (footnote 11 with t_I = "
-                  f"{times.prefill_s_per_token * 1e3:.3f} ms, t_O = {times.lone_decode_s_per_block * 1e3:.3f} ms per token "
-                  f"per block measured through the whole range's step path on 1 thread, L = {num_blocks}, "
-                  f"+ {cfg.step_overhead_cpu_s * 1e3:.0f} ms per step and hop), target CPU load {cfg.target_load} of "
-                  f"{capacity:.2f} cores ({'the servers CPU shares' if shares else 'the machine'}).")
+        reason = (
+            f"time scale auto: W = {w:.2f} CPU-s per request (footnote 11 with t_I = "
+            f"{times.prefill_s_per_token * 1e3:.3f} ms, t_O = {times.lone_decode_s_per_block * 1e3:.3f} ms per token "
+            f"per block measured through the whole range's step path on 1 thread, L = {num_blocks}, "
+            f"+ {cfg.step_overhead_cpu_s * 1e3:.0f} ms per step and hop), target CPU load {cfg.target_load} of "
+            f"{capacity:.2f} cores ({'the servers CPU shares' if shares else 'the machine'})."
+        )
     else:
         reason = "time scale given by --time-scale."
-    ts = cfg.time_scale if cfg.time_scale is not None else \
-        workload.auto_time_scale(s["rate_per_s"], w, capacity, cfg.target_load)
+    ts = (
+        cfg.time_scale
+        if cfg.time_scale is not None
+        else workload.auto_time_scale(s["rate_per_s"], w, capacity, cfg.target_load)
+    )
     scale = workload.Scale(ts, cfg.length_scale, cfg.output_scale, cfg.max_length_tokens)
     scaled = workload.scale_requests(trace, cfg.requests, scale, offset=cfg.offset)
-    info = {**scale.to_dict(), **workload.summary(scaled), "offset": cfg.offset, "trace_rate_per_s": s["rate_per_s"],
-            "trace_interarrival_cv": s["interarrival_cv"], "cpu_s_per_request_estimate": w,
-            "cpu_s_per_request_footnote11": estimate, "cpu_s_per_request_measured_in": cfg.calibrate_from,
-            "offered_cpu_load_estimate": workload.offered_load(workload.rate_per_s([r.arrival_s for r in scaled]), w,
-                                                               capacity),
-            "peak_window_s": workload.PEAK_WINDOW_S,
-            "peak_offered_cpu_load_estimate": workload.peak_offered_load([r.arrival_s for r in scaled], w, capacity),
-            "server_cpu_capacity": capacity, "cpu_shares": shares, "cpu_shares_reason": cpu_shares(cfg)[1],
-            "time_scale_reason": reason, "slow_servers_emulated_slowdown": None if shares else cfg.slow_slowdown,
-            "fast_budget": cfg.fast_budget, "slow_budget": cfg.slow_budget}
+    info = {
+        **scale.to_dict(),
+        **workload.summary(scaled),
+        "offset": cfg.offset,
+        "trace_rate_per_s": s["rate_per_s"],
+        "trace_interarrival_cv": s["interarrival_cv"],
+        "cpu_s_per_request_estimate": w,
+        "cpu_s_per_request_footnote11": estimate,
+        "cpu_s_per_request_measured_in": cfg.calibrate_from,
+        "offered_cpu_load_estimate": workload.offered_load(
+            workload.rate_per_s([r.arrival_s for r in scaled]), w, capacity
+        ),
+        "peak_window_s": workload.PEAK_WINDOW_S,
+        "peak_offered_cpu_load_estimate": workload.peak_offered_load([r.arrival_s for r in scaled], w, capacity),
+        "server_cpu_capacity": capacity,
+        "cpu_shares": shares,
+        "cpu_shares_reason": cpu_shares(cfg)[1],
+        "time_scale_reason": reason,
+        "slow_servers_emulated_slowdown": None if shares else cfg.slow_slowdown,
+        "fast_budget": cfg.fast_budget,
+        "slow_budget": cfg.slow_budget,
+    }
     return scale, {**info, "_requests": scaled}
 
 
 def make_launcher(cfg: Table1Config, rtt_ms):
     if not cfg.netem:
         from experiments.hosts import Localhost
+
         return Localhost()
     from experiments.hosts import EmulatedHosts
-    return EmulatedHosts(server_names(cfg), rtt_ms, backend=cfg.netem_backend,
-                         name=cfg.netem_name or f"t1{uuid.uuid4().hex[:5]}", cpu=cpu_shares(cfg)[0])
+
+    return EmulatedHosts(
+        server_names(cfg),
+        rtt_ms,
+        backend=cfg.netem_backend,
+        name=cfg.netem_name or f"t1{uuid.uuid4().hex[:5]}",
+        cpu=cpu_shares(cfg)[0],
+    )
 
 
 def server_models(status: dict) -> dict:
     """Per server name, the orchestrator's model from its /status: t_I, t_O (fitted when it had live
     batches), t_o per step (fitted; None: the per-block default), per-hop cost, RTT, tau_p, tau_c."""
-    return {s["name"]: {"t_I": s["t_I"], "t_O": s["t_O"], "t_o": s.get("t_o"), "t_B": s.get("t_B"),
-                        "hop_cost_s": s.get("hop_cost"), "transfer_s_per_token": s.get("transfer_s_per_token"),
-                        "rtt_s": s["rtt"], "tau_p": s["tau_p"], "tau_c": s["tau_c"], "memory": s["memory"],
-                        "model_source": (s.get("model") or {}).get("source", "announced")}
-            for s in status["servers"]}
+    return {
+        s["name"]: {
+            "t_I": s["t_I"],
+            "t_O": s["t_O"],
+            "t_o": s.get("t_o"),
+            "t_B": s.get("t_B"),
+            "hop_cost_s": s.get("hop_cost"),
+            "transfer_s_per_token": s.get("transfer_s_per_token"),
+            "rtt_s": s["rtt"],
+            "tau_p": s["tau_p"],
+            "tau_c": s["tau_c"],
+            "memory": s["memory"],
+            "model_source": (s.get("model") or {}).get("source", "announced"),
+        }
+        for s in status["servers"]
+    }
 
 
 def host_cpu_use(after: dict, before: dict, wall_s: float) -> dict:
@@ -278,25 +343,62 @@ def host_cpu_use(after: dict, before: dict, wall_s: float) -> dict:
     for h, a in after.items():
         b = before.get(h, {})
         used = None if a.get("cpu_s") is None or b.get("cpu_s") is None else a["cpu_s"] - b["cpu_s"]
-        held = (None if a.get("throttled_s") is None or b.get("throttled_s") is None
-                else a["throttled_s"] - b["throttled_s"])
-        daemons = (None if a.get("daemons_cpu_s") is None or b.get("daemons_cpu_s") is None
-                   else a["daemons_cpu_s"] - b["daemons_cpu_s"])
-        out[h] = {"share_cores": a["cores"], "cpuset": a.get("cpuset"), "cpu_s": used,
-                  "used_cores": None if used is None or wall_s <= 0 else used / wall_s, "throttled_s": held,
-                  "daemons_cores": None if daemons is None or wall_s <= 0 else daemons / wall_s}
+        held = (
+            None
+            if a.get("throttled_s") is None or b.get("throttled_s") is None
+            else a["throttled_s"] - b["throttled_s"]
+        )
+        daemons = (
+            None
+            if a.get("daemons_cpu_s") is None or b.get("daemons_cpu_s") is None
+            else a["daemons_cpu_s"] - b["daemons_cpu_s"]
+        )
+        out[h] = {
+            "share_cores": a["cores"],
+            "cpuset": a.get("cpuset"),
+            "cpu_s": used,
+            "used_cores": None if used is None or wall_s <= 0 else used / wall_s,
+            "throttled_s": held,
+            "daemons_cores": None if daemons is None or wall_s <= 0 else daemons / wall_s,
+        }
     return out
 
 
-def start_loadgen(cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: Path, policy: str,
-                  extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    return launcher.popen("loadgen", [sys.executable, "-m", "experiments.loadgen", "--initial-peers",
-                                      *swarm.initial_peers, "--model", cfg.model, "--dtype", cfg.dtype,
-                                      "--device", cfg.device, "--requests", str(req_file),
-                                      "--out", str(rec_file), "--policy", policy, "--seed", str(cfg.seed),
-                                      "--deadline", str(cfg.deadline_s), *extra_args],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**swarm.env},
-                          start_new_session=True)
+def start_loadgen(
+    cfg: Table1Config, launcher, swarm, req_file: Path, rec_file: Path, policy: str, extra_args: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    return launcher.popen(
+        "loadgen",
+        [
+            sys.executable,
+            "-m",
+            "experiments.loadgen",
+            "--initial-peers",
+            *swarm.initial_peers,
+            "--model",
+            cfg.model,
+            "--dtype",
+            cfg.dtype,
+            "--device",
+            cfg.device,
+            "--requests",
+            str(req_file),
+            "--out",
+            str(rec_file),
+            "--policy",
+            policy,
+            "--seed",
+            str(cfg.seed),
+            "--deadline",
+            str(cfg.deadline_s),
+            *extra_args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**swarm.env},
+        start_new_session=True,
+    )
 
 
 def stop_loadgen(gen: subprocess.Popen | None) -> None:
@@ -312,11 +414,11 @@ def stop_loadgen(gen: subprocess.Popen | None) -> None:
     gen.wait(timeout=30)
 
 
-def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, requests, out_dir: Path,
-                       policy: str) -> dict:
+def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, requests, out_dir: Path, policy: str) -> dict:
     """Run `warmup_per_chain` sessions per placed server (the trace's first requests, 1 s apart; records go
     to warmup_<policy>.jsonl and count nowhere), wait until the orchestrator's fits from them are final
-    (every placed server fitted, or no new batch to read), then give it its one re-plan from the calibrated model (hold 5 s) and wait for that plan
+    (every placed server fitted, or no new batch to read), then give it its one re-plan from the calibrated model (hold
+    5 s) and wait for that plan
     to be online. Returns the /status the replay starts from."""
     # per placed server, not per chain: JFFC sends the first sessions to the fastest chains, and a
     # per-request router has no chains yet; every placed server should see some of them
@@ -368,8 +470,10 @@ def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, request
         time.sleep(1.0)
         st = launcher.fetch_json("orchestrator", url + "status")
     if st["plan_version"] > v0:
-        print(f"[{policy}] the calibrated model re-planned (v{st['plan_version']}): waiting for it to be online",
-              flush=True)
+        print(
+            f"[{policy}] the calibrated model re-planned (v{st['plan_version']}): waiting for it to be online",
+            flush=True,
+        )
         with launcher.cpu_unlimited():  # servers loading their new ranges: not measured either
             st = wait_plan(launcher, url, swarm)
     else:
@@ -377,8 +481,7 @@ def calibration_warmup(cfg: Table1Config, launcher, swarm, status: dict, request
     return st
 
 
-def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: dict, out_dir: Path,
-                policy: str) -> dict:
+def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: dict, out_dir: Path, policy: str) -> dict:
     """After the replay: `probe_per_chain` sessions of the replay's mean lengths through each dispatchable
     chain of `status`, one after another, so each runs alone in the system (the model check needs
     requests alone, and under the trace's bursts few or none are: one full run had none, docs/results.md).
@@ -394,17 +497,28 @@ def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: di
     placed = {s["peer_id"] for s in status["servers"] if s["end"] > s["start"]}
     l_in = max(1, round(scale_info["mean_input_tokens"]))
     l_out = max(2, round(scale_info["mean_output_tokens"]))
-    probes = [{"index": PROBE_INDEX0 + i, "arrival_s": 0.0, "input_tokens": l_in, "output_tokens": l_out,
-               "avoid": sorted(placed - set(k["servers"]))}
-              for i, k in enumerate(c for c in chains for _ in range(cfg.probe_per_chain))]
+    probes = [
+        {
+            "index": PROBE_INDEX0 + i,
+            "arrival_s": 0.0,
+            "input_tokens": l_in,
+            "output_tokens": l_out,
+            "avoid": sorted(placed - set(k["servers"])),
+        }
+        for i, k in enumerate(c for c in chains for _ in range(cfg.probe_per_chain))
+    ]
     if not probes:
         return {"sessions": 0, "finished": 0, "reason": "no dispatchable chain"}
     req_file, rec_file = out_dir / f"probe_requests_{policy}.json", out_dir / f"probe_{policy}.jsonl"
     req_file.write_text(json.dumps(probes))
-    print(f"[{policy}] model probe: {len(probes)} sessions ({l_in} + {l_out} tokens), {cfg.probe_per_chain} per "
-          f"chain, one after another ...", flush=True)
-    gen = start_loadgen(cfg, launcher, swarm, req_file, rec_file, f"{policy}-probe",
-                        ("--sequential", "--acquire-timeout", "120"))
+    print(
+        f"[{policy}] model probe: {len(probes)} sessions ({l_in} + {l_out} tokens), {cfg.probe_per_chain} per "
+        f"chain, one after another ...",
+        flush=True,
+    )
+    gen = start_loadgen(
+        cfg, launcher, swarm, req_file, rec_file, f"{policy}-probe", ("--sequential", "--acquire-timeout", "120")
+    )
     try:
         out, _ = gen.communicate(timeout=cfg.probe_timeout_s)
     except subprocess.TimeoutExpired:
@@ -413,9 +527,14 @@ def model_probe(cfg: Table1Config, launcher, swarm, status: dict, scale_info: di
     finally:
         stop_loadgen(gen)
     done = report.read_records(rec_file) if rec_file.exists() else []
-    facts = {"sessions": len(probes), "finished": sum(1 for r in done if r.get("error") is None),
-             "input_tokens": l_in, "output_tokens": l_out, "exit": gen.returncode,
-             "chains_not_probed": len(every) - len(chains)}
+    facts = {
+        "sessions": len(probes),
+        "finished": sum(1 for r in done if r.get("error") is None),
+        "input_tokens": l_in,
+        "output_tokens": l_out,
+        "exit": gen.returncode,
+        "chains_not_probed": len(every) - len(chains),
+    }
     if gen.returncode != 0:
         facts["tail"] = (out or "").splitlines()[-15:]
     return facts
@@ -443,8 +562,10 @@ def hold_model_replans(launcher, swarm, timeout_s: float = 30.0) -> dict:
         if st.get("model_replans_held"):
             return st
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the orchestrator did not hold its calibrated re-plans within {timeout_s:.0f} s of "
-                               "SIGUSR1 (is it older than this driver?)")
+            raise RuntimeError(
+                f"the orchestrator did not hold its calibrated re-plans within {timeout_s:.0f} s of "
+                "SIGUSR1 (is it older than this driver?)"
+            )
         time.sleep(0.5)
 
 
@@ -467,31 +588,55 @@ def wait_plan(launcher, url: str, swarm, timeout_s: float = 600.0) -> dict:
             if error_since is None or error_since[0] != err:
                 error_since = (err, time.monotonic())
             elif time.monotonic() - error_since[1] > PLAN_ERROR_GRACE_S:
-                raise RuntimeError(f"the orchestrator cannot plan with all {len(swarm.servers)} servers registered "
-                                   f"(for {PLAN_ERROR_GRACE_S:.0f} s): {err}")
+                raise RuntimeError(
+                    f"the orchestrator cannot plan with all {len(swarm.servers)} servers registered "
+                    f"(for {PLAN_ERROR_GRACE_S:.0f} s): {err}"
+                )
         else:
             error_since = None
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the orchestrator's plan was not online within {timeout_s:.0f} s: "
-                               f"{status.get('plan_error') or status.get('events', [])[-3:]}")
+            raise RuntimeError(
+                f"the orchestrator's plan was not online within {timeout_s:.0f} s: "
+                f"{status.get('plan_error') or status.get('events', [])[-3:]}"
+            )
         time.sleep(1.0)
 
 
 def orchestrator_args(cfg: Table1Config, policy: str, scale_info: dict) -> list[str]:
     """`petals-chain orchestrator` arguments of one column: the policy, the scaled load it plans for, and
     at most one re-plan, from the calibrated model right after the warm-up."""
-    args = ["--policy", policy, "--expected-servers", str(cfg.servers), "--arrival-rate",
-            f"{scale_info['rate_per_s']:.6f}", "--rho", str(cfg.rho_bar), "--mean-input-tokens",
-            f"{scale_info['mean_input_tokens']:.3f}", "--mean-output-tokens", f"{scale_info['mean_output_tokens']:.3f}",
-            "--lease-ttl", "60", "--replan-period", "1e9",
-            # the calibrated model may re-plan once, right after the warm-up, never during the replay
-            "--model-replans", "1" if cfg.warmup_per_chain > 0 else "0", "--model-replan-period", "1",
-            "--replan-hold", "5",
-            # the stated means are the whole replay's: the warm-up's few sessions (the trace's first requests,
-            # 14.5 output tokens against 22.7 in the full run) must not replace them in the planner's model
-            "--length-prior-sessions", str(cfg.requests),
-            # every grant and release in log_<policy>_orchestrator.txt: how a queue that stalls got there
-            "--log-level", "INFO"]
+    args = [
+        "--policy",
+        policy,
+        "--expected-servers",
+        str(cfg.servers),
+        "--arrival-rate",
+        f"{scale_info['rate_per_s']:.6f}",
+        "--rho",
+        str(cfg.rho_bar),
+        "--mean-input-tokens",
+        f"{scale_info['mean_input_tokens']:.3f}",
+        "--mean-output-tokens",
+        f"{scale_info['mean_output_tokens']:.3f}",
+        "--lease-ttl",
+        "60",
+        "--replan-period",
+        "1e9",
+        # the calibrated model may re-plan once, right after the warm-up, never during the replay
+        "--model-replans",
+        "1" if cfg.warmup_per_chain > 0 else "0",
+        "--model-replan-period",
+        "1",
+        "--replan-hold",
+        "5",
+        # the stated means are the whole replay's: the warm-up's few sessions (the trace's first requests,
+        # 14.5 output tokens against 22.7 in the full run) must not replace them in the planner's model
+        "--length-prior-sessions",
+        str(cfg.requests),
+        # every grant and release in log_<policy>_orchestrator.txt: how a queue that stalls got there
+        "--log-level",
+        "INFO",
+    ]
     if cfg.leftover_placement:  # blocks for the servers GBP-CR leaves idle (orchestrator/placement_leftover.py)
         args.append("--leftover-placement")
     tokens = kv_plan_tokens(cfg, scale_info.get("_requests", ()))
@@ -516,8 +661,9 @@ def kv_plan_tokens(cfg: Table1Config, requests) -> int | None:
     return min(cfg.max_length_tokens, int(cfg.kv_plan_tokens))
 
 
-def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir: Path,
-               gpu_env: dict[str, str] | None = None) -> dict:
+def run_policy(
+    cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir: Path, gpu_env: dict[str, str] | None = None
+) -> dict:
     """One fresh swarm for `policy`: start, wait for its plan, replay, collect; always stops everything.
     `gpu_env`: the MPS clients' environment (experiments/gpu_mps.py) for every process of the swarm."""
     from petals_chain.swarm.local import LocalSwarm
@@ -528,13 +674,20 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
     rec_file = out_dir / f"records_{policy}.jsonl"
     orch_args = orchestrator_args(cfg, policy, scale_info)
     launcher = make_launcher(cfg, rtt_ms)
-    swarm = LocalSwarm(cfg.model, [None] * cfg.servers, server_args=["--num-threads", "1", "--max-length",
-                                                                     str(cfg.max_length_tokens)],
-                       per_server_args=[a + ["--service-log", str(out_dir / f"service_{policy}_{n}.jsonl")]
-                                        for a, n in zip(server_args(cfg, cpu_shares(cfg)[0]), server_names(cfg))],
-                       orchestrator_args=orch_args,
-                       placement=launcher.placement,
-                       names=server_names(cfg), env={**THREAD_ENV, **(gpu_env or {})}, start_timeout_s=600)
+    swarm = LocalSwarm(
+        cfg.model,
+        [None] * cfg.servers,
+        server_args=["--num-threads", "1", "--max-length", str(cfg.max_length_tokens)],
+        per_server_args=[
+            a + ["--service-log", str(out_dir / f"service_{policy}_{n}.jsonl")]
+            for a, n in zip(server_args(cfg, cpu_shares(cfg)[0]), server_names(cfg))
+        ],
+        orchestrator_args=orch_args,
+        placement=launcher.placement,
+        names=server_names(cfg),
+        env={**THREAD_ENV, **(gpu_env or {})},
+        start_timeout_s=600,
+    )
     result: dict = {"policy": policy, "where": launcher.label}
     lines: list[str] = []  # the load generator's output
     gen = None  # the replay's load generator
@@ -555,39 +708,72 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
         left_out = [s["name"] for s in idle if s["rtt"] is None]
         unused = [s["name"] for s in idle if s["rtt"] is not None]
         if left_out:
-            print(f"[{policy}] not in the plan (no RTT measurement when it was made): {', '.join(left_out)}",
-                  flush=True)
+            print(
+                f"[{policy}] not in the plan (no RTT measurement when it was made): {', '.join(left_out)}", flush=True
+            )
         if unused:
             print(f"[{policy}] measured but given no blocks by the plan: {', '.join(unused)}", flush=True)
-        result.update(c=status["c"], placement={s["name"]: [s["start"], s["end"]] for s in status["servers"]},
-                      left_out_of_plan=left_out, unused_by_plan=unused,
-                      chains=[{"servers": [names.get(p, p) for p in k["servers"]], "blocks": k.get("blocks"),
-                               "capacity": k["capacity"], "service_time_s": k["service_time"]}
-                              for k in status["chains"]],
-                      servers=server_models(status))
-        print(f"[{policy}] plan online after {result['startup_s']:.0f} s: c = {status['c']}, placement "
-              + ", ".join(f"{k}={v}" for k, v in result["placement"].items()), flush=True)
+        result.update(
+            c=status["c"],
+            placement={s["name"]: [s["start"], s["end"]] for s in status["servers"]},
+            left_out_of_plan=left_out,
+            unused_by_plan=unused,
+            chains=[
+                {
+                    "servers": [names.get(p, p) for p in k["servers"]],
+                    "blocks": k.get("blocks"),
+                    "capacity": k["capacity"],
+                    "service_time_s": k["service_time"],
+                }
+                for k in status["chains"]
+            ],
+            servers=server_models(status),
+        )
+        print(
+            f"[{policy}] plan online after {result['startup_s']:.0f} s: c = {status['c']}, placement "
+            + ", ".join(f"{k}={v}" for k, v in result["placement"].items()),
+            flush=True,
+        )
         if gpu_env:  # an MPS server is listed once a client made its CUDA context through the daemon
             from experiments.gpu_mps import server_list
 
             mps_servers = server_list(gpu_env)
             result["gpu_isolation"] = {"mode": "mps", "sm_percent": cfg.gpu_sm_percent, "mps_servers": mps_servers}
-            print(f"[{policy}] GPU isolation: MPS, {cfg.gpu_sm_percent:.0f} % of the SMs per process, "
-                  f"MPS server(s) {mps_servers or 'none: the servers did not connect'}", flush=True)
+            print(
+                f"[{policy}] GPU isolation: MPS, {cfg.gpu_sm_percent:.0f} % of the SMs per process, "
+                f"MPS server(s) {mps_servers or 'none: the servers did not connect'}",
+                flush=True,
+            )
         if cfg.warmup_per_chain > 0:
             status = calibration_warmup(cfg, launcher, swarm, status, requests, out_dir, policy)
-            result["calibration"] = {"plan_version": status["plan_version"], "model_replans": status.get("model_replans"),
-                                     "c": status["c"], "servers": server_models(status),
-                                     "placement": {s["name"]: [s["start"], s["end"]] for s in status["servers"]}}
+            result["calibration"] = {
+                "plan_version": status["plan_version"],
+                "model_replans": status.get("model_replans"),
+                "c": status["c"],
+                "servers": server_models(status),
+                "placement": {s["name"]: [s["start"], s["end"]] for s in status["servers"]},
+            }
             (out_dir / f"status_{policy}_calibrated.json").write_text(json.dumps(status, indent=1))
-            result.update(c=status["c"], placement=result["calibration"]["placement"],
-                          chains=[{"servers": [names.get(p, p) for p in k["servers"]], "blocks": k.get("blocks"),
-                                   "capacity": k["capacity"], "service_time_s": k["service_time"]}
-                                  for k in status["chains"] if k["dispatchable"]],
-                          servers=server_models(status))
+            result.update(
+                c=status["c"],
+                placement=result["calibration"]["placement"],
+                chains=[
+                    {
+                        "servers": [names.get(p, p) for p in k["servers"]],
+                        "blocks": k.get("blocks"),
+                        "capacity": k["capacity"],
+                        "service_time_s": k["service_time"],
+                    }
+                    for k in status["chains"]
+                    if k["dispatchable"]
+                ],
+                servers=server_models(status),
+            )
         before, t_replay = launcher.cpu_report(), time.monotonic()
-        meter = CpuMeter([p.pid for p in [swarm.dht_process, swarm.orchestrator_process] if p]
-                         + [s.process.pid for s in swarm.servers])
+        meter = CpuMeter(
+            [p.pid for p in [swarm.dht_process, swarm.orchestrator_process] if p]
+            + [s.process.pid for s in swarm.servers]
+        )
         gen = start_loadgen(cfg, launcher, swarm, req_file, rec_file, policy)
         meter.add(gen.pid)
 
@@ -627,8 +813,11 @@ def run_policy(cfg: Table1Config, policy: str, scale_info: dict, rtt_ms, out_dir
                 if not final.get("plan_installed"):
                     # a model re-plan made during the replay may still be moving servers: probe the plan
                     # once it is online (its servers keep the fits the model check reads from `final`)
-                    print(f"[{policy}] the plan is not online yet (a re-plan moves servers): waiting for it "
-                          "before the probe", flush=True)
+                    print(
+                        f"[{policy}] the plan is not online yet (a re-plan moves servers): waiting for it "
+                        "before the probe",
+                        flush=True,
+                    )
                     probe_status = wait_plan(launcher, swarm.orchestrator_url, swarm, timeout_s=300)
                 result["probe"] = model_probe(cfg, launcher, swarm, probe_status, scale_info, out_dir, policy)
             except Exception as e:  # noqa: BLE001 - the probe is extra: the replay's results stand without it
@@ -653,8 +842,9 @@ def write_process_logs(out_dir: Path, policy: str, swarm, loadgen_lines: list[st
         (out_dir / f"log_{policy}_{name}.txt").write_text("\n".join(lines) + "\n" if lines else "")
 
 
-def run_petals_column(cfg: Table1Config, scale_info: dict, rtt_ms, out_dir: Path, times, block_bytes: int,
-                      hidden_size: int) -> dict:
+def run_petals_column(
+    cfg: Table1Config, scale_info: dict, rtt_ms, out_dir: Path, times, block_bytes: int, hidden_size: int
+) -> dict:
     """Real PETALS 2.2 on the same hosts, trace and budgets (experiments/petals22.py), or why it cannot run."""
     from experiments import petals22
     from petals_chain.cli.args import parse_size
@@ -667,12 +857,23 @@ def run_petals_column(cfg: Table1Config, scale_info: dict, rtt_ms, out_dir: Path
     for name, args in zip(server_names(cfg), server_args(cfg)):
         budget = parse_size(args[1])
         k = cfg.slow_slowdown if name.startswith("slow") else 1.0
-        specs.append({"name": name, "num_blocks": petals22.petals_num_blocks(budget, block_bytes, hidden_size),
-                      "throughput": 1.0 / (k * times.lone_decode_s_per_block), "budget_bytes": budget})
+        specs.append(
+            {
+                "name": name,
+                "num_blocks": petals22.petals_num_blocks(budget, block_bytes, hidden_size),
+                "throughput": 1.0 / (k * times.lone_decode_s_per_block),
+                "budget_bytes": budget,
+            }
+        )
     if sum(s["num_blocks"] for s in specs) < scale_info["num_blocks"] or min(s["num_blocks"] for s in specs) < 1:
-        return {"policy": "petals-2.2", "records": [], "unavailable": (
-            f"PETALS' memory rule gives {[s['num_blocks'] for s in specs]} blocks for these budgets: they cannot "
-            f"cover the model's {scale_info['num_blocks']} blocks")}
+        return {
+            "policy": "petals-2.2",
+            "records": [],
+            "unavailable": (
+                f"PETALS' memory rule gives {[s['num_blocks'] for s in specs]} blocks for these budgets: they cannot "
+                f"cover the model's {scale_info['num_blocks']} blocks"
+            ),
+        }
     requests = scale_info["_requests"]
     req_file = out_dir / "requests.json"
     req_file.write_text(json.dumps([r.to_dict() for r in requests]))
@@ -681,8 +882,18 @@ def run_petals_column(cfg: Table1Config, scale_info: dict, rtt_ms, out_dir: Path
     result: dict = {"policy": "petals-2.2", "where": launcher.label}
     print(f"[petals-2.2] starting real PETALS 2.2 ({launcher.label}) ...", flush=True)
     try:
-        facts = petals22.run_petals22(cfg, launcher, req_file, rec_file, specs, python, model, cfg.deadline_s,
-                                      requests[-1].arrival_s, lambda m: print(m, flush=True))
+        facts = petals22.run_petals22(
+            cfg,
+            launcher,
+            req_file,
+            rec_file,
+            specs,
+            python,
+            model,
+            cfg.deadline_s,
+            requests[-1].arrival_s,
+            lambda m: print(m, flush=True),
+        )
         result.update(facts)
     except RuntimeError as e:
         result["unavailable"] = f"PETALS 2.2 did not run here: {e}"

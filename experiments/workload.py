@@ -19,6 +19,7 @@ bounds throughput here (the CPU cores every server shares) is `target_load`:
 with `cpu_s_per_request` from footnote 11 of the paper (tau_p summed over the L blocks, with the
 t_I, t_O measured on this machine) plus a per-step overhead for the messaging every step costs.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -41,8 +42,10 @@ class Scale:
 
     def __post_init__(self) -> None:
         if not (self.time_scale > 0 and self.length_scale > 0 and self.output_scale > 0):
-            raise ValueError(f"scale factors must be > 0, got time {self.time_scale}, length {self.length_scale}, "
-                             f"output {self.output_scale}")
+            raise ValueError(
+                f"scale factors must be > 0, got time {self.time_scale}, length {self.length_scale}, "
+                f"output {self.output_scale}"
+            )
         if self.max_length_tokens < 2:
             raise ValueError(f"max_length_tokens must be >= 2, got {self.max_length_tokens}")
 
@@ -83,10 +86,19 @@ def scale_requests(trace: RequestTrace, n_requests: int, scale: Scale, *, offset
     t0 = float(trace.arrival_s[offset])
     out = []
     for i in range(offset, offset + n_requests):
-        l_in, l_out, cut, input_cut = scale_lengths(int(trace.context_tokens[i]), int(trace.generated_tokens[i]),
-                                                    scale)
-        out.append(ScaledRequest(i, (float(trace.arrival_s[i]) - t0) * scale.time_scale, l_in, l_out,
-                                 int(trace.context_tokens[i]), int(trace.generated_tokens[i]), cut, input_cut))
+        l_in, l_out, cut, input_cut = scale_lengths(int(trace.context_tokens[i]), int(trace.generated_tokens[i]), scale)
+        out.append(
+            ScaledRequest(
+                i,
+                (float(trace.arrival_s[i]) - t0) * scale.time_scale,
+                l_in,
+                l_out,
+                int(trace.context_tokens[i]),
+                int(trace.generated_tokens[i]),
+                cut,
+                input_cut,
+            )
+        )
     return out
 
 
@@ -103,8 +115,16 @@ def interarrival_cv(arrivals_s: np.ndarray | list[float]) -> float:
     return float(d.std() / d.mean()) if len(d) and d.mean() > 0 else float("nan")
 
 
-def cpu_s_per_request(prefill_s_per_token: float, decode_s_per_token: float, num_blocks: int, mean_input_tokens: float,
-                      mean_output_tokens: float, *, step_overhead_cpu_s: float = 0.0, hops: float = 1.0) -> float:
+def cpu_s_per_request(
+    prefill_s_per_token: float,
+    decode_s_per_token: float,
+    num_blocks: int,
+    mean_input_tokens: float,
+    mean_output_tokens: float,
+    *,
+    step_overhead_cpu_s: float = 0.0,
+    hops: float = 1.0,
+) -> float:
     """CPU seconds one request costs: footnote 11's tau_p over all L blocks,
     L (t_I l_in + t_O (l_out - 1)), plus `step_overhead_cpu_s` per step and hop (messaging, client head)."""
     compute = num_blocks * (prefill_s_per_token * mean_input_tokens + decode_s_per_token * (mean_output_tokens - 1))
@@ -126,8 +146,9 @@ def offered_load(rate_per_s: float, cpu_s_per_req: float, n_cpus: float) -> floa
 PEAK_WINDOW_S = 120.0  # the window of the busiest-window load: a few service times of a scaled request here
 
 
-def peak_offered_load(arrivals_s: np.ndarray | list[float], cpu_s_per_req: float, n_cpus: float,
-                      window_s: float = PEAK_WINDOW_S) -> float:
+def peak_offered_load(
+    arrivals_s: np.ndarray | list[float], cpu_s_per_req: float, n_cpus: float, window_s: float = PEAK_WINDOW_S
+) -> float:
     """Offered CPU load of the busiest window: max over windows [a, a + window_s) starting at an
     arrival of (arrivals in it) W / (window_s n_cpus). The trace's bursts (CV ~11-13) put this far
     above the mean load `offered_load`, which the auto time scale targets."""
@@ -143,13 +164,16 @@ def peak_offered_load(arrivals_s: np.ndarray | list[float], cpu_s_per_req: float
 def summary(requests: list[ScaledRequest]) -> dict:
     """Statistics of a scaled request list, for the results' `scale` section."""
     arr = [r.arrival_s for r in requests]
-    return {"requests": len(requests), "span_s": arr[-1] - arr[0] if arr else 0.0,
-            "rate_per_s": rate_per_s(arr), "interarrival_cv": interarrival_cv(arr),
-            "mean_input_tokens": float(np.mean([r.input_tokens for r in requests])),
-            "mean_output_tokens": float(np.mean([r.output_tokens for r in requests])),
-            "trace_mean_input_tokens": float(np.mean([r.trace_input_tokens for r in requests])),
-            "trace_mean_output_tokens": float(np.mean([r.trace_output_tokens for r in requests])),
-            "truncated": sum(r.truncated for r in requests),
-            "inputs_cut": sum(r.input_cut for r in requests),
-            "max_total_tokens": max((r.input_tokens + r.output_tokens for r in requests), default=0)}
-
+    return {
+        "requests": len(requests),
+        "span_s": arr[-1] - arr[0] if arr else 0.0,
+        "rate_per_s": rate_per_s(arr),
+        "interarrival_cv": interarrival_cv(arr),
+        "mean_input_tokens": float(np.mean([r.input_tokens for r in requests])),
+        "mean_output_tokens": float(np.mean([r.output_tokens for r in requests])),
+        "trace_mean_input_tokens": float(np.mean([r.trace_input_tokens for r in requests])),
+        "trace_mean_output_tokens": float(np.mean([r.trace_output_tokens for r in requests])),
+        "truncated": sum(r.truncated for r in requests),
+        "inputs_cut": sum(r.input_cut for r in requests),
+        "max_total_tokens": max((r.input_tokens + r.output_tokens for r in requests), default=0),
+    }

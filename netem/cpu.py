@@ -25,6 +25,7 @@ them). Why: in the Table 1 runs those two used 0.019 cores per server host, stea
 every 2 s by each server, the orchestrator's reads), 16 % of a 0.12-core slow host's share, so the
 emulated device was that much slower than its stated share whenever it was busy.
 """
+
 from __future__ import annotations
 
 import os
@@ -77,20 +78,23 @@ def detect(root: Path = CGROUP_ROOT) -> CgroupLayout:
     controllers = root / "cgroup.controllers"
     if controllers.is_file() and "cpu" in controllers.read_text().split():
         parent = root
-        sub = (root / "cgroup.subtree_control")
+        sub = root / "cgroup.subtree_control"
         if sub.is_file() and "cpu" not in sub.read_text().split():
             try:  # v2: children get the cpu controller only when the parent delegates it
                 sub.write_text("+cpu")
             except OSError as e:
-                raise CpuLimitUnavailableError(f"cgroup v2: cannot enable the cpu controller in {sub} ({e}); "
-                                               "run as root on the host, or without --cpu") from None
+                raise CpuLimitUnavailableError(
+                    f"cgroup v2: cannot enable the cpu controller in {sub} ({e}); "
+                    "run as root on the host, or without --cpu"
+                ) from None
         # v2 pins no cores: the cpuset controller would need delegating too, and the quota is the point
         return CgroupLayout(2, parent, parent, None)
     cpu = next((p for p in (root / "cpu", root / "cpu,cpuacct") if (p / "cpu.cfs_quota_us").is_file()), None)
     if cpu is None:
         raise CpuLimitUnavailableError(
             f"no cgroup cpu controller under {root} (neither v2 cpu.max nor v1 cpu.cfs_quota_us); "
-            "run without --cpu, or on a host that mounts cgroups")
+            "run without --cpu, or on a host that mounts cgroups"
+        )
     acct = next((p for p in (root / "cpuacct", cpu) if (p / "cpuacct.usage").is_file()), None)
     if acct is None:
         raise CpuLimitUnavailableError(f"cgroup v1 without cpuacct under {root}: CPU use cannot be measured")
@@ -248,8 +252,14 @@ def apply(network: str, shares: dict[int, float], layout: CgroupLayout | None = 
         for d in daemon_dirs:
             _mkdir(d, None)
         set_quota(layout, daemons, None)
-        out[i] = HostShare(name, share, tuple(str(d / "cgroup.procs") for d in dirs), cpuset, daemons,
-                           tuple(str(d / "cgroup.procs") for d in daemon_dirs))
+        out[i] = HostShare(
+            name,
+            share,
+            tuple(str(d / "cgroup.procs") for d in dirs),
+            cpuset,
+            daemons,
+            tuple(str(d / "cgroup.procs") for d in daemon_dirs),
+        )
     return out
 
 

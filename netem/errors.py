@@ -1,4 +1,5 @@
 """Typed errors of the WAN emulator; every message says how to fix the problem."""
+
 from __future__ import annotations
 
 

@@ -9,6 +9,7 @@ delay RTT/2 (+ uniform jitter); loss drops a packet with that probability. Timer
 the hosts' namespaces: the file descriptors stay attached), prints `ready`, and serves until
 SIGTERM/SIGINT. TUN devices vanish with the process, so a killed hub leaves none behind.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -123,10 +124,16 @@ class Hub:
 
     def stats(self) -> dict:
         late = np.array(self.late_s[-100000:]) * 1e3 if self.late_s else np.zeros(1)
-        return {"packets": self.packets, "bytes": self.bytes, "dropped": self.model.dropped,
-                "delayed_packets": len(self.late_s), "late_ms_mean": float(late.mean()),
-                "late_ms_p50": float(np.percentile(late, 50)), "late_ms_p99": float(np.percentile(late, 99)),
-                "late_ms_max": float(late.max())}
+        return {
+            "packets": self.packets,
+            "bytes": self.bytes,
+            "dropped": self.model.dropped,
+            "delayed_packets": len(self.late_s),
+            "late_ms_mean": float(late.mean()),
+            "late_ms_p50": float(np.percentile(late, 50)),
+            "late_ms_p99": float(np.percentile(late, 99)),
+            "late_ms_max": float(late.max()),
+        }
 
     def _ingest(self, fd: int, now_s: float) -> None:
         src = self.by_fd[fd]

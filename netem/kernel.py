@@ -8,6 +8,7 @@ each with a `netem delay RTT[i][j]/2 [jitter] [loss]` leaf: every direction of e
 its own one-way delay, as in the paper's §4.2.1. `programme()` is pure (unit-tested); `apply()`
 runs it.
 """
+
 from __future__ import annotations
 
 from netem.state import (
@@ -48,11 +49,43 @@ def tc_programme(state: NetworkState, i: int) -> list[list[str]]:
             continue
         minor = _minor(j)
         cmds += [
-            tc + ["class", "add", "dev", dev, "parent", "1:1", "classid", f"1:{minor}", "htb",
-                  "rate", child_rate, "ceil", rate],
+            tc
+            + [
+                "class",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:1",
+                "classid",
+                f"1:{minor}",
+                "htb",
+                "rate",
+                child_rate,
+                "ceil",
+                rate,
+            ],
             _netem_leaf(state, i, j, "add"),
-            tc + ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                  "match", "ip", "dst", f"{state.addresses[j]}/32", "flowid", f"1:{minor}"],
+            tc
+            + [
+                "filter",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:",
+                "protocol",
+                "ip",
+                "prio",
+                "1",
+                "u32",
+                "match",
+                "ip",
+                "dst",
+                f"{state.addresses[j]}/32",
+                "flowid",
+                f"1:{minor}",
+            ],
         ]
     return cmds
 
@@ -70,8 +103,22 @@ def _netem_leaf(state: NetworkState, i: int, j: int, verb: str) -> list[str]:
     if state.loss > 0:
         netem += ["loss", f"{state.loss * 100:.4f}%"]
     netem += ["limit", str(NETEM_LIMIT_PACKETS)]
-    return ["ip", "netns", "exec", state.netns(i), "tc", "qdisc", verb, "dev", veth_host_dev(state.name, i),
-            "parent", f"1:{minor}", "handle", f"{minor}:", *netem]
+    return [
+        "ip",
+        "netns",
+        "exec",
+        state.netns(i),
+        "tc",
+        "qdisc",
+        verb,
+        "dev",
+        veth_host_dev(state.name, i),
+        "parent",
+        f"1:{minor}",
+        "handle",
+        f"{minor}:",
+        *netem,
+    ]
 
 
 def change_delays_programme(state: NetworkState) -> list[list[str]]:
@@ -112,8 +159,10 @@ def kernel_has_netem(probe_ns: str) -> tuple[bool, str]:
     """Whether a netem qdisc can be created, tried on the loopback of a throwaway namespace we own."""
     run(["ip", "netns", "add", probe_ns])
     try:
-        proc = run(["ip", "netns", "exec", probe_ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
-                    "delay", "1ms"], check=False)
+        proc = run(
+            ["ip", "netns", "exec", probe_ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+            check=False,
+        )
         return proc.returncode == 0, (proc.stderr.strip() or "ok")
     finally:
         run(["ip", "netns", "del", probe_ns], check=False)

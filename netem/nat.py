@@ -16,6 +16,7 @@ The masquerade rule is installed with `nft` or `iptables`, whichever is present 
 packages: `make nat-tools` installs nftables on Debian/Ubuntu); `nat_tool()` says which, or raises
 `MissingCapabilityError` with the install hint.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -30,8 +31,10 @@ def nat_tool() -> str:
     for tool in ("nft", "iptables"):
         if shutil.which(tool):
             return tool
-    raise MissingCapabilityError("an emulated NAT needs `nft` or `iptables` (Debian/Ubuntu, as root: "
-                                 "`make nat-tools`, i.e. apt-get install nftables)")
+    raise MissingCapabilityError(
+        "an emulated NAT needs `nft` or `iptables` (Debian/Ubuntu, as root: "
+        "`make nat-tools`, i.e. apt-get install nftables)"
+    )
 
 
 def wan_device(state: NetworkState, i: int) -> str:
@@ -43,11 +46,20 @@ def masquerade_programme(tool: str, router_ns: str, subnet: str, wan_dev: str) -
     """The commands (argv lists) installing source NAT of `subnet` out of `wan_dev` inside `router_ns`."""
     ex = ["ip", "netns", "exec", router_ns]
     if tool == "nft":
-        return [ex + ["nft", "add", "table", "ip", "pcnat"],
-                ex + ["nft", "add", "chain", "ip", "pcnat", "post",
-                      "{ type nat hook postrouting priority 100 ; policy accept ; }"],
-                ex + ["nft", "add", "rule", "ip", "pcnat", "post", "ip", "saddr", subnet, "oifname", wan_dev,
-                      "masquerade"]]
+        return [
+            ex + ["nft", "add", "table", "ip", "pcnat"],
+            ex
+            + [
+                "nft",
+                "add",
+                "chain",
+                "ip",
+                "pcnat",
+                "post",
+                "{ type nat hook postrouting priority 100 ; policy accept ; }",
+            ],
+            ex + ["nft", "add", "rule", "ip", "pcnat", "post", "ip", "saddr", subnet, "oifname", wan_dev, "masquerade"],
+        ]
     return [ex + ["iptables", "-t", "nat", "-A", "POSTROUTING", "-s", subnet, "-o", wan_dev, "-j", "MASQUERADE"]]
 
 
@@ -68,6 +80,5 @@ def apply_nat(state: NetworkState, i: int, tool: str) -> None:
     run(["ip", "-n", host_ns, "link", "set", inside, "up"])
     run(["ip", "-n", host_ns, "route", "add", "default", "via", router_ip])
     run(["ip", "netns", "exec", router_ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
-    for cmd in masquerade_programme(tool, router_ns, f"{router_ip.rsplit('.', 1)[0]}.0/{prefix}",
-                                    wan_device(state, i)):
+    for cmd in masquerade_programme(tool, router_ns, f"{router_ip.rsplit('.', 1)[0]}.0/{prefix}", wan_device(state, i)):
         run(cmd)

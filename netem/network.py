@@ -6,6 +6,7 @@
 Leaving the block, an exception or SIGTERM (in the main thread) removes everything; `cleanup()`
 removes what a crashed run left (the state file is written before anything is created).
 """
+
 from __future__ import annotations
 
 import os
@@ -50,15 +51,21 @@ def choose_backend(requested: str, name: str) -> tuple[str, str]:
     ok, detail = kernel.kernel_has_netem(f"{name}-probe")
     if requested == "kernel":
         if not ok:
-            raise MissingCapabilityError(f"backend kernel needs the sch_netem qdisc (modprobe sch_netem), which this "
-                                         f"kernel refused: {detail}; use --backend userspace")
+            raise MissingCapabilityError(
+                f"backend kernel needs the sch_netem qdisc (modprobe sch_netem), which this "
+                f"kernel refused: {detail}; use --backend userspace"
+            )
         return "kernel", "requested"
     return ("kernel", "the kernel has sch_netem") if ok else ("userspace", f"the kernel has no sch_netem ({detail})")
 
 
 def _hub_argv_matches(cmd: list[bytes], name: str) -> bool:
     """`python -m netem.hub NAME [DIR]`: how every hub is started, so a recycled pid is never taken for ours."""
-    return b"netem.hub" in cmd and cmd.index(b"netem.hub") + 1 < len(cmd) and cmd[cmd.index(b"netem.hub") + 1] == name.encode()
+    return (
+        b"netem.hub" in cmd
+        and cmd.index(b"netem.hub") + 1 < len(cmd)
+        and cmd[cmd.index(b"netem.hub") + 1] == name.encode()
+    )
 
 
 def hub_alive(pid: int | None, name: str) -> bool:
@@ -112,11 +119,25 @@ def cleanup(name: str | None = None, *, directory=None, grace_s: float = 8.0) ->
 class Network:
     """Emulated hosts with pairwise RTTs. See the module docstring; `backend` says which one runs."""
 
-    def __init__(self, hosts: list[str], rtt_ms: list[list[float]], *, backend: str = "auto",
-                 bandwidth_bit_s: float | None = None, jitter_ms: float = 0.0, loss: float = 0.0,
-                 name: str = DEFAULT_NAME, subnet: str = DEFAULT_SUBNET, seed: int = 0, state_directory=None,
-                 detach: bool = False, hub_realtime: bool = True, log=None,
-                 cpu: dict[str | int, float] | None = None, behind_nat: list[str] | None = None):
+    def __init__(
+        self,
+        hosts: list[str],
+        rtt_ms: list[list[float]],
+        *,
+        backend: str = "auto",
+        bandwidth_bit_s: float | None = None,
+        jitter_ms: float = 0.0,
+        loss: float = 0.0,
+        name: str = DEFAULT_NAME,
+        subnet: str = DEFAULT_SUBNET,
+        seed: int = 0,
+        state_directory=None,
+        detach: bool = False,
+        hub_realtime: bool = True,
+        log=None,
+        cpu: dict[str | int, float] | None = None,
+        behind_nat: list[str] | None = None,
+    ):
         """`cpu`: host (name or index) -> CPU share in cores (e.g. 0.25) for the hosts that get one
         (netem/cpu.py: cgroup v2 cpu.max or v1 cfs quota; cores pinned where there are enough).
         `behind_nat`: hosts whose processes sit behind an emulated NAT router (netem/nat.py): they
@@ -130,9 +151,20 @@ class Network:
         self.directory = state_directory
         self.detach = detach  # True (the CLI's `up`): leaving does not tear down; `down` does
         self.log = log or (lambda msg: None)
-        self.state = NetworkState(name=name, backend="", hosts=list(hosts), addresses=host_addresses(len(hosts), subnet),
-                                  rtt_ms=rtt, subnet=subnet, bandwidth_bit_s=bandwidth_bit_s, jitter_ms=jitter_ms,
-                                  loss=loss, seed=seed, owner_pid=os.getpid(), extra={"hub_realtime": hub_realtime})
+        self.state = NetworkState(
+            name=name,
+            backend="",
+            hosts=list(hosts),
+            addresses=host_addresses(len(hosts), subnet),
+            rtt_ms=rtt,
+            subnet=subnet,
+            bandwidth_bit_s=bandwidth_bit_s,
+            jitter_ms=jitter_ms,
+            loss=loss,
+            seed=seed,
+            owner_pid=os.getpid(),
+            extra={"hub_realtime": hub_realtime},
+        )
         self.state.behind_nat = sorted({self.state.index(h) for h in behind_nat or ()})
         for i in self.state.behind_nat:
             nat_addresses(i)  # refuses an index it cannot give a private subnet, before anything exists
@@ -154,8 +186,10 @@ class Network:
         st = self.state
         tool = nat.nat_tool() if st.behind_nat else None  # missing tools: say so before creating anything
         if state_path(st.name, self.directory).exists() or owned_netns(st.name, list_netns()):
-            raise NetworkExistsError(f"network {st.name!r} is already up (or a crashed run left it): "
-                                     f"`petals-chain netem down --name {st.name}` removes it, or pick another name")
+            raise NetworkExistsError(
+                f"network {st.name!r} is already up (or a crashed run left it): "
+                f"`petals-chain netem down --name {st.name}` removes it, or pick another name"
+            )
         write_state(st, self.directory)  # first: whatever happens next, cleanup can find it
         self._up = True
         self._install_sigterm()
@@ -176,17 +210,31 @@ class Network:
             for i in st.behind_nat:
                 nat.apply_nat(st, i, tool)
             if st.behind_nat:
-                self.log(f"netem: behind NAT ({tool}): " + ", ".join(f"{st.hosts[i]} {st.process_address(i)}"
-                                                                     for i in st.behind_nat))
+                self.log(
+                    f"netem: behind NAT ({tool}): "
+                    + ", ".join(f"{st.hosts[i]} {st.process_address(i)}" for i in st.behind_nat)
+                )
             if self.cpu_shares:
                 shares = netem_cpu.apply(st.name, self.cpu_shares)
-                st.extra["cpu"] = {str(i): {"group": s.group, "cores": s.cores, "procs": list(s.procs_files),
-                                            "cpuset": s.cpuset, "daemons_group": s.daemons_group,
-                                            "daemons_procs": list(s.daemons_procs_files)}
-                                   for i, s in shares.items()}
+                st.extra["cpu"] = {
+                    str(i): {
+                        "group": s.group,
+                        "cores": s.cores,
+                        "procs": list(s.procs_files),
+                        "cpuset": s.cpuset,
+                        "daemons_group": s.daemons_group,
+                        "daemons_procs": list(s.daemons_procs_files),
+                    }
+                    for i, s in shares.items()
+                }
                 write_state(st, self.directory)
-                self.log("netem: CPU shares " + ", ".join(
-                    f"{st.hosts[i]}={s.cores:g}" + (f" (core {s.cpuset})" if s.cpuset else "") for i, s in shares.items()))
+                self.log(
+                    "netem: CPU shares "
+                    + ", ".join(
+                        f"{st.hosts[i]}={s.cores:g}" + (f" (core {s.cpuset})" if s.cpuset else "")
+                        for i, s in shares.items()
+                    )
+                )
         except BaseException:
             self.down()
             raise
@@ -196,11 +244,18 @@ class Network:
         st = self.state
         log_path = state_path(st.name, self.directory).with_suffix(".hub.log")
         argv = [sys.executable, "-m", "netem.hub", st.name] + ([str(self.directory)] if self.directory else [])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH")) if p)}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                p
+                for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH"))
+                if p
+            ),
+        }
         with open(log_path, "ab") as log_fh:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_fh,
-                                    start_new_session=True, env=env)
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_fh, start_new_session=True, env=env
+            )
         st.hub_pid = proc.pid
         write_state(st, self.directory)
         ready, _, _ = select.select([proc.stdout], [], [], HUB_START_TIMEOUT_S)
@@ -208,8 +263,10 @@ class Network:
         proc.stdout.close()
         if line.strip() != b"ready":
             proc.kill()
-            raise NetemError(f"the delay hub did not start within {HUB_START_TIMEOUT_S:.0f} s; its log: {log_path}: "
-                             + log_path.read_text()[-2000:])
+            raise NetemError(
+                f"the delay hub did not start within {HUB_START_TIMEOUT_S:.0f} s; its log: {log_path}: "
+                + log_path.read_text()[-2000:]
+            )
         self._hub = proc
 
     def down(self) -> None:
@@ -224,9 +281,12 @@ class Network:
 
     def _install_sigterm(self) -> None:
         import threading
+
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+
             def _term(*_):
                 raise SystemExit(128 + signal.SIGTERM)  # unwinds through __exit__, which tears down
+
             self._prev_sigterm = signal.signal(signal.SIGTERM, _term)
 
     def _restore_sigterm(self) -> None:
@@ -346,12 +406,16 @@ def cpu_report(state: NetworkState) -> dict[str, dict]:
     if not shares:
         return {}
     layout = netem_cpu.detect()
-    return {state.hosts[int(i)]: {"cores": s["cores"], "cpuset": s["cpuset"],
-                                  "cpu_s": netem_cpu.usage_s(layout, s["group"]),
-                                  "throttled_s": netem_cpu.throttled_s(layout, s["group"]),
-                                  "daemons_cpu_s": (netem_cpu.usage_s(layout, s["daemons_group"])
-                                                    if s.get("daemons_group") else None)}
-            for i, s in shares.items()}
+    return {
+        state.hosts[int(i)]: {
+            "cores": s["cores"],
+            "cpuset": s["cpuset"],
+            "cpu_s": netem_cpu.usage_s(layout, s["group"]),
+            "throttled_s": netem_cpu.throttled_s(layout, s["group"]),
+            "daemons_cpu_s": (netem_cpu.usage_s(layout, s["daemons_group"]) if s.get("daemons_group") else None),
+        }
+        for i, s in shares.items()
+    }
 
 
 def command_in(state: NetworkState, host: str | int, argv: list[str]) -> list[str]:

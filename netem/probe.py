@@ -1,5 +1,6 @@
 """Our own probes (the machine may have no `ping`): UDP round trips and TCP bulk throughput between
 emulated hosts, from sockets opened inside their namespaces by this process."""
+
 from __future__ import annotations
 
 import select
@@ -29,8 +30,9 @@ def _recv_stamped(s: socket.socket) -> tuple[bytes, tuple, float]:
     return data, frm, time.time()
 
 
-def measure_rtt_ms(namespaces: list[str], addresses: list[str], *, probes: int = 5, timeout_s: float = 3.0,
-                   clock=time.time) -> list[list[float]]:
+def measure_rtt_ms(
+    namespaces: list[str], addresses: list[str], *, probes: int = 5, timeout_s: float = 3.0, clock=time.time
+) -> list[list[float]]:
     """Median UDP round trip (ms) for every ordered pair (i initiates, j echoes); NaN where all probes
     were lost. All pairs probe at once, `probes` rounds, so this takes about probes x the largest RTT.
     Receive times are kernel timestamps and the echo reports how long it held the probe, which is
@@ -44,8 +46,10 @@ def measure_rtt_ms(namespaces: list[str], addresses: list[str], *, probes: int =
             try:
                 s.bind((addr, 0))
             except OSError as e:
-                raise NetemError(f"cannot bind {addr} in namespace {ns} ({e}): is the network up and its hub "
-                                 "running? (`petals-chain netem status`)") from None
+                raise NetemError(
+                    f"cannot bind {addr} in namespace {ns} ({e}): is the network up and its hub "
+                    "running? (`petals-chain netem status`)"
+                ) from None
             s.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
             s.setblocking(False)
         ports = [s.getsockname() for s in socks]
@@ -79,8 +83,16 @@ def measure_rtt_ms(namespaces: list[str], addresses: list[str], *, probes: int =
             s.close()
 
 
-def measure_throughput_bit_s(src_ns: str, src_addr: str, dst_ns: str, dst_addr: str, *, duration_s: float = 2.0,
-                             warmup_s: float = 0.5, clock=time.monotonic) -> float:
+def measure_throughput_bit_s(
+    src_ns: str,
+    src_addr: str,
+    dst_ns: str,
+    dst_addr: str,
+    *,
+    duration_s: float = 2.0,
+    warmup_s: float = 0.5,
+    clock=time.monotonic,
+) -> float:
     """Goodput (bit/s of TCP payload) of one bulk TCP stream src -> dst, counted at the receiver after a
     warm-up (slow start) over `duration_s`."""
     listener = socket_in_netns(dst_ns, socket.AF_INET, socket.SOCK_STREAM)

@@ -4,6 +4,7 @@ Every namespace, link, TUN device and hub process of network NAME is named `NAME
 file `<state dir>/NAME.json` is written *before* anything is created, so `down`/`cleanup` can find
 the leftovers of a run that crashed at any point (even SIGKILL) and removes only those names.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -24,8 +25,10 @@ MAX_HOSTS = 1000
 
 def validate_name(name: str) -> str:
     if not _NAME_RE.match(name):
-        raise NetemError(f"network name {name!r}: use 1-8 lowercase letters/digits starting with a letter "
-                         "(it prefixes every interface name, which Linux limits to 15 characters)")
+        raise NetemError(
+            f"network name {name!r}: use 1-8 lowercase letters/digits starting with a letter "
+            "(it prefixes every interface name, which Linux limits to 15 characters)"
+        )
     return name
 
 
@@ -148,7 +151,9 @@ def read_state(name: str, directory: Path | None = None) -> NetworkState:
     try:
         return NetworkState(**json.loads(path.read_text()))
     except FileNotFoundError:
-        raise NetworkNotFoundError(f"no network {name!r} is up (no {path}); start one with `petals-chain netem up`") from None
+        raise NetworkNotFoundError(
+            f"no network {name!r} is up (no {path}); start one with `petals-chain netem up`"
+        ) from None
 
 
 def recorded_names(directory: Path | None = None) -> list[str]:

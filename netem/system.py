@@ -3,6 +3,7 @@
 Only objects whose names the caller passes are touched; nothing here enumerates or changes the
 host's own interfaces or routes.
 """
+
 from __future__ import annotations
 
 import ctypes

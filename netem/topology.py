@@ -19,6 +19,7 @@ This module imports nothing of the other project packages (orchestrator and the 
 scripts import it), and every loader takes a path: nothing here reads a global default except
 `resolve_data_dir`, the one function that says where the shared data folder is.
 """
+
 from __future__ import annotations
 
 import csv
@@ -39,7 +40,9 @@ class DataNotFoundError(FileNotFoundError):
     """A data file the caller asked for is not where the data-path scheme says."""
 
 
-def resolve_data_dir(explicit: str | os.PathLike | None = None, *, environ: dict[str, str] | None = None) -> Path | None:
+def resolve_data_dir(
+    explicit: str | os.PathLike | None = None, *, environ: dict[str, str] | None = None
+) -> Path | None:
     """The shared data folder: `explicit` if given, else `$PETALS_CHAIN_DATA`, else the `data/` folder
     of `../shared` relative to the repository root when present; None when none of them applies."""
     env = os.environ if environ is None else environ
@@ -52,7 +55,9 @@ def resolve_data_dir(explicit: str | os.PathLike | None = None, *, environ: dict
     return candidate if candidate.is_dir() else None
 
 
-def resolve_data_file(filename: str, explicit: str | os.PathLike | None = None, *, environ: dict[str, str] | None = None) -> Path:
+def resolve_data_file(
+    filename: str, explicit: str | os.PathLike | None = None, *, environ: dict[str, str] | None = None
+) -> Path:
     """Path of one data file. `explicit` may name the file itself or a folder holding it; otherwise
     the folder comes from `resolve_data_dir`. Raises DataNotFoundError with the places it looked."""
     if explicit is not None and Path(explicit).is_file():
@@ -60,7 +65,8 @@ def resolve_data_file(filename: str, explicit: str | os.PathLike | None = None, 
     folder = resolve_data_dir(explicit, environ=environ)
     if folder is None:
         raise DataNotFoundError(
-            f"{filename} not found: pass a path, set ${DATA_ENV_VAR}, or put it in ../shared/data next to the repository"
+            f"{filename} not found: pass a path, set ${DATA_ENV_VAR}, or put it in ../shared/data next to the "
+            f"repository"
         )
     path = folder / filename
     if not path.is_file():
@@ -93,7 +99,9 @@ def load_ripe_atlas_anchors(path: str | os.PathLike) -> AtlasAnchors:
             raise ValueError(f"{path}: not a RIPE Atlas RTT file, missing columns {sorted(missing)}")
         for row in reader:
             anchor = int(row["anchor_id"])
-            entry = per_anchor.setdefault(anchor, {"lat": float(row["latitude"]), "lon": float(row["longitude"]), "rtt": []})
+            entry = per_anchor.setdefault(
+                anchor, {"lat": float(row["latitude"]), "lon": float(row["longitude"]), "rtt": []}
+            )
             entry["rtt"].append([float(row[f"latency_m{i}"]) for i in range(1, _N_MONITORS + 1)])
     if not per_anchor:
         raise ValueError(f"{path}: no measurements")
@@ -147,7 +155,9 @@ def _best_monitor_location(lat, lon, rtt, grid_lat, grid_lon) -> tuple[float, fl
     return best[1], best[2]
 
 
-def calibrate_geodesic_rtt(anchors: AtlasAnchors, *, min_ms_per_km: float = 0.01, min_rtt_ms: float = 0.5) -> GeodesicRttModel:
+def calibrate_geodesic_rtt(
+    anchors: AtlasAnchors, *, min_ms_per_km: float = 0.01, min_rtt_ms: float = 0.5
+) -> GeodesicRttModel:
     """Fit the geodesic RTT model of the module docstring to the anchors' monitor RTTs."""
     lat, lon, rtt = anchors.lat_deg, anchors.lon_deg, anchors.monitor_rtt_ms
     grid_lat = np.arange(34.0, 71.0, 0.5)
@@ -187,7 +197,9 @@ def pairwise_rtt_ms(anchors: AtlasAnchors, model: GeodesicRttModel) -> np.ndarra
     return rtt
 
 
-def synthetic_rtt_ms(n_nodes: int, rng: np.random.Generator, *, base_ms: float = 5.0, ms_per_km: float = 0.02) -> np.ndarray:
+def synthetic_rtt_ms(
+    n_nodes: int, rng: np.random.Generator, *, base_ms: float = 5.0, ms_per_km: float = 0.02
+) -> np.ndarray:
     """RTT matrix of `n_nodes` points drawn uniformly over a European box (lat 36-60, lon -10-30),
     RTT = base_ms + ms_per_km * geodesic km; for runs without the RIPE Atlas file."""
     lat = rng.uniform(36.0, 60.0, n_nodes)
@@ -239,8 +251,10 @@ def validate_rtt_matrix(hosts, rtt_ms, *, where: str = "topology") -> list[list[
     bad = np.argwhere(np.abs(m - m.T) > 1e-6)
     if len(bad):
         i, j = bad[0]
-        raise TopologyError(f"{where}: RTTs must be symmetric: rtt_ms[{i}][{j}] = {m[i, j]} but "
-                            f"rtt_ms[{j}][{i}] = {m[j, i]} ({hosts[i]} <-> {hosts[j]})")
+        raise TopologyError(
+            f"{where}: RTTs must be symmetric: rtt_ms[{i}][{j}] = {m[i, j]} but "
+            f"rtt_ms[{j}][{i}] = {m[j, i]} ({hosts[i]} <-> {hosts[j]})"
+        )
     return m.tolist()
 
 
@@ -268,17 +282,20 @@ def ripe_topology(n_hosts: int, rng: np.random.Generator, path: str | os.PathLik
     anchors = load_ripe_atlas_anchors(path)
     if not 1 <= n_hosts <= anchors.n_anchors:
         from netem.errors import TopologyError
+
         raise TopologyError(f"--hosts must lie in 1..{anchors.n_anchors} for the RIPE Atlas data")
     full = pairwise_rtt_ms(anchors, calibrate_geodesic_rtt(anchors))
     pick = np.sort(rng.choice(anchors.n_anchors, size=n_hosts, replace=False))
     m = full[np.ix_(pick, pick)]
     m = (m + m.T) / 2
-    return Topology(tuple(f"anchor{anchors.anchor_ids[k]}" for k in pick), tuple(tuple(r) for r in m.tolist()),
-                    f"ripe:{seed_label}")
+    return Topology(
+        tuple(f"anchor{anchors.anchor_ids[k]}" for k in pick), tuple(tuple(r) for r in m.tolist()), f"ripe:{seed_label}"
+    )
 
 
 def synthetic_topology(n_hosts: int, rng: np.random.Generator, *, seed_label: str = "") -> Topology:
     """`synthetic_rtt_ms` points; hosts are named h0, h1, ..."""
     m = synthetic_rtt_ms(n_hosts, rng)
-    return Topology(tuple(f"h{i}" for i in range(n_hosts)), tuple(tuple(r) for r in m.tolist()),
-                    f"synthetic:{seed_label}")
+    return Topology(
+        tuple(f"h{i}" for i in range(n_hosts)), tuple(tuple(r) for r in m.tolist()), f"synthetic:{seed_label}"
+    )

@@ -4,6 +4,7 @@ All functions take the chains as (service rate mu_k, capacity c_k) pairs, via Ch
 and return a mean response time in seconds (Little's law, eq. 24), or math.inf when the system is
 unstable (lambda >= nu).
 """
+
 from __future__ import annotations
 
 import math
@@ -121,8 +122,9 @@ def exact_k2_mean_response_time(mu1: float, c1: int, mu2: float, c2: int, arriva
         beta[0] = 1.0
         for n in range(1, c1 + 1):  # eqs (50), (51)
             beta[n] = (z2 * mu2 * beta[:n].sum() + lam * beta[n - 1]) / (n * mu1)
-            gamma[n] = (z2 * mu2 * gamma[:n].sum() + lam * gamma[n - 1]
-                        - (z2 + 1) * mu2 * upper_sum[:n].sum()) / (n * mu1)
+            gamma[n] = (z2 * mu2 * gamma[:n].sum() + lam * gamma[n - 1] - (z2 + 1) * mu2 * upper_sum[:n].sum()) / (
+                n * mu1
+            )
         a0 = (alpha_full - gamma[c1]) / beta[c1]  # eq. (52)
         alpha[:, z2] = beta * a0 + gamma
         alpha[c1, z2] = alpha_full
@@ -134,8 +136,9 @@ def exact_k2_mean_response_time(mu1: float, c1: int, mu2: float, c2: int, arriva
     return num / den / lam
 
 
-def exact_ctmc_mean_response_time(chains: Sequence[ChainSpec], arrival_rate_per_s: float,
-                                  max_states: int = 200_000) -> float:
+def exact_ctmc_mean_response_time(
+    chains: Sequence[ChainSpec], arrival_rate_per_s: float, max_states: int = 200_000
+) -> float:
     """Exact mean response time of JFFC for any small K, by solving the CTMC (eq. 23) directly.
 
     States of Z_1 (no queue) are solved as a sparse linear system; the queue states Z_2 form a
@@ -157,17 +160,24 @@ def exact_ctmc_mean_response_time(chains: Sequence[ChainSpec], arrival_rate_per_
     for s_idx, z in enumerate(states):
         free = np.nonzero(z < cap)[0]
         if len(free):
-            l = free[0]  # fastest chain with a free slot
-            z2 = z.copy(); z2[l] += 1
-            rows.append(s_idx); cols.append(int(np.ravel_multi_index(z2, dims))); vals.append(lam)
-        for l in np.nonzero(z > 0)[0]:
-            z2 = z.copy(); z2[l] -= 1
-            rows.append(s_idx); cols.append(int(np.ravel_multi_index(z2, dims))); vals.append(z[l] * mu[l])
+            first = free[0]  # fastest chain with a free slot
+            z2 = z.copy()
+            z2[first] += 1
+            rows.append(s_idx)
+            cols.append(int(np.ravel_multi_index(z2, dims)))
+            vals.append(lam)
+        for busy in np.nonzero(z > 0)[0]:
+            z2 = z.copy()
+            z2[busy] -= 1
+            rows.append(s_idx)
+            cols.append(int(np.ravel_multi_index(z2, dims)))
+            vals.append(z[busy] * mu[busy])
     Q = sparse.coo_matrix((vals, (rows, cols)), shape=(n_states, n_states)).tocsr()
     Q = Q - sparse.diags(np.asarray(Q.sum(axis=1)).ravel())
     A = Q.T.tolil()
     A[0, :] = np.ones(n_states)  # replace one balance equation by normalisation
-    b = np.zeros(n_states); b[0] = 1.0
+    b = np.zeros(n_states)
+    b[0] = 1.0
     p = spsolve(A.tocsr(), b)
     occupancy = states.sum(axis=1).astype(float)
     full = n_states - 1  # (c_1, ..., c_K) is the last index

@@ -15,6 +15,7 @@ link and get capacity floor(M_j / m_ij) = 0. (Alg. 2 read literally with network
 as the test oracle, tests/gca_reference.py; the two agree chain for chain on instances without
 cost ties.)
 """
+
 from __future__ import annotations
 
 import math
@@ -88,8 +89,9 @@ class _EndGroup:
     never returns: each column keeps its servers sorted by cost and a pointer to the cheapest one
     still linked, which only moves forward (O(n_e w log n_e) per GCA run, not per chain)."""
 
-    def __init__(self, end: int, servers: list[int], starts: list[int], tau_c_s: list[float], tau_p_s: list[float],
-                 M: list[int]):
+    def __init__(
+        self, end: int, servers: list[int], starts: list[int], tau_c_s: list[float], tau_p_s: list[float], M: list[int]
+    ):
         self.end = end
         self.servers = np.array(servers)
         self.starts = np.array(starts)
@@ -124,8 +126,17 @@ def _end_groups(cluster: Cluster, placement: Placement, M: list[int]) -> list[_E
     by_end: dict[int, list[int]] = {}
     for j in placement.used_servers():
         by_end.setdefault(placement.ranges[j].end, []).append(j)
-    return [_EndGroup(e, js, [placement.ranges[j].start for j in js], [cluster.servers[j].tau_c_s for j in js],
-                      [cluster.servers[j].tau_p_s for j in js], M) for e, js in sorted(by_end.items())]
+    return [
+        _EndGroup(
+            e,
+            js,
+            [placement.ranges[j].start for j in js],
+            [cluster.servers[j].tau_c_s for j in js],
+            [cluster.servers[j].tau_p_s for j in js],
+            M,
+        )
+        for e, js in sorted(by_end.items())
+    ]
 
 
 def _shortest_path(groups: list[_EndGroup], L: int) -> list[int] | None:
@@ -135,7 +146,7 @@ def _shortest_path(groups: list[_EndGroup], L: int) -> list[int] | None:
     best_server: dict[int, int] = {}
     pred_end: dict[int, int] = {}
     for g in groups:
-        vals = D[g.lo_min:g.end] + g.f
+        vals = D[g.lo_min : g.end] + g.f
         k = int(np.argmin(vals))
         if vals[k] < D[g.end]:
             D[g.end] = vals[k]
@@ -155,6 +166,8 @@ def _shortest_path(groups: list[_EndGroup], L: int) -> list[int] | None:
 def gca_or_raise(cluster: Cluster, placement: Placement) -> GcaResult:
     res = gca(cluster, placement)
     if not res.chains:
-        raise InfeasibleClusterError("the placement forms no complete chain with a free cache slot: "
-                                     "add servers or memory, or lower the cache reservation c")
+        raise InfeasibleClusterError(
+            "the placement forms no complete chain with a free cache slot: "
+            "add servers or memory, or lower the cache reservation c"
+        )
     return res

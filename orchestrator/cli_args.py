@@ -1,4 +1,5 @@
 """argparse value types shared by the orchestrator's commands (plan, simulate, orchestrator)."""
+
 from __future__ import annotations
 
 import argparse

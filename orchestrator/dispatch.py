@@ -28,6 +28,7 @@ decisions unchanged when unused (the simulator never passes them):
 
 Dispatchers read no clock; the caller (simulator or online service) feeds events in time order.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -74,8 +75,9 @@ class Dispatcher(ABC):
     name: str
 
     @abstractmethod
-    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None,
-                   request: DispatchRequest | None = None) -> list[Start]:
+    def on_arrival(
+        self, job_id: int, allowed: frozenset[int] | None = None, request: DispatchRequest | None = None
+    ) -> list[Start]:
         """A job arrives: return the jobs that start now (possibly this one); the rest wait.
         ``allowed``: the chains it may use (None: all). ``request``: what the prompt-aware policies
         (e2, d2lpm, rr-lpm, vtc-rr, below) read; the others ignore it."""
@@ -104,8 +106,9 @@ def _check_chains(chains: Sequence[ChainSpec]) -> None:
         raise ValueError("a dispatcher needs at least one chain")
     for i, k in enumerate(chains):
         if k.capacity < 1 or not k.service_time_s > 0:
-            raise ValueError(f"chain {i} needs capacity >= 1 and service_time_s > 0, "
-                             f"got {k.capacity}, {k.service_time_s}")
+            raise ValueError(
+                f"chain {i} needs capacity >= 1 and service_time_s > 0, got {k.capacity}, {k.service_time_s}"
+            )
 
 
 class JffcDispatcher(Dispatcher):
@@ -142,8 +145,9 @@ class JffcDispatcher(Dispatcher):
         ok = [e for e in self._free_heap if e[1] in allowed]
         return min(ok)[1] if ok else None
 
-    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None,
-                   request: DispatchRequest | None = None) -> list[Start]:
+    def on_arrival(
+        self, job_id: int, allowed: frozenset[int] | None = None, request: DispatchRequest | None = None
+    ) -> list[Start]:
         # Why the queue need not be consulted: after every event no waiting job can use a free chain,
         # so a free chain the newcomer may use is one no earlier job wanted.
         k = self._fastest_free(allowed)
@@ -167,8 +171,9 @@ class JffcDispatcher(Dispatcher):
             if self._order is None:  # FIFO: no copy of the queue per event (the simulator's hot path)
                 w = next((j for j, allowed in self._queue.items() if allowed is None or k in allowed), None)
             else:
-                w = next((j for j in self._order(list(self._queue))
-                          if self._queue[j] is None or k in self._queue[j]), None)
+                w = next(
+                    (j for j in self._order(list(self._queue)) if self._queue[j] is None or k in self._queue[j]), None
+                )
             if w is not None:
                 del self._queue[w]
                 return [self._start(w, k)]
@@ -230,8 +235,9 @@ class _DedicatedQueueDispatcher(Dispatcher):
             mask &= keep
         return np.flatnonzero(mask)
 
-    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None,
-                   request: DispatchRequest | None = None) -> list[Start]:
+    def on_arrival(
+        self, job_id: int, allowed: frozenset[int] | None = None, request: DispatchRequest | None = None
+    ) -> list[Start]:
         cand = self._candidates(allowed)
         if not len(cand):
             raise ValueError(f"{self.name}: job {job_id} may use no live chain; check fits before dispatching")
@@ -337,6 +343,7 @@ class SaJsqDispatcher(_DedicatedQueueDispatcher):
 class ServerCost:
     """A server's calibrated per-block, per-token times (the paper's t_I and t_O; Preble's PrefillTime and
     DecodeTime regressions, here linear through 0)."""
+
     t_in_s: float
     t_out_s: float
 
@@ -356,6 +363,7 @@ class PrefixParams:
     - ``lookahead``: a freed slot's longest-match search looks at the first `lookahead` candidates of
       the queue (arrival order), so an event costs O(lookahead) lookups however long the queue grows.
     """
+
     window: int = 256
     th_bal: float = 2.0
     quantum_client: float = 4096.0
@@ -371,9 +379,15 @@ class _PromptAwareDispatcher(Dispatcher):
 
     uses_index = True
 
-    def __init__(self, chains: Sequence[ChainSpec], *, index: PrefixIndex | None = None,
-                 hop_servers: Sequence[Sequence] | None = None, costs: dict | None = None,
-                 params: PrefixParams | None = None):
+    def __init__(
+        self,
+        chains: Sequence[ChainSpec],
+        *,
+        index: PrefixIndex | None = None,
+        hop_servers: Sequence[Sequence] | None = None,
+        costs: dict | None = None,
+        params: PrefixParams | None = None,
+    ):
         _check_chains(chains)
         self._chains = list(chains)
         self.params = params or PrefixParams()
@@ -414,8 +428,13 @@ class _PromptAwareDispatcher(Dispatcher):
         return self.index.chain_match_tokens(self._hops[k], req.client_id, req.prefix_hashes, req.prompt_tokens)
 
     def _free(self, allowed: frozenset[int] | None) -> list[int]:
-        return [k for k in range(len(self._chains)) if self._busy[k] < self._chains[k].capacity
-                and k not in self._disabled and (allowed is None or k in allowed)]
+        return [
+            k
+            for k in range(len(self._chains))
+            if self._busy[k] < self._chains[k].capacity
+            and k not in self._disabled
+            and (allowed is None or k in allowed)
+        ]
 
     def _start(self, job_id: int, k: int, req: DispatchRequest) -> Start:
         match = self.match_tokens(k, req)
@@ -429,8 +448,9 @@ class _PromptAwareDispatcher(Dispatcher):
         self.index.learn(self._hops[k], req.client_id, req.prefix_hashes)
         return Start(job_id, k, self._chains[k].service_time_s)
 
-    def on_arrival(self, job_id: int, allowed: frozenset[int] | None = None,
-                   request: DispatchRequest | None = None) -> list[Start]:
+    def on_arrival(
+        self, job_id: int, allowed: frozenset[int] | None = None, request: DispatchRequest | None = None
+    ) -> list[Start]:
         req = request if request is not None else DispatchRequest()
         free = self._free(allowed)
         if not free:
@@ -551,12 +571,15 @@ class E2Dispatcher(_PromptAwareDispatcher):
         return self._prefill_s.get(server, 0.0) + self._decode_units.get(server, 0.0) * avg_out
 
     def _chain_cost(self, k: int, missed: int) -> float:
-        return sum(self._load(h.server) + m * self._cost(h.server).t_in_s * missed
-                   for h, m in zip(self._hops[k], self._blocks[k]))
+        return sum(
+            self._load(h.server) + m * self._cost(h.server).t_in_s * missed
+            for h, m in zip(self._hops[k], self._blocks[k])
+        )
 
     def _best_by_cost(self, cands: list[int], req: DispatchRequest, match: dict[int, int]) -> int:
-        return min(cands, key=lambda k: (self._chain_cost(k, req.prompt_tokens - match[k]),
-                                         self._chains[k].dispatch_time_s, k))
+        return min(
+            cands, key=lambda k: (self._chain_cost(k, req.prompt_tokens - match[k]), self._chains[k].dispatch_time_s, k)
+        )
 
     def _imbalanced_heaviest(self):
         servers = {h.server for k in range(len(self._chains)) if k not in self._disabled for h in self._hops[k]}
@@ -584,8 +607,10 @@ class E2Dispatcher(_PromptAwareDispatcher):
 
     def _granted(self, job_id: int, k: int, req: DispatchRequest, match_tokens: int) -> None:
         missed = max(0, req.prompt_tokens - match_tokens)
-        parts = tuple((h.server, m * self._cost(h.server).t_in_s * missed, m * self._cost(h.server).t_out_s)
-                      for h, m in zip(self._hops[k], self._blocks[k]))
+        parts = tuple(
+            (h.server, m * self._cost(h.server).t_in_s * missed, m * self._cost(h.server).t_out_s)
+            for h, m in zip(self._hops[k], self._blocks[k])
+        )
         self._window.append((parts, float(req.output_tokens)))
         self._add(parts, float(req.output_tokens), +1)
         while len(self._window) > self.params.window:
@@ -744,14 +769,27 @@ class VtcRrDispatcher(_PromptAwareDispatcher):
 
 PROMPT_AWARE = {"e2": E2Dispatcher, "d2lpm": D2lpmDispatcher, "rr-lpm": RrLpmDispatcher, "vtc-rr": VtcRrDispatcher}
 
-DISPATCHERS = {"jffc": JffcDispatcher, "jsq": JsqDispatcher, "jiq": JiqDispatcher,
-               "sed": SedDispatcher, "sa-jsq": SaJsqDispatcher, **PROMPT_AWARE}
+DISPATCHERS = {
+    "jffc": JffcDispatcher,
+    "jsq": JsqDispatcher,
+    "jiq": JiqDispatcher,
+    "sed": SedDispatcher,
+    "sa-jsq": SaJsqDispatcher,
+    **PROMPT_AWARE,
+}
 
 
-def make_dispatcher(name: str, chains: Sequence[ChainSpec], rng: np.random.Generator | None = None,
-                    order: QueueOrder | None = None, *, index: PrefixIndex | None = None,
-                    hop_servers: Sequence[Sequence] | None = None, costs: dict | None = None,
-                    params: PrefixParams | None = None) -> Dispatcher:
+def make_dispatcher(
+    name: str,
+    chains: Sequence[ChainSpec],
+    rng: np.random.Generator | None = None,
+    order: QueueOrder | None = None,
+    *,
+    index: PrefixIndex | None = None,
+    hop_servers: Sequence[Sequence] | None = None,
+    costs: dict | None = None,
+    params: PrefixParams | None = None,
+) -> Dispatcher:
     """Factory: ``name`` in DISPATCHERS. ``order`` (JFFC's central queue order) is refused for the others,
     whose queue orders are their own. The prompt-aware policies (e2, d2lpm, rr-lpm, vtc-rr) read and
     teach ``index`` (a PrefixIndex that outlives the dispatcher; None: a private one), name each hop's
@@ -762,8 +800,9 @@ def make_dispatcher(name: str, chains: Sequence[ChainSpec], rng: np.random.Gener
     if name == "jffc":
         return JffcDispatcher(chains, order)
     if order is not None:
-        raise ValueError(f"dispatch policy {name!r} orders its own queue; a queue order "
-                         "(e.g. --queue fair) needs --dispatch jffc")
+        raise ValueError(
+            f"dispatch policy {name!r} orders its own queue; a queue order (e.g. --queue fair) needs --dispatch jffc"
+        )
     if name in PROMPT_AWARE:
         return PROMPT_AWARE[name](chains, index=index, hop_servers=hop_servers, costs=costs, params=params)
     return DISPATCHERS[name](chains, rng)

@@ -11,6 +11,7 @@ Conventions (see DESIGN.md):
 - The dummy source j_0 of the paper "ends" at block 0 (``end = 0``), the dummy sink j_{J+1}
   "starts" at block L; in this module they are the integers ``SOURCE = -1`` and ``SINK = -2``.
 """
+
 from __future__ import annotations
 
 import math
@@ -84,7 +85,9 @@ class Server:
     @property
     def shared_per_block_s(self) -> float:
         """The per-block part of tau^p a batch pays once (0 unless shared compute with a block overhead)."""
-        return self.batch_block_overhead_s if (self.batch_overhead_s is not None and self.batch_block_overhead_s) else 0.0
+        return (
+            self.batch_block_overhead_s if (self.batch_overhead_s is not None and self.batch_block_overhead_s) else 0.0
+        )
 
     def busy_s(self, blocks: int, sessions: float) -> float | None:
         """How long `sessions` sessions through `blocks` of this server's blocks keep it busy per
@@ -152,11 +155,14 @@ def validate_cluster(cluster: Cluster) -> None:
         if sv.rtt_s is not None and not sv.rtt_s >= 0:
             raise InvalidClusterError(f"server {sv.name!r}: 'rtt' must be >= 0, got {sv.rtt_s!r}")
         if sv.batch_overhead_s is not None and not (sv.batch_overhead_s >= 0 and math.isfinite(sv.batch_overhead_s)):
-            raise InvalidClusterError(f"server {sv.name!r}: 'batch_overhead' must be a non-negative number, "
-                                      f"got {sv.batch_overhead_s!r}")
+            raise InvalidClusterError(
+                f"server {sv.name!r}: 'batch_overhead' must be a non-negative number, got {sv.batch_overhead_s!r}"
+            )
         if sv.batch_block_overhead_s is not None and not (0 <= sv.batch_block_overhead_s <= sv.tau_p_s):
-            raise InvalidClusterError(f"server {sv.name!r}: 'batch_block_overhead' must lie in [0, tau_p] (it is the "
-                                      f"part of tau_p a batch pays once per block), got {sv.batch_block_overhead_s!r}")
+            raise InvalidClusterError(
+                f"server {sv.name!r}: 'batch_block_overhead' must lie in [0, tau_p] (it is the "
+                f"part of tau_p a batch pays once per block), got {sv.batch_block_overhead_s!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -313,14 +319,14 @@ def server_busy_s(cluster: Cluster, chains: Iterable[ChainSpec]) -> list[float |
         spans = [(b, k.capacity) for k in chains for i, b in zip(k.servers, k.blocks) if i == j]
         used = set().union(*(range(b.start, b.end) for b, _ in spans)) if spans else set()
         b_s = sv.shared_per_block_s
-        out.append(sv.batch_overhead_s + len(used) * b_s
-                   + sum(c * b.num_blocks * (sv.tau_p_s - b_s) for b, c in spans))
+        out.append(sv.batch_overhead_s + len(used) * b_s + sum(c * b.num_blocks * (sv.tau_p_s - b_s) for b, c in spans))
     return out
 
 
 def saturating_capacity(cluster: Cluster, chain: ChainSpec) -> int:
     """The sessions at which chain k's busiest shared-compute server saturates: the smallest n whose
-    busy time (`Server.busy_s`: batch_overhead_j + n m_kj tau^p_j, the per-block batch part once) reaches the chain's uncontended time T_k. Up to it
+    busy time (`Server.busy_s`: batch_overhead_j + n m_kj tau^p_j, the per-block batch part once) reaches the chain's
+    uncontended time T_k. Up to it
     each session adds a full session's worth of throughput; past it a session only stretches every
     session's time by m tau^p (throughput grows by the amortised overhead alone), so a job is better
     kept in JFFC's central queue or sent to another chain. The chain's capacity if no server is shared."""

@@ -1,4 +1,5 @@
 """GBP-CR: Greedy Block Placement with Cache Reservation (Alg. 1, eqs 8, 9, 12, 13)."""
+
 from __future__ import annotations
 
 import bisect
@@ -57,12 +58,19 @@ def server_arrays(cluster: Cluster) -> ServerArrays:
     mem = np.array([sv.memory for sv in cluster.servers], dtype=float)
     values, inverse = np.unique(mem, return_inverse=True)
     shared = [sv.batch_overhead_s for sv in cluster.servers]
-    overhead = None if all(o is None for o in shared) else \
-        np.array([math.nan if o is None else o for o in shared], dtype=float)
-    return ServerArrays(tuple(float(v) for v in values), inverse,
-                        np.array([sv.tau_c_s for sv in cluster.servers], dtype=float),
-                        np.array([sv.tau_p_s for sv in cluster.servers], dtype=float), overhead,
-                        None if overhead is None else np.array([sv.shared_per_block_s for sv in cluster.servers]))
+    overhead = (
+        None
+        if all(o is None for o in shared)
+        else np.array([math.nan if o is None else o for o in shared], dtype=float)
+    )
+    return ServerArrays(
+        tuple(float(v) for v in values),
+        inverse,
+        np.array([sv.tau_c_s for sv in cluster.servers], dtype=float),
+        np.array([sv.tau_p_s for sv in cluster.servers], dtype=float),
+        overhead,
+        None if overhead is None else np.array([sv.shared_per_block_s for sv in cluster.servers]),
+    )
 
 
 def _blocks_per_class(cluster: Cluster, c: int, arrays: ServerArrays) -> list[int]:
@@ -134,8 +142,9 @@ class GbpCrSweep:
             busy = None
         else:  # Server.busy_s of c sessions through the server's m blocks
             b_arr = self.arrays.shared_per_block_s
-            busy = np.nan_to_num(self.arrays.batch_overhead_s + m_arr * b_arr
-                                 + c * (self.arrays.tau_p_s - b_arr) * m_arr, nan=0.0)
+            busy = np.nan_to_num(
+                self.arrays.batch_overhead_s + m_arr * b_arr + c * (self.arrays.tau_p_s - b_arr) * m_arr, nan=0.0
+            )
         holders = np.flatnonzero(m_arr > 0)
         # line 1, 3: by t_j / m_j, ties to the smaller index (lexsort: last key is the primary one)
         order = holders[np.lexsort((holders, t_arr[holders] / m_arr[holders]))].tolist()
@@ -187,10 +196,15 @@ class GbpCrSweep:
             start = end
         used = np.zeros(len(m_arr), dtype=bool)
         used[run.order[:n_used]] = True
-        res = GbpCrResult(c=c, placement=Placement(tuple(ranges)), chains=tuple(chains),
-                          chain_times_s=tuple(run.chain_times_s[:n_chains]),
-                          scaled_rate_per_s=run.nu_prefix[n_chains - 1] if n_chains else 0.0,
-                          meets_target=met, unused_servers=tuple(np.flatnonzero(~used).tolist()))
+        res = GbpCrResult(
+            c=c,
+            placement=Placement(tuple(ranges)),
+            chains=tuple(chains),
+            chain_times_s=tuple(run.chain_times_s[:n_chains]),
+            scaled_rate_per_s=run.nu_prefix[n_chains - 1] if n_chains else 0.0,
+            meets_target=met,
+            unused_servers=tuple(np.flatnonzero(~used).tolist()),
+        )
         self._results[key] = res
         return res
 
@@ -205,7 +219,8 @@ def gbp_cr_or_raise(cluster: Cluster, c: int) -> GbpCrResult:
             f"with cache reservation c={c} the servers hold {total} blocks in total (each block needs "
             f"{s.block_size + s.cache_size * c:.6g} in the cluster's memory unit), fewer than the model's "
             f"{s.num_blocks}: "
-            f"add servers or memory, or lower c")
+            f"add servers or memory, or lower c"
+        )
     return res
 
 
@@ -245,17 +260,21 @@ def gbp_cr_fixed(cluster: Cluster, c: int, fixed: dict[int, BlockInterval]) -> P
     for j in sorted(fixed, key=lambda j: (t_fixed(j) / (fixed[j].end - fixed[j].start), j)):
         r = fixed[j]
         for k, cov in enumerate(covered):
-            if not cov[r.start:r.end].any():
-                cov[r.start:r.end] = True
+            if not cov[r.start : r.end].any():
+                cov[r.start : r.end] = True
                 seeds[k].append(j)
                 break
         else:
             cov = np.zeros(L, dtype=bool)
-            cov[r.start:r.end] = True
+            cov[r.start : r.end] = True
             covered.append(cov)
             seeds.append([j])
-    free = [j for j in sorted((j for j in range(cluster.num_servers) if j not in fixed and m[j] > 0),
-                              key=lambda j: (t[j] / m[j], j))]
+    free = [
+        j
+        for j in sorted(
+            (j for j in range(cluster.num_servers) if j not in fixed and m[j] > 0), key=lambda j: (t[j] / m[j], j)
+        )
+    ]
     pos = 0
     nu = 0.0
     for k, cov in enumerate(covered):

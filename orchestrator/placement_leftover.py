@@ -12,6 +12,7 @@ new placement has a total service rate nu (eq. 4) no lower and a Theorem 3.7 low
 mean response time no higher than before; otherwise it stays idle. So by construction the rate
 GBP-CR + GCA achieve never drops (tests/test_leftover_placement.py checks it on random clusters).
 """
+
 from __future__ import annotations
 
 import math
@@ -45,13 +46,13 @@ def _spare_sessions(cluster: Cluster, placement: Placement, residual_after: tupl
     spare = np.zeros(L)
     for j, r in enumerate(placement.ranges):
         if r is not None:
-            spare[r.start:r.end] += residual_after[j] / r.num_blocks
+            spare[r.start : r.end] += residual_after[j] / r.num_blocks
     return spare
 
 
 def _tightest_window(spare: np.ndarray, m: int) -> int:
     L = len(spare)
-    return min(range(L - m + 1), key=lambda a: (tuple(np.sort(spare[a:a + m])), a))
+    return min(range(L - m + 1), key=lambda a: (tuple(np.sort(spare[a : a + m])), a))
 
 
 def place_leftover(cluster: Cluster, placement: Placement, c: int, base: GcaResult | None = None) -> LeftoverResult:
@@ -103,8 +104,9 @@ class LeftoverChoice:
     rate_per_s: float
 
 
-def tune_c_with_leftover(cluster: Cluster, tuning: str = "lower",
-                         tie_rel: float = TIE_REL) -> tuple[LeftoverChoice, list[TuningRow]]:
+def tune_c_with_leftover(
+    cluster: Cluster, tuning: str = "lower", tie_rel: float = TIE_REL
+) -> tuple[LeftoverChoice, list[TuningRow]]:
     """c* when the leftover step runs (beyond the paper): c ranked by the paper's objective, as
     ``tune_c`` does, but the c whose objective is within ``tie_rel`` of the best are a tie, won by the
     installed plan (after the leftover step) with the larger nu, then the smaller c. Why: tied

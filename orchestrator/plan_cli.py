@@ -1,4 +1,5 @@
 """`petals-chain plan`: read a cluster JSON, print the plan as JSON (docs/orchestrator.md)."""
+
 from __future__ import annotations
 
 import json
@@ -12,16 +13,34 @@ from petals_chain.cli.args import CliParser
 
 
 def main(argv: list[str]) -> int:
-    parser = CliParser(prog="petals-chain plan",
-                                     description="Plan block placement and server chains for a cluster (GBP-CR + GCA).")
+    parser = CliParser(
+        prog="petals-chain plan", description="Plan block placement and server chains for a cluster (GBP-CR + GCA)."
+    )
     parser.add_argument("--cluster", required=True, help="cluster JSON file (schema: docs/orchestrator.md)")
-    parser.add_argument("--policy", choices=POLICIES, default="proposed",
-                        help="proposed (GBP-CR + GCA, default) or a baseline (docs/orchestrator.md)")
-    parser.add_argument("--c", type=parse_c, default=None, help="cache reservation c of GBP-CR: 'auto' (tuned, default) or N; policy proposed only")
-    parser.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for tuning c (default: lower); policy proposed only")
-    parser.add_argument("--leftover-placement", action="store_true",
-                        help="also place blocks on the servers GBP-CR leaves idle, as `petals-chain orchestrator "
-                             "--leftover-placement` does, c auto's ties going to the widest of those plans (policy proposed only)")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="proposed",
+        help="proposed (GBP-CR + GCA, default) or a baseline (docs/orchestrator.md)",
+    )
+    parser.add_argument(
+        "--c",
+        type=parse_c,
+        default=None,
+        help="cache reservation c of GBP-CR: 'auto' (tuned, default) or N; policy proposed only",
+    )
+    parser.add_argument(
+        "--tuning",
+        choices=TUNINGS,
+        default="lower",
+        help="objective for tuning c (default: lower); policy proposed only",
+    )
+    parser.add_argument(
+        "--leftover-placement",
+        action="store_true",
+        help="also place blocks on the servers GBP-CR leaves idle, as `petals-chain orchestrator "
+        "--leftover-placement` does, c auto's ties going to the widest of those plans (policy proposed only)",
+    )
     parser.add_argument("--table", action="store_true", help="include the per-c tuning table")
     try:
         args = parser.parse_args(argv)

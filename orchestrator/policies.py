@@ -9,6 +9,7 @@ service and the experiment read policies from here and nowhere else.
 - "petals", "bprr": the baselines' placements, routed per request by the baseline's router
   (``per_request``). The chains GCA finds on their placement are kept as a reference.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,17 +58,28 @@ class Policy:
     per_request: bool  # routes each session with the baseline's router instead of dispatching over chains
     tunes_c: bool = False  # takes --c / --tuning
 
-    def dispatcher(self, cluster: Cluster, placement: Placement, chains, rng: np.random.Generator | None = None,
-                   dispatch: str = "jffc", baseline: BaselineOptions | None = None,
-                   order: QueueOrder | None = None) -> Dispatcher:
+    def dispatcher(
+        self,
+        cluster: Cluster,
+        placement: Placement,
+        chains,
+        rng: np.random.Generator | None = None,
+        dispatch: str = "jffc",
+        baseline: BaselineOptions | None = None,
+        order: QueueOrder | None = None,
+    ) -> Dispatcher:
         """The dispatcher this policy runs with: ``dispatch`` over ``chains``, or the per-request router
         over ``placement``."""
         if not self.per_request:
             return make_dispatcher(dispatch, chains, rng, order)
         o = baseline or BaselineOptions()
         if self.name == "petals":
-            return PetalsRouter(cluster, placement, fixed_cache_per_block=o.petals_fixed_cache_per_block,
-                                commit_at_arrival=o.commit_at_arrival)
+            return PetalsRouter(
+                cluster,
+                placement,
+                fixed_cache_per_block=o.petals_fixed_cache_per_block,
+                commit_at_arrival=o.commit_at_arrival,
+            )
         return BprrRouter(cluster, placement, wait=o.bprr_wait, commit_at_arrival=o.commit_at_arrival)
 
 
@@ -85,8 +97,10 @@ def _place_proposed(cluster: Cluster, req: PlacementRequest) -> Placed:
             raise ValueError(f"c must be >= 1, got {req.c}")
         cand = evaluate_c(cluster, req.c)
         if cand is None:
-            raise InfeasibleClusterError(f"with c={req.c} GBP-CR forms no complete chain (c_max = {max_capacity(cluster)}); "
-                                         "lower c, or add servers or memory")
+            raise InfeasibleClusterError(
+                f"with c={req.c} GBP-CR forms no complete chain (c_max = {max_capacity(cluster)}); "
+                "lower c, or add servers or memory"
+            )
         table = (cand.row,)
     placement, chains, placed = cand.gbp.placement, cand.gca.chains, ()
     if req.leftover:
@@ -111,12 +125,15 @@ def _place_bprr(cluster: Cluster, req: PlacementRequest) -> Placed:
     return Placed(placement, tuple(gca(cluster, placement).chains), r)
 
 
-REGISTRY: dict[str, Policy] = {p.name: p for p in (
-    Policy("proposed", _place_proposed, per_request=False, tunes_c=True),
-    Policy("petals", _place_petals, per_request=True),
-    Policy("bprr", _place_bprr, per_request=True),
-    Policy("jffc-only", _place_jffc_only, per_request=False),
-)}
+REGISTRY: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy("proposed", _place_proposed, per_request=False, tunes_c=True),
+        Policy("petals", _place_petals, per_request=True),
+        Policy("bprr", _place_bprr, per_request=True),
+        Policy("jffc-only", _place_jffc_only, per_request=False),
+    )
+}
 POLICY_NAMES: tuple[str, ...] = tuple(REGISTRY)
 
 

@@ -23,6 +23,7 @@ session never ran, and no report would ever mention it.
 Bounded: at most ``max_entries`` (server, namespace, hash) entries, least recently used dropped first.
 Pure: no clock, no I/O, no lock (its owner holds one).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -39,6 +40,7 @@ PROVISIONAL_REPORTS = 2  # a learned entry no report confirmed after this many r
 @dataclass(frozen=True)
 class HopKey:
     """One hop of a chain as the index sees it: the server and the first block it runs."""
+
     server: Hashable
     first_block: int
 
@@ -50,8 +52,13 @@ def namespace(sharing: str, client_id: str, first_block: int) -> str:
 
 
 class PrefixIndex:
-    def __init__(self, *, sharing: str = "client", max_entries: int = DEFAULT_MAX_ENTRIES,
-                 chunk_tokens: int = PREFIX_CHUNK_TOKENS):
+    def __init__(
+        self,
+        *,
+        sharing: str = "client",
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        chunk_tokens: int = PREFIX_CHUNK_TOKENS,
+    ):
         if sharing not in SHARING_SCOPES:
             raise ValueError(f"prefix sharing must be one of {', '.join(SHARING_SCOPES)}, got {sharing!r}")
         if max_entries < 1:
@@ -88,8 +95,9 @@ class PrefixIndex:
             n += 1
         return n
 
-    def chain_match_tokens(self, hops: Sequence[HopKey], client_id: str, hashes: Sequence[Hashable],
-                           prompt_tokens: int) -> int:
+    def chain_match_tokens(
+        self, hops: Sequence[HopKey], client_id: str, hashes: Sequence[Hashable], prompt_tokens: int
+    ) -> int:
         """Tokens of the prompt a chain can reuse: min over its hops, whole chunks, one token left to run."""
         if not hashes or not hops:
             return 0
@@ -117,8 +125,9 @@ class PrefixIndex:
         if self._entries.pop((server, ns, h), 0) is None:
             self._unindex((server, ns, h))
 
-    def apply(self, server: Hashable, inserted: Iterable[tuple[str, Hashable]],
-              evicted: Iterable[tuple[str, Hashable]]) -> None:
+    def apply(
+        self, server: Hashable, inserted: Iterable[tuple[str, Hashable]], evicted: Iterable[tuple[str, Hashable]]
+    ) -> None:
         """A server's report: chunks it stored and chunks it dropped since its last report, in that order
         within each list. Evictions are applied after inserts (a chunk inserted then evicted is gone)."""
         mine = self._provisional.get(server, {})

@@ -6,6 +6,7 @@
 - ``brute_force_disjoint_chains``: exact optimum of (10) by enumerating every grouping of the
   servers into disjoint subsets (tiny J only), used to check Theorem 3.4.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,12 @@ def optimal_cache_allocation(cluster: Cluster, chains: Sequence[ChainSpec], slot
         rows.append(row)
         lb.append(-np.inf)
         ub.append(slots[j])
-    res = milp(c=np.ones(K), constraints=LinearConstraint(np.array(rows), lb, ub),
-               integrality=np.ones(K), bounds=Bounds(0, np.inf))
+    res = milp(
+        c=np.ones(K),
+        constraints=LinearConstraint(np.array(rows), lb, ub),
+        integrality=np.ones(K),
+        bounds=Bounds(0, np.inf),
+    )
     if res.status != 0 or res.x is None:
         return None
     return [int(round(x)) for x in res.x]

@@ -21,6 +21,7 @@ losing capacity, moving as few servers as the new plan's chains need. Pure; the 
   nothing moves; at most ``max_moves`` servers move in one step (greedy: the step whose placement
   evaluates best).
 """
+
 from __future__ import annotations
 
 import math
@@ -68,8 +69,9 @@ def evaluate(cluster: Cluster, placement: Placement, c: int | None = None, chain
     if not chains:
         return Evaluated(placement, (), 0, 0.0, math.inf, math.inf, c)
     b = theorem37_bounds(chains, cluster.arrival_rate_per_s)
-    return Evaluated(placement, chains, sum(k.capacity for k in chains), total_service_rate_per_s(chains),
-                     b.lower_s, b.upper_s, c)
+    return Evaluated(
+        placement, chains, sum(k.capacity for k in chains), total_service_rate_per_s(chains), b.lower_s, b.upper_s, c
+    )
 
 
 def not_worse(new: Evaluated, base: Evaluated, tuning: str) -> bool:
@@ -91,8 +93,11 @@ def gain(new: Evaluated, base: Evaluated, tuning: str) -> float:
         return (b - a) / b if b > 0 else 0.0
     if math.isfinite(a):
         return math.inf
-    return (new.rate_per_s - base.rate_per_s) / base.rate_per_s if base.rate_per_s > 0 else (
-        math.inf if new.rate_per_s > 0 else 0.0)
+    return (
+        (new.rate_per_s - base.rate_per_s) / base.rate_per_s
+        if base.rate_per_s > 0
+        else (math.inf if new.rate_per_s > 0 else 0.0)
+    )
 
 
 def equivalent_classes(cluster: Cluster, rel: float) -> list[int]:
@@ -112,9 +117,13 @@ def equivalent_classes(cluster: Cluster, rel: float) -> list[int]:
 
     for j in order:
         s = sv[j]
-        if head is None or not (s.memory == head.memory and close(s.tau_p_s, head.tau_p_s)
-                                and close(s.tau_c_s, head.tau_c_s) and close(s.batch_overhead_s, head.batch_overhead_s)
-                                and close(s.batch_block_overhead_s, head.batch_block_overhead_s)):
+        if head is None or not (
+            s.memory == head.memory
+            and close(s.tau_p_s, head.tau_p_s)
+            and close(s.tau_c_s, head.tau_c_s)
+            and close(s.batch_overhead_s, head.batch_overhead_s)
+            and close(s.batch_block_overhead_s, head.batch_block_overhead_s)
+        ):
             k, head = k + 1, s
         cls[j] = k
     return cls
@@ -124,8 +133,9 @@ def _key(r: BlockInterval | None) -> tuple[int, int] | None:
     return None if r is None else (r.start, r.end)
 
 
-def relabel(target: Placement, installed: Placement, classes: list[int],
-            busy: frozenset[int] = frozenset()) -> Placement:
+def relabel(
+    target: Placement, installed: Placement, classes: list[int], busy: frozenset[int] = frozenset()
+) -> Placement:
     """``target`` with its ranges permuted within classes of equivalent servers so that the most
     servers keep their installed range (see module docstring). Of the servers that must move, idle
     ones (no installed range) take ranges first, busy ones last."""
@@ -143,8 +153,7 @@ def relabel(target: Placement, installed: Placement, classes: list[int],
         if pool[classes[j]][k] > 0:
             pool[classes[j]][k] -= 1
             out[j], done[j] = r, True
-    rest = sorted((j for j in range(n) if not done[j]),
-                  key=lambda j: (installed.ranges[j] is not None, j in busy, j))
+    rest = sorted((j for j in range(n) if not done[j]), key=lambda j: (installed.ranges[j] is not None, j in busy, j))
     for j in rest:
         left = pool[classes[j]]
         real = sorted(k for k, v in left.items() if v > 0 and k is not None)
@@ -160,8 +169,12 @@ def movers(installed: Placement, target: Placement) -> list[int]:
     return [j for j, (a, b) in enumerate(zip(installed.ranges, target.ranges)) if a is not None and _key(a) != _key(b)]
 
 
-def constrained_placement(cluster: Cluster, fixed: dict[int, BlockInterval], c: int | None, tuning: str,
-                          ) -> Evaluated | None:
+def constrained_placement(
+    cluster: Cluster,
+    fixed: dict[int, BlockInterval],
+    c: int | None,
+    tuning: str,
+) -> Evaluated | None:
     """The proposed policy's plan with ``fixed`` servers on their ranges: GBP-CR with fixed servers
     for ``c`` (None: every c whose free servers' m_j(c) differ, ranked by the tuning objective, ties
     to the smaller c, as tune_c). None when no c forms a chain."""
@@ -224,14 +237,16 @@ class Decision:
     candidates: dict = field(default_factory=dict)  # name -> Evaluated (for /status and tests)
 
 
-def _step(cluster: Cluster, installed: Placement, target: Evaluated, moving: list[int], max_moves: int,
-          tuning: str) -> tuple[Evaluated, list[int]]:
+def _step(
+    cluster: Cluster, installed: Placement, target: Evaluated, moving: list[int], max_moves: int, tuning: str
+) -> tuple[Evaluated, list[int]]:
     """At most ``max_moves`` of ``moving`` take their target ranges (servers new to blocks always do);
     greedy: each pick is the mover whose move evaluates best (capacity, then the objective)."""
     if len(moving) <= max_moves:
         return target, moving
-    base = [r if j in moving or r is not None else target.placement.ranges[j]
-            for j, r in enumerate(installed.ranges)]  # idle servers load their target ranges in any step
+    base = [
+        r if j in moving or r is not None else target.placement.ranges[j] for j, r in enumerate(installed.ranges)
+    ]  # idle servers load their target ranges in any step
     chosen: list[int] = []
     left = list(moving)
     cur = evaluate(cluster, Placement(tuple(base)), target.c)
@@ -250,10 +265,20 @@ def _step(cluster: Cluster, installed: Placement, target: Evaluated, moving: lis
     return cur, chosen
 
 
-def decide(cluster: Cluster, installed: Placement, fresh: Evaluated, *, tuning: str = "lower",
-           fixed: dict[int, BlockInterval] | None = None, busy: frozenset[int] = frozenset(),
-           min_gain: float = 0.0, max_moves: int | None = None, equivalent_rel: float = 0.0,
-           installed_c: int | None = None, leftover: bool = False) -> Decision:
+def decide(
+    cluster: Cluster,
+    installed: Placement,
+    fresh: Evaluated,
+    *,
+    tuning: str = "lower",
+    fixed: dict[int, BlockInterval] | None = None,
+    busy: frozenset[int] = frozenset(),
+    min_gain: float = 0.0,
+    max_moves: int | None = None,
+    equivalent_rel: float = 0.0,
+    installed_c: int | None = None,
+    leftover: bool = False,
+) -> Decision:
     """The re-plan to install from ``installed`` (ranges per server of ``cluster``: what servers hold
     now; servers new to the swarm None) given the planner's ``fresh`` plan (see module docstring).
     ``fixed`` servers keep their ranges in every candidate (``fresh`` must already respect them: the
@@ -288,14 +313,17 @@ def decide(cluster: Cluster, installed: Placement, fresh: Evaluated, *, tuning: 
     still = [ev for ev in ok.values() if not movers(installed, ev.placement)]
     best_still = base
     for ev in still:
-        if _better(ev, best_still, tuning) or (ev.capacity > best_still.capacity
-                                               and not _better(best_still, ev, tuning)):
+        if _better(ev, best_still, tuning) or (
+            ev.capacity > best_still.capacity and not _better(best_still, ev, tuning)
+        ):
             best_still = ev
     mv = movers(installed, relabelled.placement)
     if "fresh" not in ok:
-        why = ("the new plan has less capacity or a higher model mean response than the installed one "
-               f"(capacity {relabelled.capacity} vs {base.capacity}, objective "
-               f"{relabelled.objective(tuning):.4g} vs {base.objective(tuning):.4g} s)")
+        why = (
+            "the new plan has less capacity or a higher model mean response than the installed one "
+            f"(capacity {relabelled.capacity} vs {base.capacity}, objective "
+            f"{relabelled.objective(tuning):.4g} vs {base.objective(tuning):.4g} s)"
+        )
     elif not mv:
         why = "the new plan equals the installed one up to equivalent servers: nothing moves"
         best_still = relabelled if _better(relabelled, best_still, tuning) else best_still
@@ -305,12 +333,28 @@ def decide(cluster: Cluster, installed: Placement, fresh: Evaluated, *, tuning: 
             step, chosen = _step(cluster, installed, relabelled, mv, max_moves or len(mv), tuning)
             if not not_worse(step, base, tuning):
                 step, chosen = relabelled, mv  # no partial step keeps the invariant: the whole move, drained
-            return Decision(True, f"predicted gain {g:.3g} >= {min_gain:g}: {len(chosen)} of {len(mv)} server(s) "
-                            "move", base, relabelled, step, tuple(chosen), tuple(j for j in mv if j not in chosen),
-                            g, cands)
-        why = (f"predicted gain {g:.3g} of the plan that moves {len(mv)} server(s) is below the threshold "
-               f"{min_gain:g}")
+            return Decision(
+                True,
+                f"predicted gain {g:.3g} >= {min_gain:g}: {len(chosen)} of {len(mv)} server(s) move",
+                base,
+                relabelled,
+                step,
+                tuple(chosen),
+                tuple(j for j in mv if j not in chosen),
+                g,
+                cands,
+            )
+        why = f"predicted gain {g:.3g} of the plan that moves {len(mv)} server(s) is below the threshold {min_gain:g}"
     if best_still is base or best_still.placement == installed:
         return Decision(False, why, base, candidates=cands)
-    return Decision(True, why + "; idle servers join without moving any", base, best_still, best_still, (), (),
-                    gain(best_still, base, tuning), cands)
+    return Decision(
+        True,
+        why + "; idle servers join without moving any",
+        base,
+        best_still,
+        best_still,
+        (),
+        (),
+        gain(best_still, base, tuning),
+        cands,
+    )

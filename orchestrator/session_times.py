@@ -10,9 +10,11 @@ l_out - 1 decode steps): the paper defines tau_c_j as the mean *total* communica
 server j over all tokens of a request (§3.1, the sentence after eq. 2), and the client relays
 every step through the chain (footnote 4). With server relay (servers push to the next hop, as in
 PETALS 2.2's rpc_push) footnote 4's variant applies: tau_c_ij from the preceding hop i, one one-way
-leg (RTT_ij / 2) per step, and tau_c_j := max_i tau_c_ij (`tau_c_relay_s`). The first-step extra is the larger prefill message
+leg (RTT_ij / 2) per step, and tau_c_j := max_i tau_c_ij (`tau_c_relay_s`). The first-step extra is the larger prefill
+message
 (0 unless measured; the authors' code uses 50 ms, see orchestrator/sim/authors_setup.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +29,9 @@ class SessionShape:
 
     def __post_init__(self) -> None:
         if not self.mean_input_tokens >= 1 or not self.mean_output_tokens >= 1:
-            raise ValueError(f"mean input/output tokens must be >= 1, got {self.mean_input_tokens}, "
-                             f"{self.mean_output_tokens}")
+            raise ValueError(
+                f"mean input/output tokens must be >= 1, got {self.mean_input_tokens}, {self.mean_output_tokens}"
+            )
 
     @property
     def steps(self) -> float:
@@ -36,11 +39,15 @@ class SessionShape:
         return self.mean_output_tokens
 
 
-def tau_p_s(prefill_s_per_token: float, decode_s_per_token: float, shape: SessionShape,
-            per_block_overhead_s: float = 0.0) -> float:
+def tau_p_s(
+    prefill_s_per_token: float, decode_s_per_token: float, shape: SessionShape, per_block_overhead_s: float = 0.0
+) -> float:
     """Footnote 11: t_o + t_I l_in + t_O (l_out - 1), per block, per session."""
-    return per_block_overhead_s + prefill_s_per_token * shape.mean_input_tokens + \
-        decode_s_per_token * (shape.mean_output_tokens - 1)
+    return (
+        per_block_overhead_s
+        + prefill_s_per_token * shape.mean_input_tokens
+        + decode_s_per_token * (shape.mean_output_tokens - 1)
+    )
 
 
 def tau_c_s(rtt_s, shape: SessionShape, per_step_overhead_s: float = 0.0, first_step_extra_s: float = 0.0):
@@ -49,8 +56,9 @@ def tau_c_s(rtt_s, shape: SessionShape, per_step_overhead_s: float = 0.0, first_
     return shape.steps * (rtt_s + per_step_overhead_s) + first_step_extra_s
 
 
-def tau_c_relay_s(predecessor_rtts_s, shape: SessionShape, per_step_overhead_s: float = 0.0,
-                  first_step_extra_s: float = 0.0) -> float:
+def tau_c_relay_s(
+    predecessor_rtts_s, shape: SessionShape, per_step_overhead_s: float = 0.0, first_step_extra_s: float = 0.0
+) -> float:
     """Footnote 4 with server relay: tau_c_j = max_i tau_c_ij, where tau_c_ij = steps x (RTT_ij / 2 +
     per-step overhead) + the first step's extra is the time to receive each step from hop i (one
     one-way leg). `predecessor_rtts_s`: the RTTs from every node that may precede j (the other

@@ -9,6 +9,7 @@ Default ``lower``, as §4.1.2 recommends. GCA runs once per distinct placement (
 Ties go to the smaller c; if every c is infinite under the objective, the c with the largest total
 service rate nu (after GCA) is chosen, so an overloaded cluster still gets its best plan.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,9 @@ class CandidatePlan:
     gca: GcaResult
 
 
-def evaluate_c(cluster: Cluster, c: int, cache: dict | None = None,
-               sweep: GbpCrSweep | None = None) -> CandidatePlan | None:
+def evaluate_c(
+    cluster: Cluster, c: int, cache: dict | None = None, sweep: GbpCrSweep | None = None
+) -> CandidatePlan | None:
     """GBP-CR + GCA + bounds for one c; None if GBP-CR forms no complete chain. ``cache`` (GCA
     result per distinct placement) and ``sweep`` (GbpCrSweep of the cluster) are for callers
     trying many c."""
@@ -71,9 +73,16 @@ def evaluate_c(cluster: Cluster, c: int, cache: dict | None = None,
         b = theorem37_bounds(gc.chains, cluster.arrival_rate_per_s)
         if cache is not None:
             cache[key] = (gc, rate, b)
-    row = TuningRow(c=c, gbp_chains=g.num_chains, meets_target=g.meets_target,
-                    surrogate=c * g.num_chains if g.meets_target else math.inf,
-                    gca_chains=len(gc.chains), total_rate_per_s=rate, lower_s=b.lower_s, upper_s=b.upper_s)
+    row = TuningRow(
+        c=c,
+        gbp_chains=g.num_chains,
+        meets_target=g.meets_target,
+        surrogate=c * g.num_chains if g.meets_target else math.inf,
+        gca_chains=len(gc.chains),
+        total_rate_per_s=rate,
+        lower_s=b.lower_s,
+        upper_s=b.upper_s,
+    )
     return CandidatePlan(row=row, gbp=g, gca=gc)
 
 
@@ -89,7 +98,8 @@ def candidates(cluster: Cluster, c_max: int | None = None) -> list[CandidatePlan
         raise InfeasibleClusterError(
             f"no complete chain for any c in [1, {hi}]: the servers cannot hold the model's "
             f"{s.num_blocks} blocks of size {s.block_size:.6g} plus one cache slot each; "
-            f"add servers or memory")
+            f"add servers or memory"
+        )
     return out
 
 

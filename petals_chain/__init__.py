@@ -5,6 +5,7 @@
 (PEP 562), so `import petals_chain` and the `petals-chain` CLI do not pull in torch and
 transformers until they are needed.
 """
+
 from __future__ import annotations
 
 import importlib

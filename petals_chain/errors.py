@@ -3,6 +3,7 @@
 Errors that cross the wire carry a stable `code` so the receiving side can re-raise the same type
 (see `petals_chain.wire`).
 """
+
 from __future__ import annotations
 
 import enum

@@ -4,7 +4,8 @@ batching on and off, all measured in one run on one local swarm.
 A swarm of one server holding all blocks (processes on 127.0.0.1) and a `petals-chain api`
 process; requests are streaming completions sent by the official `openai` client from threads.
 Both gateways (batching on: default; off: `--client-batch-rows 1`) run side by side and are
-measured in interleaved rounds (medians reported): one request alone, then N at once: aggregate completion tokens/s (all tokens / wall time from the first send
+measured in interleaved rounds (medians reported): one request alone, then N at once: aggregate completion tokens/s
+(all tokens / wall time from the first send
 to the last byte), time to first token and inter-token latency percentiles (per streamed chunk).
 
 The server writes a `--service-log` (one line per batch it ran): the report gives the mean number
@@ -17,6 +18,7 @@ the second turn over the first's (each round uses a new history, so every first 
 
 Prints a table and writes results/bench_api.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +38,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from petals_chain.swarm.local import REPO_ROOT, LocalSwarm
 
-PROMPTS = ["Once upon a time, in a small village by the sea,", "The history of the printing press begins",
-           "Here is a recipe for a simple tomato soup:", "The main causes of the French Revolution were",
-           "A lighthouse keeper wrote in his diary:", "In the year 2150, humanity",
-           "The three laws of thermodynamics state", "My grandmother's garden was"]
+PROMPTS = [
+    "Once upon a time, in a small village by the sea,",
+    "The history of the printing press begins",
+    "Here is a recipe for a simple tomato soup:",
+    "The main causes of the French Revolution were",
+    "A lighthouse keeper wrote in his diary:",
+    "In the year 2150, humanity",
+    "The three laws of thermodynamics state",
+    "My grandmother's garden was",
+]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -50,9 +58,26 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start_gateway(swarm: LocalSwarm, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "petals_chain.cli", "api", "--initial-peers", *swarm.initial_peers,
-                             "--port", "0", "--max-concurrent", "16", *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=swarm.env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "petals_chain.cli",
+            "api",
+            "--initial-peers",
+            *swarm.initial_peers,
+            "--port",
+            "0",
+            "--max-concurrent",
+            "16",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=swarm.env,
+        start_new_session=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -83,25 +108,36 @@ def cpu_s(pid: int) -> float:
 def one_request(client: OpenAI, model: str, prompt: str, max_tokens: int) -> dict:
     start_s = time.perf_counter()
     times, tokens = [], 0
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             times.append(time.perf_counter())
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     end_s = time.perf_counter()
-    return {"start_s": start_s, "end_s": end_s, "tokens": tokens,
-            "ttft_s": times[0] - start_s if times else float("nan"),
-            "itl_s": [b - a for a, b in zip(times, times[1:])]}
+    return {
+        "start_s": start_s,
+        "end_s": end_s,
+        "tokens": tokens,
+        "ttft_s": times[0] - start_s if times else float("nan"),
+        "itl_s": [b - a for a, b in zip(times, times[1:])],
+    }
 
 
 def chat_ttft_s(client: OpenAI, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
     """Time to the first streamed content of a greedy chat request, and the reply's text."""
     start_s = time.perf_counter()
     first_s, text = None, ""
-    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                                stream=True):
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             first_s = first_s or time.perf_counter()
             text += chunk.choices[0].delta.content
@@ -127,10 +163,16 @@ def prefix_reuse(client: OpenAI, model: str, tokenizer, history_tokens: int, rou
         ttft2, _ = chat_ttft_s(client, model, messages, 16)
         firsts.append(ttft1)
         seconds.append(ttft2)
-    prompt_tokens = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
-    return {"history_tokens": history_tokens, "second_turn_prompt_tokens": prompt_tokens,
-            "first_turn_ttft_s": firsts, "second_turn_ttft_s": seconds,
-            "ratio": statistics.median(seconds) / statistics.median(firsts)}
+    prompt_tokens = len(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    )
+    return {
+        "history_tokens": history_tokens,
+        "second_turn_prompt_tokens": prompt_tokens,
+        "first_turn_ttft_s": firsts,
+        "second_turn_ttft_s": seconds,
+        "ratio": statistics.median(seconds) / statistics.median(firsts),
+    }
 
 
 def batch_sizes(log_path: Path, since_line: int) -> tuple[float, int]:
@@ -143,10 +185,11 @@ def batch_sizes(log_path: Path, since_line: int) -> tuple[float, int]:
 def head_counters(url: str) -> tuple[float, float]:
     """The gateway's client head LM calls and the batches they ran in, from its /metrics."""
     text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
-    values = {sample.name: sample.value for family in text_string_to_metric_families(text)
-              for sample in family.samples}
-    return (values.get("petals_chain:client_head_lm_calls_total", 0.0),
-            values.get("petals_chain:client_head_lm_batches_total", 0.0))
+    values = {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
+    return (
+        values.get("petals_chain:client_head_lm_calls_total", 0.0),
+        values.get("petals_chain:client_head_lm_batches_total", 0.0),
+    )
 
 
 def run_concurrent(client: OpenAI, model: str, n: int, max_tokens: int) -> dict:
@@ -170,9 +213,17 @@ def run_concurrent(client: OpenAI, model: str, n: int, max_tokens: int) -> dict:
     tokens = sum(r["tokens"] for r in results)
     itl = [x for r in results for x in r["itl_s"]]
     ttft = [r["ttft_s"] for r in results]
-    return {"requests": n, "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
-            "itl_p50_s": percentile(itl, 50), "itl_p95_s": percentile(itl, 95), "itl_p99_s": percentile(itl, 99)}
+    return {
+        "requests": n,
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p95_s": percentile(ttft, 95),
+        "itl_p50_s": percentile(itl, 50),
+        "itl_p95_s": percentile(itl, 95),
+        "itl_p99_s": percentile(itl, 99),
+    }
 
 
 def main() -> None:
@@ -182,8 +233,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="completion tokens per request (default 32)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians are reported (default 2)")
     p.add_argument("--no-baseline", action="store_true", help="skip the gateway without client head batching")
-    p.add_argument("--history-tokens", type=int, default=500,
-                   help="chat history for the prefix-reuse measurement (0: skip it; default 500)")
+    p.add_argument(
+        "--history-tokens",
+        type=int,
+        default=500,
+        help="chat history for the prefix-reuse measurement (0: skip it; default 500)",
+    )
     p.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench_api.json")
     args = p.parse_args()
 
@@ -191,8 +246,13 @@ def main() -> None:
 
     num_blocks = load_config(resolve_model_path(args.model)).num_hidden_layers
     variants = [("batched", [])] + ([] if args.no_baseline else [("unbatched", ["--client-batch-rows", "1"])])
-    report: dict = {"model": args.model, "requests": args.requests, "max_tokens": args.max_tokens,
-                    "swarm": f"1 server, blocks [0, {num_blocks})", "cpu_count": os.cpu_count()}
+    report: dict = {
+        "model": args.model,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "swarm": f"1 server, blocks [0, {num_blocks})",
+        "cpu_count": os.cpu_count(),
+    }
     runs: dict[str, dict[str, list[dict]]] = {name: {"one": [], "many": []} for name, _ in variants}
     service_log = args.out.parent / "bench_api_service.jsonl"
     service_log.parent.mkdir(parents=True, exist_ok=True)
@@ -218,8 +278,9 @@ def main() -> None:
                         r["sessions_per_server_batch"], _ = batch_sizes(service_log, log_start)
                         head_after = head_counters(url)
                         # the gateway's side of the same: sessions per batched LM head run
-                        r["sessions_per_client_head_batch"] = ((head_after[0] - head_before[0])
-                                                               / max(1.0, head_after[1] - head_before[1]))
+                        r["sessions_per_client_head_batch"] = (head_after[0] - head_before[0]) / max(
+                            1.0, head_after[1] - head_before[1]
+                        )
                         # where the CPU went, per completion token: gateway (client head, sessions,
                         # HTTP), the block server, and this benchmark's own openai clients
                         r["gateway_cpu_ms_per_token"] = 1000 * (cpu_s(proc.pid) - before[0]) / r["tokens"]
@@ -230,37 +291,50 @@ def main() -> None:
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
-                report["prefix_reuse"] = prefix_reuse(gateways[0][2], args.model, tokenizer, args.history_tokens,
-                                                      args.rounds)
+                report["prefix_reuse"] = prefix_reuse(
+                    gateways[0][2], args.model, tokenizer, args.history_tokens, args.rounds
+                )
         finally:
             for _, proc, _, _ in gateways:
                 stop_gateway(proc)
     for name, _ in variants:
         single = {k: statistics.median(r[k] for r in runs[name]["one"]) for k in runs[name]["one"][0]}
         many = {k: statistics.median(r[k] for r in runs[name]["many"]) for k in runs[name]["many"][0]}
-        report[name] = {"one": single, "many": many, "ratio": many["tokens_per_s"] / single["tokens_per_s"],
-                        "rounds": runs[name]}
+        report[name] = {
+            "one": single,
+            "many": many,
+            "ratio": many["tokens_per_s"] / single["tokens_per_s"],
+            "rounds": runs[name],
+        }
     if "unbatched" in report:
-        report["batched_over_unbatched_many"] = (report["batched"]["many"]["tokens_per_s"]
-                                                 / report["unbatched"]["many"]["tokens_per_s"])
-    print(f"{'gateway':10} {'reqs':>4} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8} "
-          f"{'ITL p99':>8}  CPU ms/token: gateway server bench")
+        report["batched_over_unbatched_many"] = (
+            report["batched"]["many"]["tokens_per_s"] / report["unbatched"]["many"]["tokens_per_s"]
+        )
+    print(
+        f"{'gateway':10} {'reqs':>4} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8} "
+        f"{'ITL p99':>8}  CPU ms/token: gateway server bench"
+    )
     for name, _ in variants:
         for key in ("one", "many"):
             r = report[name][key]
-            print(f"{name:10} {int(r['requests']):>4} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>8.3f}s {r['ttft_p95_s']:>8.3f}s "
-                  f"{r['itl_p50_s'] * 1000:>6.0f}ms {r['itl_p95_s'] * 1000:>6.0f}ms {r['itl_p99_s'] * 1000:>6.0f}ms  "
-                  f"{r['gateway_cpu_ms_per_token']:>18.1f} {r['server_cpu_ms_per_token']:>6.1f} "
-                  f"{r['bench_client_cpu_ms_per_token']:>5.1f}  sessions/server batch "
-                  f"{r['sessions_per_server_batch']:.2f}, per LM head batch {r['sessions_per_client_head_batch']:.2f}")
+            print(
+                f"{name:10} {int(r['requests']):>4} {r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>8.3f}s "
+                f"{r['ttft_p95_s']:>8.3f}s "
+                f"{r['itl_p50_s'] * 1000:>6.0f}ms {r['itl_p95_s'] * 1000:>6.0f}ms {r['itl_p99_s'] * 1000:>6.0f}ms  "
+                f"{r['gateway_cpu_ms_per_token']:>18.1f} {r['server_cpu_ms_per_token']:>6.1f} "
+                f"{r['bench_client_cpu_ms_per_token']:>5.1f}  sessions/server batch "
+                f"{r['sessions_per_server_batch']:.2f}, per LM head batch {r['sessions_per_client_head_batch']:.2f}"
+            )
         print(f"{name:10} aggregate {args.requests} requests / 1 request: {report[name]['ratio']:.2f}x")
     if "batched_over_unbatched_many" in report:
         print(f"client head batching, {args.requests} requests: {report['batched_over_unbatched_many']:.2f}x unbatched")
     if "prefix_reuse" in report:
         pr = report["prefix_reuse"]
-        print(f"prefix reuse, {pr['history_tokens']}-token history ({pr['second_turn_prompt_tokens']} prompt tokens "
-              f"in turn 2): TTFT turn 1 {statistics.median(pr['first_turn_ttft_s']):.3f}s, turn 2 "
-              f"{statistics.median(pr['second_turn_ttft_s']):.3f}s, ratio {pr['ratio']:.2f}")
+        print(
+            f"prefix reuse, {pr['history_tokens']}-token history ({pr['second_turn_prompt_tokens']} prompt tokens "
+            f"in turn 2): TTFT turn 1 {statistics.median(pr['first_turn_ttft_s']):.3f}s, turn 2 "
+            f"{statistics.median(pr['second_turn_ttft_s']):.3f}s, ratio {pr['ratio']:.2f}"
+        )
     report["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
     print(f"load average (1/5/15 min): {' '.join(report['loadavg'])}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ Every server runs with `--prefill-tokens-while-decoding` (32 here; the server's 
 `--phases` picks which run (default: all three). Writes results/fairness/bench_fairness.json and
 results/fairness/service_over_time.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,9 @@ class LoopingClient:
     """`sessions` threads, each forever: open, prompt of `prompt_tokens`, `decode_tokens` decode
     steps, close; any failure is retried (the flooder does not back off)."""
 
-    def __init__(self, chain: RemoteChain, head: ClientHead, sessions: int, prompt_tokens: int, decode_tokens: int,
-                 seed: int):
+    def __init__(
+        self, chain: RemoteChain, head: ClientHead, sessions: int, prompt_tokens: int, decode_tokens: int, seed: int
+    ):
         self.chain, self.head = chain, head
         self.prompt_tokens, self.decode_tokens = prompt_tokens, decode_tokens
         self.stop = threading.Event()
@@ -125,10 +127,23 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
     policy, *params = spec.split(":")
     log = out_dir / f"service_{spec.replace(':', '_').replace('=', '')}.jsonl"
     log.unlink(missing_ok=True)
-    server_args = ["--num-threads", str(args.num_threads), "--max-batch-tokens", str(args.max_batch_tokens),
-                   "--max-length", "2048", "--memory-budget", args.memory_budget, "--policy", policy,
-                   "--prefill-tokens-while-decoding", str(args.prefill_tokens_while_decoding),
-                   "--service-log", str(log), "--no-orchestrator"]
+    server_args = [
+        "--num-threads",
+        str(args.num_threads),
+        "--max-batch-tokens",
+        str(args.max_batch_tokens),
+        "--max-length",
+        "2048",
+        "--memory-budget",
+        args.memory_budget,
+        "--policy",
+        policy,
+        "--prefill-tokens-while-decoding",
+        str(args.prefill_tokens_while_decoding),
+        "--service-log",
+        str(log),
+        "--no-orchestrator",
+    ]
     if policy == "vtc":
         server_args += ["--policy-arg", f"w_in={args.w_in}", "--policy-arg", f"w_out={args.w_out}"]
     for param in params:
@@ -138,15 +153,29 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
     cores = sorted(os.sched_getaffinity(0))
     pin = paired and args.flooder_pin_cores and len(cores) >= 2
 
-    print(f"\n== {spec}: starting a one-server swarm" + (" and its twin for the light client alone" if paired else ""),
-          flush=True)
+    print(
+        f"\n== {spec}: starting a one-server swarm" + (" and its twin for the light client alone" if paired else ""),
+        flush=True,
+    )
     with ExitStack() as stack:
-        swarm = stack.enter_context(LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)],
-                                               server_args=server_args, start_timeout_s=600))
+        swarm = stack.enter_context(
+            LocalSwarm(
+                "smollm2-135m", [(0, head.config.num_hidden_layers)], server_args=server_args, start_timeout_s=600
+            )
+        )
         if pin:
             pin_process_tree(swarm.servers[0].process.pid, cores[0])
-        chains = [RemoteChain("smollm2-135m", head.config, swarm.initial_peers, use_orchestrator=False,
-                              step_timeout_s=300, open_timeout_s=60) for _ in range(3)]
+        chains = [
+            RemoteChain(
+                "smollm2-135m",
+                head.config,
+                swarm.initial_peers,
+                use_orchestrator=False,
+                step_timeout_s=300,
+                open_timeout_s=60,
+            )
+            for _ in range(3)
+        ]
         light, flooder, other = chains
         peer = {str(c.p2p.peer_id): name for c, name in zip(chains, ("light", "flooder", "other"))}
         if paired:
@@ -155,12 +184,21 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
             twin_log = log.with_name(log.stem + "_alone.jsonl")
             twin_log.unlink(missing_ok=True)
             twin_args = [twin_log.as_posix() if a == str(log) else a for a in server_args]
-            twin = stack.enter_context(LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)],
-                                                  server_args=twin_args, start_timeout_s=600))
+            twin = stack.enter_context(
+                LocalSwarm(
+                    "smollm2-135m", [(0, head.config.num_hidden_layers)], server_args=twin_args, start_timeout_s=600
+                )
+            )
             if pin:
                 pin_process_tree(twin.servers[0].process.pid, cores[1])
-            light_alone = RemoteChain("smollm2-135m", head.config, twin.initial_peers, use_orchestrator=False,
-                                      step_timeout_s=300, open_timeout_s=60)
+            light_alone = RemoteChain(
+                "smollm2-135m",
+                head.config,
+                twin.initial_peers,
+                use_orchestrator=False,
+                step_timeout_s=300,
+                open_timeout_s=60,
+            )
             chains.append(light_alone)
         try:
             ids = head_ids(head, LIGHT_PROMPT)
@@ -171,8 +209,9 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
             else:
                 alone = [generate(light, head, ids, args.new_tokens) for _ in range(args.light_runs)]
                 print(f"   light alone: mean {statistics.mean(alone):.2f} s over {len(alone)} generations", flush=True)
-            with LoopingClient(flooder, head, args.flooder_sessions, args.flooder_prompt, args.flooder_decode,
-                               seed=1) as flood:
+            with LoopingClient(
+                flooder, head, args.flooder_sessions, args.flooder_prompt, args.flooder_decode, seed=1
+            ) as flood:
                 time.sleep(args.flooder_head_start_s)  # explicit: let the flood build its backlog first
                 t0 = time.monotonic()
                 crowded = []
@@ -182,8 +221,11 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
                     crowded.append(generate(light, head, ids, args.new_tokens))
                 t1 = time.monotonic()
             if paired:
-                print(f"   light alone (twin server, interleaved): mean {statistics.mean(alone):.2f} s over "
-                      f"{len(alone)} generations", flush=True)
+                print(
+                    f"   light alone (twin server, interleaved): mean {statistics.mean(alone):.2f} s over "
+                    f"{len(alone)} generations",
+                    flush=True,
+                )
             batches = read_log(log)
             # the log's clock is the server's time.monotonic(): the same clock on this host
             share = service_by_client(batches, t0, t1, args.w_in, args.w_out)
@@ -191,22 +233,31 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
             waits = light_step_waits([b for b in batches if t0 <= b["t_s"] < t1], light_id)
             total = sum(share.values()) or 1.0
             result["flooder"] = {
-                "light_alone_mean_s": statistics.mean(alone), "light_with_flooder_mean_s": statistics.mean(crowded),
+                "light_alone_mean_s": statistics.mean(alone),
+                "light_with_flooder_mean_s": statistics.mean(crowded),
                 "slowdown": statistics.mean(crowded) / statistics.mean(alone),
-                "light_alone_s": alone, "light_with_flooder_s": crowded,
+                "light_alone_s": alone,
+                "light_with_flooder_s": crowded,
                 "service_share": {peer.get(c, c[:8]): w / total for c, w in share.items()},
                 "light_step_waits": waits,
-                "flooder_completed": flood.completed, "flooder_failures": flood.failures}
+                "flooder_completed": flood.completed,
+                "flooder_failures": flood.failures,
+            }
             f = result["flooder"]
             shares = json.dumps({k: round(v, 3) for k, v in f["service_share"].items()})
-            print(f"   light next to flooder: mean {f['light_with_flooder_mean_s']:.2f} s -> slowdown "
-                  f"{f['slowdown']:.1f}x; service share {shares}; "
-                  f"per decode step it waited {waits.get('mean_batches_waited', float('nan')):.2f} batches, "
-                  f"{waits.get('mean_other_tokens_waited', float('nan')):.0f} tokens of others' work", flush=True)
+            print(
+                f"   light next to flooder: mean {f['light_with_flooder_mean_s']:.2f} s -> slowdown "
+                f"{f['slowdown']:.1f}x; service share {shares}; "
+                f"per decode step it waited {waits.get('mean_batches_waited', float('nan')):.2f} batches, "
+                f"{waits.get('mean_other_tokens_waited', float('nan')):.0f} tokens of others' work",
+                flush=True,
+            )
             # -- two backlogged clients -------------------------------------------------------------
             start_batch = len(read_log(log))
-            with LoopingClient(flooder, head, 2 * args.gap_sessions, args.gap_prompt, args.gap_decode, seed=2), \
-                    LoopingClient(other, head, args.gap_sessions, args.gap_prompt, args.gap_decode, seed=3):
+            with (
+                LoopingClient(flooder, head, 2 * args.gap_sessions, args.gap_prompt, args.gap_decode, seed=2),
+                LoopingClient(other, head, args.gap_sessions, args.gap_prompt, args.gap_decode, seed=3),
+            ):
                 time.sleep(args.gap_duration_s)  # the measurement window: the load runs for this long
             batches = read_log(log)[start_batch:]
             a = next(c for c, n in peer.items() if n == "flooder")
@@ -214,16 +265,27 @@ def run_policy(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
             gap, counted = max_backlogged_gap(batches, a, b, args.w_in, args.w_out)
             u = max(args.w_in * args.max_batch_tokens, args.w_out * args.max_batch_tokens)
             served = service_by_client(batches, float("-inf"), float("inf"), args.w_in, args.w_out)
-            result["gap"] = {"max_gap_weighted_tokens": gap, "bound_2U": 2 * u, "U": u,
-                             "batches_both_backlogged": counted, "batches": len(batches),
-                             "service": {{a: "a", b: "b"}.get(c, c[:8]): w for c, w in served.items()},
-                             "series": cumulative_series(batches, {a: f"client a ({2 * args.gap_sessions} sessions)",
-                                                                   b: f"client b ({args.gap_sessions} sessions)"},
-                                                         args.w_in, args.w_out)}
+            result["gap"] = {
+                "max_gap_weighted_tokens": gap,
+                "bound_2U": 2 * u,
+                "U": u,
+                "batches_both_backlogged": counted,
+                "batches": len(batches),
+                "service": {{a: "a", b: "b"}.get(c, c[:8]): w for c, w in served.items()},
+                "series": cumulative_series(
+                    batches,
+                    {a: f"client a ({2 * args.gap_sessions} sessions)", b: f"client b ({args.gap_sessions} sessions)"},
+                    args.w_in,
+                    args.w_out,
+                ),
+            }
             g = result["gap"]
-            print(f"   two backlogged clients: max service gap {gap:.0f} weighted tokens over {counted} of "
-                  f"{len(batches)} batches (VTC bound 2U = {2 * u:.0f}); service "
-                  f"{json.dumps({k: round(v) for k, v in g['service'].items()})}", flush=True)
+            print(
+                f"   two backlogged clients: max service gap {gap:.0f} weighted tokens over {counted} of "
+                f"{len(batches)} batches (VTC bound 2U = {2 * u:.0f}); service "
+                f"{json.dumps({k: round(v) for k, v in g['service'].items()})}",
+                flush=True,
+            )
         finally:
             for c in chains:
                 c.shutdown()
@@ -251,8 +313,11 @@ def light_step_waits(batches: list[dict], light: str) -> dict:
         waits_tokens.append(sum(i[1] for k in range(a + 1, b + 1) for i in batches[k]["items"] if i[0] != light))
     if not waits_batches:
         return {}
-    return {"steps": len(waits_batches), "mean_batches_waited": statistics.mean(waits_batches),
-            "mean_other_tokens_waited": statistics.mean(waits_tokens)}
+    return {
+        "steps": len(waits_batches),
+        "mean_batches_waited": statistics.mean(waits_batches),
+        "mean_other_tokens_waited": statistics.mean(waits_tokens),
+    }
 
 
 def cumulative_series(batches, names: dict[str, str], w_in: float, w_out: float) -> dict[str, list]:
@@ -292,33 +357,51 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policies", default="fcfs,vtc,vtc:max_client_share=0.5",
-                   help="comma-separated policies, each NAME or NAME:PARAM=VALUE[:...] (--policy-arg of the server)")
+    p.add_argument(
+        "--policies",
+        default="fcfs,vtc,vtc:max_client_share=0.5",
+        help="comma-separated policies, each NAME or NAME:PARAM=VALUE[:...] (--policy-arg of the server)",
+    )
     p.add_argument("--max-batch-tokens", type=int, default=128)
     p.add_argument("--w-in", type=float, default=1.0)
     p.add_argument("--w-out", type=float, default=2.0)
     p.add_argument("--memory-budget", default="2GiB")
     p.add_argument("--num-threads", type=int, default=1)
-    p.add_argument("--prefill-tokens-while-decoding", type=int, default=32,
-                   help="the servers' --prefill-tokens-while-decoding in every phase (0: off, the server's default)")
+    p.add_argument(
+        "--prefill-tokens-while-decoding",
+        type=int,
+        default=32,
+        help="the servers' --prefill-tokens-while-decoding in every phase (0: off, the server's default)",
+    )
     p.add_argument("--new-tokens", type=int, default=8, help="tokens per well-behaved generation")
     p.add_argument("--light-runs", type=int, default=4, help="well-behaved generations per phase")
     p.add_argument("--flooder-sessions", type=int, default=6)
     p.add_argument("--flooder-prompt", type=int, default=700)
     p.add_argument("--flooder-decode", type=int, default=4)
     p.add_argument("--flooder-head-start-s", type=float, default=3.0)
-    p.add_argument("--flooder-schedule", choices=("paired", "sequential"), default="paired",
-                   help="paired: the light client's generations alone run on a twin server (its own core) "
-                        "interleaved with those next to the flooder, so both see the same load; sequential: alone "
-                        "first, then next to the flooder, on one server")
-    p.add_argument("--flooder-pin-cores", action=argparse.BooleanOptionalAction, default=True,
-                   help="paired: pin the flooder's server and the twin to a core each once they are up")
+    p.add_argument(
+        "--flooder-schedule",
+        choices=("paired", "sequential"),
+        default="paired",
+        help="paired: the light client's generations alone run on a twin server (its own core) "
+        "interleaved with those next to the flooder, so both see the same load; sequential: alone "
+        "first, then next to the flooder, on one server",
+    )
+    p.add_argument(
+        "--flooder-pin-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="paired: pin the flooder's server and the twin to a core each once they are up",
+    )
     p.add_argument("--gap-sessions", type=int, default=2, help="client b's sessions (client a runs twice as many)")
     p.add_argument("--gap-prompt", type=int, default=256)
     p.add_argument("--gap-decode", type=int, default=8)
     p.add_argument("--gap-duration-s", type=float, default=90.0)
-    p.add_argument("--phases", default="flooder,gap,prefix",
-                   help="which phases run: flooder and gap (per --policies, together), prefix (per --prefix-policies)")
+    p.add_argument(
+        "--phases",
+        default="flooder,gap,prefix",
+        help="which phases run: flooder and gap (per --policies, together), prefix (per --prefix-policies)",
+    )
     fairness_prefix.add_arguments(p)
     p.add_argument("--out", default=str(REPO / "results" / "fairness"))
     args = p.parse_args(argv)
@@ -332,8 +415,9 @@ def main(argv: list[str] | None = None) -> int:
 
     path = resolve_model_path("smollm2-135m")
     head = ClientHead(path, model_path=path)
-    results = [run_policy(policy, args, head, out_dir) for policy in args.policies.split(",")] \
-        if "flooder" in phases else []
+    results = (
+        [run_policy(policy, args, head, out_dir) for policy in args.policies.split(",")] if "flooder" in phases else []
+    )
     prefix_results = fairness_prefix.run_phase(args, head, out_dir) if "prefix" in phases else []
     by = {r["policy"]: r for r in results}
     summary = {"args": vars(args), "results": results, "shared_prefix": prefix_results}
@@ -342,11 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         f, g = r["flooder"], r["gap"]
         w = f["light_step_waits"]
-        print(f"   {r['policy']:26s} light slowdown next to flooder {f['slowdown']:6.1f}x  "
-              f"waits/step {w.get('mean_batches_waited', float('nan')):4.2f} batches "
-              f"{w.get('mean_other_tokens_waited', float('nan')):5.0f} tokens  "
-              f"light share {f['service_share'].get('light', 0):.3f}  "
-              f"max backlogged gap {g['max_gap_weighted_tokens']:7.0f} (2U = {g['bound_2U']:.0f})")
+        print(
+            f"   {r['policy']:26s} light slowdown next to flooder {f['slowdown']:6.1f}x  "
+            f"waits/step {w.get('mean_batches_waited', float('nan')):4.2f} batches "
+            f"{w.get('mean_other_tokens_waited', float('nan')):5.0f} tokens  "
+            f"light share {f['service_share'].get('light', 0):.3f}  "
+            f"max backlogged gap {g['max_gap_weighted_tokens']:7.0f} (2U = {g['bound_2U']:.0f})"
+        )
     for spec, r in by.items():
         if spec != "fcfs" and "fcfs" in by:
             ratio = r["flooder"]["slowdown"] / by["fcfs"]["flooder"]["slowdown"]
@@ -354,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
             tokens = {x: by[x]["flooder"]["light_step_waits"].get("mean_other_tokens_waited") for x in (spec, "fcfs")}
             wait_ratio = tokens[spec] / tokens["fcfs"] if tokens[spec] is not None and tokens["fcfs"] else None
             summary[f"wait_tokens_ratio_{spec}_over_fcfs"] = wait_ratio
-            print(f"   slowdown {spec} / fcfs = {ratio:.3f} (goal <= 0.5); others' tokens waited per light step "
-                  f"{spec} / fcfs = {wait_ratio if wait_ratio is None else round(wait_ratio, 3)}")
+            print(
+                f"   slowdown {spec} / fcfs = {ratio:.3f} (goal <= 0.5); others' tokens waited per light step "
+                f"{spec} / fcfs = {wait_ratio if wait_ratio is None else round(wait_ratio, 3)}"
+            )
     (out_dir / "bench_fairness.json").write_text(json.dumps(summary, indent=1))
     if results:
         plot(results, out_dir / "service_over_time.png")

@@ -15,6 +15,7 @@ Every time is read after `torch.cuda.synchronize()`. `--random SHAPE` makes a ra
 checkpoint of that shape first (scripts/make_random_checkpoint.py) so nothing is downloaded.
 Prints a table and one JSON object (also written to `--json`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,7 @@ def tok_s(model, ids, new: int) -> tuple[float, list[int]]:
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     sync()
-    return new / (time.perf_counter() - t0), out[0, ids.shape[1]:].tolist()
+    return new / (time.perf_counter() - t0), out[0, ids.shape[1] :].tolist()
 
 
 def ttft_s(model, ids) -> float:
@@ -110,11 +111,12 @@ def server_decode_compute_ms(path, dtype, n_blocks, sessions: int, steps: int = 
             for i in range(steps):
                 sync()
                 t0 = time.perf_counter()
-                br.forward([StepInput(kv, x[i % 32:i % 32 + 1]) for kv in kvs])
+                br.forward([StepInput(kv, x[i % 32 : i % 32 + 1]) for kv in kvs])
                 sync()
                 times.append(time.perf_counter() - t0)
-            result[("graphs" if graphs else "eager") + ("" if batch == 1 else f"_batch{batch}")] = \
+            result[("graphs" if graphs else "eager") + ("" if batch == 1 else f"_batch{batch}")] = (
                 1e3 * statistics.median(times[5:])
+            )
             del kvs
         del br
         gc.collect()
@@ -154,15 +156,23 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gpu: no CUDA device here; run it on a GPU host", file=sys.stderr)
         return 2
     skip = set(filter(None, args.skip.split(",")))
-    path = args.model or make_random_checkpoint(args.random, args.random_dir / args.random, dtype=args.dtype,
-                                                device="cuda")
+    path = args.model or make_random_checkpoint(
+        args.random, args.random_dir / args.random, dtype=args.dtype, device="cuda"
+    )
     config = load_config(path)
     n_blocks = config.num_hidden_layers
     dtype = getattr(torch, args.dtype)
     ids = prompt_ids(args.prompt_tokens, config.vocab_size)
     long_ids = prompt_ids(args.prefill_tokens, config.vocab_size)
-    r: dict = {"device": torch.cuda.get_device_name(), "model": str(path), "dtype": args.dtype, "blocks": n_blocks,
-               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "torch": torch.__version__}
+    r: dict = {
+        "device": torch.cuda.get_device_name(),
+        "model": str(path),
+        "dtype": args.dtype,
+        "blocks": n_blocks,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "torch": torch.__version__,
+    }
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -190,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     if "local" not in skip:
         r["server_decode_compute_ms"] = server_decode_compute_ms(path, args.dtype, n_blocks, args.sessions)
         for graphs in (True, False):
-            local = DistributedModelForCausalLM.from_local_ranges(path, [(0, n_blocks)], dtype=args.dtype,
-                                                                  device="cuda", cuda_graphs=graphs)
+            local = DistributedModelForCausalLM.from_local_ranges(
+                path, [(0, n_blocks)], dtype=args.dtype, device="cuda", cuda_graphs=graphs
+            )
             tok_s(local, ids, 8)
             name = "local_graphs" if graphs else "local_eager"
             r[f"{name}_tok_s"], tokens = tok_s(local, ids, args.new_tokens)
@@ -202,17 +213,29 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
 
-    server_args = ["--device", "cuda", "--dtype", args.dtype, "--memory-budget", args.memory_budget,
-                   "--max-length", str(max(args.prefill_tokens + 8, args.prompt_tokens + args.new_tokens + 8)),
-                   "--max-batch-tokens", str(args.prefill_tokens + 8)]
-    layouts = {"server1": [(0, n_blocks)],
-               "chain3": [(0, n_blocks // 3), (n_blocks // 3, 2 * n_blocks // 3), (2 * n_blocks // 3, n_blocks)]}
+    server_args = [
+        "--device",
+        "cuda",
+        "--dtype",
+        args.dtype,
+        "--memory-budget",
+        args.memory_budget,
+        "--max-length",
+        str(max(args.prefill_tokens + 8, args.prompt_tokens + args.new_tokens + 8)),
+        "--max-batch-tokens",
+        str(args.prefill_tokens + 8),
+    ]
+    layouts = {
+        "server1": [(0, n_blocks)],
+        "chain3": [(0, n_blocks // 3), (n_blocks // 3, 2 * n_blocks // 3), (2 * n_blocks // 3, n_blocks)],
+    }
     for name, ranges in layouts.items():
         if name in skip:
             continue
         with LocalSwarm(str(path), ranges, server_args=server_args, start_timeout_s=600) as swarm:
-            client = DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers,
-                                                                 dtype=args.dtype, device="cuda")
+            client = DistributedModelForCausalLM.from_pretrained(
+                path, initial_peers=swarm.initial_peers, dtype=args.dtype, device="cuda"
+            )
             try:
                 tok_s(client, ids, 8)
                 r[f"{name}_tok_s"], tokens = tok_s(client, ids, args.new_tokens)
@@ -230,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                     r["client_head_ms"] = client_head_ms(client)
                     compute = r.get("server_decode_compute_ms", {}).get("graphs")
                     if compute is not None:
-                        r["server1_step_split_ms"] = {"server_compute": compute, "client_head": r["client_head_ms"],
-                                                      "rpc_and_rest": step_ms - compute - r["client_head_ms"]}
+                        r["server1_step_split_ms"] = {
+                            "server_compute": compute,
+                            "client_head": r["client_head_ms"],
+                            "rpc_and_rest": step_ms - compute - r["client_head_ms"],
+                        }
                 if name == "chain3":
                     chain_prefill_s(client, long_ids)  # warm-up
                     r["chain3_prefill_s"] = chain_prefill_s(client, long_ids)

@@ -1,7 +1,8 @@
 """The framework's cost per hop on loopback: what a decode step costs through a server beyond its
 blocks' compute, with the baselines measured in the same run.
 
-A swarm of servers on 127.0.0.1 (`--model`, default the embedded SmolLM2; `--servers`, its blocks split evenly, one thread each);
+A swarm of servers on 127.0.0.1 (`--model`, default the embedded SmolLM2; `--servers`, its blocks split evenly, one
+thread each);
 one client session with the client relaying (`relay="client"`, so every hop is one request/reply
 the client times: `RemoteChainSession.hop_timings`). Per hop and decode step:
 - `client_ms`: the client's time from sending the hidden states to having the reply;
@@ -15,7 +16,8 @@ the caller's `step` call, its hand-off to the client's event loop included) minu
 times, over the number of hops; under server relay the hops' replies to the client overlap the next
 hop's work, so this is the only per-hop cost that relay has. `--transports p2p,direct` (default): the same on one
 swarm whose servers also take direct TCP streams (launch-server --direct-port), once with the client
-through the p2p daemons and once direct (keys of the direct run prefixed `direct_`). Also one session's tok/s through the chain (each relay)
+through the p2p daemons and once direct (keys of the direct run prefixed `direct_`). Also one session's tok/s through
+the chain (each relay)
 against local HF generate with one thread; and our framing's CPU cost per hop (`codec_*_us`: the
 four encode/decode operations of a hop, protobuf parts and raw frames, best of many runs and cold
 (each right after a forward-like matmul); `--codec-only` measures just that).
@@ -30,6 +32,7 @@ embedding and LM head); the servers' own batch CPU (their service records) is ta
 `servers_framework_cpu_us_per_hop_<relay>`.
 Prints one JSON object; writes results/bench_hop_overhead.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +63,9 @@ def compute_ms_per_range(path, bounds, steps: int, dtype: str = "float32") -> li
     for start, end in zip(bounds, bounds[1:]):
         br = BlockRange(path, start, end, model_path=path, dtype=dtype)
         kv = br.allocate_kv(steps + 40)
-        br.forward([StepInput(kv, torch.randn(20, br.hidden_size, dtype=br.dtype))])  # a prompt in the cache, as in the session
+        br.forward(
+            [StepInput(kv, torch.randn(20, br.hidden_size, dtype=br.dtype))]
+        )  # a prompt in the cache, as in the session
         times = []
         for _ in range(steps):
             x = torch.randn(1, br.hidden_size, dtype=br.dtype)
@@ -81,8 +86,8 @@ def _tree_pids(root: int) -> dict[int, str]:
                 stat = (d / "stat").read_text()
             except OSError:
                 continue
-            parent[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
-            name[int(d.name)] = stat[stat.index("(") + 1:stat.rindex(")")]
+            parent[int(d.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+            name[int(d.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
     tree, frontier = {root}, [root]
     while frontier:
         kids = [p for p, pp in parent.items() if pp in frontier and p not in tree]
@@ -172,14 +177,18 @@ def codec_us_per_hop(reps: int = 300, n: int = 20, cold_reps: int = 100) -> dict
         return float(np.median(times)) * 1e6
 
     raw_step, raw_reply = wire_parts.encode_raw(step.to_wire(), x), wire_parts.encode_raw(reply.to_wire(), x)
-    ops = {"encode_step": lambda: wire_parts.to_messages(step.to_wire(), (x,)),
-           "decode_step": lambda: decode_tagged(wire_parts.Assembler().feed(step_msg)[0].meta, Open, Step, Close),
-           "encode_reply": lambda: wire_parts.to_messages(reply.to_wire(), (x,), reply=True),
-           "decode_reply": lambda: StepReply.from_wire(wire_parts.Assembler().feed(reply_msg)[0].meta)}
-    raw_ops = {"encode_step": lambda: wire_parts.encode_raw(step.to_wire(), x),
-               "decode_step": lambda: decode_tagged(wire_parts.decode_raw(raw_step).meta, Open, Step, Close),
-               "encode_reply": lambda: wire_parts.encode_raw(reply.to_wire(), x),
-               "decode_reply": lambda: StepReply.from_wire(wire_parts.decode_raw(raw_reply).meta)}
+    ops = {
+        "encode_step": lambda: wire_parts.to_messages(step.to_wire(), (x,)),
+        "decode_step": lambda: decode_tagged(wire_parts.Assembler().feed(step_msg)[0].meta, Open, Step, Close),
+        "encode_reply": lambda: wire_parts.to_messages(reply.to_wire(), (x,), reply=True),
+        "decode_reply": lambda: StepReply.from_wire(wire_parts.Assembler().feed(reply_msg)[0].meta),
+    }
+    raw_ops = {
+        "encode_step": lambda: wire_parts.encode_raw(step.to_wire(), x),
+        "decode_step": lambda: decode_tagged(wire_parts.decode_raw(raw_step).meta, Open, Step, Close),
+        "encode_reply": lambda: wire_parts.encode_raw(reply.to_wire(), x),
+        "decode_reply": lambda: StepReply.from_wire(wire_parts.decode_raw(raw_reply).meta),
+    }
     out = {}
     for prefix, table in (("codec", ops), ("codec_raw", raw_ops)):
         hot = {k: best_us(fn) for k, fn in table.items()}
@@ -198,14 +207,24 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--out", default="results/bench_hop_overhead.json")
     p.add_argument("--codec-only", action="store_true", help="only the framing's CPU cost per hop (no swarm)")
-    p.add_argument("--transports", default="p2p,direct",
-                   help="comma-separated: p2p (through the p2p daemons), direct (servers' --direct-port streams); "
-                        "each measured on the same swarm, keys of direct prefixed `direct_` (default both)")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
-                   help="the servers' and the client's dtype; local HF runs in it too (default float32)")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="a model name or checkpoint folder, e.g. a random-weight one of SmolLM2's shape from "
-                        "scripts/make_random_checkpoint.py on a host without the embedded model (default smollm2-135m)")
+    p.add_argument(
+        "--transports",
+        default="p2p,direct",
+        help="comma-separated: p2p (through the p2p daemons), direct (servers' --direct-port streams); "
+        "each measured on the same swarm, keys of direct prefixed `direct_` (default both)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPE_CHOICES,
+        help="the servers' and the client's dtype; local HF runs in it too (default float32)",
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a model name or checkpoint folder, e.g. a random-weight one of SmolLM2's shape from "
+        "scripts/make_random_checkpoint.py on a host without the embedded model (default smollm2-135m)",
+    )
     args = p.parse_args()
     transports = [t for t in args.transports.split(",") if t]
     if not transports or any(t not in ("p2p", "direct") for t in transports):
@@ -222,14 +241,21 @@ def main() -> int:
 
     path = resolve_model_path(args.model)
     try:
-        ids = AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
-                                                  return_tensors="pt").input_ids
+        ids = AutoTokenizer.from_pretrained(path)(
+            "Tell me a short story about a lighthouse keeper.", return_tensors="pt"
+        ).input_ids
     except (OSError, ValueError):  # a checkpoint without a tokenizer (random weights): fixed ids
         ids = torch.arange(1, 13).unsqueeze(0) * 37
     n = args.new_tokens
-    r: dict = {"servers": args.servers, "new_tokens": n, "transports": transports, "dtype": args.dtype,
-               "model": args.model, "cpu_count": os.cpu_count(),
-               "loadavg_start": os.getloadavg()[0]}
+    r: dict = {
+        "servers": args.servers,
+        "new_tokens": n,
+        "transports": transports,
+        "dtype": args.dtype,
+        "model": args.model,
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": os.getloadavg()[0],
+    }
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     layers = hf.config.num_hidden_layers
     bounds = [round(i * layers / args.servers) for i in range(args.servers + 1)]
@@ -242,15 +268,18 @@ def main() -> int:
     del hf
     compute = compute_ms_per_range(path, bounds, n, args.dtype)
     direct_args = ["--direct-port", "0"] if "direct" in transports else []
-    with LocalSwarm(args.model, list(zip(bounds, bounds[1:])),
-                    server_args=["--num-threads", "1", "--no-orchestrator", "--dtype", args.dtype,
-                                 *direct_args]) as swarm:
+    with LocalSwarm(
+        args.model,
+        list(zip(bounds, bounds[1:])),
+        server_args=["--num-threads", "1", "--no-orchestrator", "--dtype", args.dtype, *direct_args],
+    ) as swarm:
         for transport, relay in [(t, rl) for t in transports for rl in ("client", "server")]:
             pre = "direct_" if transport == "direct" else ""
             kwargs = {"direct_streams": transport == "direct"} if direct_args else {}
             try:
-                model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
-                                                                    relay=relay, dtype=args.dtype, **kwargs)
+                model = DistributedModelForCausalLM.from_pretrained(
+                    args.model, initial_peers=swarm.initial_peers, relay=relay, dtype=args.dtype, **kwargs
+                )
             except TypeError:  # a tree from before the relay option (the "before" measurement): client relay only
                 if relay != "client":
                     continue
@@ -283,12 +312,17 @@ def main() -> int:
             for kind in ("p2pd", "servers", "client"):
                 r[f"{pre}{kind}_cpu_us_per_hop_{relay}"] = (used[kind][0] - idle[kind][0]) / per_hop
                 r[f"{pre}{kind}_wakeups_per_hop_{relay}"] = (used[kind][1] - idle[kind][1]) / per_hop
-            r[f"{pre}servers_framework_cpu_us_per_hop_{relay}"] = (used["servers"][0] - idle["servers"][0]
-                                                                    - batches_us) / per_hop
+            r[f"{pre}servers_framework_cpu_us_per_hop_{relay}"] = (
+                used["servers"][0] - idle["servers"][0] - batches_us
+            ) / per_hop
             # per decode step, either relay: (the step's client time - its hops' batch forward times) / hops
-            per_step = [(st.client_s - sum(h.compute_s for h in timings[st.first_hop:st.end_hop])) * 1e3 / args.servers
-                        for st in step_timings if st.tokens == 1 and st.end_hop - st.first_hop == args.servers
-                        and all(h.compute_s is not None for h in timings[st.first_hop:st.end_hop])]
+            per_step = [
+                (st.client_s - sum(h.compute_s for h in timings[st.first_hop : st.end_hop])) * 1e3 / args.servers
+                for st in step_timings
+                if st.tokens == 1
+                and st.end_hop - st.first_hop == args.servers
+                and all(h.compute_s is not None for h in timings[st.first_hop : st.end_hop])
+            ]
             if per_step:
                 r[f"{pre}step_framework_ms_per_hop_{relay}_relay_median"] = float(np.median(per_step))
                 r[f"{pre}step_framework_ms_per_hop_{relay}_relay_p90"] = pct(per_step, 90)
@@ -302,8 +336,11 @@ def main() -> int:
                 # the server's own batch forward time of each step (same step, same load) when it
                 # reports it; else this process's timing of the same blocks (a noisier baseline)
                 reported = all(getattr(h, "compute_s", None) is not None for h in hop)
-                compute_ms = (np.array([h.compute_s * 1e3 for h in hop]) if reported
-                              else np.full(len(hop), float(np.median(compute[j]))))
+                compute_ms = (
+                    np.array([h.compute_s * 1e3 for h in hop])
+                    if reported
+                    else np.full(len(hop), float(np.median(compute[j])))
+                )
                 framework = client_ms - compute_ms
                 r[f"{pre}hop{j}_compute_source"] = "server" if reported else "in_process"
                 r[f"{pre}hop{j}_compute_ms_median"] = float(np.median(compute_ms))
@@ -315,14 +352,17 @@ def main() -> int:
     for pre in ["direct_" if t == "direct" else "" for t in transports]:
         if f"{pre}hop0_framework_ms_median" not in r:
             continue
-        r[f"{pre}framework_ms_per_hop_median"] = float(np.mean([r[f"{pre}hop{j}_framework_ms_median"]
-                                                               for j in range(args.servers)]))
-        r[f"{pre}framework_ms_per_hop_p90"] = float(np.mean([r[f"{pre}hop{j}_framework_ms_p90"]
-                                                            for j in range(args.servers)]))
+        r[f"{pre}framework_ms_per_hop_median"] = float(
+            np.mean([r[f"{pre}hop{j}_framework_ms_median"] for j in range(args.servers)])
+        )
+        r[f"{pre}framework_ms_per_hop_p90"] = float(
+            np.mean([r[f"{pre}hop{j}_framework_ms_p90"] for j in range(args.servers)])
+        )
         for relay in ("client", "server"):
             if f"{pre}chain_tok_s_{relay}_relay" in r:
-                r[f"{pre}ratio_chain_{relay}_relay_vs_hf_local"] = (r[f"{pre}chain_tok_s_{relay}_relay"]
-                                                                   / r["hf_local_tok_s"])
+                r[f"{pre}ratio_chain_{relay}_relay_vs_hf_local"] = (
+                    r[f"{pre}chain_tok_s_{relay}_relay"] / r["hf_local_tok_s"]
+                )
     r.update(codec_us_per_hop())
     r["loadavg_end"] = os.getloadavg()[0]
     out_path = Path(args.out)

@@ -22,6 +22,7 @@
 
 Needs root (namespaces). Prints a table and writes results/bench_netem.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -122,13 +123,16 @@ def bench_hub(name: str, duration_s: float) -> dict:
         r["hub_cpu_us_per_udp_packet"] = (cpu2 - cpu1) * 1e6 / max(1, st2["packets"] - st["packets"])
         r["hub_scheduling"] = st2["scheduling"]
         # baselines: the same code over loopback inside one namespace (no hub on the path)
-        r["loopback_tcp_MB_per_s"] = measure_throughput_bit_s(a, "127.0.0.1", a, "127.0.0.1",
-                                                              duration_s=duration_s) / 8e6
+        r["loopback_tcp_MB_per_s"] = (
+            measure_throughput_bit_s(a, "127.0.0.1", a, "127.0.0.1", duration_s=duration_s) / 8e6
+        )
         r["loopback_udp64_packets_per_s"] = udp_packets_per_s(a, "127.0.0.1", a, "127.0.0.1", duration_s=duration_s)
     r["ratio_tcp_hub_vs_loopback"] = r["hub_tcp_MB_per_s"] / r["loopback_tcp_MB_per_s"]
     r["ratio_udp_hub_vs_loopback"] = r["hub_udp64_packets_per_s"] / r["loopback_udp64_packets_per_s"]
     r["prefill_2000_tokens_hidden_MB"] = HIDDEN_BYTES_2000_TOKEN_PREFILL / 1e6
-    r["prefill_2000_tokens_transfer_ms_at_hub_rate"] = HIDDEN_BYTES_2000_TOKEN_PREFILL / (r["hub_tcp_MB_per_s"] * 1e6) * 1e3
+    r["prefill_2000_tokens_transfer_ms_at_hub_rate"] = (
+        HIDDEN_BYTES_2000_TOKEN_PREFILL / (r["hub_tcp_MB_per_s"] * 1e6) * 1e3
+    )
     return r
 
 
@@ -148,10 +152,18 @@ def bench_delay(name: str, targets_ms: list[float], probes: int) -> dict:
             stop = threading.Event()
             bulk = None
             if loaded:  # a -> b bulk TCP through the same hub while c <-> d probe
+
                 def push():
                     while not stop.is_set():
-                        measure_throughput_bit_s(net.netns("a"), net.address("a"), net.netns("b"), net.address("b"),
-                                                 duration_s=1.0, warmup_s=0.0)
+                        measure_throughput_bit_s(
+                            net.netns("a"),
+                            net.address("a"),
+                            net.netns("b"),
+                            net.address("b"),
+                            duration_s=1.0,
+                            warmup_s=0.0,
+                        )
+
                 bulk = threading.Thread(target=push, daemon=True)
                 bulk.start()
             for t in targets_ms:
@@ -226,44 +238,79 @@ def bench_chain(name: str, rtts_ms: list[float], new_tokens: int, repeats: int) 
     from petals_chain.swarm.local import LocalSwarm
 
     path = resolve_model_path("smollm2-135m")
-    ids = AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
-                                              return_tensors="pt").input_ids[0].tolist()
+    ids = (
+        AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.", return_tensors="pt")
+        .input_ids[0]
+        .tolist()
+    )
     hosts = ["dht", "s0", "s1", "s2", "client"]
     r: dict = {"chain_prompt_tokens": len(ids), "chain_new_tokens": new_tokens}
-    uniform = lambda ms: [[0.0 if i == j else ms for j in range(5)] for i in range(5)]
+
+    def uniform(ms):
+        return [[0.0 if i == j else ms for j in range(5)] for i in range(5)]
+
     with netem.Network(hosts, uniform(rtts_ms[0]), name=name, backend="userspace") as net:
+
         def placement(role):
             h = "dht" if role == "dht" else role.replace("server", "s")
             return net.prefix(h), net.address(h)
 
-        with LocalSwarm("smollm2-135m", [(0, 10), (10, 20), (20, 30)], placement=placement,
-                        server_args=["--num-threads", "1", "--no-orchestrator"]) as swarm:
+        with LocalSwarm(
+            "smollm2-135m",
+            [(0, 10), (10, 20), (20, 30)],
+            placement=placement,
+            server_args=["--num-threads", "1", "--no-orchestrator"],
+        ) as swarm:
             for ms in rtts_ms:
                 net.set_rtt_ms(uniform(ms))
-                proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
-                                                             json.dumps(ids), str(new_tokens), str(repeats)]),
-                                      capture_output=True, text=True, timeout=600, env=swarm.env)
+                proc = subprocess.run(
+                    net.command(
+                        "client",
+                        [
+                            sys.executable,
+                            "-c",
+                            CLIENT,
+                            swarm.initial_peers[0],
+                            json.dumps(ids),
+                            str(new_tokens),
+                            str(repeats),
+                        ],
+                    ),
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                    env=swarm.env,
+                )
                 if proc.returncode != 0:
                     raise RuntimeError(proc.stderr[-3000:])
                 res = json.loads(proc.stdout.strip().splitlines()[-1])
                 shape = SessionShape(len(ids), new_tokens)
-                predicted_s = sum(tau_c_s(ms / 1e3, shape) + (s["end"] - s["start"]) * tau_p_s(
-                    s["prefill_s_per_token"], s["decode_s_per_token"], shape, per_block_overhead_s=1e-3)
-                    for s in res["servers"])
+                predicted_s = sum(
+                    tau_c_s(ms / 1e3, shape)
+                    + (s["end"] - s["start"])
+                    * tau_p_s(s["prefill_s_per_token"], s["decode_s_per_token"], shape, per_block_overhead_s=1e-3)
+                    for s in res["servers"]
+                )
                 r[f"chain_tokens_per_s_rtt{ms:g}"] = new_tokens / res["seconds"]
                 r[f"chain_service_s_rtt{ms:g}"] = res["seconds"]
                 r[f"model_predicted_service_s_rtt{ms:g}"] = predicted_s
                 r[f"ratio_measured_vs_predicted_rtt{ms:g}"] = res["seconds"] / predicted_s
                 # one decode step: the client relays through 3 hops (3 RTTs) + each block's t_O (+ t_o)
-                step_model_s = 3 * ms / 1e3 + sum((s["end"] - s["start"]) * (s["decode_s_per_token"] + 1e-3)
-                                                  for s in res["servers"])
+                step_model_s = 3 * ms / 1e3 + sum(
+                    (s["end"] - s["start"]) * (s["decode_s_per_token"] + 1e-3) for s in res["servers"]
+                )
                 r[f"decode_step_ms_rtt{ms:g}"] = res["decode_step_s"] * 1e3
                 r[f"model_decode_step_ms_rtt{ms:g}"] = step_model_s * 1e3
-                print(f"RTT {ms:5g} ms: {new_tokens / res['seconds']:6.2f} tok/s, session {res['seconds']:.2f} s "
-                      f"(model T {predicted_s:.2f} s); decode step {res['decode_step_s'] * 1e3:.1f} ms "
-                      f"(model {step_model_s * 1e3:.1f} ms)", flush=True)
+                print(
+                    f"RTT {ms:5g} ms: {new_tokens / res['seconds']:6.2f} tok/s, session {res['seconds']:.2f} s "
+                    f"(model T {predicted_s:.2f} s); decode step {res['decode_step_s'] * 1e3:.1f} ms "
+                    f"(model {step_model_s * 1e3:.1f} ms)",
+                    flush=True,
+                )
     if len(rtts_ms) > 1:  # the tau_c model: each decode step costs 3 RTTs (the client relays to 3 servers)
-        r["decode_step_ms_per_ms_rtt_fit"] = float(np.polyfit(rtts_ms, [r[f"decode_step_ms_rtt{ms:g}"] for ms in rtts_ms], 1)[0])
+        r["decode_step_ms_per_ms_rtt_fit"] = float(
+            np.polyfit(rtts_ms, [r[f"decode_step_ms_rtt{ms:g}"] for ms in rtts_ms], 1)[0]
+        )
         r["decode_step_ms_per_ms_rtt_model"] = 3.0
     return r
 
@@ -275,8 +322,9 @@ def prompt_ids(path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)("Tell me a short story about a lighthouse keeper.",
-                                                   return_tensors="pt").input_ids
+        return AutoTokenizer.from_pretrained(path)(
+            "Tell me a short story about a lighthouse keeper.", return_tensors="pt"
+        ).input_ids
     except (OSError, ValueError):  # no tokenizer files in the folder
         return torch.arange(1, 13).unsqueeze(0) * 37
 
@@ -291,13 +339,25 @@ def model_step_ms(relay: str, rtt_ms: float, servers: list[dict]) -> float:
     t_O (+ 1 ms per-block overhead, as above). Client relay: the client -> s_j -> client round trip
     per hop, N x RTT. Server relay: client -> s_1 -> ... -> s_N -> client, N + 1 one-way legs of
     RTT / 2 (footnote 4: tau_c,ij from the preceding hop i)."""
-    return legs_ms(relay, rtt_ms, len(servers)) + sum((s["end"] - s["start"]) * (s["decode_s_per_token"] + 1e-3)
-                                                      for s in servers) * 1e3
+    return (
+        legs_ms(relay, rtt_ms, len(servers))
+        + sum((s["end"] - s["start"]) * (s["decode_s_per_token"] + 1e-3) for s in servers) * 1e3
+    )
 
 
-def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], new_tokens: int,
-                 repeats: int, direct: bool = False, server_threads: int = 1, dtype: str = "float32",
-                 model: str = "smollm2-135m", device: str = "cpu") -> dict:
+def bench_relays(
+    name: str,
+    n_servers: int,
+    rtt_ms: float,
+    relays: list[str],
+    new_tokens: int,
+    repeats: int,
+    direct: bool = False,
+    server_threads: int = 1,
+    dtype: str = "float32",
+    model: str = "smollm2-135m",
+    device: str = "cpu",
+) -> dict:
     """One swarm of `n_servers` hosts at a uniform `rtt_ms`; one client run per relay. `direct`: the servers
     take direct streams (--direct-port) and the client and servers use them. `server_threads`: each
     server's torch threads (one session's step runs on one server at a time, so with 2 threads the
@@ -315,8 +375,7 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
     path = resolve_model_path(model)
     ids = prompt_ids(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    ref = hf.generate(ids.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                      do_sample=False)[0].tolist()
+    ref = hf.generate(ids.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0].tolist()
     layers = hf.config.num_hidden_layers
     del hf
     if device != "cpu":
@@ -324,25 +383,64 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
     bounds = [round(i * layers / n_servers) for i in range(n_servers + 1)]
     hosts = ["dht", *(f"s{i}" for i in range(n_servers)), "client"]
     uniform = [[0.0 if i == j else rtt_ms for j in range(len(hosts))] for i in range(len(hosts))]
-    out: dict = {"relay": {}, "rtt_ms": rtt_ms, "servers": n_servers, "new_tokens": new_tokens,
-                 "prompt_tokens": ids.shape[1], "transport": "direct" if direct else "p2p",
-                 "server_threads": server_threads, "dtype": dtype, "model": str(model), "device": device,
-                 "layers": layers, "loadavg_start": os.getloadavg()[0]}
+    out: dict = {
+        "relay": {},
+        "rtt_ms": rtt_ms,
+        "servers": n_servers,
+        "new_tokens": new_tokens,
+        "prompt_tokens": ids.shape[1],
+        "transport": "direct" if direct else "p2p",
+        "server_threads": server_threads,
+        "dtype": dtype,
+        "model": str(model),
+        "device": device,
+        "layers": layers,
+        "loadavg_start": os.getloadavg()[0],
+    }
     exact = True
     with netem.Network(hosts, uniform, name=name, backend="userspace") as net:
+
         def placement(role):
             h = "dht" if role == "dht" else role.replace("server", "s")
             return net.prefix(h), net.address(h)
 
-        with LocalSwarm(str(model), list(zip(bounds, bounds[1:])), placement=placement,
-                        server_args=["--num-threads", str(server_threads), "--no-orchestrator", "--dtype", dtype,
-                                     *(["--device", device] if device != "cpu" else []),
-                                     *(["--direct-port", "0"] if direct else [])]) as swarm:
-            proc = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
-                                                         json.dumps(ids[0].tolist()), str(new_tokens), str(repeats),
-                                                         ",".join(relays), "direct" if direct else "p2p", dtype,
-                                                         str(model), device]),
-                                  capture_output=True, text=True, timeout=600 * len(relays), env=swarm.env)
+        with LocalSwarm(
+            str(model),
+            list(zip(bounds, bounds[1:])),
+            placement=placement,
+            server_args=[
+                "--num-threads",
+                str(server_threads),
+                "--no-orchestrator",
+                "--dtype",
+                dtype,
+                *(["--device", device] if device != "cpu" else []),
+                *(["--direct-port", "0"] if direct else []),
+            ],
+        ) as swarm:
+            proc = subprocess.run(
+                net.command(
+                    "client",
+                    [
+                        sys.executable,
+                        "-c",
+                        CLIENT,
+                        swarm.initial_peers[0],
+                        json.dumps(ids[0].tolist()),
+                        str(new_tokens),
+                        str(repeats),
+                        ",".join(relays),
+                        "direct" if direct else "p2p",
+                        dtype,
+                        str(model),
+                        device,
+                    ],
+                ),
+                capture_output=True,
+                text=True,
+                timeout=600 * len(relays),
+                env=swarm.env,
+            )
             if proc.returncode != 0:
                 raise RuntimeError(proc.stderr[-3000:])
             res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -350,13 +448,17 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
                 runs = res["relays"][relay]
                 step_s = min(runs["decode_step_s"])
                 exact = exact and runs["tokens"] == ref
-                out["relay"][relay] = {"step_ms": step_s * 1e3, "tok_s": new_tokens / min(runs["seconds"]),
-                                       "step_ms_runs": [x * 1e3 for x in runs["decode_step_s"]],
-                                       "model_step_ms": model_step_ms(relay, rtt_ms, res["servers"]),
-                                       # what a step costs besides the emulated RTTs: compute (blocks, the
-                                       # client's embedding and LM head) and framework
-                                       "beyond_legs_ms": step_s * 1e3 - legs_ms(relay, rtt_ms, n_servers),
-                                       "exact": runs["tokens"] == ref, "direct_streams": runs["direct_opened"]}
+                out["relay"][relay] = {
+                    "step_ms": step_s * 1e3,
+                    "tok_s": new_tokens / min(runs["seconds"]),
+                    "step_ms_runs": [x * 1e3 for x in runs["decode_step_s"]],
+                    "model_step_ms": model_step_ms(relay, rtt_ms, res["servers"]),
+                    # what a step costs besides the emulated RTTs: compute (blocks, the
+                    # client's embedding and LM head) and framework
+                    "beyond_legs_ms": step_s * 1e3 - legs_ms(relay, rtt_ms, n_servers),
+                    "exact": runs["tokens"] == ref,
+                    "direct_streams": runs["direct_opened"],
+                }
             # the server-to-server RTTs the servers measured and announce (footnote 4's RTT_ij,
             # server/peer_rtts.py), against the emulated rtt_ms
             peer_ms = [v * 1e3 for s in res["servers"] for v in s.get("peer_rtt_s", {}).values()]
@@ -365,18 +467,22 @@ def bench_relays(name: str, n_servers: int, rtt_ms: float, relays: list[str], ne
     out["exact"] = exact
     if "client" in out["relay"] and "server" in out["relay"]:
         out["ratio_server_vs_client_step"] = out["relay"]["server"]["step_ms"] / out["relay"]["client"]["step_ms"]
-        out["model_ratio_server_vs_client_step"] = (out["relay"]["server"]["model_step_ms"]
-                                                    / out["relay"]["client"]["model_step_ms"])
+        out["model_ratio_server_vs_client_step"] = (
+            out["relay"]["server"]["model_step_ms"] / out["relay"]["client"]["model_step_ms"]
+        )
         # the best server relay can do on this machine: the same work beyond the legs as the client relay's
         # step, on (N + 1) / 2N of its legs; (N + 1) / 2N itself only when that work is ~0 (a GPU's few ms)
         c_ms = out["relay"]["client"]["beyond_legs_ms"]
-        out["ratio_bound_at_this_work"] = ((legs_ms("server", rtt_ms, n_servers) + c_ms)
-                                           / (legs_ms("client", rtt_ms, n_servers) + c_ms))
+        out["ratio_bound_at_this_work"] = (legs_ms("server", rtt_ms, n_servers) + c_ms) / (
+            legs_ms("client", rtt_ms, n_servers) + c_ms
+        )
         # the two relays' runs interleaved in one client: each repeat's server-relay step over the
         # client-relay step next to it, their median (less moved by the machine's drift than the
         # ratio of the two bests)
-        pairs = [s_ms / c_ms for s_ms, c_ms in zip(out["relay"]["server"]["step_ms_runs"],
-                                                   out["relay"]["client"]["step_ms_runs"])]
+        pairs = [
+            s_ms / c_ms
+            for s_ms, c_ms in zip(out["relay"]["server"]["step_ms_runs"], out["relay"]["client"]["step_ms_runs"])
+        ]
         out["ratio_server_vs_client_step_paired"] = pairs
         out["ratio_server_vs_client_step_paired_median"] = float(np.median(pairs))
     out["loadavg_end"] = os.getloadavg()[0]
@@ -398,14 +504,29 @@ def main() -> int:
     p.add_argument("--rtt-ms", type=float, default=50.0, help="--chain: RTT between every pair of hosts")
     p.add_argument("--relay", default="client,server", help="--chain: relays to compare (client, server)")
     p.add_argument("--json", action="store_true", help="--chain: print only the JSON object")
-    p.add_argument("--direct", action="store_true",
-                   help="--chain: servers with --direct-port, client and pushes on direct TCP streams")
-    p.add_argument("--server-threads", type=int, default=1, metavar="N",
-                   help="--chain: each server's --num-threads (default 1; the servers compute one at a time)")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
-                   help="--chain: the servers' and the client head's dtype (the HF reference runs in it too)")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="--chain: a model name or checkpoint folder (scripts/make_random_checkpoint.py writes one)")
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="--chain: servers with --direct-port, client and pushes on direct TCP streams",
+    )
+    p.add_argument(
+        "--server-threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--chain: each server's --num-threads (default 1; the servers compute one at a time)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPE_CHOICES,
+        help="--chain: the servers' and the client head's dtype (the HF reference runs in it too)",
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="--chain: a model name or checkpoint folder (scripts/make_random_checkpoint.py writes one)",
+    )
     p.add_argument("--device", default="cpu", help="--chain: the servers' and the client head's device (cpu, cuda)")
     args = p.parse_args()
     if args.server_threads < 1:
@@ -413,9 +534,19 @@ def main() -> int:
     name = "b" + uuid.uuid4().hex[:6]
     if args.chain:
         try:
-            results = bench_relays(name, args.servers, args.rtt_ms, args.relay.split(","), args.new_tokens,
-                                   args.repeats, direct=args.direct, server_threads=args.server_threads,
-                                   dtype=args.dtype, model=args.model, device=args.device)
+            results = bench_relays(
+                name,
+                args.servers,
+                args.rtt_ms,
+                args.relay.split(","),
+                args.new_tokens,
+                args.repeats,
+                direct=args.direct,
+                server_threads=args.server_threads,
+                dtype=args.dtype,
+                model=args.model,
+                device=args.device,
+            )
         finally:
             netem.cleanup(name)
         out = Path(args.out)
@@ -428,8 +559,9 @@ def main() -> int:
         results.update(bench_hub(name, args.duration))
         results.update(bench_delay(name, [float(x) for x in args.targets_ms.split(",")], args.probes))
         if not args.skip_chain:
-            results.update(bench_chain(name, [float(x) for x in args.chain_rtts_ms.split(",")], args.new_tokens,
-                                       args.repeats))
+            results.update(
+                bench_chain(name, [float(x) for x in args.chain_rtts_ms.split(",")], args.new_tokens, args.repeats)
+            )
     finally:
         netem.cleanup(name)
     results["loadavg_end"] = os.getloadavg()[0]

@@ -11,6 +11,7 @@ times moved by up to +-30 %, as a calibrated model does) runs on another thread.
 same measurement with the re-plan holding the service's lock, as `_plan` did before (the baseline
 this change removes). Prints one JSON object (also written to --json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,15 +33,29 @@ from orchestrator.service.core import Orchestrator, OrchestratorConfig  # noqa: 
 from orchestrator.service.registry import ServerRecord  # noqa: E402
 from petals_chain.wire.records import ServerInfo  # noqa: E402
 
-GB = 2 ** 30
+GB = 2**30
 
 
 def swarm(orch: Orchestrator, num_servers: int, rng: np.random.Generator) -> None:
     for j in range(num_servers):
         fast = rng.random() < 0.3
         t_o = (0.03 if fast else 0.109) * float(rng.uniform(0.9, 1.1)) / 32  # per block and token
-        info = ServerInfo(f"peer{j:07d}", "m", 0, 0, "joining", int((80 if fast else 40) * GB), int(1.32 * GB),
-                          int(0.11 * GB), 2048, 10, t_o / 4, t_o, name=f"s{j}", extra={"auto": True})
+        info = ServerInfo(
+            f"peer{j:07d}",
+            "m",
+            0,
+            0,
+            "joining",
+            int((80 if fast else 40) * GB),
+            int(1.32 * GB),
+            int(0.11 * GB),
+            2048,
+            10,
+            t_o / 4,
+            t_o,
+            name=f"s{j}",
+            extra={"auto": True},
+        )
         orch.records[info.peer_id] = ServerRecord(info, rtt_s=float(rng.uniform(0.005, 0.03)))
 
 
@@ -57,8 +72,9 @@ def acquires(orch: Orchestrator, loop: asyncio.AbstractEventLoop, until, start_i
         sid = f"b{k}"
         k += 1
         t0 = time.perf_counter()
-        out = loop.run_until_complete(orch.sessions.poll(sid, "bench", 64, timeout_s=60.0, poll_s=0.0,
-                                                         exclude=frozenset(), clock=orch.clock))
+        out = loop.run_until_complete(
+            orch.sessions.poll(sid, "bench", 64, timeout_s=60.0, poll_s=0.0, exclude=frozenset(), clock=orch.clock)
+        )
         lat.append(time.perf_counter() - t0)
         if hasattr(out, "hops"):
             granted += 1
@@ -68,8 +84,12 @@ def acquires(orch: Orchestrator, loop: asyncio.AbstractEventLoop, until, start_i
 
 def summary(lat: list[float]) -> dict:
     a = np.array(lat) * 1e3
-    return {"n": len(lat), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
-            "max_ms": float(a.max())}
+    return {
+        "n": len(lat),
+        "p50_ms": float(np.percentile(a, 50)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "max_ms": float(a.max()),
+    }
 
 
 def replan_phase(orch: Orchestrator, loop, rng, locked: bool, start_id: int) -> dict:
@@ -93,8 +113,13 @@ def replan_phase(orch: Orchestrator, loop, rng, locked: bool, start_id: int) -> 
     th.start()
     lat, granted = acquires(orch, loop, done.is_set, start_id)
     th.join()
-    return {**summary(lat), "granted": granted, "plan_s": took["plan_s"], "decision": orch.last_decision,
-            "timing": orch.last_plan_timing}
+    return {
+        **summary(lat),
+        "granted": granted,
+        "plan_s": took["plan_s"],
+        "decision": orch.last_decision,
+        "timing": orch.last_plan_timing,
+    }
 
 
 def main() -> None:
@@ -110,8 +135,14 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     logging.getLogger("orchestrator").setLevel(logging.WARNING)
     now = [0.0]
-    cfg = OrchestratorConfig(model="m", initial_peers=[], num_blocks=a.blocks, calibrate=False,
-                             arrival_rate_per_s=a.arrival_rate, lease_ttl_s=600.0)
+    cfg = OrchestratorConfig(
+        model="m",
+        initial_peers=[],
+        num_blocks=a.blocks,
+        calibrate=False,
+        arrival_rate_per_s=a.arrival_rate,
+        lease_ttl_s=600.0,
+    )
     orch = Orchestrator.offline(cfg, lambda: now[0])
     swarm(orch, a.servers, rng)
     t0 = time.perf_counter()
@@ -127,12 +158,17 @@ def main() -> None:
         return n[0] > a.acquires
 
     idle_lat, idle_granted = acquires(orch, loop, enough, 0)
-    out = {"servers": a.servers, "blocks": a.blocks, "first_plan_s": first_s,
-           "chains": len(orch.sessions.chain_views()), "idle": {**summary(idle_lat), "granted": idle_granted},
-           "during_replan": replan_phase(orch, loop, rng, False, 10 ** 7)}
+    out = {
+        "servers": a.servers,
+        "blocks": a.blocks,
+        "first_plan_s": first_s,
+        "chains": len(orch.sessions.chain_views()),
+        "idle": {**summary(idle_lat), "granted": idle_granted},
+        "during_replan": replan_phase(orch, loop, rng, False, 10**7),
+    }
     if a.locked:
         orch.drain = None
-        out["during_replan_locked"] = replan_phase(orch, loop, rng, True, 2 * 10 ** 7)
+        out["during_replan_locked"] = replan_phase(orch, loop, rng, True, 2 * 10**7)
     out["p99_ratio_during_vs_idle"] = out["during_replan"]["p99_ms"] / out["idle"]["p99_ms"]
     out["host"] = platform.node()
     out["date"] = time.strftime("%Y-%m-%d %H:%M")

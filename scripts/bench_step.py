@@ -14,6 +14,7 @@ Prints a table and writes results/bench_step.json (keys: `model`, `blocks`, `ctx
 `reps`, `loadavg_before`, `loadavg_after`, `base_ms`, `base_cpu_ms`, `shapes[]`: `sessions`, `tokens`,
 `median_ms`, `ratio_vs_base`, `median_cpu_ms`, `cpu_ratio_vs_base`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,14 +50,19 @@ def main() -> None:
     start, end = (int(x) for x in args.blocks.split(":"))
     br = BlockRange(resolve_model_path(args.model), start, end)
     gen = torch.Generator().manual_seed(0)
-    shapes = [(1, 1)] + [(int(s), 1) for s in args.sessions.split(",") if int(s) != 1] + \
-             [(1, int(t)) for t in args.tokens.split(",") if int(t) != 1]
+    shapes = (
+        [(1, 1)]
+        + [(int(s), 1) for s in args.sessions.split(",") if int(s) != 1]
+        + [(1, int(t)) for t in args.tokens.split(",") if int(t) != 1]
+    )
     max_sessions = max(s for s, _ in shapes)
     max_tokens = max(t for _, t in shapes)
     kvs = [br.allocate_kv(args.ctx + max_tokens) for _ in range(max_sessions)]
     for kv in kvs:
         br.forward([StepInput(kv, torch.randn(args.ctx, br.hidden_size, generator=gen))])
-    inputs = {shape: [torch.randn(shape[1], br.hidden_size, generator=gen) for _ in range(shape[0])] for shape in shapes}
+    inputs = {
+        shape: [torch.randn(shape[1], br.hidden_size, generator=gen) for _ in range(shape[0])] for shape in shapes
+    }
 
     def step(shape) -> tuple[float, float]:
         steps = [StepInput(kv, h) for kv, h in zip(kvs, inputs[shape])]
@@ -83,18 +89,42 @@ def main() -> None:
     wall_ms = {shape: median_ms(shape, 0) for shape in shapes}
     cpu_ms = {shape: median_ms(shape, 1) for shape in shapes}
     base_ms, base_cpu_ms = wall_ms[(1, 1)], cpu_ms[(1, 1)]
-    rows = [{"sessions": s, "tokens": t, "median_ms": round(wall_ms[(s, t)], 2),
-             "ratio_vs_base": round(wall_ms[(s, t)] / base_ms, 3), "median_cpu_ms": round(cpu_ms[(s, t)], 2),
-             "cpu_ratio_vs_base": round(cpu_ms[(s, t)] / base_cpu_ms, 3)} for s, t in shapes]
-    print(f"blocks {start}:{end}, ctx {args.ctx}, {args.threads} thread(s), {args.reps} reps, "
-          f"load {load_before} -> {load_after}")
-    print("| sessions | tokens | wall ms | x (1 sess, 1 tok) | CPU ms | x (1 sess, 1 tok) |\n|---:|---:|---:|---:|---:|---:|")
+    rows = [
+        {
+            "sessions": s,
+            "tokens": t,
+            "median_ms": round(wall_ms[(s, t)], 2),
+            "ratio_vs_base": round(wall_ms[(s, t)] / base_ms, 3),
+            "median_cpu_ms": round(cpu_ms[(s, t)], 2),
+            "cpu_ratio_vs_base": round(cpu_ms[(s, t)] / base_cpu_ms, 3),
+        }
+        for s, t in shapes
+    ]
+    print(
+        f"blocks {start}:{end}, ctx {args.ctx}, {args.threads} thread(s), {args.reps} reps, "
+        f"load {load_before} -> {load_after}"
+    )
+    print(
+        "| sessions | tokens | wall ms | x (1 sess, 1 tok) | CPU ms | x (1 sess, 1 tok) "
+        "|\n|---:|---:|---:|---:|---:|---:|"
+    )
     for r in rows:
-        print(f"| {r['sessions']} | {r['tokens']} | {r['median_ms']:.1f} | {r['ratio_vs_base']:.2f} "
-              f"| {r['median_cpu_ms']:.1f} | {r['cpu_ratio_vs_base']:.2f} |")
-    result = {"model": args.model, "blocks": args.blocks, "ctx_tokens": args.ctx, "threads": args.threads,
-              "reps": args.reps, "loadavg_before": load_before, "loadavg_after": load_after,
-              "base_ms": round(base_ms, 2), "base_cpu_ms": round(base_cpu_ms, 2), "shapes": rows}
+        print(
+            f"| {r['sessions']} | {r['tokens']} | {r['median_ms']:.1f} | {r['ratio_vs_base']:.2f} "
+            f"| {r['median_cpu_ms']:.1f} | {r['cpu_ratio_vs_base']:.2f} |"
+        )
+    result = {
+        "model": args.model,
+        "blocks": args.blocks,
+        "ctx_tokens": args.ctx,
+        "threads": args.threads,
+        "reps": args.reps,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "base_ms": round(base_ms, 2),
+        "base_cpu_ms": round(base_cpu_ms, 2),
+        "shapes": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

@@ -14,6 +14,7 @@
 
 Prints a table with ratios and writes results/bench_swarm.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,9 @@ def in_process_decode_tokens_per_s(path, sessions: int, steps: int = 20, prompt_
     block_range = BlockRange(path, 0, load_config(path).num_hidden_layers, model_path=path)
     gen = torch.Generator().manual_seed(0)
     kvs = [block_range.allocate_kv(prompt_tokens + steps + 1) for _ in range(sessions)]
-    block_range.forward([StepInput(kv, torch.randn(prompt_tokens, block_range.hidden_size, generator=gen))
-                         for kv in kvs])
+    block_range.forward(
+        [StepInput(kv, torch.randn(prompt_tokens, block_range.hidden_size, generator=gen)) for kv in kvs]
+    )
     start_s = time.perf_counter()
     for _ in range(steps):
         block_range.forward([StepInput(kv, torch.randn(1, block_range.hidden_size, generator=gen)) for kv in kvs])
@@ -108,8 +110,10 @@ def codec_roundtrip_hivemind(hidden: torch.Tensor) -> None:
     from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
     for _ in range(2):  # request and reply
-        data = [wire_parts.runtime_pb2.ExpertRequest(tensors=[part]).SerializeToString()
-                for part in split_for_streaming(serialize_torch_tensor(hidden), wire_parts.MAX_PART_BYTES)]
+        data = [
+            wire_parts.runtime_pb2.ExpertRequest(tensors=[part]).SerializeToString()
+            for part in split_for_streaming(serialize_torch_tensor(hidden), wire_parts.MAX_PART_BYTES)
+        ]
         parts = [t for d in data for t in wire_parts.runtime_pb2.ExpertRequest.FromString(d).tensors]
         assert torch.equal(deserialize_torch_tensor(combine_from_streaming(parts)), hidden)
 
@@ -134,13 +138,17 @@ def prefill_split(client, path, ids: torch.Tensor, repeats: int) -> dict[str, fl
         codec_hivemind_s = 3 * best_s(lambda: codec_roundtrip_hivemind(hidden), repeats)
     finally:
         torch.set_num_threads(default_threads)
-    return {f"prefill{tokens}_swarm3_s": total_s, f"prefill{tokens}_in_process_compute_s": compute_s,
-            f"prefill{tokens}_wire_s": total_s - compute_s, f"prefill{tokens}_codec_s": codec_s,
-            f"prefill{tokens}_codec_hivemind_s": codec_hivemind_s,
-            f"ratio_prefill{tokens}_codec_vs_hivemind": codec_s / codec_hivemind_s,
-            f"prefill{tokens}_compute_share": compute_s / total_s,
-            f"prefill{tokens}_wire_share": (total_s - compute_s) / total_s,
-            f"prefill{tokens}_hidden_mib": hidden.numel() * hidden.element_size() / 2**20}
+    return {
+        f"prefill{tokens}_swarm3_s": total_s,
+        f"prefill{tokens}_in_process_compute_s": compute_s,
+        f"prefill{tokens}_wire_s": total_s - compute_s,
+        f"prefill{tokens}_codec_s": codec_s,
+        f"prefill{tokens}_codec_hivemind_s": codec_hivemind_s,
+        f"ratio_prefill{tokens}_codec_vs_hivemind": codec_s / codec_hivemind_s,
+        f"prefill{tokens}_compute_share": compute_s / total_s,
+        f"prefill{tokens}_wire_share": (total_s - compute_s) / total_s,
+        f"prefill{tokens}_hidden_mib": hidden.numel() * hidden.element_size() / 2**20,
+    }
 
 
 def main() -> None:
@@ -151,8 +159,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="best of N for each measurement")
     p.add_argument("--prefill-tokens", type=int, default=2048, help="prompt length of section 4")
     p.add_argument("--prefill-only", action="store_true", help="run section 4 only")
-    p.add_argument("--out", default=None,
-                   help="default results/bench_swarm.json (results/bench_swarm_prefill.json with --prefill-only)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="default results/bench_swarm.json (results/bench_swarm_prefill.json with --prefill-only)",
+    )
     args = p.parse_args()
     path = resolve_model_path(args.model)
     num_blocks = load_config(path).num_hidden_layers
@@ -161,15 +172,16 @@ def main() -> None:
     long_ids = tok(" ".join([PROMPT] * (args.prefill_tokens // 8 + 1)), return_tensors="pt").input_ids
     if long_ids.shape[1] < args.prefill_tokens:
         p.error(f"could not build a {args.prefill_tokens}-token prompt")
-    long_ids = long_ids[:, :args.prefill_tokens]
+    long_ids = long_ids[:, : args.prefill_tokens]
     results: dict[str, float] = {}
     third = num_blocks // 3
     swarm3 = [(0, third), (third, 2 * third), (2 * third, num_blocks)]
     swarm3_args = ["--num-threads", "1", "--max-length", str(max(2048, args.prefill_tokens))]
     if args.prefill_only:
         with LocalSwarm(args.model, swarm3, server_args=swarm3_args) as swarm:
-            client = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
-                                                                 step_timeout_s=LONG_STEP_TIMEOUT_S)
+            client = DistributedModelForCausalLM.from_pretrained(
+                args.model, initial_peers=swarm.initial_peers, step_timeout_s=LONG_STEP_TIMEOUT_S
+            )
             results.update(prefill_split(client, path, long_ids, args.repeats))
             client.backend.shutdown()
         report(results, args)
@@ -179,16 +191,20 @@ def main() -> None:
     results["hf_local_tokens_per_s"] = max(timed_generate(hf, ids, args.new_tokens) for _ in range(args.repeats))
     default_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the servers run one thread each: the same per-process budget
-    results["hf_local_1thread_tokens_per_s"] = max(timed_generate(hf, ids, args.new_tokens) for _ in range(args.repeats))
+    results["hf_local_1thread_tokens_per_s"] = max(
+        timed_generate(hf, ids, args.new_tokens) for _ in range(args.repeats)
+    )
     torch.set_num_threads(default_threads)
     del hf
 
     with LocalSwarm(args.model, swarm3, server_args=swarm3_args) as swarm:
-        client = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
-                                                             step_timeout_s=LONG_STEP_TIMEOUT_S)
+        client = DistributedModelForCausalLM.from_pretrained(
+            args.model, initial_peers=swarm.initial_peers, step_timeout_s=LONG_STEP_TIMEOUT_S
+        )
         timed_generate(client, ids, 4)  # warm-up: routing, connections
         results["swarm3_one_session_tokens_per_s"] = max(
-            timed_generate(client, ids, args.new_tokens) for _ in range(args.repeats))
+            timed_generate(client, ids, args.new_tokens) for _ in range(args.repeats)
+        )
         results.update(prefill_split(client, path, long_ids, args.repeats))
         client.backend.shutdown()
 
@@ -196,23 +212,31 @@ def main() -> None:
         client = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers)
         timed_generate(client, ids, 4)
         results["one_server_1_session_tokens_per_s"] = max(
-            concurrent_tokens_per_s(client, ids, args.new_tokens, 1) for _ in range(args.repeats))
+            concurrent_tokens_per_s(client, ids, args.new_tokens, 1) for _ in range(args.repeats)
+        )
         results[f"one_server_{args.sessions}_sessions_tokens_per_s"] = max(
-            concurrent_tokens_per_s(client, ids, args.new_tokens, args.sessions) for _ in range(args.repeats))
+            concurrent_tokens_per_s(client, ids, args.new_tokens, args.sessions) for _ in range(args.repeats)
+        )
         client.backend.shutdown()
 
     results["in_process_1_session_decode_tokens_per_s"] = max(
-        in_process_decode_tokens_per_s(path, 1) for _ in range(args.repeats))
+        in_process_decode_tokens_per_s(path, 1) for _ in range(args.repeats)
+    )
     results[f"in_process_{args.sessions}_sessions_decode_tokens_per_s"] = max(
-        in_process_decode_tokens_per_s(path, args.sessions) for _ in range(args.repeats))
+        in_process_decode_tokens_per_s(path, args.sessions) for _ in range(args.repeats)
+    )
     results[f"ratio_in_process_{args.sessions}_vs_1"] = (
         results[f"in_process_{args.sessions}_sessions_decode_tokens_per_s"]
-        / results["in_process_1_session_decode_tokens_per_s"])
+        / results["in_process_1_session_decode_tokens_per_s"]
+    )
     overhead = results["swarm3_one_session_tokens_per_s"] / results["hf_local_tokens_per_s"]
-    batching = results[f"one_server_{args.sessions}_sessions_tokens_per_s"] / results["one_server_1_session_tokens_per_s"]
+    batching = (
+        results[f"one_server_{args.sessions}_sessions_tokens_per_s"] / results["one_server_1_session_tokens_per_s"]
+    )
     results["ratio_swarm3_vs_hf_local"] = overhead
-    results["ratio_swarm3_vs_hf_local_1thread"] = (results["swarm3_one_session_tokens_per_s"]
-                                                  / results["hf_local_1thread_tokens_per_s"])
+    results["ratio_swarm3_vs_hf_local_1thread"] = (
+        results["swarm3_one_session_tokens_per_s"] / results["hf_local_1thread_tokens_per_s"]
+    )
     results[f"ratio_{args.sessions}_sessions_vs_1"] = batching
     report(results, args)
 

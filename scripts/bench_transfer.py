@@ -11,6 +11,7 @@ framework). Needs root (namespaces). Prints one JSON object and writes results/b
 {"rtt_ms", "tokens", "bytes_each_way", "mtu_bytes", "tcp_s": [...], "tcp_s_median",
  "p2p": {"beyond_server_s": [...], "median", "mb_s", "ratio_vs_tcp"}, "direct": {...}}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,17 +99,33 @@ def main() -> int:
     n_bytes = args.tokens * 576 * 4
     name = "bt" + uuid.uuid4().hex[:5]
     rtt = [[0 if i == j else args.rtt_ms for j in range(3)] for i in range(3)]
-    result: dict = {"rtt_ms": args.rtt_ms, "tokens": args.tokens, "bytes_each_way": n_bytes, "mtu_bytes": TUN_MTU_BYTES,
-                    "loadavg_start": os.getloadavg()[0]}
+    result: dict = {
+        "rtt_ms": args.rtt_ms,
+        "tokens": args.tokens,
+        "bytes_each_way": n_bytes,
+        "mtu_bytes": TUN_MTU_BYTES,
+        "loadavg_start": os.getloadavg()[0],
+    }
     try:
         with netem.Network(["dht", "s0", "client"], rtt, name=name, backend="userspace") as net:
-            server = net.popen("s0", [sys.executable, "-c", TCP, "server", net.address("s0"), str(n_bytes)],
-                               stdout=subprocess.PIPE, text=True)
+            server = net.popen(
+                "s0",
+                [sys.executable, "-c", TCP, "server", net.address("s0"), str(n_bytes)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             try:
                 port = server.stdout.readline().strip()
-                tcp = subprocess.run(net.command("client", [sys.executable, "-c", TCP, "client", net.address("s0"),
-                                                            str(n_bytes), port, str(args.repeats)]),
-                                     capture_output=True, text=True, timeout=300, check=True)
+                tcp = subprocess.run(
+                    net.command(
+                        "client",
+                        [sys.executable, "-c", TCP, "client", net.address("s0"), str(n_bytes), port, str(args.repeats)],
+                    ),
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                    check=True,
+                )
             finally:
                 server.kill()
                 server.wait()
@@ -119,12 +136,22 @@ def main() -> int:
                 h = "dht" if role == "dht" else role.replace("server", "s")
                 return net.prefix(h), net.address(h)
 
-            with LocalSwarm("smollm2-135m", [(0, 30)], placement=placement,
-                            server_args=["--num-threads", "1", "--no-orchestrator", "--direct-port", "0",
-                                         "--max-length", "4096"]) as swarm:
-                run = subprocess.run(net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
-                                                            str(args.tokens), str(args.repeats)]),
-                                     capture_output=True, text=True, timeout=1800, env=swarm.env)
+            with LocalSwarm(
+                "smollm2-135m",
+                [(0, 30)],
+                placement=placement,
+                server_args=["--num-threads", "1", "--no-orchestrator", "--direct-port", "0", "--max-length", "4096"],
+            ) as swarm:
+                run = subprocess.run(
+                    net.command(
+                        "client",
+                        [sys.executable, "-c", CLIENT, swarm.initial_peers[0], str(args.tokens), str(args.repeats)],
+                    ),
+                    capture_output=True,
+                    text=True,
+                    timeout=1800,
+                    env=swarm.env,
+                )
                 if run.returncode != 0:
                     raise RuntimeError(run.stderr[-3000:])
                 res = json.loads(run.stdout.strip().splitlines()[-1])
@@ -134,8 +161,12 @@ def main() -> int:
     for mode in ("p2p", "direct"):
         xs = res[mode]
         med = float(np.median(xs))
-        result[mode] = {"beyond_server_s": xs, "median": med, "mb_s": 2 * n_bytes / 1e6 / med,
-                        "ratio_vs_tcp": med / result["tcp_s_median"]}
+        result[mode] = {
+            "beyond_server_s": xs,
+            "median": med,
+            "mb_s": 2 * n_bytes / 1e6 / med,
+            "ratio_vs_tcp": med / result["tcp_s_median"],
+        }
     result["loadavg_end"] = os.getloadavg()[0]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ Sections (`--sections`, default all), each measured in this run:
 
 Writes `--out` (default results/bench_verify.json) and prints it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,22 +56,34 @@ def calibrate(sessions: int, prompt_tokens: int, decode_steps: int) -> dict:
         for _ in range(sessions):
             ids = torch.randint(0, head.config.vocab_size, (prompt_tokens + decode_steps,), generator=gen)
             x = head.embed_batched(ids).to(br.dtype)
-            other = head.embed_batched(torch.randint(0, head.config.vocab_size, (prompt_tokens + decode_steps,),
-                                                     generator=gen)).to(br.dtype)
+            other = head.embed_batched(
+                torch.randint(0, head.config.vocab_size, (prompt_tokens + decode_steps,), generator=gen)
+            ).to(br.dtype)
             kv, kv_other = br.allocate_kv(len(ids)), br.allocate_kv(len(ids))
             served = [br.forward([StepInput(kv, x[:prompt_tokens]), StepInput(kv_other, other[:prompt_tokens])])[0]]
             for i in range(prompt_tokens, len(ids)):  # decode steps batched with another session's
-                served.append(br.forward([StepInput(kv, x[i:i + 1]), StepInput(kv_other, other[i:i + 1])])[0])
+                served.append(br.forward([StepInput(kv, x[i : i + 1]), StepInput(kv_other, other[i : i + 1])])[0])
             check = br.forward_stateless(x.unsqueeze(0))[0]
             errors.extend(row_errors(torch.cat(served), check).tolist())
         errors.sort()
         bound = TOLERANCE_BY_DTYPE[br.dtype]
-        out[dtype] = {"rows": len(errors), "max": errors[-1], "p99": errors[int(0.99 * (len(errors) - 1))],
-                      "median": statistics.median(errors), "bound": bound, "margin": bound / errors[-1],
-                      "over_bound": sum(e > bound for e in errors)}
+        out[dtype] = {
+            "rows": len(errors),
+            "max": errors[-1],
+            "p99": errors[int(0.99 * (len(errors) - 1))],
+            "median": statistics.median(errors),
+            "bound": bound,
+            "margin": bound / errors[-1],
+            "over_bound": sum(e > bound for e in errors),
+        }
         print(f"calibrate {dtype}: {out[dtype]}", flush=True)
-    return {"sessions": sessions, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps, "blocks": 30,
-            "dtypes": out}
+    return {
+        "sessions": sessions,
+        "prompt_tokens": prompt_tokens,
+        "decode_steps": decode_steps,
+        "blocks": 30,
+        "dtypes": out,
+    }
 
 
 def _client(model_path, swarm, first_peer, **config):
@@ -81,8 +94,12 @@ def _client(model_path, swarm, first_peer, **config):
     order = [first_peer] + [sp.peer_id for sp in swarm.servers if sp.peer_id != first_peer]
     num_blocks = json.loads((Path(model_path) / "config.json").read_text())["num_hidden_layers"]
     return DistributedModelForCausalLM.from_pretrained(
-        str(model_path), initial_peers=swarm.initial_peers, provider=ListedChains(order, num_blocks),
-        prefix_reuse=False, verification=VerificationConfig(**config))
+        str(model_path),
+        initial_peers=swarm.initial_peers,
+        provider=ListedChains(order, num_blocks),
+        prefix_reuse=False,
+        verification=VerificationConfig(**config),
+    )
 
 
 def detect(probabilities: list[float], trials: int, tokens: int, modes: list[str]) -> dict:
@@ -92,9 +109,18 @@ def detect(probabilities: list[float], trials: int, tokens: int, modes: list[str
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-verify-"))
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     hf = LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp)
     prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 21, 64]])
@@ -102,8 +128,14 @@ def detect(probabilities: list[float], trials: int, tokens: int, modes: list[str
     names = ["honest0", "honest1"] + [f"corrupt-{m}" for m in modes]
     per_server = [[], []] + [["--test-corrupt", m, "--test-corrupt-seed", str(i)] for i, m in enumerate(modes)]
     results = []
-    with LocalSwarm(str(tmp), [(0, 6)] * len(names), server_args=["--num-threads", "1"],
-                    per_server_args=per_server, names=names, start_timeout_s=600) as swarm:
+    with LocalSwarm(
+        str(tmp),
+        [(0, 6)] * len(names),
+        server_args=["--num-threads", "1"],
+        per_server_args=per_server,
+        names=names,
+        start_timeout_s=600,
+    ) as swarm:
         for mode, sp in zip(modes, swarm.servers[2:]):
             for p in probabilities:
                 model = _client(tmp, swarm, sp.peer_id, check_probability=p, seed=17)
@@ -120,14 +152,22 @@ def detect(probabilities: list[float], trials: int, tokens: int, modes: list[str
                         catches = [c for c in verification.stats.catches if c.peer_id == sp.peer_id]
                         first = catches[0] if catches else None
                         wrong_step = None if first is None else max(1, first.position - prompt.shape[1] + 2)
-                        row = {"mode": mode, "p": p, "trial": trial, "caught": first is not None,
-                               "caught_at_step": None if first is None else first.detected_at_step,
-                               "first_wrong_step": wrong_step,
-                               "steps_after_first_wrong": None if first is None else
-                               first.detected_at_step - wrong_step + 1,
-                               "chain_steps": steps, "restarts": session.verification_restarts,
-                               "equals_hf": out.tolist() == reference, "seconds": time.perf_counter() - t0,
-                               "reported": None if first is None else first.reported}
+                        row = {
+                            "mode": mode,
+                            "p": p,
+                            "trial": trial,
+                            "caught": first is not None,
+                            "caught_at_step": None if first is None else first.detected_at_step,
+                            "first_wrong_step": wrong_step,
+                            "steps_after_first_wrong": None
+                            if first is None
+                            else first.detected_at_step - wrong_step + 1,
+                            "chain_steps": steps,
+                            "restarts": session.verification_restarts,
+                            "equals_hf": out.tolist() == reference,
+                            "seconds": time.perf_counter() - t0,
+                            "reported": None if first is None else first.reported,
+                        }
                         results.append(row)
                         print(f"detect {row}", flush=True)
                 finally:
@@ -138,12 +178,16 @@ def detect(probabilities: list[float], trials: int, tokens: int, modes: list[str
             rows = [r for r in results if r["mode"] == mode and r["p"] == p]
             caught = [r for r in rows if r["caught"]]
             summary[f"{mode}@{p}"] = {
-                "trials": len(rows), "caught": len(caught), "all_equal_hf": all(r["equals_hf"] for r in rows),
+                "trials": len(rows),
+                "caught": len(caught),
+                "all_equal_hf": all(r["equals_hf"] for r in rows),
                 "median_caught_at_step": statistics.median([r["caught_at_step"] for r in caught]) if caught else None,
                 "max_caught_at_step": max([r["caught_at_step"] for r in caught], default=None),
                 "median_steps_after_first_wrong": statistics.median([r["steps_after_first_wrong"] for r in caught])
-                if caught else None,
-                "expected_steps_after_first_wrong": 1 / p}
+                if caught
+                else None,
+                "expected_steps_after_first_wrong": 1 / p,
+            }
     return {"tokens": tokens, "trials": trials, "results": results, "summary": summary}
 
 
@@ -160,8 +204,13 @@ def overhead(swarm, p: float, pairs: int, tokens: int) -> dict:
 
     path = resolve_model_path("smollm2-135m", show_progress=False)
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = ["The history of the printing press", "A recipe for bread needs", "In the year 1900 the city of",
-               "The main ideas of thermodynamics are", "To learn a language quickly, one should"]
+    prompts = [
+        "The history of the printing press",
+        "A recipe for bread needs",
+        "In the year 1900 the city of",
+        "The main ideas of thermodynamics are",
+        "To learn a language quickly, one should",
+    ]
     model = _client(path, swarm, swarm.servers[0].peer_id, check_probability=0.0, seed=5)
     rows = []
     try:
@@ -174,16 +223,30 @@ def overhead(swarm, p: float, pairs: int, tokens: int) -> dict:
                 t0 = time.perf_counter()
                 out = model.generate(ids, max_new_tokens=tokens, do_sample=False, check_probability=q)
                 pair[q] = ((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0), out.tolist())
-            rows.append({"pair": i, "tok_s_off": pair[0.0][0], "tok_s_on": pair[p][0],
-                         "ratio": pair[p][0] / pair[0.0][0], "same_output": pair[p][1] == pair[0.0][1]})
+            rows.append(
+                {
+                    "pair": i,
+                    "tok_s_off": pair[0.0][0],
+                    "tok_s_on": pair[p][0],
+                    "ratio": pair[p][0] / pair[0.0][0],
+                    "same_output": pair[p][1] == pair[0.0][1],
+                }
+            )
             print(f"overhead {rows[-1]}", flush=True)
         stats = model.backend.verification.stats.to_json()
     finally:
         model.backend.shutdown()
     ratios = [r["ratio"] for r in rows]
-    return {"p": p, "pairs": pairs, "tokens": tokens, "median_ratio": statistics.median(ratios),
-            "overhead_pct": 100 * (1 - statistics.median(ratios)), "rows": rows, "verification": stats,
-            "load_avg": os.getloadavg()}
+    return {
+        "p": p,
+        "pairs": pairs,
+        "tokens": tokens,
+        "median_ratio": statistics.median(ratios),
+        "overhead_pct": 100 * (1 - statistics.median(ratios)),
+        "rows": rows,
+        "verification": stats,
+        "load_avg": os.getloadavg(),
+    }
 
 
 def honest(swarm, sessions: int, budget_s: float, tokens: int) -> dict:
@@ -205,8 +268,14 @@ def honest(swarm, sessions: int, budget_s: float, tokens: int) -> dict:
         stats = model.backend.verification.stats.to_json()
     finally:
         model.backend.shutdown()
-    return {"sessions": done, "seconds": time.perf_counter() - t0, "tokens": tokens, "check_probability": 1.0,
-            "false_positives": stats["mismatches"], "verification": stats}
+    return {
+        "sessions": done,
+        "seconds": time.perf_counter() - t0,
+        "tokens": tokens,
+        "check_probability": 1.0,
+        "false_positives": stats["mismatches"],
+        "verification": stats,
+    }
 
 
 def main(argv=None) -> int:
@@ -231,8 +300,9 @@ def main(argv=None) -> int:
     if "calibrate" in sections:
         result["calibrate"] = calibrate(args.calibrate_sessions, args.calibrate_tokens, args.calibrate_tokens)
     if "detect" in sections:
-        result["detect"] = detect([float(x) for x in args.probabilities.split(",")], args.trials,
-                                  args.detect_tokens, args.modes.split(","))
+        result["detect"] = detect(
+            [float(x) for x in args.probabilities.split(",")], args.trials, args.detect_tokens, args.modes.split(",")
+        )
     if "overhead" in sections or "honest" in sections:
         with smollm2_swarm() as swarm:
             if "overhead" in sections:
@@ -245,8 +315,15 @@ def main(argv=None) -> int:
     summary = {k: v for k, v in result.items() if k != "detect"}
     if "detect" in result:
         summary["detect"] = result["detect"]["summary"]
-    print(json.dumps({k: (v if k not in ("overhead", "honest") else {kk: vv for kk, vv in v.items() if kk != "rows"})
-                      for k, v in summary.items()}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: (v if k not in ("overhead", "honest") else {kk: vv for kk, vv in v.items() if kk != "rows"})
+                for k, v in summary.items()
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -1,6 +1,7 @@
 """The servers' service logs as the fairness benchmarks read them (`scripts/bench_fairness.py` and its
 shared-prefix phase, `scripts/fairness_prefix.py`): weighted service per client, and the largest gap
 between two backlogged clients' service."""
+
 from __future__ import annotations
 
 import json

@@ -15,6 +15,7 @@ per-client completions, and from the server's batch log the largest service gap 
 clients both backlogged against DLPM's 2(U + Q); backlogged here means with steps waiting after a
 batch was chosen or a session waiting for KV memory (both are the paper's waiting queue).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,24 +39,37 @@ from scripts.fairness_log import max_backlogged_gap, pin_process_tree, read_log,
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--prefix-policies", default="vtc,dlpm",
-                   help="policies of the shared-prefix phase (specs as --policies)")
+    p.add_argument(
+        "--prefix-policies", default="vtc,dlpm", help="policies of the shared-prefix phase (specs as --policies)"
+    )
     p.add_argument("--prefix-clients", type=int, default=4)
     p.add_argument("--prefix-sessions-per-client", type=int, default=2)
     p.add_argument("--prefix-tokens", type=int, default=384, help="tokens of each client's shared system prompt")
     p.add_argument("--prefix-suffix", type=int, default=16, help="fresh tokens after it in every request")
     p.add_argument("--prefix-decode", type=int, default=8)
     p.add_argument("--prefix-slots", type=int, default=2, help="sessions the server's memory holds at once")
-    p.add_argument("--prefix-cache-room", type=float, default=2.5,
-                   help="prefix cache room (--prefix-cache-min) in system prompts (fewer than --prefix-clients)")
+    p.add_argument(
+        "--prefix-cache-room",
+        type=float,
+        default=2.5,
+        help="prefix cache room (--prefix-cache-min) in system prompts (fewer than --prefix-clients)",
+    )
     p.add_argument("--prefix-q", type=float, default=1024.0, help="DLPM's quantum Q (weighted tokens)")
     p.add_argument("--prefix-warmup-s", type=float, default=15.0)
     p.add_argument("--prefix-duration-s", type=float, default=90.0)
-    p.add_argument("--prefix-schedule", choices=("paired", "sequential"), default="paired",
-                   help="paired: every policy's swarm and clients at once, in the same window (the ratio does not "
-                        "move with the machine's load); sequential: one policy after the other")
-    p.add_argument("--prefix-pin-cores", action=argparse.BooleanOptionalAction, default=True,
-                   help="paired: pin each policy's server to a core of its own once it is up, when there are enough")
+    p.add_argument(
+        "--prefix-schedule",
+        choices=("paired", "sequential"),
+        default="paired",
+        help="paired: every policy's swarm and clients at once, in the same window (the ratio does not "
+        "move with the machine's load); sequential: one policy after the other",
+    )
+    p.add_argument(
+        "--prefix-pin-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="paired: pin each policy's server to a core of its own once it is up, when there are enough",
+    )
 
 
 class PrefixClient:
@@ -84,7 +98,7 @@ class PrefixClient:
             try:
                 session = self.chain.open_session(max_length, PromptPrefix(ids, hidden))
                 try:
-                    session.step(hidden[session.position:])  # only what the chain does not hold already
+                    session.step(hidden[session.position :])  # only what the chain does not hold already
                     for _ in range(self.args.prefix_decode):
                         session.step(one)
                 finally:
@@ -133,13 +147,35 @@ class PrefixRun:
         self.log = out_dir / f"service_prefix_{spec.replace(':', '_').replace('=', '')}.jsonl"
         self.log.unlink(missing_ok=True)
         self.sizes = server_sizes(head, args)
-        self.server_args = ["--num-threads", str(args.num_threads), "--max-batch-tokens", str(args.max_batch_tokens),
-                            "--max-length", str(self.sizes["max_length"]), "--memory-budget", str(self.sizes["budget"]),
-                            "--prefix-cache-min", str(self.sizes["cache_room"]), "--prefix-sharing", "client",
-                            "--admission-timeout", "300", "--admission-queue", "256", "--policy", self.policy,
-                            "--policy-arg", f"w_in={args.w_in}", "--policy-arg", f"w_out={args.w_out}",
-                            "--prefill-tokens-while-decoding", str(args.prefill_tokens_while_decoding),
-                            "--service-log", str(self.log), "--no-orchestrator"]
+        self.server_args = [
+            "--num-threads",
+            str(args.num_threads),
+            "--max-batch-tokens",
+            str(args.max_batch_tokens),
+            "--max-length",
+            str(self.sizes["max_length"]),
+            "--memory-budget",
+            str(self.sizes["budget"]),
+            "--prefix-cache-min",
+            str(self.sizes["cache_room"]),
+            "--prefix-sharing",
+            "client",
+            "--admission-timeout",
+            "300",
+            "--admission-queue",
+            "256",
+            "--policy",
+            self.policy,
+            "--policy-arg",
+            f"w_in={args.w_in}",
+            "--policy-arg",
+            f"w_out={args.w_out}",
+            "--prefill-tokens-while-decoding",
+            str(args.prefill_tokens_while_decoding),
+            "--service-log",
+            str(self.log),
+            "--no-orchestrator",
+        ]
         if self.policy == "dlpm":
             self.server_args += ["--policy-arg", f"q={args.prefix_q}"]
         for param in params:
@@ -154,15 +190,25 @@ class PrefixRun:
         gen = random.Random(7)  # the same system prompts for every policy
         vocab = head.config.vocab_size
         systems = [[gen.randrange(2, vocab) for _ in range(args.prefix_tokens)] for _ in range(args.prefix_clients)]
-        self.swarm = LocalSwarm("smollm2-135m", [(0, head.config.num_hidden_layers)], server_args=self.server_args,
-                                start_timeout_s=600)
+        self.swarm = LocalSwarm(
+            "smollm2-135m", [(0, head.config.num_hidden_layers)], server_args=self.server_args, start_timeout_s=600
+        )
         self.swarm.__enter__()
         try:
             if self.core is not None:
                 pin_process_tree(self.swarm.servers[0].process.pid, self.core)
             self.peer = self.swarm.servers[0].peer_id
-            self.chains = [RemoteChain("smollm2-135m", head.config, self.swarm.initial_peers, use_orchestrator=False,
-                                       step_timeout_s=300, open_timeout_s=310) for _ in range(args.prefix_clients)]
+            self.chains = [
+                RemoteChain(
+                    "smollm2-135m",
+                    head.config,
+                    self.swarm.initial_peers,
+                    use_orchestrator=False,
+                    step_timeout_s=300,
+                    open_timeout_s=310,
+                )
+                for _ in range(args.prefix_clients)
+            ]
             self.names = {str(c.p2p.peer_id): f"c{i}" for i, c in enumerate(self.chains)}
             self.clients = [PrefixClient(c, head, systems[i], args, seed=100 + i) for i, c in enumerate(self.chains)]
             for c in self.clients:
@@ -196,12 +242,17 @@ class PrefixRun:
         completed = sum(len(v) for v in done.values())
         asked = after["asked_tokens"] - before["asked_tokens"]
         hits = after["hit_tokens"] - before["hit_tokens"]
-        batches = [{**b, "backlogged": sorted(set(b["backlogged"]) | set(b.get("waiting_for_memory", ())))}
-                   for b in read_log(self.log) if t0 <= b["t_s"] < t1]
+        batches = [
+            {**b, "backlogged": sorted(set(b["backlogged"]) | set(b.get("waiting_for_memory", ())))}
+            for b in read_log(self.log)
+            if t0 <= b["t_s"] < t1
+        ]
         u = max(args.w_in * args.max_batch_tokens, args.w_out)
         q = args.prefix_q if self.policy == "dlpm" else 0.0
-        gaps = {f"{names.get(a, a[:8])}-{names.get(b, b[:8])}": max_backlogged_gap(batches, a, b, args.w_in, args.w_out)
-                for a, b in combinations(sorted(names), 2)}
+        gaps = {
+            f"{names.get(a, a[:8])}-{names.get(b, b[:8])}": max_backlogged_gap(batches, a, b, args.w_in, args.w_out)
+            for a, b in combinations(sorted(names), 2)
+        }
         worst = max(gaps.items(), key=lambda kv: kv[1][0]) if gaps else ("", (0.0, 0))
         served = service_by_client(batches, t0, t1, args.w_in, args.w_out)
         # load-independent work per finished session: tokens the server computed (cache hits are not sent)
@@ -209,15 +260,24 @@ class PrefixRun:
         prefill_computed = sum(item[1] for b in batches for item in b["items"] if item[2])
         busy_s = sum(b["service_s"] for b in batches)
         cpu_s = sum(b.get("cpu_s", 0.0) for b in batches)
+
         def per(x: float) -> float | None:
             return x / completed if completed else None
 
         return {
-            "policy": self.spec, "window_s": t1 - t0, "completed": completed, "sessions_per_s": completed / (t1 - t0),
-            "hit_rate": hits / asked if asked else 0.0, "hit_tokens": hits, "asked_tokens": asked,
-            "reused_prefill_tokens": hits, "computed_prefill_tokens": prefill_computed,
-            "computed_tokens_per_session": per(computed), "server_busy_s_per_session": per(busy_s),
-            "server_cpu_s_per_session": per(cpu_s), "server_busy_fraction": busy_s / (t1 - t0),
+            "policy": self.spec,
+            "window_s": t1 - t0,
+            "completed": completed,
+            "sessions_per_s": completed / (t1 - t0),
+            "hit_rate": hits / asked if asked else 0.0,
+            "hit_tokens": hits,
+            "asked_tokens": asked,
+            "reused_prefill_tokens": hits,
+            "computed_prefill_tokens": prefill_computed,
+            "computed_tokens_per_session": per(computed),
+            "server_busy_s_per_session": per(busy_s),
+            "server_cpu_s_per_session": per(cpu_s),
+            "server_busy_fraction": busy_s / (t1 - t0),
             "server_cpu_fraction": cpu_s / (t1 - t0),
             "client_reused_tokens_mean": per(sum(d[1] for v in done.values() for d in v)) or 0.0,
             "completed_by_client": {k: len(v) for k, v in done.items()},
@@ -225,25 +285,38 @@ class PrefixRun:
             # within the window (the loops' sessions still running at the end fail when the chains shut down)
             "failures": sum(t0 <= t < t1 for c in self.clients for t in c.failures),
             "evicted_chunks": after["evicted_chunks"] - before["evicted_chunks"],
-            "max_gap_weighted_tokens": worst[1][0], "max_gap_pair": worst[0], "batches_both_backlogged": worst[1][1],
-            "batches": len(batches), "U": u, "Q": q, "bound_2_U_plus_Q": 2 * (u + q), "sizes": self.sizes}
+            "max_gap_weighted_tokens": worst[1][0],
+            "max_gap_pair": worst[0],
+            "batches_both_backlogged": worst[1][1],
+            "batches": len(batches),
+            "U": u,
+            "Q": q,
+            "bound_2_U_plus_Q": 2 * (u + q),
+            "sizes": self.sizes,
+        }
 
 
 def _print_result(r: dict) -> None:
     nan = float("nan")
-    print(f"   {r['policy']}: {r['completed']} sessions in {r['window_s']:.0f} s = {r['sessions_per_s']:.3f}/s; "
-          f"cache hit rate {r['hit_rate']:.3f} ({r['hit_tokens']}/{r['asked_tokens']} tokens); server computed "
-          f"{r['computed_tokens_per_session'] or nan:.0f} tokens and {r['server_cpu_s_per_session'] or nan:.2f} CPU s "
-          f"per session (busy {r['server_busy_fraction']:.2f}, CPU {r['server_cpu_fraction']:.2f} of the window); "
-          f"per client {json.dumps(r['completed_by_client'])}; max backlogged gap {r['max_gap_weighted_tokens']:.0f} "
-          f"({r['max_gap_pair']}, {r['batches_both_backlogged']} of {r['batches']} batches) vs 2(U+Q) = "
-          f"{r['bound_2_U_plus_Q']:.0f}; failures {r['failures']}", flush=True)
+    print(
+        f"   {r['policy']}: {r['completed']} sessions in {r['window_s']:.0f} s = {r['sessions_per_s']:.3f}/s; "
+        f"cache hit rate {r['hit_rate']:.3f} ({r['hit_tokens']}/{r['asked_tokens']} tokens); server computed "
+        f"{r['computed_tokens_per_session'] or nan:.0f} tokens and {r['server_cpu_s_per_session'] or nan:.2f} CPU s "
+        f"per session (busy {r['server_busy_fraction']:.2f}, CPU {r['server_cpu_fraction']:.2f} of the window); "
+        f"per client {json.dumps(r['completed_by_client'])}; max backlogged gap {r['max_gap_weighted_tokens']:.0f} "
+        f"({r['max_gap_pair']}, {r['batches_both_backlogged']} of {r['batches']} batches) vs 2(U+Q) = "
+        f"{r['bound_2_U_plus_Q']:.0f}; failures {r['failures']}",
+        flush=True,
+    )
 
 
 def _describe(args, specs) -> None:
-    print(f"\n== shared prefix, {' and '.join(specs)} ({args.prefix_schedule}): {args.prefix_clients} clients x "
-          f"{args.prefix_sessions_per_client} sessions, {args.prefix_tokens}-token system prompts, memory for "
-          f"{args.prefix_slots} sessions + {args.prefix_cache_room} prompts of cache", flush=True)
+    print(
+        f"\n== shared prefix, {' and '.join(specs)} ({args.prefix_schedule}): {args.prefix_clients} clients x "
+        f"{args.prefix_sessions_per_client} sessions, {args.prefix_tokens}-token system prompts, memory for "
+        f"{args.prefix_slots} sessions + {args.prefix_cache_room} prompts of cache",
+        flush=True,
+    )
 
 
 def run_shared_prefix(spec: str, args, head: ClientHead, out_dir: Path) -> dict:
@@ -270,8 +343,10 @@ def run_paired(specs: list[str], args, head: ClientHead, out_dir: Path) -> list[
     cores = sorted(os.sched_getaffinity(0))
     pin = args.prefix_pin_cores and len(cores) >= len(specs)
     with ExitStack() as stack:
-        runs = [stack.enter_context(PrefixRun(spec, args, head, out_dir, cores[i] if pin else None))
-                for i, spec in enumerate(specs)]
+        runs = [
+            stack.enter_context(PrefixRun(spec, args, head, out_dir, cores[i] if pin else None))
+            for i, spec in enumerate(specs)
+        ]
         time.sleep(args.prefix_warmup_s)  # explicit warm-up window: the loops reach their steady state
         for run in runs:
             run.mark()
@@ -296,19 +371,28 @@ def summarize(results: list[dict]) -> dict:
     out = {}
     if "vtc" in by and "dlpm" in by and by["vtc"]["sessions_per_s"] > 0:
         out["throughput_ratio_dlpm_over_vtc"] = by["dlpm"]["sessions_per_s"] / by["vtc"]["sessions_per_s"]
-        print(f"   shared prefix: throughput dlpm / vtc = {out['throughput_ratio_dlpm_over_vtc']:.2f} (goal >= 2, "
-              f"paper 2.87); hit rate vtc {by['vtc']['hit_rate']:.3f}, dlpm {by['dlpm']['hit_rate']:.3f}; dlpm's max "
-              f"gap {by['dlpm']['max_gap_weighted_tokens']:.0f} vs 2(U+Q) = {by['dlpm']['bound_2_U_plus_Q']:.0f}")
+        print(
+            f"   shared prefix: throughput dlpm / vtc = {out['throughput_ratio_dlpm_over_vtc']:.2f} (goal >= 2, "
+            f"paper 2.87); hit rate vtc {by['vtc']['hit_rate']:.3f}, dlpm {by['dlpm']['hit_rate']:.3f}; dlpm's max "
+            f"gap {by['dlpm']['max_gap_weighted_tokens']:.0f} vs 2(U+Q) = {by['dlpm']['bound_2_U_plus_Q']:.0f}"
+        )
         if by["dlpm"]["computed_tokens_per_session"] and by["vtc"]["computed_tokens_per_session"]:
-            out["computed_tokens_per_session_ratio_vtc_over_dlpm"] = (by["vtc"]["computed_tokens_per_session"]
-                                                                    / by["dlpm"]["computed_tokens_per_session"])
-            print(f"   tokens the server computed per finished session: vtc / dlpm = "
-                  f"{out['computed_tokens_per_session_ratio_vtc_over_dlpm']:.2f} (does not move with the load)")
+            out["computed_tokens_per_session_ratio_vtc_over_dlpm"] = (
+                by["vtc"]["computed_tokens_per_session"] / by["dlpm"]["computed_tokens_per_session"]
+            )
+            print(
+                f"   tokens the server computed per finished session: vtc / dlpm = "
+                f"{out['computed_tokens_per_session_ratio_vtc_over_dlpm']:.2f} (does not move with the load)"
+            )
         if by["dlpm"]["server_cpu_s_per_session"] and by["vtc"]["server_cpu_s_per_session"]:
-            out["cpu_s_per_session_ratio_vtc_over_dlpm"] = (by["vtc"]["server_cpu_s_per_session"]
-                                                            / by["dlpm"]["server_cpu_s_per_session"])
-            print(f"   server CPU seconds per finished session: vtc / dlpm = "
-                  f"{out['cpu_s_per_session_ratio_vtc_over_dlpm']:.2f}")
-        out["reused_prefill_tokens_dlpm_over_vtc"] = (by["dlpm"]["reused_prefill_tokens"]
-                                                      / max(1, by["vtc"]["reused_prefill_tokens"]))
+            out["cpu_s_per_session_ratio_vtc_over_dlpm"] = (
+                by["vtc"]["server_cpu_s_per_session"] / by["dlpm"]["server_cpu_s_per_session"]
+            )
+            print(
+                f"   server CPU seconds per finished session: vtc / dlpm = "
+                f"{out['cpu_s_per_session_ratio_vtc_over_dlpm']:.2f}"
+            )
+        out["reused_prefill_tokens_dlpm_over_vtc"] = by["dlpm"]["reused_prefill_tokens"] / max(
+            1, by["vtc"]["reused_prefill_tokens"]
+        )
     return out

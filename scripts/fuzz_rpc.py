@@ -14,6 +14,7 @@ compared with HF. Ends with one JSON line:
 (exit 1 when anything died, a message got an untyped error or no reply, or a session was affected).
 `accepted` counts mutations that are still valid requests (e.g. NaNs in hidden states, ignored extra fields).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     sessions = {"run": 0, "affected": 0}
     rss = {"max": 0}
     start_s = time.monotonic()
-    with LocalSwarm(str(path), [None], server_args=["--num-threads", "1", "--memory-budget", args.memory_budget,
-                                                     "--max-length", "128"],
-                    orchestrator_args=["--expected-servers", "1", "--lease-ttl", "5"]) as swarm:
+    with LocalSwarm(
+        str(path),
+        [None],
+        server_args=["--num-threads", "1", "--memory-budget", args.memory_budget, "--max-length", "128"],
+        orchestrator_args=["--expected-servers", "1", "--lease-ttl", "5"],
+    ) as swarm:
         deadline = time.monotonic() + 120
         while not status_json(swarm.orchestrator_url)["plan_installed"]:
             if time.monotonic() > deadline:
@@ -111,22 +115,42 @@ def main(argv: list[str] | None = None) -> int:
         fuzzer.release_grants()
         stop.set()
         worker.join(120)
-        alive = [sp.alive for sp in swarm.servers] + [swarm.orchestrator_process.poll() is None,
-                                                      swarm.dht_process.poll() is None]
+        alive = [sp.alive for sp in swarm.servers] + [
+            swarm.orchestrator_process.poll() is None,
+            swarm.dht_process.poll() is None,
+        ]
         info = status_json(swarm.orchestrator_url)
         client.backend.shutdown()
         raw.shutdown()
     o = fuzzer.outcomes
-    summary = {"messages": args.messages * len(rpcs), "crashes": alive.count(False), "typed_errors": o["typed_error"],
-               "affected_sessions": sessions["affected"], "well_behaved_sessions": sessions["run"],
-               "untyped_errors": o["untyped_error"], "no_reply": o["no_reply"], "silent": o["silent"],
-               "accepted": o["accepted"], "closed": o["closed"], "stream_broken": o["stream_broken"],
-               "storm_streams": o["storm_streams"], "server_max_rss_bytes": rss["max"],
-               "orchestrator_queue_after": info.get("queue_length"), "untyped_examples": fuzzer.untyped,
-               "seconds": round(time.monotonic() - start_s, 1), "by_kind": dict(sorted(fuzzer.by_kind.items()))}
+    summary = {
+        "messages": args.messages * len(rpcs),
+        "crashes": alive.count(False),
+        "typed_errors": o["typed_error"],
+        "affected_sessions": sessions["affected"],
+        "well_behaved_sessions": sessions["run"],
+        "untyped_errors": o["untyped_error"],
+        "no_reply": o["no_reply"],
+        "silent": o["silent"],
+        "accepted": o["accepted"],
+        "closed": o["closed"],
+        "stream_broken": o["stream_broken"],
+        "storm_streams": o["storm_streams"],
+        "server_max_rss_bytes": rss["max"],
+        "orchestrator_queue_after": info.get("queue_length"),
+        "untyped_examples": fuzzer.untyped,
+        "seconds": round(time.monotonic() - start_s, 1),
+        "by_kind": dict(sorted(fuzzer.by_kind.items())),
+    }
     print(json.dumps(summary), flush=True)
-    bad = summary["crashes"] or summary["untyped_errors"] or summary["no_reply"] or summary["affected_sessions"] \
-        or summary["stream_broken"] or summary["silent"]
+    bad = (
+        summary["crashes"]
+        or summary["untyped_errors"]
+        or summary["no_reply"]
+        or summary["affected_sessions"]
+        or summary["stream_broken"]
+        or summary["silent"]
+    )
     return 1 if bad else 0
 
 

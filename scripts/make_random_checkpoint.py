@@ -8,6 +8,7 @@ weights time exactly like trained ones (the same shapes and kernels) and suit ex
 against transformers; the text they generate is noise. Nothing is written if the folder already
 holds a checkpoint of that shape.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,25 +19,47 @@ from pathlib import Path
 
 SHAPES = {
     # meta-llama/Llama-2-7b-hf's config
-    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
+    "llama-2-7b": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
     # HuggingFaceTB/SmolLM2-135M's config (the embedded model's shape)
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True),
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
 }
 
 
-def make_random_checkpoint(shape: str, out: Path, *, dtype: str = "bfloat16", device: str = "cpu",
-                           seed: int = 0) -> Path:
+def make_random_checkpoint(
+    shape: str, out: Path, *, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0
+) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
     marker = out / "config.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("hidden_size") == config.hidden_size and \
-            any(out.glob("*.safetensors")):
+    if (
+        marker.is_file()
+        and json.loads(marker.read_text()).get("hidden_size") == config.hidden_size
+        and any(out.glob("*.safetensors"))
+    ):
         return out
     torch.manual_seed(seed)
     with torch.device(device):  # initialising 7B parameters takes minutes on a CPU, a second on a GPU

@@ -20,6 +20,7 @@ Counts: started, completed (identical to HF), failed (a typed error reached the 
 output, or an untyped error). Ends with one JSON line; exit 1 if anything was lost or the accounting
 ever exceeded a budget.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -126,9 +127,18 @@ class Monitor:
         for sp in list(self.swarm.servers):
             if not sp.alive or not sp.peer_id:
                 continue
-            row = self.servers.setdefault(sp.name, {"name": sp.name, "peer_id": sp.peer_id, "rss_bytes_max": 0,
-                                                    "rss_with_children_bytes_max": 0, "kv_reserved_bytes_max": 0,
-                                                    "kv_allocated_bytes_max": 0, "active_sessions_max": 0})
+            row = self.servers.setdefault(
+                sp.name,
+                {
+                    "name": sp.name,
+                    "peer_id": sp.peer_id,
+                    "rss_bytes_max": 0,
+                    "rss_with_children_bytes_max": 0,
+                    "kv_reserved_bytes_max": 0,
+                    "kv_allocated_bytes_max": 0,
+                    "active_sessions_max": 0,
+                },
+            )
             own, total = rss_bytes(sp.process.pid)
             row["rss_bytes_max"] = max(row["rss_bytes_max"], own)
             row["rss_with_children_bytes_max"] = max(row["rss_with_children_bytes_max"], total)
@@ -142,9 +152,13 @@ class Monitor:
             if "kv_reserved_bytes" not in x:  # a server without blocks (standing by) reports no accounting
                 continue
             budget, weights = info.memory_budget_bytes, x["weights_bytes"]
-            row.update(memory_budget_bytes=budget, weights_bytes=weights, blocks=[info.start, info.end],
-                       kv_peak_reserved_bytes=x["kv_peak_reserved_bytes"],
-                       kv_bytes_per_session=info.kv_bytes_per_block * (info.end - info.start))
+            row.update(
+                memory_budget_bytes=budget,
+                weights_bytes=weights,
+                blocks=[info.start, info.end],
+                kv_peak_reserved_bytes=x["kv_peak_reserved_bytes"],
+                kv_bytes_per_session=info.kv_bytes_per_block * (info.end - info.start),
+            )
             row["kv_reserved_bytes_max"] = max(row["kv_reserved_bytes_max"], x["kv_reserved_bytes"])
             row["kv_allocated_bytes_max"] = max(row["kv_allocated_bytes_max"], x["kv_allocated_bytes"])
             row["active_sessions_max"] = max(row["active_sessions_max"], info.active_sessions)
@@ -152,12 +166,21 @@ class Monitor:
                 if weights + used > budget:
                     self.violations.append(f"{sp.name}: weights {weights} + {what} KV {used} > budget {budget} bytes")
             if x["kv_allocated_bytes"] > x["kv_reserved_bytes"]:
-                self.violations.append(f"{sp.name}: KV allocated {x['kv_allocated_bytes']} > reserved "
-                                       f"{x['kv_reserved_bytes']} bytes")
+                self.violations.append(
+                    f"{sp.name}: KV allocated {x['kv_allocated_bytes']} > reserved {x['kv_reserved_bytes']} bytes"
+                )
 
 
-def client_loop(model: DistributedModelForCausalLM, prompts, refs, args, stop: threading.Event, tally: Tally,
-                waits_s: list[float], seed: int) -> None:
+def client_loop(
+    model: DistributedModelForCausalLM,
+    prompts,
+    refs,
+    args,
+    stop: threading.Event,
+    tally: Tally,
+    waits_s: list[float],
+    seed: int,
+) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
         i = rng.randrange(len(prompts))
@@ -166,16 +189,18 @@ def client_loop(model: DistributedModelForCausalLM, prompts, refs, args, stop: t
         def run():
             try:
                 # max_length = the servers' limit: the session reserves a whole slot (see the module doc)
-                result["out"] = model.generate(torch.tensor([prompts[i]]), max_length=args.max_length,
-                                               max_new_tokens=args.tokens, do_sample=False)[0].tolist()
+                result["out"] = model.generate(
+                    torch.tensor([prompts[i]]), max_length=args.max_length, max_new_tokens=args.tokens, do_sample=False
+                )[0].tolist()
             except PetalsChainError as e:
                 result["typed"] = type(e).__name__
                 result["message"] = str(e)
             except Exception as e:  # an untyped error is a bug: counted as lost (with where it came from)
                 import traceback
 
-                where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}"
-                                    for f in traceback.extract_tb(e.__traceback__)[-4:])
+                where = " <- ".join(
+                    f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(e.__traceback__)[-4:]
+                )
                 result["untyped"] = f"{type(e).__name__}: {e} at {where}"
 
         tally.add("started")
@@ -204,23 +229,46 @@ def run(args) -> dict:
         raise SystemExit(f"--max-length {args.max_length} is too small for the prompts plus {args.tokens} tokens")
     tally, waits_s = Tally(), []
     stop = threading.Event()
-    server_args = ["--num-threads", "1", "--max-length", str(args.max_length), "--memory-budget", args.budget,
-                   "--admission-timeout", str(args.admission_timeout)]
-    orchestrator_args = ["--expected-servers", str(args.servers), "--lease-ttl", "10", "--replan-period", "600",
-                         "--mean-output-tokens", str(args.tokens)]
-    with LocalSwarm(args.model, [None] * args.servers, server_args=server_args,
-                    orchestrator_args=orchestrator_args) as swarm:
+    server_args = [
+        "--num-threads",
+        "1",
+        "--max-length",
+        str(args.max_length),
+        "--memory-budget",
+        args.budget,
+        "--admission-timeout",
+        str(args.admission_timeout),
+    ]
+    orchestrator_args = [
+        "--expected-servers",
+        str(args.servers),
+        "--lease-ttl",
+        "10",
+        "--replan-period",
+        "600",
+        "--mean-output-tokens",
+        str(args.tokens),
+    ]
+    with LocalSwarm(
+        args.model, [None] * args.servers, server_args=server_args, orchestrator_args=orchestrator_args
+    ) as swarm:
         status = wait_for_plan(swarm, 180)
         capacity = sum(c["capacity"] for c in status["chains"] if c["dispatchable"])
         n_clients = max(1, math.ceil(args.factor * capacity))
-        model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers,
-                                                            acquire_timeout_s=args.acquire_timeout)
+        model = DistributedModelForCausalLM.from_pretrained(
+            args.model, initial_peers=swarm.initial_peers, acquire_timeout_s=args.acquire_timeout
+        )
         monitor = Monitor(swarm, model.backend, args.poll_s).start()
         t_start = time.monotonic()
         try:
-            clients = [threading.Thread(target=client_loop, args=(model, prompts, refs, args, stop, tally, waits_s,
-                                                                  args.seed + c), daemon=True)
-                       for c in range(n_clients)]
+            clients = [
+                threading.Thread(
+                    target=client_loop,
+                    args=(model, prompts, refs, args, stop, tally, waits_s, args.seed + c),
+                    daemon=True,
+                )
+                for c in range(n_clients)
+            ]
             for t in clients:
                 t.start()
             stop.wait(args.minutes * 60)
@@ -238,21 +286,41 @@ def run(args) -> dict:
     waits_s.sort()
     mean_session_s = sum(waits_s) / len(waits_s) if waits_s else None
     return {
-        "started": c["started"], "completed": c["completed"], "failed": c["failed"], "lost": c["lost"],
-        "unfinished_clients": unfinished, "errors": dict(tally.errors), "error_examples": tally.examples,
-        "capacity": capacity, "clients": n_clients, "factor": args.factor, "chains": len(status["chains"]),
+        "started": c["started"],
+        "completed": c["completed"],
+        "failed": c["failed"],
+        "lost": c["lost"],
+        "unfinished_clients": unfinished,
+        "errors": dict(tally.errors),
+        "error_examples": tally.examples,
+        "capacity": capacity,
+        "clients": n_clients,
+        "factor": args.factor,
+        "chains": len(status["chains"]),
         # sessions that completed per capacity slot: how many times the capacity turned over
         "turnovers": round(c["completed"] / max(1, capacity), 1),
-        "session_s_p50": waits_s[len(waits_s) // 2] if waits_s else None, "session_s_mean": mean_session_s,
+        "session_s_p50": waits_s[len(waits_s) // 2] if waits_s else None,
+        "session_s_mean": mean_session_s,
         "session_s_max": waits_s[-1] if waits_s else None,
-        "max_queue_length": monitor.max_queue_length, "max_in_use": monitor.max_in_use,
-        "acquire_timeouts": final["metrics"]["timed_out"], "admitted": final["metrics"]["admitted"],
-        "budget_violations": monitor.violations[:20], "n_budget_violations": len(monitor.violations),
-        "polls": monitor.polls, "status_errors": monitor.status_errors,
-        "servers": [{**row, "rss_mib_max": round(row["rss_bytes_max"] / MIB, 1),
-                     "rss_with_children_mib_max": round(row["rss_with_children_bytes_max"] / MIB, 1)}
-                    for row in monitor.servers.values()],
-        "minutes": args.minutes, "elapsed_s": round(elapsed_s, 1), "model": str(args.model),
+        "max_queue_length": monitor.max_queue_length,
+        "max_in_use": monitor.max_in_use,
+        "acquire_timeouts": final["metrics"]["timed_out"],
+        "admitted": final["metrics"]["admitted"],
+        "budget_violations": monitor.violations[:20],
+        "n_budget_violations": len(monitor.violations),
+        "polls": monitor.polls,
+        "status_errors": monitor.status_errors,
+        "servers": [
+            {
+                **row,
+                "rss_mib_max": round(row["rss_bytes_max"] / MIB, 1),
+                "rss_with_children_mib_max": round(row["rss_with_children_bytes_max"] / MIB, 1),
+            }
+            for row in monitor.servers.values()
+        ],
+        "minutes": args.minutes,
+        "elapsed_s": round(elapsed_s, 1),
+        "model": str(args.model),
     }
 
 
@@ -265,8 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=256, help="the servers' --max-length; every session reserves it")
     p.add_argument("--factor", type=float, default=2.0, help="concurrent sessions / the swarm's capacity")
     p.add_argument("--tokens", type=int, default=8, help="greedy tokens per request")
-    p.add_argument("--acquire-timeout", type=float, default=120.0,
-                   help="seconds a session may wait in the orchestrator's queue before AcquireTimeoutError")
+    p.add_argument(
+        "--acquire-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a session may wait in the orchestrator's queue before AcquireTimeoutError",
+    )
     p.add_argument("--admission-timeout", type=float, default=10.0, help="the servers' --admission-timeout")
     p.add_argument("--hang-s", type=float, default=300.0, help="a request not done by then counts as lost")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between accounting polls")

@@ -11,9 +11,11 @@ Writes PNG plots, summary.json (keys "setup", "tau_c_reading", "authors_choices"
 Carlo runs per point; --quick: 3 runs, fewer jobs. --setup authors switches on every choice of the
 paper authors' simulator (orchestrator/sim/authors_setup.py); --authors-choices switches on only
 the named ones. "leftover" (not run by default) compares the proposed stack with and without blocks
-for GBP-CR's idle servers on Fig. 8's instances. "ablation" (not run by default) reruns Fig. 8 at cfg.ablation_settings with each
+for GBP-CR's idle servers on Fig. 8's instances. "ablation" (not run by default) reruns Fig. 8 at cfg.ablation_settings
+with each
 authors' choice on alone (on top of the paper setup) and off alone (from all on).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +68,16 @@ def _init_worker(rtt_path, synthetic_seed):
 
 def _task(fig: str, run: int, cfg: ex.PaperConfig, extra: tuple):
     t0 = time.perf_counter()
-    fn = {"fig3": ex.fig3_run, "fig4": ex.fig4_run, "fig5": ex.fig5_run, "fig67": ex.fig67_run, "fig8": ex.fig8_run,
-          "fig8x": ex.fig8_run, "ablation": ex.fig8_run, "leftover": ex.leftover_run}[fig]
+    fn = {
+        "fig3": ex.fig3_run,
+        "fig4": ex.fig4_run,
+        "fig5": ex.fig5_run,
+        "fig67": ex.fig67_run,
+        "fig8": ex.fig8_run,
+        "fig8x": ex.fig8_run,
+        "ablation": ex.fig8_run,
+        "leftover": ex.leftover_run,
+    }[fig]
     variant = None
     if fig == "ablation":
         variant, extra = extra[0], extra[1:]
@@ -105,13 +115,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=None, help="Monte Carlo runs per point (default 20, quick 3)")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--only", default=",".join(DEFAULT_FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
-    p.add_argument("--setup", default="paper", choices=SETUPS,
-                   help="paper: the paper's §4.1.1 as we read it; authors: every choice of the authors' simulator")
-    p.add_argument("--authors-choices", default="",
-                   help=f"comma-separated authors' choices to switch on (with --setup paper): {','.join(AuthorsChoices.names())}")
-    p.add_argument("--tau-c", default="model", choices=TAU_C_READINGS,
-                   help="model: 20 x (RTT + 18 ms), the paper's definition of tau_c (default); literal: RTT + 18 ms")
-    p.add_argument("--rtt-data", default=None, help="RIPE Atlas CSV or its folder (default: $PETALS_CHAIN_DATA, else ../shared/data)")
+    p.add_argument(
+        "--setup",
+        default="paper",
+        choices=SETUPS,
+        help="paper: the paper's §4.1.1 as we read it; authors: every choice of the authors' simulator",
+    )
+    p.add_argument(
+        "--authors-choices",
+        default="",
+        help=f"comma-separated authors' choices to switch on (with --setup paper): {','.join(AuthorsChoices.names())}",
+    )
+    p.add_argument(
+        "--tau-c",
+        default="model",
+        choices=TAU_C_READINGS,
+        help="model: 20 x (RTT + 18 ms), the paper's definition of tau_c (default); literal: RTT + 18 ms",
+    )
+    p.add_argument(
+        "--rtt-data",
+        default=None,
+        help="RIPE Atlas CSV or its folder (default: $PETALS_CHAIN_DATA, else ../shared/data)",
+    )
     p.add_argument("--synthetic-rtt", action="store_true", help="use synthetic RTTs instead of RIPE Atlas")
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--out", default=str(REPO_ROOT / "results" / "paper"))
@@ -143,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             synthetic_seed = args.seed
 
     if authors.synthetic_rtt:
-        rtt_source = (f"the authors' synthetic RTT formula over the RIPE Atlas EU anchors ({rtt_path})" if synthetic_seed is None
-                      else "synthetic (the authors' RTT formula needs the RIPE Atlas data)")
+        rtt_source = (
+            f"the authors' synthetic RTT formula over the RIPE Atlas EU anchors ({rtt_path})"
+            if synthetic_seed is None
+            else "synthetic (the authors' RTT formula needs the RIPE Atlas data)"
+        )
     tasks = []
     for fig in figs:
         for run in range(cfg.runs):
@@ -153,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
             elif fig == "fig8x":
                 tasks += [(fig, run, cfg, (*cfg.fig8x_setting, rate)) for rate in cfg.fig8x_rates_per_s]
             elif fig == "ablation":
-                tasks += [(fig, run, vcfg, (name, J, eta)) for name, vcfg in ablation_variants(cfg)
-                          for J, eta in cfg.ablation_settings]
+                tasks += [
+                    (fig, run, vcfg, (name, J, eta))
+                    for name, vcfg in ablation_variants(cfg)
+                    for J, eta in cfg.ablation_settings
+                ]
             else:
                 tasks.append((fig, run, cfg, ()))
     # Longest tasks first so the two workers finish together.
@@ -173,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             results[fig].append(res)
             timings[fig] += dt
     else:
-        with ProcessPoolExecutor(max_workers=args.workers, initializer=_init_worker, initargs=(rtt_path, synthetic_seed)) as pool:
+        with ProcessPoolExecutor(
+            max_workers=args.workers, initializer=_init_worker, initargs=(rtt_path, synthetic_seed)
+        ) as pool:
             futs = [pool.submit(_task, *t) for t in tasks]
             for fut in tqdm(as_completed(futs), total=len(futs), desc="simulating", unit="run"):
                 fig, res, dt = fut.result()
@@ -183,10 +216,21 @@ def main(argv: list[str] | None = None) -> int:
     for fig in results:
         results[fig].sort(key=lambda r: (r.get("J", 0), r.get("eta", 0), r.get("rate", 0), r["run"]))
 
-    summary: dict = {"setup": args.setup, "tau_c_reading": args.tau_c, "authors_choices": list(authors.on()),
-                     "mode": "quick" if args.quick else "full", "command": " ".join(["python", "scripts/reproduce_paper.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
-                     "config": asdict(cfg), "rtt_source": rtt_source, "workers": args.workers, "wall_s": wall,
-                     "timings_s": {f"{k} (cpu)": v for k, v in timings.items()}, "plots": []}
+    summary: dict = {
+        "setup": args.setup,
+        "tau_c_reading": args.tau_c,
+        "authors_choices": list(authors.on()),
+        "mode": "quick" if args.quick else "full",
+        "command": " ".join(
+            ["python", "scripts/reproduce_paper.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]
+        ),
+        "config": asdict(cfg),
+        "rtt_source": rtt_source,
+        "workers": args.workers,
+        "wall_s": wall,
+        "timings_s": {f"{k} (cpu)": v for k, v in timings.items()},
+        "plots": [],
+    }
     if "fig3" in results:
         summary["fig3"] = rep.aggregate_fig3(results["fig3"])
         summary["plots"].append(rep.plot_fig3(results["fig3"], summary["fig3"], out_dir).name)
@@ -213,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["ablation"] = []
         for name, vcfg in ablation_variants(cfg):
             recs, details = rep.aggregate_fig8([r for r in results["ablation"] if r["variant"] == name])
-            summary["ablation"].append({"variant": name, "authors_choices": list(vcfg.authors.on()),
-                                        "fig8": recs, "fig8_details": details})
+            summary["ablation"].append(
+                {"variant": name, "authors_choices": list(vcfg.authors.on()), "fig8": recs, "fig8_details": details}
+            )
     (out_dir / "summary.md").write_text(rep.markdown_summary(summary))
     (out_dir / "summary.json").write_text(json.dumps(_clean(summary), indent=1))
     (out_dir / "runs.json").write_text(json.dumps(_clean(results)))

@@ -18,6 +18,7 @@ trace rescaled to each rate. The nominal load rho = rate x E[service with nothin
 
 Writes results/prefix_dispatch_sim/summary.json, fig3.png, fig7.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,9 @@ def chains_of(k: int) -> list[ChainSpec]:
 
 
 def nomatch_service_s(reqs) -> float:
-    return float(np.mean([HOPS * BLOCKS * (COST.t_in_s * q.prompt_tokens + COST.t_out_s * q.output_tokens)
-                          for q in reqs]))
+    return float(
+        np.mean([HOPS * BLOCKS * (COST.t_in_s * q.prompt_tokens + COST.t_out_s * q.output_tokens) for q in reqs])
+    )
 
 
 def requests_for(workload: str, k: int, rho: float, n: int, clients: dict[str, float], seed: int, trace):
@@ -88,8 +90,12 @@ def run_one(args) -> dict:
     horizon = reqs[-1].arrival_s
     prompt = np.array([q.prompt_tokens for q in reqs])
     out_t = np.array([q.output_tokens for q in reqs])
-    s = res.summary(horizon_s=horizon, prompt_tokens=prompt, output_tokens=out_t,
-                    well_behaved=[c for c in clients if c in WELL_BEHAVED] if len(clients) > 1 else None)
+    s = res.summary(
+        horizon_s=horizon,
+        prompt_tokens=prompt,
+        output_tokens=out_t,
+        well_behaved=[c for c in clients if c in WELL_BEHAVED] if len(clients) > 1 else None,
+    )
     demand: dict[str, float] = {}
     for q in reqs:
         demand[q.client_id] = demand.get(q.client_id, 0.0) + q.prompt_tokens + 2.0 * q.output_tokens
@@ -115,48 +121,81 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-chunks", type=int, default=1024)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None,
-                   help="data folder or trace file (default: $PETALS_CHAIN_DATA, else ../shared/data)")
+    p.add_argument(
+        "--data", default=None, help="data folder or trace file (default: $PETALS_CHAIN_DATA, else ../shared/data)"
+    )
     p.add_argument("--out", type=Path, default=Path("results/prefix_dispatch_sim"))
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     one = {"c0": 1.0}
     fig7_clients = {**{c: 1.0 for c in WELL_BEHAVED}, "flood": a.flood_weight}
-    jobs = [(pol, "tooluse", k, rho, a.requests, one, a.seed, a.cache_chunks, a.data)
-            for k in a.chains for rho in a.rhos for pol in POLICIES]
-    jobs += [(pol, wl, k, a.fig7_rho, a.requests, fig7_clients, a.seed, a.cache_chunks, a.data)
-             for k in a.chains for wl in WORKLOADS for pol in POLICIES]
+    jobs = [
+        (pol, "tooluse", k, rho, a.requests, one, a.seed, a.cache_chunks, a.data)
+        for k in a.chains
+        for rho in a.rhos
+        for pol in POLICIES
+    ]
+    jobs += [
+        (pol, wl, k, a.fig7_rho, a.requests, fig7_clients, a.seed, a.cache_chunks, a.data)
+        for k in a.chains
+        for wl in WORKLOADS
+        for pol in POLICIES
+    ]
     with ProcessPoolExecutor(a.workers) as ex:
         rows = list(ex.map(run_one, jobs))
-    fig3 = rows[:len(rows) - len(a.chains) * len(WORKLOADS) * len(POLICIES)]
-    fig7 = rows[len(fig3):]
+    fig3 = rows[: len(rows) - len(a.chains) * len(WORKLOADS) * len(POLICIES)]
+    fig7 = rows[len(fig3) :]
 
     def pick(table, **kw):
         return next(r for r in table if all(r[x] == v for x, v in kw.items()))
 
     goals = {}
     if 4 in a.chains:
-        ok = [rho for rho in a.rhos if pick(fig3, chains=4, rho=rho, policy="jffc")["throughput_rps"]
-              >= 0.95 * pick(fig3, chains=4, rho=rho, policy="jffc")["rate_per_s"]]
+        ok = [
+            rho
+            for rho in a.rhos
+            if pick(fig3, chains=4, rho=rho, policy="jffc")["throughput_rps"]
+            >= 0.95 * pick(fig3, chains=4, rho=rho, policy="jffc")["rate_per_s"]
+        ]
         sat = max(ok) if ok else min(a.rhos)
         j, e = pick(fig3, chains=4, rho=sat, policy="jffc"), pick(fig3, chains=4, rho=sat, policy="e2")
         d2 = pick(fig7, chains=4, workload="tooluse", policy="d2lpm")
         vt = pick(fig7, chains=4, workload="tooluse", policy="vtc-rr")
         e7 = pick(fig7, chains=4, workload="tooluse", policy="e2")
-        goals = {"near_saturation_rho": sat,
-                 "e2_over_jffc_mean": ratio(e["mean_response_s"], j["mean_response_s"]),
-                 "e2_over_jffc_p99": ratio(e["p99_response_s"], j["p99_response_s"]),
-                 "d2lpm_over_vtc_rr_throughput": ratio(d2["throughput_rps"], vt["throughput_rps"]),
-                 "d2lpm_over_e2_well_behaved_p99": ratio(d2["well_behaved_p99_s"], e7["well_behaved_p99_s"]),
-                 "targets": {"e2_over_jffc_mean": "<= 0.5", "e2_over_jffc_p99": "<= 0.5",
-                             "d2lpm_over_vtc_rr_throughput": ">= 1.5", "d2lpm_over_e2_well_behaved_p99": "<= 0.5"}}
+        goals = {
+            "near_saturation_rho": sat,
+            "e2_over_jffc_mean": ratio(e["mean_response_s"], j["mean_response_s"]),
+            "e2_over_jffc_p99": ratio(e["p99_response_s"], j["p99_response_s"]),
+            "d2lpm_over_vtc_rr_throughput": ratio(d2["throughput_rps"], vt["throughput_rps"]),
+            "d2lpm_over_e2_well_behaved_p99": ratio(d2["well_behaved_p99_s"], e7["well_behaved_p99_s"]),
+            "targets": {
+                "e2_over_jffc_mean": "<= 0.5",
+                "e2_over_jffc_p99": "<= 0.5",
+                "d2lpm_over_vtc_rr_throughput": ">= 1.5",
+                "d2lpm_over_e2_well_behaved_p99": "<= 0.5",
+            },
+        }
     a.out.mkdir(parents=True, exist_ok=True)
     cmd = "python scripts/sim_prefix_dispatch.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    summary = {"command": cmd,
-               "setup": {"hops": HOPS, "blocks_per_hop": BLOCKS, "capacity": CAPACITY, "t_in_s": COST.t_in_s,
-                         "t_out_s": COST.t_out_s, "cache_chunks": a.cache_chunks, "requests": a.requests,
-                         "seed": a.seed, "flood_weight": a.flood_weight, "fig7_rho": a.fig7_rho},
-               "goals": goals, "fig3": fig3, "fig7": fig7, "wall_s": time.perf_counter() - t0}
+    summary = {
+        "command": cmd,
+        "setup": {
+            "hops": HOPS,
+            "blocks_per_hop": BLOCKS,
+            "capacity": CAPACITY,
+            "t_in_s": COST.t_in_s,
+            "t_out_s": COST.t_out_s,
+            "cache_chunks": a.cache_chunks,
+            "requests": a.requests,
+            "seed": a.seed,
+            "flood_weight": a.flood_weight,
+            "fig7_rho": a.fig7_rho,
+        },
+        "goals": goals,
+        "fig3": fig3,
+        "fig7": fig7,
+        "wall_s": time.perf_counter() - t0,
+    }
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(summary, a.out, a.chains, a.rhos)
     print(json.dumps(goals, indent=1))
@@ -165,14 +204,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot(summary: dict, out: Path, chains: list[int], rhos: list[float]) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(chains), figsize=(4.5 * len(chains), 7), squeeze=False)
     for c, k in enumerate(chains):
         for pol in POLICIES:
-            rows = sorted((r for r in summary["fig3"] if r["chains"] == k and r["policy"] == pol),
-                          key=lambda r: r["rho"])
+            rows = sorted(
+                (r for r in summary["fig3"] if r["chains"] == k and r["policy"] == pol), key=lambda r: r["rho"]
+            )
             x = [r["rate_per_s"] for r in rows]
             axes[0][c].plot(x, [r["mean_response_s"] for r in rows], marker="o", label=pol)
             axes[1][c].plot(x, [r["p99_response_s"] for r in rows], marker="o", label=pol)
@@ -185,17 +226,28 @@ def plot(summary: dict, out: Path, chains: list[int], rhos: list[float]) -> None
     fig.savefig(out / "fig3.png", dpi=110)
     plt.close(fig)
 
-    metrics = [("throughput_rps", "throughput (req/s)"), ("jain_vs_max_min", "Jain's index (vs max-min)"),
-               ("well_behaved_p50_s", "well-behaved p50 (s)"), ("well_behaved_p99_s", "well-behaved p99 (s)")]
-    fig, axes = plt.subplots(len(metrics), len(WORKLOADS), figsize=(4.2 * len(WORKLOADS), 3.0 * len(metrics)),
-                             squeeze=False)
+    metrics = [
+        ("throughput_rps", "throughput (req/s)"),
+        ("jain_vs_max_min", "Jain's index (vs max-min)"),
+        ("well_behaved_p50_s", "well-behaved p50 (s)"),
+        ("well_behaved_p99_s", "well-behaved p99 (s)"),
+    ]
+    fig, axes = plt.subplots(
+        len(metrics), len(WORKLOADS), figsize=(4.2 * len(WORKLOADS), 3.0 * len(metrics)), squeeze=False
+    )
     width = 0.8 / len(POLICIES)
     for c, wl in enumerate(WORKLOADS):
         for m, (key, label) in enumerate(metrics):
             ax = axes[m][c]
             for i, pol in enumerate(POLICIES):
-                ys = [next(r[key] for r in summary["fig7"] if r["workload"] == wl and r["chains"] == k
-                           and r["policy"] == pol) for k in chains]
+                ys = [
+                    next(
+                        r[key]
+                        for r in summary["fig7"]
+                        if r["workload"] == wl and r["chains"] == k and r["policy"] == pol
+                    )
+                    for k in chains
+                ]
                 ax.bar(np.arange(len(chains)) + i * width, ys, width, label=pol)
             ax.set_xticks(np.arange(len(chains)) + 0.4 - width / 2, [f"D={k}" for k in chains])
             if m == 0:

@@ -13,6 +13,7 @@ Counts: started, completed (identical to HF), failed (a typed error reached the 
 client's own failover/retries), lost (hung past `--hang-s`, wrong output, or an untyped error).
 Ends with one JSON line: {"started", "completed", "failed", "lost", "kills", ...}; exit 1 if lost > 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,14 @@ from petals_chain.errors import PetalsChainError  # noqa: E402
 from petals_chain.models.checkpoint import resolve_model_path  # noqa: E402
 from petals_chain.swarm.local import LocalSwarm  # noqa: E402
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",
-           "The history of the printing press", "A haiku about rain:"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "Water boils at",
+    "The history of the printing press",
+    "A haiku about rain:",
+]
 
 
 class Tally:
@@ -72,28 +79,41 @@ def tokenize(model: str, vocab_limit: int) -> list[list[int]]:
     return [[rng.randrange(2, vocab_limit) for _ in range(4 + i)] for i in range(len(PROMPTS))]
 
 
-def client_loop(swarm: LocalSwarm, model: str, prompts, refs, new_tokens: int, stop: threading.Event, tally: Tally,
-                hang_s: float, seed: int) -> None:
+def client_loop(
+    swarm: LocalSwarm,
+    model: str,
+    prompts,
+    refs,
+    new_tokens: int,
+    stop: threading.Event,
+    tally: Tally,
+    hang_s: float,
+    seed: int,
+) -> None:
     rng = random.Random(seed)
     client = None
     while not stop.is_set():
         if client is None:
-            client = DistributedModelForCausalLM.from_pretrained(model, initial_peers=swarm.initial_peers,
-                                                                 acquire_timeout_s=hang_s)
+            client = DistributedModelForCausalLM.from_pretrained(
+                model, initial_peers=swarm.initial_peers, acquire_timeout_s=hang_s
+            )
         i = rng.randrange(len(prompts))
         result: dict = {}
 
         def run():
             try:
-                result["out"] = client.generate(torch.tensor([prompts[i]]), max_new_tokens=new_tokens,
-                                                do_sample=False)[0].tolist()
+                result["out"] = client.generate(torch.tensor([prompts[i]]), max_new_tokens=new_tokens, do_sample=False)[
+                    0
+                ].tolist()
             except PetalsChainError as e:
                 result["typed"] = type(e).__name__
                 result["message"] = str(e)
             except Exception as e:  # an untyped error is a bug: counted as lost (with where it came from)
                 import traceback
 
-                where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(e.__traceback__)[-4:])
+                where = " <- ".join(
+                    f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(e.__traceback__)[-4:]
+                )
                 result["untyped"] = f"{type(e).__name__}: {e} at {where}"
 
         tally.add("started")
@@ -104,7 +124,9 @@ def client_loop(swarm: LocalSwarm, model: str, prompts, refs, new_tokens: int, s
             tally.add("lost", "hung")
             client = None  # abandon the stuck object (its thread is a daemon); a fresh client goes on
         elif "out" in result:
-            tally.add("completed" if result["out"] == refs[i] else "lost", None if result["out"] == refs[i] else "wrong")
+            tally.add(
+                "completed" if result["out"] == refs[i] else "lost", None if result["out"] == refs[i] else "wrong"
+            )
         elif "typed" in result:
             tally.add("failed", result["typed"], result["message"])
         else:
@@ -174,12 +196,21 @@ def main(argv: list[str] | None = None) -> int:
     budgets = args.budgets.split(",")
     tally, events, counts = Tally(), [], Counter()
     stop = threading.Event()
-    with LocalSwarm(args.model, [None] * args.servers, server_args=["--num-threads", "1", "--max-length", "256"],
-                    per_server_args=[["--memory-budget", budgets[i % len(budgets)]] for i in range(args.servers)],
-                    orchestrator_args=args.orchestrator_args) as swarm:
-        clients = [threading.Thread(target=client_loop, args=(swarm, args.model, prompts, refs, args.tokens, stop,
-                                                              tally, args.hang_s, args.seed + 1 + c), daemon=True)
-                   for c in range(args.clients)]
+    with LocalSwarm(
+        args.model,
+        [None] * args.servers,
+        server_args=["--num-threads", "1", "--max-length", "256"],
+        per_server_args=[["--memory-budget", budgets[i % len(budgets)]] for i in range(args.servers)],
+        orchestrator_args=args.orchestrator_args,
+    ) as swarm:
+        clients = [
+            threading.Thread(
+                target=client_loop,
+                args=(swarm, args.model, prompts, refs, args.tokens, stop, tally, args.hang_s, args.seed + 1 + c),
+                daemon=True,
+            )
+            for c in range(args.clients)
+        ]
         kill_thread = threading.Thread(target=killer, args=(swarm, args, stop, events, counts), daemon=True)
         for t in clients + [kill_thread]:
             t.start()
@@ -189,11 +220,20 @@ def main(argv: list[str] | None = None) -> int:
         for t in clients:  # each finishes (or gives up on) its current request within hang_s
             t.join(args.hang_s + 30)
     c = tally.counts
-    summary = {"started": c["started"], "completed": c["completed"], "failed": c["failed"], "lost": c["lost"],
-               "kills": counts["kills"], "orchestrator_kills": counts["orchestrator_kills"],
-               "restarts": counts["restarts"], "errors": dict(tally.errors), "error_examples": tally.examples,
-               "events": events,
-               "minutes": args.minutes, "model": args.model}
+    summary = {
+        "started": c["started"],
+        "completed": c["completed"],
+        "failed": c["failed"],
+        "lost": c["lost"],
+        "kills": counts["kills"],
+        "orchestrator_kills": counts["orchestrator_kills"],
+        "restarts": counts["restarts"],
+        "errors": dict(tally.errors),
+        "error_examples": tally.examples,
+        "events": events,
+        "minutes": args.minutes,
+        "model": args.model,
+    }
     print(json.dumps(summary), flush=True)
     return 1 if c["lost"] else 0
 

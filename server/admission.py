@@ -9,6 +9,7 @@ least service), so admission is a fairness decision, not arrival order.
 Everything here runs on the server's event loop (handlers open and close sessions there); policy
 hooks run under the scheduler's lock through `StepScheduler.call_policy`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,15 @@ class _Waiter:
 
 
 class AdmissionQueue:
-    def __init__(self, budget: KVBudget, scheduler, *, max_waiting: int = 64, timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        budget: KVBudget,
+        scheduler,
+        *,
+        max_waiting: int = 64,
+        timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if max_waiting < 0 or timeout_s < 0:
             raise ValueError("max_waiting and timeout_s must be >= 0")
         self.budget = budget
@@ -64,8 +72,15 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    async def reserve(self, key: str, nbytes: int, session_id: str, client_id: str,
-                      wait_s: float | None = None, prefix_match: Callable[[], int] | None = None) -> float:
+    async def reserve(
+        self,
+        key: str,
+        nbytes: int,
+        session_id: str,
+        client_id: str,
+        wait_s: float | None = None,
+        prefix_match: Callable[[], int] | None = None,
+    ) -> float:
         """Reserve `nbytes` under `key`, waiting up to min(wait_s, the server's timeout) for memory.
         Returns the seconds waited; raises OutOfCacheError (queue full / no wait asked) or
         AdmissionTimeoutError (deadline passed)."""
@@ -74,16 +89,23 @@ class AdmissionQueue:
             return 0.0
         except OutOfCacheError as refused:
             wait_s = self.timeout_s if wait_s is None else min(max(0.0, wait_s), self.timeout_s)
-            if nbytes > self.budget.memory_budget_bytes - self.budget.weights_bytes - self.budget.cache_floor_bytes \
-                    or wait_s <= 0:
+            if (
+                nbytes > self.budget.memory_budget_bytes - self.budget.weights_bytes - self.budget.cache_floor_bytes
+                or wait_s <= 0
+            ):
                 raise
             if len(self._waiting) >= self.max_waiting:
-                raise OutOfCacheError(f"{refused} (and the admission queue is full: {self.max_waiting} sessions "
-                                      "wait already)") from None
+                raise OutOfCacheError(
+                    f"{refused} (and the admission queue is full: {self.max_waiting} sessions wait already)"
+                ) from None
         start_s = self.clock()
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(AdmissionRequest(next(self._seq), session_id, client_id, nbytes, start_s), key,
-                         loop.create_future(), prefix_match)
+        waiter = _Waiter(
+            AdmissionRequest(next(self._seq), session_id, client_id, nbytes, start_s),
+            key,
+            loop.create_future(),
+            prefix_match,
+        )
         self.scheduler.call_policy("admission_wait", lambda p: p.on_admission_wait(waiter.request))
         self._waiting[key] = waiter
         self._note_waiting()
@@ -97,7 +119,8 @@ class AdmissionQueue:
                 self.timed_out += 1
                 raise AdmissionTimeoutError(
                     f"no KV memory freed for this session within {wait_s:.1f} s of waiting in the server's "
-                    "admission queue; retry later, use a smaller max_length, or pick another server") from None
+                    "admission queue; retry later, use a smaller max_length, or pick another server"
+                ) from None
             raise
         finally:
             self._waiting.pop(key, None)
@@ -114,8 +137,11 @@ class AdmissionQueue:
         while self._waiting:
             free = self.budget.available_bytes  # cached prefixes are evicted for it (LRU)
             # the prefix match is asked now: the cache changes while a session waits (DLPM's locality)
-            fits = [replace(w.request, prefix_match_tokens=w.prefix_match()) if w.prefix_match else w.request
-                    for w in self._waiting.values() if w.request.kv_bytes <= free and not w.future.done()]
+            fits = [
+                replace(w.request, prefix_match_tokens=w.prefix_match()) if w.prefix_match else w.request
+                for w in self._waiting.values()
+                if w.request.kv_bytes <= free and not w.future.done()
+            ]
             if not fits:
                 return
             try:

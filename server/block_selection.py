@@ -10,6 +10,7 @@ block enough: when `min throughput now / min throughput after the best move < ba
 
 Pure functions over (start, end, t_O) triples, so they are tested without a swarm.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -42,8 +43,7 @@ def choose_start(throughputs: Sequence[float], num_blocks: int) -> int:
     """The start of the N-block span covering the weakest blocks (ties: the first such start)."""
     if not 1 <= num_blocks <= len(throughputs):
         raise ValueError(f"num_blocks must be in [1, {len(throughputs)}], got {num_blocks}")
-    return min(range(len(throughputs) - num_blocks + 1),
-               key=lambda i: (sorted(throughputs[i:i + num_blocks]), i))
+    return min(range(len(throughputs) - num_blocks + 1), key=lambda i: (sorted(throughputs[i : i + num_blocks]), i))
 
 
 def swarm_min_with(throughputs: Sequence[float], start: int, num_blocks: int, rate: float) -> float:
@@ -51,8 +51,9 @@ def swarm_min_with(throughputs: Sequence[float], start: int, num_blocks: int, ra
     return min(t + (rate if start <= b < start + num_blocks else 0.0) for b, t in enumerate(throughputs))
 
 
-def better_start(others: Sequence[float], current_start: int, num_blocks: int, rate: float,
-                 balance_quality: float = 0.75) -> int | None:
+def better_start(
+    others: Sequence[float], current_start: int, num_blocks: int, rate: float, balance_quality: float = 0.75
+) -> int | None:
     """Where a server now at `current_start` should move, or None to stay. `others`: the blocks'
     throughputs without this server."""
     best = choose_start(others, num_blocks)

@@ -15,6 +15,7 @@ the earlier stages started, in reverse order. The lifecycle (state, serving stac
 `server/lifecycle.py:ServerLifecycle`; every record is built from one snapshot of it, and `offline`
 is final.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -124,8 +125,9 @@ class BlockServer:
         self.self_placed = config.num_blocks is not None  # --num-blocks: chooses its own span
         self.auto = config.start is None and not self.self_placed
         self.orchestrator = None
-        self.peer_rtts = PeerRtts(max_peers=config.peer_rtt_max_peers, probes=config.peer_rtt_probes,
-                                  period_s=config.peer_rtt_period_s)  # before rpc_info can be called (info())
+        self.peer_rtts = PeerRtts(
+            max_peers=config.peer_rtt_max_peers, probes=config.peer_rtt_probes, period_s=config.peer_rtt_period_s
+        )  # before rpc_info can be called (info())
         self.relay_rtts = PeerRtts(probes=config.peer_rtt_probes, period_s=config.peer_rtt_period_s)  # relayed only
         self.relay_maddrs: tuple[str, ...] = ()
         self.reachability = Reachability.DIRECT
@@ -139,8 +141,9 @@ class BlockServer:
         if self.self_placed:
             total = get_family(cfg := load_config(self.path)).num_blocks(cfg)
             if not 1 <= config.num_blocks <= total:
-                raise PetalsChainError(f"--num-blocks {config.num_blocks}: the model has {total} blocks; "
-                                       f"choose 1..{total}")
+                raise PetalsChainError(
+                    f"--num-blocks {config.num_blocks}: the model has {total} blocks; choose 1..{total}"
+                )
             self.total_blocks = total
         with ExitStack() as resources:
             for stage in self.STARTUP:
@@ -159,8 +162,11 @@ class BlockServer:
         if self.auto or self.self_placed:  # measure on one block loaded for the purpose, before holding any
             probe = BlockRange(self.path, 0, 1, dtype=c.dtype, quant=c.quant, device=c.device, model_path=self.path)
             self.lifecycle.set_profile(*self._profile(probe))
-            self._sizes = (probe.block_bytes, probe.kv_bytes_per_block(self.max_length_tokens),
-                           str(probe.dtype).removeprefix("torch."))
+            self._sizes = (
+                probe.block_bytes,
+                probe.kv_bytes_per_block(self.max_length_tokens),
+                str(probe.dtype).removeprefix("torch."),
+            )
             del probe
         else:
             self._load(c.start, c.end)
@@ -171,10 +177,14 @@ class BlockServer:
         self.reachability, self.relay_maddrs = self._check_reachability()
         relayed = self.reachability == Reachability.RELAYED
         with p2pd_flags(relay_service=c.relay_service and not relayed):
-            self.dht = start_dht(initial_peers=c.initial_peers, host_maddrs=c.host_maddrs,
-                                 announce_maddrs=c.announce_maddrs or None, use_relay=c.use_relay,
-                                 **(relayed_dht_kwargs(c.initial_peers) if relayed else {}),
-                                 **self.identity.dht_kwargs())
+            self.dht = start_dht(
+                initial_peers=c.initial_peers,
+                host_maddrs=c.host_maddrs,
+                announce_maddrs=c.announce_maddrs or None,
+                use_relay=c.use_relay,
+                **(relayed_dht_kwargs(c.initial_peers) if relayed else {}),
+                **self.identity.dht_kwargs(),
+            )
         resources.callback(self.dht.shutdown)
         self.peer_id = str(self.dht.peer_id)
 
@@ -195,16 +205,23 @@ class BlockServer:
             visible = self.loop.run(self.p2p.get_visible_maddrs(), timeout_s=30)
             bind, hosts = offered_hosts(c.announce_maddrs, c.host_maddrs, [str(m) for m in visible])
             self.direct = DirectListener(self.p2p, hosts, bind_host=bind, port=c.direct_port)
-        self._servicer = BlockServicer(limits, self.lifecycle, self.info, self.meter, DirectDialer(self.p2p),
-                                       self.direct)
+        self._servicer = BlockServicer(
+            limits, self.lifecycle, self.info, self.meter, DirectDialer(self.p2p), self.direct
+        )
         self.servicer = BlockService(self._servicer, c.allowed_peers)
         resources.callback(self._on_loop, lambda: self.servicer.remove_p2p_handlers(self.p2p), "removing handlers")
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         if self.direct is not None:  # the same handlers as the p2p streams (the allowlist's check included)
             resources.callback(self._on_loop, self.direct.close, "closing the direct listener")
-            self.loop.run(self.direct.start({BlockService.handle_name(m): (getattr(self.servicer, m),
-                                                                           runtime_pb2.ExpertRequest)
-                                             for m in BlockService.FRAMED_STREAMS}), timeout_s=30)
+            self.loop.run(
+                self.direct.start(
+                    {
+                        BlockService.handle_name(m): (getattr(self.servicer, m), runtime_pb2.ExpertRequest)
+                        for m in BlockService.FRAMED_STREAMS
+                    }
+                ),
+                timeout_s=30,
+            )
             logger.info("direct streams on port %d (offered at %s)", self.direct.port, ", ".join(self.direct.hosts))
         if self.reachability != Reachability.RELAYED:  # a reachable server checks others' reachability too
             self.loop.run(serve_dial_back(self.p2p), timeout_s=30)
@@ -275,16 +292,23 @@ class BlockServer:
                 f"this server is not reachable from the swarm (dial-back: {check.detail}) and --no-relay forbids "
                 "joining through a relay: forward a TCP port to this host, listen on it (--host-maddrs "
                 "/ip4/0.0.0.0/tcp/PORT) and announce it (--announce-maddrs /ip4/PUBLIC_IP/tcp/PORT), or drop "
-                "--no-relay")
+                "--no-relay"
+            )
         if check.reachability == Reachability.RELAYED and not relays:
-            raise UnreachableError(f"this server is not reachable (dial-back: {check.detail}) and no initial peer "
-                                   "has a /p2p/ id to relay through: pass full multiaddrs as --initial-peers")
-        verdict = {Reachability.DIRECT: "reachable directly",
-                   Reachability.RELAYED: "NOT reachable directly (NAT or firewall): joining through relays "
-                                         + ", ".join(relays),
-                   Reachability.UNKNOWN: "unknown (no peer answered the dial-back request): running as a direct peer"}
-        print(f"reachability: {check.reachability} - {verdict[check.reachability]} (dial-back: {check.detail})",
-              flush=True)
+            raise UnreachableError(
+                f"this server is not reachable (dial-back: {check.detail}) and no initial peer "
+                "has a /p2p/ id to relay through: pass full multiaddrs as --initial-peers"
+            )
+        verdict = {
+            Reachability.DIRECT: "reachable directly",
+            Reachability.RELAYED: "NOT reachable directly (NAT or firewall): joining through relays "
+            + ", ".join(relays),
+            Reachability.UNKNOWN: "unknown (no peer answered the dial-back request): running as a direct peer",
+        }
+        print(
+            f"reachability: {check.reachability} - {verdict[check.reachability]} (dial-back: {check.detail})",
+            flush=True,
+        )
         return check.reachability, relays if check.reachability == Reachability.RELAYED else ()
 
     def _load(self, start: int, end: int) -> None:
@@ -340,14 +364,16 @@ class BlockServer:
         """The range's start-up profile and the t_I, t_O to announce from it (an emulated slowdown
         scales them); the caller hands both to the lifecycle."""
         profile = cached_range_profile(block_range, self.model_name)
-        return slowed_times(BlockTimes(profile.prefill_s_per_token, profile.lone_decode_s_per_block),
-                            self.config.emulate_slowdown), profile
+        return slowed_times(
+            BlockTimes(profile.prefill_s_per_token, profile.lone_decode_s_per_block), self.config.emulate_slowdown
+        ), profile
 
     def check_profile(self, min_batches: int = 100) -> bool:
         """Compare the cached start-up profile with live service (the fit of this range's recent batches);
         when they disagree, drop the cache entry so the next start measures instead of trusting it.
         Returns whether it dropped it. Run by the announcer thread only."""
         from petals_chain.algorithms.service_fit import fit_service
+
         view = self.lifecycle.snapshot()
         br, prof = (view.stack.block_range if view.stack is not None else None), view.profile
         if br is None or prof is None or prof.blocks != br.end - br.start or view.profile_contradicted:
@@ -356,9 +382,13 @@ class BlockServer:
         if len(recs) < min_batches:
             return False
         self._profile_checked_seq = recs[-1].seq
-        fit = fit_service([r.prefill_block_tokens for r in recs], [r.decode_block_tokens for r in recs],
-                          [r.wall_s for r in recs], sessions=[r.sessions for r in recs],
-                          blocks=[r.blocks for r in recs])
+        fit = fit_service(
+            [r.prefill_block_tokens for r in recs],
+            [r.decode_block_tokens for r in recs],
+            [r.wall_s for r in recs],
+            sessions=[r.sessions for r in recs],
+            blocks=[r.blocks for r in recs],
+        )
         if fit is None:
             return False
         # the emulation's sleep is not the device's
@@ -370,9 +400,14 @@ class BlockServer:
         if not self.lifecycle.note_profile_contradicted(prof):
             return False
         dropped = forget_profile(real_range(br), self.model_name)
-        logger.warning("live service (a lone decode step %.1f ms, fitted over %d batches) disagrees with the cached "
-                       "start-up profile (%.1f ms): %s", live_step_s * 1e3, fit.samples, prof.lone_step_s * 1e3,
-                       "dropped it; the next start measures again" if dropped else "it was already gone")
+        logger.warning(
+            "live service (a lone decode step %.1f ms, fitted over %d batches) disagrees with the cached "
+            "start-up profile (%.1f ms): %s",
+            live_step_s * 1e3,
+            fit.samples,
+            prof.lone_step_s * 1e3,
+            "dropped it; the next start measures again" if dropped else "it was already gone",
+        )
         return dropped
 
     def _on_batch(self, record: dict) -> None:
@@ -390,7 +425,8 @@ class BlockServer:
                     raise PetalsChainError(
                         f"--blocks auto: no orchestrator of {self.model_name} found in the DHT within "
                         f"{self.config.orchestrator_wait_s:.0f} s; start `petals-chain orchestrator` or pass "
-                        "--blocks START:END")
+                        "--blocks START:END"
+                    )
                 time.sleep(0.5)
         logger.info("orchestrator %s found; waiting for an assignment", self.orchestrator.peer_id)
         while not self._stop.is_set():
@@ -399,11 +435,17 @@ class BlockServer:
                 self._load(a.start, a.end)
                 self.assignment = a
                 return
-            if (a is not None and a.status == AssignmentStatus.UNUSED
-                    and a.plan_version != getattr(self, "_unused_version", None)):
+            if (
+                a is not None
+                and a.status == AssignmentStatus.UNUSED
+                and a.plan_version != getattr(self, "_unused_version", None)
+            ):
                 self._unused_version = a.plan_version
-                print(f"standing by: {self.model_name} as {self.peer_id}: plan v{a.plan_version} leaves this "
-                      "server without blocks; it will load blocks when a later plan assigns some", flush=True)
+                print(
+                    f"standing by: {self.model_name} as {self.peer_id}: plan v{a.plan_version} leaves this "
+                    "server without blocks; it will load blocks when a later plan assigns some",
+                    flush=True,
+                )
             self._stop.wait(self.config.assignment_poll_s)
             self._announce()
 
@@ -423,8 +465,11 @@ class BlockServer:
         """A later plan may move this server: reload when the range changes and no session is open."""
         while not self._stop.wait(max(2.0, self.config.assignment_poll_s)):
             a = self._ask_assignment()
-            if (a is None or a.status != AssignmentStatus.ASSIGNED
-                    or (a.start, a.end) == (self.block_range.start, self.block_range.end)):
+            if (
+                a is None
+                or a.status != AssignmentStatus.ASSIGNED
+                or (a.start, a.end) == (self.block_range.start, self.block_range.end)
+            ):
                 continue
             self._move_to(a.start, a.end, f"plan v{a.plan_version}")
 
@@ -445,24 +490,35 @@ class BlockServer:
             try:
                 if self.relay_maddrs:
                     self._measure_relay_rtts()
-                infos = fetch_servers(self.dht, self.model_name, states=(ServerState.ONLINE, ServerState.JOINING),
-                                      allowed=self.config.allowed_peers)
+                infos = fetch_servers(
+                    self.dht,
+                    self.model_name,
+                    states=(ServerState.ONLINE, ServerState.JOINING),
+                    allowed=self.config.allowed_peers,
+                )
                 stack = self.lifecycle.current
                 start, end = (stack.block_range.start, stack.block_range.end) if stack is not None else (0, 0)
                 peers = choose_peers(self.peer_id, start, end, infos, self.peer_rtts.max_peers)
                 for peer in self.peer_rtts.due(peers, time.monotonic()):
                     if self._stop.is_set():
                         return
-                    self.peer_rtts.measure(peer, lambda p: ping_block_server_s(self.loop, self.p2p, p),
-                                           time.monotonic())
+                    self.peer_rtts.measure(
+                        peer, lambda p: ping_block_server_s(self.loop, self.p2p, p), time.monotonic()
+                    )
             except Exception:  # noqa: BLE001 - a DHT hiccup or shutdown: try again next period
                 logger.debug("measuring peer RTTs failed", exc_info=True)
 
     def _others_throughputs(self) -> list[float]:
         """Each block's decode throughput from the other online servers' records."""
         infos = fetch_servers(self.dht, self.model_name, allowed=self.config.allowed_peers)
-        return block_throughputs(self.total_blocks, (HeldSpan(i.start, i.end, i.decode_s_per_token) for i in infos
-                                                     if i.peer_id != self.peer_id and i.end > i.start))
+        return block_throughputs(
+            self.total_blocks,
+            (
+                HeldSpan(i.start, i.end, i.decode_s_per_token)
+                for i in infos
+                if i.peer_id != self.peer_id and i.end > i.start
+            ),
+        )
 
     def _rebalance(self) -> None:
         """--num-blocks: move to a better span when the swarm changed enough (PETALS' rule). The
@@ -474,8 +530,9 @@ class BlockServer:
         rate = 1.0 / times.decode_s_per_token if times.decode_s_per_token > 0 else 0.0
         while not self._stop.wait(self.config.rebalance_period_s * (0.5 + rng.random())):
             try:
-                target = better_start(self._others_throughputs(), self.block_range.start, n, rate,
-                                      self.config.balance_quality)
+                target = better_start(
+                    self._others_throughputs(), self.block_range.start, n, rate, self.config.balance_quality
+                )
             except Exception:  # noqa: BLE001 - a DHT hiccup: try again next period
                 logger.warning("rebalance: could not read the swarm's records", exc_info=True)
                 continue
@@ -512,43 +569,78 @@ class BlockServer:
         if stack is None:  # --blocks auto, before the assignment: no blocks yet
             s_m, s_c, dtype = self._sizes
             return ServerInfo(
-                peer_id=self.peer_id, model=self.model_name, start=0, end=0,
+                peer_id=self.peer_id,
+                model=self.model_name,
+                start=0,
+                end=0,
                 state=ServerState.OFFLINE if view.state == ServerState.OFFLINE else ServerState.JOINING,
-                memory_budget_bytes=self.config.memory_budget_bytes, block_bytes=s_m, kv_bytes_per_block=s_c,
-                max_length_tokens=self.max_length_tokens, max_step_tokens=self.max_step_tokens, free_kv_slots=0,
-                prefill_s_per_token=times.prefill_s_per_token, decode_s_per_token=times.decode_s_per_token,
-                dtype=dtype, quant=self.config.quant, name=self.config.name, extra={"auto": True},
-                peer_rtt_s=self.peer_rtts.view(), relay_rtt_s=self.relay_rtts.view(),
+                memory_budget_bytes=self.config.memory_budget_bytes,
+                block_bytes=s_m,
+                kv_bytes_per_block=s_c,
+                max_length_tokens=self.max_length_tokens,
+                max_step_tokens=self.max_step_tokens,
+                free_kv_slots=0,
+                prefill_s_per_token=times.prefill_s_per_token,
+                decode_s_per_token=times.decode_s_per_token,
+                dtype=dtype,
+                quant=self.config.quant,
+                name=self.config.name,
+                extra={"auto": True},
+                peer_rtt_s=self.peer_rtts.view(),
+                relay_rtt_s=self.relay_rtts.view(),
                 adapters=[adapter_name(a) for a in self.config.adapters],
-                reachability=self.reachability, relay_maddrs=self.relay_maddrs)
+                reachability=self.reachability,
+                relay_maddrs=self.relay_maddrs,
+            )
         br, budget = stack.block_range, stack.budget
         per_session = br.kv_bytes_per_block(self.max_length_tokens) * (br.end - br.start)
         active = len(stack.sessions)
         # measured from the sessions' KV tensors, independently of the reservations that admit them
         allocated = stack.sessions.allocated_bytes()
         return ServerInfo(
-            peer_id=self.peer_id, model=self.model_name, start=br.start, end=br.end, state=view.state,
-            memory_budget_bytes=budget.memory_budget_bytes, block_bytes=br.block_bytes,
-            kv_bytes_per_block=br.kv_bytes_per_block(self.max_length_tokens), max_length_tokens=self.max_length_tokens,
+            peer_id=self.peer_id,
+            model=self.model_name,
+            start=br.start,
+            end=br.end,
+            state=view.state,
+            memory_budget_bytes=budget.memory_budget_bytes,
+            block_bytes=br.block_bytes,
+            kv_bytes_per_block=br.kv_bytes_per_block(self.max_length_tokens),
+            max_length_tokens=self.max_length_tokens,
             max_step_tokens=self.max_step_tokens,
-            free_kv_slots=budget.free_slots(per_session), prefill_s_per_token=times.prefill_s_per_token,
-            decode_s_per_token=times.decode_s_per_token, dtype=str(br.dtype).removeprefix("torch."),
-            quant=br.quant, name=self.config.name, active_sessions=active, adapters=list(br.adapters),
-            peer_rtt_s=self.peer_rtts.view(), relay_rtt_s=self.relay_rtts.view(),
-            reachability=self.reachability, relay_maddrs=self.relay_maddrs,
-            extra={"queue_length": stack.scheduler.queue_length, "policy": stack.scheduler.policy.name,
-                   "admission_queue_length": len(stack.admission), "auto": self.auto,
-                   "prefix_cache": stack.prefix_cache.view() if stack.prefix_cache is not None else None,
-                   "relay": self._servicer.relay_index.view(),
-                   # streams this server opened to next hops (pushes) and the direct streams it served
-                   "direct_streams": {"opened_direct": self._servicer.dialer.direct_opened,
-                                      "opened_p2p": self._servicer.dialer.p2p_opened,
-                                      "port": self.direct.port if self.direct is not None else None,
-                                      "refused": self.direct.refused if self.direct is not None else 0},
-                   # the memory accounting (bytes): weights + reserved KV (sessions and cached prefixes)
-                   # must stay within memory_budget_bytes
-                   "weights_bytes": budget.weights_bytes, "kv_reserved_bytes": budget.reserved_bytes,
-                   "kv_peak_reserved_bytes": budget.peak_reserved_bytes, "kv_allocated_bytes": allocated},
+            free_kv_slots=budget.free_slots(per_session),
+            prefill_s_per_token=times.prefill_s_per_token,
+            decode_s_per_token=times.decode_s_per_token,
+            dtype=str(br.dtype).removeprefix("torch."),
+            quant=br.quant,
+            name=self.config.name,
+            active_sessions=active,
+            adapters=list(br.adapters),
+            peer_rtt_s=self.peer_rtts.view(),
+            relay_rtt_s=self.relay_rtts.view(),
+            reachability=self.reachability,
+            relay_maddrs=self.relay_maddrs,
+            extra={
+                "queue_length": stack.scheduler.queue_length,
+                "policy": stack.scheduler.policy.name,
+                "admission_queue_length": len(stack.admission),
+                "auto": self.auto,
+                "prefix_cache": stack.prefix_cache.view() if stack.prefix_cache is not None else None,
+                "relay": self._servicer.relay_index.view(),
+                # streams this server opened to next hops (pushes) and the direct streams it served
+                "direct_streams": {
+                    "opened_direct": self._servicer.dialer.direct_opened,
+                    "opened_p2p": self._servicer.dialer.p2p_opened,
+                    "port": self.direct.port if self.direct is not None else None,
+                    "refused": self.direct.refused if self.direct is not None else 0,
+                },
+                # the memory accounting (bytes): weights + reserved KV (sessions and cached prefixes)
+                # must stay within memory_budget_bytes
+                "weights_bytes": budget.weights_bytes,
+                "kv_reserved_bytes": budget.reserved_bytes,
+                "kv_peak_reserved_bytes": budget.peak_reserved_bytes,
+                "kv_allocated_bytes": allocated,
+            },
         )
 
     def _announce(self, timeout_s: float = 10.0, *, final: bool = False) -> None:
@@ -562,8 +654,7 @@ class BlockServer:
                 logger.warning("DHT process is gone; cannot announce state %r", view.state)
                 return
             try:
-                announce_server(self.dht, self.info(view), self.identity, self.config.record_ttl_s,
-                                timeout_s=timeout_s)
+                announce_server(self.dht, self.info(view), self.identity, self.config.record_ttl_s, timeout_s=timeout_s)
             except TimeoutError:
                 logger.warning("announcing state %r timed out after %.0f s (will retry)", view.state, timeout_s)
             except Exception:

@@ -1,6 +1,7 @@
 """`ServerConfig`: everything `launch-server` was asked for (server/cli.py builds it), in one module
 of its own so that the serving stack's factory and the block server both read it without importing
 each other."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -19,6 +19,7 @@ Modes (`parse_mode`):
 
 Randomness comes from one seeded generator (`--test-corrupt-seed`), so runs are reproducible.
 """
+
 from __future__ import annotations
 
 import re
@@ -55,8 +56,9 @@ class CorruptionMode:
 def parse_mode(text: str) -> CorruptionMode:
     """`noise[:SCALE]`, `rare:P[:SCALE]`, `skip-last`, `after:N`; a typed error says what is accepted."""
     spec = text.strip()
-    usage = ("--test-corrupt takes noise[:SCALE], rare:P[:SCALE] (0 < P <= 1), skip-last or after:N (N >= 0), "
-             f"got {text!r}")
+    usage = (
+        f"--test-corrupt takes noise[:SCALE], rare:P[:SCALE] (0 < P <= 1), skip-last or after:N (N >= 0), got {text!r}"
+    )
     if spec == "skip-last":
         return CorruptionMode("skip-last")
     if m := re.fullmatch(r"noise(?::([0-9.eE+-]+))?", spec):

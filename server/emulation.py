@@ -7,6 +7,7 @@ emulation uses, so fast and slow servers differ by exactly K however busy the ma
 was taken). Used by the Table 1 experiment to give "slow" servers the paper's slow/fast GPU ratio
 on one CPU; never on unless asked.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,8 +20,14 @@ from server.profiling import BlockTimes
 class SlowedBlockRange:
     """Wraps a `BlockRange`: `forward` takes `factor` x its compute time; everything else is the range's."""
 
-    def __init__(self, inner: BlockRange, factor: float, *, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        inner: BlockRange,
+        factor: float,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         if not factor >= 1.0:
             raise ValueError(f"--emulate-slowdown must be >= 1 (a slower device), got {factor}")
         self.inner = inner

@@ -4,6 +4,7 @@ Every message is validated at this boundary; a bad one gets a typed error reply 
 (and the server) keeps serving. The client's identity for accounting is `context.remote_id`, the
 libp2p peer id authenticated by the transport, never a self-declared string.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -127,8 +128,15 @@ class BlockServicer:
     `_compute` is the one place its output comes back from the scheduler (steps, pushed steps and
     forward rows alike)."""
 
-    def __init__(self, limits: ServicerLimits, lifecycle: ServerLifecycle, info: Callable[[], ServerInfo],
-                 meter: ServiceMeter, dialer: DirectDialer, direct: DirectListener | None = None):
+    def __init__(
+        self,
+        limits: ServicerLimits,
+        lifecycle: ServerLifecycle,
+        info: Callable[[], ServerInfo],
+        meter: ServiceMeter,
+        dialer: DirectDialer,
+        direct: DirectListener | None = None,
+    ):
         self.limits = limits
         self.lifecycle = lifecycle
         self._info = info
@@ -148,8 +156,11 @@ class BlockServicer:
             req = wire.decode_request(request, wire_records.InfoRequest)
         except PetalsChainError:
             req = wire_records.InfoRequest()
-        return wire.response(wire_records.InfoReply(self._info(), self.meter.since(req.service_since_seq),
-                                                    prefix_delta(self.stacks.current, req)))
+        return wire.response(
+            wire_records.InfoReply(
+                self._info(), self.meter.since(req.service_since_seq), prefix_delta(self.stacks.current, req)
+            )
+        )
 
     @wire.replies_with_typed_errors
     async def direct(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
@@ -158,8 +169,9 @@ class BlockServicer:
         return wire.response(offer)
 
     # -- inference stream ---------------------------------------------------------------------
-    async def inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         client_id = str(context.remote_id)
         session: OpenSession | None = None
         # one inbox per stream: its client's messages (tensors arrive in parts, reassembled) and the
@@ -173,9 +185,12 @@ class BlockServicer:
                     kind, message = await inbox.next()
                 except TimeoutError:
                     logger.info("closing a session of %s idle for %.0f s", client_id, idle_timeout_s)
-                    yield wire.error_response(SessionIdleTimeoutError(
-                        f"the server closed this stream: nothing arrived for {idle_timeout_s:.0f} s "
-                        "(its --session-idle-timeout); open a new session, and send steps or close sooner"))
+                    yield wire.error_response(
+                        SessionIdleTimeoutError(
+                            f"the server closed this stream: nothing arrived for {idle_timeout_s:.0f} s "
+                            "(its --session-idle-timeout); open a new session, and send steps or close sooner"
+                        )
+                    )
                     return
                 if kind == relay.END:
                     return
@@ -195,10 +210,16 @@ class BlockServicer:
                             raise InvalidRequestError("this stream already has an open session")
                         session = await self._open(msg, client_id, inbox)
                         pin = session.prefix_pin  # how much of the prompt this hop holds
-                        yield wire.response(Opened(session.session_id, session.kv.first_block, session.kv.end_block,
-                                                   prefix_match_tokens=None if pin is None else pin.tokens,
-                                                   prefix_chunk_tokens=None if pin is None else pin.chunk_tokens,
-                                                   raw_frames=True))
+                        yield wire.response(
+                            Opened(
+                                session.session_id,
+                                session.kv.first_block,
+                                session.kv.end_block,
+                                prefix_match_tokens=None if pin is None else pin.tokens,
+                                prefix_chunk_tokens=None if pin is None else pin.chunk_tokens,
+                                raw_frames=True,
+                            )
+                        )
                     elif isinstance(msg, Step):
                         if session is None:
                             raise UnknownSessionError("step before open: send an 'open' message first")
@@ -225,13 +246,15 @@ class BlockServicer:
             if session is not None:
                 self._close(session)
 
-    async def _run_and_reply(self, session: OpenSession, msg: Step | Push, hidden: torch.Tensor
-                             ) -> list[runtime_pb2.ExpertResponse | wire_parts.RawFrame]:
+    async def _run_and_reply(
+        self, session: OpenSession, msg: Step | Push, hidden: torch.Tensor
+    ) -> list[runtime_pb2.ExpertResponse | wire_parts.RawFrame]:
         """Run one step (the client's `Step` or a pushed `Push`, with its tensor), push its output on
         and build its reply."""
         t0 = time.perf_counter()
-        request = self._request(session, hidden, msg.prefix_tokens if isinstance(msg, Step) else None,
-                                msg.start_position)
+        request = self._request(
+            session, hidden, msg.prefix_tokens if isinstance(msg, Step) else None, msg.start_position
+        )
         out, compute_s = await self._step(session, request, msg.start_position)
         if msg.push_route and msg.step_id is not None:
             # the next hop gets it first (server relay), with the step's rollback; this reply feeds
@@ -239,8 +262,7 @@ class BlockServicer:
             session.links.push_soon(msg.push_route, msg.step_id, out, msg.start_position)
         # server_s: this step's time inside the server (queue + batch compute), so a client can tell
         # server time from network time (the Table 1 model check)
-        reply = StepReply(session.session_id, msg.step_id, session.kv.past_tokens, time.perf_counter() - t0,
-                          compute_s)
+        reply = StepReply(session.session_id, msg.step_id, session.kv.past_tokens, time.perf_counter() - t0, compute_s)
         meta = reply.to_wire()
         raw = wire_parts.encode_raw(meta, out) if session.raw_replies else None
         return [raw] if raw is not None else wire_parts.to_messages(meta, (out,), reply=True)
@@ -251,8 +273,9 @@ class BlockServicer:
         session.stop_pushes = self.relay_index.register(session.session_id, peer, session.inbox)
         session.inbox.take_pushes()
 
-    async def push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                   context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """A previous hop's relay stream: each message group is one pushed step (`Push`), queued
         for its session, or refused with a typed error reply. A taken push gets no reply: an
         acknowledgement written here would go out before the step runs (this task holds the loop until
@@ -276,14 +299,17 @@ class BlockServicer:
         any memory is allocated: the limit is `max_step_tokens` (advertised in rpc_info)."""
         block_range = self._stack("waiting for or loading its assignment").block_range
         if len(shape) not in (2, 3) or shape[-1] != block_range.hidden_size:
-            raise InvalidRequestError(f"hidden states must be [tokens, {block_range.hidden_size}] (a step) or "
-                                      f"[batch, seq, {block_range.hidden_size}] (a forward), got {list(shape)}")
+            raise InvalidRequestError(
+                f"hidden states must be [tokens, {block_range.hidden_size}] (a step) or "
+                f"[batch, seq, {block_range.hidden_size}] (a forward), got {list(shape)}"
+            )
         tokens = math.prod(shape[:-1])
         if tokens > self.limits.max_step_tokens:
             raise RequestTooLargeError(
                 f"{tokens} tokens in one request exceed this server's max_step_tokens={self.limits.max_step_tokens} "
                 "(advertised in rpc_info); send the prompt in several steps, fewer forward rows at a time, or use "
-                "a server started with a larger --max-step-tokens")
+                "a server started with a larger --max-step-tokens"
+            )
 
     async def _open(self, msg: Open, client_id: str, inbox: RelayInbox) -> OpenSession:
         # counted as opening from the accepting check until it is in the session table or gave up
@@ -295,10 +321,13 @@ class BlockServicer:
             if max_length > self.limits.max_length_tokens:
                 raise MaxLengthExceededError(
                     f"max_length={max_length} exceeds this server's limit of {self.limits.max_length_tokens} tokens; "
-                    "use a smaller max_length or a server started with a larger --max-length")
+                    "use a smaller max_length or a server started with a larger --max-length"
+                )
             if not block_range.start <= first_block < block_range.end:
-                raise InvalidRequestError(f"entry_block {first_block} is outside this server's blocks "
-                                          f"[{block_range.start}, {block_range.end})")
+                raise InvalidRequestError(
+                    f"entry_block {first_block} is outside this server's blocks "
+                    f"[{block_range.start}, {block_range.end})"
+                )
             check_adapter(msg.adapter, block_range.adapters)  # before any memory is reserved
             nbytes = block_range.kv_bytes_per_block(max_length) * (block_range.end - first_block)
             cache = stack.prefix_cache
@@ -307,9 +336,18 @@ class BlockServicer:
             namespace = cache.namespace(client_id, first_block, msg.adapter) if cache is not None else ""
             # waits in the admission queue while memory is full (OutOfCacheError / AdmissionTimeoutError)
             reservation = await SessionReservation.acquire(
-                stack, key=f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}", session_id=session_id,
-                client_id=client_id, nbytes=nbytes, max_length=max_length, first_block=first_block,
-                adapter=msg.adapter, wait_s=msg.admission_wait_s, prefix_namespace=namespace, prefix_hashes=hashes)
+                stack,
+                key=f"{client_id}/{session_id}/{uuid.uuid4().hex[:8]}",
+                session_id=session_id,
+                client_id=client_id,
+                nbytes=nbytes,
+                max_length=max_length,
+                first_block=first_block,
+                adapter=msg.adapter,
+                wait_s=msg.admission_wait_s,
+                prefix_namespace=namespace,
+                prefix_hashes=hashes,
+            )
         session = OpenSession(session_id, reservation, inbox, RelayLinks(self.dialer, session_id), namespace, hashes)
         reservation.hold("relay streams", session.links.close)
         reservation.hold("relay index entry", lambda: session.stop_pushes() if session.stop_pushes else None)
@@ -320,12 +358,19 @@ class BlockServicer:
                 reservation.release()
                 raise
         # the session id carries an API gateway's request id: this line ties a request to this server
-        logger.info("session %s of %s opened on blocks [%d, %d) for %d tokens", session_id, client_id, first_block,
-                    block_range.end, max_length)
+        logger.info(
+            "session %s of %s opened on blocks [%d, %d) for %d tokens",
+            session_id,
+            client_id,
+            first_block,
+            block_range.end,
+            max_length,
+        )
         return session
 
-    def _request(self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int | None,
-                 start_position: int | None) -> StepRequest:
+    def _request(
+        self, session: OpenSession, hidden: torch.Tensor, prefix_tokens: int | None, start_position: int | None
+    ) -> StepRequest:
         """The step as the scheduler runs it, checked once, before anything of the session changes
         (a refused step loses nothing: no prefix taken, no rollback): the session's rules here (the
         prefix reuse of its first step, the KV rollback's bound), the range's in `StepRequest.checked`."""
@@ -338,27 +383,36 @@ class BlockServicer:
             session.stack.prefix_cache.check_take(pin, prefix_tokens, kv)
             held = prefix_tokens
         elif prefix_tokens:
-            raise InvalidRequestError("prefix_tokens is only valid in the first step of a session whose open sent "
-                                      "prefix_hashes to a server with a prefix cache (its open reply says so)")
+            raise InvalidRequestError(
+                "prefix_tokens is only valid in the first step of a session whose open sent "
+                "prefix_hashes to a server with a prefix cache (its open reply says so)"
+            )
         else:
             held = kv.past_tokens
         if start_position is not None and not 0 <= start_position <= held:
             raise InvalidRequestError(
                 f"start_position={start_position} is past this session's {held} processed tokens; a step "
-                "may only restart at or before the current position (send the missing tokens first)")
-        return StepRequest.checked(session.stack.block_range, kv, hidden, key=session.reservation.key,
-                                   client_id=session.client_id, start_tokens=held if start_position is None
-                                   else start_position, prefix_tokens=prefix_tokens if first else session.prefix_tokens)
+                "may only restart at or before the current position (send the missing tokens first)"
+            )
+        return StepRequest.checked(
+            session.stack.block_range,
+            kv,
+            hidden,
+            key=session.reservation.key,
+            client_id=session.client_id,
+            start_tokens=held if start_position is None else start_position,
+            prefix_tokens=prefix_tokens if first else session.prefix_tokens,
+        )
 
-    async def _step(self, session: OpenSession, request: StepRequest,
-                    start_position: int | None = None) -> tuple[torch.Tensor, float]:
+    async def _step(
+        self, session: OpenSession, request: StepRequest, start_position: int | None = None
+    ) -> tuple[torch.Tensor, float]:
         """Run a checked step: take its prefix from the cache (a first step), roll the session back
         to `start_position`, compute, offer the prompt's new chunks to the cache."""
         cache = session.stack.prefix_cache
         if session.prefix_pin is not None and not session.prefix_pin.released:
             # copy the prefix in, then let the cache evict it again
-            session.prefix_tokens = cache.take(session.prefix_pin, request.prefix_tokens, session.kv,
-                                               session.client_id)
+            session.prefix_tokens = cache.take(session.prefix_pin, request.prefix_tokens, session.kv, session.client_id)
         if start_position is not None:
             self._roll_back(session, start_position)
         out, compute_s = await self._compute(session.stack, request)
@@ -396,6 +450,7 @@ class BlockServicer:
                     future.set_exception(error)
                 else:
                     future.set_result(result)
+
             if threading.get_ident() == loop_thread:
                 settle()  # run inline on this loop: the await below returns without a loop iteration
             else:
@@ -408,8 +463,9 @@ class BlockServicer:
         # prefill at load 10 did), pushes and other streams; next to its compute the hop is nothing
         inline = len(stack.sessions) <= 1 and request.n_tokens <= INLINE_MAX_TOKENS
         # an inline batch's service record is written after this step's reply is on its way
-        job = stack.scheduler.submit(request, deliver, inline=inline,
-                                     defer=lambda observe: loop.call_later(OBSERVE_AFTER_S, observe))
+        job = stack.scheduler.submit(
+            request, deliver, inline=inline, defer=lambda observe: loop.call_later(OBSERVE_AFTER_S, observe)
+        )
         return await future, job.compute_s
 
     # -- stateless forward ----------------------------------------------------------------
@@ -421,8 +477,9 @@ class BlockServicer:
         (reply,) = wire_parts.to_messages(Forward().to_wire(), (await self._forward(message, context),), reply=True)
         return reply
 
-    async def forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The same forward for tensors of any size: one message group in, one out."""
         try:
             message = await wire_parts.receive_one(requests, admit=self._admit, finite=True)
@@ -430,9 +487,12 @@ class BlockServicer:
         except StopAsyncIteration:
             # the input ended mid-request: a caller that only half-closed still reads, and must get a
             # typed error rather than a stream that ends without a word (if it is gone, this is dropped)
-            yield wire.error_response(InvalidRequestError(
-                "the forward stream ended before a whole request arrived; send every part of the hidden states "
-                "(wire_parts.to_messages) before ending the stream"))
+            yield wire.error_response(
+                InvalidRequestError(
+                    "the forward stream ended before a whole request arrived; send every part of the hidden states "
+                    "(wire_parts.to_messages) before ending the stream"
+                )
+            )
             return
         except Exception as e:
             if not isinstance(e, PetalsChainError):  # a bug must not take the server down: report it to this caller
@@ -455,23 +515,33 @@ class BlockServicer:
         first_block = block_range.start if entry_block is None else entry_block
         hidden = the_tensor(message, "rpc_forward carries")
         if hidden.dim() != 3 or hidden.shape[0] < 1:
-            raise InvalidRequestError(f"rpc_forward takes [batch, seq, {block_range.hidden_size}], "
-                                      f"got {tuple(hidden.shape)}")
+            raise InvalidRequestError(
+                f"rpc_forward takes [batch, seq, {block_range.hidden_size}], got {tuple(hidden.shape)}"
+            )
         if hidden.shape[1] > self.limits.max_length_tokens:
-            raise MaxLengthExceededError(f"sequence of {hidden.shape[1]} tokens exceeds this server's "
-                                         f"limit of {self.limits.max_length_tokens}")
+            raise MaxLengthExceededError(
+                f"sequence of {hidden.shape[1]} tokens exceeds this server's limit of {self.limits.max_length_tokens}"
+            )
         outputs = []
         for row, seq in enumerate(hidden):
             key = f"{client_id}/forward-{uuid.uuid4().hex[:8]}-{row}"
             # no wait for memory: a forward that does not fit now is refused (OutOfCacheError)
             row_reservation = await SessionReservation.acquire(
-                stack, key=key, session_id=key, client_id=client_id,
+                stack,
+                key=key,
+                session_id=key,
+                client_id=client_id,
                 nbytes=block_range.kv_bytes_per_block(seq.shape[0]) * (block_range.end - first_block),
-                max_length=seq.shape[0], first_block=first_block, adapter=request.adapter, wait_s=0.0,
-                register=False)
+                max_length=seq.shape[0],
+                first_block=first_block,
+                adapter=request.adapter,
+                wait_s=0.0,
+                register=False,
+            )
             try:
-                request = StepRequest.checked(block_range, row_reservation.kv, seq, key=key, client_id=client_id,
-                                              start_tokens=0)
+                request = StepRequest.checked(
+                    block_range, row_reservation.kv, seq, key=key, client_id=client_id, start_tokens=0
+                )
                 outputs.append((await self._compute(stack, request))[0])
             finally:
                 row_reservation.release()

@@ -18,6 +18,7 @@ announcer one value per module container; writers make one transition each, so
   step under the lock, and an open counts itself (`opening`) under the same lock before it reads
   the stack, so none slips in between.
 """
+
 from __future__ import annotations
 
 import threading
@@ -59,8 +60,9 @@ class ServerLifecycle:
     # -- readers ------------------------------------------------------------------------------
     def snapshot(self) -> LifecycleView:
         with self._lock:
-            return LifecycleView(self._state, self._stack, self._times, self._profile, self._profile_contradicted,
-                                 self._moving)
+            return LifecycleView(
+                self._state, self._stack, self._times, self._profile, self._profile_contradicted, self._moving
+            )
 
     @property
     def current(self) -> ServingStack | None:
@@ -87,8 +89,9 @@ class ServerLifecycle:
         (a wait for memory in admission included): a move waits for it to leave."""
         with self._lock:
             if not self._accepting():
-                raise ServerUnavailableError("this server holds no blocks right now (waiting for or loading its "
-                                             "assignment); use another server")
+                raise ServerUnavailableError(
+                    "this server holds no blocks right now (waiting for or loading its assignment); use another server"
+                )
             self._opening += 1
             stack = self._stack
         try:

@@ -13,6 +13,7 @@ guaranteed room (advertised slots shrink by it, so the orchestrator's accounting
 One re-entrant lock guards the budget and the prefix cache together (the cache uses `lock`), so a
 reservation that evicts and an insertion that reserves can never deadlock one another.
 """
+
 from __future__ import annotations
 
 import threading
@@ -36,7 +37,8 @@ class KVBudget:
             raise OutOfCacheError(
                 f"the blocks take {weights_bytes / 2**20:.1f} MiB and the prefix cache's reserved room "
                 f"{cache_floor_bytes / 2**20:.1f} MiB but --memory-budget is {memory_budget_bytes / 2**20:.1f} MiB; "
-                "serve fewer blocks, lower --prefix-cache-min or raise --memory-budget")
+                "serve fewer blocks, lower --prefix-cache-min or raise --memory-budget"
+            )
         self.memory_budget_bytes = memory_budget_bytes
         self.weights_bytes = weights_bytes
         self.cache_floor_bytes = cache_floor_bytes
@@ -72,7 +74,9 @@ class KVBudget:
         set aside for the cache."""
         with self.lock:
             extra = self.reclaimer.evictable_bytes() if self.reclaimer is not None else 0
-            for_sessions = self.memory_budget_bytes - self.weights_bytes - self.cache_floor_bytes - self._session_bytes()
+            for_sessions = (
+                self.memory_budget_bytes - self.weights_bytes - self.cache_floor_bytes - self._session_bytes()
+            )
             return max(0, min(self.free_bytes + extra, for_sessions))
 
     def reserve(self, key: str, nbytes: int, *, reclaim: bool = True, cache: bool = False) -> None:
@@ -80,11 +84,15 @@ class KVBudget:
         with self.lock:
             if key in self._reserved:
                 raise OutOfCacheError(f"cache for {key!r} is already reserved")
-            for_sessions = self.memory_budget_bytes - self.weights_bytes - self.cache_floor_bytes - self._session_bytes()
+            for_sessions = (
+                self.memory_budget_bytes - self.weights_bytes - self.cache_floor_bytes - self._session_bytes()
+            )
             if not cache and nbytes > for_sessions:  # cached prefixes are evicted for sessions, the floor never
                 raise OutOfCacheError(
-                    f"this session needs {nbytes / 2**20:.2f} MiB of KV cache but only {max(0, for_sessions) / 2**20:.2f} "
-                    f"MiB of the server's budget is free; retry later, use a smaller max_length, or pick another server")
+                    f"this session needs {nbytes / 2**20:.2f} MiB of KV cache but only "
+                    f"{max(0, for_sessions) / 2**20:.2f} "
+                    f"MiB of the server's budget is free; retry later, use a smaller max_length, or pick another server"
+                )
             free = self.memory_budget_bytes - self.weights_bytes - sum(self._reserved.values())
             if nbytes > free and reclaim and self.reclaimer is not None:
                 self.reclaimer.evict(nbytes - free)  # calls release() for what it evicts (re-entrant lock)
@@ -92,7 +100,8 @@ class KVBudget:
             if nbytes > free:
                 raise OutOfCacheError(
                     f"this session needs {nbytes / 2**20:.2f} MiB of KV cache but only {free / 2**20:.2f} MiB of the "
-                    f"server's budget is free; retry later, use a smaller max_length, or pick another server")
+                    f"server's budget is free; retry later, use a smaller max_length, or pick another server"
+                )
             self._reserved[key] = nbytes
             if cache:
                 self._cache_keys.add(key)

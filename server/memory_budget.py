@@ -5,6 +5,7 @@ kernel's MemAvailable minus a margin. The margin (`AUTO_MARGIN_FRACTION` of the 
 `AUTO_MARGIN_MIN_BYTES`) leaves room for what the budget does not count: activations of a batch,
 CUDA graphs' pools, the CUDA context, allocator fragmentation, the client head of a co-located client.
 """
+
 from __future__ import annotations
 
 from petals_chain.errors import InvalidRequestError
@@ -19,8 +20,10 @@ def free_and_total_bytes(device: str) -> tuple[int, int]:
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise InvalidRequestError(f"--device {device}: this torch build sees no CUDA device; install the CUDA "
-                                      "build of torch (README: Installing on a GPU host) or use --device cpu")
+            raise InvalidRequestError(
+                f"--device {device}: this torch build sees no CUDA device; install the CUDA "
+                "build of torch (README: Installing on a GPU host) or use --device cpu"
+            )
         free, total = torch.cuda.mem_get_info(dev)
         return int(free), int(total)
     if dev.type == "cpu":
@@ -40,5 +43,6 @@ def auto_memory_budget(device: str) -> int:
         raise InvalidRequestError(
             f"--memory-budget auto: {device} has {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB, less than "
             f"the {max(AUTO_MARGIN_MIN_BYTES, int(AUTO_MARGIN_FRACTION * total)) / 2**30:.2f} GiB margin; free memory "
-            "or give --memory-budget SIZE")
+            "or give --memory-budget SIZE"
+        )
     return budget

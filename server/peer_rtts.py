@@ -13,6 +13,7 @@ the probing stays bounded however large the swarm. A server without blocks yet (
 waiting for its assignment) probes every peer up to the bound: the orchestrator plans its range
 with these RTTs. `PeerRtts` is pure bookkeeping (time passed in); `BlockServer` runs the loop.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable

@@ -22,6 +22,7 @@ more than `max_batch_tokens` rows: chunked prefill interleaves long prompts with
 The interface and the records it passes (`WorkItem`, `AdmissionRequest`) are in
 `server/policy_base.py`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -38,8 +39,19 @@ from server.policy_base import (
 )
 from server.policy_dlpm import DLPMPolicy
 
-__all__ = ["AdmissionRequest", "PolicyParam", "SchedulingPolicy", "WorkItem", "FCFSPolicy", "VTCPolicy", "DLPMPolicy",
-           "POLICIES", "describe_policies", "parse_policy_args", "make_policy"]
+__all__ = [
+    "AdmissionRequest",
+    "PolicyParam",
+    "SchedulingPolicy",
+    "WorkItem",
+    "FCFSPolicy",
+    "VTCPolicy",
+    "DLPMPolicy",
+    "POLICIES",
+    "describe_policies",
+    "parse_policy_args",
+    "make_policy",
+]
 
 
 class FCFSPolicy(ArrivalOrderPolicy):
@@ -79,9 +91,13 @@ class VTCPolicy(SchedulingPolicy):
         "w_in": PolicyParam(float, 1.0, "cost of one prompt (prefill) token", minimum=0.0),
         "w_out": PolicyParam(float, 2.0, "cost of one decode token (the paper uses w_p=1, w_q=2)", minimum=0.0),
         "max_client_share": PolicyParam(
-            float, 1.0, "largest fraction of a batch's tokens one client may take while another client is active "
-                        "(1: the paper's work-conserving VTC; less: shorter batches for the others' next step, "
-                        "the trade-off of the paper's Remark 4.7)", minimum=0.0),
+            float,
+            1.0,
+            "largest fraction of a batch's tokens one client may take while another client is active "
+            "(1: the paper's work-conserving VTC; less: shorter batches for the others' next step, "
+            "the trade-off of the paper's Remark 4.7)",
+            minimum=0.0,
+        ),
     }
 
     def __init__(self, w_in: float = 1.0, w_out: float = 2.0, max_client_share: float = 1.0):
@@ -141,13 +157,21 @@ class VTCPolicy(SchedulingPolicy):
             # ties (a client lifted when its step arrives equals the smallest counter) go to a decode step
             # first (a light client's next token, lifted after every round trip, does not lose to a prompt
             # chunk of equal counter), then to the oldest waiting work
-            client = self.vtc.pick(candidates, tiebreak=lambda c: (
-                all(it.is_prefill for it in self._by_client[c].values()), min(self._by_client[c])))
+            client = self.vtc.pick(
+                candidates,
+                tiebreak=lambda c: (all(it.is_prefill for it in self._by_client[c].values()), min(self._by_client[c])),
+            )
             queue = self._by_client[client]
             # within a client, decode steps first: its sessions' next tokens do not wait behind its own
             # prompt chunks (the order across clients is still the counters')
-            seq = next((s for s in sorted(queue, key=lambda s: (queue[s].is_prefill, s))
-                        if queue[s].session_id not in sessions), None)
+            seq = next(
+                (
+                    s
+                    for s in sorted(queue, key=lambda s: (queue[s].is_prefill, s))
+                    if queue[s].session_id not in sessions
+                ),
+                None,
+            )
             if seq is None:
                 blocked.add(client)
                 continue

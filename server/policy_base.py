@@ -3,6 +3,7 @@
 `server/policies.py` describes the contract and holds FCFS, VTC and the registry; DLPM lives in
 `server/policy_dlpm.py`. Both build on these classes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,10 +36,19 @@ class WorkItem:
         """Keep the first `head_tokens` rows here; return the rest as a new item (arrival `seq`)."""
         if not 0 < head_tokens < self.n_tokens:
             raise ValueError(f"cannot cut {head_tokens} of {self.n_tokens} tokens")
-        tail = WorkItem(seq, self.session_id, self.client_id, self.n_tokens - head_tokens,
-                        self.past_tokens + head_tokens, self.enqueued_s, self.payload,
-                        self.row_offset + head_tokens, True, prefix_tokens=self.prefix_tokens,
-                        deliver=self.deliver)
+        tail = WorkItem(
+            seq,
+            self.session_id,
+            self.client_id,
+            self.n_tokens - head_tokens,
+            self.past_tokens + head_tokens,
+            self.enqueued_s,
+            self.payload,
+            self.row_offset + head_tokens,
+            True,
+            prefix_tokens=self.prefix_tokens,
+            deliver=self.deliver,
+        )
         self.n_tokens = head_tokens
         return tail
 
@@ -130,8 +140,9 @@ class SchedulingPolicy(ABC):
         """The next arrival number (submitted steps and cut remainders share it)."""
         return next(self._seq)
 
-    def take_within(self, item: WorkItem, room_tokens: int,
-                    prefill_room_tokens: int | None = None) -> tuple[WorkItem | None, WorkItem | None]:
+    def take_within(
+        self, item: WorkItem, room_tokens: int, prefill_room_tokens: int | None = None
+    ) -> tuple[WorkItem | None, WorkItem | None]:
         """(what runs now, what stays) for `item` in a batch with `room_tokens` left, of which
         `prefill_room_tokens` (None: all) may be prompt rows: a prefill longer than its room is cut
         (chunked prefill); an item that cannot run now stays whole."""

@@ -24,6 +24,7 @@ credit, the one with the most credit is admitted; and batch room that no client 
 goes to the others' work in the same order (charged, so their counters go below zero and they wait
 longer for the next admission). Theorem 4.1's bound is about clients whose work waits for a batch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -40,10 +41,16 @@ from server.policy_base import (
 class DLPMPolicy(ArrivalOrderPolicy):
     name = "dlpm"
     PARAMS = {
-        "q": PolicyParam(float, 1024.0, "quantum Q: weighted tokens a client may take per round before others "
-                                        "are refilled (larger: more locality, looser bound 2(U+Q))", minimum=1.0),
-        "w_in": PolicyParam(float, 1.0, "cost of one computed prompt token (cached prefix tokens cost nothing)",
-                            minimum=0.0),
+        "q": PolicyParam(
+            float,
+            1024.0,
+            "quantum Q: weighted tokens a client may take per round before others "
+            "are refilled (larger: more locality, looser bound 2(U+Q))",
+            minimum=1.0,
+        ),
+        "w_in": PolicyParam(
+            float, 1.0, "cost of one computed prompt token (cached prefix tokens cost nothing)", minimum=0.0
+        ),
         "w_out": PolicyParam(float, 2.0, "cost of one decode token", minimum=0.0),
     }
 
@@ -148,4 +155,3 @@ class DLPMPolicy(ArrivalOrderPolicy):
     def bound(self, max_batch_tokens: int) -> float:
         """2(U + Q) of Theorem 4.1 for this server's batch budget."""
         return 2 * (max(self.w_in * max_batch_tokens, self.w_out) + self.quantum)
-

@@ -18,6 +18,7 @@ session or a newer chunk needs the memory. A session that matched a prefix at op
 chunks until it has copied them into its own cache (its first step) or closed. All methods run
 under the budget's re-entrant lock.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -71,8 +72,7 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, budget: KVBudget, chunk_tokens: int, *, sharing: str = "client",
-                 max_bytes: int | None = None):
+    def __init__(self, budget: KVBudget, chunk_tokens: int, *, sharing: str = "client", max_bytes: int | None = None):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         if sharing not in SHARING_SCOPES:
@@ -149,7 +149,8 @@ class PrefixCache:
         if use_tokens < 0 or use_tokens % self.chunk_tokens or use_tokens > pin.tokens:
             raise InvalidRequestError(
                 f"prefix_tokens={use_tokens} must be a multiple of {self.chunk_tokens} and at most the "
-                f"{pin.tokens} tokens this server matched at open (send the minimum over the chain's hops)")
+                f"{pin.tokens} tokens this server matched at open (send the minimum over the chain's hops)"
+            )
         if kv.past_tokens != 0 or use_tokens > kv.max_length_tokens:
             raise InvalidRequestError("prefix_tokens must come with the session's first step, within max_length")
 
@@ -159,10 +160,10 @@ class PrefixCache:
         with self.budget.lock:
             self.check_take(pin, use_tokens, kv)
             c = self.chunk_tokens
-            for i, k in enumerate(pin.chunks[:use_tokens // c]):
+            for i, k in enumerate(pin.chunks[: use_tokens // c]):
                 chunk = self._chunks[k]  # pinned: still here
-                kv.keys[:, :, i * c:(i + 1) * c] = chunk.keys
-                kv.values[:, :, i * c:(i + 1) * c] = chunk.values
+                kv.keys[:, :, i * c : (i + 1) * c] = chunk.keys
+                kv.values[:, :, i * c : (i + 1) * c] = chunk.values
             kv.past_tokens = use_tokens
             self.stats.hit_tokens += use_tokens
             per_client = self.stats.by_client.setdefault(client_id, [0, 0])
@@ -191,8 +192,8 @@ class PrefixCache:
                     key = (namespace, hashes[i])
                     chunk = self._chunks.get(key)
                     if chunk is None:
-                        keys = kv.keys[:, :, i * c:(i + 1) * c].clone()
-                        values = kv.values[:, :, i * c:(i + 1) * c].clone()
+                        keys = kv.keys[:, :, i * c : (i + 1) * c].clone()
+                        values = kv.values[:, :, i * c : (i + 1) * c].clone()
                         nbytes = keys.numel() * keys.element_size() * 2
                         if self.max_bytes is not None and self._bytes + nbytes > self.max_bytes:
                             self.evict(self._bytes + nbytes - self.max_bytes)
@@ -273,8 +274,14 @@ class PrefixCache:
     def view(self) -> dict:
         with self.budget.lock:
             s = self.stats
-            return {"chunks": len(self._chunks), "cached_bytes": self._bytes, "chunk_tokens": self.chunk_tokens,
-                    "sharing": self.sharing, "hit_tokens": s.hit_tokens, "asked_tokens": s.asked_tokens,
-                    "hit_rate": s.hit_tokens / s.asked_tokens if s.asked_tokens else 0.0,
-                    "evicted_chunks": s.evicted_chunks, "insert_refused": s.insert_refused}
-
+            return {
+                "chunks": len(self._chunks),
+                "cached_bytes": self._bytes,
+                "chunk_tokens": self.chunk_tokens,
+                "sharing": self.sharing,
+                "hit_tokens": s.hit_tokens,
+                "asked_tokens": s.asked_tokens,
+                "hit_rate": s.hit_tokens / s.asked_tokens if s.asked_tokens else 0.0,
+                "evicted_chunks": s.evicted_chunks,
+                "insert_refused": s.insert_refused,
+            }

@@ -7,6 +7,7 @@ behind by more than `max_events`), or from another epoch (this cache was made af
 the full listing of what the cache holds instead, flagged `full`, so the index converges either way.
 The epoch is a random id made with the cache.
 """
+
 from __future__ import annotations
 
 import threading

@@ -5,6 +5,7 @@ from the start-up profile of the hosted range, measured through the server's rea
 (`server/range_profile.py`: scheduler batches, on CUDA synchronized before and after, the first
 round a warm-up that is not timed), scaled by an emulated slowdown (`server/emulation.py`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -22,6 +22,7 @@ block count, torch threads and the process's CPU quota (an emulated host's share
 servers of another speed never share an entry; `forget_profile` drops an entry the live service
 contradicted, so the next start measures again instead of trusting it.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -72,12 +73,20 @@ class RangeProfile:
 
 def profile_key(model_name: str, block_range, variant: str = "") -> str:
     share = own_cpu_share()  # an emulated host's CPU share (netem/cpu.py) makes another device
-    return "|".join([PROFILE_VERSION, model_name, str(block_range.device),
-                     str(block_range.dtype).removeprefix("torch."),
-                     block_range.quant, f"blocks={block_range.end - block_range.start}",
-                     f"threads={torch.get_num_threads()}", f"cpu={'all' if share is None else f'{share:.3f}'}",
-                     f"clock={profile_clock(block_range)}",
-                     *([variant] if variant else [])])
+    return "|".join(
+        [
+            PROFILE_VERSION,
+            model_name,
+            str(block_range.device),
+            str(block_range.dtype).removeprefix("torch."),
+            block_range.quant,
+            f"blocks={block_range.end - block_range.start}",
+            f"threads={torch.get_num_threads()}",
+            f"cpu={'all' if share is None else f'{share:.3f}'}",
+            f"clock={profile_clock(block_range)}",
+            *([variant] if variant else []),
+        ]
+    )
 
 
 def profile_clock(block_range) -> str:
@@ -104,8 +113,14 @@ def profile_seconds(wall_s: float, cpu_s: float, clock: str, share_cores: float 
     raise ValueError(f"unknown profile clock {clock!r}: 'wall', 'cpu' or 'cpu/share'")
 
 
-def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), decode_steps: int = 4,
-                  repeats: int = 3, clock: str = "wall") -> RangeProfile:
+def measure_range(
+    block_range,
+    *,
+    prefill_tokens: tuple[int, int] = (16, 64),
+    decode_steps: int = 4,
+    repeats: int = 3,
+    clock: str = "wall",
+) -> RangeProfile:
     """Prefills of two lengths from the first block, decode steps entering at the first and at the
     middle block, `repeats` times, through a StepScheduler batch each (after one warm-up round that
     is not counted); the fit of the batches' seconds by `clock` (`profile_seconds`)."""
@@ -167,12 +182,18 @@ def measure_range(block_range, *, prefill_tokens: tuple[int, int] = (16, 64), de
     share = own_cpu_share()
     # with sessions and blocks, as the orchestrator fits live service: the lone steps (entering at two
     # blocks) anchor t_o and t_B, the 3-session batch the marginal t_O
-    fit = fit_service([r.prefill_block_tokens for r in recs], [r.decode_block_tokens for r in recs],
-                      [profile_seconds(r.wall_s, r.cpu_s, clock, share) for r in recs],
-                      sessions=[r.sessions for r in recs], blocks=[r.blocks for r in recs])
+    fit = fit_service(
+        [r.prefill_block_tokens for r in recs],
+        [r.decode_block_tokens for r in recs],
+        [profile_seconds(r.wall_s, r.cpu_s, clock, share) for r in recs],
+        sessions=[r.sessions for r in recs],
+        blocks=[r.blocks for r in recs],
+    )
     if fit is None or fit.t_I_s is None:
-        raise RuntimeError(f"the start-up profile of blocks [{start}, {end}) could not be fitted from "
-                           f"{len(recs)} batches; check the range loads and runs")
+        raise RuntimeError(
+            f"the start-up profile of blocks [{start}, {end}) could not be fitted from "
+            f"{len(recs)} batches; check the range loads and runs"
+        )
     return RangeProfile(fit.t_I_s, fit.t_O_s, fit.t_o_s, end - start, fit.samples, step_block_s=fit.t_B_s)
 
 
@@ -180,8 +201,7 @@ def _cache_path(path: Path | None) -> Path:
     return path or cache_dir() / "throughput.json"
 
 
-def cached_range_profile(block_range, model_name: str, *, path: Path | None = None,
-                         variant: str = "") -> RangeProfile:
+def cached_range_profile(block_range, model_name: str, *, path: Path | None = None, variant: str = "") -> RangeProfile:
     """The cached profile of this range's shape on this device and CPU share, or a fresh measurement
     (then cached). `variant` tells apart ranges that time differently on the same device."""
     path = _cache_path(path)
@@ -192,8 +212,12 @@ def cached_range_profile(block_range, model_name: str, *, path: Path | None = No
         cache = json.loads(path.read_text()) if path.is_file() else {}
         if key in cache:
             # say where it came from: a timing read from the cache is not this start's measurement
-            print(f"start-up profile from the cache {path} (measured at an earlier start as {key!r}); remove "
-                  "that entry or the file to measure again", file=sys.stderr, flush=True)
+            print(
+                f"start-up profile from the cache {path} (measured at an earlier start as {key!r}); remove "
+                "that entry or the file to measure again",
+                file=sys.stderr,
+                flush=True,
+            )
             return RangeProfile(**cache[key])
         prof = measure_range(block_range, clock=profile_clock(block_range))
         cache[key] = asdict(prof)
@@ -216,8 +240,9 @@ def forget_profile(block_range, model_name: str, *, path: Path | None = None, va
         return True
 
 
-def disagrees(profile: RangeProfile, live_lone_step_s: float, live_samples: int, *, factor: float = 2.0,
-              min_samples: int = 50) -> bool:
+def disagrees(
+    profile: RangeProfile, live_lone_step_s: float, live_samples: int, *, factor: float = 2.0, min_samples: int = 50
+) -> bool:
     """Whether live service contradicts the cached profile: a lone decode step through the range more
     than `factor` times slower or faster. The lone step, not t_O: how a fit splits a step between
     t_o, t_B and t_O depends on the batches it saw, the whole step does not.

@@ -18,6 +18,7 @@ Who owns what:
   (opened at the first push, so a push costs one one-way trip, not a stream setup), closed with the
   session.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -129,20 +130,27 @@ class RelayIndex:
         self.copies_skipped = 0  # clients' copies of steps a push had claimed (each one a message for nothing)
 
     def view(self) -> dict:
-        return {"pushes_taken": self.pushes_taken, "pushes_refused": self.pushes_refused,
-                "copies_skipped": self.copies_skipped, "sessions_taking_pushes": len(self._by_key)}
+        return {
+            "pushes_taken": self.pushes_taken,
+            "pushes_refused": self.pushes_refused,
+            "copies_skipped": self.copies_skipped,
+            "sessions_taking_pushes": len(self._by_key),
+        }
 
     def register(self, session_id: str, from_peer: str, inbox: RelayInbox) -> Callable[[], None]:
         """Take pushes from `from_peer` for `session_id` into `inbox`; returns the undo."""
         key = (session_id, from_peer)
         if self._by_key.get(key) not in (None, inbox):
-            raise RelayRefusedError(f"session {session_id[:8]} already takes pushes from {from_peer[-8:]} on this "
-                                    "server; open it with a fresh session id")
+            raise RelayRefusedError(
+                f"session {session_id[:8]} already takes pushes from {from_peer[-8:]} on this "
+                "server; open it with a fresh session id"
+            )
         self._by_key[key] = inbox
 
         def unregister():
             if self._by_key.get(key) is inbox:
                 del self._by_key[key]
+
         return unregister
 
     def deliver(self, push: Push, tensor: torch.Tensor, from_peer: str) -> None:
@@ -152,11 +160,14 @@ class RelayIndex:
             self.pushes_refused += 1
             raise RelayRefusedError(
                 f"no session {push.session_id[:8]} here takes pushes from peer {from_peer[-8:]} (closed, never opened "
-                "with relay_from naming that peer, or its previous hop changed); the client relays this step itself")
+                "with relay_from naming that peer, or its previous hop changed); the client relays this step itself"
+            )
         if not inbox.claim(push.step_id):
             self.pushes_refused += 1
-            raise RelayRefusedError(f"step {push.step_id} of session {push.session_id[:8]} already ran or is queued "
-                                    "here (the client's copy came first)")
+            raise RelayRefusedError(
+                f"step {push.step_id} of session {push.session_id[:8]} already ran or is queued "
+                "here (the client's copy came first)"
+            )
         self.pushes_taken += 1
         inbox.queue.put_nowait((PUSHED, (push, tensor)))
 

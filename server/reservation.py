@@ -11,6 +11,7 @@ hands the freed memory out last, when nothing of the session is left.
 
 Runs on the server's event loop (admission's futures live there).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,10 +38,22 @@ class SessionReservation:
         self._released = False
 
     @classmethod
-    async def acquire(cls, stack: ServingStack, *, key: str, session_id: str, client_id: str, nbytes: int,
-                      max_length: int, first_block: int, adapter: str | None = None, wait_s: float | None = None,
-                      prefix_namespace: str = "", prefix_hashes: Sequence[str] = (),
-                      register: bool = True) -> SessionReservation:
+    async def acquire(
+        cls,
+        stack: ServingStack,
+        *,
+        key: str,
+        session_id: str,
+        client_id: str,
+        nbytes: int,
+        max_length: int,
+        first_block: int,
+        adapter: str | None = None,
+        wait_s: float | None = None,
+        prefix_namespace: str = "",
+        prefix_hashes: Sequence[str] = (),
+        register: bool = True,
+    ) -> SessionReservation:
         """Reserve `nbytes` (waiting in the admission queue up to `wait_s`; raises OutOfCacheError /
         AdmissionTimeoutError), allocate the KV (for the LoRA `adapter`, None: the base model), pin the
         matched prefix, register the session."""

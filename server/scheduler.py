@@ -26,6 +26,7 @@ work waits, or with a batch that breaks the contract (unknown items, two items o
 rows out of order, over the token budget), every waiting step fails with `SchedulerPolicyError`
 and the loop goes on serving what arrives next.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -92,19 +93,29 @@ class StepScheduler:
     a `StepRequest` is a `StepInput`, handed to it as it is when a batch runs all its rows.
     With `start_thread=False` nothing runs until the caller calls `run_once()` (tests)."""
 
-    def __init__(self, executor, policy: SchedulingPolicy, *, max_batch_tokens: int = 2048,
-                 clock: Callable[[], float] = time.monotonic, start_thread: bool = True,
-                 on_batch: Callable[[dict], None] | None = None, gather_fraction: float = 0.5,
-                 waiting_for_memory: Callable[[], list[str]] = list,
-                 prefill_tokens_while_decoding: int | None = None):
+    def __init__(
+        self,
+        executor,
+        policy: SchedulingPolicy,
+        *,
+        max_batch_tokens: int = 2048,
+        clock: Callable[[], float] = time.monotonic,
+        start_thread: bool = True,
+        on_batch: Callable[[dict], None] | None = None,
+        gather_fraction: float = 0.5,
+        waiting_for_memory: Callable[[], list[str]] = list,
+        prefill_tokens_while_decoding: int | None = None,
+    ):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         if prefill_tokens_while_decoding is not None and prefill_tokens_while_decoding < 1:
             raise ValueError(f"prefill_tokens_while_decoding must be >= 1, got {prefill_tokens_while_decoding}")
         # at most this many prompt rows in a batch while sessions decode (None: the whole budget); see run_once
-        self.prefill_tokens_while_decoding = (None if prefill_tokens_while_decoding is None
-                                              or prefill_tokens_while_decoding >= max_batch_tokens
-                                              else prefill_tokens_while_decoding)
+        self.prefill_tokens_while_decoding = (
+            None
+            if prefill_tokens_while_decoding is None or prefill_tokens_while_decoding >= max_batch_tokens
+            else prefill_tokens_while_decoding
+        )
         if gather_fraction < 0:
             raise ValueError(f"gather_fraction must be >= 0, got {gather_fraction}")
         self.gather_fraction = gather_fraction  # 0: never wait for expected sessions
@@ -135,8 +146,14 @@ class StepScheduler:
             self._thread.start()
 
     # -- handler side ---------------------------------------------------------------------------
-    def submit(self, request: StepRequest, deliver: Callable[[Any, BaseException | None], None], *,
-               inline: bool = False, defer: Callable[[Callable[[], None]], Any] | None = None) -> _Job:
+    def submit(
+        self,
+        request: StepRequest,
+        deliver: Callable[[Any, BaseException | None], None],
+        *,
+        inline: bool = False,
+        defer: Callable[[Callable[[], None]], Any] | None = None,
+    ) -> _Job:
         """Queue `request` (its `key` is the session's here); `deliver(output, None)` or
         `deliver(None, error)` is called once. Returns the job (its `compute_s` is final once delivered).
         `inline`: when nothing else waits or runs, run the batch on the caller's thread now (no
@@ -161,8 +178,16 @@ class StepScheduler:
             if not ok:
                 self._fail_job(job, self._policy_error("next_seq", RuntimeError("no arrival number")))
                 return job
-            item = WorkItem(seq, session_id, request.client_id, job.total_rows, request.kv.past_tokens, self.clock(),
-                            job, prefix_tokens=request.prefix_tokens)
+            item = WorkItem(
+                seq,
+                session_id,
+                request.client_id,
+                job.total_rows,
+                request.kv.past_tokens,
+                self.clock(),
+                job,
+                prefix_tokens=request.prefix_tokens,
+            )
             self._call_policy("enqueue", lambda: self.policy.enqueue(item))
             # not while other sessions are expected back within the gathering window: their batch
             # forms on the scheduler thread (_gather)
@@ -242,8 +267,10 @@ class StepScheduler:
         if self.gather_fraction <= 0 or self._service_s <= 0:
             return False
         window_s, now_s = self.gather_fraction * self._service_s, self.clock()
-        return any(abs(delivered_s + self._return_s.get(session_id, float("inf")) - now_s) <= window_s
-                   for session_id, delivered_s in self._delivered_s.items())
+        return any(
+            abs(delivered_s + self._return_s.get(session_id, float("inf")) - now_s) <= window_s
+            for session_id, delivered_s in self._delivered_s.items()
+        )
 
     def _gather(self) -> None:
         """Wait (under the lock, woken by every submit) for sessions expected back within the
@@ -286,8 +313,10 @@ class StepScheduler:
         if any(j.rows_done == 0 and j.total_rows == 1 and j.request.kv.past_tokens > 0 for j in self._jobs.values()):
             return True
         now_s, slack_s = self.clock(), max(self._service_s, 1e-3)
-        return any(now_s <= delivered_s + self._return_s.get(session_id, 2 * slack_s) + slack_s
-                   for session_id, delivered_s in self._delivered_s.items())
+        return any(
+            now_s <= delivered_s + self._return_s.get(session_id, 2 * slack_s) + slack_s
+            for session_id, delivered_s in self._delivered_s.items()
+        )
 
     def run_once(self, defer: Callable[[Callable[[], None]], Any] | None = None) -> int:
         """Select and run one batch; returns the number of items it ran (0: nothing waited, or the
@@ -300,8 +329,9 @@ class StepScheduler:
             # prompt chunks (their decode steps still take the rest of the budget: decode steps first)
             prefill_tokens = self.prefill_tokens_while_decoding
             if prefill_tokens is not None and self._decoding():
-                ok, batch = self._call_policy("select", lambda: self.policy.select(self.max_batch_tokens,
-                                                                                  prefill_tokens=prefill_tokens))
+                ok, batch = self._call_policy(
+                    "select", lambda: self.policy.select(self.max_batch_tokens, prefill_tokens=prefill_tokens)
+                )
             else:
                 prefill_tokens = None
                 ok, batch = self._call_policy("select", lambda: self.policy.select(self.max_batch_tokens))
@@ -328,16 +358,19 @@ class StepScheduler:
             if job.job_id in jobs or any(self._jobs[j].session_id == it.session_id for j in jobs):
                 return f"select returned two items of session {it.session_id!r} in one batch"
             if it.row_offset != job.rows_done or it.n_tokens < 1 or it.row_offset + it.n_tokens > job.total_rows:
-                return (f"select returned rows [{it.row_offset}, {it.row_offset + it.n_tokens}) of a step whose "
-                        f"next row is {job.rows_done} of {job.total_rows}")
+                return (
+                    f"select returned rows [{it.row_offset}, {it.row_offset + it.n_tokens}) of a step whose "
+                    f"next row is {job.rows_done} of {job.total_rows}"
+                )
             jobs.add(job.job_id)
             tokens += it.n_tokens
             prefill_rows += it.n_tokens if it.is_prefill else 0
         if tokens > self.max_batch_tokens:
             return f"select returned {tokens} tokens, over the budget of {self.max_batch_tokens}"
         if prefill_tokens is not None and prefill_rows > prefill_tokens:
-            return (f"select returned {prefill_rows} prompt rows while sessions decode, over the limit of "
-                    f"{prefill_tokens}")
+            return (
+                f"select returned {prefill_rows} prompt rows while sessions decode, over the limit of {prefill_tokens}"
+            )
         return None
 
     def _blocks_of(self, job: _Job) -> int:
@@ -347,17 +380,25 @@ class StepScheduler:
         except AttributeError:
             return 0
 
-    def _run(self, batch: list[WorkItem], backlogged: list[str],
-             defer: Callable[[Callable[[], None]], Any] | None = None) -> None:
+    def _run(
+        self, batch: list[WorkItem], backlogged: list[str], defer: Callable[[Callable[[], None]], Any] | None = None
+    ) -> None:
         if self._on_cuda:  # GPU work is asynchronous: what was queued before is not this batch's
             torch.cuda.synchronize(self._device)
         start_s = self.clock()
         cpu0_s = time.process_time()  # the whole process: torch's intra-op threads do the work
         # a whole step as it came (no new object, no slice: each is one more call on the decode step's
         # path); a chunk of a prefill as a slice of its rows
-        steps = [it.payload.request if it.n_tokens == it.payload.total_rows else
-                 StepInput(it.payload.request.kv, it.payload.request.hidden[it.row_offset:it.row_offset + it.n_tokens],
-                           validated=it.payload.request.validated) for it in batch]
+        steps = [
+            it.payload.request
+            if it.n_tokens == it.payload.total_rows
+            else StepInput(
+                it.payload.request.kv,
+                it.payload.request.hidden[it.row_offset : it.row_offset + it.n_tokens],
+                validated=it.payload.request.validated,
+            )
+            for it in batch
+        ]
         try:
             outputs = self.block_range.forward(steps)
             if self._on_cuda:  # kernels run asynchronously: the batch ends when they do
@@ -409,11 +450,19 @@ class StepScheduler:
             # policy's counters) are as of the observation
             def observe():
                 try:
-                    self.on_batch({"t_s": start_s, "service_s": service_s, "cpu_s": cpu_s, "ok": error is None,
-                                   "items": [[it.client_id, it.n_tokens, it.is_prefill] for it in batch],
-                                   "blocks": [self._blocks_of(it.payload) for it in batch],
-                                   "backlogged": backlogged, "waiting_for_memory": self.waiting_for_memory(),
-                                   "counters": self.policy.service_view()})
+                    self.on_batch(
+                        {
+                            "t_s": start_s,
+                            "service_s": service_s,
+                            "cpu_s": cpu_s,
+                            "ok": error is None,
+                            "items": [[it.client_id, it.n_tokens, it.is_prefill] for it in batch],
+                            "blocks": [self._blocks_of(it.payload) for it in batch],
+                            "backlogged": backlogged,
+                            "waiting_for_memory": self.waiting_for_memory(),
+                            "counters": self.policy.service_view(),
+                        }
+                    )
                 except Exception:
                     logger.exception("batch observer failed")
 
@@ -435,12 +484,19 @@ class StepScheduler:
         return SchedulerPolicyError(
             f"the server's scheduling policy {self.policy.name!r} failed in {what} ({type(cause).__name__}: {cause}); "
             "the waiting steps were failed instead of stopping the server: retry the session, and restart the "
-            "server with --policy fcfs if this repeats")
+            "server with --policy fcfs if this repeats"
+        )
 
     def _policy_failed(self, what: str, cause: BaseException) -> None:
         self.stats.policy_failures += 1
-        logger.error("scheduling policy %s failed in %s: %r; failing %d waiting step(s)", self.policy.name, what,
-                     cause, len(self._jobs), exc_info=not isinstance(cause, SchedulerPolicyError))
+        logger.error(
+            "scheduling policy %s failed in %s: %r; failing %d waiting step(s)",
+            self.policy.name,
+            what,
+            cause,
+            len(self._jobs),
+            exc_info=not isinstance(cause, SchedulerPolicyError),
+        )
         error = self._policy_error(what, cause)
         try:
             self.policy.drain()  # best effort: forget what we fail now

@@ -7,6 +7,7 @@ CPU seconds are the process's (`time.process_time`: every thread, torch's intra-
 over the batch's wall interval; on CUDA the scheduler synchronizes before it stops the clock, so
 the wall time is the kernels' and not their launch's.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,11 +34,19 @@ class ServiceMeter:
         pre = [(n, b) for (_, n, is_prefill), b in zip(items, blocks) if is_prefill]
         dec = [(n, b) for (_, n, is_prefill), b in zip(items, blocks) if not is_prefill]
         with self._lock:
-            self._records.append(BatchService(
-                seq=self._next_seq, wall_s=float(batch["service_s"]), cpu_s=float(batch.get("cpu_s", 0.0)),
-                sessions=len(items), blocks=max(blocks, default=0),
-                prefill_tokens=sum(n for n, _ in pre), decode_tokens=sum(n for n, _ in dec),
-                prefill_block_tokens=sum(n * b for n, b in pre), decode_block_tokens=sum(n * b for n, b in dec)))
+            self._records.append(
+                BatchService(
+                    seq=self._next_seq,
+                    wall_s=float(batch["service_s"]),
+                    cpu_s=float(batch.get("cpu_s", 0.0)),
+                    sessions=len(items),
+                    blocks=max(blocks, default=0),
+                    prefill_tokens=sum(n for n, _ in pre),
+                    decode_tokens=sum(n for n, _ in dec),
+                    prefill_block_tokens=sum(n * b for n, b in pre),
+                    decode_block_tokens=sum(n * b for n, b in dec),
+                )
+            )
             self._next_seq += 1
 
     def since(self, seq: int | None) -> list[BatchService] | None:

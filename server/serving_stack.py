@@ -12,6 +12,7 @@ releases into the stack it was acquired from, even after a swap.
 The sessions a stack holds are in its `SessionTable` (one owner: what `info()` counts and what a
 reload checks before it moves the server).
 """
+
 from __future__ import annotations
 
 import threading
@@ -78,27 +79,49 @@ class ServingStack:
         self.scheduler.stop()
 
 
-def build_stack(config: ServerConfig, path, start: int, end: int,
-                on_batch: Callable[[dict], None] | None = None) -> ServingStack:
+def build_stack(
+    config: ServerConfig, path, start: int, end: int, on_batch: Callable[[dict], None] | None = None
+) -> ServingStack:
     """The one place the serving collaborators are made and wired to each other."""
     c = config
-    block_range = maybe_slowed(BlockRange(path, start, end, dtype=c.dtype, quant=c.quant, device=c.device,
-                                          model_path=path, cuda_graphs=c.cuda_graphs, adapters=c.adapters),
-                               c.emulate_slowdown)
+    block_range = maybe_slowed(
+        BlockRange(
+            path,
+            start,
+            end,
+            dtype=c.dtype,
+            quant=c.quant,
+            device=c.device,
+            model_path=path,
+            cuda_graphs=c.cuda_graphs,
+            adapters=c.adapters,
+        ),
+        c.emulate_slowdown,
+    )
     # TEST ONLY (--test-corrupt, off by default): wrong outputs for the client's verification to catch
     block_range = maybe_corrupted(block_range, c.test_corrupt, c.test_corrupt_seed)
-    budget = KVBudget(c.memory_budget_bytes, block_range.block_bytes * (end - start),
-                      cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0)
+    budget = KVBudget(
+        c.memory_budget_bytes,
+        block_range.block_bytes * (end - start),
+        cache_floor_bytes=c.prefix_cache_min_bytes if c.prefix_sharing != "off" else 0,
+    )
     admission: AdmissionQueue | None = None  # made below; the scheduler's log asks it who waits for memory
-    scheduler = StepScheduler(block_range, make_policy(c.policy, c.policy_args), max_batch_tokens=c.max_batch_tokens,
-                              gather_fraction=c.batch_gather, on_batch=on_batch,
-                              prefill_tokens_while_decoding=c.prefill_tokens_while_decoding,
-                              waiting_for_memory=lambda: admission.waiting_clients() if admission is not None else [])
+    scheduler = StepScheduler(
+        block_range,
+        make_policy(c.policy, c.policy_args),
+        max_batch_tokens=c.max_batch_tokens,
+        gather_fraction=c.batch_gather,
+        on_batch=on_batch,
+        prefill_tokens_while_decoding=c.prefill_tokens_while_decoding,
+        waiting_for_memory=lambda: admission.waiting_clients() if admission is not None else [],
+    )
     try:  # the scheduler's thread runs already: a stack that is not made must not leave it behind
         admission = AdmissionQueue(budget, scheduler, max_waiting=c.admission_queue, timeout_s=c.admission_timeout_s)
-        prefix_cache = (None if c.prefix_sharing == "off" else
-                        PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing,
-                                    max_bytes=c.prefix_cache_max_bytes))
+        prefix_cache = (
+            None
+            if c.prefix_sharing == "off"
+            else PrefixCache(budget, PREFIX_CHUNK_TOKENS, sharing=c.prefix_sharing, max_bytes=c.prefix_cache_max_bytes)
+        )
         return ServingStack(block_range, budget, scheduler, admission, prefix_cache)
     except BaseException:
         scheduler.stop()

@@ -10,6 +10,7 @@ before anything of the session changes; the scheduler queues it as it is, hands 
 range as it is when a batch takes all its rows (marked validated, so `forward` does not check it
 again), and delivers its output.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,17 @@ class StepRequest(StepInput):
         return self.hidden.shape[0]
 
     @classmethod
-    def checked(cls, block_range, kv: SessionKV, hidden: torch.Tensor, *, key: str, client_id: str,
-                start_tokens: int, prefix_tokens: int = 0) -> StepRequest:
+    def checked(
+        cls,
+        block_range,
+        kv: SessionKV,
+        hidden: torch.Tensor,
+        *,
+        key: str,
+        client_id: str,
+        start_tokens: int,
+        prefix_tokens: int = 0,
+    ) -> StepRequest:
         """The step, refused with a typed error unless `block_range` can run it on `kv` starting at
         `start_tokens`. Not for NaN/Inf: every tensor a server runs was decoded with `finite=True`
         (its streams, pushes and forwards), where the check costs a fraction of a torch reduction."""

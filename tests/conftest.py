@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny random Llama checkpoint built in the test, and the embedded SmolLM2."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,9 +14,19 @@ def tiny_llama_path(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     model = LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
@@ -52,10 +63,19 @@ def tiny_chat_path(tmp_path_factory, smollm2_path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     path = tmp_path_factory.mktemp("tiny-chat")
     LlamaForCausalLM(config).eval().save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -1,4 +1,5 @@
 """Reference runs shared by the exactness tests: HF with its own cache vs chained block ranges."""
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ of the RPC, then broken in one of many ways: garbage or truncated metadata, rand
 field removed / of the wrong type / out of range / NaN / huge, tensors with NaNs, wrong dtypes,
 lying headers (huge or negative dimensions, truncated buffers), too many tensors, a lying parts count.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,27 @@ from petals_chain.errors import PetalsChainError
 from petals_chain.wire import codec as wire
 from petals_chain.wire import parts as wire_parts
 
-WEIRD_VALUES: list[Any] = [None, True, -1, 0, 2**31, 2**63 - 1, -(2**63), 1e308, -1e308, math.nan, math.inf, "",
-                           "x" * 10_000, b"\x00\xff", [], [1, [2, [3]]], {"a": {"b": None}}, 3.5, -0.0]
+WEIRD_VALUES: list[Any] = [
+    None,
+    True,
+    -1,
+    0,
+    2**31,
+    2**63 - 1,
+    -(2**63),
+    1e308,
+    -1e308,
+    math.nan,
+    math.inf,
+    "",
+    "x" * 10_000,
+    b"\x00\xff",
+    [],
+    [1, [2, [3]]],
+    {"a": {"b": None}},
+    3.5,
+    -0.0,
+]
 
 
 @dataclass
@@ -40,8 +60,11 @@ class Fuzzed:
             parts = wire.unpack(self.messages[0].metadata).get(wire_parts.PARTS_KEY)
         except Exception:
             return False
-        return isinstance(parts, int) and not isinstance(parts, bool) and \
-            len(self.messages) < parts <= wire_parts.MAX_PARTS_PER_GROUP
+        return (
+            isinstance(parts, int)
+            and not isinstance(parts, bool)
+            and len(self.messages) < parts <= wire_parts.MAX_PARTS_PER_GROUP
+        )
 
 
 def valid_meta(rpc: str, session_id: str, rng: random.Random) -> dict[str, Any]:
@@ -56,8 +79,14 @@ def valid_meta(rpc: str, session_id: str, rng: random.Random) -> dict[str, Any]:
     if rpc == "info":
         return {"type": "info"}
     if rpc == "acquire":
-        return {"type": "acquire", "session_id": session_id, "max_length": 16, "timeout_s": 0.5, "poll_s": 0.2,
-                "exclude": []}
+        return {
+            "type": "acquire",
+            "session_id": session_id,
+            "max_length": 16,
+            "timeout_s": 0.5,
+            "poll_s": 0.2,
+            "exclude": [],
+        }
     if rpc == "release":
         return {"type": "release", "session_id": session_id, "input_tokens": 3, "output_tokens": 2}
     if rpc == "heartbeat":
@@ -105,8 +134,11 @@ def _tensor_proto(rng: random.Random, hidden: int) -> runtime_pb2.Tensor:
         return runtime_pb2.Tensor(buffer=b"", size=[0, hidden], dtype="float32")
     if kind == 4:  # many dimensions
         return runtime_pb2.Tensor(buffer=b"\x00" * 4, size=[1] * 40, dtype="float32")
-    return runtime_pb2.Tensor(buffer=bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))),
-                              size=[rng.randint(0, 9) for _ in range(rng.randint(0, 4))], dtype="float32")
+    return runtime_pb2.Tensor(
+        buffer=bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))),
+        size=[rng.randint(0, 9) for _ in range(rng.randint(0, 4))],
+        dtype="float32",
+    )
 
 
 def fuzz(rpc: str, rng: random.Random, *, hidden: int, session_id: str) -> Fuzzed:
@@ -119,9 +151,23 @@ def fuzz(rpc: str, rng: random.Random, *, hidden: int, session_id: str) -> Fuzze
 def _fuzz(rpc: str, rng: random.Random, *, hidden: int, session_id: str) -> Fuzzed:
     meta = valid_meta(rpc, session_id, rng)
     tensors = valid_tensors(rpc, hidden, rng)
-    kind = rng.choice(["garbage", "random_msgpack", "drop_field", "weird_field", "extra_fields", "nan_tensor",
-                       "wrong_dtype", "wrong_width", "lying_tensor", "too_many_tensors", "lying_parts",
-                       "unknown_type", "truncated_meta"])
+    kind = rng.choice(
+        [
+            "garbage",
+            "random_msgpack",
+            "drop_field",
+            "weird_field",
+            "extra_fields",
+            "nan_tensor",
+            "wrong_dtype",
+            "wrong_width",
+            "lying_tensor",
+            "too_many_tensors",
+            "lying_parts",
+            "unknown_type",
+            "truncated_meta",
+        ]
+    )
     if kind == "garbage":
         blob = bytes(rng.randrange(256) for _ in range(rng.randint(0, 300)))
         return Fuzzed(kind, [runtime_pb2.ExpertRequest(metadata=blob)])
@@ -156,8 +202,7 @@ def _fuzz(rpc: str, rng: random.Random, *, hidden: int, session_id: str) -> Fuzz
     elif kind == "too_many_tensors":
         tensors = tuple(torch.randn(1, hidden) for _ in range(rng.randint(2, 5)))
     if kind == "lying_tensor":
-        return Fuzzed(kind, [runtime_pb2.ExpertRequest(metadata=wire.pack(meta),
-                                                       tensors=[_tensor_proto(rng, hidden)])])
+        return Fuzzed(kind, [runtime_pb2.ExpertRequest(metadata=wire.pack(meta), tensors=[_tensor_proto(rng, hidden)])])
     try:
         messages = wire_parts.to_messages(meta, tensors)
     except Exception:  # our own encoder refuses it (e.g. a weird parts count): send the metadata raw
@@ -183,8 +228,15 @@ class RpcFuzzer:
     """Sends fuzzed messages to a live server and orchestrator through a client's p2p (`chain`: a
     RemoteChain) and counts the outcomes; `counts[kind/outcome]` and `outcomes[outcome]`."""
 
-    def __init__(self, chain, server_peer: str, orchestrator_peer: str | None, hidden: int, rng: random.Random,
-                 reply_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        chain,
+        server_peer: str,
+        orchestrator_peer: str | None,
+        hidden: int,
+        rng: random.Random,
+        reply_timeout_s: float = 10.0,
+    ):
         from collections import Counter
 
         self.chain, self.server_peer, self.orchestrator_peer = chain, server_peer, orchestrator_peer
@@ -219,8 +271,10 @@ class RpcFuzzer:
         else:
             stub = self.chain.stub(self.server_peer)
         try:
-            resp = self.chain.loop.run(getattr(stub, f"rpc_{rpc}")(fuzzed.messages[0], timeout=self.reply_timeout_s),
-                                       timeout_s=self.reply_timeout_s + 2)
+            resp = self.chain.loop.run(
+                getattr(stub, f"rpc_{rpc}")(fuzzed.messages[0], timeout=self.reply_timeout_s),
+                timeout_s=self.reply_timeout_s + 2,
+            )
             meta = wire.unpack(resp.metadata)
         except Exception as e:
             outcome = "no_reply"
@@ -314,8 +368,7 @@ class RpcFuzzer:
             self._note("inference", fuzzed.kind, outcome, str((reply or {}).get("message", "")))
             if outcome in ("closed", "silent"):
                 return outcome
-            for m in wire_parts.to_messages({"type": "step", "session_id": sid},
-                                            (torch.randn(1, self.hidden),)):
+            for m in wire_parts.to_messages({"type": "step", "session_id": sid}, (torch.randn(1, self.hidden),)):
                 queue.put_nowait(m)
             after = self._reply(responses)
             if after is None or classify(after) == "untyped_error":

@@ -1,6 +1,7 @@
 """Test oracle: GBP-CR (Alg. 1) run per c as written, the production implementation before the
 planner was made fast enough for 10,000 servers (issue 12); orchestrator.placement_gbp_cr's
 GbpCrSweep must give identical results."""
+
 from __future__ import annotations
 
 import math
@@ -40,6 +41,12 @@ def gbp_cr_loop(cluster: Cluster, c: int) -> GbpCrResult:
                 break
             a, T, group = 1, 0.0, []  # line 12
     unused = tuple(j for j in range(len(m)) if ranges[j] is None)
-    return GbpCrResult(c=c, placement=Placement(tuple(ranges)), chains=tuple(chains),
-                       chain_times_s=tuple(chain_times), scaled_rate_per_s=nu, meets_target=met,
-                       unused_servers=unused)
+    return GbpCrResult(
+        c=c,
+        placement=Placement(tuple(ranges)),
+        chains=tuple(chains),
+        chain_times_s=tuple(chain_times),
+        scaled_rate_per_s=nu,
+        meets_target=met,
+        unused_servers=unused,
+    )

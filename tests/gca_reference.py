@@ -4,6 +4,7 @@ The planner's orchestrator.cache_gca.gca runs the same algorithm as an end-index
 tests check the two agree. This was the production implementation before the planner was made
 fast enough for 10,000 servers (issue 12).
 """
+
 from __future__ import annotations
 
 import networkx as nx

@@ -1,4 +1,5 @@
 """The module import graph of the repository, read from the source (ast, no import runs)."""
+
 from __future__ import annotations
 
 import ast

@@ -1,4 +1,5 @@
 """Hypothesis strategies and small builders shared by the orchestrator tests."""
+
 from __future__ import annotations
 
 import heapq
@@ -9,25 +10,45 @@ from hypothesis import strategies as st
 from orchestrator.model import BlockInterval, Cluster, Placement, Server, Service
 
 
-def make_cluster(memories, tau_c, tau_p, num_blocks, block_size=1.0, cache_size=0.1,
-                 arrival_rate=1.0, rho_bar=0.7) -> Cluster:
-    servers = tuple(Server(f"s{j}", float(m), float(c), float(p))
-                    for j, (m, c, p) in enumerate(zip(memories, tau_c, tau_p)))
-    return Cluster(Service(num_blocks, block_size, cache_size), servers, arrival_rate_per_s=arrival_rate, rho_bar=rho_bar)
+def make_cluster(
+    memories, tau_c, tau_p, num_blocks, block_size=1.0, cache_size=0.1, arrival_rate=1.0, rho_bar=0.7
+) -> Cluster:
+    servers = tuple(
+        Server(f"s{j}", float(m), float(c), float(p)) for j, (m, c, p) in enumerate(zip(memories, tau_c, tau_p))
+    )
+    return Cluster(
+        Service(num_blocks, block_size, cache_size), servers, arrival_rate_per_s=arrival_rate, rho_bar=rho_bar
+    )
 
 
 def fig1_cluster(L=4, tau_c=1.0, tau_p=0.2, lam=100.0):
     # Fig. 1: J = L servers, M_j = (L+1) s_m, s_m = L s_c
     s_c = 0.1
     s_m = L * s_c
-    return make_cluster([(L + 1) * s_m] * L, [tau_c] * L, [tau_p] * L, num_blocks=L, block_size=s_m,
-                        cache_size=s_c, arrival_rate=lam, rho_bar=0.5)
+    return make_cluster(
+        [(L + 1) * s_m] * L,
+        [tau_c] * L,
+        [tau_p] * L,
+        num_blocks=L,
+        block_size=s_m,
+        cache_size=s_c,
+        arrival_rate=lam,
+        rho_bar=0.5,
+    )
 
 
 def fig2_cluster(lam):
     eps = 1e-3
-    return make_cluster([2, 3, 2, 2, 2], [1, 2, 1, 1, 1], [l * eps for l in range(1, 6)], num_blocks=3,
-                        block_size=1.0, cache_size=0.1, arrival_rate=lam, rho_bar=0.5)
+    return make_cluster(
+        [2, 3, 2, 2, 2],
+        [1, 2, 1, 1, 1],
+        [k * eps for k in range(1, 6)],
+        num_blocks=3,
+        block_size=1.0,
+        cache_size=0.1,
+        arrival_rate=lam,
+        rho_bar=0.5,
+    )
 
 
 times = st.floats(min_value=0.01, max_value=5.0, allow_nan=False, allow_infinity=False)

@@ -1,4 +1,5 @@
 """Helpers for tests that talk to real servers: raw inference streams and HF references."""
+
 from __future__ import annotations
 
 import asyncio

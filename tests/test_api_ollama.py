@@ -1,6 +1,7 @@
 """The gateway's Ollama API with the official `ollama` client, in process: the gateway's app served by
 uvicorn over SmolLM2 split into two local block ranges (as test_api_features.py does), so greedy text
 is checked against HF and against the gateway's own OpenAI endpoint (one engine path)."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,12 @@ def oai(served):
 
 
 def _post(url: str, body: dict, headers: dict | None = None):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", **(AUTH if headers is None else headers)})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **(AUTH if headers is None else headers)},
+    )
     try:
         return urllib.request.urlopen(req, timeout=120)
     except urllib.error.HTTPError as e:
@@ -52,7 +57,7 @@ def _post(url: str, body: dict, headers: dict | None = None):
 def test_chat_greedy_equals_the_openai_endpoint_and_hf_streamed_or_not(client, oai, smollm2_hf, smollm2_tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = _chat_ids(smollm2_tokenizer, messages)
-    out = smollm2_hf.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+    out = smollm2_hf.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
     expected = smollm2_tokenizer.decode(out, skip_special_tokens=True)
     r = client.chat(model=MODEL, messages=messages, options={"temperature": 0, "num_predict": 12})
     assert r.message.role == "assistant" and r.message.content == expected
@@ -60,15 +65,22 @@ def test_chat_greedy_equals_the_openai_endpoint_and_hf_streamed_or_not(client, o
     assert r.eval_count == len(out) and r.prompt_eval_count == ids.shape[1] and r.total_duration > 0
     same = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     assert same.choices[0].message.content == expected
-    parts = list(client.chat(model=MODEL, messages=messages, options={"temperature": 0, "num_predict": 12},
-                             stream=True))
+    parts = list(
+        client.chat(model=MODEL, messages=messages, options={"temperature": 0, "num_predict": 12}, stream=True)
+    )
     assert "".join(p.message.content for p in parts) == expected
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and parts[-1].eval_count == len(out)
 
 
 def test_the_final_object_names_the_chain_that_served_it(served):
-    r = _post(served + "/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                     "options": {"temperature": 0, "num_predict": 1}})
+    r = _post(
+        served + "/api/chat",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "options": {"temperature": 0, "num_predict": 1},
+        },
+    )
     assert r.headers["content-type"] == "application/x-ndjson"  # Ollama streams by default
     lines = [json.loads(line) for line in r.read().decode().splitlines()]
     assert lines[-1]["done"] and lines[-1]["petals_chain"]["chain"] == "local[0:15) -> local[15:30)"
@@ -78,22 +90,24 @@ def test_the_final_object_names_the_chain_that_served_it(served):
 def test_generate_raw_equals_completions_and_its_context_continues(client, oai, smollm2_hf, smollm2_tokenizer):
     prompt = "The capital of France is"
     ids = smollm2_tokenizer(prompt, return_tensors="pt").input_ids
-    out = smollm2_hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    out = smollm2_hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
     expected = smollm2_tokenizer.decode(out, skip_special_tokens=True)
     r = client.generate(model=MODEL, prompt=prompt, raw=True, options={"temperature": 0, "num_predict": 8})
     assert r.response == expected
     assert oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text == expected
     assert list(r.context) == ids[0].tolist() + out.tolist()  # the conversation's tokens, for the next call
-    streamed = list(client.generate(model=MODEL, prompt=prompt, raw=True, stream=True,
-                                    options={"temperature": 0, "num_predict": 8}))
+    streamed = list(
+        client.generate(model=MODEL, prompt=prompt, raw=True, stream=True, options={"temperature": 0, "num_predict": 8})
+    )
     assert "".join(p.response for p in streamed) == expected and list(streamed[-1].context) == list(r.context)
     # a follow-up with `context` continues those tokens: the same as asking for them in one prompt
-    more = client.generate(model=MODEL, prompt=" Its", raw=True, context=r.context,
-                           options={"temperature": 0, "num_predict": 4})
+    more = client.generate(
+        model=MODEL, prompt=" Its", raw=True, context=r.context, options={"temperature": 0, "num_predict": 4}
+    )
     full = ids[0].tolist() + out.tolist() + smollm2_tokenizer(" Its", add_special_tokens=False)["input_ids"]
     import torch
 
-    hf_more = smollm2_hf.generate(torch.tensor([full]), max_new_tokens=4, do_sample=False)[0, len(full):]
+    hf_more = smollm2_hf.generate(torch.tensor([full]), max_new_tokens=4, do_sample=False)[0, len(full) :]
     assert more.response == smollm2_tokenizer.decode(hf_more, skip_special_tokens=True)
     assert more.prompt_eval_count == len(full)
 
@@ -102,25 +116,35 @@ def test_options_map_to_the_same_sampling_as_the_openai_endpoint(client, oai):
     messages = [{"role": "user", "content": "Tell me a story."}]
     options = {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "seed": 11, "num_predict": 10}
     a = client.chat(model=MODEL, messages=messages, options=options).message.content
-    b = oai.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, top_p=0.9, seed=11, max_tokens=10,
-                                    extra_body={"top_k": 20}).choices[0].message.content
+    b = (
+        oai.chat.completions.create(
+            model=MODEL, messages=messages, temperature=1.0, top_p=0.9, seed=11, max_tokens=10, extra_body={"top_k": 20}
+        )
+        .choices[0]
+        .message.content
+    )
     assert a == b and a  # the same seed draws the same tokens through either API
-    assert client.chat(model=MODEL, messages=messages, options={**options, "top_k": 1}).message.content == \
-        client.chat(model=MODEL, messages=messages, options={"temperature": 0, "num_predict": 10}).message.content
+    assert (
+        client.chat(model=MODEL, messages=messages, options={**options, "top_k": 1}).message.content
+        == client.chat(model=MODEL, messages=messages, options={"temperature": 0, "num_predict": 10}).message.content
+    )
     greedy = client.chat(model=MODEL, messages=messages, options={"temperature": 0, "num_predict": 10}).message.content
     stop = greedy.split()[2]  # a word in the middle of the answer
     cut = client.chat(model=MODEL, messages=messages, options={"temperature": 0, "num_predict": 10, "stop": [stop]})
-    assert cut.message.content == greedy[:greedy.find(stop)] and cut.done_reason == "stop"
+    assert cut.message.content == greedy[: greedy.find(stop)] and cut.done_reason == "stop"
 
 
-@pytest.mark.parametrize("options, words", [
-    ({"mirostat_gamma": 1}, "unknown option 'mirostat_gamma'"),
-    ({"num_gpu": 1}, "option 'num_gpu' configures how a local Ollama loads"),
-    ({"repeat_penalty": 1.3}, "option 'repeat_penalty' is not implemented"),
-    ({"num_predict": 0}, "option 'num_predict'"),
-    ({"temperature": "hot"}, "option 'temperature'"),
-    ({"num_ctx": 10 ** 6}, "option 'num_ctx'"),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"mirostat_gamma": 1}, "unknown option 'mirostat_gamma'"),
+        ({"num_gpu": 1}, "option 'num_gpu' configures how a local Ollama loads"),
+        ({"repeat_penalty": 1.3}, "option 'repeat_penalty' is not implemented"),
+        ({"num_predict": 0}, "option 'num_predict'"),
+        ({"temperature": "hot"}, "option 'temperature'"),
+        ({"num_ctx": 10**6}, "option 'num_ctx'"),
+    ],
+)
 def test_unknown_or_unimplemented_options_are_a_clear_400(client, served, options, words):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "options": options, "stream": False}
     with pytest.raises(ollama.ResponseError) as e:
@@ -131,9 +155,12 @@ def test_unknown_or_unimplemented_options_are_a_clear_400(client, served, option
 
 
 def test_neutral_options_and_keep_alive_are_accepted(client):
-    r = client.chat(model=MODEL, messages=[{"role": "user", "content": "Hi"}], keep_alive="5m",
-                    options={"temperature": 0, "num_predict": 2, "repeat_penalty": 1.0, "mirostat": 0,
-                             "repeat_last_n": 64})
+    r = client.chat(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        keep_alive="5m",
+        options={"temperature": 0, "num_predict": 2, "repeat_penalty": 1.0, "mirostat": 0, "repeat_last_n": 64},
+    )
     assert r.eval_count == 2
 
 
@@ -146,8 +173,14 @@ def test_errors_in_ollama_shape_with_the_right_status(client, served):
     r = _post(served + "/api/chat", {"model": MODEL, "messages": [], "made_up": 1})
     err = json.loads(r.read())
     assert r.status == 400 and list(err) == ["error"] and "made_up" in err["error"]
-    r = _post(served + "/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+    r = _post(
+        served + "/api/chat",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        },
+    )
     assert r.status == 400 and "/v1/chat/completions" in json.loads(r.read())["error"]
     # Ollama's "load the model" request (no messages): answered at once, the swarm keeps it loaded
     assert client.chat(model=MODEL, messages=[]).done_reason == "load"

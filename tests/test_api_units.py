@@ -1,4 +1,5 @@
 """The gateway's pure parts: stop-string scanning, admission queue and policy, error mapping, metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,11 @@ from petals_chain.errors import (
 text_st = st.text(alphabet="abcXY \ufffd", max_size=30)
 
 
-@given(text=text_st, stops=st.lists(st.text(alphabet="abcXY", min_size=1, max_size=4), max_size=3),
-       cuts=st.lists(st.integers(0, 30), max_size=8))
+@given(
+    text=text_st,
+    stops=st.lists(st.text(alphabet="abcXY", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+)
 @settings(max_examples=300, deadline=None)
 def test_stop_scanner_streams_exactly_the_text_before_the_first_stop(text, stops, cuts):
     assume("\ufffd" not in text[-1:])  # the final text of a finished generation has no half character
@@ -42,7 +46,7 @@ def test_stop_scanner_streams_exactly_the_text_before_the_first_stop(text, stops
     # the generation stops at the first pushed text that contains a stop string, cut where the
     # earliest one in it begins (as servers that check stop strings token by token do)
     hit = next((p for p in pushed if any(s in p for s in stops)), None)
-    expected = text if hit is None else hit[:min(hit.find(s) for s in stops if s in hit)]
+    expected = text if hit is None else hit[: min(hit.find(s) for s in stops if s in hit)]
     assert sent == expected == scanner.sent
     assert scanner.stopped == (hit is not None)
 
@@ -100,6 +104,7 @@ def test_admission_policy_by_name():
 def _admission_order(policy_name: str, arrivals: list[tuple[str, int]], output_tokens: int) -> list[str]:
     """Users in the order their requests get the one slot: all `arrivals` (user, prompt tokens)
     queue behind a first request of "heavy", then each finishes with `output_tokens`."""
+
     async def scenario():
         q = AdmissionQueue(1, make_admission_policy(policy_name))
         await q.acquire("heavy", 10, timeout_s=1)
@@ -164,26 +169,46 @@ def test_swarm_errors_map_to_http_statuses():
 def test_metrics_use_vllm_names_under_the_petals_chain_prefix():
     m = GatewayMetrics("m1")
     m.active_sessions, m.waiting = 3, 2
-    m.generation(prompt_tokens=5, completion_tokens=30, finish_reason="length", ttft_s=0.4,
-                 token_times_s=[1.0, 1.25, 1.75], e2e_s=2.0, hops=2, failovers=1, prefix_hit_tokens=4)
-    m.generation(prompt_tokens=5, completion_tokens=1, finish_reason="cancelled", ttft_s=None, token_times_s=[],
-                 e2e_s=0.5, hops=2, failovers=0, prefix_hit_tokens=0)
+    m.generation(
+        prompt_tokens=5,
+        completion_tokens=30,
+        finish_reason="length",
+        ttft_s=0.4,
+        token_times_s=[1.0, 1.25, 1.75],
+        e2e_s=2.0,
+        hops=2,
+        failovers=1,
+        prefix_hit_tokens=4,
+    )
+    m.generation(
+        prompt_tokens=5,
+        completion_tokens=1,
+        finish_reason="cancelled",
+        ttft_s=None,
+        token_times_s=[],
+        e2e_s=0.5,
+        hops=2,
+        failovers=0,
+        prefix_hit_tokens=0,
+    )
     m.request("/v1/completions", 200)
     text = m.render().decode()
-    for line in ['petals_chain:num_requests_running{model_name="m1"} 3.0',
-                 'petals_chain:num_requests_waiting{model_name="m1"} 2.0',
-                 'petals_chain:prompt_tokens_total{model_name="m1"} 10.0',
-                 'petals_chain:generation_tokens_total{model_name="m1"} 31.0',
-                 'petals_chain:request_success_total{finished_reason="length",model_name="m1"} 1.0',
-                 'petals_chain:request_success_total{finished_reason="abort",model_name="m1"} 1.0',
-                 'petals_chain:time_to_first_token_seconds_bucket{le="0.5",model_name="m1"} 1.0',
-                 'petals_chain:inter_token_latency_seconds_count{model_name="m1"} 2.0',
-                 'petals_chain:inter_token_latency_seconds_sum{model_name="m1"} 0.75',
-                 'petals_chain:e2e_request_latency_seconds_count{model_name="m1"} 2.0',
-                 'petals_chain:request_hops_sum{model_name="m1"} 4.0',
-                 'petals_chain:failovers_total{model_name="m1"} 1.0',
-                 'petals_chain:prefix_cache_hit_tokens_total{model_name="m1"} 4.0',
-                 'petals_chain:http_requests_total{endpoint="/v1/completions",status="200"} 1.0']:
+    for line in [
+        'petals_chain:num_requests_running{model_name="m1"} 3.0',
+        'petals_chain:num_requests_waiting{model_name="m1"} 2.0',
+        'petals_chain:prompt_tokens_total{model_name="m1"} 10.0',
+        'petals_chain:generation_tokens_total{model_name="m1"} 31.0',
+        'petals_chain:request_success_total{finished_reason="length",model_name="m1"} 1.0',
+        'petals_chain:request_success_total{finished_reason="abort",model_name="m1"} 1.0',
+        'petals_chain:time_to_first_token_seconds_bucket{le="0.5",model_name="m1"} 1.0',
+        'petals_chain:inter_token_latency_seconds_count{model_name="m1"} 2.0',
+        'petals_chain:inter_token_latency_seconds_sum{model_name="m1"} 0.75',
+        'petals_chain:e2e_request_latency_seconds_count{model_name="m1"} 2.0',
+        'petals_chain:request_hops_sum{model_name="m1"} 4.0',
+        'petals_chain:failovers_total{model_name="m1"} 1.0',
+        'petals_chain:prefix_cache_hit_tokens_total{model_name="m1"} 4.0',
+        'petals_chain:http_requests_total{endpoint="/v1/completions",status="200"} 1.0',
+    ]:
         assert line in text, line
     assert "# TYPE petals_chain:request_queue_time_seconds histogram" in text
 
@@ -203,19 +228,27 @@ def test_metrics_export_the_client_heads_lm_batching_read_at_scrape_time():
     batcher(torch.ones(2, 3))
     batcher(torch.ones(1, 3))
     text = m.render().decode()  # no re-registration: the counters are the batcher's own, read now
-    for line in ['petals_chain:client_head_lm_calls_total{model_name="m1"} 2.0',
-                 'petals_chain:client_head_lm_batches_total{model_name="m1"} 2.0',
-                 'petals_chain:client_head_lm_rows_total{model_name="m1"} 3.0',
-                 '# TYPE petals_chain:client_head_lm_batches_total counter']:
+    for line in [
+        'petals_chain:client_head_lm_calls_total{model_name="m1"} 2.0',
+        'petals_chain:client_head_lm_batches_total{model_name="m1"} 2.0',
+        'petals_chain:client_head_lm_rows_total{model_name="m1"} 3.0',
+        "# TYPE petals_chain:client_head_lm_batches_total counter",
+    ]:
         assert line in text, line
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--initial-peers", "garbage"], "bad --initial-peers"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/5"], "no /p2p/PEERID part"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/5/p2p/12D3KooWJ2xx", "--max-concurrent", "0"], "--max-concurrent must be >= 1"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/5/p2p/12D3KooWJ2xx", "--port", "70000"], "--port must be in 0..65535"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--initial-peers", "garbage"], "bad --initial-peers"),
+        (["--initial-peers", "/ip4/127.0.0.1/tcp/5"], "no /p2p/PEERID part"),
+        (
+            ["--initial-peers", "/ip4/127.0.0.1/tcp/5/p2p/12D3KooWJ2xx", "--max-concurrent", "0"],
+            "--max-concurrent must be >= 1",
+        ),
+        (["--initial-peers", "/ip4/127.0.0.1/tcp/5/p2p/12D3KooWJ2xx", "--port", "70000"], "--port must be in 0..65535"),
+    ],
+)
 def test_api_cli_bad_arguments_exit_2_with_one_clear_line(args, message, capsys):
     from petals_chain.cli.api import main
 
@@ -233,7 +266,7 @@ def test_tool_calls_are_parsed_and_held_back_while_streaming():
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert parse_tool_calls("no calls <tool_call> {not json") == ("no calls <tool_call> {not json", [])
     stream = ToolCallStream()
-    sent = "".join(stream.push(reply[i:i + 3]) for i in range(0, len(reply), 3))
+    sent = "".join(stream.push(reply[i : i + 3]) for i in range(0, len(reply), 3))
     assert sent == "Let me check."  # nothing of the call leaked as text
     rest, streamed_calls = stream.finish()
     assert rest == "" and [c["function"] for c in streamed_calls] == [c["function"] for c in calls]
@@ -242,21 +275,29 @@ def test_tool_calls_are_parsed_and_held_back_while_streaming():
 
 
 # -- forced tool calls: the constraint on the reply's text (api/constrain.py) -------------------------
-json_st = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
-                                                                                             allow_infinity=False)
-                       | st.text(alphabet='ab"\\\n\u00e9\u4e2d', max_size=5),
-                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
-                                                                                   max_size=3), max_leaves=8)
+json_st = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet='ab"\\\n\u00e9\u4e2d', max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8,
+)
 
 
-@given(obj=st.dictionaries(st.text(alphabet='xy"', max_size=3), json_st, max_size=3), indent=st.sampled_from([None, 0, 2]),
-       compact=st.booleans(), ascii_only=st.booleans(), tail=st.text(alphabet="}\n<x", max_size=3))
+@given(
+    obj=st.dictionaries(st.text(alphabet='xy"', max_size=3), json_st, max_size=3),
+    indent=st.sampled_from([None, 0, 2]),
+    compact=st.booleans(),
+    ascii_only=st.booleans(),
+    tail=st.text(alphabet="}\n<x", max_size=3),
+)
 @settings(max_examples=300, deadline=None)
 def test_every_prefix_of_a_json_object_is_valid_and_it_ends_where_it_closes(obj, indent, compact, ascii_only, tail):
     from petals_chain.api.constrain import json_object_prefix
 
-    text = " " + json.dumps(obj, indent=indent, ensure_ascii=ascii_only,
-                            separators=(",", ":") if compact else None)
+    text = " " + json.dumps(obj, indent=indent, ensure_ascii=ascii_only, separators=(",", ":") if compact else None)
     for n in range(len(text)):
         assert json_object_prefix(text[:n]) == (True, None), text[:n]
     assert json_object_prefix(text + tail) == (True, len(text))
@@ -288,7 +329,9 @@ def test_text_constraint_forces_literals_and_narrows_choices():
 
     c = TextConstraint([Literal("<a>"), OneOf(('get_time"', 'get_weather"')), JsonObject(), Literal("</a>")])
     assert c.check("").ok and c.check("").forced == "<a>get_"
-    assert c.check("<").forced == "a>get_" and c.check("<a>").forced == "get_" and c.check("<a>get_w").forced == 'eather"'
+    assert (
+        c.check("<").forced == "a>get_" and c.check("<a>").forced == "get_" and c.check("<a>get_w").forced == 'eather"'
+    )
     assert not c.check("<b").ok and not c.check("<a>set").ok and not c.check('<a>get_time" x').ok
     assert c.check('<a>get_time" {"k": [1, 2]').ok and c.check('<a>get_time" {"k": [1, 2]').forced == ""
     assert c.check('<a>get_time" {"k": [1, 2]}</').forced == "a>" and c.check('<a>get_time" {}').forced == "</a>"
@@ -307,8 +350,12 @@ def test_forced_call_is_read_off_the_template_and_parses_back(smollm2_tokenizer)
     from petals_chain.api.tools import forced_call, parse_tool_calls
 
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-    body = ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[tool],
-                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    body = ChatRequest(
+        model="m",
+        messages=[{"role": "user", "content": "x"}],
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
     with pytest.raises(APIError) as e:  # SmolLM2's own template renders no tool calls
         forced_call(smollm2_tokenizer, body)
     assert e.value.param == "tool_choice" and "--chat-template" in str(e.value)
@@ -317,7 +364,7 @@ def test_forced_call_is_read_off_the_template_and_parses_back(smollm2_tokenizer)
     forced = forced_call(tokenizer, body)
     assert forced.finish_reason == "stop"  # vLLM's (and OpenAI's) for a named function
     reply = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
-    assert forced.constraint.check(reply).complete and forced.constraint.check("").forced == reply[:reply.index(" {")]
+    assert forced.constraint.check(reply).complete and forced.constraint.check("").forced == reply[: reply.index(" {")]
     assert parse_tool_calls(reply)[1][0]["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
     required = forced_call(tokenizer, body.model_copy(update={"tool_choice": "required"}))
     assert required.finish_reason == "tool_calls" and required.constraint.check(reply).complete
@@ -339,21 +386,33 @@ def test_engine_keeps_a_random_model_inside_the_forced_call(tiny_chat_path):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_path)
     model = DistributedModelForCausalLM.from_local_ranges(tiny_chat_path, [(0, 2), (2, 4)])
-    constraint = TextConstraint([Literal('<tool_call>\n{"name": "'), OneOf(('get_time"', 'get_weather"')),
-                                 Literal(', "arguments":'), JsonObject(), Literal("}\n</tool_call>")])
+    constraint = TextConstraint(
+        [
+            Literal('<tool_call>\n{"name": "'),
+            OneOf(('get_time"', 'get_weather"')),
+            Literal(', "arguments":'),
+            JsonObject(),
+            Literal("}\n</tool_call>"),
+        ]
+    )
     prompt = tokenizer("What is the weather in Rome?")["input_ids"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: threads only slow a loaded machine down
     try:
         for temperature, seed in ((0.0, None), (1.0, 0), (1.0, 1)):
-            params = SamplingParams(max_tokens=40, temperature=temperature, seed=seed, top_logprobs=2,
-                                    constraint=constraint)
+            params = SamplingParams(
+                max_tokens=40, temperature=temperature, seed=seed, top_logprobs=2, constraint=constraint
+            )
             r = run_generation(model, tokenizer, prompt, params, cancel=threading.Event(), on_text=lambda *_: None)
             assert constraint.check(r.text).ok, r.text
             assert r.text.startswith('<tool_call>\n{"name": "get_') and len(r.logprobs) == r.completion_tokens
             if r.finish_reason == "stop":
                 content, calls = parse_tool_calls(r.text)
-                assert content is None and len(calls) == 1 and isinstance(json.loads(calls[0]["function"]["arguments"]), dict)
+                assert (
+                    content is None
+                    and len(calls) == 1
+                    and isinstance(json.loads(calls[0]["function"]["arguments"]), dict)
+                )
             else:
                 assert r.finish_reason == "length" and r.completion_tokens == 40
     finally:

@@ -1,5 +1,6 @@
 """tau_c shared by the simulator and the online orchestrator; each of the authors' choices
 (orchestrator/sim/authors_setup.py) changes what it should, and only that."""
+
 from __future__ import annotations
 
 import math
@@ -82,14 +83,20 @@ def test_petals_block_cap_and_fixed_cache():
     free = plan(cluster, "petals")
     low = np.flatnonzero(~inst.is_high)
     assert max(capped.placement.num_blocks(j) for j in low) == 4 < max(free.placement.num_blocks(j) for j in low)
-    assert capped.placement.num_blocks(int(np.flatnonzero(inst.is_high)[0])) == free.placement.num_blocks(int(np.flatnonzero(inst.is_high)[0]))
+    assert capped.placement.num_blocks(int(np.flatnonzero(inst.is_high)[0])) == free.placement.num_blocks(
+        int(np.flatnonzero(inst.is_high)[0])
+    )
     opts = baseline_options(AuthorsChoices(petals_fixed_cache=True), inst.is_high)
     r = make_baseline_router("petals", cluster, free.placement, options=opts)
     plain = make_baseline_router("petals", cluster, free.placement)
     assert isinstance(r, PetalsRouter)
     for j in free.placement.used_servers():
         m = free.placement.num_blocks(j)
-        assert r.total_slots[j] == math.floor(m * au.AUTHORS_PETALS_CACHE_GB_PER_BLOCK / 0.11 + 1e-9) < plain.total_slots[j]
+        assert (
+            r.total_slots[j]
+            == math.floor(m * au.AUTHORS_PETALS_CACHE_GB_PER_BLOCK / 0.11 + 1e-9)
+            < plain.total_slots[j]
+        )
 
 
 def single_block_pair():

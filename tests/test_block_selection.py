@@ -1,4 +1,5 @@
 """`launch-server --num-blocks N`: PETALS' span choice and rebalancing rule (server/block_selection.py)."""
+
 from __future__ import annotations
 
 from hypothesis import assume, given
@@ -28,8 +29,8 @@ def test_a_new_server_covers_the_uncovered_blocks_first():
 def test_the_chosen_span_has_the_lexicographically_smallest_sorted_throughputs(throughputs, n):
     assume(n <= len(throughputs))
     start = choose_start(throughputs, n)
-    chosen = sorted(throughputs[start:start + n])
-    assert all(chosen <= sorted(throughputs[i:i + n]) for i in range(len(throughputs) - n + 1))
+    chosen = sorted(throughputs[start : start + n])
+    assert all(chosen <= sorted(throughputs[i : i + n]) for i in range(len(throughputs) - n + 1))
     # so the swarm's weakest block after joining there is as strong as after joining anywhere
     best_min = max(swarm_min_with(throughputs, i, n, 1.0) for i in range(len(throughputs) - n + 1))
     assert swarm_min_with(throughputs, start, n, 1.0) == best_min
@@ -46,8 +47,12 @@ def test_a_server_moves_only_when_the_weakest_block_gains_enough():
     assert better_start([10.0, 10.0, 9.0, 9.0, 10.0, 10.0], 4, 2, 10.0, balance_quality=0.95) == 2
 
 
-@given(st.lists(st.floats(min_value=0, max_value=100), min_size=2, max_size=20), st.integers(1, 20),
-       st.integers(0, 19), st.floats(min_value=0.1, max_value=100))
+@given(
+    st.lists(st.floats(min_value=0, max_value=100), min_size=2, max_size=20),
+    st.integers(1, 20),
+    st.integers(0, 19),
+    st.floats(min_value=0.1, max_value=100),
+)
 def test_a_move_never_makes_the_weakest_block_weaker(others, n, current, rate):
     assume(n <= len(others) and current <= len(others) - n)
     target = better_start(others, current, n, rate)

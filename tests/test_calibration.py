@@ -1,5 +1,6 @@
 """The calibrated service model: the fit recovers known t_I / t_O / t_o from synthetic service
 records; re-plan triggers and hysteresis with an injected clock (pure)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,8 +22,14 @@ from petals_chain.algorithms.service_fit import (
 
 
 @settings(max_examples=30, deadline=None)
-@given(t_I=st.floats(1e-5, 1e-3), t_O=st.floats(1e-4, 2e-2), overhead=st.floats(0.1, 2.0),
-       blocks=st.integers(1, 30), seed=st.integers(0, 10**6), outliers=st.floats(0.0, 0.15))
+@given(
+    t_I=st.floats(1e-5, 1e-3),
+    t_O=st.floats(1e-4, 2e-2),
+    overhead=st.floats(0.1, 2.0),
+    blocks=st.integers(1, 30),
+    seed=st.integers(0, 10**6),
+    outliers=st.floats(0.0, 0.15),
+)
 def test_fit_recovers_known_times_despite_noise_and_outliers(t_I, t_O, overhead, blocks, seed, outliers):
     # t_o as a fraction of a 3-session decode step: a term far below the 2 % timer jitter of the
     # batches it rides on cannot be told from noise by any fit
@@ -79,11 +86,16 @@ def test_a_fit_that_cannot_tell_t_O_from_t_o_keeps_the_profiles_t_O():
 def test_hop_reports_count_round_trips_only_and_unmeasured_servers_take_the_swarm_median():
     from petals_chain.client.orchestrated import hop_reports
     from petals_chain.client.remote_session import HopTiming
+
     # server relay: hop 0 is a round trip from the client (client - server = RTT + cost); hops 1 and 2
     # took their input pushed by the hop before and answered the client's late copy at once (~0)
-    timings = [HopTiming(0, "a", 10, 1, 0.060, 0.010), HopTiming(1, "b", 10, 1, 0.012, 0.011, pushed=True),
-               HopTiming(2, "c", 10, 1, 0.011, 0.011, pushed=True), HopTiming(0, "a", 10, 1, 0.064, 0.010),
-               HopTiming(1, "b", 10, 1, 0.050, 0.010)]  # a step b was not pushed (e.g. a relayed hop): counts
+    timings = [
+        HopTiming(0, "a", 10, 1, 0.060, 0.010),
+        HopTiming(1, "b", 10, 1, 0.012, 0.011, pushed=True),
+        HopTiming(2, "c", 10, 1, 0.011, 0.011, pushed=True),
+        HopTiming(0, "a", 10, 1, 0.064, 0.010),
+        HopTiming(1, "b", 10, 1, 0.050, 0.010),
+    ]  # a step b was not pushed (e.g. a relayed hop): counts
     reports = {r.peer_id: r for r in hop_reports(timings)}
     assert set(reports) == {"a", "b"} and reports["a"].steps == 2 and reports["b"].steps == 1
     assert reports["a"].comm_s == pytest.approx(0.050 + 0.054) and reports["b"].comm_s == pytest.approx(0.040)
@@ -100,7 +112,11 @@ def test_hop_reports_count_round_trips_only_and_unmeasured_servers_take_the_swar
     only = hop_reports([prompt])
     assert len(only) == 1 and only[0].steps == 0 and only[0].prompt_tokens == 1676
     assert own_else_swarm_median({"a": 0.004, "b": None, "c": 0.002, "d": 0.003}) == {
-        "a": 0.004, "b": 0.003, "c": 0.002, "d": 0.003}
+        "a": 0.004,
+        "b": 0.003,
+        "c": 0.002,
+        "d": 0.003,
+    }
     assert own_else_swarm_median({"a": None, "b": None}) == {"a": None, "b": None}
 
 
@@ -132,8 +148,15 @@ def offline_orchestrator(now):
     from orchestrator.service.core import Orchestrator, OrchestratorConfig
     from orchestrator.service.registry import ServerRecord
     from petals_chain.wire.records import ServerInfo
-    cfg = OrchestratorConfig(model="m", initial_peers=[], num_blocks=4, calibration_min_batches=10,
-                             replan_hold_s=30.0, model_replan_period_s=60.0)
+
+    cfg = OrchestratorConfig(
+        model="m",
+        initial_peers=[],
+        num_blocks=4,
+        calibration_min_batches=10,
+        replan_hold_s=30.0,
+        model_replan_period_s=60.0,
+    )
     orch = Orchestrator.offline(cfg, lambda: now[0])
     for k, peer in enumerate(("pa", "pb", "pc")):
         info = ServerInfo(peer, "m", 0, 4, "online", 1000 + 200 * k, 100, 10, 2048, 40, 1e-4, 1e-3, name=peer)
@@ -147,12 +170,18 @@ def _slower_live_service(orch) -> None:
     for peer in ("pa", "pb", "pc"):
         for seq in range(30):
             dec = 4 * (1 + seq % 4)
-            orch.window(peer).add_batch(seq, 0 if seq % 5 else 64 * 4, 0 if not seq % 5 else dec,
-                                        1.5e-3 + (1e-4 * 64 * 4 if not seq % 5 else 3e-3 * dec), 0.5e-3)
+            orch.window(peer).add_batch(
+                seq,
+                0 if seq % 5 else 64 * 4,
+                0 if not seq % 5 else dec,
+                1.5e-3 + (1e-4 * 64 * 4 if not seq % 5 else 3e-3 * dec),
+                0.5e-3,
+            )
 
 
 def test_the_orchestrator_replans_when_the_fitted_model_moves_the_plan_and_shows_model_vs_measured():
     from petals_chain.wire.messages import HopReport
+
     now = [0.0]
     orch = offline_orchestrator(now)
     orch._plan(now[0])
@@ -238,13 +267,18 @@ def test_the_measured_prompt_transfer_joins_tau_c_once_per_session():
     (there and back with client relay, one leg with server relay); servers never timed take the
     swarm's median; prompts too short to time a transfer are not taken."""
     from petals_chain.wire.messages import HopReport
+
     now = [0.0]
     orch = offline_orchestrator(now)
     before = {s["peer_id"]: s["tau_c"] for s in orch.status()["servers"]}
     assert all(s["transfer_s_per_token"] is None for s in orch.status()["servers"])
     # pa: a 400-token prompt took 2 ms of RTT + 400 x 50 us; a 20-token one says nothing of the transfer
-    orch.release("s1", 400, 5, [HopReport("pa", 4, 4 * 0.002, prompt_steps=1, prompt_tokens=400,
-                                          prompt_comm_s=0.002 + 400 * 50e-6)])
+    orch.release(
+        "s1",
+        400,
+        5,
+        [HopReport("pa", 4, 4 * 0.002, prompt_steps=1, prompt_tokens=400, prompt_comm_s=0.002 + 400 * 50e-6)],
+    )
     orch.release("s2", 20, 5, [HopReport("pa", 4, 4 * 0.002, prompt_steps=1, prompt_tokens=20, prompt_comm_s=0.5)])
     orch.refit()
     view = {s["peer_id"]: s for s in orch.status()["servers"]}
@@ -256,6 +290,7 @@ def test_the_measured_prompt_transfer_joins_tau_c_once_per_session():
     for p in ("pa", "pb"):  # the hop costs stayed 0 (reported steps at the RTT): the difference is the transfer
         assert view[p]["tau_c"] - before[p] == pytest.approx(legs * shape.mean_input_tokens * 50e-6)
     from orchestrator.service.http import status_html
+
     page = status_html(orch.status())
     assert "prompt transfer / token" in page and "50.0 us" in page
 
@@ -276,12 +311,14 @@ def test_the_model_replan_waits_for_a_live_fit():
     profiles give; that is not the calibrated model moving, and must not spend a model re-plan."""
     from orchestrator.service.registry import ServerRecord
     from petals_chain.wire.records import ServerInfo
+
     now = [0.0]
     orch = offline_orchestrator(now)
     orch._plan(now[0])
     orch.current.installed = True
-    orch.records["pd"] = ServerRecord(ServerInfo("pd", "m", 0, 4, "online", 4000, 100, 10, 2048, 40, 1e-5, 1e-4,
-                                                 name="pd"), rtt_s=0.002)
+    orch.records["pd"] = ServerRecord(
+        ServerInfo("pd", "m", 0, 4, "online", 4000, 100, 10, 2048, 40, 1e-5, 1e-4, name="pd"), rtt_s=0.002
+    )
     placed = [p for p in orch.current.peers if orch.current.assignment(p) is not None]
     assert placed
     orch.refit()  # no batch yet: no server has a fit, only the announced profiles and the newcomer
@@ -290,8 +327,13 @@ def test_the_model_replan_waits_for_a_live_fit():
         orch.check_model(t)
     assert not orch.model_moved
     for seq in range(30):  # one planned server gets a live fit: 3x the announced decode
-        orch.window(placed[0]).add_batch(seq, 0 if seq % 5 else 256, 0 if not seq % 5 else 4 * (1 + seq % 4),
-                                          1.5e-3 + (1e-4 * 256 if not seq % 5 else 3e-3 * 4 * (1 + seq % 4)), 1e-3)
+        orch.window(placed[0]).add_batch(
+            seq,
+            0 if seq % 5 else 256,
+            0 if not seq % 5 else 4 * (1 + seq % 4),
+            1.5e-3 + (1e-4 * 256 if not seq % 5 else 3e-3 * 4 * (1 + seq % 4)),
+            1e-3,
+        )
     orch.refit()
     for t in (210.0, 300.0):
         now[0] = t
@@ -302,14 +344,15 @@ def test_the_model_replan_waits_for_a_live_fit():
 def _online(orch) -> None:
     """Every server loaded what the current plan assigns it and announces it online (as servers do)."""
     from dataclasses import replace
+
     for p, rec in orch.records.items():
         a = orch.current.assignment(p)
-        rec.info = replace(rec.info, start=a[0] if a else 0, end=a[1] if a else 0, state="online",
-                           extra={"auto": True})
+        rec.info = replace(rec.info, start=a[0] if a else 0, end=a[1] if a else 0, state="online", extra={"auto": True})
 
 
 def _auto_orchestrator(now):
     from dataclasses import replace
+
     orch = offline_orchestrator(now)
     for rec in orch.records.values():  # placed by the orchestrator (--blocks auto), not fixed
         rec.info = replace(rec.info, start=0, end=0, state="joining", extra={"auto": True})
@@ -389,9 +432,11 @@ def test_an_unfitted_server_takes_a_fitted_twins_fit_scaled_by_their_profiles():
 
     # three fast twins (profile t_O 1 ms, 30 blocks) whose fits split a ~0.2 s lone step differently, and
     # a slow server (profile 2 ms, 16 blocks) whose t_o-free fit would give a fast server a 0.5 s step
-    fast = [FittedProfile(fit(2e-4, 3.4e-3, 0.10), 1e-4, 1.00e-3, 30),   # lone step 0.202 s
-            FittedProfile(fit(3e-4, 1.7e-3, 0.24), 1e-4, 1.05e-3, 30),   # 0.291 s: the median
-            FittedProfile(fit(None, 6.0e-3, 0.20), 1e-4, 0.95e-3, 30)]   # 0.380 s
+    fast = [
+        FittedProfile(fit(2e-4, 3.4e-3, 0.10), 1e-4, 1.00e-3, 30),  # lone step 0.202 s
+        FittedProfile(fit(3e-4, 1.7e-3, 0.24), 1e-4, 1.05e-3, 30),  # 0.291 s: the median
+        FittedProfile(fit(None, 6.0e-3, 0.20), 1e-4, 0.95e-3, 30),
+    ]  # 0.380 s
     slow = FittedProfile(fit(4e-4, 17.5e-3, 0.0), 2e-4, 2.0e-3, 16)
     got = scaled_profile_fit(1e-4, 1e-3, [slow, *fast])
     twin = fast[1]  # the median twin, its whole fit, scaled by the profiles (1 / 1.05)
@@ -443,8 +488,9 @@ def test_a_server_without_a_fit_is_planned_like_its_fitted_twin():
 
 
 @settings(max_examples=30, deadline=None)
-@given(t_O=st.floats(1e-4, 1e-2), blocks=st.integers(4, 30), floor_steps=st.floats(1.5, 4.0),
-       seed=st.integers(0, 10**6))
+@given(
+    t_O=st.floats(1e-4, 1e-2), blocks=st.integers(4, 30), floor_steps=st.floats(1.5, 4.0), seed=st.integers(0, 10**6)
+)
 def test_t_o_is_anchored_at_the_lone_batches_when_the_cost_is_not_linear(t_O, blocks, floor_steps, seed):
     # a CPU's step: one to three sessions cost the same floor, more cost the line t_o + t_O D; the
     # window holds mostly larger batches, so the plain L1 line runs below a session alone
@@ -477,9 +523,15 @@ def test_few_lone_batches_leave_the_line_alone():
 
 
 @settings(max_examples=30, deadline=None)
-@given(t_o=st.floats(0.0, 0.05), t_B=st.floats(1e-3, 2e-2), t_O=st.floats(1e-5, 2e-3), t_I=st.floats(1e-5, 1e-3),
-       spans=st.lists(st.integers(2, 30), min_size=2, max_size=3, unique=True), seed=st.integers(0, 10**6),
-       outliers=st.floats(0.0, 0.1))
+@given(
+    t_o=st.floats(0.0, 0.05),
+    t_B=st.floats(1e-3, 2e-2),
+    t_O=st.floats(1e-5, 2e-3),
+    t_I=st.floats(1e-5, 1e-3),
+    spans=st.lists(st.integers(2, 30), min_size=2, max_size=3, unique=True),
+    seed=st.integers(0, 10**6),
+    outliers=st.floats(0.0, 0.1),
+)
 def test_steps_of_several_block_counts_separate_t_o_from_t_B(t_o, t_B, t_O, t_I, spans, seed, outliers):
     # a server whose chains run different spans of its blocks (a whole-range chain, a chain entering
     # mid-range behind another server): per-step t_o, per-block t_B, per-row t_O, per-prefill-token t_I
@@ -533,8 +585,9 @@ def test_lone_steps_of_two_spans_anchor_t_o_and_t_B():
         assert fit.step_s(m) == pytest.approx(0.005 + 0.011 * m, rel=0.05)
     w = ServiceWindow(min_batches=5)
     for seq in range(n):
-        w.add_batch(seq, 0, blocks[seq] * sessions[seq], wall[seq], 0.0, sessions=int(sessions[seq]),
-                    blocks=int(blocks[seq]))
+        w.add_batch(
+            seq, 0, blocks[seq] * sessions[seq], wall[seq], 0.0, sessions=int(sessions[seq]), blocks=int(blocks[seq])
+        )
     assert w.fit() == fit
 
 
@@ -580,8 +633,13 @@ def test_mean_level_drops_only_far_out_values():
 
 
 @settings(max_examples=40, deadline=None)
-@given(t_o=st.floats(0.0, 0.05), t_B=st.floats(1e-3, 2e-2), t_O=st.floats(1e-5, 2e-3),
-       few=st.integers(2, MIN_SPAN_BATCHES - 1), seed=st.integers(0, 10**6))
+@given(
+    t_o=st.floats(0.0, 0.05),
+    t_B=st.floats(1e-3, 2e-2),
+    t_O=st.floats(1e-5, 2e-3),
+    few=st.integers(2, MIN_SPAN_BATCHES - 1),
+    seed=st.integers(0, 10**6),
+)
 def test_lone_steps_that_separate_block_counts_the_window_does_not(t_o, t_B, t_O, few, seed):
     # a fast server running whole-range chains (30 blocks) and, now and then, the tail of a pair (14
     # blocks): fewer than MIN_SPAN_BATCHES batches at 14 blocks in the window, but all of them lone. The

@@ -2,6 +2,7 @@
 streaming replies, history in one inference session (each turn sends only its new tokens), /clear,
 multi-line input, /exit. In-process blocks of a tiny Llama with SmolLM2's tokenizer and chat template,
 and the conversation logic checked token for token against transformers."""
+
 from __future__ import annotations
 
 import os
@@ -25,10 +26,21 @@ class Terminal:
 
     def __init__(self, argv: list[str]):
         self.master, slave = os.openpty()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               "TERM": "dumb"}
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=REPO_ROOT,
-                                     start_new_session=True, close_fds=True)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            "TERM": "dumb",
+        }
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+            close_fds=True,
+        )
         os.close(slave)
         self.text = ""
         self.consumed = 0  # what earlier expects matched up to; the next one looks after it
@@ -67,8 +79,20 @@ class Terminal:
 
 @pytest.mark.model
 def test_chat_in_a_terminal(tiny_chat_path):
-    term = Terminal([sys.executable, "-m", "petals_chain.cli", "chat", "--model", str(tiny_chat_path),
-                     "--max-new-tokens", "6", "--max-length", "512"])
+    term = Terminal(
+        [
+            sys.executable,
+            "-m",
+            "petals_chain.cli",
+            "chat",
+            "--model",
+            str(tiny_chat_path),
+            "--max-new-tokens",
+            "6",
+            "--max-length",
+            "512",
+        ]
+    )
     try:
         term.expect(r"/exit leaves")
         term.expect(r">>> ")
@@ -111,6 +135,7 @@ def test_read_message_lines_blocks_and_continuations():
                 return next(it)
             except StopIteration:
                 raise EOFError from None
+
         return read
 
     assert read_message(reader(["hi"])) == "hi"
@@ -130,18 +155,32 @@ def test_each_turn_sends_only_its_new_tokens_and_matches_transformers(tiny_chat_
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_path)
     hf = AutoModelForCausalLM.from_pretrained(tiny_chat_path, dtype=torch.float32).eval()
     model = DistributedModelForCausalLM.from_local_ranges(tiny_chat_path, [(0, 2), (2, 4)])
-    args = SimpleNamespace(system="Be brief.", max_new_tokens=5, max_length=256, sample=False, temperature=1.0,
-                           top_p=1.0)
+    args = SimpleNamespace(
+        system="Be brief.", max_new_tokens=5, max_length=256, sample=False, temperature=1.0, top_p=1.0
+    )
     chat = Conversation(model, tokenizer, args)
     chat.clear()
     chat.turn("Hi", streamer=None)
     held = list(chat.session.token_ids)
     new = chat.new_tokens("And then?")
-    assert 0 < len(new) < len(tokenizer(chat._render([*chat.messages, {"role": "user", "content": "And then?"}]),
-                                        add_special_tokens=False).input_ids)
+    assert (
+        0
+        < len(new)
+        < len(
+            tokenizer(
+                chat._render([*chat.messages, {"role": "user", "content": "And then?"}]), add_special_tokens=False
+            ).input_ids
+        )
+    )
     chat.turn("And then?", streamer=None)
     full = torch.tensor([held + new])
-    expected = hf.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=5, do_sample=False,
-                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    expected = hf.generate(
+        full,
+        attention_mask=torch.ones_like(full),
+        max_new_tokens=5,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     assert chat.session.token_ids == expected[0].tolist()
     chat.clear()

@@ -3,6 +3,7 @@ protocol (Chromium's `--remote-debugging-pipe`: JSON messages on file descriptor
 websocket library is needed): a two-turn conversation over a live one-server swarm whose text equals
 the API's greedy answer, the second turn reusing the first's prompt from the server's prefix cache,
 the stop button, and a screenshot (saved as chat_page.png in the test's tmp dir)."""
+
 from __future__ import annotations
 
 import base64
@@ -24,9 +25,18 @@ openai = pytest.importorskip("openai", reason="the gateway tests need the offici
 
 MODEL = "smollm2-135m"
 KEY = "sk-chat-page"
-BROWSER_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--hide-scrollbars", "--window-size=1200,900"]
+BROWSER_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--window-size=1200,900",
+]
 
 
 def test_chat_page_is_served_from_the_package_and_can_be_turned_off():
@@ -60,10 +70,22 @@ class DevTools:
         # redirects only single-digit fds
         redirect = f"3<&{to_browser_r} 4>&{from_browser_w} {to_browser_r}<&- {from_browser_w}>&-"
         self.proc = subprocess.Popen(
-            ["bash", "-c", f'exec "$0" "$@" {redirect}',
-             browser, *BROWSER_FLAGS, f"--user-data-dir={profile_dir}", "--remote-debugging-pipe", "about:blank"],
-            pass_fds=(to_browser_r, from_browser_w), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, start_new_session=True)
+            [
+                "bash",
+                "-c",
+                f'exec "$0" "$@" {redirect}',
+                browser,
+                *BROWSER_FLAGS,
+                f"--user-data-dir={profile_dir}",
+                "--remote-debugging-pipe",
+                "about:blank",
+            ],
+            pass_fds=(to_browser_r, from_browser_w),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         os.close(to_browser_r)
         os.close(from_browser_w)
         self._next_id = 0
@@ -76,8 +98,11 @@ class DevTools:
         self.session = self.call("Target.attachToTarget", {"targetId": page["targetId"], "flatten": True})["sessionId"]
         for method in ("Page.enable", "Runtime.enable", "Log.enable"):
             self.call(method, session=True)
-        self.call("Emulation.setDeviceMetricsOverride", {"width": 1200, "height": 900, "deviceScaleFactor": 1,
-                                                         "mobile": False}, session=True)
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1200, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+            session=True,
+        )
 
     def _read(self) -> None:
         buffer = b""
@@ -112,8 +137,9 @@ class DevTools:
         return reply["result"]
 
     def js(self, expression: str):
-        result = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True,
-                                                "awaitPromise": True}, session=True)
+        result = self.call(
+            "Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True}, session=True
+        )
         assert "exceptionDetails" not in result, result["exceptionDetails"]
         return result["result"].get("value")
 
@@ -132,16 +158,29 @@ class DevTools:
 
     def press_enter(self) -> None:
         for kind in ("keyDown", "keyUp"):
-            self.call("Input.dispatchKeyEvent", {"type": kind, "key": "Enter", "code": "Enter",
-                                                 "windowsVirtualKeyCode": 13, **({"text": "\r"} if kind == "keyDown"
-                                                                                else {})}, session=True)
+            self.call(
+                "Input.dispatchKeyEvent",
+                {
+                    "type": kind,
+                    "key": "Enter",
+                    "code": "Enter",
+                    "windowsVirtualKeyCode": 13,
+                    **({"text": "\r"} if kind == "keyDown" else {}),
+                },
+                session=True,
+            )
 
     def click(self, element_id: str) -> None:
-        x, y = self.js(f"(() => {{ const r = document.getElementById({element_id!r}).getBoundingClientRect(); "
-                       "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        x, y = self.js(
+            f"(() => {{ const r = document.getElementById({element_id!r}).getBoundingClientRect(); "
+            "return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
         for kind in ("mousePressed", "mouseReleased"):
-            self.call("Input.dispatchMouseEvent", {"type": kind, "x": x, "y": y, "button": "left", "clickCount": 1},
-                      session=True)
+            self.call(
+                "Input.dispatchMouseEvent",
+                {"type": kind, "x": x, "y": y, "button": "left", "clickCount": 1},
+                session=True,
+            )
 
     def screenshot(self) -> bytes:
         return base64.b64decode(self.call("Page.captureScreenshot", {"format": "png"}, session=True)["data"])
@@ -166,10 +205,27 @@ def gateway(smollm2_path):
     """A one-server swarm (its prefix cache on, as by default) and `petals-chain api` over it; yields the
     gateway's root URL."""
     with LocalSwarm(MODEL, [(0, 30)], server_args=["--num-threads", "1"]) as swarm:
-        proc = subprocess.Popen([sys.executable, "-m", "petals_chain.cli", "api", "--initial-peers",
-                                 *swarm.initial_peers, "--port", "0", "--api-key", KEY, "--max-concurrent", "2"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=swarm.env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "petals_chain.cli",
+                "api",
+                "--initial-peers",
+                *swarm.initial_peers,
+                "--port",
+                "0",
+                "--api-key",
+                KEY,
+                "--max-concurrent",
+                "2",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=swarm.env,
+            start_new_session=True,
+        )
         lines: list[str] = []
         ready = threading.Event()
 
@@ -200,8 +256,10 @@ def gateway(smollm2_path):
 def page(gateway, tmp_path):
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
-        pytest.skip("chromium is not installed (make browser, or apt-get install -y chromium); the chat page test "
-                    "drives it headless")
+        pytest.skip(
+            "chromium is not installed (make browser, or apt-get install -y chromium); the chat page test "
+            "drives it headless"
+        )
     tools = DevTools(browser, str(tmp_path / "profile"))
     try:
         tools.call("Page.navigate", {"url": gateway}, session=True)
@@ -220,9 +278,11 @@ def _turn(page, text: str, index: int) -> dict:
     page.press_enter()
     answer = f"document.querySelectorAll('.msg.assistant')[{index}]"
     page.wait_js(f"({answer} || {{dataset: {{}}}}).dataset.state === 'done'", 240, f"answer {index + 1}")
-    return page.js(f"(() => {{ const m = document.querySelectorAll('.msg.assistant')[{index}]; const meta = "
-                   "m.querySelector('.meta'); return {text: m.querySelector('.text').textContent, "
-                   "meta: meta.textContent, ...meta.dataset}; })()")
+    return page.js(
+        f"(() => {{ const m = document.querySelectorAll('.msg.assistant')[{index}]; const meta = "
+        "m.querySelector('.meta'); return {text: m.querySelector('.text').textContent, "
+        "meta: meta.textContent, ...meta.dataset}; })()"
+    )
 
 
 @pytest.mark.integration
@@ -240,8 +300,11 @@ def test_two_turns_in_headless_chromium_equal_the_apis_greedy_answers(gateway, p
     for question, shown in zip(questions, (first, second)):
         if question != questions[0]:
             messages += [{"role": "assistant", "content": expected[-1]}, {"role": "user", "content": question}]
-        expected.append(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
-                                                       temperature=0).choices[0].message.content)
+        expected.append(
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+            .choices[0]
+            .message.content
+        )
     assert [first["text"], second["text"]] == expected
     for shown in (first, second):
         assert shown["chain"].endswith("[0:30)") and int(shown["tokens"]) >= 1 and "tokens/s" in shown["meta"]
@@ -251,8 +314,12 @@ def test_two_turns_in_headless_chromium_equal_the_apis_greedy_answers(gateway, p
     shot = tmp_path / "chat_page.png"
     shot.write_bytes(page.screenshot())
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
-    problems = [e for e in page.events if e.get("method") in ("Runtime.exceptionThrown", "Log.entryAdded")
-                and (e["method"] == "Runtime.exceptionThrown" or e["params"]["entry"]["level"] == "error")]
+    problems = [
+        e
+        for e in page.events
+        if e.get("method") in ("Runtime.exceptionThrown", "Log.entryAdded")
+        and (e["method"] == "Runtime.exceptionThrown" or e["params"]["entry"]["level"] == "error")
+    ]
     assert not problems, problems  # no script error, nothing blocked by the page's Content-Security-Policy
 
 

@@ -1,4 +1,5 @@
 """Chunked prefill through the real scheduler thread and real blocks equals HF token for token."""
+
 from __future__ import annotations
 
 import threading
@@ -41,8 +42,10 @@ def _generate(sched, head, rng, name, ids, steps, out):
 
 def _run_concurrently(sched, head, rng, prompts, steps):
     out: dict = {}
-    threads = [threading.Thread(target=_generate, args=(sched, head, rng, name, ids, steps, out))
-               for name, ids in prompts.items()]
+    threads = [
+        threading.Thread(target=_generate, args=(sched, head, rng, name, ids, steps, out))
+        for name, ids in prompts.items()
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -80,8 +83,10 @@ def test_chunked_prefill_matches_hf_smollm2(smollm2_path, smollm2_hf, smollm2_to
     rng = BlockRange(smollm2_path, 0, 30, model_path=smollm2_path, config=head.config)
     sched = StepScheduler(rng, make_policy("vtc"), max_batch_tokens=16)
     text = "Write a short story about a lighthouse keeper who finds a message in a bottle on the shore."
-    prompts = {"long": smollm2_tokenizer(text, return_tensors="pt").input_ids[0],
-               "short": smollm2_tokenizer("Hello!", return_tensors="pt").input_ids[0]}
+    prompts = {
+        "long": smollm2_tokenizer(text, return_tensors="pt").input_ids[0],
+        "short": smollm2_tokenizer("Hello!", return_tensors="pt").input_ids[0],
+    }
     try:
         out = _run_concurrently(sched, head, rng, prompts, steps=8)
     finally:

@@ -4,6 +4,7 @@ Each case runs the real entry point as a user would (a subprocess: what reaches 
 what is checked, hivemind's and torch's own output included). Most cases are refused while the
 arguments are parsed, before torch or hivemind load; the few that need the model's config say so.
 """
+
 from __future__ import annotations
 
 import os
@@ -103,8 +104,9 @@ def assert_one_line(proc: subprocess.CompletedProcess, phrase: str) -> None:
     assert phrase in lines[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("argv, phrase", CASES, ids=[" ".join(a[3 if a[:3] == PC else 2:]) or "launch-server"
-                                                     for a, _ in CASES])
+@pytest.mark.parametrize(
+    "argv, phrase", CASES, ids=[" ".join(a[3 if a[:3] == PC else 2 :]) or "launch-server" for a, _ in CASES]
+)
 def test_bad_input_is_one_line_and_exit_2(argv, phrase):
     proc = run_cli(argv)
     assert_one_line(proc, phrase)
@@ -120,8 +122,15 @@ def test_umbrella_lists_the_cli_cases():
 def test_plan_into_a_closed_pipe_is_quiet():
     """`petals-chain plan ... | head -1`: the reader leaves early; no BrokenPipeError traceback."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(f"{sys.executable} -m petals_chain.cli plan --cluster examples/cluster.json --table | head -1",
-                          shell=True, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    proc = subprocess.run(
+        f"{sys.executable} -m petals_chain.cli plan --cluster examples/cluster.json --table | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
     assert proc.stdout.strip() == "{" and proc.stderr == "", proc.stderr
 
 
@@ -130,7 +139,9 @@ def test_model_dependent_refusals_are_one_line():
     """Checks that need the model (torch, its config): a model that is not there, ranges past its
     last block, budgets that cannot hold it."""
     assert_one_line(run_cli(PC + ["convert", "--model", "/nonexistent"]), "neither an embedded model")
-    assert_one_line(run_cli(PC + ["generate", "--local-ranges", "0:10,10:40"]), "do not tile the model's blocks [0, 30)")
+    assert_one_line(
+        run_cli(PC + ["generate", "--local-ranges", "0:10,10:40"]), "do not tile the model's blocks [0, 30)"
+    )
     proc = run_cli(PC + ["demo", "--budgets", "10MiB,10MiB"])
     assert_one_line(proc, "cannot hold one block")
     assert "starting a local swarm" not in proc.stdout
@@ -139,8 +150,15 @@ def test_model_dependent_refusals_are_one_line():
 
 # every parser a user reaches by `--help`: the umbrella's subcommands, their own subcommands, launch-server
 HELP_PATHS = [[name] for name in SUBCOMMANDS if name != "experiment"] + [  # experiment: a list, no options
-    ["experiment", "table1"], ["netem", "up"], ["netem", "exec"], ["netem", "status"], ["netem", "down"],
-    ["identity", "new"], ["identity", "show"], ["launch-server"]]
+    ["experiment", "table1"],
+    ["netem", "up"],
+    ["netem", "exec"],
+    ["netem", "status"],
+    ["netem", "down"],
+    ["identity", "new"],
+    ["identity", "show"],
+    ["launch-server"],
+]
 
 
 def _parser(path: list[str], monkeypatch):
@@ -201,8 +219,11 @@ def test_readme_command_rows_list_exactly_the_options_of_help(monkeypatch):
     problems = []
     for path, cell in sorted(rows.items()):
         parser = _parser(list(path), monkeypatch)
-        actions = [a for a in parser._actions if any(o.startswith("--") for o in a.option_strings)
-                   and "--help" not in a.option_strings]
+        actions = [
+            a
+            for a in parser._actions
+            if any(o.startswith("--") for o in a.option_strings) and "--help" not in a.option_strings
+        ]
         named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", cell))
         known = {o for a in actions for o in a.option_strings}
         missing = [a.option_strings[-1] for a in actions if not named & set(a.option_strings)]

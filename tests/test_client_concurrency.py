@@ -2,6 +2,7 @@
 client's head (RowBatcher), LM head only where generation needs it, local errors never taken for
 a server failure. Exactness against transformers on in-process block ranges (the swarm version
 is in test_swarm.py)."""
+
 from __future__ import annotations
 
 import threading
@@ -110,8 +111,10 @@ def test_row_batcher_leader_waits_for_expected_callers_and_runs_them_in_one_batc
             second_may_call.wait(10)
         results[name] = batcher(torch.full((1, 2), value), expected=True)
 
-    threads = [threading.Thread(target=session, args=("a", 1.0, True)),
-               threading.Thread(target=session, args=("b", 2.0, False))]
+    threads = [
+        threading.Thread(target=session, args=("a", 1.0, True)),
+        threading.Thread(target=session, args=("b", 2.0, False)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -174,8 +177,9 @@ def local_model(smollm2_path):
 
 @pytest.mark.model
 def test_generate_runs_lm_head_on_last_prefill_position_only(local_model, smollm2_tokenizer):
-    ids = smollm2_tokenizer("A long prompt: " + "one two three four five six seven eight " * 4,
-                            return_tensors="pt").input_ids
+    ids = smollm2_tokenizer(
+        "A long prompt: " + "one two three four five six seven eight " * 4, return_tensors="pt"
+    ).input_ids
     assert ids.shape[1] > 30
     before = local_model.head.logits_batched.rows
     out = local_model.generate(ids, max_new_tokens=3, do_sample=False)

@@ -11,6 +11,7 @@ The sessions here are real `RemoteChainSession`s on a real `OrchestratorChainPro
 event loop; what is faked is the network's far side: the orchestrator's replies at the provider's
 RPC boundary (`_call`) and the servers at the `HopClient`'s (`open_async`, `step_async`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -98,8 +99,12 @@ def test_an_expired_ban_is_forgotten_after_a_while_so_the_list_stays_short():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["fail", "success", "wait"]), st.sampled_from("ABC"),
-                          st.floats(0.0, 100.0)), max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["fail", "success", "wait"]), st.sampled_from("ABC"), st.floats(0.0, 100.0)),
+        max_size=40,
+    )
+)
 def test_a_failed_server_is_banned_at_least_base_and_at_most_max_ban_s(ops):
     clock = Clock(0.0)
     health = PeerHealth(base_ban_s=10.0, max_ban_s=80.0, forget_after_s=50.0, clock=clock)
@@ -146,9 +151,15 @@ class FakeOrchestrator:
                 self.acquires[meta.session_id] += 1
                 self.excludes.append(frozenset(meta.exclude))
                 peer = next(p for p in self.peers if p not in meta.exclude)
-                grant = ChainGrant(meta.session_id, chain_id=self.peers.index(peer), plan_version=1,
-                                   hops=(Hop(peer, 0, NUM_BLOCKS),), service_time_s=1.0, lease_ttl_s=15.0,
-                                   wait_s=0.25)
+                grant = ChainGrant(
+                    meta.session_id,
+                    chain_id=self.peers.index(peer),
+                    plan_version=1,
+                    hops=(Hop(peer, 0, NUM_BLOCKS),),
+                    service_time_s=1.0,
+                    lease_ttl_s=15.0,
+                    wait_s=0.25,
+                )
                 self.leases[meta.session_id] = grant
                 return Granted(grant).to_wire()
             if method == "rpc_release":
@@ -221,9 +232,20 @@ def swarm(loop, monkeypatch):
     relays = RelayDialer(loop, None, lambda: [])
 
     def context(health: PeerHealth, max_failovers: int = 3) -> SessionContext:
-        return SessionContext(model="m", num_blocks=NUM_BLOCKS, dtype=torch.float32, step_timeout_s=5.0,
-                              max_failovers=max_failovers, server_relay=False, loop=loop, hops=servers,
-                              provider=provider, peer_health=health, relays=relays, busy_backoff_s=(0.0, 0.0))
+        return SessionContext(
+            model="m",
+            num_blocks=NUM_BLOCKS,
+            dtype=torch.float32,
+            step_timeout_s=5.0,
+            max_failovers=max_failovers,
+            server_relay=False,
+            loop=loop,
+            hops=servers,
+            provider=provider,
+            peer_health=health,
+            relays=relays,
+            busy_backoff_s=(0.0, 0.0),
+        )
 
     try:
         yield orchestrator, provider, servers, context

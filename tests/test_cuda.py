@@ -6,6 +6,7 @@ through real servers, with CUDA graphs replaying the decode steps); bfloat16 log
 tolerance; nf4 and int8 equal to transformers loaded with the same bitsandbytes config; multi-turn
 sessions and prefix-cache hits through a CUDA server.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,9 +27,18 @@ def make_gpu_llama(path, dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                         tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     LlamaForCausalLM(config).to(dtype).eval().save_pretrained(path)
     return path
 
@@ -79,8 +89,9 @@ def test_bfloat16_logits_within_tolerance(gpu_llama_path):
 
     ids = torch.tensor([PROMPT], device="cuda")
     hf = hf_model(gpu_llama_path, torch.bfloat16)
-    model = DistributedModelForCausalLM.from_local_ranges(gpu_llama_path, [(0, 3), (3, 6)], dtype="bfloat16",
-                                                          device="cuda")
+    model = DistributedModelForCausalLM.from_local_ranges(
+        gpu_llama_path, [(0, 3), (3, 6)], dtype="bfloat16", device="cuda"
+    )
     ref = hf(ids).logits.float()
     ours = model(ids).logits.float()
     scale = ref.abs().max()
@@ -94,8 +105,9 @@ def test_long_bfloat16_prompt_finite_and_close_to_hf(gpu_llama_path):
 
     ids = torch.randint(2, 512, (1, 1000), generator=torch.Generator().manual_seed(1)).to("cuda")
     hf = hf_model(gpu_llama_path, torch.bfloat16)
-    model = DistributedModelForCausalLM.from_local_ranges(gpu_llama_path, [(0, 3), (3, 6)], dtype="bfloat16",
-                                                          device="cuda")
+    model = DistributedModelForCausalLM.from_local_ranges(
+        gpu_llama_path, [(0, 3), (3, 6)], dtype="bfloat16", device="cuda"
+    )
     ref, ours = hf(ids).logits.float(), model(ids).logits.float()
     assert torch.isfinite(ours).all()
     assert (ours - ref).abs().max() <= 0.02 * ref.abs().max()
@@ -110,13 +122,19 @@ def test_quantized_equals_hf_same_bitsandbytes_config(gpu_llama_bf16_path, quant
     from petals_chain.runtime.quantization import module_bytes
 
     if quant == "nf4":
-        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
-                                    bnb_4bit_use_double_quant=True, llm_int8_skip_modules=["lm_head"])
+        config = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=True,
+            llm_int8_skip_modules=["lm_head"],
+        )
     else:
         config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0, llm_int8_skip_modules=["lm_head"])
     hf = hf_model(gpu_llama_bf16_path, torch.bfloat16, config)
-    model = DistributedModelForCausalLM.from_local_ranges(gpu_llama_bf16_path, [(0, 6)], dtype="bfloat16",
-                                                          quant=quant, device="cuda")
+    model = DistributedModelForCausalLM.from_local_ranges(
+        gpu_llama_bf16_path, [(0, 6)], dtype="bfloat16", quant=quant, device="cuda"
+    )
     ids = torch.tensor([PROMPT], device="cuda")
     ref, ours = hf(ids).logits.float(), model(ids).logits.float()
     assert (ours - ref).abs().max() <= 0.02 * ref.abs().max(), ((ours - ref).abs().max(), ref.abs().max())
@@ -135,15 +153,17 @@ def test_swarm_on_cuda_equals_hf_with_multi_turn_and_prefix_hits(gpu_llama_path)
     hf = hf_model(gpu_llama_path)
     args = ["--device", "cuda", "--memory-budget", "2GiB", "--max-length", "512"]
     with LocalSwarm(str(gpu_llama_path), [(0, 3), (3, 6)], server_args=args) as swarm:
-        client = DistributedModelForCausalLM.from_pretrained(gpu_llama_path, initial_peers=swarm.initial_peers,
-                                                             device="cuda")
+        client = DistributedModelForCausalLM.from_pretrained(
+            gpu_llama_path, initial_peers=swarm.initial_peers, device="cuda"
+        )
         try:
             long_prompt = PROMPT * 4  # 48 tokens: three 16-token chunks for the prefix cache
             for _ in range(2):  # the second run hits the first one's prefix on both hops
                 assert greedy(client, 16, long_prompt) == greedy(hf, 16, long_prompt)
             with client.inference_session(max_length=128):
-                first = client.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=5, do_sample=False,
-                                        pad_token_id=0)
+                first = client.generate(
+                    torch.tensor([PROMPT], device="cuda"), max_new_tokens=5, do_sample=False, pad_token_id=0
+                )
                 follow = torch.tensor([[21, 22, 23]], device="cuda")
                 second = client.generate(follow, max_new_tokens=7, do_sample=False, pad_token_id=0)
             assert second[0].tolist() == greedy(hf, 7, first[0].tolist() + follow[0].tolist())
@@ -168,8 +188,9 @@ def test_mps_daemon_serves_the_processes_given_its_environment():
     if binary is None:
         pytest.skip("nvidia-cuda-mps-control is not installed on this GPU host")
     with mps_daemon(50) as env:
-        done = subprocess.run([sys.executable, "-c", MPS_CLIENT], env={**os.environ, **env},
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", MPS_CLIENT], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         assert server_list(env), "no MPS server: the client did not connect through the daemon"
         pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
@@ -188,8 +209,21 @@ def test_exactness_tests_pass_under_mps():
     if find_control() is None:
         pytest.skip("nvidia-cuda-mps-control is not installed on this GPU host")
     with mps_daemon(100 / 3) as env:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                               "local_ranges or bfloat16 or swarm_on_cuda"],
-                              env={**os.environ, **env, "PETALS_CHAIN_UNDER_MPS": "1"},
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                __file__,
+                "-k",
+                "local_ranges or bfloat16 or swarm_on_cuda",
+            ],
+            env={**os.environ, **env, "PETALS_CHAIN_UNDER_MPS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert done.returncode == 0, done.stdout[-4000:]

@@ -1,6 +1,7 @@
 """Decode steps first under the batch token budget: the scheduler's limit on prompt rows while sessions
 decode (`prefill_tokens_while_decoding`), the policies' decode-first order within a client, and the
 gathering that waits for a client the policy serves first. Fake block range, injected clock."""
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,9 @@ from tests.test_scheduler import FakeClock, FakeKV, FakeRange, Results, run_all,
 def make(policy, budget=128, cap=None):
     clock = FakeClock()
     rng = FakeRange(clock)
-    sched = StepScheduler(rng, policy, max_batch_tokens=budget, clock=clock, start_thread=False,
-                          prefill_tokens_while_decoding=cap)
+    sched = StepScheduler(
+        rng, policy, max_batch_tokens=budget, clock=clock, start_thread=False, prefill_tokens_while_decoding=cap
+    )
     return sched, rng, clock
 
 
@@ -58,8 +60,12 @@ def test_without_the_limit_batches_take_the_whole_budget():
     assert sum(n for _, n in rng.batches[1]) == 128
     with pytest.raises(ValueError):
         StepScheduler(FakeRange(), VTCPolicy(), max_batch_tokens=8, start_thread=False, prefill_tokens_while_decoding=0)
-    assert StepScheduler(FakeRange(), VTCPolicy(), max_batch_tokens=8, start_thread=False,
-                         prefill_tokens_while_decoding=8).prefill_tokens_while_decoding is None  # >= budget: off
+    assert (
+        StepScheduler(
+            FakeRange(), VTCPolicy(), max_batch_tokens=8, start_thread=False, prefill_tokens_while_decoding=8
+        ).prefill_tokens_while_decoding
+        is None
+    )  # >= budget: off
 
 
 def test_vtc_takes_a_clients_decode_steps_before_its_own_prompt_chunks():
@@ -120,10 +126,17 @@ def test_gathering_waits_for_a_client_served_first_even_when_the_batch_is_full(p
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.one_of(st.just(1), st.integers(2, 300)),
-                              st.booleans()), min_size=1, max_size=60),
-       budget=st.integers(8, 256), cap_fraction=st.floats(0.01, 1.0),
-       w_in=st.sampled_from([1.0, 0.5]), w_out=st.sampled_from([2.0, 1.0, 4.0]))
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.one_of(st.just(1), st.integers(2, 300)), st.booleans()),
+        min_size=1,
+        max_size=60,
+    ),
+    budget=st.integers(8, 256),
+    cap_fraction=st.floats(0.01, 1.0),
+    w_in=st.sampled_from([1.0, 0.5]),
+    w_out=st.sampled_from([2.0, 1.0, 4.0]),
+)
 def test_vtc_counter_spread_stays_within_one_charge_with_the_prompt_limit(ops, budget, cap_fraction, w_in, w_out):
     """Lemma 4.3 (eq. 2), so Theorem 4.4's 2U, with decode steps first and prompt rows limited while
     sessions decode: the counters of the clients with waiting work differ by at most
@@ -147,11 +160,18 @@ def test_vtc_counter_spread_stays_within_one_charge_with_the_prompt_limit(ops, b
 
 
 @settings(max_examples=40, deadline=None)
-@given(decoders=st.integers(1, 3), sessions=st.integers(1, 12), prompt=st.integers(2, 400),
-       budget=st.integers(4, 64), cap_fraction=st.floats(0.01, 1.0), policy_name=st.sampled_from(["fcfs", "vtc"]),
-       w_out=st.sampled_from([1.0, 2.0, 4.0]))
-def test_a_prompt_is_not_starved_by_sessions_that_keep_decoding(decoders, sessions, prompt, budget, cap_fraction,
-                                                                 policy_name, w_out):
+@given(
+    decoders=st.integers(1, 3),
+    sessions=st.integers(1, 12),
+    prompt=st.integers(2, 400),
+    budget=st.integers(4, 64),
+    cap_fraction=st.floats(0.01, 1.0),
+    policy_name=st.sampled_from(["fcfs", "vtc"]),
+    w_out=st.sampled_from([1.0, 2.0, 4.0]),
+)
+def test_a_prompt_is_not_starved_by_sessions_that_keep_decoding(
+    decoders, sessions, prompt, budget, cap_fraction, policy_name, w_out
+):
     """Clients whose sessions decode every batch (each step back at once) never hold a waiting prompt
     back for good: FCFS runs a chunk of at least one row, then (the remainder re-enters at the back) at most
     ceil(k * sessions / budget) batches of the decode steps that arrived before the cut; under VTC it finishes within

@@ -1,4 +1,5 @@
 """`petals-chain demo` (the README's main command) end to end, small: plan, chains, chat, sessions."""
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,24 @@ pytestmark = [pytest.mark.integration, pytest.mark.model]
 
 
 def test_demo_runs_the_orchestrated_swarm_and_stops_cleanly(smollm2_path):
-    out = subprocess.run([sys.executable, "-m", "petals_chain.cli", "demo", "--sessions", "8", "--session-tokens", "6",
-                          "--max-new-tokens", "8"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=400)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "petals_chain.cli",
+            "demo",
+            "--sessions",
+            "8",
+            "--session-tokens",
+            "6",
+            "--max-new-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=400,
+    )
     text = out.stdout
     assert out.returncode == 0, text[-3000:] + out.stderr[-3000:]
     assert "plan v1, policy proposed, c = 3" in text
@@ -35,5 +52,6 @@ def test_demo_runs_the_orchestrated_swarm_and_stops_cleanly(smollm2_path):
     assert len(explained) == 6, explained
     shown = re.search(r"<!-- readme-output: demo -->\n```\n(.*?)\n```", (REPO_ROOT / "README.md").read_text(), re.S)
     assert shown is not None, "README.md: the demo's output block (marked readme-output: demo) is missing"
-    assert [line for line in explained if line not in shown.group(1).splitlines()] == [], \
+    assert [line for line in explained if line not in shown.group(1).splitlines()] == [], (
         "the README's demo output is not what the demo prints now: paste a real run"
+    )

@@ -1,5 +1,6 @@
 """`petals-chain demo`'s start-up progress (cli/demo.py:StartupProgress) on scripted process output:
 what it prints for each phase, and the line that names who is still busy when nothing happens."""
+
 from __future__ import annotations
 
 import socket
@@ -44,8 +45,10 @@ def test_each_phase_is_reported_once_as_it_happens():
     swarm.servers[1].lines.append("start-up profile from the cache /c/throughput.json (measured at an earlier ...")
     clock.now_s += 2
     progress.poll()
-    assert printed == ["  [   12 s] orchestrator: server0 registered: budget 300 MiB, rtt 1.00 ms",
-                       "  [   12 s] server1: start-up profile read from the cache (measured at an earlier start)"]
+    assert printed == [
+        "  [   12 s] orchestrator: server0 registered: budget 300 MiB, rtt 1.00 ms",
+        "  [   12 s] server1: start-up profile read from the cache (measured at an earlier start)",
+    ]
     assert progress.phase == {"server0": "registered, waiting for the plan", "server1": STARTING}
     swarm.orchestrator_lines.append("plan v1 (proposed, c=3): server0=[0,21), server1=unused")
     progress.poll()
@@ -54,8 +57,10 @@ def test_each_phase_is_reported_once_as_it_happens():
     swarm.servers[1].lines.append("standing by: smollm2-135m as QmDEF: plan v1 leaves this server without blocks; ...")
     assert not progress.servers_ready()
     progress.poll()
-    assert printed[-2:] == ["  [   12 s] server0: serving smollm2-135m blocks [0, 21)",
-                            "  [   12 s] server1: standing by (the plan gives it no blocks)"]
+    assert printed[-2:] == [
+        "  [   12 s] server0: serving smollm2-135m blocks [0, 21)",
+        "  [   12 s] server1: standing by (the plan gives it no blocks)",
+    ]
     assert progress.servers_ready()
     progress.poll()
     assert len(printed) == 5  # no line is reported twice
@@ -70,12 +75,14 @@ def test_a_quiet_spell_names_who_is_still_busy_with_what():
     assert len(printed) == 1
     clock.now_s += 0.1
     progress.poll()
-    assert printed[-1] == (f"  [   25 s] still server0, server1, server3: {STARTING}; "
-                           "server2: registered, waiting for the plan")
+    assert printed[-1] == (
+        f"  [   25 s] still server0, server1, server3: {STARTING}; server2: registered, waiting for the plan"
+    )
     progress.poll()
     assert len(printed) == 2  # the next such line only after another quiet spell
-    swarm.orchestrator_lines.append("plan v1 (proposed, c=3): server0=[11,30), server1=[0,21), server2=[0,24), "
-                                    "server3=unused")
+    swarm.orchestrator_lines.append(
+        "plan v1 (proposed, c=3): server0=[11,30), server1=[0,21), server2=[0,24), server3=unused"
+    )
     swarm.servers[0].lines.append("serving smollm2-135m blocks [11, 30) as QmABC (plan v1)")
     progress.poll()
     clock.now_s += 15

@@ -7,6 +7,7 @@ petals_chain's own code without an explicit device, through every path of a step
 a multi-token step after a prefix (the attention mask), sessions entering mid-range (row
 selection), the CUDA-graph decode body, and the client head.
 """
+
 from __future__ import annotations
 
 import sys
@@ -19,8 +20,20 @@ from torch.overrides import TorchFunctionMode
 from petals_chain.runtime.block_range import BlockRange, StepInput
 from petals_chain.runtime.client_head import ClientHead
 
-FACTORIES = {torch.ones, torch.zeros, torch.empty, torch.full, torch.arange, torch.tensor, torch.rand,
-             torch.randn, torch.randint, torch.linspace, torch.eye, torch.as_tensor}
+FACTORIES = {
+    torch.ones,
+    torch.zeros,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.tensor,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.linspace,
+    torch.eye,
+    torch.as_tensor,
+}
 OURS = str(Path(__file__).resolve().parents[1] / "petals_chain")
 TORCH = str(Path(torch.__file__).parent)
 
@@ -49,8 +62,12 @@ def run_every_step_kind(block_range: BlockRange) -> None:
     a = block_range.allocate_kv(32)
     b = block_range.allocate_kv(32, first_block=block_range.start + 1)
     block_range.forward([StepInput(a, torch.randn(5, h, generator=g))])  # prefill
-    block_range.forward([StepInput(a, torch.randn(3, h, generator=g)),  # multi-token step after a prefix
-                         StepInput(b, torch.randn(4, h, generator=g))])  # entering mid-range
+    block_range.forward(
+        [
+            StepInput(a, torch.randn(3, h, generator=g)),  # multi-token step after a prefix
+            StepInput(b, torch.randn(4, h, generator=g)),
+        ]
+    )  # entering mid-range
     block_range.forward([StepInput(a, torch.randn(1, h, generator=g)), StepInput(b, torch.randn(1, h, generator=g))])
     positions = torch.tensor([a.past_tokens, b.past_tokens], device=block_range.device)
     block_range._graph_body(torch.randn(2, h, generator=g), positions, [a, b])
@@ -94,7 +111,7 @@ def assert_graph_decode_equals_eager(br: BlockRange, decode_steps: int) -> None:
         br.forward([StepInput(kv, p) for kv, p in zip(kvs, prompts)])
     for _ in range(decode_steps):
         x = torch.randn(2, br.hidden_size, generator=g)
-        eager = torch.cat(br.forward([StepInput(kv, x[i:i + 1]) for i, kv in enumerate(kvs_eager)]))
+        eager = torch.cat(br.forward([StepInput(kv, x[i : i + 1]) for i, kv in enumerate(kvs_eager)]))
         positions = torch.tensor([kv.past_tokens for kv in kvs_graph])
         graph = br._graph_body(x, positions, kvs_graph)
         for kv in kvs_graph:
@@ -130,9 +147,14 @@ def test_decode_graphs_serve_changing_batches_from_one_capture(tiny_llama_path):
     from petals_chain.runtime.decode_graphs import DecodeGraphs, call_capture
 
     graphed = BlockRange(tiny_llama_path, 0, 6, model_path=tiny_llama_path)
-    graphed.graphs = DecodeGraphs(graphed._graph_body, hidden_size=graphed.hidden_size, dtype=graphed.dtype,
-                                  device=graphed.device, version=graphed._encode_positions_version,
-                                  capture=call_capture)
+    graphed.graphs = DecodeGraphs(
+        graphed._graph_body,
+        hidden_size=graphed.hidden_size,
+        dtype=graphed.dtype,
+        device=graphed.device,
+        version=graphed._encode_positions_version,
+        capture=call_capture,
+    )
     eager = BlockRange(tiny_llama_path, 0, 6, model_path=tiny_llama_path)
     g = torch.Generator().manual_seed(3)
     firsts = [0, 0, 3]
@@ -144,13 +166,15 @@ def test_decode_graphs_serve_changing_batches_from_one_capture(tiny_llama_path):
     schedule = [[0, 1, 2], [0, 1, 2], [0, 1, 2], [0], [1, 2], [2, 0], [1], [0, 1, 2], [2], [0, 1]]
     for batch in schedule:
         x = torch.randn(len(batch), graphed.hidden_size, generator=g)
-        out_g = graphed.forward([StepInput(kvs["g"][i], x[j:j + 1]) for j, i in enumerate(batch)])
-        out_e = eager.forward([StepInput(kvs["e"][i], x[j:j + 1]) for j, i in enumerate(batch)])
+        out_g = graphed.forward([StepInput(kvs["g"][i], x[j : j + 1]) for j, i in enumerate(batch)])
+        out_e = eager.forward([StepInput(kvs["e"][i], x[j : j + 1]) for j, i in enumerate(batch)])
         for a, b in zip(out_g, out_e):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for kg, ke in zip(kvs["g"], kvs["e"]):
         assert kg.past_tokens == ke.past_tokens
-        torch.testing.assert_close(kg.keys[:, :, :kg.past_tokens], ke.keys[:, :, :ke.past_tokens], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            kg.keys[:, :, : kg.past_tokens], ke.keys[:, :, : ke.past_tokens], rtol=1e-5, atol=1e-5
+        )
     graphs = graphed.graphs
     assert graphs.captures == 1  # one capture served every batch after the second sighting of the set
     assert graphs.replays == len(schedule) - 1 and graphs.padded_rows > 0

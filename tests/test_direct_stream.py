@@ -3,6 +3,7 @@ issued to; anything else (no ticket, a wrong one, garbage, an oversized or missi
 stream) is refused with a typed error or closed, and the listener goes on serving; the dialer falls back
 to p2p and keeps doing so for a while. Over a real swarm: exact tokens with both relays over direct
 streams, pushes between servers go direct, and a SIGKILLed hop fails over with identical output."""
+
 from __future__ import annotations
 
 import asyncio
@@ -178,7 +179,7 @@ def test_bad_hellos_are_refused_and_the_listener_keeps_serving(case, monkeypatch
             ticket = listener.offer(PEER).ticket
             data = {
                 "garbage": b"\x00\x01\x02" * 40,
-                "oversized": P2P.MESSAGE_MARKER + (10 ** 9).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER),
+                "oversized": P2P.MESSAGE_MARKER + (10**9).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER),
                 "not_a_hello": frame(wire.request({"type": "step", "session_id": "x"})),
                 "unknown_stream": frame(wire.request(DirectHello(ticket, "rpc_other"))),
                 "bad_field": frame(wire.request({"type": "direct_hello", "ticket": 5, "stream": STREAM})),
@@ -204,6 +205,7 @@ def test_any_bytes_before_the_hello_leave_the_listener_serving(data, framed):
     """Random bytes (raw, or as a framed message) are refused or closed; a good caller is served after."""
     direct_stream.HELLO_TIMEOUT_S, saved = 0.3, direct_stream.HELLO_TIMEOUT_S
     try:
+
         async def main():
             listener = await started_listener()
             try:
@@ -231,10 +233,11 @@ def test_offers_before_start_and_offered_hosts():
     assert listener.offer(PEER) == DirectOffer()  # not listening yet: no offer
     with pytest.raises(ValueError):
         DirectListener(FakeP2P(), [])
-    assert offered_hosts([], ["/ip4/0.0.0.0/tcp/0"], ["/ip4/127.0.0.1/tcp/1", "/ip4/10.0.0.5/tcp/1"]) == \
-        ("0.0.0.0", ["10.0.0.5", "127.0.0.1"])
-    assert offered_hosts(["/ip4/203.0.113.7/tcp/31337"], ["/ip4/0.0.0.0/tcp/31337"], []) == \
-        ("0.0.0.0", ["203.0.113.7"])
+    assert offered_hosts([], ["/ip4/0.0.0.0/tcp/0"], ["/ip4/127.0.0.1/tcp/1", "/ip4/10.0.0.5/tcp/1"]) == (
+        "0.0.0.0",
+        ["10.0.0.5", "127.0.0.1"],
+    )
+    assert offered_hosts(["/ip4/203.0.113.7/tcp/31337"], ["/ip4/0.0.0.0/tcp/31337"], []) == ("0.0.0.0", ["203.0.113.7"])
     assert offered_hosts([], ["/ip4/127.0.0.1/tcp/0"], []) == ("127.0.0.1", ["127.0.0.1"])
     assert offered_hosts([], ["/ip6/::/tcp/0"], []) == ("0.0.0.0", ["127.0.0.1"])
 
@@ -261,8 +264,9 @@ def hf(tiny_llama_path):
 def _model(tiny_llama_path, swarm, relay, direct=True):
     from petals_chain.client.model import DistributedModelForCausalLM
 
-    return DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
-                                                       step_timeout_s=60.0, relay=relay, direct_streams=direct)
+    return DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama_path), initial_peers=swarm.initial_peers, step_timeout_s=60.0, relay=relay, direct_streams=direct
+    )
 
 
 def _direct_view(model, peer_id) -> dict:
@@ -278,7 +282,7 @@ def test_exact_tokens_over_direct_streams_with_either_relay(swarm, hf, tiny_llam
         ref = hf.generate(ids, max_new_tokens=10, do_sample=False)
         # the first session opens its streams over p2p while the offers are asked for; so do the servers'
         # first pushes to their next hops
-        assert model.generate(ids, max_new_tokens=3, do_sample=False).tolist() == ref[:, :ids.shape[1] + 3].tolist()
+        assert model.generate(ids, max_new_tokens=3, do_sample=False).tolist() == ref[:, : ids.shape[1] + 3].tolist()
         dialer = model.backend.hops.dialer
         first_p2p = dialer.p2p_opened
         model.backend.loop.run(dialer.asked(), timeout_s=10)
@@ -369,8 +373,9 @@ def test_a_server_answers_raw_steps_in_raw_frames_and_refuses_bad_ones_typed(swa
         backend = model.backend
         if direct:  # the first stream to each server goes over p2p while its offer is asked
             backend.loop.run(backend.hops.dialer.asked(), timeout_s=10)
-        hop = backend.provider.find_chain(0, backend.num_blocks, exclude=frozenset(), max_length=16,
-                                          session_id="raw-test", adapter=None)[0]
+        hop = backend.provider.find_chain(
+            0, backend.num_blocks, exclude=frozenset(), max_length=16, session_id="raw-test", adapter=None
+        )[0]
         x = torch.randn(3, 64)
 
         async def one_step(raw: bool, garbage_first: bool = False):
@@ -383,8 +388,9 @@ def test_a_server_answers_raw_steps_in_raw_frames_and_refuses_bad_ones_typed(swa
                     await stream.channel.send(RawFrame(b"\x01\x02"))  # too short for any message
                     errors.append(wire.unpack((await anext(stream.channel)).metadata))
                 step = Step(session_id, 1).to_wire()
-                await stream.channel.send(wire_parts.encode_raw(step, x) if raw else
-                                          wire_parts.to_messages(step, (x,))[0])
+                await stream.channel.send(
+                    wire_parts.encode_raw(step, x) if raw else wire_parts.to_messages(step, (x,))[0]
+                )
                 return await anext(stream.channel), errors
             finally:
                 stream.channel.end()

@@ -1,4 +1,5 @@
 """DLPM (deficit counters, quantum Q, prefix locality) with a fake block range and an injected clock."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,10 +13,15 @@ from tests.test_scheduler import FakeKV, Results, make, run_all, submit
 
 
 @settings(max_examples=40, deadline=None)
-@given(sizes=st.lists(st.tuples(st.sampled_from(["f", "g", "h"]), st.sampled_from([1, 1, 1, 2, 7, 40, 300])),
-                      min_size=3, max_size=60),
-       budget=st.integers(4, 64), q=st.sampled_from([1.0, 16.0, 100.0, 1000.0]),
-       w_in=st.sampled_from([1.0, 0.5]), w_out=st.sampled_from([2.0, 1.0]))
+@given(
+    sizes=st.lists(
+        st.tuples(st.sampled_from(["f", "g", "h"]), st.sampled_from([1, 1, 1, 2, 7, 40, 300])), min_size=3, max_size=60
+    ),
+    budget=st.integers(4, 64),
+    q=st.sampled_from([1.0, 16.0, 100.0, 1000.0]),
+    w_in=st.sampled_from([1.0, 0.5]),
+    w_out=st.sampled_from([2.0, 1.0]),
+)
 def test_dlpm_service_gap_of_backlogged_clients_within_2_u_plus_q(sizes, budget, q, w_in, w_out):
     """Theorem 4.1: two continuously backlogged clients' service over any interval differs by at
     most 2(U + Q); and q_i stays in (-U, Q] (eq. 1-2 of Theorem A.1). Every client keeps more
@@ -48,8 +54,13 @@ def test_dlpm_service_gap_of_backlogged_clients_within_2_u_plus_q(sizes, budget,
             submit(sched, res, name, kv, n, client=c)
     bound = dlpm.bound(budget)
     assert bound == 2 * (u + q)
-    worst = max(abs((b[f] - a[f]) - (b[g] - a[g]))
-                for i, a in enumerate(snapshots) for b in snapshots[i + 1:] for f in clients for g in clients)
+    worst = max(
+        abs((b[f] - a[f]) - (b[g] - a[g]))
+        for i, a in enumerate(snapshots)
+        for b in snapshots[i + 1 :]
+        for f in clients
+        for g in clients
+    )
     assert worst <= bound + 1e-9, f"gap {worst} over 2(U+Q) = {bound}"
     assert clock() > 0  # the injected clock moved with the fake compute, nothing else did
     dlpm.drain()
@@ -88,9 +99,11 @@ def test_dlpm_deficit_rotates_clients_by_quantum():
 def test_dlpm_admits_credit_first_then_longest_prefix_then_arrival():
     dlpm = DLPMPolicy(q=10.0)
     dlpm.deficit.update({"rich": 5.0, "rich2": 5.0, "broke": -3.0})
-    reqs = [AdmissionRequest(0, "s0", "broke", 10, 0.0, prefix_match_tokens=512),
-            AdmissionRequest(1, "s1", "rich", 10, 0.0, prefix_match_tokens=0),
-            AdmissionRequest(2, "s2", "rich2", 10, 0.0, prefix_match_tokens=64)]
+    reqs = [
+        AdmissionRequest(0, "s0", "broke", 10, 0.0, prefix_match_tokens=512),
+        AdmissionRequest(1, "s1", "rich", 10, 0.0, prefix_match_tokens=0),
+        AdmissionRequest(2, "s2", "rich2", 10, 0.0, prefix_match_tokens=64),
+    ]
     for r in reqs:
         dlpm.on_admission_wait(r)
     assert dlpm.admit(reqs).session_id == "s2"
@@ -136,4 +149,5 @@ def _step(kv, n, key, client_id, prefix_tokens=0):
     import torch
 
     from server.step_request import StepRequest
+
     return StepRequest(kv, torch.zeros(n, 2), key=key, client_id=client_id, prefix_tokens=prefix_tokens)

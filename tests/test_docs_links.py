@@ -1,6 +1,7 @@
 """Every relative link of the README and of docs/ resolves: the file exists, and a `#anchor` names a
 heading of that file as GitHub renders it (the README's guide links into docs/reference.md,
 docs/benchmarks.md and docs/results.md by section, and those pages link back)."""
+
 from __future__ import annotations
 
 import re
@@ -45,8 +46,10 @@ def links(page: Path) -> list[str]:
 
 def test_the_slug_follows_github():
     assert github_slug("The orchestrator's status API") == "the-orchestrators-status-api"
-    assert github_slug("OpenAI-compatible API gateway: `petals-chain api`") == \
-        "openai-compatible-api-gateway-petals-chain-api"
+    assert (
+        github_slug("OpenAI-compatible API gateway: `petals-chain api`")
+        == "openai-compatible-api-gateway-petals-chain-api"
+    )
     heading = "No server lost to a missed DHT read (2026-11-24, late night): proposed / PETALS policy = 0.51"
     slug = "no-server-lost-to-a-missed-dht-read-2026-11-24-late-night-proposed--petals-policy--051"
     assert github_slug(heading) == slug

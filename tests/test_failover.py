@@ -1,4 +1,5 @@
 """Kill a server mid-session (SIGKILL): the client replaces it, replays, and the text is identical."""
+
 from __future__ import annotations
 
 import signal

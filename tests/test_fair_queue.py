@@ -1,4 +1,5 @@
 """The orchestrator's central queue with `--queue fair`: VTC counters over granted sessions (pure)."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,8 +45,18 @@ def test_flooder_cannot_starve_a_light_client(queue):
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["acquire", "release"]), st.sampled_from(["x", "y", "z"]),
-                              st.integers(1, 500), st.integers(1, 64)), min_size=1, max_size=80))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["acquire", "release"]),
+            st.sampled_from(["x", "y", "z"]),
+            st.integers(1, 500),
+            st.integers(1, 64),
+        ),
+        min_size=1,
+        max_size=80,
+    )
+)
 def test_fair_queue_keeps_jffc_invariants_and_serves_least_served_client(ops):
     assume(any(op == "release" for op, *_ in ops))
     ds = Sessions(lease_ttl_s=1e9, queue="fair")
@@ -101,7 +112,8 @@ def test_fair_with_one_client_is_fifo_jffc(ops):
 def test_orchestrator_cli_queue_flag():
     from orchestrator.service.cli import build_parser
 
-    peer = "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"  # a well-formed address (the parser checks it)
+    # a well-formed address (the parser checks it)
+    peer = "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"
     assert build_parser().parse_args(["--initial-peers", peer]).queue == "fifo"  # the paper's JFFC by default
     assert build_parser().parse_args(["--initial-peers", peer, "--queue", "fair"]).queue == "fair"
     with pytest.raises(SystemExit):

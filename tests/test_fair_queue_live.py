@@ -1,5 +1,6 @@
 """`petals-chain orchestrator --queue fair` on a live swarm: a freed chain slot goes to a light
 client's session, not to the flooding client's sessions that queued before it."""
+
 from __future__ import annotations
 
 import threading
@@ -16,11 +17,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.model]
 
 def test_fair_central_queue_serves_light_client_before_queued_flooder(smollm2_path):
     args = ["--expected-servers", "1", "--lease-ttl", "10", "--queue", "fair"]
-    with LocalSwarm("smollm2-135m", [None], server_args=["--num-threads", "1", "--max-length", "512",
-                                                         "--memory-budget", "560MiB"],
-                    orchestrator_args=args) as swarm:
-        status = wait_for(lambda: (s := get_json(swarm.orchestrator_url + "status"))["plan_installed"] and s, 90,
-                          "the plan to be online")
+    with LocalSwarm(
+        "smollm2-135m",
+        [None],
+        server_args=["--num-threads", "1", "--max-length", "512", "--memory-budget", "560MiB"],
+        orchestrator_args=args,
+    ) as swarm:
+        status = wait_for(
+            lambda: (s := get_json(swarm.orchestrator_url + "status"))["plan_installed"] and s,
+            90,
+            "the plan to be online",
+        )
         assert status["queue_order"] == "fair"
         capacity = sum(c["capacity"] for c in status["chains"] if c["dispatchable"])
         assert 1 <= capacity <= 8
@@ -39,12 +46,18 @@ def test_fair_central_queue_serves_light_client_before_queued_flooder(smollm2_pa
                 t = threading.Thread(target=open_in_thread, args=(flooder, f"flood{i}"), daemon=True)
                 t.start()
                 queued.append(t)
-                wait_for(lambda: get_json(swarm.orchestrator_url + "status")["queue_length"] == i + 1, 30,
-                         f"flooder session {i} to queue")
+                wait_for(
+                    lambda: get_json(swarm.orchestrator_url + "status")["queue_length"] == i + 1,
+                    30,
+                    f"flooder session {i} to queue",
+                )
             t_light = threading.Thread(target=open_in_thread, args=(light, "light"), daemon=True)
             t_light.start()
-            wait_for(lambda: get_json(swarm.orchestrator_url + "status")["queue_length"] == 4, 30,
-                     "the light session to queue")
+            wait_for(
+                lambda: get_json(swarm.orchestrator_url + "status")["queue_length"] == 4,
+                30,
+                "the light session to queue",
+            )
             held.pop(0).close()  # one slot frees
             wait_for(lambda: "light" in opened, 60, "the light client's session to be granted")
             assert not any(k.startswith("flood") for k in opened)  # FIFO would have granted flood0 first

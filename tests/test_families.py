@@ -2,6 +2,7 @@
 ranges, chunked prefill, mid-range entry, sessions batched together (prefills and decodes in one
 call); and its KV bytes per token come from its config. Multi-turn sessions, concurrency and
 prefix reuse through real servers: tests/test_families_live.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,15 @@ from tests.test_device_placement import (
 
 LOGIT_TOLERANCE = 1e-5  # float32
 # (KV heads, head dim) each variant's cache must have: Falcon's caches hold the real KV heads only
-KV_LAYOUT = {"qwen2": (2, 16), "mistral": (2, 16), "mixtral": (2, 16), "bloom": (4, 16), "falcon-new": (2, 16),
-             "falcon-mq": (1, 16), "falcon-seq": (4, 16)}
+KV_LAYOUT = {
+    "qwen2": (2, 16),
+    "mistral": (2, 16),
+    "mixtral": (2, 16),
+    "bloom": (4, 16),
+    "falcon-new": (2, 16),
+    "falcon-mq": (1, 16),
+    "falcon-seq": (4, 16),
+}
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -99,7 +107,7 @@ def test_batched_sessions_match_hf(tiny_family_path, variant):
         elif step > 1:
             got[3].append(int(head.logits(outs[3])[-1].argmax()))
     assert got[:3] == refs[:3]
-    assert got[3] == refs[3][:len(got[3])]
+    assert got[3] == refs[3][: len(got[3])]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

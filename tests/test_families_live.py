@@ -1,6 +1,7 @@
 """Each new family served by 2 real servers (one swarm holds them all, started once): logits within
 1e-5 of HF's, greedy multi-turn text identical to HF's, concurrent sessions, and prefix reuse
 from the servers' prefix caches."""
+
 from __future__ import annotations
 
 import threading
@@ -23,8 +24,12 @@ def family_swarm(tiny_family_path):
     """Servers [0, 2) and [2, 4) of every family in FAMILIES, all in one DHT."""
     paths = {f: tiny_family_path(f) for f in FAMILIES}
     per_server = [["--model", str(paths[f])] for f in FAMILIES for _ in range(2)]
-    with LocalSwarm(str(paths[FAMILIES[0]]), [(0, 2), (2, 4)] * len(FAMILIES), per_server_args=per_server,
-                    server_args=["--num-threads", "1", "--memory-budget", "64MiB", "--max-length", "128"]) as swarm:
+    with LocalSwarm(
+        str(paths[FAMILIES[0]]),
+        [(0, 2), (2, 4)] * len(FAMILIES),
+        per_server_args=per_server,
+        server_args=["--num-threads", "1", "--memory-budget", "64MiB", "--max-length", "128"],
+    ) as swarm:
         yield swarm, paths
 
 
@@ -36,11 +41,15 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 def test_family_through_two_servers_matches_hf(family_swarm, family, tmp_path):
     swarm, paths = family_swarm
     i = FAMILIES.index(family)
-    servers = swarm.servers[2 * i: 2 * i + 2]
+    servers = swarm.servers[2 * i : 2 * i + 2]
     hf = load_hf(paths[family])
     model = DistributedModelForCausalLM.from_pretrained(
-        str(paths[family]), initial_peers=swarm.initial_peers, use_orchestrator=False,
-        identity_path=str(tmp_path / "client.key"), allowed_servers=[sp.peer_id for sp in servers])
+        str(paths[family]),
+        initial_peers=swarm.initial_peers,
+        use_orchestrator=False,
+        identity_path=str(tmp_path / "client.key"),
+        allowed_servers=[sp.peer_id for sp in servers],
+    )
     try:
         prompt, follow_up = _ids(20, seed=i), _ids(5, seed=100 + i)
         with torch.inference_mode():
@@ -63,7 +72,10 @@ def test_family_through_two_servers_matches_hf(family_swarm, family, tmp_path):
                 reused[name] = session.chain.prefix_tokens
                 got[name] = model.generate(ids, **GREEDY)
 
-        threads = [threading.Thread(target=run, args=("other", other)), threading.Thread(target=run, args=("again", prompt))]
+        threads = [
+            threading.Thread(target=run, args=("other", other)),
+            threading.Thread(target=run, args=("again", prompt)),
+        ]
         for t in threads:
             t.start()
         for t in threads:

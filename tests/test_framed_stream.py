@@ -1,6 +1,7 @@
 """petals_chain/transport/framed_stream.py: the per-step streams speak hivemind's stream bytes with one write
 per message, so they interoperate with hivemind's own stubs and handlers both ways (two real p2p
 daemons on 127.0.0.1), end cleanly, and carry a handler's failure as hivemind does."""
+
 from __future__ import annotations
 
 import asyncio
@@ -48,8 +49,9 @@ def run_with_two_peers(body):
 def test_framed_streams_interoperate_with_hivemind_both_ways_and_end_cleanly():
     async def body(server: P2P, client: P2P):
         await add_framed_handler(server, "framed", echo)
-        await server.add_protobuf_handler("hivemind", echo, runtime_pb2.ExpertRequest, stream_input=True,
-                                          stream_output=True)
+        await server.add_protobuf_handler(
+            "hivemind", echo, runtime_pb2.ExpertRequest, stream_input=True, stream_output=True
+        )
         # hivemind's stub -> a framed handler
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -57,8 +59,9 @@ def test_framed_streams_interoperate_with_hivemind_both_ways_and_end_cleanly():
             while (item := await queue.get()) is not None:
                 yield item
 
-        replies = await client.iterate_protobuf_handler(server.peer_id, "framed", until_none(),
-                                                        runtime_pb2.ExpertResponse)
+        replies = await client.iterate_protobuf_handler(
+            server.peer_id, "framed", until_none(), runtime_pb2.ExpertResponse
+        )
         for i in range(3):
             await queue.put(request(i))
             reply = await anext(replies)

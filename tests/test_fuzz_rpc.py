@@ -1,5 +1,6 @@
 """Fuzzing a live server and orchestrator: every broken message gets a typed error, nothing dies,
 and a well-behaved client's greedy output stays identical to HF (scripts/fuzz_rpc.py: the long run)."""
+
 from __future__ import annotations
 
 import random
@@ -19,8 +20,10 @@ from tests.swarm_helpers import get_json, wait_for
 PROMPT = torch.tensor([[5, 9, 17, 33]])
 
 
-@given(seed=st.integers(0, 2**32 - 1), rpc=st.sampled_from(["open", "step", "close", "forward", "acquire",
-                                                             "release", "heartbeat", "assignment"]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rpc=st.sampled_from(["open", "step", "close", "forward", "acquire", "release", "heartbeat", "assignment"]),
+)
 @settings(max_examples=200, deadline=None)
 def test_generator_always_yields_sendable_messages(seed, rpc):
     fuzzed = fuzz(rpc, random.Random(seed), hidden=64, session_id="s")
@@ -30,9 +33,12 @@ def test_generator_always_yields_sendable_messages(seed, rpc):
 @pytest.fixture(scope="module")
 def live(tiny_llama_path):
     config = load_config(tiny_llama_path)
-    with LocalSwarm(str(tiny_llama_path), [None], server_args=["--num-threads", "1", "--memory-budget", "100MiB",
-                                                                 "--max-length", "64"],
-                    orchestrator_args=["--expected-servers", "1", "--lease-ttl", "5"]) as swarm:
+    with LocalSwarm(
+        str(tiny_llama_path),
+        [None],
+        server_args=["--num-threads", "1", "--memory-budget", "100MiB", "--max-length", "64"],
+        orchestrator_args=["--expected-servers", "1", "--lease-ttl", "5"],
+    ) as swarm:
         wait_for(lambda: get_json(swarm.orchestrator_url + "status")["plan_installed"], 90, "the plan")
         from transformers import AutoModelForCausalLM
 
@@ -40,8 +46,14 @@ def live(tiny_llama_path):
         reference = hf.generate(PROMPT, max_new_tokens=5, do_sample=False).tolist()
         raw = RemoteChain(str(tiny_llama_path), config, swarm.initial_peers, use_orchestrator=False)
         client = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers)
-        fuzzer = RpcFuzzer(raw, swarm.servers[0].peer_id, swarm.orchestrator_peer_id, config.hidden_size,
-                           random.Random(0), reply_timeout_s=8.0)
+        fuzzer = RpcFuzzer(
+            raw,
+            swarm.servers[0].peer_id,
+            swarm.orchestrator_peer_id,
+            config.hidden_size,
+            random.Random(0),
+            reply_timeout_s=8.0,
+        )
         try:
             yield swarm, fuzzer, client, reference
         finally:
@@ -52,8 +64,7 @@ def live(tiny_llama_path):
 
 @pytest.mark.integration
 @given(seed=st.integers(0, 2**32 - 1), rpc=st.sampled_from(SERVER_RPCS + ORCHESTRATOR_RPCS))
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True)
 def test_fuzzed_messages_get_typed_errors(live, seed, rpc):
     swarm, fuzzer, _, _ = live
     fuzzer.rng.seed(seed)

@@ -1,5 +1,6 @@
 """`generate` sizes its session the way transformers sizes the generation (README's client snippet
 calls it without `max_new_tokens`): exact tokens vs HF, tiny random Llama, in-process ranges."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,12 +19,15 @@ def models(tiny_llama_path):
     return hf, ours
 
 
-@pytest.mark.parametrize("kwargs", [
-    {},                                  # transformers' default: 20 new tokens
-    {"max_length": 12},                  # an explicit max_length means prompt + new tokens, as in HF
-    {"max_new_tokens": 4},
-    {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1},  # the README's call
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},  # transformers' default: 20 new tokens
+        {"max_length": 12},  # an explicit max_length means prompt + new tokens, as in HF
+        {"max_new_tokens": 4},
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1},  # the README's call
+    ],
+)
 def test_generate_without_max_new_tokens_follows_transformers(models, kwargs):
     hf, ours = models
     ids = torch.tensor([[5, 17, 42, 9, 3]])

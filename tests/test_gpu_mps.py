@@ -1,5 +1,6 @@
 """The GPU variant's MPS isolation (experiments/gpu_mps.py): the daemon's life around a run, with a stand-in
 control program where NVIDIA's is absent (tests/test_cuda.py runs the real one on a GPU host)."""
+
 from __future__ import annotations
 
 import os
@@ -91,14 +92,22 @@ def test_sm_percent_out_of_range_is_refused(fake_control, pct):
             pass
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--gpu-isolation", "mps"], "needs --device cuda"),
-    (["--gpu-isolation", "mps", "--device", "cuda", "--gpu-sm-percent", "150"], "at most 100"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpu-isolation", "mps"], "needs --device cuda"),
+        (["--gpu-isolation", "mps", "--device", "cuda", "--gpu-sm-percent", "150"], "at most 100"),
+    ],
+)
 def test_cli_refuses_mps_where_it_cannot_apply(args, message):
-    done = subprocess.run([sys.executable, "-m", "petals_chain.cli", "experiment", "table1", "--quick", *args],
-                          capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-m", "petals_chain.cli", "experiment", "table1", "--quick", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
 

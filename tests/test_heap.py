@@ -1,5 +1,6 @@
 """freeze_startup_heap: the collector stops walking the start-up heap, and a replaced heap's cycles
 are still collected at the next freeze (a server's stack after a move)."""
+
 from __future__ import annotations
 
 import gc

@@ -2,6 +2,7 @@
 driven without a network: a stream that stays silent while the server's liveness probes are
 refused fails as the server's `ServerUnavailableError` ("went silent"), not at the open timeout; a
 slow server that answers its probes keeps the request until its reply comes."""
+
 from __future__ import annotations
 
 import asyncio

@@ -4,6 +4,7 @@ SmolLM2 at 2,048 tokens in float32 is a 4.5 MiB hidden state; a 7B model's 4,096
 bfloat16 is 32 MiB, covered by a one-block test model of hidden size 4,096 whose block is the
 identity (its output projections are zero), so the reply must equal the request bit for bit.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,9 @@ def smol_client(smollm2_path):
 
 
 def _long_prompt(tokenizer) -> torch.Tensor:
-    text = " ".join(f"Paragraph {i}: the lighthouse keeper counted {i * 7} ships passing in the fog."
-                    for i in range(400))
+    text = " ".join(
+        f"Paragraph {i}: the lighthouse keeper counted {i * 7} ships passing in the fog." for i in range(400)
+    )
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :PROMPT_TOKENS]
     assert ids.shape[1] == PROMPT_TOKENS
     return ids
@@ -84,9 +86,19 @@ def wide_identity_path(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=16, hidden_size=4096, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=8, max_position_embeddings=8192,
-                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=4096,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.model.layers[0].self_attn.o_proj.weight.zero_()
@@ -97,11 +109,27 @@ def wide_identity_path(tmp_path_factory):
 
 
 def test_32_mib_bfloat16_hidden_state_roundtrips_bit_exactly(wide_identity_path):
-    args = ["--num-threads", "1", "--max-length", "8192", "--max-step-tokens", "4096", "--dtype", "bfloat16",
-            "--memory-budget", "512MiB"]
+    args = [
+        "--num-threads",
+        "1",
+        "--max-length",
+        "8192",
+        "--max-step-tokens",
+        "4096",
+        "--dtype",
+        "bfloat16",
+        "--memory-budget",
+        "512MiB",
+    ]
     with LocalSwarm(str(wide_identity_path), [(0, 1)], server_args=args) as swarm:
-        chain = RemoteChain(str(wide_identity_path), load_config(wide_identity_path), swarm.initial_peers,
-                            dtype=torch.bfloat16, use_orchestrator=False, step_timeout_s=120.0)
+        chain = RemoteChain(
+            str(wide_identity_path),
+            load_config(wide_identity_path),
+            swarm.initial_peers,
+            dtype=torch.bfloat16,
+            use_orchestrator=False,
+            step_timeout_s=120.0,
+        )
         try:
             hidden = torch.randn(1, 4096, 4096, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
             assert hidden.numel() * 2 == 32 * 2**20 == 16 * MAX_PART_BYTES

@@ -1,4 +1,5 @@
 """DESIGN.md's map of who may import whom, checked on the source (ast, no import runs)."""
+
 from __future__ import annotations
 
 import ast
@@ -30,8 +31,14 @@ def imports(path: Path, full: bool = False) -> list[tuple[str, int, bool]]:
     return out
 
 
-def violations(package: str, allowed: set[str], *, skip=lambda p: False,
-               lazy_ok=lambda p: False, allowed_modules: frozenset[str] = frozenset()) -> list[str]:
+def violations(
+    package: str,
+    allowed: set[str],
+    *,
+    skip=lambda p: False,
+    lazy_ok=lambda p: False,
+    allowed_modules: frozenset[str] = frozenset(),
+) -> list[str]:
     bad = []
     for path in sorted((REPO / package).rglob("*.py")):
         rel = path.relative_to(REPO)
@@ -39,8 +46,7 @@ def violations(package: str, allowed: set[str], *, skip=lambda p: False,
             continue
         for module, line, module_level in imports(path, full=True):
             pkg = module.split(".")[0]
-            if (pkg == package or pkg in allowed or module in allowed_modules
-                    or (not module_level and lazy_ok(rel))):
+            if pkg == package or pkg in allowed or module in allowed_modules or (not module_level and lazy_ok(rel)):
                 continue
             bad.append(f"{rel}:{line} imports {pkg}")
     return bad
@@ -66,8 +72,15 @@ def test_the_orchestrators_algorithms_import_no_server_and_only_the_cli_helpers_
     # algorithms and sim/: numpy, scipy, networkx, netem; its CLI modules share petals_chain/cli/args.py
     # as every CLI does; service/ (the online orchestrator) may use petals_chain's wire and loop helpers
     # and the prefix keys both sides share (pure: the chunk size and a chain's usable prefix)
-    assert violations("orchestrator", {"netem"}, skip=lambda p: "service" in p.parts or p.name.endswith("cli_args.py")
-                      or p.name.endswith("_cli.py"), allowed_modules=frozenset({"petals_chain.wire.prefix_keys"})) == []
+    assert (
+        violations(
+            "orchestrator",
+            {"netem"},
+            skip=lambda p: "service" in p.parts or p.name.endswith("cli_args.py") or p.name.endswith("_cli.py"),
+            allowed_modules=frozenset({"petals_chain.wire.prefix_keys"}),
+        )
+        == []
+    )
     assert violations("orchestrator", {"netem", "petals_chain"}) == []
 
 

@@ -1,4 +1,5 @@
 """The client's lease heartbeat tells a released lease (a race, not a loss) from a lost one."""
+
 from __future__ import annotations
 
 import logging

@@ -1,5 +1,6 @@
 """Leftover-server placement (orchestrator/placement_leftover.py): never lowers the rate GBP-CR +
 GCA achieve, nor raises the Theorem 3.7 lower bound; uses idle servers when they help."""
+
 from __future__ import annotations
 
 import math
@@ -30,12 +31,23 @@ from tests.orchestrator_strategies import clusters, make_cluster
 def test_two_small_idle_servers_form_a_third_chain():
     # Like the live case (400/400/200/200 MiB, c=4): two servers hold the whole model, two hold
     # half each; GBP-CR's 2 chains of the big ones meet the target and the small ones stay idle.
-    cl = make_cluster([4.4, 4.4, 2.4, 2.4], [0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.1], num_blocks=4,
-                      block_size=1.0, cache_size=0.1, arrival_rate=2.0, rho_bar=0.7)
+    cl = make_cluster(
+        [4.4, 4.4, 2.4, 2.4],
+        [0.1, 0.1, 0.1, 0.1],
+        [0.1, 0.1, 0.1, 0.1],
+        num_blocks=4,
+        block_size=1.0,
+        cache_size=0.1,
+        arrival_rate=2.0,
+        rho_bar=0.7,
+    )
     g = gbp_cr(cl, 1)
     assert g.placement.unused_servers() == [2, 3] and g.num_chains == 2
     res = place_leftover(cl, g.placement, 1)
-    assert res.placed == (2, 3) and {(r.start, r.end) for r in (res.placement.ranges[2], res.placement.ranges[3])} == {(0, 2), (2, 4)}
+    assert res.placed == (2, 3) and {(r.start, r.end) for r in (res.placement.ranges[2], res.placement.ranges[3])} == {
+        (0, 2),
+        (2, 4),
+    }
     before = total_service_rate_per_s(gca(cl, g.placement).chains)
     assert total_service_rate_per_s(res.gca.chains) > before
     p = plan(cl, "proposed", c=1, leftover=True)
@@ -77,8 +89,16 @@ def test_the_live_table1_cluster_gets_the_tied_c_with_more_slots():
     # tune_c takes c = 1 (30 slots after the leftover step), the tie rule c = 5 (48).
     fast, slow = (503.3, 0.603, 0.155), (251.7, 0.70, 0.334)
     servers = [fast] * 3 + [slow] * 6
-    cl = make_cluster([m for m, _, _ in servers], [t for _, t, _ in servers], [p for _, _, p in servers],
-                      num_blocks=30, block_size=14.16, cache_size=0.321, arrival_rate=1.042, rho_bar=0.7)
+    cl = make_cluster(
+        [m for m, _, _ in servers],
+        [t for _, t, _ in servers],
+        [p for _, _, p in servers],
+        num_blocks=30,
+        block_size=14.16,
+        cache_size=0.321,
+        arrival_rate=1.042,
+        rho_bar=0.7,
+    )
     old = plan(cl, "proposed", c=tune_c(cl, "lower")[0].row.c, leftover=True)
     new = plan(cl, "proposed", leftover=True)
     assert old.c == 1 and sorted(ch.capacity for ch in old.chains) == [2, 2, 2, 8, 8, 8]
@@ -89,11 +109,17 @@ def test_the_live_table1_cluster_gets_the_tied_c_with_more_slots():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(clusters(max_servers=6, max_blocks=5), st.sampled_from(["lower", "upper", "surrogate"]),
-       st.sampled_from([0.0, TIE_REL, 0.1]))
+@given(
+    clusters(max_servers=6, max_blocks=5),
+    st.sampled_from(["lower", "upper", "surrogate"]),
+    st.sampled_from([0.0, TIE_REL, 0.1]),
+)
 def test_leftover_tuning_keeps_the_objective_within_the_tie_and_takes_the_widest_installed_plan(cluster, tuning, tie):
-    rows = {c: cand.row.objective(tuning) for c in range(1, max_capacity(cluster) + 1)
-            if (cand := evaluate_c(cluster, c)) is not None}
+    rows = {
+        c: cand.row.objective(tuning)
+        for c in range(1, max_capacity(cluster) + 1)
+        if (cand := evaluate_c(cluster, c)) is not None
+    }
     assume(rows)
     choice, table = tune_c_with_leftover(cluster, tuning, tie)
     assert [r.c for r in table] == sorted(rows)

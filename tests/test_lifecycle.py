@@ -5,6 +5,7 @@ takes its DHT child, p2pd and torch_shm_manager with it, while its client notice
 A tiny random Llama with SmolLM2's tokenizer (a chat template, so `generate` and the demo run as
 users run them) keeps the servers cheap.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,14 +38,21 @@ class Command:
     def __init__(self, argv: list[str]):
         # PYTHONFAULTHANDLER: a command that outlives its Ctrl-C deadline is sent SIGABRT, and the
         # fault handler prints every thread's stack, so a failure says where it hung
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT,
-                                     start_new_session=True)
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        }
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT, start_new_session=True
+        )
         self.out, self.err = bytearray(), bytearray()
         self._changed = threading.Condition()
-        self._readers = [threading.Thread(target=self._read, args=(stream, sink), daemon=True)
-                         for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, sink), daemon=True)
+            for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for t in self._readers:
             t.start()
 
@@ -95,15 +103,49 @@ PC = [sys.executable, "-m", "petals_chain.cli"]
 def _commands(model: str, peers: list[str]) -> dict[str, tuple[list[str], str]]:
     """name -> (argv, what it prints once it is doing its job)."""
     return {
-        "launch-server": ([sys.executable, "-m", "server.cli", "--model", model, "--no-orchestrator", "--blocks", "0:4",
-                           "--num-threads", "1", "--initial-peers", *peers, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-                          "serving "),
-        "orchestrator": (PC + ["orchestrator", "--model", model, "--initial-peers", *peers,
-                               "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "orchestrator ready"),
-        "api": (PC + ["api", "--model", model, "--initial-peers", *peers, "--port", "0", "--no-orchestrator"],
-                "api ready"),
-        "generate": (PC + ["generate", "--model", model, "--initial-peers", *peers, "--no-chat", "--prompt", "hi",
-                           "--max-new-tokens", "1500"], " "),  # tokens are streaming
+        "launch-server": (
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "--model",
+                model,
+                "--no-orchestrator",
+                "--blocks",
+                "0:4",
+                "--num-threads",
+                "1",
+                "--initial-peers",
+                *peers,
+                "--host-maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+            ],
+            "serving ",
+        ),
+        "orchestrator": (
+            PC + ["orchestrator", "--model", model, "--initial-peers", *peers, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+            "orchestrator ready",
+        ),
+        "api": (
+            PC + ["api", "--model", model, "--initial-peers", *peers, "--port", "0", "--no-orchestrator"],
+            "api ready",
+        ),
+        "generate": (
+            PC
+            + [
+                "generate",
+                "--model",
+                model,
+                "--initial-peers",
+                *peers,
+                "--no-chat",
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "1500",
+            ],
+            " ",
+        ),  # tokens are streaming
         "dht": (PC + ["dht"], "/p2p/"),
     }
 
@@ -126,8 +168,10 @@ def test_ctrl_c_ends_the_command_quickly_and_quietly(swarm, tiny_chat_path, name
                 pass
             for t in cmd._readers:  # the dump is taken once the streams reach their end
                 t.join(timeout=10)
-            pytest.fail(f"{name} did not end within {CTRL_C_DEADLINE_S} s of Ctrl-C; its stderr and threads then:\n"
-                        + cmd.err[-8000:].decode(errors="replace"))
+            pytest.fail(
+                f"{name} did not end within {CTRL_C_DEADLINE_S} s of Ctrl-C; its stderr and threads then:\n"
+                + cmd.err[-8000:].decode(errors="replace")
+            )
         assert cmd.proc.returncode in (0, 130), (cmd.proc.returncode, cmd.err[-2000:])
         assert b"Traceback" not in cmd.err and b"Error" not in cmd.err, cmd.err[-3000:].decode()
         assert not gone(children, ORPHAN_DEADLINE_S)
@@ -136,8 +180,24 @@ def test_ctrl_c_ends_the_command_quickly_and_quietly(swarm, tiny_chat_path, name
 
 
 def test_ctrl_c_during_the_demos_concurrent_sessions(tiny_chat_path):
-    cmd = Command(PC + ["demo", "--model", str(tiny_chat_path), "--budgets", "100MiB", "--servers", "2",
-                        "--sessions", "6", "--session-tokens", "400", "--max-new-tokens", "4"])
+    cmd = Command(
+        PC
+        + [
+            "demo",
+            "--model",
+            str(tiny_chat_path),
+            "--budgets",
+            "100MiB",
+            "--servers",
+            "2",
+            "--sessions",
+            "6",
+            "--session-tokens",
+            "400",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
     try:
         cmd.wait_for("concurrent sessions")
         time.sleep(1.0)  # into the sessions (no assert on time: just let them start)
@@ -168,8 +228,9 @@ def test_kill_9_of_a_serving_launch_server_pid(swarm, tiny_chat_path):
         names = {p.name() for p in cmd.descendants()}
         assert {"p2pd", "torch_shm_manager"} <= names, names
         # a client that may use only this server, mid-session on it
-        model = DistributedModelForCausalLM.from_pretrained(str(tiny_chat_path), initial_peers=swarm.initial_peers,
-                                                            allowed_servers=frozenset({peer_id}))
+        model = DistributedModelForCausalLM.from_pretrained(
+            str(tiny_chat_path), initial_peers=swarm.initial_peers, allowed_servers=frozenset({peer_id})
+        )
         ids = torch.tensor([[1, 2, 3]])
         with model.inference_session(max_length=64) as session:
             model.generate(ids, max_new_tokens=2)

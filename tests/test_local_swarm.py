@@ -1,4 +1,5 @@
 """LocalSwarm's start-up: the DHT peer's address is a multiaddr line, not any line naming "/p2p/"."""
+
 from __future__ import annotations
 
 import sys
@@ -9,9 +10,11 @@ from petals_chain.swarm.local import LocalSwarm, SwarmStartError, _is_peer_maddr
 
 # What a DHT peer that failed in hivemind printed on a GPU host (missing multiaddr dependencies): the
 # traceback's path holds "/p2p/", and was once passed to the servers as the swarm's address.
-TRACEBACK = ['Traceback (most recent call last):',
-             '  File "/tmp/site/hivemind/p2p/p2p_daemon.py", line 349, in get_visible_maddrs',
-             "ModuleNotFoundError: No module named 'morphys'"]
+TRACEBACK = [
+    "Traceback (most recent call last):",
+    '  File "/tmp/site/hivemind/p2p/p2p_daemon.py", line 349, in get_visible_maddrs',
+    "ModuleNotFoundError: No module named 'morphys'",
+]
 
 
 def test_only_a_multiaddr_line_is_the_peer_address():

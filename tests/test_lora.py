@@ -1,6 +1,7 @@
 """LoRA adapters (PEFT format) chosen per session: exact against HF + peft, sessions with different
 adapters (and none) in one batch, a typed error naming the served adapters for an unknown one.
 Through real servers: tests/test_lora_live.py."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,10 @@ from tests.exactness_helpers import hf_logits_per_step
 from tests.family_checkpoints import VOCAB, load_hf, load_hf_with_lora, save_random_lora
 
 # per family: two adapters on different layers (one with rsLoRA scaling)
-TARGETS = {"llama": (["q_proj", "v_proj", "gate_proj"], ["o_proj", "down_proj", "k_proj"]),
-           "bloom": (["query_key_value", "dense_h_to_4h"], ["dense", "dense_4h_to_h"])}
+TARGETS = {
+    "llama": (["q_proj", "v_proj", "gate_proj"], ["o_proj", "down_proj", "k_proj"]),
+    "bloom": (["query_key_value", "dense_h_to_4h"], ["dense", "dense_4h_to_h"]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +30,13 @@ def lora_models(tiny_llama_path, tiny_family_path, tmp_path_factory):
     for family, base in (("llama", tiny_llama_path), ("bloom", tiny_family_path("bloom"))):
         root = tmp_path_factory.mktemp(f"lora-{family}")
         first, second = TARGETS[family]
-        out[family] = (base, [save_random_lora(base, root / "alpha", first, seed=1),
-                              save_random_lora(base, root / "beta", second, r=2, alpha=4, use_rslora=True, seed=2)])
+        out[family] = (
+            base,
+            [
+                save_random_lora(base, root / "alpha", first, seed=1),
+                save_random_lora(base, root / "beta", second, r=2, alpha=4, use_rslora=True, seed=2),
+            ],
+        )
     return out
 
 
@@ -40,15 +48,21 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 @torch.inference_mode()
 def test_adapters_match_hf_peft_and_batch_with_each_other(lora_models, family):
     base, adapters = lora_models[family]
-    refs = {None: load_hf(base), "alpha": load_hf_with_lora(base, adapters[0]), "beta": load_hf_with_lora(base, adapters[1])}
+    refs = {
+        None: load_hf(base),
+        "alpha": load_hf_with_lora(base, adapters[0]),
+        "beta": load_hf_with_lora(base, adapters[1]),
+    }
     prompts = {None: _ids(7, 1), "alpha": _ids(9, 2), "beta": _ids(5, 3)}
     expected = {name: hf_logits_per_step(hf, prompts[name], steps=5) for name, hf in refs.items()}
     # the adapters change the model (else exactness would prove nothing)
     base_logits = hf_logits_per_step(refs[None], prompts["alpha"], steps=0)[0][0]
     assert float((expected["alpha"][0][0] - base_logits).abs().max()) > 1e-2
     head = ClientHead(base, model_path=base)
-    ranges = [BlockRange(base, s, e, model_path=base, config=head.config, adapters=adapters)
-              for s, e in ((0, 2), (2, head.family.num_blocks(head.config)))]
+    ranges = [
+        BlockRange(base, s, e, model_path=base, config=head.config, adapters=adapters)
+        for s, e in ((0, 2), (2, head.family.num_blocks(head.config)))
+    ]
     assert ranges[0].adapters == ["alpha", "beta"]
     kvs = {name: [r.allocate_kv(32, adapter=name) for r in ranges] for name in prompts}
     names = list(prompts)
@@ -69,8 +83,9 @@ def test_adapters_match_hf_peft_and_batch_with_each_other(lora_models, family):
 
 def test_generate_with_active_adapter_and_unknown_adapter(lora_models):
     base, adapters = lora_models["llama"]
-    model = DistributedModelForCausalLM.from_local_ranges(base, [(0, 3), (3, 6)], adapters=adapters,
-                                                          active_adapter="beta")
+    model = DistributedModelForCausalLM.from_local_ranges(
+        base, [(0, 3), (3, 6)], adapters=adapters, active_adapter="beta"
+    )
     ids = _ids(6, 4).unsqueeze(0)
     kw = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
     assert model.generate(ids, **kw).tolist() == load_hf_with_lora(base, adapters[1]).generate(ids, **kw).tolist()
@@ -126,8 +141,12 @@ def test_gateway_model_names_pick_the_adapter(lora_models):
         ids = _ids(6, 5)
         for name, hf in ((None, load_hf(base)), ("beta", load_hf_with_lora(base, adapters[1]))):
             ref = hf.generate(ids.unsqueeze(0), max_new_tokens=5, do_sample=False)[0, 6:]  # its eos: the config's
-            out = client.completions.create(model=MODEL + (f":{name}" if name else ""), max_tokens=5, temperature=0,
-                                            prompt=" ".join(str(i) for i in ids.tolist()))
+            out = client.completions.create(
+                model=MODEL + (f":{name}" if name else ""),
+                max_tokens=5,
+                temperature=0,
+                prompt=" ".join(str(i) for i in ids.tolist()),
+            )
             assert out.choices[0].text == "".join(f" {t}" for t in ref.tolist()), name
         with pytest.raises(openai.NotFoundError, match=f"{MODEL}:gamma.*'{MODEL}:alpha', '{MODEL}:beta'"):
             client.completions.create(model=f"{MODEL}:gamma", prompt="5 6", max_tokens=2)

@@ -2,6 +2,7 @@
 routing uses only servers serving the session's adapter, sessions with different adapters (and
 none) run at once on a shared server with text identical to HF + peft, and an unknown adapter gets
 a typed error naming the served ones (from the client's routing and from a server)."""
+
 from __future__ import annotations
 
 import threading
@@ -27,19 +28,31 @@ def test_adapters_route_batch_and_match_hf_peft(tiny_llama_path, tmp_path):
     beta = save_random_lora(tiny_llama_path, tmp_path / "beta", ["k_proj", "o_proj"], r=2, alpha=4, seed=2)
     # head [0, 3) serves both; the tail [3, 6) exists once per adapter, so each adapter has one chain
     per_server = [["--adapters", str(alpha), str(beta)], ["--adapters", str(beta)], ["--adapters", str(alpha)]]
-    with LocalSwarm(str(tiny_llama_path), [(0, 3), (3, 6), (3, 6)], per_server_args=per_server,
-                    server_args=["--num-threads", "1", "--memory-budget", "64MiB", "--max-length", "64"]) as swarm:
+    with LocalSwarm(
+        str(tiny_llama_path),
+        [(0, 3), (3, 6), (3, 6)],
+        per_server_args=per_server,
+        server_args=["--num-threads", "1", "--memory-budget", "64MiB", "--max-length", "64"],
+    ) as swarm:
         head, tail_beta, tail_alpha = swarm.servers
         model = DistributedModelForCausalLM.from_pretrained(
-            str(tiny_llama_path), initial_peers=swarm.initial_peers, use_orchestrator=False,
-            identity_path=str(tmp_path / "client.key"))
+            str(tiny_llama_path),
+            initial_peers=swarm.initial_peers,
+            use_orchestrator=False,
+            identity_path=str(tmp_path / "client.key"),
+        )
         try:
             assert model.backend.server_info(head.peer_id).adapters == ["alpha", "beta"]
             assert model.backend.server_info(tail_beta.peer_id).adapters == ["beta"]
-            prompts = {name: torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(i))
-                       for i, name in enumerate(("alpha", "beta", None))}
-            refs = {"alpha": load_hf_with_lora(tiny_llama_path, alpha), "beta": load_hf_with_lora(tiny_llama_path, beta),
-                    None: load_hf(tiny_llama_path)}
+            prompts = {
+                name: torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(i))
+                for i, name in enumerate(("alpha", "beta", None))
+            }
+            refs = {
+                "alpha": load_hf_with_lora(tiny_llama_path, alpha),
+                "beta": load_hf_with_lora(tiny_llama_path, beta),
+                None: load_hf(tiny_llama_path),
+            }
             expected = {name: refs[name].generate(ids, **GREEDY).tolist() for name, ids in prompts.items()}
             got, hops = {}, {}
 
@@ -78,8 +91,9 @@ def test_orchestrator_excludes_servers_without_the_adapter():
         info = ServerInfo(peer, "m", 0, 1, ServerState.ONLINE, 1, 1, 1, 8, 1, 0.1, 0.1, adapters=adapters)
         return SimpleNamespace(info=info)
 
-    orch = SimpleNamespace(records={"a": record("a", ["x", "y"]), "b": record("b", ["y"]), "c": record("c", [])},
-                           lock=threading.RLock())
+    orch = SimpleNamespace(
+        records={"a": record("a", ["x", "y"]), "b": record("b", ["y"]), "c": record("c", [])}, lock=threading.RLock()
+    )
     assert Orchestrator.peers_without_adapter(orch, "x") == {"b", "c"}
     assert Orchestrator.peers_without_adapter(orch, "y") == {"c"}
     with pytest.raises(UnknownAdapterError, match=r"'z'.*\['x', 'y'\]"):

@@ -1,5 +1,6 @@
 """The orchestrator drops a server only when its DHT record has been missing for the grace period, or
 at once when it announced offline (orchestrator.service.registry.lost_servers)."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,13 @@ def test_negative_grace_is_refused():
         lost_servers({}, set(), set(), 0.0, -1.0)
 
 
-@given(st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0, 100)), st.sets(st.sampled_from("abcdefgh")),
-       st.sets(st.sampled_from("abcdefgh")), st.floats(0, 200), st.floats(0, 50))
+@given(
+    st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0, 100)),
+    st.sets(st.sampled_from("abcdefgh")),
+    st.sets(st.sampled_from("abcdefgh")),
+    st.floats(0, 200),
+    st.floats(0, 50),
+)
 def test_dropped_iff_offline_or_missing_past_the_grace(seen, present, offline, now, grace):
     lost = set(lost_servers(seen, present, offline, now, grace))
     assert lost <= set(seen)

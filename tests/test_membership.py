@@ -1,4 +1,5 @@
 """Private swarms: --allowed-peers on servers and the orchestrator, allowed_servers on clients."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,12 @@ def test_server_serves_only_members(tiny_llama_path, tmp_path):
     allowed.write_text(f"# the only member\n{member.peer_id}\n")
     config = load_config(tiny_llama_path)
     # server 0 serves members only, server 1 everyone (an open swarm with one members-only server)
-    with LocalSwarm(str(tiny_llama_path), [(0, 6), (0, 6)], server_args=["--num-threads", "1"],
-                    per_server_args=[["--allowed-peers", str(allowed)], []]) as swarm:
+    with LocalSwarm(
+        str(tiny_llama_path),
+        [(0, 6), (0, 6)],
+        server_args=["--num-threads", "1"],
+        per_server_args=[["--allowed-peers", str(allowed)], []],
+    ) as swarm:
         server_id, open_id = swarm.servers[0].peer_id, swarm.servers[1].peer_id
         # an outsider gets NotAllowedError for the stream and for rpc_info, and nothing else
         outsider = RemoteChain(str(tiny_llama_path), config, swarm.initial_peers, use_orchestrator=False)
@@ -46,32 +51,39 @@ def test_server_serves_only_members(tiny_llama_path, tmp_path):
             assert outsider.ping_s(server_id) is not None  # answered (with the refusal), not dropped
             for tokens in (3, MAX_PART_BYTES // (4 * config.hidden_size) + 1):  # rpc_forward, rpc_forward_stream
                 with pytest.raises(NotAllowedError):
-                    outsider.loop.run(outsider.hops.forward_async(Hop(server_id, 0, 6),
-                                                                  torch.zeros(1, tokens, config.hidden_size)),
-                                      timeout_s=30)
+                    outsider.loop.run(
+                        outsider.hops.forward_async(Hop(server_id, 0, 6), torch.zeros(1, tokens, config.hidden_size)),
+                        timeout_s=30,
+                    )
         finally:
             outsider.shutdown()
         # the member generates as usual
-        model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
-                                                           identity_path=member.path, use_orchestrator=False)
+        model = DistributedModelForCausalLM.from_pretrained(
+            str(tiny_llama_path), initial_peers=swarm.initial_peers, identity_path=member.path, use_orchestrator=False
+        )
         try:
             out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
             assert out.shape == (1, 7)
         finally:
             model.backend.shutdown()
         # a client that allows other servers only ignores this one's record
-        picky = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
-                                                           identity_path=member.path, use_orchestrator=False,
-                                                           allowed_servers=[PEER], wait_for_chain_s=2.0)
+        picky = DistributedModelForCausalLM.from_pretrained(
+            str(tiny_llama_path),
+            initial_peers=swarm.initial_peers,
+            identity_path=member.path,
+            use_orchestrator=False,
+            allowed_servers=[PEER],
+            wait_for_chain_s=2.0,
+        )
         try:
             with pytest.raises(NoChainError):
                 picky.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
         finally:
             picky.backend.shutdown()
         # an outsider offered the members-only server first is refused there and uses the open one
-        outsider_model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path),
-                                                                    initial_peers=swarm.initial_peers,
-                                                                    use_orchestrator=False)
+        outsider_model = DistributedModelForCausalLM.from_pretrained(
+            str(tiny_llama_path), initial_peers=swarm.initial_peers, use_orchestrator=False
+        )
         try:
             outsider_model.backend.provider = ListedChains([server_id, open_id], config.num_hidden_layers)
             with outsider_model.inference_session(max_length=16) as session:

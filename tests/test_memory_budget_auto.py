@@ -1,4 +1,5 @@
 """`launch-server --memory-budget auto`: the device's free memory minus the margin, or a clear error."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,9 @@ def test_auto_budget_on_cuda_without_cuda_says_how_to_fix():
 def test_launch_server_parses_auto():
     from server.cli import build_parser
 
-    peer = "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"  # well-formed (the parser checks it)
+    peer = (
+        "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"  # well-formed (the parser checks it)
+    )
     args = build_parser().parse_args(["--initial-peers", peer, "--memory-budget", "auto"])
     assert args.memory_budget == "auto"
     assert build_parser().parse_args(["--initial-peers", peer, "--memory-budget", "3GiB"]).memory_budget == 3 * 2**30

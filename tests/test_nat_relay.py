@@ -9,6 +9,7 @@ marks it on the status page and plans it; a
 client's session runs through it (the relayed path is the fast one here) and its output equals HF.
 Killing the relay mid-session cuts the NATed server off: the session fails over to the public server
 and the text is still HF's. Needs root, /dev/net/tun and nft or iptables (`make nat-tools`)."""
+
 from __future__ import annotations
 
 import json
@@ -69,11 +70,13 @@ class PauseAfter(BaseStreamer):
     def end(self):
         pass
 
-peer, path, ids, n_pause, n_total = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+peer, path, ids, n_pause, n_total = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]),
+int(sys.argv[5])
 model = DistributedModelForCausalLM.from_pretrained(path, initial_peers=[peer])
 try:
     with model.inference_session(max_length=64) as s:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n_total, do_sample=False, streamer=PauseAfter(s, n_pause))
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n_total, do_sample=False, streamer=PauseAfter(s,
+        n_pause))
         peers = model.backend.loop.run(model.backend.p2p.list_peers(), timeout_s=10)
         print(json.dumps({"tokens": out[0].tolist(), "chain": [h.peer_id for h in s.chain.hops],
                           "failovers": s.chain.failovers,
@@ -98,10 +101,15 @@ def swarm(home_net, tiny_llama_path):
 
     # fixed ranges, both whole: the plan cannot leave the public server without blocks, so the session has
     # somewhere to fail over to when the relay dies
-    with LocalSwarm(str(tiny_llama_path), [(0, 6), (0, 6)], names=["pub", "home"], placement=placement,
-                    per_server_args=[["--emulate-slowdown", PUBLIC_SLOWDOWN], []],
-                    server_args=["--num-threads", "1", "--max-length", "64", "--memory-budget", "64MiB"],
-                    orchestrator_args=["--expected-servers", "2", "--replan-period", "3"]) as swarm:
+    with LocalSwarm(
+        str(tiny_llama_path),
+        [(0, 6), (0, 6)],
+        names=["pub", "home"],
+        placement=placement,
+        per_server_args=[["--emulate-slowdown", PUBLIC_SLOWDOWN], []],
+        server_args=["--num-threads", "1", "--max-length", "64", "--memory-budget", "64MiB"],
+        orchestrator_args=["--expected-servers", "2", "--replan-period", "3"],
+    ) as swarm:
         yield swarm
 
 
@@ -110,7 +118,8 @@ def _status(net, swarm) -> dict:
 
 
 def test_nat_server_is_found_planned_and_serves_exactly_and_fails_over_when_the_relay_dies(
-        home_net, swarm, tiny_llama_path):
+    home_net, swarm, tiny_llama_path
+):
     from transformers import LlamaForCausalLM
 
     pub, home = swarm.servers
@@ -125,14 +134,22 @@ def test_nat_server_is_found_planned_and_serves_exactly_and_fails_over_when_the_
         st = seen[-1]
         by_name = {s["name"]: s for s in st["servers"]}
         h = by_name.get("home")
-        ok = (st.get("plan_installed") and h is not None and h["reachability"] == "relayed" and h["rtt"]
-              # relayed: 2 x 15 ms; a direct probe (4 ms + RPC overhead) stays well below one leg
-              and h["rtt"] * 1e3 >= RELAY_LEG_MS and by_name.get("pub", {}).get("reachability") == "direct"
-              and any(home.peer_id in c["servers"] for c in st["chains"]))
+        ok = (
+            st.get("plan_installed")
+            and h is not None
+            and h["reachability"] == "relayed"
+            and h["rtt"]
+            # relayed: 2 x 15 ms; a direct probe (4 ms + RPC overhead) stays well below one leg
+            and h["rtt"] * 1e3 >= RELAY_LEG_MS
+            and by_name.get("pub", {}).get("reachability") == "direct"
+            and any(home.peer_id in c["servers"] for c in st["chains"])
+        )
         return st if ok else None
 
     try:
-        status = wait_for(relayed_and_planned, 90, "the NATed server relayed, measured along the relayed path and planned")
+        status = wait_for(
+            relayed_and_planned, 90, "the NATed server relayed, measured along the relayed path and planned"
+        )
     except AssertionError as e:
         raise AssertionError(f"{e}; last status servers: {seen[-1]['servers'] if seen else None}") from None
     page = get_in_netns(home_net.netns("client"), swarm.orchestrator_url).decode()
@@ -141,30 +158,56 @@ def test_nat_server_is_found_planned_and_serves_exactly_and_fails_over_when_the_
     torch_ids = [5, 17, 42, 9, 77, 3]
     hf = LlamaForCausalLM.from_pretrained(tiny_llama_path).eval()
     import torch
+
     ref = hf.generate(torch.tensor([torch_ids]), max_new_tokens=12, do_sample=False)[0].tolist()
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
-    client = subprocess.Popen(home_net.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
-                                                          str(tiny_llama_path), json.dumps(torch_ids), "5", "12"]),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    client = subprocess.Popen(
+        home_net.command(
+            "client",
+            [
+                sys.executable,
+                "-c",
+                CLIENT,
+                swarm.initial_peers[0],
+                str(tiny_llama_path),
+                json.dumps(torch_ids),
+                "5",
+                "12",
+            ],
+        ),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         first = json.loads(client.stdout.readline() or "{}")
-        assert home.peer_id in first.get("chain", []), (first, status["chains"], status["servers"],
-                                                        client.stderr.read()[-3000:] if client.poll() else "")
+        assert home.peer_id in first.get("chain", []), (
+            first,
+            status["chains"],
+            status["servers"],
+            client.stderr.read()[-3000:] if client.poll() else "",
+        )
         # The session reaches the NATed server through the relay (a p2p-circuit via the DHT peer), which dies
         # mid-session. A connection the NATed server opened to the client itself (libp2p then prefers it),
         # or a circuit through another relay, would outlive the relay (seen once in CI: no failover): the
         # test then also unplugs the NATed server's link behind its router, so the session still has to
         # fail over, and says so.
         relay_id = relay_peer_id(swarm.initial_peers[0])
-        other_paths = [a for a in first.get("conns", {}).get(home.peer_id, [])
-                       if not (a.rstrip("/").endswith("p2p-circuit") and relay_peer_id(a) == relay_id)]
+        other_paths = [
+            a
+            for a in first.get("conns", {}).get(home.peer_id, [])
+            if not (a.rstrip("/").endswith("p2p-circuit") and relay_peer_id(a) == relay_id)
+        ]
         swarm.kill_dht()  # the relay dies mid-session, its p2pd at once (seen in CI: one that lingered relayed on)
         if other_paths:
             print(f"the client also reached the NATed server by {other_paths}: unplugging it as well")  # noqa: T201 - in the test log
             i = home_net.state.index("home")
-            subprocess.run(["ip", "-n", home_net.netns("home"), "link", "set", f"{home_net.name}-y{i}", "down"],
-                           check=True)
+            subprocess.run(
+                ["ip", "-n", home_net.netns("home"), "link", "set", f"{home_net.name}-y{i}", "down"], check=True
+            )
         client.stdin.write("go\n")
         client.stdin.flush()
         try:
@@ -180,5 +223,10 @@ def test_nat_server_is_found_planned_and_serves_exactly_and_fails_over_when_the_
     result = json.loads(out.strip().splitlines()[-1])
     assert result["tokens"] == ref  # through the NATed server, then the public one: HF's text
     assert result["failovers"] >= 1 and home.peer_id not in result["chain"] and pub.peer_id in result["chain"], (
-        "the session did not fail over from the NATed server", first, result["chain"], result["failovers"],
-        result["conns"], err[-2000:])
+        "the session did not fail over from the NATed server",
+        first,
+        result["chain"],
+        result["failovers"],
+        result["conns"],
+        err[-2000:],
+    )

@@ -2,6 +2,7 @@
 share of a core), reported, and removed by cleanup, also after a crash. Needs writable cgroups
 (and, for the network test, root with /dev/net/tun); skips saying why otherwise. Every group and
 network is removed in a finally/fixture even when a test fails."""
+
 from __future__ import annotations
 
 import subprocess
@@ -52,8 +53,9 @@ def test_a_share_caps_a_busy_process_and_cleanup_removes_the_groups(layout):
         assert {s.cores for s in shares.values()} == {0.2, 1.0}
         assert len(netem_cpu.owned_groups(name, layout)) >= 2
         started = time.monotonic()
-        procs = [subprocess.Popen(netem_cpu.enter_argv(shares[i].procs_files, [sys.executable, "-c", BUSY]))
-                 for i in (0, 1)]
+        procs = [
+            subprocess.Popen(netem_cpu.enter_argv(shares[i].procs_files, [sys.executable, "-c", BUSY])) for i in (0, 1)
+        ]
         for p in procs:
             assert p.wait(timeout=60) == 0
         wall_s = time.monotonic() - started
@@ -88,14 +90,19 @@ def test_a_network_host_with_a_share_runs_in_its_groups_and_down_removes_them(la
     try:
         with netem.Network(["a", "b"], [[0, 10], [10, 0]], backend="userspace", name=name, cpu={"a": 0.25}) as net:
             assert net.prefix("b")[:3] == ["ip", "netns", "exec"]  # no share: no group
-            out = subprocess.run(net.command("a", ["cat", "/proc/self/cgroup"]), capture_output=True, text=True,
-                                 timeout=30, check=True).stdout
+            out = subprocess.run(
+                net.command("a", ["cat", "/proc/self/cgroup"]), capture_output=True, text=True, timeout=30, check=True
+            ).stdout
             assert f"{name}-h0" in out
             # a server in the host must see its share (the start-up profile is keyed and timed by it),
             # although `ip netns exec` hides the cgroup files: through $PETALS_CHAIN_CPU_SHARE
             code = "from netem.cpu import own_cpu_share; print(own_cpu_share())"
-            shares = [subprocess.run(net.command(h, [sys.executable, "-c", code]), capture_output=True, text=True,
-                                     timeout=60, check=True).stdout.strip() for h in ("a", "b")]
+            shares = [
+                subprocess.run(
+                    net.command(h, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=60, check=True
+                ).stdout.strip()
+                for h in ("a", "b")
+            ]
             assert shares == ["0.25", "None"]
             used_before_s = net.cpu_report()["a"]["cpu_s"]
             started = time.monotonic()
@@ -106,12 +113,21 @@ def test_a_network_host_with_a_share_runs_in_its_groups_and_down_removes_them(la
             # the quota caps use at a quarter of the wall time the run took (its interpreter's start
             # included, which a loaded machine stretches), plus one 100-ms period of slack
             assert 0 < report["a"]["cpu_s"] - used_before_s <= 0.25 * wall_s + 0.1, (report["a"], wall_s)
-            quota_file = layout.cpu / netem_cpu.PARENT / f"{name}-h0" / (
-                "cpu.max" if layout.version == 2 else "cpu.cfs_quota_us")
+            quota_file = (
+                layout.cpu
+                / netem_cpu.PARENT
+                / f"{name}-h0"
+                / ("cpu.max" if layout.version == 2 else "cpu.cfs_quota_us")
+            )
             with net.cpu_unlimited():  # loading nobody measures: no quota, the share still announced
                 assert quota_file.read_text().split()[0] in ("max", "-1")
-                lifted = subprocess.run(net.command("a", [sys.executable, "-c", code]), capture_output=True,
-                                        text=True, timeout=60, check=True).stdout.strip()
+                lifted = subprocess.run(
+                    net.command("a", [sys.executable, "-c", code]),
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    check=True,
+                ).stdout.strip()
                 assert lifted == "0.25"
             assert int(quota_file.read_text().split()[0]) == 2_500  # 0.25 of the 10-ms period
         assert not netem_cpu.owned_groups(name, layout)
@@ -161,8 +177,12 @@ def test_a_servers_dht_daemons_leave_the_share_and_are_still_measured(layout):
     try:
         with netem.Network(["a", "b"], [[0, 10], [10, 0]], backend="userspace", name=name, cpu={"a": 0.25}) as net:
             with net.cpu_unlimited():  # importing hivemind at a quarter of a core is slow, and not the point
-                holder = subprocess.Popen(net.command("a", [sys.executable, "-c", DHT_HOLDER]), stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True)
+                holder = subprocess.Popen(
+                    net.command("a", [sys.executable, "-c", DHT_HOLDER]),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 assert holder.stdout.readline().strip() == "ready"
             pids = daemon_pids(holder.pid)
             names = {pid: _proc_file(pid, "comm").strip() for pid in pids}

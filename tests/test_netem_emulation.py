@@ -1,6 +1,7 @@
 """The emulated WAN for real: namespaces, the delay hub (or kernel netem), measured RTTs and bandwidth,
 the CLI across processes, and cleanup after `down` and after a crash. Needs root, ip and /dev/net/tun
 (skips saying so otherwise); every network is torn down in a finally/fixture even when a test fails."""
+
 from __future__ import annotations
 
 import json
@@ -73,18 +74,21 @@ def test_four_host_matrix_pair_by_pair(net_name):
 def test_bandwidth_cap(net_name):
     cap = 40e6
     with netem.Network(["a", "b"], [[0, 10], [10, 0]], bandwidth_bit_s=cap, name=net_name) as net:
-        got = measure_throughput_bit_s(net.netns("a"), net.address("a"), net.netns("b"), net.address("b"),
-                                       duration_s=2.0)
+        got = measure_throughput_bit_s(
+            net.netns("a"), net.address("a"), net.netns("b"), net.address("b"), duration_s=2.0
+        )
         assert abs(got - cap) <= 0.15 * cap, got
-        back = measure_throughput_bit_s(net.netns("b"), net.address("b"), net.netns("a"), net.address("a"),
-                                        duration_s=1.0)
+        back = measure_throughput_bit_s(
+            net.netns("b"), net.address("b"), net.netns("a"), net.address("a"), duration_s=1.0
+        )
         assert abs(back - cap) <= 0.15 * cap, back
 
 
 def test_command_and_popen_run_inside_the_host(net_name):
     with netem.Network(["a", "b"], [[0, 5], [5, 0]], name=net_name) as net:
-        out = subprocess.run(net.command("b", ["ip", "-o", "-4", "addr", "show"]), capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            net.command("b", ["ip", "-o", "-4", "addr", "show"]), capture_output=True, text=True, check=True
+        ).stdout
         assert "10.213.0.2/" in out and "10.213.0.1/" not in out
         p = net.popen("a", [sys.executable, "-c", "import socket; s=socket.socket(); s.bind(('10.213.0.1', 0))"])
         assert p.wait(timeout=30) == 0
@@ -106,10 +110,13 @@ def test_same_name_twice_is_refused(net_name):
 
 
 def test_sigkilled_owner_leaves_leftovers_that_cleanup_removes(net_name):
-    code = (f"import netem, sys, time\nnet = netem.Network(['a', 'b'], [[0, 5], [5, 0]], name={net_name!r}).up()\n"
-            "print('up', flush=True)\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": REPO})
+    code = (
+        f"import netem, sys, time\nnet = netem.Network(['a', 'b'], [[0, 5], [5, 0]], name={net_name!r}).up()\n"
+        "print('up', flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO}
+    )
     try:
         assert proc.stdout.readline().strip() == "up"
     finally:
@@ -122,8 +129,13 @@ def test_sigkilled_owner_leaves_leftovers_that_cleanup_removes(net_name):
 
 
 def _cli(*args, check=True, timeout=120):
-    proc = subprocess.run([sys.executable, "-m", "petals_chain.cli", "netem", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
+    proc = subprocess.run(
+        [sys.executable, "-m", "petals_chain.cli", "netem", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"netem {args}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -179,8 +191,10 @@ def test_kernel_backend_when_the_kernel_has_netem(net_name):
         pytest.skip(str(e))
     ok, detail = kernel_has_netem(f"{net_name}-probe")
     if not ok:
-        pytest.skip(f"this kernel has no sch_netem ({detail}); the kernel backend's tc programme is unit-tested "
-                    "in test_netem_units.py")
+        pytest.skip(
+            f"this kernel has no sch_netem ({detail}); the kernel backend's tc programme is unit-tested "
+            "in test_netem_units.py"
+        )
     rtt = [[0, 20, 60], [20, 0, 100], [60, 100, 0]]
     with netem.Network(["a", "b", "c"], rtt, backend="kernel", bandwidth_bit_s=40e6, name=net_name) as net:
         assert net.backend == "kernel"
@@ -213,10 +227,13 @@ def test_set_rtt_ms_changes_delays_of_a_running_network(net_name):
 
 
 def test_sigterm_to_the_owner_tears_the_network_down(net_name):
-    code = (f"import netem, time\nwith netem.Network(['a', 'b'], [[0, 5], [5, 0]], name={net_name!r}):\n"
-            "    print('up', flush=True)\n    time.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": REPO})
+    code = (
+        f"import netem, time\nwith netem.Network(['a', 'b'], [[0, 5], [5, 0]], name={net_name!r}):\n"
+        "    print('up', flush=True)\n    time.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO}
+    )
     try:
         assert proc.stdout.readline().strip() == "up"
         proc.send_signal(signal.SIGTERM)
@@ -228,9 +245,25 @@ def test_sigterm_to_the_owner_tears_the_network_down(net_name):
 
 
 def test_up_sigkilled_during_setup_then_down_leaves_nothing(net_name):
-    proc = subprocess.Popen([sys.executable, "-m", "petals_chain.cli", "netem", "up", "--topology", "synthetic",
-                             "--hosts", "6", "--name", net_name, "--no-measure"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": REPO})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "petals_chain.cli",
+            "netem",
+            "up",
+            "--topology",
+            "synthetic",
+            "--hosts",
+            "6",
+            "--name",
+            net_name,
+            "--no-measure",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     try:
         deadline = time.monotonic() + 60
         while not state_path(net_name).exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -249,7 +282,8 @@ _BULK = r"""
 import asyncio, socket, struct, sys, time
 N = int(4.6e6)
 def ssthresh(w):  # struct tcp_info: tcpi_rcv_ssthresh at byte 64
-    return struct.unpack_from("I", w.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104), 64)[0]
+    return struct.unpack_from("I", w.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104),
+    64)[0]
 async def send(w, n):
     data = b"x" * n
     for i in range(0, n, 2 * 2**20):
@@ -262,7 +296,9 @@ async def recv(r, n):
         k = int.from_bytes(await r.readexactly(8), "little"); await r.readexactly(k); got += k
 ROUNDS = 2
 """
-SERVER = _BULK + r"""
+SERVER = (
+    _BULK
+    + r"""
 async def handle(r, w):
     await recv(r, 100); await send(w, 100)
     for _ in range(ROUNDS):
@@ -273,7 +309,10 @@ async def main():
     await srv.serve_forever()
 asyncio.run(main())
 """
-CLIENT = _BULK + r"""
+)
+CLIENT = (
+    _BULK
+    + r"""
 async def main():
     r, w = await asyncio.open_connection(sys.argv[1], int(sys.argv[2]))
     await send(w, 100); await recv(r, 100)
@@ -281,6 +320,7 @@ async def main():
         await send(w, N); await recv(r, N); print("client", ssthresh(w), flush=True)
 asyncio.run(main())
 """
+)
 
 
 def test_receive_window_grows_both_ways_on_a_session_like_stream(net_name):
@@ -293,8 +333,12 @@ def test_receive_window_grows_both_ways_on_a_session_like_stream(net_name):
         server = net.popen("b", [sys.executable, "-c", SERVER, net.address("b")], stdout=subprocess.PIPE, text=True)
         try:
             port = server.stdout.readline().strip()
-            client = subprocess.run(net.command("a", [sys.executable, "-c", CLIENT, net.address("b"), port]),
-                                    capture_output=True, text=True, timeout=120)
+            client = subprocess.run(
+                net.command("a", [sys.executable, "-c", CLIENT, net.address("b"), port]),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert client.returncode == 0, client.stderr[-2000:]
             server_lines = [server.stdout.readline().split() for _ in range(2)]
         finally:

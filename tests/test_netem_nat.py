@@ -2,6 +2,7 @@
 address), while nothing on the WAN can open a connection to it; `down` removes the private namespace and
 its rules with the rest. Needs root, ip, /dev/net/tun and nft or iptables (`make nat-tools`); skips saying
 which is missing."""
+
 from __future__ import annotations
 
 import socket
@@ -26,8 +27,7 @@ def test_masquerade_leaves_only_through_the_emulated_wan_device():
 
 @pytest.fixture
 def nat_net():
-    with emulated_network(["a", "b", "home"], [[0, 10, 20], [10, 0, 30], [20, 30, 0]], "n",
-                          behind_nat=["home"]) as net:
+    with emulated_network(["a", "b", "home"], [[0, 10, 20], [10, 0, 30], [20, 30, 0]], "n", behind_nat=["home"]) as net:
         name = net.name
         yield net
     assert not owned_netns(name, list_netns()), list_netns()  # the private namespace went too

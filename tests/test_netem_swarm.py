@@ -1,6 +1,7 @@
 """A real swarm across emulated WAN hosts: DHT, orchestrator and three servers each in its own network
 namespace listening on that host's address, a client in a sixth; generation equals local HF, the
 orchestrator's measured RTTs match the emulated ones, and its tau_c grows with them as the model says."""
+
 from __future__ import annotations
 
 import json
@@ -68,11 +69,18 @@ def swarm(wan, smollm2_path):
         host = {"dht": "dht", "orchestrator": "orch"}.get(role, role.replace("server", "s"))
         return wan.prefix(host), wan.address(host)
 
-    with LocalSwarm("smollm2-135m", [None, None, None], server_args=["--num-threads", "1", "--max-length", "512"],
-                    orchestrator_args=["--expected-servers", "3", "--replan-period", "5",
-                                                       "--relay", "client"], placement=placement) as swarm:
-        wait_for(lambda: get_json_in(wan, "client", swarm.orchestrator_url + "status").get("plan_installed"), 120,
-                 "the orchestrator's plan")
+    with LocalSwarm(
+        "smollm2-135m",
+        [None, None, None],
+        server_args=["--num-threads", "1", "--max-length", "512"],
+        orchestrator_args=["--expected-servers", "3", "--replan-period", "5", "--relay", "client"],
+        placement=placement,
+    ) as swarm:
+        wait_for(
+            lambda: get_json_in(wan, "client", swarm.orchestrator_url + "status").get("plan_installed"),
+            120,
+            "the orchestrator's plan",
+        )
         yield swarm
 
 
@@ -85,8 +93,12 @@ def _rtts_match(status: dict) -> bool:
     by_name = {s["name"]: s for s in status["servers"]}
     if len(by_name) != 3 or not all(s.get("rtt") for s in by_name.values()):
         return False
-    return all(target_ms - 2.0 <= by_name[name.replace("s", "server")]["rtt"] * 1e3
-               <= target_ms * 1.1 + 2.0 + RPC_OVERHEAD_ALLOWANCE_MS for name, target_ms in ORCH_TO_SERVER_MS.items())
+    return all(
+        target_ms - 2.0
+        <= by_name[name.replace("s", "server")]["rtt"] * 1e3
+        <= target_ms * 1.1 + 2.0 + RPC_OVERHEAD_ALLOWANCE_MS
+        for name, target_ms in ORCH_TO_SERVER_MS.items()
+    )
 
 
 def test_orchestrator_rtts_match_the_emulated_ones_and_tau_c_grows_with_them(wan, swarm):
@@ -113,9 +125,13 @@ def test_generation_through_the_emulated_wan_equals_local_hf(wan, swarm, smollm2
     ids = smollm2_tokenizer("The three primary colors are", return_tensors="pt").input_ids
     ref = smollm2_hf.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(wan.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0],
-                                                 json.dumps(ids[0].tolist()), "8"]),
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        wan.command("client", [sys.executable, "-c", CLIENT, swarm.initial_peers[0], json.dumps(ids[0].tolist()), "8"]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens"] == ref, result

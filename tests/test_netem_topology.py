@@ -1,4 +1,5 @@
 """RIPE Atlas loader, data-path resolution and the derived RTT matrix."""
+
 from __future__ import annotations
 
 import numpy as np

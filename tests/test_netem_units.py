@@ -1,5 +1,6 @@
 """netem without root: the link model (pure), the kernel backend's tc programme, topology validation,
 state naming, bandwidth parsing."""
+
 from __future__ import annotations
 
 import json
@@ -34,13 +35,24 @@ def test_link_model_tail_drop_when_queue_full():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(40, 65535), st.floats(0, 0.05)),
-                min_size=1, max_size=60),
-       st.floats(0, 0.02), st.sampled_from([None, 1e5, 1e7]))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(40, 65535), st.floats(0, 0.05)),
+        min_size=1,
+        max_size=60,
+    ),
+    st.floats(0, 0.02),
+    st.sampled_from([None, 1e5, 1e7]),
+)
 def test_link_model_never_early_never_reorders_a_pair(packets, jitter_s, rate):
     rtt = np.array([[0, 0.02, 0.1], [0.02, 0, 0.05], [0.1, 0.05, 0]])
-    m = LinkModel(one_way_s=rtt / 2, rate_bytes_per_s=rate, jitter_s=jitter_s, queue_limit_bytes=10**12,
-                  rng=np.random.default_rng(1))
+    m = LinkModel(
+        one_way_s=rtt / 2,
+        rate_bytes_per_s=rate,
+        jitter_s=jitter_s,
+        queue_limit_bytes=10**12,
+        rng=np.random.default_rng(1),
+    )
     now, last = 0.0, {}
     for src, dst, size, gap in packets:
         assume(src != dst)
@@ -60,8 +72,14 @@ def test_link_model_loss_rate():
 
 def _state(n=3, **kw) -> NetworkState:
     rtt = [[0, 20, 100], [20, 0, 50], [100, 50, 0]][:n]
-    return NetworkState(name="pct", backend="kernel", hosts=[f"h{i}" for i in range(n)], addresses=host_addresses(n),
-                        rtt_ms=[r[:n] for r in rtt], **kw)
+    return NetworkState(
+        name="pct",
+        backend="kernel",
+        hosts=[f"h{i}" for i in range(n)],
+        addresses=host_addresses(n),
+        rtt_ms=[r[:n] for r in rtt],
+        **kw,
+    )
 
 
 def test_kernel_tc_programme_per_destination_netem_leaves():
@@ -83,8 +101,13 @@ def test_kernel_tc_programme_per_destination_netem_leaves():
 
 def test_kernel_tc_programme_hex_class_ids_are_distinct():
     n = 20
-    st_ = NetworkState(name="pct", backend="kernel", hosts=[f"h{i}" for i in range(n)], addresses=host_addresses(n),
-                       rtt_ms=[[0 if i == j else 10 for j in range(n)] for i in range(n)])
+    st_ = NetworkState(
+        name="pct",
+        backend="kernel",
+        hosts=[f"h{i}" for i in range(n)],
+        addresses=host_addresses(n),
+        rtt_ms=[[0 if i == j else 10 for j in range(n)] for i in range(n)],
+    )
     cmds = tc_programme(st_, 0)
     ids = [c[c.index("classid") + 1] for c in cmds if "classid" in c]
     assert len(ids) == len(set(ids)) == n and all(int(i.split(":")[1], 16) >= 1 for i in ids)
@@ -99,10 +122,15 @@ def test_kernel_link_programme_creates_nothing_in_the_host_namespace():
 
 def test_validate_rtt_matrix_refuses_bad_input():
     assert validate_rtt_matrix(["a", "b"], [[0, 5], [5, 0]]) == [[0.0, 5.0], [5.0, 0.0]]
-    for hosts, m, msg in [(["a", "b"], [[0, 5], [6, 0]], "symmetric"), (["a", "b"], [[1, 5], [5, 0]], "diagonal"),
-                          (["a", "b"], [[0, 5, 1], [5, 0, 1]], "2 x 2"), (["a", "a"], [[0, 5], [5, 0]], "distinct"),
-                          (["a", "b"], [[0, -5], [-5, 0]], ">= 0"), (["a", "b"], [[0, "x"], ["x", 0]], "numbers"),
-                          ([], [], "non-empty")]:
+    for hosts, m, msg in [
+        (["a", "b"], [[0, 5], [6, 0]], "symmetric"),
+        (["a", "b"], [[1, 5], [5, 0]], "diagonal"),
+        (["a", "b"], [[0, 5, 1], [5, 0, 1]], "2 x 2"),
+        (["a", "a"], [[0, 5], [5, 0]], "distinct"),
+        (["a", "b"], [[0, -5], [-5, 0]], ">= 0"),
+        (["a", "b"], [[0, "x"], ["x", 0]], "numbers"),
+        ([], [], "non-empty"),
+    ]:
         with pytest.raises(TopologyError, match=msg):
             validate_rtt_matrix(hosts, m)
 
@@ -116,8 +144,11 @@ def test_topology_json_file(tmp_path):
     with pytest.raises(TopologyError, match="has 3 hosts"):
         load_topology(str(good), 4, 0, None)
     bad = tmp_path / "b.json"
-    for doc, msg in [("{", "not valid JSON"), (json.dumps({"hosts": ["a"]}), "expected exactly"),
-                     (json.dumps({"hosts": ["a", "b"], "rtt_ms": [[0, 1], [2, 0]]}), "symmetric")]:
+    for doc, msg in [
+        ("{", "not valid JSON"),
+        (json.dumps({"hosts": ["a"]}), "expected exactly"),
+        (json.dumps({"hosts": ["a", "b"], "rtt_ms": [[0, 1], [2, 0]]}), "symmetric"),
+    ]:
         bad.write_text(doc)
         with pytest.raises(TopologyError, match=msg):
             load_topology_json(bad)
@@ -141,14 +172,19 @@ def test_names_and_addresses():
     with pytest.raises(TopologyError, match="private"):
         host_addresses(2, "8.8.8.0/24")
     # only our exact names count as ours
-    assert owned_netns("pc", ["pc-h0", "pc-h12", "pc-sw", "pc-probe", "pc-h", "pcx-h0", "pc-h0x", "other"]) == \
-        ["pc-h0", "pc-h12", "pc-sw", "pc-probe"]
+    assert owned_netns("pc", ["pc-h0", "pc-h12", "pc-sw", "pc-probe", "pc-h", "pcx-h0", "pc-h0x", "other"]) == [
+        "pc-h0",
+        "pc-h12",
+        "pc-sw",
+        "pc-probe",
+    ]
 
 
 def test_parse_bandwidth():
     assert parse_bandwidth_bit_s("1Gbit") == 1e9 and parse_bandwidth_bit_s("100mbit") == 1e8
     assert parse_bandwidth_bit_s("500kbit") == 5e5 and parse_bandwidth_bit_s("1e6") == 1e6
     import argparse
+
     for bad in ("fast", "-1mbit", "0", "10MB"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_bandwidth_bit_s(bad)
@@ -158,7 +194,9 @@ def test_kernel_change_programme_updates_every_leaf_in_place():
     st_ = _state()
     st_.rtt_ms = [[0, 60, 100], [60, 0, 50], [100, 50, 0]]
     from netem.kernel import change_delays_programme
+
     cmds = [" ".join(c) for c in change_delays_programme(st_)]
     assert len(cmds) == 6 and all(" tc qdisc change dev " in c for c in cmds)
-    assert any(c.startswith("ip netns exec pct-h1 ") and "parent 1:10 handle 10: netem delay 30.000ms" in c
-               for c in cmds)
+    assert any(
+        c.startswith("ip netns exec pct-h1 ") and "parent 1:10 handle 10: netem delay 30.000ms" in c for c in cmds
+    )

@@ -1,6 +1,7 @@
 """One dispatch core: the simulator and the live service run the same dispatcher and make the same
 decisions on the same events; the RPC's long poll returns grants made by any thread (pure, no network).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,12 @@ def live_chains(caps_times):
 
 
 @settings(max_examples=40, deadline=None)
-@given(caps_times=st.lists(st.tuples(st.integers(1, 3), st.floats(0.5, 4.0)), min_size=1, max_size=4),
-       name=st.sampled_from(sorted(DISPATCHERS)), seed=st.integers(0, 10**6), n_jobs=st.integers(1, 60))
+@given(
+    caps_times=st.lists(st.tuples(st.integers(1, 3), st.floats(0.5, 4.0)), min_size=1, max_size=4),
+    name=st.sampled_from(sorted(DISPATCHERS)),
+    seed=st.integers(0, 10**6),
+    n_jobs=st.integers(1, 60),
+)
 def test_simulator_and_service_make_identical_decisions(caps_times, name, seed, n_jobs):
     chains = live_chains(caps_times)
     rng = np.random.default_rng(seed)
@@ -40,7 +45,9 @@ def test_simulator_and_service_make_identical_decisions(caps_times, name, seed, 
     sessions.install_chains(chains, 1, 0.0, dispatch=name, rng=np.random.default_rng(seed + 1))
     index_of = {c.chain_id: c.index for c in sessions.chains.values()}
     # the engine's event order: by time, a completion before an arrival, completions by job id
-    events = sorted([(float(t), 1, j) for j, t in enumerate(arrivals)] + [(float(t), 0, j) for j, t in enumerate(finish_s)])
+    events = sorted(
+        [(float(t), 1, j) for j, t in enumerate(arrivals)] + [(float(t), 0, j) for j, t in enumerate(finish_s)]
+    )
     got_chain, got_start = {}, {}
     for t, kind, j in events:
         if kind == 1:
@@ -58,9 +65,11 @@ def test_simulator_and_service_make_identical_decisions(caps_times, name, seed, 
 
 # -- the RPC side: decode -> owner -> encode, and the long poll -----------------------------------
 
+
 def bare_orchestrator(clock):
     """The orchestrator's RPC-facing surface without a DHT or control thread."""
     from orchestrator.service.core import Orchestrator, OrchestratorConfig
+
     orch = Orchestrator.offline(OrchestratorConfig(model="m", initial_peers=[], num_blocks=20, lease_ttl_s=30.0), clock)
     orch.sessions.install_chains(live_chains([(1, 1.0)]), 1, clock())
     return orch
@@ -77,6 +86,7 @@ def test_a_grant_made_by_another_thread_wakes_the_waiting_poll():
     now = [0.0]
     orch = bare_orchestrator(lambda: now[0])
     from orchestrator.service.rpc import OrchestratorRpc
+
     rpc = OrchestratorRpc(orch)
 
     async def scenario():
@@ -101,13 +111,19 @@ def test_a_grant_made_between_two_polls_is_returned_by_the_next_poll():
     now = [0.0]
     orch = bare_orchestrator(lambda: now[0])
     from orchestrator.service.rpc import OrchestratorRpc
+
     rpc = OrchestratorRpc(orch)
 
     async def scenario():
         assert wire.unpack((await rpc.acquire(acquire_request("x", 0.01), CTX)).metadata)["type"] == "granted"
         assert wire.unpack((await rpc.acquire(acquire_request("y", 0.01), CTX)).metadata)["type"] == "queued"
-        released = wire.unpack((await rpc.release(
-            wire.request({"type": "release", "session_id": "x", "input_tokens": 10, "output_tokens": 5}), CTX)).metadata)
+        released = wire.unpack(
+            (
+                await rpc.release(
+                    wire.request({"type": "release", "session_id": "x", "input_tokens": 10, "output_tokens": 5}), CTX
+                )
+            ).metadata
+        )
         assert released["type"] == "released" and released["known"] is True
         reply = wire.unpack((await rpc.acquire(acquire_request("y", 0.01), CTX)).metadata)
         assert reply["type"] == "granted" and reply["grant"]["session_id"] == "y", reply
@@ -124,8 +140,9 @@ def test_a_waiting_poll_whose_session_left_the_queue_gets_a_typed_timeout():
         assert g.session_id == "x"
         q = await orch.sessions.poll("y", "c", 64, timeout_s=60, poll_s=0.01, exclude=frozenset(), clock=orch.clock)
         assert q == Queued(1, 1)
-        task = asyncio.create_task(orch.sessions.poll("y", "c", 64, timeout_s=60, poll_s=10.0, exclude=frozenset(),
-                                                      clock=orch.clock))
+        task = asyncio.create_task(
+            orch.sessions.poll("y", "c", 64, timeout_s=60, poll_s=10.0, exclude=frozenset(), clock=orch.clock)
+        )
         await asyncio.sleep(0)
         now[0] = 30.0
         assert orch.sessions.abandoned(now[0], 25.0) == ["y"]  # last seen at 0: counted as gone
@@ -142,8 +159,17 @@ def test_a_grant_whose_poll_reply_went_unread_is_given_to_the_sessions_next_poll
     now = [0.0]
     orch = bare_orchestrator(lambda: now[0])
     s = orch.sessions
-    poll = lambda sid, poll_s=0.01, exclude=frozenset(): s.poll(sid, "c", 64, timeout_s=60, poll_s=poll_s,  # noqa: E731
-                                                                exclude=exclude, clock=orch.clock)
+
+    def poll(sid, poll_s=0.01, exclude=frozenset()):
+        return s.poll(
+            sid,
+            "c",
+            64,
+            timeout_s=60,
+            poll_s=poll_s,  # noqa: E731
+            exclude=exclude,
+            clock=orch.clock,
+        )
 
     async def scenario():
         unread = await poll("x")  # granted, and its reply lost on the way

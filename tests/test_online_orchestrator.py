@@ -1,6 +1,7 @@
 """The online orchestrator with real processes on 127.0.0.1: a DHT peer, `petals-chain orchestrator`
 and 4 servers started with `--blocks auto` and different memory budgets (one module-scoped swarm;
 the tests that kill processes run last)."""
+
 from __future__ import annotations
 
 import json
@@ -39,14 +40,32 @@ BUDGETS = ["300MiB", "340MiB", "380MiB", "420MiB"]
 SERVER_ARGS = ["--num-threads", "1", "--max-length", "512"]
 # --model-replans 0: the module's tests assume the plan they checked stays; the calibrated model is
 # still fitted and shown (test_status_shows_the_model_against_the_measured_service)
-ORCH_ARGS = ["--expected-servers", "4", "--c", "3", "--arrival-rate", "2", "--lease-ttl", "3",
-             "--replan-period", "8", "--model-replans", "0", "--leftover-placement"]
+ORCH_ARGS = [
+    "--expected-servers",
+    "4",
+    "--c",
+    "3",
+    "--arrival-rate",
+    "2",
+    "--lease-ttl",
+    "3",
+    "--replan-period",
+    "8",
+    "--model-replans",
+    "0",
+    "--leftover-placement",
+]
 
 
 @pytest.fixture(scope="module")
 def swarm(smollm2_path):
-    with LocalSwarm("smollm2-135m", [None] * 4, server_args=SERVER_ARGS,
-                    per_server_args=[["--memory-budget", b] for b in BUDGETS], orchestrator_args=ORCH_ARGS) as swarm:
+    with LocalSwarm(
+        "smollm2-135m",
+        [None] * 4,
+        server_args=SERVER_ARGS,
+        per_server_args=[["--memory-budget", b] for b in BUDGETS],
+        orchestrator_args=ORCH_ARGS,
+    ) as swarm:
         wait_for(lambda: get_json(swarm.orchestrator_url + "status")["plan_installed"], 60, "the plan to be online")
         yield swarm
 
@@ -62,9 +81,23 @@ def test_servers_load_exactly_the_plan_of_petals_chain_plan(swarm, tmp_path):
     pi = get_json(swarm.orchestrator_url + "plan-input")
     cluster_file = tmp_path / "cluster.json"
     cluster_file.write_text(json.dumps(pi["cluster"]))
-    out = subprocess.run([sys.executable, "-m", "petals_chain.cli", "plan", "--cluster", str(cluster_file), "--c", "3",
-                          "--leftover-placement"],
-                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "petals_chain.cli",
+            "plan",
+            "--cluster",
+            str(cluster_file),
+            "--c",
+            "3",
+            "--leftover-placement",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     offline = json.loads(out.stdout)
     offline_ranges = {peer: (r["start"], r["end"]) for peer, r in offline["placement"].items()}
@@ -128,8 +161,11 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
             threads.append(t)
             # the orchestrator holds session i (granted or queued) before the next one starts; nobody
             # releases before `queue_formed`, so the count only grows
-            wait_for(lambda: (st := get_json(swarm.orchestrator_url + "status"))["sessions"] + st["queue_length"]
-                     >= i + 1, 60, f"session {i} to reach the orchestrator")
+            wait_for(
+                lambda: (st := get_json(swarm.orchestrator_url + "status"))["sessions"] + st["queue_length"] >= i + 1,
+                60,
+                f"session {i} to reach the orchestrator",
+            )
         wait_for(lambda: any(q >= n - total for _, q in samples[-5:]), 60, f"{n - total} sessions queued")
     finally:
         queue_formed.set()
@@ -151,8 +187,9 @@ def test_capacity_never_exceeded_and_queue_is_fifo(swarm, backend):
     first = grants[0]
     fastest = min(status["chains"], key=lambda k: k["service_time"])
     assert [h.peer_id for h in first.hops] == fastest["servers"] and first.wait_s == 0
-    final = wait_for(lambda: (st := get_json(swarm.orchestrator_url + "status"))["sessions"] == 0 and st, 10,
-                     "all sessions released")
+    final = wait_for(
+        lambda: (st := get_json(swarm.orchestrator_url + "status"))["sessions"] == 0 and st, 10, "all sessions released"
+    )
     assert final["queue_length"] == 0
     assert final["metrics"]["expired"] == 0  # heartbeats kept every lease alive (TTL 3 s, sessions run longer)
 
@@ -180,6 +217,7 @@ def test_status_shows_the_model_against_the_measured_service(swarm, backend):
         on_chains = {p for k in st["chains"] if k["dispatchable"] for p in k["servers"]}
         used = [s for s in st["servers"] if s["peer_id"] in on_chains]
         return st if used and all(s["model"]["source"] == "live" for s in used) else None
+
     st = wait_for(fitted, 60, "every server on a chain to be fitted from live batches")
     on_chains = {p for k in st["chains"] if k["dispatchable"] for p in k["servers"]}
     for s in st["servers"]:
@@ -203,10 +241,12 @@ def test_stateless_forward_holds_a_slot_only_for_the_call(swarm, backend):
 
 def test_acquire_times_out_with_a_clear_error_when_every_slot_is_taken(swarm, backend):
     from petals_chain.errors import AcquireTimeoutError, MaxLengthExceededError
+
     total = sum(k["capacity"] for k in get_json(swarm.orchestrator_url + "status")["chains"] if k["dispatchable"])
     sessions = [backend.open_session(max_length=64) for _ in range(total)]  # every slot taken
-    impatient = OrchestratorChainProvider(backend.loop, backend.p2p, swarm.orchestrator_peer_id,
-                                          acquire_timeout_s=2.0, poll_s=1.0)
+    impatient = OrchestratorChainProvider(
+        backend.loop, backend.p2p, swarm.orchestrator_peer_id, acquire_timeout_s=2.0, poll_s=1.0
+    )
     try:
         t0 = time.monotonic()
         with pytest.raises(AcquireTimeoutError, match="no chain slot freed within 2 s"):
@@ -224,6 +264,7 @@ def test_acquire_times_out_with_a_clear_error_when_every_slot_is_taken(swarm, ba
 
 def swarm_model_path():
     from petals_chain.models.checkpoint import resolve_model_path
+
     return resolve_model_path("smollm2-135m", show_progress=False)
 
 
@@ -241,15 +282,22 @@ def test_heartbeats_keep_an_idle_session_alive_past_the_lease_ttl(swarm, backend
 def test_lease_expiry_returns_the_slot(swarm, backend):
     """A client that acquires and vanishes (no heartbeats, no release) loses its lease in ~lease TTL."""
     stub = OrchestratorService.get_stub(backend.p2p, _peer(swarm.orchestrator_peer_id))
-    resp = backend.loop.run(stub.rpc_acquire(wire.request({"type": "acquire", "session_id": "ghost-session",
-                                                            "max_length": 32, "timeout_s": 10.0}), timeout=15),
-                            timeout_s=20)
+    resp = backend.loop.run(
+        stub.rpc_acquire(
+            wire.request({"type": "acquire", "session_id": "ghost-session", "max_length": 32, "timeout_s": 10.0}),
+            timeout=15,
+        ),
+        timeout_s=20,
+    )
     meta = wire.unpack(resp.metadata)
     assert meta["type"] == "granted", meta
     assert get_json(swarm.orchestrator_url + "status")["sessions"] == 1
     t0 = time.monotonic()
-    st = wait_for(lambda: (s := get_json(swarm.orchestrator_url + "status"))["sessions"] == 0 and s, 15,
-                  "the ghost lease to expire")
+    st = wait_for(
+        lambda: (s := get_json(swarm.orchestrator_url + "status"))["sessions"] == 0 and s,
+        15,
+        "the ghost lease to expire",
+    )
     assert 2.0 <= time.monotonic() - t0 + 0.5  # not released at once: it lived about its TTL (3 s)
     assert st["metrics"]["expired"] >= 1
     assert all(k["in_use"] == 0 for k in st["chains"])
@@ -259,6 +307,7 @@ def test_lease_expiry_returns_the_slot(swarm, backend):
 
 def _peer(peer_id: str):
     from hivemind.p2p import PeerID
+
     return PeerID.from_base58(peer_id)
 
 
@@ -268,8 +317,8 @@ def _png_size_and_pixels(path: Path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat, width = 8, b"", 0
     while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        chunk = data[pos + 8:pos + 8 + length]
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        chunk = data[pos + 8 : pos + 8 + length]
         if kind == b"IHDR":
             width, height, depth, ctype = struct.unpack(">IIBB", chunk[:10])
             assert depth == 8 and ctype in (2, 6)
@@ -281,7 +330,7 @@ def _png_size_and_pixels(path: Path):
     stride = width * bpp
     rows, prev, i = [], bytearray(stride), 0
     for _ in range(height):
-        ftype, line = raw[i], bytearray(raw[i + 1:i + 1 + stride])
+        ftype, line = raw[i], bytearray(raw[i + 1 : i + 1 + stride])
         i += 1 + stride
         for x in range(stride):
             a = line[x - bpp] if x >= bpp else 0
@@ -301,7 +350,7 @@ def _png_size_and_pixels(path: Path):
     colours = set()
     for row in rows:
         for x in range(0, stride, bpp):
-            colours.add(tuple(row[x:x + 3]))
+            colours.add(tuple(row[x : x + 3]))
     return (width, height), colours
 
 
@@ -310,14 +359,26 @@ def test_status_page_renders_block_map_in_headless_chromium(swarm):
     if browser is None:
         pytest.skip("chromium is not installed (apt-get install -y chromium); the status page needs it for this test")
     from orchestrator.service.http import PALETTE
+
     html = urllib.request.urlopen(swarm.orchestrator_url, timeout=10).read().decode()
     assert "Block map" in html and "queue length" in html
     with tempfile.TemporaryDirectory() as tmp:
         shot = Path(tmp) / "status.png"
-        cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
-               f"--user-data-dir={tmp}/profile", "--window-size=1200,900", f"--screenshot={shot}",
-               swarm.orchestrator_url]
+        cmd = [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--hide-scrollbars",
+            f"--user-data-dir={tmp}/profile",
+            "--window-size=1200,900",
+            f"--screenshot={shot}",
+            swarm.orchestrator_url,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, start_new_session=True)
         assert shot.is_file(), f"no screenshot: {proc.stderr[-2000:]}"
         size, colours = _png_size_and_pixels(shot)
@@ -325,7 +386,7 @@ def test_status_page_renders_block_map_in_headless_chromium(swarm):
     assert len(colours) > 10, "the screenshot is blank"
     status = get_json(swarm.orchestrator_url + "status")
     holders = [i for i, s in enumerate(status["servers"]) if s["end"] > s["start"]]
-    expected = {tuple(int(PALETTE[i][k:k + 2], 16) for k in (1, 3, 5)) for i in holders}
+    expected = {tuple(int(PALETTE[i][k : k + 2], 16) for k in (1, 3, 5)) for i in holders}
     assert expected <= colours, f"block-map colours {expected - colours} missing from the screenshot"
 
 
@@ -333,8 +394,7 @@ def test_killed_server_takes_its_chains_and_sessions_fail_over(swarm, backend):
     status = get_json(swarm.orchestrator_url + "status")
     chains = [k for k in status["chains"] if k["dispatchable"]]
     # a victim whose loss leaves another chain alive
-    victim = next((p for k in chains for p in k["servers"] if any(p not in other["servers"] for other in chains)),
-                  None)
+    victim = next((p for k in chains for p in k["servers"] if any(p not in other["servers"] for other in chains)), None)
     assert victim is not None, f"the plan has no chain that survives the loss of a server: {chains}"
     hidden = load_config(swarm_model_path()).hidden_size
     total = sum(k["capacity"] for k in chains)
@@ -346,8 +406,15 @@ def test_killed_server_takes_its_chains_and_sessions_fail_over(swarm, backend):
         s.step(x)
     sp = next(sp for sp in swarm.servers if sp.peer_id == victim)
     swarm.kill_server(sp)
-    st = wait_for(lambda: (s := get_json(swarm.orchestrator_url + "status")) and
-                  all(victim not in k["servers"] for k in s["chains"]) and s, 20, "the victim's chains to disappear")
+    st = wait_for(
+        lambda: (
+            (s := get_json(swarm.orchestrator_url + "status"))
+            and all(victim not in k["servers"] for k in s["chains"])
+            and s
+        ),
+        20,
+        "the victim's chains to disappear",
+    )
     assert victim not in [s["peer_id"] for s in st["servers"]]
     for s in sessions:
         if s not in on_victim:
@@ -384,8 +451,11 @@ def test_killed_orchestrator_new_sessions_wait_for_the_next_one_or_get_a_clear_e
     waiter = threading.Thread(target=open_one, daemon=True)
     try:
         waiter.start()
-        wait_for(lambda: any("asking again" in r.getMessage() for r in caplog.records), 60,
-                 "the session to find no orchestrator")
+        wait_for(
+            lambda: any("asking again" in r.getMessage() for r in caplog.records),
+            60,
+            "the session to find no orchestrator",
+        )
         # a new orchestrator: the servers ask it for assignments, the client finds it in the DHT
         swarm.start_orchestrator(["--settle", "3", "--c", "3", "--arrival-rate", "2"])
         wait_for(lambda: get_json(swarm.orchestrator_url + "status")["plan_installed"], 90, "the new plan online")

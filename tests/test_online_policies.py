@@ -1,6 +1,7 @@
 """Run-time policy choice and churn with real processes: the orchestrator runs the PETALS baseline
 (its placement + per-request min-latency routing), and a server that joins later gets blocks at
 the next re-plan."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,13 @@ def test_petals_policy_places_routes_and_replans_for_a_late_server(smollm2_path,
         pi = get_json(url + "plan-input")
         f = tmp_path / "cluster.json"
         f.write_text(json.dumps(pi["cluster"]))
-        out = subprocess.run([sys.executable, "-m", "petals_chain.cli", "plan", "--cluster", str(f), "--policy", "petals"],
-                             capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "petals_chain.cli", "plan", "--cluster", str(f), "--policy", "petals"],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         offline = {p: (r["start"], r["end"]) for p, r in json.loads(out.stdout)["placement"].items()}
         assert offline == {sp.peer_id: (sp.start, sp.end) for sp in swarm.servers}
@@ -55,8 +61,11 @@ def test_petals_policy_places_routes_and_replans_for_a_late_server(smollm2_path,
             assert wait_for(lambda: get_json(url + "status")["sessions"] == 0, 10, "releases")
 
             late = swarm.add_server(None, None, name="late", wait=False)
-            st = wait_for(lambda: (s := get_json(url + "status"))["plan_version"] >= 2 and s["plan_installed"] and s,
-                          90, "a re-plan that gives the late server blocks")
+            st = wait_for(
+                lambda: (s := get_json(url + "status"))["plan_version"] >= 2 and s["plan_installed"] and s,
+                90,
+                "a re-plan that gives the late server blocks",
+            )
             swarm.wait_ready([late])
             rec = next(s for s in st["servers"] if s["name"] == "late")
             assert rec["end"] - rec["start"] == m_petals and rec["state"] == "online"

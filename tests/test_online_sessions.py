@@ -1,4 +1,5 @@
 """Pure tests of the online orchestrator's sessions owner, measurements and registry (no network)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,7 +27,11 @@ def hops(*peers):
 
 def chains_cap6():
     # total capacity 6: fast chain (a,b,c) cap 2, mid (d,e,f) cap 3, slow (g,h,i) cap 1
-    return [(hops("a", "b", "c"), 2, 1.0, 4096), (hops("d", "e", "f"), 3, 2.0, 4096), (hops("g", "h", "i"), 1, 3.0, 4096)]
+    return [
+        (hops("a", "b", "c"), 2, 1.0, 4096),
+        (hops("d", "e", "f"), 3, 2.0, 4096),
+        (hops("g", "h", "i"), 1, 3.0, 4096),
+    ]
 
 
 def test_capacity_never_exceeded_and_fifo_with_12_sessions():
@@ -132,10 +137,19 @@ def test_replan_drains_old_chains():
 
 
 def small_cluster():
-    return cluster_from_dict({"blocks": 4, "block_size": 1, "cache_size": 1, "arrival_rate": 0.5, "servers": [
-        {"name": "p0", "memory": 6, "tau_c": 0.1, "tau_p": 0.05, "rtt": 0.01},
-        {"name": "p1", "memory": 6, "tau_c": 0.2, "tau_p": 0.05, "rtt": 0.02},
-        {"name": "p2", "memory": 8, "tau_c": 0.1, "tau_p": 0.1, "rtt": 0.01}]})
+    return cluster_from_dict(
+        {
+            "blocks": 4,
+            "block_size": 1,
+            "cache_size": 1,
+            "arrival_rate": 0.5,
+            "servers": [
+                {"name": "p0", "memory": 6, "tau_c": 0.1, "tau_p": 0.05, "rtt": 0.01},
+                {"name": "p1", "memory": 6, "tau_c": 0.2, "tau_p": 0.05, "rtt": 0.02},
+                {"name": "p2", "memory": 8, "tau_c": 0.1, "tau_p": 0.1, "rtt": 0.01},
+            ],
+        }
+    )
 
 
 @pytest.mark.parametrize("policy", ["petals", "bprr"])
@@ -178,7 +192,12 @@ def test_footnote11_and_lengths():
 def test_registry_builds_plan_input():
     def info(peer, mem):
         return ServerInfo(peer, "m", 0, 0, "joining", mem, 100, 10, 2048, 0, 1e-3, 2e-3)
-    recs = [ServerRecord(info("zz", 5000), 0.01), ServerRecord(info("aa", 3000), 0.02), ServerRecord(info("mm", 1), None)]
+
+    recs = [
+        ServerRecord(info("zz", 5000), 0.01),
+        ServerRecord(info("aa", 3000), 0.02),
+        ServerRecord(info("mm", 1), None),
+    ]
     cluster, peers = build_cluster(recs, 30, SessionShape(10, 5), 0.5, 0.7, Overheads(0.001, 0.0))
     assert peers == ["aa", "zz"]  # unmeasured servers are left out; sorted by peer id
     assert cluster.servers[0].tau_c_s == pytest.approx(5 * 0.02)
@@ -188,6 +207,7 @@ def test_registry_builds_plan_input():
 
 def test_joining_record_without_blocks_is_valid_only_when_joining():
     from petals_chain.errors import InvalidRequestError
+
     joining = ServerInfo("p", "m", 0, 0, "joining", 1, 1, 1, 1, 0, 0.1, 0.1)
     assert ServerInfo.from_wire(joining.to_wire()) == joining and not joining.has_blocks
     with pytest.raises(InvalidRequestError):
@@ -197,10 +217,15 @@ def test_joining_record_without_blocks_is_valid_only_when_joining():
 def test_replan_keeps_busy_and_fixed_servers_unless_forced():
     from orchestrator.model import BlockInterval as R
     from orchestrator.service.registry import HeldRange, keep_held_ranges
+
     fresh = [R(0, 10), R(10, 30), None, R(0, 30)]
     peers = ["busy", "idle", "fixed", "same"]
-    held = {"busy": HeldRange(5, 20, busy=True), "idle": HeldRange(0, 5), "fixed": HeldRange(20, 30, fixed=True),
-            "same": HeldRange(0, 30, busy=True)}
+    held = {
+        "busy": HeldRange(5, 20, busy=True),
+        "idle": HeldRange(0, 5),
+        "fixed": HeldRange(20, 30, fixed=True),
+        "same": HeldRange(0, 30, busy=True),
+    }
     out, pinned = keep_held_ranges(fresh, peers, held)
     assert out == [R(5, 20), R(10, 30), R(20, 30), R(0, 30)] and pinned == ["busy", "fixed"]
     out, pinned = keep_held_ranges(fresh, peers, held, force=True)
@@ -212,6 +237,7 @@ def test_metrics_text_and_status_page_render_without_a_network():
     from types import SimpleNamespace
 
     from orchestrator.service.http import PALETTE, metrics_text, status_html
+
     ds = Sessions()
     ds.install_chains(chains_cap6(), 3, 0.0)
     for i in range(8):
@@ -221,22 +247,54 @@ def test_metrics_text_and_status_page_render_without_a_network():
     text = metrics_text(orch)
     assert "petals_chain_sessions_admitted_total 7" in text and "petals_chain_plan_version 3" in text
     assert "petals_chain_queue_length 1" in text
-    buckets = [int(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("petals_chain_queue_wait_seconds_bucket")]
+    buckets = [
+        int(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("petals_chain_queue_wait_seconds_bucket")
+    ]
     assert buckets == sorted(buckets) and buckets[-1] == 7  # cumulative; +Inf = all admitted
     assert 'petals_chain_queue_wait_seconds_bucket{le="10.0"} 6' in text  # s6's 14 s wait is above 10 s
     for line in text.splitlines():  # every sample line is "name{labels} value" or "name value"
         if not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             float(value)
-            assert name.replace("_", "a").replace("{", "").replace("}", "").replace('"', "").replace("=", "") \
-                .replace(".", "").replace("+", "").isalnum()
-    status = {"model": "m", "policy": "proposed", "plan_version": 3, "plan_installed": True, "c": 3, "sessions": 6,
-              "queue_length": 1, "num_blocks": 30, "events": ["x <b>"],
-              "servers": [{"peer_id": p, "name": p, "start": 10 * i, "end": 10 * i + 10, "state": "online",
-                           "memory": 2**28, "rtt": 0.001, "tau_c": 0.03, "tau_p": 0.05, "active_sessions": 1}
-                          for i, p in enumerate("abc")],
-              "chains": ds.chain_views()}
+            assert (
+                name.replace("_", "a")
+                .replace("{", "")
+                .replace("}", "")
+                .replace('"', "")
+                .replace("=", "")
+                .replace(".", "")
+                .replace("+", "")
+                .isalnum()
+            )
+    status = {
+        "model": "m",
+        "policy": "proposed",
+        "plan_version": 3,
+        "plan_installed": True,
+        "c": 3,
+        "sessions": 6,
+        "queue_length": 1,
+        "num_blocks": 30,
+        "events": ["x <b>"],
+        "servers": [
+            {
+                "peer_id": p,
+                "name": p,
+                "start": 10 * i,
+                "end": 10 * i + 10,
+                "state": "online",
+                "memory": 2**28,
+                "rtt": 0.001,
+                "tau_c": 0.03,
+                "tau_p": 0.05,
+                "active_sessions": 1,
+            }
+            for i, p in enumerate("abc")
+        ],
+        "chains": ds.chain_views(),
+    }
     page = status_html(status)
     assert page.count(f"background:{PALETTE[0]}") >= 10 and "x &lt;b&gt;" in page and "queue length" in page
 
@@ -257,19 +315,23 @@ def test_first_plan_waits_for_the_expected_servers_measured_or_the_expected_wait
     from orchestrator.service.core import first_plan_due
 
     # 9 expected, 6 measured (3 missed their RTT probes while loading), settled: wait
-    assert not first_plan_due(100.0, 6, 9, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
-                              expected_wait_s=180.0)
-    assert first_plan_due(100.0, 9, 9, last_change_s=99.0, settle_s=5.0, first_registration_s=0.0,
-                          expected_wait_s=180.0)  # all measured: at once, settled or not
-    assert first_plan_due(181.0, 6, 9, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
-                          expected_wait_s=180.0)  # gave up waiting: plan with the measured ones
-    assert not first_plan_due(181.0, 6, 9, last_change_s=179.0, settle_s=5.0, first_registration_s=0.0,
-                              expected_wait_s=180.0)  # ... but not while servers still arrive
+    assert not first_plan_due(
+        100.0, 6, 9, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0, expected_wait_s=180.0
+    )
+    assert first_plan_due(
+        100.0, 9, 9, last_change_s=99.0, settle_s=5.0, first_registration_s=0.0, expected_wait_s=180.0
+    )  # all measured: at once, settled or not
+    assert first_plan_due(
+        181.0, 6, 9, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0, expected_wait_s=180.0
+    )  # gave up waiting: plan with the measured ones
+    assert not first_plan_due(
+        181.0, 6, 9, last_change_s=179.0, settle_s=5.0, first_registration_s=0.0, expected_wait_s=180.0
+    )  # ... but not while servers still arrive
     # without --expected-servers: settling decides
-    assert not first_plan_due(12.0, 3, 0, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
-                              expected_wait_s=180.0)
-    assert first_plan_due(15.0, 3, 0, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0,
-                          expected_wait_s=180.0)
+    assert not first_plan_due(
+        12.0, 3, 0, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0, expected_wait_s=180.0
+    )
+    assert first_plan_due(15.0, 3, 0, last_change_s=10.0, settle_s=5.0, first_registration_s=0.0, expected_wait_s=180.0)
 
 
 def test_a_grant_is_logged_with_the_session_id(caplog):
@@ -279,5 +341,8 @@ def test_a_grant_is_logged_with_the_session_id(caplog):
     with caplog.at_level("INFO", logger="orchestrator.service.sessions"):
         grant, _ = ds.acquire("trace-7f3a.0.1234abcd", "gateway", 64, 0.0, timeout_s=10)
     assert grant is not None
-    assert any("session trace-7f3a.0.1234abcd of gateway" in r.getMessage()
-               and f"chain {grant.chain_id} granted" in r.getMessage() for r in caplog.records)
+    assert any(
+        "session trace-7f3a.0.1234abcd of gateway" in r.getMessage()
+        and f"chain {grant.chain_id} granted" in r.getMessage()
+        for r in caplog.records
+    )

@@ -101,8 +101,12 @@ def test_jffc_only():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(clusters(max_servers=6, max_blocks=5), st.sampled_from(["petals", "bprr"]),
-       st.lists(st.booleans(), min_size=1, max_size=60), st.integers(0, 1000))
+@given(
+    clusters(max_servers=6, max_blocks=5),
+    st.sampled_from(["petals", "bprr"]),
+    st.lists(st.booleans(), min_size=1, max_size=60),
+    st.integers(0, 1000),
+)
 def test_router_cache_bookkeeping(cluster, policy, ops, seed):
     try:
         placement = petals_placement(cluster) if policy == "petals" else bprr_placement(cluster)

@@ -19,8 +19,8 @@ def chain(t, c):
 def erlang_c_response_time(lam, mu, c):
     a = lam / mu
     rho = a / c
-    terms = sum(a ** k / math.factorial(k) for k in range(c))
-    last = a ** c / math.factorial(c) / (1 - rho)
+    terms = sum(a**k / math.factorial(k) for k in range(c))
+    last = a**c / math.factorial(c) / (1 - rho)
     p_wait = last / (terms + last)
     return p_wait / (c * mu - lam) + 1 / mu
 

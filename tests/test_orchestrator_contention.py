@@ -1,6 +1,7 @@
 """Shared-compute servers (model.Server.batch_overhead_s): chains whose servers split their compute
 among concurrent sessions take at least their busiest server's busy time, and the paper's model is
 unchanged when no server is marked."""
+
 from __future__ import annotations
 
 import math
@@ -72,8 +73,9 @@ def test_contended_chains_stop_at_saturation_and_take_the_busiest_servers_time()
 @given(st.data())
 def test_contended_chains_never_add_capacity_or_speed(data):
     cl = data.draw(clusters())
-    cs = shared(cl, data.draw(st.lists(st.one_of(st.none(), overheads), min_size=cl.num_servers,
-                                       max_size=cl.num_servers)))
+    cs = shared(
+        cl, data.draw(st.lists(st.one_of(st.none(), overheads), min_size=cl.num_servers, max_size=cl.num_servers))
+    )
     chains = gca(cs, data.draw(placements(cs))).chains
     assume(chains)
     out = contended_chains(cs, chains)
@@ -100,7 +102,7 @@ def test_gbp_cr_chain_times_are_the_paper_sum_or_the_busiest_server(cl, data):
             assert t == pytest.approx(max(total, busiest))
         # the same greedy order (line 1/3) with longer chain times: the paper's chains are a prefix,
         # and reaching the target takes at least as many of them
-        assert g.chains[:paper.num_chains] == paper.chains[:g.num_chains]
+        assert g.chains[: paper.num_chains] == paper.chains[: g.num_chains]
         if paper.meets_target and g.meets_target:
             assert g.num_chains >= paper.num_chains
         if not paper.meets_target:
@@ -112,10 +114,14 @@ def test_a_cpu_swarm_plan_spreads_over_more_chains_than_the_papers():
     # chain meets the target lambda / (rho_bar c) in the paper's model (1 / 0.9 s >= 3 / 2.8); when
     # sessions share a server's compute, 4 sessions keep it busy 0.1 + 4 x 0.4 = 1.7 s > 0.9 s, GBP-CR
     # needs a second chain, and GCA's chains stop where their server saturates (2 sessions)
-    cl = make_cluster([100.0] * 4, [0.5] * 4, [0.2] * 4, num_blocks=2, block_size=1.0, cache_size=1.0,
-                      arrival_rate=3.0, rho_bar=0.7)
+    cl = make_cluster(
+        [100.0] * 4, [0.5] * 4, [0.2] * 4, num_blocks=2, block_size=1.0, cache_size=1.0, arrival_rate=3.0, rho_bar=0.7
+    )
     paper, cpu = plan(cl, c=4), plan(shared(cl, 0.1), c=4)
-    used = lambda p: {j for k in p.chains for j in k.servers}
+
+    def used(p):
+        return {j for k in p.chains for j in k.servers}
+
     assert len(used(paper)) == 1 and len(used(cpu)) == 2
     assert [k.capacity for k in paper.chains] == [49] and [k.capacity for k in cpu.chains] == [2, 2]
     assert cpu.total_rate_per_s == pytest.approx(2 * 2 / 0.9) and cpu.total_rate_per_s > cl.arrival_rate_per_s
@@ -124,8 +130,13 @@ def test_a_cpu_swarm_plan_spreads_over_more_chains_than_the_papers():
 
 
 def test_cluster_files_take_batch_overhead_and_reject_bad_values():
-    base = {"blocks": 2, "block_size": 1, "cache_size": 0.1, "arrival_rate": 1,
-            "servers": [{"name": "a", "memory": 4, "tau_c": 1, "tau_p": 0.1, "batch_overhead": 0.5}]}
+    base = {
+        "blocks": 2,
+        "block_size": 1,
+        "cache_size": 0.1,
+        "arrival_rate": 1,
+        "servers": [{"name": "a", "memory": 4, "tau_c": 1, "tau_p": 0.1, "batch_overhead": 0.5}],
+    }
     assert cluster_from_dict(base).servers[0].batch_overhead_s == 0.5
     base["servers"][0]["batch_overhead"] = -1
     with pytest.raises(InvalidClusterError, match="batch_overhead"):
@@ -141,9 +152,13 @@ def test_the_orchestrator_marks_servers_shared_by_its_server_compute_setting():
     from orchestrator.session_times import SessionShape
     from petals_chain.algorithms.service_fit import ServiceFit
     from petals_chain.wire.records import ServerInfo
+
     shape = SessionShape(100, 21)
     info = ServerInfo("p", "m", 0, 4, "online", 4000, 100, 10, 2048, 40, 1e-4, 1e-3, name="p")
-    bare, fitted = ServerRecord(info, rtt_s=0.01), ServerRecord(info, rtt_s=0.01, fit=ServiceFit(2e-4, 1e-3, 0.05, 30, 0.1))
+    bare, fitted = (
+        ServerRecord(info, rtt_s=0.01),
+        ServerRecord(info, rtt_s=0.01, fit=ServiceFit(2e-4, 1e-3, 0.05, 30, 0.1)),
+    )
     assert batch_overhead_s(bare, shape, "auto") is None and batch_overhead_s(bare, shape, "parallel") is None
     assert batch_overhead_s(bare, shape, "shared") == 0.0
     assert batch_overhead_s(fitted, shape, "auto") == pytest.approx(21 * 0.05)
@@ -168,7 +183,10 @@ def test_a_batch_pays_the_per_block_part_once():
     # a chain saturates later than with tau_p all per session: spare (4 - 0.2 - 1.6) / (4 x 0.1) -> 6
     k = ChainSpec((0,), (BlockInterval(0, 4),), capacity=10, service_time_s=4.0)
     assert saturating_capacity(cl, k) == 6
-    assert saturating_capacity(replace(cl, servers=tuple(replace(s, batch_block_overhead_s=None) for s in cl.servers)), k) == 2
+    assert (
+        saturating_capacity(replace(cl, servers=tuple(replace(s, batch_block_overhead_s=None) for s in cl.servers)), k)
+        == 2
+    )
     # GBP-CR's chain time for c sessions follows the same busy time
     res = gbp_cr(cl, 3)
     for k in res.chains:
@@ -179,9 +197,15 @@ def test_a_batch_pays_the_per_block_part_once():
 
 
 def test_cluster_files_take_batch_block_overhead_within_tau_p():
-    base = {"blocks": 2, "block_size": 1, "cache_size": 0.1, "arrival_rate": 1,
-            "servers": [{"name": "a", "memory": 4, "tau_c": 1, "tau_p": 0.1, "batch_overhead": 0.5,
-                         "batch_block_overhead": 0.08}]}
+    base = {
+        "blocks": 2,
+        "block_size": 1,
+        "cache_size": 0.1,
+        "arrival_rate": 1,
+        "servers": [
+            {"name": "a", "memory": 4, "tau_c": 1, "tau_p": 0.1, "batch_overhead": 0.5, "batch_block_overhead": 0.08}
+        ],
+    }
     assert cluster_from_dict(base).servers[0].batch_block_overhead_s == 0.08
     base["servers"][0]["batch_block_overhead"] = 0.2  # more than tau_p
     with pytest.raises(InvalidClusterError, match="batch_block_overhead"):
@@ -198,6 +222,7 @@ def test_the_fitted_t_B_goes_into_tau_p_and_is_not_planned_as_shared():
     from orchestrator.session_times import SessionShape
     from petals_chain.algorithms.service_fit import ServiceFit
     from petals_chain.wire.records import ServerInfo
+
     shape = SessionShape(100, 21)
     info = ServerInfo("p", "m", 0, 4, "online", 4000, 100, 10, 2048, 40, 1e-4, 1e-3, name="p")
     f = ServiceFit(2e-4, 1e-3, 0.05, 30, 0.1, t_B_s=0.01, blocks_separable=True)
@@ -213,6 +238,7 @@ def test_the_fitted_t_B_goes_into_tau_p_and_is_not_planned_as_shared():
 
 def test_a_contended_chain_keeps_its_lone_time_for_the_bound_and_jffc():
     from orchestrator.bounds import theorem37_bounds
+
     # one server holding the whole model: alone a session takes 10 s; 2 sessions keep it busy 18 s each
     lone = ChainSpec((0,), (BlockInterval(0, 4),), capacity=2, service_time_s=10.0)
     full = replace(lone, service_time_s=18.0, lone_time_s=10.0)

@@ -71,8 +71,12 @@ def test_all_policies_serve_every_job_in_simulation(name):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.1, 10.0), st.integers(1, 4)), min_size=1, max_size=5),
-       st.lists(st.booleans(), min_size=1, max_size=120), st.sampled_from(sorted(DISPATCHERS)), st.integers(0, 10**6))
+@given(
+    st.lists(st.tuples(st.floats(0.1, 10.0), st.integers(1, 4)), min_size=1, max_size=5),
+    st.lists(st.booleans(), min_size=1, max_size=120),
+    st.sampled_from(sorted(DISPATCHERS)),
+    st.integers(0, 10**6),
+)
 def test_dispatch_invariants(pairs, ops, name, seed):
     """Random arrival/completion sequences: capacities hold, every job starts once, and JFFC is
     work conserving, FIFO and picks the fastest free chain."""

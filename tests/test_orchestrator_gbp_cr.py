@@ -116,7 +116,9 @@ def test_gbp_cr_chains_are_valid(cluster, c):
         if r is not None:
             assert r.num_blocks == m[j] and 0 <= r.start and r.end <= L
             # blocks plus c slots per block fit in memory (eq. 8)
-            assert m[j] * (cluster.service.block_size + cluster.service.cache_size * c) <= cluster.servers[j].memory + 1e-9
+            assert (
+                m[j] * (cluster.service.block_size + cluster.service.cache_size * c) <= cluster.servers[j].memory + 1e-9
+            )
     for chain in g.chains:
         covered = 0
         for j in chain:  # consecutive servers leave no gap

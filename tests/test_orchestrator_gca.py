@@ -34,8 +34,7 @@ def test_every_link_into_an_exhausted_server_is_removed():
     # Server 2 ([1, 3)) is entered from server 0 (m=2) or from server 1 (m=1). The first chain
     # 1->2 takes 3 of server 2's 4 slots; the link 0->2 (m=2, not on that chain) must go too,
     # otherwise the next shortest path 0->2 would get capacity floor(1/2) = 0.
-    cl = make_cluster([1.1, 2.6, 2.4], [1.0, 1.0, 1.0], [0.5, 0.1, 0.1], num_blocks=3,
-                      block_size=1.0, cache_size=0.1)
+    cl = make_cluster([1.1, 2.6, 2.4], [1.0, 1.0, 1.0], [0.5, 0.1, 0.1], num_blocks=3, block_size=1.0, cache_size=0.1)
     p = Placement((BlockInterval(0, 1), BlockInterval(0, 2), BlockInterval(1, 3)))
     assert residual_slots(cl, p) == [1, 6, 4]
     for impl in (gca, gca_networkx):

@@ -1,4 +1,3 @@
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -60,13 +59,16 @@ def test_chain_service_time_eq2():
         chain_from_path(cl, p, [1], capacity=1)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(memories=[-1.0]), "memory"),
-    (dict(tau_c=[-0.1]), "tau_c"),
-    (dict(arrival_rate=0.0), "arrival_rate"),
-    (dict(rho_bar=1.0), "rho_bar"),
-    (dict(num_blocks=0), "blocks"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(memories=[-1.0]), "memory"),
+        (dict(tau_c=[-0.1]), "tau_c"),
+        (dict(arrival_rate=0.0), "arrival_rate"),
+        (dict(rho_bar=1.0), "rho_bar"),
+        (dict(num_blocks=0), "blocks"),
+    ],
+)
 def test_invalid_cluster_messages(kwargs, match):
     args = dict(memories=[4.0], tau_c=[1.0], tau_p=[0.1], num_blocks=2)
     args.update(kwargs)
@@ -76,5 +78,6 @@ def test_invalid_cluster_messages(kwargs, match):
 
 def test_duplicate_names_rejected():
     from orchestrator.model import Cluster, Server, Service
+
     with pytest.raises(InvalidClusterError, match="twice"):
         Cluster(Service(2, 1.0, 0.1), (Server("a", 4, 1, 1), Server("a", 4, 1, 1)), 1.0)

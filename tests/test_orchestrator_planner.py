@@ -74,7 +74,9 @@ def _check_plan(cluster, p):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(clusters(max_servers=7, max_blocks=6), st.sampled_from(POLICIES), st.sampled_from(["lower", "upper", "surrogate"]))
+@given(
+    clusters(max_servers=7, max_blocks=6), st.sampled_from(POLICIES), st.sampled_from(["lower", "upper", "surrogate"])
+)
 def test_plans_on_random_clusters_are_valid(cluster, policy, tuning):
     try:
         p = plan(cluster, policy, tuning=tuning)
@@ -121,13 +123,16 @@ def test_cli_policies_and_fixed_c(policy, capsys):
         assert d["c"] == 3
 
 
-@pytest.mark.parametrize("mutate, needle", [
-    (lambda d: d.pop("blocks"), "missing field 'blocks'"),
-    (lambda d: d["servers"][0].__setitem__("memory", -4), "memory"),
-    (lambda d: d["servers"][1].pop("tau_p"), "missing field 'tau_p'"),
-    (lambda d: d.__setitem__("arrival_rate", "fast"), "arrival_rate"),
-    (lambda d: [s.__setitem__("memory", 1.0) for s in d["servers"]], "add servers or memory"),
-])
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda d: d.pop("blocks"), "missing field 'blocks'"),
+        (lambda d: d["servers"][0].__setitem__("memory", -4), "memory"),
+        (lambda d: d["servers"][1].pop("tau_p"), "missing field 'tau_p'"),
+        (lambda d: d.__setitem__("arrival_rate", "fast"), "arrival_rate"),
+        (lambda d: [s.__setitem__("memory", 1.0) for s in d["servers"]], "add servers or memory"),
+    ],
+)
 def test_cli_bad_input_exit_2(tmp_path, capsys, mutate, needle):
     raw = json.loads(EXAMPLE.read_text())
     mutate(raw)
@@ -150,6 +155,7 @@ def test_cli_unreadable_and_bad_args(tmp_path, capsys):
 
 def test_umbrella_cli_dispatches_plan(capsys):
     from petals_chain.cli.main import main as umbrella
+
     assert umbrella(["plan", "--cluster", str(EXAMPLE), "--c", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["c"] == 2
 

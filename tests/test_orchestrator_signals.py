@@ -1,4 +1,5 @@
 """A live orchestrator process takes SIGUSR1 as "hold the calibrated re-plans" and keeps running."""
+
 from __future__ import annotations
 
 import json

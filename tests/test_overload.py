@@ -4,6 +4,7 @@ No chain holds more sessions than its capacity, no server's memory accounting ev
 budget (and the budget really binds: one more session would not fit), every queued session gets its
 grant or a typed error, nothing hangs, and every completed greedy output equals HF.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,9 +29,26 @@ def test_twice_the_capacity_stays_within_budgets_and_loses_nothing(tiny_llama_pa
     # in-process, so the swarm's `with` block stops every process even when an assertion fails;
     # 0.9 MiB per server: GBP-CR splits the 6 blocks over two servers that hold 2 sessions each;
     # 12 s of overload: 24 s turned the capacity over about 100 times at load average 8 (5 are asserted)
-    args = overload.build_parser().parse_args([
-        "--minutes", "0.2", "--model", str(tiny_llama_path), "--servers", "4", "--budget", "0.9MiB",
-        "--tokens", "6", "--factor", "2", "--acquire-timeout", "60", "--hang-s", "90"])
+    args = overload.build_parser().parse_args(
+        [
+            "--minutes",
+            "0.2",
+            "--model",
+            str(tiny_llama_path),
+            "--servers",
+            "4",
+            "--budget",
+            "0.9MiB",
+            "--tokens",
+            "6",
+            "--factor",
+            "2",
+            "--acquire-timeout",
+            "60",
+            "--hang-s",
+            "90",
+        ]
+    )
     summary = overload.run(args)
     text = json.dumps(summary)
     assert summary["lost"] == 0 and summary["unfinished_clients"] == 0, text
@@ -49,5 +67,7 @@ def test_twice_the_capacity_stays_within_budgets_and_loses_nothing(tiny_llama_pa
         assert s["kv_allocated_bytes_max"] <= s["kv_reserved_bytes_max"], text
         assert s["rss_bytes_max"] > 0, text
     # ... and the budget was what bound it: at the peak, one more session would not have fitted
-    assert any(s["weights_bytes"] + s["kv_peak_reserved_bytes"] + s["kv_bytes_per_session"] > s["memory_budget_bytes"]
-               for s in used), text
+    assert any(
+        s["weights_bytes"] + s["kv_peak_reserved_bytes"] + s["kv_bytes_per_session"] > s["memory_budget_bytes"]
+        for s in used
+    ), text

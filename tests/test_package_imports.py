@@ -1,4 +1,5 @@
 """The package's top-level names, and that importing it stays light."""
+
 from __future__ import annotations
 
 import subprocess
@@ -31,8 +32,10 @@ def test_unknown_top_level_name_is_an_attribute_error():
 
 
 def test_import_and_cli_help_do_not_load_torch():
-    code = ("import sys, petals_chain, petals_chain.cli.main; petals_chain.cli.main.main(['--help']); "
-            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    code = (
+        "import sys, petals_chain, petals_chain.cli.main; petals_chain.cli.main.main(['--help']); "
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False False"

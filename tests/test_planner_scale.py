@@ -1,5 +1,6 @@
 """The fast planner (GbpCrSweep + end-indexed GCA) gives the same plans as the per-c, networkx
 implementation it replaced (tests/gbp_cr_reference.py, tests/gca_reference.py)."""
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,14 @@ def random_cluster(rng: np.random.Generator, num_servers: int, num_blocks: int, 
     servers = []
     for j in range(num_servers):
         kind = rng.integers(3)
-        servers.append(Server(f"s{j}", memory=(80.0, 40.0, 20.0)[kind], tau_c_s=float(rng.uniform(0.2, 1.0)),
-                              tau_p_s=(0.03, 0.109, 0.175)[kind] * float(rng.uniform(0.9, 1.1))))
+        servers.append(
+            Server(
+                f"s{j}",
+                memory=(80.0, 40.0, 20.0)[kind],
+                tau_c_s=float(rng.uniform(0.2, 1.0)),
+                tau_p_s=(0.03, 0.109, 0.175)[kind] * float(rng.uniform(0.9, 1.1)),
+            )
+        )
     return Cluster(Service(num_blocks, 1.32, 0.11), tuple(servers), arrival_rate_per_s=rate, rho_bar=0.7)
 
 
@@ -38,7 +45,9 @@ def reference_plan(cluster: Cluster, tuning: str):
             continue
         chains = gca_networkx(cluster, g.placement).chains
         b = theorem37_bounds(chains, cluster.arrival_rate_per_s)
-        obj = {"lower": b.lower_s, "upper": b.upper_s, "surrogate": c * g.num_chains if g.meets_target else math.inf}[tuning]
+        obj = {"lower": b.lower_s, "upper": b.upper_s, "surrogate": c * g.num_chains if g.meets_target else math.inf}[
+            tuning
+        ]
         rate = total_service_rate_per_s(chains)
         if best is None or (obj < best[0] if (math.isfinite(obj) or math.isfinite(best[0])) else rate > best[1]):
             best = (obj, rate, c, g.placement, chains)

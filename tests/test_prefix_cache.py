@@ -1,5 +1,6 @@
 """The server's prefix KV cache: chained keys, LRU eviction inside the KV budget, pinning, sharing
 scope, and exactness: generation with cache hits equals HF token for token."""
+
 from __future__ import annotations
 
 import threading
@@ -170,11 +171,21 @@ def test_parents_outlive_children_and_insert_stops_when_memory_is_out():
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "pin", "unpin", "take", "reserve", "release"]),
-                              st.integers(0, 5), st.sampled_from(["a", "b"]), st.integers(1, 6)),
-                    min_size=1, max_size=50),
-       budget_chunks=st.integers(1, 12), sharing=st.sampled_from(["client", "swarm"]),
-       cap_chunks=st.sampled_from([None, 2, 5]))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "pin", "unpin", "take", "reserve", "release"]),
+            st.integers(0, 5),
+            st.sampled_from(["a", "b"]),
+            st.integers(1, 6),
+        ),
+        min_size=1,
+        max_size=50,
+    ),
+    budget_chunks=st.integers(1, 12),
+    sharing=st.sampled_from(["client", "swarm"]),
+    cap_chunks=st.sampled_from([None, 2, 5]),
+)
 def test_cache_invariants_under_random_use(ops, budget_chunks, sharing, cap_chunks):
     """Whatever happens: eq. 1 holds (weights + sessions + cache <= M), a pinned chunk is never
     evicted, every chunk's parent is present, counts agree with the budget's reservations."""
@@ -185,7 +196,7 @@ def test_cache_invariants_under_random_use(ops, budget_chunks, sharing, cap_chun
     pins, sessions = [], []
     for k, (op, p, client, n) in enumerate(ops):
         ns = cache.namespace(client, 0)
-        hashes = _hashes(prompts[p][:n * C])
+        hashes = _hashes(prompts[p][: n * C])
         if op == "insert":
             cache.insert(ns, hashes, _kv(n * C))
         elif op == "pin":
@@ -270,8 +281,13 @@ def _hops(path, head, splits, policy, max_batch_tokens, chunk):
     for start, end in splits:
         rng = BlockRange(path, start, end, model_path=path, config=head.config)
         budget = KVBudget(10**9, rng.block_bytes * (end - start))
-        hops.append((rng, StepScheduler(rng, make_policy(policy), max_batch_tokens=max_batch_tokens),
-                     PrefixCache(budget, chunk)))
+        hops.append(
+            (
+                rng,
+                StepScheduler(rng, make_policy(policy), max_batch_tokens=max_batch_tokens),
+                PrefixCache(budget, chunk),
+            )
+        )
     return hops
 
 

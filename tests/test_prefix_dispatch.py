@@ -1,5 +1,6 @@
 """The prompt-aware dispatch policies (orchestrator.dispatch: e2, d2lpm, rr-lpm, vtc-rr), the global prefix
 index (orchestrator.prefix_index) and the prefix-aware simulator (orchestrator.sim.prefix_engine)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -62,8 +63,17 @@ def test_index_is_bounded_lru_and_evictions_prune():
 
 
 # -- every policy keeps JFFC's contract ----------------------------------------------------------
-events = st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "complete", "cancel"]), st.integers(0, 3),
-                            st.integers(0, 6), st.integers(0, 3), st.booleans()), min_size=1, max_size=60)
+events = st.lists(
+    st.tuples(
+        st.sampled_from(["arrive", "arrive", "complete", "cancel"]),
+        st.integers(0, 3),
+        st.integers(0, 6),
+        st.integers(0, 3),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=60,
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -87,8 +97,13 @@ def test_policies_respect_capacity_allowed_sets_and_the_central_queue(policy, ev
             job += 1
             allowed = frozenset({chain % n_chains}) if restrict else None
             waiting[job] = allowed
-            started(d.on_arrival(job, allowed, DispatchRequest(f"c{client}", prompt(prefix % 3, prefix, job),
-                                                               16 * (prefix + 1) + 5, 4)))
+            started(
+                d.on_arrival(
+                    job,
+                    allowed,
+                    DispatchRequest(f"c{client}", prompt(prefix % 3, prefix, job), 16 * (prefix + 1) + 5, 4),
+                )
+            )
         elif kind == "complete" and running:
             j = sorted(running)[prefix % len(running)]
             del running[j]
@@ -165,8 +180,13 @@ def test_d2lpm_serves_a_light_client_before_a_flooders_backlog():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n_chains=st.integers(1, 3), capacity=st.integers(1, 2), seed=st.integers(0, 10_000),
-       quantum=st.sampled_from([50.0, 200.0, 1000.0]), steps=st.integers(20, 120))
+@given(
+    n_chains=st.integers(1, 3),
+    capacity=st.integers(1, 2),
+    seed=st.integers(0, 10_000),
+    quantum=st.sampled_from([50.0, 200.0, 1000.0]),
+    steps=st.integers(20, 120),
+)
 def test_d2lpm_service_bound_in_every_window(n_chains, capacity, seed, quantum, steps):
     """Theorem 5.1/A.3: over any window in which client f stays backlogged, W_g - W_f <= 2 (U + Q^u) |W|,
     W the service charged at grants (w_e extend tokens + w_q output), U the largest one request's charge."""
@@ -198,8 +218,12 @@ def test_d2lpm_service_bound_in_every_window(n_chains, capacity, seed, quantum, 
             job_client[job] = c
             waiting_of[c] += 1
             chunks = int(rng.integers(0, max_chunks + 1))
-            req = DispatchRequest(c, prompt(int(rng.integers(2)), chunks, job), chunks * 16 + int(rng.integers(1, 16)),
-                                  int(rng.integers(0, max_out + 1)))
+            req = DispatchRequest(
+                c,
+                prompt(int(rng.integers(2)), chunks, job),
+                chunks * 16 + int(rng.integers(1, 16)),
+                int(rng.integers(0, max_out + 1)),
+            )
             note(d.on_arrival(job, None, req))
         history.append(({c: d.service.get(c, 0.0) for c in clients}, {c for c in clients if waiting_of[c] > 0}))
     bound = 2 * (u_bound + params.quantum_client) * n_chains
@@ -226,17 +250,21 @@ def test_sim_charges_prefill_only_for_unmatched_tokens():
     chains = chains_of(1, capacity=1)
     costs = {s: ServerCost(0.001, 0.01) for s in chains[0].servers}
     shared = prompt(1, 8, 0)[:-1]
-    reqs = [PromptRequest(0.0, "a", shared + (("u", 0),), 9 * 16 + 5, 2),
-            PromptRequest(100.0, "a", shared + (("u", 1),), 9 * 16 + 5, 2)]
+    reqs = [
+        PromptRequest(0.0, "a", shared + (("u", 0),), 9 * 16 + 5, 2),
+        PromptRequest(100.0, "a", shared + (("u", 1),), 9 * 16 + 5, 2),
+    ]
     for policy in ["jffc", "e2"]:
         idx = PrefixIndex(sharing="swarm")
-        res = simulate_prefix(make_dispatcher(policy, chains, index=idx), chains, reqs, costs=costs,
-                              cache_chunks=100, index=idx)
+        res = simulate_prefix(
+            make_dispatcher(policy, chains, index=idx), chains, reqs, costs=costs, cache_chunks=100, index=idx
+        )
         blocks = 8  # two hops of 4 blocks
         assert res.computed_tokens.tolist() == [9 * 16 + 5, 16 + 5]
         assert res.reused_tokens.tolist() == [0, 8 * 16]
-        assert np.allclose(res.response_s, [blocks * (0.001 * (9 * 16 + 5) + 0.01 * 2),
-                                            blocks * (0.001 * (16 + 5) + 0.01 * 2)])
+        assert np.allclose(
+            res.response_s, [blocks * (0.001 * (9 * 16 + 5) + 0.01 * 2), blocks * (0.001 * (16 + 5) + 0.01 * 2)]
+        )
 
 
 def test_sim_index_tracks_the_caches_through_evictions():

@@ -2,6 +2,7 @@
 hashes, a session sharing a cached prefix is sent to the chain that holds it (and reuses it on every hop,
 identical text to HF), an unrelated prompt explores the other chain, and the orchestrator's prefix index
 converges to what the servers' caches report."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,11 +13,15 @@ from tests.swarm_helpers import get_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
-SYSTEM = ("You are a patient assistant for a small public library. You answer questions about opening hours, "
-          "borrowing rules and events in one or two short sentences, politely, without lists. The library is in "
-          "the old town hall, has three floors, a children's corner, a quiet room and a cafe on the ground floor.\n")
-QUESTIONS = ["Question: When does the library open on Saturday?\nAnswer: The library",
-             "Question: How many books may I borrow at once?\nAnswer: You"]
+SYSTEM = (
+    "You are a patient assistant for a small public library. You answer questions about opening hours, "
+    "borrowing rules and events in one or two short sentences, politely, without lists. The library is in "
+    "the old town hall, has three floors, a children's corner, a quiet room and a cafe on the ground floor.\n"
+)
+QUESTIONS = [
+    "Question: When does the library open on Saturday?\nAnswer: The library",
+    "Question: How many books may I borrow at once?\nAnswer: You",
+]
 OTHER = "Write a haiku about the sea in winter, then explain in one sentence why you chose its images.\n"
 
 
@@ -32,14 +37,25 @@ def test_e2_sends_a_shared_prefix_to_the_chain_that_holds_it(smollm2_path, smoll
     other = smollm2_tokenizer(OTHER, return_tensors="pt").input_ids
     refs = [smollm2_hf.generate(ids, max_new_tokens=6, do_sample=False) for ids in prompts]
     server_args = ["--num-threads", "1", "--max-length", "512", "--prefix-sharing", "client"]
-    orch = ["--policy", "jffc-only", "--expected-servers", "2", "--dispatch", "e2", "--prefix-sharing", "client",
-            "--lease-ttl", "10"]
+    orch = [
+        "--policy",
+        "jffc-only",
+        "--expected-servers",
+        "2",
+        "--dispatch",
+        "e2",
+        "--prefix-sharing",
+        "client",
+        "--lease-ttl",
+        "10",
+    ]
     with LocalSwarm("smollm2-135m", [None, None], server_args=server_args, orchestrator_args=orch) as swarm:
         url = swarm.orchestrator_url
         status = wait_for(lambda: (s := get_json(url + "status"))["plan_installed"] and s, 120, "the plan online")
         assert status["dispatch"] == "e2" and len([c for c in status["chains"] if c["dispatchable"]]) == 2
         model = DistributedModelForCausalLM.from_pretrained(
-            "smollm2-135m", initial_peers=swarm.initial_peers, identity_path=str(tmp_path / "alice.key"))
+            "smollm2-135m", initial_peers=swarm.initial_peers, identity_path=str(tmp_path / "alice.key")
+        )
         try:
             out, first, reused = _ask(model, prompts[0])
             assert out.tolist() == refs[0].tolist() and reused == 0 and first
@@ -54,9 +70,11 @@ def test_e2_sends_a_shared_prefix_to_the_chain_that_holds_it(smollm2_path, smoll
             # the servers' reports: the index holds exactly the chunks their caches hold
             def converged():
                 index = get_json(url + "status")["prefix"]["index_entries"]
-                held = sum(model.backend.server_info(sp.peer_id).extra["prefix_cache"]["chunks"]
-                           for sp in swarm.servers)
+                held = sum(
+                    model.backend.server_info(sp.peer_id).extra["prefix_cache"]["chunks"] for sp in swarm.servers
+                )
                 return index == held and held > 0
+
             wait_for(converged, 60, "the prefix index to match the servers' caches")
         finally:
             model.backend.shutdown()

@@ -2,6 +2,7 @@
 (identical text to HF), another client gets no hit (scope client), and a failover after reuse
 rebuilds the replacement's prefix and still gives identical text (span and whole-chain failover with
 server relay, and span failover with client relay)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,18 +17,27 @@ from tests.test_failover import KillAfter
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
-SYSTEM = ("You are a patient assistant for a small public library. You answer questions about opening hours, "
-          "borrowing rules and events in one or two short sentences, politely, without lists.\n")
+SYSTEM = (
+    "You are a patient assistant for a small public library. You answer questions about opening hours, "
+    "borrowing rules and events in one or two short sentences, politely, without lists.\n"
+)
 # continuations that run all 8 greedy tokens without reaching EOS (checked against HF below)
-QUESTIONS = ["Question: When does the library open on Saturday?\nAnswer: The library",
-             "Question: How many books may I borrow at once?\nAnswer: You",
-             "Question: Is there a reading club for children?\nAnswer: Yes, the"]
+QUESTIONS = [
+    "Question: When does the library open on Saturday?\nAnswer: The library",
+    "Question: How many books may I borrow at once?\nAnswer: You",
+    "Question: Is there a reading club for children?\nAnswer: Yes, the",
+]
 
 
 def _client(swarm, identity, servers, relay="server"):
     return DistributedModelForCausalLM.from_pretrained(
-        "smollm2-135m", initial_peers=swarm.initial_peers, use_orchestrator=False, identity_path=str(identity),
-        allowed_servers=[sp.peer_id for sp in servers], relay=relay)
+        "smollm2-135m",
+        initial_peers=swarm.initial_peers,
+        use_orchestrator=False,
+        identity_path=str(identity),
+        allowed_servers=[sp.peer_id for sp in servers],
+        relay=relay,
+    )
 
 
 def _ask(model, ids, n=8, streamer=None):
@@ -83,11 +93,13 @@ def test_prefix_reuse_across_sessions_scope_and_failover(smollm2_path, smollm2_h
         # prefix from a cache; it is rebuilt from the prefix run statelessly through the head
         survivors = _failover_after_reuse(swarm, tmp_path, [head, mid, spare], prompts[2], refs[2], whole_chain=False)
         # whole-chain failover (what a session does with an orchestrator): replayed from block 0
-        survivors = _failover_after_reuse(swarm, tmp_path, [head, survivors[0], spare2], prompts[2], refs[2],
-                                          whole_chain=True)
+        survivors = _failover_after_reuse(
+            swarm, tmp_path, [head, survivors[0], spare2], prompts[2], refs[2], whole_chain=True
+        )
         # the client relaying every hop itself (no pushes): the same rebuild of the prefix
-        _failover_after_reuse(swarm, tmp_path, [head, survivors[0], spare3], prompts[2], refs[2], whole_chain=False,
-                              relay="client")
+        _failover_after_reuse(
+            swarm, tmp_path, [head, survivors[0], spare3], prompts[2], refs[2], whole_chain=False, relay="client"
+        )
 
 
 def _failover_after_reuse(swarm, tmp_path, servers, ids, ref, whole_chain, relay="server"):

@@ -2,6 +2,7 @@
 boundary, the sessions' owner with e2 / d2lpm and its global prefix index, a client flooding acquires, and
 the index's convergence to real servers' prefix caches (server/prefix_cache.py) through their reports
 (server/prefix_report.py -> orchestrator/service/prefix_reports.py) after churn, eviction and a restart."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,16 +32,19 @@ def test_acquire_round_trips_its_prompt():
     assert wire.decode_request(wire.request(Acquire("s1", 8)), Acquire).prefix_hashes is None  # an older client
 
 
-@pytest.mark.parametrize("fields, what", [
-    ({"prefix_hashes": ["x" * 32], "prompt_tokens": 100}, "hex"),
-    ({"prefix_hashes": [1], "prompt_tokens": 100}, "prefix_hashes"),
-    ({"prefix_hashes": "0" * 32, "prompt_tokens": 100}, "prefix_hashes"),
-    ({"prefix_hashes": ["0" * 32] * (MAX_PREFIX_HASHES + 1), "prompt_tokens": 100}, "at most"),
-    ({"prefix_hashes": H[:4]}, "prompt_tokens"),
-    ({"prefix_hashes": H[:4], "prompt_tokens": 4 * PREFIX_CHUNK_TOKENS - 1}, "more than prompt_tokens"),
-    ({"prompt_tokens": 300}, "max_length"),
-    ({"prompt_tokens": -1}, "max_length"),
-])
+@pytest.mark.parametrize(
+    "fields, what",
+    [
+        ({"prefix_hashes": ["x" * 32], "prompt_tokens": 100}, "hex"),
+        ({"prefix_hashes": [1], "prompt_tokens": 100}, "prefix_hashes"),
+        ({"prefix_hashes": "0" * 32, "prompt_tokens": 100}, "prefix_hashes"),
+        ({"prefix_hashes": ["0" * 32] * (MAX_PREFIX_HASHES + 1), "prompt_tokens": 100}, "at most"),
+        ({"prefix_hashes": H[:4]}, "prompt_tokens"),
+        ({"prefix_hashes": H[:4], "prompt_tokens": 4 * PREFIX_CHUNK_TOKENS - 1}, "more than prompt_tokens"),
+        ({"prompt_tokens": 300}, "max_length"),
+        ({"prompt_tokens": -1}, "max_length"),
+    ],
+)
 def test_acquire_refuses_bad_prompt_fields_with_a_typed_error(fields, what):
     with pytest.raises(InvalidRequestError, match=what):
         Acquire.from_wire({"session_id": "s1", "max_length": 256, **fields})
@@ -123,8 +127,9 @@ def report_round(reader: PrefixReportReader, sessions: Sessions, caches: dict) -
     """What the orchestrator's poll does, with the servers' own rpc_info code path and the wire in between."""
     for peer, cache in caches.items():
         epoch, seq = reader.cursors.get(peer, (None, 0))
-        request = wire.decode_request(wire.request(wire_records.InfoRequest(prefix_since_seq=seq, prefix_epoch=epoch)),
-                                      wire_records.InfoRequest)
+        request = wire.decode_request(
+            wire.request(wire_records.InfoRequest(prefix_since_seq=seq, prefix_epoch=epoch)), wire_records.InfoRequest
+        )
         delta = prefix_delta(FakeStack(cache), request)
         reader.apply(sessions, peer, wire_records.PrefixDelta.from_wire(delta.to_wire()))
 

@@ -1,5 +1,6 @@
 """Reachability pieces without a network: circuit addresses in p2pd's binary form, relay routes from
 records, the dial-back messages, p2pd's extra flags, the status page's mark, and ServerInfo's new fields."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,10 +26,23 @@ RELAY = "12D3KooWAmCZfRvtmdrqeznXwpfTMDuLpYYeLyAHPUwMU9DivFz7"
 
 
 def _info(peer: str, reach=Reachability.DIRECT, relays=(), relay_rtt_s=None) -> ServerInfo:
-    return ServerInfo(peer_id=peer, model="m", start=0, end=2, state=ServerState.ONLINE, memory_budget_bytes=1,
-                      block_bytes=1, kv_bytes_per_block=1, max_length_tokens=8, free_kv_slots=1,
-                      prefill_s_per_token=0.0, decode_s_per_token=0.0, reachability=reach, relay_maddrs=tuple(relays),
-                      relay_rtt_s=relay_rtt_s or {})
+    return ServerInfo(
+        peer_id=peer,
+        model="m",
+        start=0,
+        end=2,
+        state=ServerState.ONLINE,
+        memory_budget_bytes=1,
+        block_bytes=1,
+        kv_bytes_per_block=1,
+        max_length_tokens=8,
+        free_kv_slots=1,
+        prefill_s_per_token=0.0,
+        decode_s_per_token=0.0,
+        reachability=reach,
+        relay_maddrs=tuple(relays),
+        relay_rtt_s=relay_rtt_s or {},
+    )
 
 
 def test_circuit_address_uses_the_bare_multihash_p2pd_parses():
@@ -56,8 +70,9 @@ def test_a_relayed_servers_rtt_is_the_sum_over_its_best_relay():
     assert relay_peer_id(f"/ip4/10.213.0.1/tcp/1/p2p/{RELAY}") == RELAY
     assert relay_peer_id("/ip4/10.0.0.1/tcp/1") is None
     # ours to relay r1 is 10 ms, the server's 20 ms; via r2 12 + 30; r3: we could not reach it
-    assert relayed_rtt_s({"r1": 0.010, "r2": 0.012, "r3": None}, {"r1": 0.020, "r2": 0.030, "r3": 0.001}) \
-        == pytest.approx(0.030)
+    assert relayed_rtt_s(
+        {"r1": 0.010, "r2": 0.012, "r3": None}, {"r1": 0.020, "r2": 0.030, "r3": 0.001}
+    ) == pytest.approx(0.030)
     assert relayed_rtt_s({"r1": None}, {"r1": 0.02}) is None  # no relay measured from both ends
     assert relayed_rtt_s({"r1": 0.01}, {"r2": 0.02}) is None
     routes = RelayRoutes()
@@ -130,6 +145,6 @@ def test_server_info_carries_reachability_and_old_records_read_as_direct():
 
 def test_status_page_marks_relayed_servers():
     from orchestrator.service.http import _relayed_mark
+
     assert 'class="relayed"' in _relayed_mark({"reachability": "relayed"})
     assert _relayed_mark({"reachability": "direct"}) == "" and _relayed_mark({}) == ""
-

@@ -11,6 +11,7 @@ Run as written, with two substitutions a shared test machine needs, nothing else
 (31337, 8000) become free ones, and the commands run in a scratch folder whose `.venv` is this
 interpreter's environment (so `.venv/bin/...` are the entry points of the code under test).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,20 +46,20 @@ RUN = {  # executed by a test in this file
 COVERED_ELSEWHERE = {  # not run verbatim here: where the same commands are tested, and why
     "quickstart": "make demo = `petals-chain demo` (tests/test_demo.py, fewer tokens); make test is this suite",
     "chat-local": "`chat` is interactive: tests/test_chat.py types into it on a pseudo-terminal; `generate` "
-                  "without peers (in-process blocks of SmolLM2): tests/test_speculative.py's CLI test",
+    "without peers (in-process blocks of SmolLM2): tests/test_speculative.py's CLI test",
     "gpu-host": "needs a CUDA GPU: tests/test_cuda.py (skips without one) runs servers and clients with --device cuda",
     "swarm-across-hosts": "a multi-host template (A.A.A.A); the same commands on one host: "
-                          "tests/test_online_orchestrator.py",
+    "tests/test_online_orchestrator.py",
     "reproduce-paper": "minutes to 15 min; its --quick path: tests/test_sim_cli.py's smoke run of "
-                       "scripts/reproduce_paper.py",
+    "scripts/reproduce_paper.py",
     "netem-steps": "needs root (network namespaces): tests/test_netem_swarm.py runs the same swarm on emulated hosts",
     "netem-python": "needs root: tests/test_netem_emulation.py drives netem.Network the same way",
     "table1": "minutes to hours: tests/test_table1_quick.py runs `experiment table1 --quick`'s path on a small scale",
     "speculative": "continues the client-library snippet (its model, ids; a draft model): tests/test_speculative.py "
-                   "and tests/test_speculative_live.py run these calls",
+    "and tests/test_speculative_live.py run these calls",
     "table1-gpu": "needs a CUDA GPU and hours; the same driver on CPU: tests/test_table1_quick.py",
     "adapters-server": "a template over the user's checkpoint and LoRA folders: tests/test_lora_live.py serves "
-                       "tiny checkpoints with LoRA adapters through launch-server --adapters",
+    "tiny checkpoints with LoRA adapters through launch-server --adapters",
     "adapters-client": "the client side of the same: tests/test_lora_live.py",
     "bench-fairness": "a benchmark (15 min); not part of the suite",
     "bench-fairness-prefix": "a benchmark (6 min); not part of the suite",
@@ -81,10 +82,15 @@ def test_every_runnable_block_is_accounted_for():
         text = path.read_text(encoding="utf-8")
         runnable = [m for m in ANY_BLOCK.finditer(text) if m.group(1) in ("bash", "sh", "python", "console")]
         marked = {m.start() for m in FENCE.finditer(text)}
-        unmarked += [f"{path.name}: {text[m.start():].splitlines()[1]}" for m in runnable
-                     if not any(0 <= m.start() - start < 80 for start in marked)]
-    assert not unmarked, ("blocks without a `<!-- readme-test: NAME -->` line above them (add one, and run "
-                          f"the block in tests/test_readme.py or list it in COVERED_ELSEWHERE): {unmarked}")
+        unmarked += [
+            f"{path.name}: {text[m.start() :].splitlines()[1]}"
+            for m in runnable
+            if not any(0 <= m.start() - start < 80 for start in marked)
+        ]
+    assert not unmarked, (
+        "blocks without a `<!-- readme-test: NAME -->` line above them (add one, and run "
+        f"the block in tests/test_readme.py or list it in COVERED_ELSEWHERE): {unmarked}"
+    )
     names = {name for kind, name in readme_blocks() if kind == "test"}
     assert names == set(RUN) | set(COVERED_ELSEWHERE), names ^ (set(RUN) | set(COVERED_ELSEWHERE))
     assert not set(RUN) & set(COVERED_ELSEWHERE)
@@ -104,8 +110,14 @@ def test_plan_block_prints_the_shown_output(tmp_path):
     blocks = readme_blocks()
     _, command = blocks[("test", "plan")]
     _, shown = blocks[("output", "plan")]
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=_scratch(tmp_path), env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", command],
+        cwd=_scratch(tmp_path),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == json.loads(shown)
 
@@ -122,8 +134,11 @@ def _scratch(tmp_path: Path) -> Path:
 
 def _env() -> dict[str, str]:
     # PYTHONPATH first: the entry points of .venv/bin import the code under test (this checkout)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-            "PYTHONUNBUFFERED": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def _free_port() -> int:
@@ -144,8 +159,11 @@ def test_readme_walkthrough(tmp_path, smollm2_path):
     local = blocks[("test", "local-swarm")][1].replace("/tcp/31337", f"/tcp/{dht_port}")
     private = blocks[("test", "private-swarm")][1]
     client_py = blocks[("test", "client-library")][1]
-    gateway = blocks[("test", "api-gateway")][1].replace("--port 8000", f"--port {api_port}").replace(
-        "127.0.0.1:8000", f"127.0.0.1:{api_port}")
+    gateway = (
+        blocks[("test", "api-gateway")][1]
+        .replace("--port 8000", f"--port {api_port}")
+        .replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
+    )
     openai_py = blocks[("test", "api-openai")][1].replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
     ollama_sh = blocks[("test", "api-ollama")][1].replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
     ollama_py = blocks[("test", "api-ollama-python")][1].replace("127.0.0.1:8000", f"127.0.0.1:{api_port}")
@@ -153,19 +171,36 @@ def test_readme_walkthrough(tmp_path, smollm2_path):
     (work / "openai_example.py").write_text(openai_py)
     (work / "client_example.py").write_text(client_py)
     (work / "ollama_example.py").write_text(ollama_py)
-    script = "\n".join([
-        "set -eu",
-        local,
-        "echo '=== private swarm'", private,
-        "echo '=== client library'", ".venv/bin/python client_example.py",
-        "echo '=== gateway'", gateway,
-        "echo '=== openai'", ".venv/bin/python openai_example.py",
-        "echo; echo '=== ollama'", ollama_sh,
-        "echo; echo '=== ollama python'", ".venv/bin/python ollama_example.py",
-        "echo; echo '=== done'", "kill $(jobs -p)", "wait",
-    ])
-    proc = subprocess.Popen(["bash", "-c", script], cwd=work, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    script = "\n".join(
+        [
+            "set -eu",
+            local,
+            "echo '=== private swarm'",
+            private,
+            "echo '=== client library'",
+            ".venv/bin/python client_example.py",
+            "echo '=== gateway'",
+            gateway,
+            "echo '=== openai'",
+            ".venv/bin/python openai_example.py",
+            "echo; echo '=== ollama'",
+            ollama_sh,
+            "echo; echo '=== ollama python'",
+            ".venv/bin/python ollama_example.py",
+            "echo; echo '=== done'",
+            "kill $(jobs -p)",
+            "wait",
+        ]
+    )
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=work,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=900)  # a bound: 600 s ran out at load average 15
         leftover = _running_in(work)  # after `kill $(jobs -p)`: nothing the examples started runs on
@@ -194,15 +229,21 @@ def test_readme_walkthrough(tmp_path, smollm2_path):
     assert "tokens/s" in private_out and "[chain: " in private_out, private_out
     members = (work / "keys" / "members.txt").read_text().split()
     assert len(members) == 2 and all(m.startswith("Qm") for m in members)
-    server_line = next(line for line in (work / "logs" / "private-server.log").read_text().splitlines()
-                       if line.startswith("serving"))
+    server_line = next(
+        line for line in (work / "logs" / "private-server.log").read_text().splitlines() if line.startswith("serving")
+    )
     assert members[0] in server_line  # the member-only server runs as the identity listed first
     assert f"{members[0][-6:]}[0:30)" in private_out  # ... and the member client's chain went through it
     assert "Traceback" not in err, err[-3000:]
     assert "No such file" not in err, err[-3000:]  # e.g. `until grep` polling a log its command has not created yet
     # what the examples wrote lies in folders git ignores (the scratch folder holds only what the test put there)
-    written = {p.name for p in work.iterdir()} - {".venv", "examples", "openai_example.py", "client_example.py",
-                                                  "ollama_example.py"}
+    written = {p.name for p in work.iterdir()} - {
+        ".venv",
+        "examples",
+        "openai_example.py",
+        "client_example.py",
+        "ollama_example.py",
+    }
     assert written <= {"logs", "keys"}, written
     ignored = (REPO / ".gitignore").read_text().split()
     assert {"logs/", "keys/"} <= set(ignored)

@@ -2,6 +2,7 @@
 the steps, a push is taken only from the previous hop the client named and once per step id
 (typed refusals otherwise), and a SIGKILLed hop mid-session fails over with identical output (span and
 whole-chain failover, with either relay)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,9 @@ def hf(tiny_llama_path):
 
 
 def _model(tiny_llama_path, swarm, relay):
-    return DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
-                                                       step_timeout_s=60.0, relay=relay)
+    return DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama_path), initial_peers=swarm.initial_peers, step_timeout_s=60.0, relay=relay
+    )
 
 
 def _pushes(model, peer_id) -> tuple[int, int]:
@@ -80,6 +82,7 @@ def test_an_inbox_reads_its_client_inline_until_pushes_come_and_times_out_only_w
     """A stream's inbox reads its client's messages in the handler's task (no pump) until its session
     takes pushes; then both arrive through its queue. Its idle timeout counts only the time spent
     waiting for a message: a step that runs longer than the timeout is no idleness."""
+
     async def run():
         arrivals: asyncio.Queue = asyncio.Queue()
 
@@ -151,7 +154,7 @@ def test_both_relays_give_hf_tokens_and_server_relay_pushes(swarm, hf, tiny_llam
         steps = chain.step_timings
         assert [st.tokens for st in steps] == [6] + [1] * 9
         assert [(st.first_hop, st.end_hop) for st in steps] == [(3 * k, 3 * k + 3) for k in range(10)]
-        assert all(st.client_s >= max(t.client_s for t in timings[st.first_hop:st.end_hop]) for st in steps)
+        assert all(st.client_s >= max(t.client_s for t in timings[st.first_hop : st.end_hop]) for st in steps)
     finally:
         model.backend.shutdown()
 
@@ -203,8 +206,9 @@ def test_a_push_from_a_peer_the_client_did_not_name_is_refused(swarm, tiny_llama
             await queue.put(None)
             return [wire.unpack(r.metadata) async for r in replies]
 
-        refusals = chain.loop.run(push([Push("raw-relay", 1), Push("raw-relay", 1), Push("never-opened", 1)]),
-                                  timeout_s=30)
+        refusals = chain.loop.run(
+            push([Push("raw-relay", 1), Push("raw-relay", 1), Push("never-opened", 1)]), timeout_s=30
+        )
         # a taken push is not answered (no reply on the critical path); the other two are refused, typed:
         # once per step id, and only for sessions that named this peer
         assert len(refusals) == 2, refusals
@@ -240,8 +244,9 @@ def test_servers_measure_and_announce_rtts_to_the_peers_they_push_to(swarm, tiny
 
 @pytest.mark.parametrize("whole_chain", [False, True], ids=["span", "whole-chain"])
 @pytest.mark.parametrize("relay", ["server", "client"])
-def test_sigkill_of_the_middle_hop_fails_over_with_identical_output(swarm, hf, tiny_llama_path, relay, whole_chain,
-                                                                   caplog):
+def test_sigkill_of_the_middle_hop_fails_over_with_identical_output(
+    swarm, hf, tiny_llama_path, relay, whole_chain, caplog
+):
     """Span failover (client-side routing) replaces the dead hop alone; whole-chain failover (what a
     session does with an orchestrator) replays a new chain from block 0. With either relay the dead
     hop is noticed from its reset stream or the liveness probe (never the step timeout) and the tokens
@@ -261,8 +266,10 @@ def test_sigkill_of_the_middle_hop_fails_over_with_identical_output(swarm, hf, t
                 assert [session.chain.hops[0].peer_id, session.chain.hops[2].peer_id] == [head, tail]
         assert out.tolist() == ref.tolist()
         replaced = [r.getMessage() for r in caplog.records if "replacing blocks" in r.getMessage()]
-        assert len(replaced) == 1 and ("replacing blocks [0, 6)" if whole_chain else "replacing blocks [2, 4)") \
-            in replaced[0], replaced
+        assert (
+            len(replaced) == 1
+            and ("replacing blocks [0, 6)" if whole_chain else "replacing blocks [2, 4)") in replaced[0]
+        ), replaced
         # never by the step timeout. Mostly the dead hop's reset stream says so at once; right after a
         # SIGKILL, p2pd may still list the peer as connected and the stream is never reset, and then the
         # liveness probe finds it dead within seconds ("went silent ... liveness probes"; CI saw it once

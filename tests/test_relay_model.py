@@ -1,6 +1,7 @@
 """The model follows the relay (footnote 4): with server relay tau_c_j = max_i tau_c_ij, one one-way
 leg (RTT_ij / 2) per step from each possible predecessor i (the client, the other servers, whose RTTs
 the servers report), and the chain's service time follows."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,9 +44,17 @@ def _info(peer: str, start: int, end: int) -> ServerInfo:
 
 def test_servers_probe_the_peers_a_chain_can_pass_to_first_and_stay_bounded():
     from server.peer_rtts import can_adjoin, choose_peers
+
     me = (10, 20)
-    infos = [_info("me", *me), _info("next", 20, 30), _info("prev", 0, 10), _info("overlap-end", 15, 25),
-             _info("inside", 12, 18), _info("far", 25, 30), _info("auto", 0, 0)]
+    infos = [
+        _info("me", *me),
+        _info("next", 20, 30),
+        _info("prev", 0, 10),
+        _info("overlap-end", 15, 25),
+        _info("inside", 12, 18),
+        _info("far", 25, 30),
+        _info("auto", 0, 0),
+    ]
     adjoin = {i.peer_id for i in infos[1:] if can_adjoin(*me, i)}
     # next/prev: the usual chain; overlap-end: entered at 20 after me, or (ends at 25) not before me;
     # inside: ends at 18, so I can be entered there after it; auto: no blocks yet, may go anywhere
@@ -57,6 +66,7 @@ def test_servers_probe_the_peers_a_chain_can_pass_to_first_and_stay_bounded():
 
 def test_peer_rtts_keep_the_median_reprobe_when_due_and_forget_departed_peers():
     from server.peer_rtts import PeerRtts
+
     rtts = PeerRtts(max_peers=4, probes=3, period_s=30.0)
     pings = {"a": iter([0.5, 0.02, 0.03]), "b": iter([None, None, None])}  # a: the first ping dials
     assert rtts.due(["a", "b"], now_s=0.0) == ["a", "b"]

@@ -1,6 +1,7 @@
 """Re-planning a loaded swarm (orchestrator/replan.py, placement_gbp_cr.gbp_cr_fixed, the drain of
 orchestrator/service/installed.py and Sessions.stop_granting): relabelling of equivalent servers, fixed
 servers, the never-worse invariant, the move budget, the gain threshold and the drain state machine."""
+
 from __future__ import annotations
 
 import math
@@ -95,6 +96,7 @@ def test_fixed_servers_keep_their_ranges_and_free_ones_get_alg1_sizes(cluster, c
         fixed[j] = BlockInterval(s, s + m)
     p = gbp_cr_fixed(cluster, c, fixed)
     from orchestrator.placement_gbp_cr import blocks_per_server
+
     m = blocks_per_server(cluster, c)
     for j, r in enumerate(p.ranges):
         if j in fixed:
@@ -107,8 +109,16 @@ def test_two_busy_servers_of_one_chain_keep_a_whole_chain_and_the_idle_ones_make
     """Issue 54's case: 4 servers of two speeds, two chains [0,15)+[15,30); the loaded chain's servers are
     busy. The planner with them fixed keeps their chain and pairs the idle two into the other half each
     (never three on one half)."""
-    cl = make_cluster([2.2, 2.2, 2.2, 2.2], [0.1, 0.1, 0.12, 0.12], [0.2, 0.21, 0.3, 0.31], num_blocks=30,
-                      block_size=0.06, cache_size=0.001, arrival_rate=2.0, rho_bar=0.7)
+    cl = make_cluster(
+        [2.2, 2.2, 2.2, 2.2],
+        [0.1, 0.1, 0.12, 0.12],
+        [0.2, 0.21, 0.3, 0.31],
+        num_blocks=30,
+        block_size=0.06,
+        cache_size=0.001,
+        arrival_rate=2.0,
+        rho_bar=0.7,
+    )
     fixed = {0: BlockInterval(0, 15), 1: BlockInterval(15, 30)}
     ev = constrained_placement(cl, fixed, 2, "lower")
     assert ev.placement.ranges[0] == fixed[0] and ev.placement.ranges[1] == fixed[1]
@@ -149,6 +159,7 @@ def test_an_installed_decision_is_never_worse_than_the_installed_plan(cluster, d
 def _three_servers():
     """The calibration test's swarm (tests/test_calibration.py) once its model moved: shared compute."""
     from orchestrator.model import Cluster, Server, Service
+
     sv = tuple(Server(n, m, 0.08, 0.0994, 0.002, 0.048) for n, m in (("pa", 1000.0), ("pb", 1200.0), ("pc", 1400.0)))
     return Cluster(Service(4, 100.0, 10.0), sv, 0.5, 0.7)
 
@@ -181,14 +192,24 @@ def test_the_drain_state_machine_honours_its_deadline_with_an_injected_clock():
 
 def _chains():
     a, b, c, d = "pa", "pb", "pc", "pd"
-    return [((Hop(a, 0, 2), Hop(b, 2, 4)), 2, 1.0, 512), ((Hop(c, 0, 2), Hop(d, 2, 4)), 2, 2.0, 512),
-            ((Hop(a, 0, 2), Hop(d, 2, 4)), 1, 1.5, 512)]
+    return [
+        ((Hop(a, 0, 2), Hop(b, 2, 4)), 2, 1.0, 512),
+        ((Hop(c, 0, 2), Hop(d, 2, 4)), 2, 2.0, 512),
+        ((Hop(a, 0, 2), Hop(d, 2, 4)), 1, 1.5, 512),
+    ]
 
 
 @settings(max_examples=60, **SETTINGS)
-@given(st.lists(st.tuples(st.sampled_from(["acq", "rel", "drain"]), st.integers(0, 7),
-                          st.sampled_from(["pa", "pb", "pc", "pd"])), min_size=1, max_size=40),
-       st.sampled_from(["jffc", "jsq", "sed"]))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["acq", "rel", "drain"]), st.integers(0, 7), st.sampled_from(["pa", "pb", "pc", "pd"])
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.sampled_from(["jffc", "jsq", "sed"]),
+)
 def test_a_session_is_never_granted_on_a_draining_server(events, dispatch):
     s = Sessions(lease_ttl_s=100.0)
     s.install_chains(_chains(), 1, 0.0, dispatch=dispatch)
@@ -251,6 +272,7 @@ def test_an_incremental_replan_after_a_leave_or_join_is_held_to_the_whole_replan
     unless that gains less than min_gain, so what stays installed is within 1 / (1 - min_gain) of the
     whole re-plan's objective, or the whole re-plan has less total capacity (the stated bound)."""
     from dataclasses import replace
+
     try:
         p = plan(cluster, "proposed")
     except ValueError:
@@ -268,6 +290,7 @@ def test_an_incremental_replan_after_a_leave_or_join_is_held_to_the_whole_replan
         inst = Placement((*p.placement.ranges, None))
     assume(inst.used_servers())
     from orchestrator.replan import incremental
+
     inc = incremental(cl, inst, p.c)
     assert not movers(inst, inc.placement)
     before = evaluate(cl, inst, p.c)
@@ -283,17 +306,29 @@ def test_an_incremental_replan_after_a_leave_or_join_is_held_to_the_whole_replan
     assert not_worse(got, before, "lower")
     if not d.movers:
         o_w, o_got = whole.objective("lower"), got.objective("lower")
-        assert (whole.capacity < before.capacity or not not_worse(whole, before, "lower")
-                or not math.isfinite(o_w) or o_got <= o_w / (1 - min_gain) * (1 + 1e-9)
-                or whole.placement == got.placement)
+        assert (
+            whole.capacity < before.capacity
+            or not not_worse(whole, before, "lower")
+            or not math.isfinite(o_w)
+            or o_got <= o_w / (1 - min_gain) * (1 + 1e-9)
+            or whole.placement == got.placement
+        )
 
 
 def test_a_move_budget_moves_at_most_that_many_servers_per_step():
     """Four servers that hold two blocks each, all on [0, 2) (no chain); the plan wants two chains
     [0, 2) + [2, 4): two servers move. With a budget of 1, one moves (the step's chain is whole), one is
     left for the next re-plan; the step is never worse than the installed placement."""
-    cl = make_cluster([1.0] * 4, [0.1, 0.11, 0.12, 0.13], [0.2] * 4, num_blocks=4, block_size=0.4,
-                      cache_size=0.05, arrival_rate=3.0, rho_bar=0.7)
+    cl = make_cluster(
+        [1.0] * 4,
+        [0.1, 0.11, 0.12, 0.13],
+        [0.2] * 4,
+        num_blocks=4,
+        block_size=0.4,
+        cache_size=0.05,
+        arrival_rate=3.0,
+        rho_bar=0.7,
+    )
     p = plan(cl, "proposed", c=1)
     assert sorted((r.start, r.end) for r in p.placement.ranges if r) == [(0, 2), (0, 2), (2, 4), (2, 4)]
     inst = Placement((BlockInterval(0, 2),) * 4)

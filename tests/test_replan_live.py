@@ -4,6 +4,7 @@ without a server lost installs less capacity. Tiny random Llama (exactness vs HF
 servers (the plan's chains are one hop each). Capacities are compared in the model that planned them: the
 calibrated model's first refit may re-derive the installed chains' capacity (e.g. a CPU server saturates
 at a few sessions), which is the model correcting itself, not a re-plan losing capacity."""
+
 from __future__ import annotations
 
 import signal
@@ -23,9 +24,27 @@ SERVER_ARGS = ["--num-threads", "1", "--max-length", "128", "--memory-budget", "
 # re-plan runs once while the load runs; the drain is short so that the test never waits long for it;
 # --leftover-placement: GBP-CR alone leaves one of the two servers idle (one chain meets the target), and
 # the leaving server's sessions need a chain to fail over to
-ORCH_ARGS = ["--expected-servers", "2", "--c", "2", "--replan-period", "3", "--lease-ttl", "5",
-             "--replan-threshold", "0.01", "--replan-hold", "1", "--model-replan-period", "1",
-             "--model-replans", "1", "--drain-timeout", "15", "--leftover-placement"]
+ORCH_ARGS = [
+    "--expected-servers",
+    "2",
+    "--c",
+    "2",
+    "--replan-period",
+    "3",
+    "--lease-ttl",
+    "5",
+    "--replan-threshold",
+    "0.01",
+    "--replan-hold",
+    "1",
+    "--model-replan-period",
+    "1",
+    "--model-replans",
+    "1",
+    "--drain-timeout",
+    "15",
+    "--leftover-placement",
+]
 
 
 def segments_of(seen: list[tuple[int, int, int, bool]]) -> list[list[tuple[int, int, int, bool]]]:
@@ -46,6 +65,7 @@ def test_continuous_load_through_a_calibrated_replan_a_join_and_a_leave(tiny_lla
     from transformers import AutoModelForCausalLM
 
     from petals_chain.client.model import DistributedModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
     prompts = [torch.tensor([[2, 4, 6, 8 + k]]) for k in range(4)]
     refs = [hf.generate(p, max_new_tokens=6, do_sample=False).tolist() for p in prompts]
@@ -58,8 +78,9 @@ def test_continuous_load_through_a_calibrated_replan_a_join_and_a_leave(tiny_lla
         seen: list[tuple[int, int, int, bool]] = []  # (plan version, servers, capacity, installed)
 
         def client(k: int) -> None:
-            model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
-                                                                step_timeout_s=60.0)
+            model = DistributedModelForCausalLM.from_pretrained(
+                str(tiny_llama_path), initial_peers=swarm.initial_peers, step_timeout_s=60.0
+            )
             try:
                 i = k
                 while not stop.is_set():
@@ -75,8 +96,14 @@ def test_continuous_load_through_a_calibrated_replan_a_join_and_a_leave(tiny_lla
             while not stop.is_set():
                 try:
                     s = get_json(url + "status")
-                    seen.append((s["plan_version"], len(s["servers"]), _capacity(s),
-                                 s["plan_installed"] and not s["replan"]["draining"]))
+                    seen.append(
+                        (
+                            s["plan_version"],
+                            len(s["servers"]),
+                            _capacity(s),
+                            s["plan_installed"] and not s["replan"]["draining"],
+                        )
+                    )
                 except Exception:  # noqa: BLE001 - a slow answer under load: the next poll
                     pass
                 time.sleep(0.3)
@@ -89,14 +116,18 @@ def test_continuous_load_through_a_calibrated_replan_a_join_and_a_leave(tiny_lla
             late = swarm.add_server(None, None, name="late", wait=False)
             # the incremental re-plan decides with the joined server (it joins a chain where the leftover
             # step gains from it, else it stands by: both are a decision over 3 servers)
-            wait_for(lambda: any(h["servers"] == 3 for h in get_json(url + "status")["replan"]["history"]),
-                     120, "a re-plan decision with the joined server")
+            wait_for(
+                lambda: any(h["servers"] == 3 for h in get_json(url + "status")["replan"]["history"]),
+                120,
+                "a re-plan decision with the joined server",
+            )
             swarm.wait_ready([late])
             n_before = len(results)
             wait_for(lambda: len(results) >= n_before + 2, 120, "sessions after the join")
             st = get_json(url + "status")
-            busy = [s["peer_id"] for s in st["servers"] if s["active_sessions"]] or \
-                [p for c in st["chains"] if c["dispatchable"] for p in c["servers"]]
+            busy = [s["peer_id"] for s in st["servers"] if s["active_sessions"]] or [
+                p for c in st["chains"] if c["dispatchable"] for p in c["servers"]
+            ]
             leaving = next(sp for sp in swarm.servers if sp.peer_id in busy)
             swarm.kill_server(leaving, signal.SIGTERM)  # a clean leave (announced offline) of a serving server
             wait_for(lambda: len(get_json(url + "status")["servers"]) == 2, 60, "the leave noticed")

@@ -1,4 +1,5 @@
 """Client-side chain choice (pure): Dijkstra over block boundaries."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,21 @@ from petals_chain.wire.records import ServerInfo
 
 
 def server(name, start, end, decode_s=0.001, free=10, max_len=2048):
-    return ServerInfo(peer_id=name, model="m", start=start, end=end, state="online", memory_budget_bytes=1,
-                      block_bytes=1, kv_bytes_per_block=1, max_length_tokens=max_len, free_kv_slots=free,
-                      prefill_s_per_token=0.0, decode_s_per_token=decode_s, name=name)
+    return ServerInfo(
+        peer_id=name,
+        model="m",
+        start=start,
+        end=end,
+        state="online",
+        memory_budget_bytes=1,
+        block_bytes=1,
+        kv_bytes_per_block=1,
+        max_length_tokens=max_len,
+        free_kv_slots=free,
+        prefill_s_per_token=0.0,
+        decode_s_per_token=decode_s,
+        name=name,
+    )
 
 
 def rtt(_peer):

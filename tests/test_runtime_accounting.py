@@ -1,4 +1,5 @@
 """Sizes the orchestrator plans with, and errors at the runtime boundary."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Chaining block ranges reproduces the full HF model; batching does not change results."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,8 +44,7 @@ def test_float16_greedy_generate_identical_to_hf_in_float16(smollm2_path, smollm
     token) gives transformers' own float16 tokens, and its hidden states stay float16 on every hop."""
     ids = smollm2_tokenizer("Tell me a short story about a lighthouse keeper.", return_tensors="pt").input_ids
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float16).eval()
-    model = DistributedModelForCausalLM.from_local_ranges(smollm2_path, [(0, 10), (10, 20), (20, 30)],
-                                                          dtype="float16")
+    model = DistributedModelForCausalLM.from_local_ranges(smollm2_path, [(0, 10), (10, 20), (20, 30)], dtype="float16")
     ours = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
     ref = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
     assert ours.tolist() == ref.tolist()

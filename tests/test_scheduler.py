@@ -1,5 +1,6 @@
 """The scheduler contract with a fake block range and an injected clock: policy-owned queue,
 chunked prefill, broken policies failing work with typed errors instead of killing the loop."""
+
 from __future__ import annotations
 
 import threading
@@ -70,6 +71,7 @@ class Results:
         def cb(result, error):
             self.got.setdefault(name, []).append((result, error))
             self.event.set()
+
         return cb
 
     def result(self, name):
@@ -86,8 +88,9 @@ class Results:
 def make(policy=None, budget=128):
     clock = FakeClock()
     rng = FakeRange(clock)
-    sched = StepScheduler(rng, FCFSPolicy() if policy is None else policy, max_batch_tokens=budget, clock=clock,
-                          start_thread=False)
+    sched = StepScheduler(
+        rng, FCFSPolicy() if policy is None else policy, max_batch_tokens=budget, clock=clock, start_thread=False
+    )
     return sched, rng, clock
 
 
@@ -289,9 +292,14 @@ def test_vtc_max_client_share_caps_a_client_while_another_is_mid_round_trip():
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 300),
-                              st.booleans()), min_size=1, max_size=60),
-       budget=st.integers(8, 256), w_in=st.sampled_from([1.0, 0.5]), w_out=st.sampled_from([2.0, 1.0, 4.0]))
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 300), st.booleans()), min_size=1, max_size=60
+    ),
+    budget=st.integers(8, 256),
+    w_in=st.sampled_from([1.0, 0.5]),
+    w_out=st.sampled_from([2.0, 1.0, 4.0]),
+)
 def test_vtc_counter_spread_of_active_clients_stays_within_one_charge(ops, budget, w_in, w_out):
     """Lemma 4.3 (eq. 2) at step granularity: while work waits, the counters of the clients with
     waiting work differ by at most U = max(w_in * budget, w_out) (the largest single charge)."""

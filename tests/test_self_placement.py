@@ -1,6 +1,7 @@
 """`launch-server --num-blocks N` without an orchestrator: servers choose their spans from the DHT
 records (the swarm's weakest blocks first), re-choose when a server leaves, and clients route as
 usual; greedy text equals transformers'."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,19 +38,28 @@ def test_servers_place_themselves_and_fill_a_gap_left_by_a_dead_one(tiny_llama_p
         assert serving_span(c) in ((0, 3), (3, 6))
         client = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers)
         try:
-            assert client.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                                   pad_token_id=0).tolist() == ref.tolist()
+            assert (
+                client.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0).tolist()
+                == ref.tolist()
+            )
             # the lone holder of one half dies: one of the two on the other half moves over
             lone, pair = (b, (a, c)) if serving_span(c) == (0, 3) else (a, (b, c))
             gap = serving_span(lone)
             swarm.kill_server(lone)
-            wait_for(lambda: {serving_span(sp) for sp in pair} == {(0, 3), (3, 6)}, 90,
-                     f"a server to move to the blocks {gap} the dead one left")
+            wait_for(
+                lambda: {serving_span(sp) for sp in pair} == {(0, 3), (3, 6)},
+                90,
+                f"a server to move to the blocks {gap} the dead one left",
+            )
 
             def generates_as_hf():
                 try:
-                    return client.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                                           pad_token_id=0).tolist() == ref.tolist()
+                    return (
+                        client.generate(
+                            ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+                        ).tolist()
+                        == ref.tolist()
+                    )
                 except Exception:  # noqa: BLE001 - the mover's record may not be online yet
                     return False
 

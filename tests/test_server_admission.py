@@ -1,5 +1,6 @@
 """A live server: admission queue (wait, policy-chosen grant, deadline, refusal), idle-session
 timeout freeing KV, and launch-server's policy flags."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,9 +26,26 @@ pytestmark = [pytest.mark.integration, pytest.mark.model]
 
 # 30 blocks x 14.2 MB of weights = 425 MB; a whole-range session at 4096 tokens reserves 189 MB:
 # a 700 MiB budget holds exactly one such session.
-SERVER_ARGS = ["--num-threads", "1", "--memory-budget", "700MiB", "--max-length", "4096", "--policy", "vtc",
-               "--policy-arg", "w_out=2", "--max-batch-tokens", "64", "--session-idle-timeout", "8",
-               "--admission-timeout", "6", "--admission-queue", "2"]
+SERVER_ARGS = [
+    "--num-threads",
+    "1",
+    "--memory-budget",
+    "700MiB",
+    "--max-length",
+    "4096",
+    "--policy",
+    "vtc",
+    "--policy-arg",
+    "w_out=2",
+    "--max-batch-tokens",
+    "64",
+    "--session-idle-timeout",
+    "8",
+    "--admission-timeout",
+    "6",
+    "--admission-queue",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +56,17 @@ def swarm(smollm2_path):
 
 @pytest.fixture(scope="module")
 def client(swarm):
-    model = DistributedModelForCausalLM.from_pretrained("smollm2-135m", initial_peers=swarm.initial_peers,
-                                                        use_orchestrator=False)
+    model = DistributedModelForCausalLM.from_pretrained(
+        "smollm2-135m", initial_peers=swarm.initial_peers, use_orchestrator=False
+    )
     yield model
     model.backend.shutdown()
 
 
 def _open(stream: RawStream, sid: str, **extra) -> dict:
-    reply, _ = stream.send_raw(wire.request({"type": "open", "session_id": sid, "max_length": 4096, **extra}),
-                               timeout_s=30)
+    reply, _ = stream.send_raw(
+        wire.request({"type": "open", "session_id": sid, "max_length": 4096, **extra}), timeout_s=30
+    )
     return reply
 
 
@@ -108,21 +128,37 @@ def test_idle_session_is_closed_and_its_kv_freed(swarm, client):
         silent.close()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--policy", "vtc", "--policy-arg", "w_x=1"], "no parameter 'w_x'"),
-    (["--policy", "vtc", "--policy-arg", "w_in=-1"], "must be >= 0"),
-    (["--policy", "fcfs", "--policy-arg", "w_in=1"], "no parameter"),
-    (["--policy", "lottery"], "invalid choice"),
-    (["--max-batch-tokens", "0"], "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policy", "vtc", "--policy-arg", "w_x=1"], "no parameter 'w_x'"),
+        (["--policy", "vtc", "--policy-arg", "w_in=-1"], "must be >= 0"),
+        (["--policy", "fcfs", "--policy-arg", "w_in=1"], "no parameter"),
+        (["--policy", "lottery"], "invalid choice"),
+        (["--max-batch-tokens", "0"], "must be >= 1"),
+    ],
+)
 def test_launch_server_rejects_bad_policy_flags(args, message):
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc", *args],
-                          capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "--initial-peers",
+            "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 def test_launch_server_help_lists_policies_and_parameters():
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True, timeout=60,
-                          cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
+    )
     assert proc.returncode == 0
     assert "vtc: w_in=1.0" in proc.stdout and "w_out=2.0" in proc.stdout and "fcfs:" in proc.stdout

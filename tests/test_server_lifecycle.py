@@ -6,6 +6,7 @@ for memory in admission, and a bad step is refused before it changes anything of
 The races are driven by events and hooks (a move held inside its load, shutdown's `offline`
 announcement held until the mover is done), never by sleeps.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -125,15 +126,22 @@ def one_session_stack(tiny_llama_path):
     """A real serving stack of blocks [0, 2) whose budget holds one session of MAX_LENGTH tokens."""
     probe = BlockRange(tiny_llama_path, 0, 2)
     session_bytes = probe.kv_bytes_per_block(MAX_LENGTH) * 2
-    config = ServerConfig(model=str(tiny_llama_path), start=0, end=2, initial_peers=[], prefix_sharing="off",
-                          memory_budget_bytes=probe.block_bytes * 2 + session_bytes * 3 // 2)
+    config = ServerConfig(
+        model=str(tiny_llama_path),
+        start=0,
+        end=2,
+        initial_peers=[],
+        prefix_sharing="off",
+        memory_budget_bytes=probe.block_bytes * 2 + session_bytes * 3 // 2,
+    )
     del probe
     stack = build_stack(config, tiny_llama_path, 0, 2)
     life = ServerLifecycle()
     life.install(stack, None, None)
     life.go_online()
-    servicer = BlockServicer(ServicerLimits(MAX_LENGTH, MAX_LENGTH, 300.0), life, lambda: None, ServiceMeter(),
-                             dialer=None)
+    servicer = BlockServicer(
+        ServicerLimits(MAX_LENGTH, MAX_LENGTH, 300.0), life, lambda: None, ServiceMeter(), dialer=None
+    )
     yield SimpleNamespace(stack=stack, life=life, servicer=servicer, session_bytes=session_bytes)
     stack.stop()
 
@@ -201,10 +209,22 @@ def test_a_bad_step_is_refused_before_it_changes_the_session(one_session_stack):
 def _config(path, **kw) -> ServerConfig:
     # loopback only (no dial-back check); a direct port, so a start-up has a listening port to leak;
     # no periodic announcements during a test (each is driven by the test)
-    return ServerConfig(model=str(path), start=0, end=2, initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                        memory_budget_bytes=256 * 2**20, max_length_tokens=64, direct_port=0, num_threads=1,
-                        announce_period_s=600.0, record_ttl_s=600.0, peer_rtt_check_s=600.0, prefix_sharing="off",
-                        **kw)
+    return ServerConfig(
+        model=str(path),
+        start=0,
+        end=2,
+        initial_peers=[],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        memory_budget_bytes=256 * 2**20,
+        max_length_tokens=64,
+        direct_port=0,
+        num_threads=1,
+        announce_period_s=600.0,
+        record_ttl_s=600.0,
+        peer_rtt_check_s=600.0,
+        prefix_sharing="off",
+        **kw,
+    )
 
 
 class Leftovers:
@@ -229,8 +249,11 @@ class Leftovers:
                     children.append(p.pid)
             except psutil.NoSuchProcess:
                 pass
-        return {"children": children, "ports": sorted(self._ports(me) - self.ports),
-                "threads": sorted(t.name for t in set(threading.enumerate()) - self.threads if t.is_alive())}
+        return {
+            "children": children,
+            "ports": sorted(self._ports(me) - self.ports),
+            "threads": sorted(t.name for t in set(threading.enumerate()) - self.threads if t.is_alive()),
+        }
 
     def wait_clean(self, timeout_s: float = 60.0, kinds=("children", "ports", "threads")) -> dict:
         """Poll until none of `kinds` is left (a DHT child takes a moment to be reaped) or the deadline."""
@@ -282,8 +305,11 @@ def test_shutdown_during_a_move_leaves_the_record_offline(warm, monkeypatch):
     server = BlockServer(_config(warm))
     reader = None
     try:
-        reader = start_dht(initial_peers=[str(m) for m in server.dht.get_visible_maddrs()],
-                           host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=swarm_validators())
+        reader = start_dht(
+            initial_peers=[str(m) for m in server.dht.get_visible_maddrs()],
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            record_validators=swarm_validators(),
+        )
         in_load, offline_stored, mover_done = threading.Event(), threading.Event(), threading.Event()
         announced: list[ServerState] = []
         real_announce, real_build = block_server.announce_server, block_server.build_stack
@@ -319,7 +345,7 @@ def test_shutdown_during_a_move_leaves_the_record_offline(warm, monkeypatch):
         assert not mover.is_alive() and moved == [False]
         assert announced[0] == ServerState.JOINING  # the move's own announcement
         assert ServerState.OFFLINE in announced
-        assert set(announced[announced.index(ServerState.OFFLINE):]) == {ServerState.OFFLINE}, announced
+        assert set(announced[announced.index(ServerState.OFFLINE) :]) == {ServerState.OFFLINE}, announced
         records = {i.peer_id: i for i in fetch_servers(reader, server.model_name, states=tuple(ServerState))}
         assert records[server.peer_id].state == ServerState.OFFLINE
         assert server.lifecycle.current.block_range.start == 0  # the move's stack never went in place

@@ -1,6 +1,7 @@
 """Servers measure their real service: every batch's record (scheduler -> ServiceMeter -> rpc_info's
 typed BatchService list), and the start-up profile of the whole hosted range through the real step
 path, cached by shape and CPU share and dropped when live service disagrees (tiny random Llama)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -34,14 +35,17 @@ def test_every_batch_is_measured_and_served_by_cursor_as_typed_records(tiny_llam
     sched = StepScheduler(br, make_policy("fcfs"), start_thread=False, on_batch=meter.on_batch)
     done = []
     a, b = br.allocate_kv(16), br.allocate_kv(16, first_block=3)  # b enters mid-range: 3 blocks
-    sched.submit(StepRequest(a, torch.randn(5, br.hidden_size), key="a", client_id="c"),
-                 lambda out, err: done.append(err))
-    sched.submit(StepRequest(b, torch.randn(2, br.hidden_size), key="b", client_id="c"),
-                 lambda out, err: done.append(err))
+    sched.submit(
+        StepRequest(a, torch.randn(5, br.hidden_size), key="a", client_id="c"), lambda out, err: done.append(err)
+    )
+    sched.submit(
+        StepRequest(b, torch.randn(2, br.hidden_size), key="b", client_id="c"), lambda out, err: done.append(err)
+    )
     while sched.run_once():
         pass
-    sched.submit(StepRequest(a, torch.randn(1, br.hidden_size), key="a", client_id="c"),
-                 lambda out, err: done.append(err))
+    sched.submit(
+        StepRequest(a, torch.randn(1, br.hidden_size), key="a", client_id="c"), lambda out, err: done.append(err)
+    )
     while sched.run_once():
         pass
     sched.stop()
@@ -66,7 +70,8 @@ def _info():
 
 
 def test_the_range_profile_is_fitted_through_the_step_path_cached_by_shape_and_dropped_on_disagreement(
-        tiny_llama_path, tmp_path, monkeypatch):
+    tiny_llama_path, tmp_path, monkeypatch
+):
     br = BlockRange(tiny_llama_path, 0, 6)
     prof = range_profile.cached_range_profile(br, "tiny", path=tmp_path / "t.json")
     assert prof.blocks == 6 and prof.batches >= 6
@@ -80,6 +85,7 @@ def test_the_range_profile_is_fitted_through_the_step_path_cached_by_shape_and_d
 
     def no_measuring(*a, **k):
         raise AssertionError("a cached profile must not be measured again")
+
     monkeypatch.setattr(range_profile, "measure_range", no_measuring)
     assert range_profile.cached_range_profile(br, "tiny", path=tmp_path / "t.json") == prof
     assert prof.lone_step_s == pytest.approx(prof.blocks * prof.lone_decode_s_per_block) and prof.lone_step_s > 0
@@ -95,6 +101,7 @@ def test_the_range_profile_is_fitted_through_the_step_path_cached_by_shape_and_d
 
 def test_a_process_reads_its_own_cpu_share():
     from netem import cpu as netem_cpu
+
     try:
         layout = netem_cpu.detect()
     except netem_cpu.CpuLimitUnavailableError as e:
@@ -104,10 +111,17 @@ def test_a_process_reads_its_own_cpu_share():
     name = "s" + __import__("uuid").uuid4().hex[:6]
     try:
         share = netem_cpu.apply(name, {0: 0.3}, layout)[0]
-        code = ("import types; from netem.cpu import own_cpu_share; from server.range_profile import profile_clock; "
-                "print(own_cpu_share(), profile_clock(types.SimpleNamespace(device='cpu')))")
-        out = subprocess.run(netem_cpu.enter_argv(share.procs_files, [sys.executable, "-c", code]),
-                             capture_output=True, text=True, timeout=60, check=True).stdout.split()
+        code = (
+            "import types; from netem.cpu import own_cpu_share; from server.range_profile import profile_clock; "
+            "print(own_cpu_share(), profile_clock(types.SimpleNamespace(device='cpu')))"
+        )
+        out = subprocess.run(
+            netem_cpu.enter_argv(share.procs_files, [sys.executable, "-c", code]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.split()
         # a quota makes the start-up profile count CPU seconds per share, not a burst's wall time
         assert float(out[0]) == pytest.approx(0.3) and out[1] == "cpu/share"
     finally:
@@ -151,8 +165,9 @@ def test_live_service_that_contradicts_the_profile_drops_it_once(monkeypatch, ca
     def serve(n):  # decode batches of 1-4 sessions at 3x the profile's t_O
         for i in range(n):
             k = 1 + i % 4
-            srv.meter.on_batch({"items": [("c", 1, False)] * k, "service_s": 1e-3 + 3e-3 * 4 * k, "cpu_s": 0.0,
-                                "blocks": [4] * k})
+            srv.meter.on_batch(
+                {"items": [("c", 1, False)] * k, "service_s": 1e-3 + 3e-3 * 4 * k, "cpu_s": 0.0, "blocks": [4] * k}
+            )
 
     serve(120)
     assert srv.check_profile() is True and forgotten == ["m"]

@@ -1,6 +1,7 @@
 """A session may avoid servers from its start (`open_session(..., avoid=...)`): the Table 1 model probe
 measures one chain alone by avoiding every server outside it. The avoided servers reach the chain
 provider's `exclude` at open, and stay excluded for every failover of the session."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -19,10 +20,20 @@ from petals_chain.wire.messages import Hop
 
 def context(provider, *, max_failovers=3, busy_backoff_s=(0.0,), health=None) -> SessionContext:
     """A session's context without a network: these sessions never reach a server's stream."""
-    return SessionContext(model="m", num_blocks=30, dtype=None, step_timeout_s=1.0, max_failovers=max_failovers,
-                          server_relay=True, loop=None, hops=None, provider=provider,
-                          peer_health=health if health is not None else PeerHealth(),
-                          relays=SimpleNamespace(dial=lambda peers: None), busy_backoff_s=busy_backoff_s)
+    return SessionContext(
+        model="m",
+        num_blocks=30,
+        dtype=None,
+        step_timeout_s=1.0,
+        max_failovers=max_failovers,
+        server_relay=True,
+        loop=None,
+        hops=None,
+        provider=provider,
+        peer_health=health if health is not None else PeerHealth(),
+        relays=SimpleNamespace(dial=lambda peers: None),
+        busy_backoff_s=busy_backoff_s,
+    )
 
 
 class RecordingProvider(ChainProvider):
@@ -68,13 +79,19 @@ class GrantingProvider(ChainProvider):
 
 class FullThenFreeSession(RemoteChainSession):
     """Its server refuses the first `full` opens for want of memory (OutOfCacheError), then takes it."""
+
     full = 2
 
     def _open_hops(self, hops, prefix_hashes):
         if self.full > 0:
             self.full -= 1
-            raise HopFailed(hops[0], OutOfCacheError("this session needs 10.53 MiB of KV cache but only 6.57 MiB "
-                                                     "of the server's budget is free; retry later"))
+            raise HopFailed(
+                hops[0],
+                OutOfCacheError(
+                    "this session needs 10.53 MiB of KV cache but only 6.57 MiB "
+                    "of the server's budget is free; retry later"
+                ),
+            )
         return []
 
 

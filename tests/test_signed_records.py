@@ -1,4 +1,5 @@
 """Signed, validated DHT records: nobody can forge or overwrite another peer's record."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,15 +32,30 @@ def attacker():
 
 
 def server_info(peer_id: str, start: int = 0, end: int = 30) -> ServerInfo:
-    return ServerInfo(peer_id=peer_id, model="smollm2-135m", start=start, end=end, state="online",
-                      memory_budget_bytes=1 << 30, block_bytes=1, kv_bytes_per_block=1, max_length_tokens=2048,
-                      free_kv_slots=4, prefill_s_per_token=1e-4, decode_s_per_token=1e-3)
+    return ServerInfo(
+        peer_id=peer_id,
+        model="smollm2-135m",
+        start=start,
+        end=end,
+        state="online",
+        memory_budget_bytes=1 << 30,
+        block_bytes=1,
+        kv_bytes_per_block=1,
+        max_length_tokens=2048,
+        free_kv_slots=4,
+        prefill_s_per_token=1e-4,
+        decode_s_per_token=1e-3,
+    )
 
 
 def signed_record(owner: SwarmIdentity, value: dict, subkey: bytes | None = None) -> DHTRecord:
     """What a peer running `owner`'s validators would send for `value` (signature appended)."""
-    record = DHTRecord(key=b"k", subkey=MSGPackSerializer.dumps(subkey or owner.owner_subkey),
-                       value=MSGPackSerializer.dumps(value), expiration_time=get_dht_time() + 30)
+    record = DHTRecord(
+        key=b"k",
+        subkey=MSGPackSerializer.dumps(subkey or owner.owner_subkey),
+        value=MSGPackSerializer.dumps(value),
+        expiration_time=get_dht_time() + 30,
+    )
     signer = CompositeValidator(swarm_validators(owner.private_key))
     return dataclasses.replace(record, value=signer.sign_value(record))
 
@@ -68,15 +84,20 @@ def test_forged_records_are_rejected(victim, attacker):
     # 1. the attacker signs a record that claims to be the victim's server
     assert not reader().validate(signed_record(attacker, server_info(victim.peer_id).to_wire()))
     # 2. the attacker overwrites the victim's subkey with its own signature
-    assert not reader().validate(signed_record(attacker, server_info(victim.peer_id).to_wire(),
-                                               subkey=victim.owner_subkey))
+    assert not reader().validate(
+        signed_record(attacker, server_info(victim.peer_id).to_wire(), subkey=victim.owner_subkey)
+    )
     # 3. the victim's signed record with its value changed (blocks moved) no longer verifies
     tampered_value = MSGPackSerializer.dumps(server_info(victim.peer_id, 0, 5).to_wire())
-    signature = genuine.value[len(MSGPackSerializer.dumps(server_info(victim.peer_id).to_wire())):]
+    signature = genuine.value[len(MSGPackSerializer.dumps(server_info(victim.peer_id).to_wire())) :]
     assert not reader().validate(dataclasses.replace(genuine, value=tampered_value + signature))
     # 4. an unsigned record with no owner at all
-    unowned = DHTRecord(b"k", MSGPackSerializer.dumps(victim.peer_id),
-                        MSGPackSerializer.dumps(server_info(victim.peer_id).to_wire()), get_dht_time() + 30)
+    unowned = DHTRecord(
+        b"k",
+        MSGPackSerializer.dumps(victim.peer_id),
+        MSGPackSerializer.dumps(server_info(victim.peer_id).to_wire()),
+        get_dht_time() + 30,
+    )
     assert not reader().validate(unowned)
 
 
@@ -103,10 +124,15 @@ def test_live_dht_refuses_a_forged_server_record(victim):
         attacker_dht = start_dht(initial_peers=peers, host_maddrs=LOCAL)  # no validators: sends anything
         dhts.append(attacker_dht)
         forged = server_info(victim.peer_id, 0, 1).to_wire()
-        attacker_dht.store(servers_key("smollm2-135m"), subkey=victim.owner_subkey, value=forged,
-                           expiration_time=get_dht_time() + 120)
-        attacker_dht.store(servers_key("smollm2-135m"), subkey="unowned", value=server_info("fake", 0, 30).to_wire(),
-                           expiration_time=get_dht_time() + 120)
+        attacker_dht.store(
+            servers_key("smollm2-135m"), subkey=victim.owner_subkey, value=forged, expiration_time=get_dht_time() + 120
+        )
+        attacker_dht.store(
+            servers_key("smollm2-135m"),
+            subkey="unowned",
+            value=server_info("fake", 0, 30).to_wire(),
+            expiration_time=get_dht_time() + 120,
+        )
         client = start_dht(initial_peers=peers, client_mode=True, record_validators=swarm_validators())
         dhts.append(client)
         infos = fetch_servers(client, "smollm2-135m")

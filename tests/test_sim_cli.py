@@ -1,4 +1,5 @@
 """`petals-chain simulate`, the Azure trace loader and a smoke run of scripts/reproduce_paper.py."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,14 @@ from orchestrator.sim.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = {
-    "blocks": 8, "block_size": 1.0, "cache_size": 0.1, "arrival_rate": 0.5, "rho_bar": 0.7,
-    "servers": [{"name": f"s{i}", "memory": 10.0 if i < 2 else 6.0, "tau_c": 0.05, "tau_p": 0.1 + 0.02 * i} for i in range(5)],
+    "blocks": 8,
+    "block_size": 1.0,
+    "cache_size": 0.1,
+    "arrival_rate": 0.5,
+    "rho_bar": 0.7,
+    "servers": [
+        {"name": f"s{i}", "memory": 10.0 if i < 2 else 6.0, "tau_c": 0.05, "tau_p": 0.1 + 0.02 * i} for i in range(5)
+    ],
 }
 
 
@@ -46,21 +53,37 @@ def test_simulate_cluster_json(tmp_path, capsys):
 
 
 def test_simulate_paper_setup_synthetic(capsys):
-    rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--jobs", "1000", "--dispatch", "sed",
-                         "--job-sizes", "lognormal:2"], capsys)
+    rc, out, err = _run(
+        [
+            "--paper-setup",
+            "10",
+            "0.3",
+            "--synthetic-rtt",
+            "--jobs",
+            "1000",
+            "--dispatch",
+            "sed",
+            "--job-sizes",
+            "lognormal:2",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     data = json.loads(out)
     assert data["rtt_source"] == "synthetic" and data["dispatch"] == "sed" and data["job_sizes"] == "lognormal:2"
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--cluster", "/nonexistent.json"], "cannot read"),
-    (["--paper-setup", "10", "x", "--synthetic-rtt"], "--paper-setup"),
-    (["--paper-setup", "10", "0.2", "--jobs", "0", "--synthetic-rtt"], "--jobs"),
-    (["--paper-setup", "10", "0.2", "--policy", "nope"], "--policy"),
-    (["--paper-setup", "10", "0.2", "--synthetic-rtt", "--job-sizes", "weird"], "--job-sizes"),
-    ([], "required"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--cluster", "/nonexistent.json"], "cannot read"),
+        (["--paper-setup", "10", "x", "--synthetic-rtt"], "--paper-setup"),
+        (["--paper-setup", "10", "0.2", "--jobs", "0", "--synthetic-rtt"], "--jobs"),
+        (["--paper-setup", "10", "0.2", "--policy", "nope"], "--policy"),
+        (["--paper-setup", "10", "0.2", "--synthetic-rtt", "--job-sizes", "weird"], "--job-sizes"),
+        ([], "required"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
     rc, out, err = _run(argv, capsys)
     assert rc == 2 and out == ""
@@ -95,9 +118,24 @@ def test_azure_trace_loader():
 
 def test_reproduce_paper_smoke(tmp_path):
     out = tmp_path / "paper"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_paper.py"), "--runs", "1", "--workers", "1",
-                           "--synthetic-rtt", "--only", "fig3,fig4,fig67", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "reproduce_paper.py"),
+            "--runs",
+            "1",
+            "--workers",
+            "1",
+            "--synthetic-rtt",
+            "--only",
+            "fig3,fig4,fig67",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert {"fig3", "fig4", "fig67"} <= summary.keys()
@@ -107,9 +145,25 @@ def test_reproduce_paper_smoke(tmp_path):
 @pytest.mark.integration
 def test_reproduce_paper_fig8_schema(tmp_path):
     out = tmp_path / "paper"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_paper.py"), "--quick", "--runs", "1", "--workers", "1",
-                           "--synthetic-rtt", "--only", "fig8", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "reproduce_paper.py"),
+            "--quick",
+            "--runs",
+            "1",
+            "--workers",
+            "1",
+            "--synthetic-rtt",
+            "--only",
+            "fig8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = json.loads((out / "summary.json").read_text())["fig8"]
     assert {(r["J"], r["eta"]) for r in records} == {(J, e) for J in (10, 20, 30, 40) for e in (0.1, 0.2, 0.3, 0.4)}
@@ -118,8 +172,21 @@ def test_reproduce_paper_fig8_schema(tmp_path):
 
 
 def _reproduce(args, out, timeout):
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_paper.py"), *args, "--workers", "1",
-                           "--synthetic-rtt", "--out", str(out)], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "reproduce_paper.py"),
+            *args,
+            "--workers",
+            "1",
+            "--synthetic-rtt",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_reproduce_paper_authors_setup_fig8(tmp_path):
@@ -128,7 +195,9 @@ def test_reproduce_paper_authors_setup_fig8(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["setup"] == "authors" and "short_runs" in summary["authors_choices"]
-    assert {(r["J"], r["eta"]) for r in summary["fig8"]} == {(J, e) for J in (10, 20, 30, 40) for e in (0.1, 0.2, 0.3, 0.4)}
+    assert {(r["J"], r["eta"]) for r in summary["fig8"]} == {
+        (J, e) for J in (10, 20, 30, 40) for e in (0.1, 0.2, 0.3, 0.4)
+    }
     bad = _reproduce(["--authors-choices", "tau_c,bogus", "--only", "fig8"], tmp_path / "bad", 60)
     assert bad.returncode == 2 and "bogus" in bad.stderr
 
@@ -143,11 +212,15 @@ def test_reproduce_paper_authors_quick_runs_in_ci_time(tmp_path):
 
 
 def test_simulate_setup_flags(capsys):
-    rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--setup", "authors", "--policy", "petals"], capsys)
+    rc, out, err = _run(
+        ["--paper-setup", "10", "0.3", "--synthetic-rtt", "--setup", "authors", "--policy", "petals"], capsys
+    )
     assert rc == 0, err
     data = json.loads(out)
     assert data["setup"] == "authors" and data["n_jobs"] == 300 and data["tau_c_reading"] == "model"
-    rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--tau-c", "literal", "--jobs", "500"], capsys)
+    rc, out, err = _run(
+        ["--paper-setup", "10", "0.3", "--synthetic-rtt", "--tau-c", "literal", "--jobs", "500"], capsys
+    )
     assert rc == 0 and json.loads(out)["tau_c_reading"] == "literal"
     rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--authors-choices", "nope"], capsys)
     assert rc == 2 and "nope" in err

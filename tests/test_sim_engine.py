@@ -1,4 +1,5 @@
 """The simulator engine against closed forms, with a central-queue test double (no core needed)."""
+
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """The simulator with the core's dispatchers: JFFC against the exact CTMC (small K) and within the
 Theorem 3.7 bounds on random instances; policies and baselines are deterministic for a seed."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -82,8 +83,9 @@ def test_paper_instance_parameters():
     assert inst.is_high.sum() == 4
     assert set(inst.memory_gb) == {20.0, 40.0} and set(inst.tau_p_s) == {0.109, 0.175}
     assert np.allclose(inst.tau_c_s, 20 * (inst.rtt_s + 0.018))  # default: the model's tau_c (20 steps)
-    literal = draw_paper_instance(synthetic_rtt_ms(50, np.random.default_rng(0)), 20, 0.2, np.random.default_rng(0),
-                                  tau_c_reading="literal")
+    literal = draw_paper_instance(
+        synthetic_rtt_ms(50, np.random.default_rng(0)), 20, 0.2, np.random.default_rng(0), tau_c_reading="literal"
+    )
     assert np.allclose(literal.tau_c_s - literal.rtt_s, 0.018)
     cluster = to_cluster(inst)
     assert cluster.service.num_blocks == 70 and cluster.arrival_rate_per_s == 0.2 and cluster.rho_bar == 0.7

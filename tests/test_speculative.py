@@ -4,6 +4,7 @@ arguments, verified in one chain step per round, with KV rollback of the rejecte
 In-process chains of the tiny random Llama (exactness vs HF, the sampled distribution, rollback of
 the session by itself); the live swarm (2 hops, failover) is in test_speculative_live.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -52,8 +53,9 @@ def test_prompt_lookup_greedy_identical_to_hf(tiny, k):
     ids = torch.tensor([REPETITIVE])
     ref = hf.generate(ids, max_new_tokens=40, do_sample=False)
     # "constant": every draft as HF's lookup makes it (the adaptive default is tested below)
-    out, stats, _ = _generate_with_stats(model, ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=k,
-                                         prompt_lookup_schedule="constant")
+    out, stats, _ = _generate_with_stats(
+        model, ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=k, prompt_lookup_schedule="constant"
+    )
     assert out.tolist() == ref.tolist()
     assert stats.tokens == 40
     assert stats.drafted_tokens > 0
@@ -103,7 +105,7 @@ def test_session_rolls_back_by_itself_and_regenerates_the_last_turn(tiny):
         second = model.generate(torch.tensor([[4, 5]]), max_new_tokens=10, do_sample=False)
         assert session.position == second.shape[1] - 1  # the last token is not processed yet
         # regenerate the second turn: cut the conversation back to after its user tokens
-        session.token_ids = second[0, :first.shape[1] + 2].tolist()
+        session.token_ids = second[0, : first.shape[1] + 2].tolist()
         steps = session.chain_steps
         again = model.generate(torch.tensor([[]], dtype=torch.long), max_new_tokens=10, do_sample=False)
         assert again.tolist() == second.tolist()
@@ -135,8 +137,16 @@ def test_sampled_prompt_lookup_has_the_target_distribution(tiny):
     accepted = rounds_with_rollback = 0
     for seed in range(n_seeds):
         torch.manual_seed(seed)
-        out, stats, _ = _generate_with_stats(model, ids, max_new_tokens=2, do_sample=True, temperature=temperature,
-                                             top_k=0, prompt_lookup_num_tokens=3, prompt_lookup_schedule="constant")
+        out, stats, _ = _generate_with_stats(
+            model,
+            ids,
+            max_new_tokens=2,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            prompt_lookup_num_tokens=3,
+            prompt_lookup_schedule="constant",
+        )
         accepted += stats.accepted_draft_tokens
         rounds_with_rollback += stats.accepted_draft_tokens < stats.drafted_tokens
         pair = tuple(out[0, -2:].tolist())
@@ -173,33 +183,63 @@ def test_gateway_engine_prompt_lookup_greedy_identical_and_counted(tiny):
     _, model = tiny
     kwargs = dict(cancel=threading.Event(), on_text=lambda delta, logprobs: None)
     plain = run_generation(model, _SpaceTokenizer(), REPETITIVE, SamplingParams(max_tokens=30, temperature=0), **kwargs)
-    spec = run_generation(model, _SpaceTokenizer(), REPETITIVE,
-                          SamplingParams(max_tokens=30, temperature=0, prompt_lookup_tokens=4,
-                                         prompt_lookup_schedule="constant"), **kwargs)
+    spec = run_generation(
+        model,
+        _SpaceTokenizer(),
+        REPETITIVE,
+        SamplingParams(max_tokens=30, temperature=0, prompt_lookup_tokens=4, prompt_lookup_schedule="constant"),
+        **kwargs,
+    )
     assert spec.text == plain.text and spec.completion_tokens == plain.completion_tokens == 30
-    adaptive = run_generation(model, _SpaceTokenizer(), REPETITIVE,
-                              SamplingParams(max_tokens=30, temperature=0, prompt_lookup_tokens=4), **kwargs)
+    adaptive = run_generation(
+        model,
+        _SpaceTokenizer(),
+        REPETITIVE,
+        SamplingParams(max_tokens=30, temperature=0, prompt_lookup_tokens=4),
+        **kwargs,
+    )
     assert adaptive.text == plain.text and adaptive.accepted_draft_tokens <= adaptive.drafted_tokens
     assert plain.drafted_tokens == 0
     assert 0 < spec.accepted_draft_tokens <= spec.drafted_tokens
     for seed in (0, 1):
         # sampled: the engine draws one sample per position in order, exactly as plain decoding does,
         # so with the same seed the output is the same, not only the distribution
-        sampled = [run_generation(model, _SpaceTokenizer(), LOOPING,
-                                  SamplingParams(max_tokens=12, temperature=0.05, seed=seed, prompt_lookup_tokens=k,
-                                                 prompt_lookup_schedule="constant"),
-                                  **kwargs) for k in (0, 3)]
+        sampled = [
+            run_generation(
+                model,
+                _SpaceTokenizer(),
+                LOOPING,
+                SamplingParams(
+                    max_tokens=12,
+                    temperature=0.05,
+                    seed=seed,
+                    prompt_lookup_tokens=k,
+                    prompt_lookup_schedule="constant",
+                ),
+                **kwargs,
+            )
+            for k in (0, 3)
+        ]
         assert sampled[0].text == sampled[1].text
     metrics = GatewayMetrics("tiny")
-    metrics.generation(prompt_tokens=len(REPETITIVE), completion_tokens=spec.completion_tokens,
-                       finish_reason=spec.finish_reason, ttft_s=spec.time_to_first_token_s,
-                       token_times_s=spec.token_times_s, e2e_s=1.0, hops=spec.hops, failovers=spec.failovers,
-                       prefix_hit_tokens=spec.prefix_hit_tokens, drafted_tokens=spec.drafted_tokens,
-                       accepted_draft_tokens=spec.accepted_draft_tokens)
+    metrics.generation(
+        prompt_tokens=len(REPETITIVE),
+        completion_tokens=spec.completion_tokens,
+        finish_reason=spec.finish_reason,
+        ttft_s=spec.time_to_first_token_s,
+        token_times_s=spec.token_times_s,
+        e2e_s=1.0,
+        hops=spec.hops,
+        failovers=spec.failovers,
+        prefix_hit_tokens=spec.prefix_hit_tokens,
+        drafted_tokens=spec.drafted_tokens,
+        accepted_draft_tokens=spec.accepted_draft_tokens,
+    )
     text = metrics.render().decode()
     assert f'petals_chain:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(spec.drafted_tokens)}' in text
-    assert (f'petals_chain:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} '
-            f'{float(spec.accepted_draft_tokens)}') in text
+    assert (
+        f'petals_chain:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(spec.accepted_draft_tokens)}'
+    ) in text
 
 
 @pytest.mark.parametrize("text,k", [("ngram:4", 4), ("ngram:1", 1)])
@@ -225,14 +265,19 @@ def test_generate_cli_prompt_lookup_same_text_and_stats_line(smollm2_path, capsy
 
     from petals_chain.cli.generate import main
 
-    prompt = ("Repeat this list exactly: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa. "
-              "alpha, beta, gamma, delta,")
+    prompt = (
+        "Repeat this list exactly: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa. "
+        "alpha, beta, gamma, delta,"
+    )
     args = ["--prompt", prompt, "--no-chat", "--max-new-tokens", "24", "--stats"]
     assert main(args) == 0
     plain = capsys.readouterr().out.strip().splitlines()
     assert main([*args, "--prompt-lookup", "4"]) == 0
     spec = capsys.readouterr().out.strip().splitlines()
-    text = lambda lines: lines[:next(i for i, line in enumerate(lines) if line.startswith("[chain: "))]
+
+    def text(lines):
+        return lines[: next(i for i, line in enumerate(lines) if line.startswith("[chain: "))]
+
     assert text(spec) == text(plain) and "".join(text(plain)).strip()  # the same generated text
     plain_stats, spec_stats = json.loads(plain[-1]), json.loads(spec[-1])
     assert set(spec_stats) == {"tokens", "chain_steps", "accepted_draft_tokens"}
@@ -243,6 +288,7 @@ def test_generate_cli_prompt_lookup_same_text_and_stats_line(smollm2_path, capsy
 
 
 # -- the no-draft path and adaptive draft lengths (client/speculation.py) ----------------------------
+
 
 class _FixedCosts(StepCostModel):
     """Step times as given, not measured: the tests must not depend on this machine's timings."""
@@ -285,9 +331,12 @@ def test_no_lookup_match_is_one_plain_step(tiny, monkeypatch, schedule):
     hf, model = tiny
     ids = torch.tensor([REPETITIVE])
     plain, plain_stats, plain_sizes = _generate_recording_steps(model, ids, max_new_tokens=12, do_sample=False)
-    monkeypatch.setattr(PromptLookupCandidateGenerator, "get_candidates", lambda self, input_ids, **kw: (input_ids, None))
-    out, stats, sizes = _generate_recording_steps(model, ids, max_new_tokens=12, do_sample=False,
-                                                  prompt_lookup_num_tokens=4, prompt_lookup_schedule=schedule)
+    monkeypatch.setattr(
+        PromptLookupCandidateGenerator, "get_candidates", lambda self, input_ids, **kw: (input_ids, None)
+    )
+    out, stats, sizes = _generate_recording_steps(
+        model, ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=4, prompt_lookup_schedule=schedule
+    )
     assert out.tolist() == plain.tolist() == hf.generate(ids, max_new_tokens=12, do_sample=False).tolist()
     assert sizes == plain_sizes and sizes[1:] == [1] * 11  # the prompt, then one token per step
     assert stats.chain_steps == plain_stats.chain_steps == 12 and stats.drafted_tokens == 0
@@ -299,8 +348,9 @@ def test_adaptive_sends_no_draft_that_does_not_pay(tiny):
     hf, model = tiny
     ids = torch.tensor([LOOPING])
     ref = hf.generate(ids, max_new_tokens=30, do_sample=False)
-    out, stats, sizes = _generate_recording_steps(model, ids, _FixedCosts(0.1, 1.0), max_new_tokens=30,
-                                                  do_sample=False, prompt_lookup_num_tokens=8)
+    out, stats, sizes = _generate_recording_steps(
+        model, ids, _FixedCosts(0.1, 1.0), max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=8
+    )
     assert out.tolist() == ref.tolist()
     assert sizes[1:] == [1] * 29 and stats.drafted_tokens == 0
 
@@ -322,8 +372,9 @@ def test_adaptive_drafts_when_steps_cost_alike_and_stays_in_bounds(tiny, monkeyp
         return tokens
 
     monkeypatch.setattr(speculation.AdaptivePromptLookup, "draft", recording)
-    out, stats, sizes = _generate_recording_steps(model, ids, _FixedCosts(0.1, 0.1), max_new_tokens=40,
-                                                  do_sample=False, prompt_lookup_num_tokens=8)
+    out, stats, sizes = _generate_recording_steps(
+        model, ids, _FixedCosts(0.1, 0.1), max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=8
+    )
     assert out.tolist() == ref.tolist()
     assert 0 < stats.accepted_draft_tokens <= stats.drafted_tokens and stats.chain_steps < 40
     assert max(sizes[1:]) <= 8 + 1 and all(0 <= k <= 8 for k in chosen)
@@ -335,8 +386,9 @@ def _drafter(costs: StepCostModel, max_draft_tokens: int = 4):
         PromptLookupCandidateGenerator,
     )
 
-    return AdaptivePromptLookup(PromptLookupCandidateGenerator(num_output_tokens=max_draft_tokens, max_length=1000),
-                                max_draft_tokens, costs)
+    return AdaptivePromptLookup(
+        PromptLookupCandidateGenerator(num_output_tokens=max_draft_tokens, max_length=1000), max_draft_tokens, costs
+    )
 
 
 def test_withheld_draft_is_judged_by_the_tokens_that_follow():
@@ -399,8 +451,9 @@ def test_prompt_step_is_not_a_verification_cost(tiny):
     hf, model = tiny
     ids = torch.tensor([REPETITIVE])
     costs = _RecordingCosts()
-    out, stats, sizes = _generate_recording_steps(model, ids, costs, max_new_tokens=20, do_sample=False,
-                                                  prompt_lookup_num_tokens=4)
+    out, stats, sizes = _generate_recording_steps(
+        model, ids, costs, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=4
+    )
     assert out.tolist() == hf.generate(ids, max_new_tokens=20, do_sample=False).tolist()
     assert sizes[0] > len(REPETITIVE)  # the prompt went with the first round's draft
     assert costs.sizes == sizes[1:] and max(costs.sizes) <= 4 + 1

@@ -2,6 +2,7 @@
 exact greedy output with prompt lookup, every hop rolled back with the client, a regenerated chat
 turn that reuses the earlier KV, and rollbacks after a failover whose replay used the cut history
 (with either relay)."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,10 +39,14 @@ def test_rollback_across_hops_regenerated_turn_and_failover(tiny_llama_path):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
     ids = torch.tensor([REPETITIVE])
     ref = hf.generate(ids, max_new_tokens=30, do_sample=False)
-    with LocalSwarm(str(tiny_llama_path), [(0, 3), (3, 6), (3, 6), (3, 6)],  # spares: one failover per relay
-                    server_args=["--num-threads", "1", "--max-length", "128"]) as swarm:
-        model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
-                                                           use_orchestrator=False)
+    with LocalSwarm(
+        str(tiny_llama_path),
+        [(0, 3), (3, 6), (3, 6), (3, 6)],  # spares: one failover per relay
+        server_args=["--num-threads", "1", "--max-length", "128"],
+    ) as swarm:
+        model = DistributedModelForCausalLM.from_pretrained(
+            str(tiny_llama_path), initial_peers=swarm.initial_peers, use_orchestrator=False
+        )
         try:
             # 1. prompt lookup across 2 hops: rejected drafts are rolled back on both servers (each
             #    rollback step's reply must report the position the client expects)
@@ -54,15 +59,17 @@ def test_rollback_across_hops_regenerated_turn_and_failover(tiny_llama_path):
                 # 2. regenerate the last turn: the chain keeps the prompt's KV and recomputes one token
                 session.token_ids = ids[0].tolist()
                 first_new_step = len(chain.hop_timings)
-                again = model.generate(torch.tensor([[]], dtype=torch.long), max_new_tokens=30, do_sample=False,
-                                       prompt_lookup_num_tokens=4)
+                again = model.generate(
+                    torch.tensor([[]], dtype=torch.long), max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=4
+                )
                 assert again.tolist() == ref.tolist()
                 assert chain.hop_timings[first_new_step].tokens < 1 + 4 + 1  # its first step: no prompt replay
             # 3. a failover mid-generation: the replacement replays the history as cut by the rollbacks,
             #    with server relay (the pushes carry each rollback's start) and with client relay
             _failover_with_rollbacks(swarm, model, ids, ref)
             relayed_by_client = DistributedModelForCausalLM.from_pretrained(
-                str(tiny_llama_path), initial_peers=swarm.initial_peers, use_orchestrator=False, relay="client")
+                str(tiny_llama_path), initial_peers=swarm.initial_peers, use_orchestrator=False, relay="client"
+            )
             try:
                 _failover_with_rollbacks(swarm, relayed_by_client, ids, ref)
             finally:

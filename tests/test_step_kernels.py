@@ -1,5 +1,6 @@
 """The server step's kernels against plain references: the GQA-folded attention (models/attention.py)
 and the oneDNN-packed linears (runtime/packed_linear.py)."""
+
 from __future__ import annotations
 
 import math
@@ -42,9 +43,16 @@ def reference_attention(query, keys, values, mask, scale):
 
 
 @settings(max_examples=60, deadline=None)
-@given(kv_heads=st.integers(1, 4), group=st.integers(1, 5), dim=st.sampled_from([8, 16, 32]),
-       past=st.integers(0, 40), n=st.integers(1, 9), window=st.one_of(st.none(), st.integers(1, 20)),
-       alibi=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    kv_heads=st.integers(1, 4),
+    group=st.integers(1, 5),
+    dim=st.sampled_from([8, 16, 32]),
+    past=st.integers(0, 40),
+    n=st.integers(1, 9),
+    window=st.one_of(st.none(), st.integers(1, 20)),
+    alibi=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_grouped_attention_equals_reference(kv_heads, group, dim, past, n, window, alibi, seed):
     # the masked path is what is under test (an unmasked decode token is checked below as well)
     assume(n > 1 or alibi or window is not None)
@@ -57,16 +65,23 @@ def test_grouped_attention_equals_reference(kv_heads, group, dim, past, n, windo
     mask = _segment_mask(n, past, query.device, window, slopes, query.dtype)
     scale = 1 / math.sqrt(dim)
     got = grouped_attention(query, keys, values, mask, scale)
-    torch.testing.assert_close(got.double(), reference_attention(query, keys, values, mask, scale),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got.double(), reference_attention(query, keys, values, mask, scale), rtol=1e-5, atol=1e-5
+    )
     if not alibi and window is None:  # the unmasked form of the same call: a decode token sees everything
         last = grouped_attention(query[-1:], keys, values, None, scale)
         torch.testing.assert_close(last, got[-1:], rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)
-@given(kv_heads=st.integers(1, 3), group=st.integers(1, 4), sizes=st.lists(st.integers(1, 6), min_size=1, max_size=4),
-       pasts=st.lists(st.integers(0, 12), min_size=4, max_size=4), alibi=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    pasts=st.lists(st.integers(0, 12), min_size=4, max_size=4),
+    alibi=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_segment_attention_writes_caches_and_matches_reference(kv_heads, group, sizes, pasts, alibi, seed):
     """Several sessions' multi-token steps in one call (speculative verification, chunked prefill):
     each session's rows see its own cache up to their positions, and its new keys/values land in it."""
@@ -108,8 +123,9 @@ def test_alibi_bias_fold_keeps_each_heads_slope():
         torch.testing.assert_close(out[:, head, 0], (weights * torch.arange(5.0)).sum().expand(n))
 
 
-NEEDS_PACKING = pytest.mark.skipif(not packing_available(),
-                                   reason="this torch build has no oneDNN packed linear ops (torch.backends.mkldnn)")
+NEEDS_PACKING = pytest.mark.skipif(
+    not packing_available(), reason="this torch build has no oneDNN packed linear ops (torch.backends.mkldnn)"
+)
 
 
 @NEEDS_PACKING
@@ -144,7 +160,10 @@ def test_pack_linears_replaces_only_plain_float32_cpu_linears():
     dense_bytes = module_bytes(block)
     pack_linears(block, torch.device("cpu"), torch.float32)
     assert [type(m).__name__ for m in block.modules() if isinstance(m, nn.Linear)] == [
-        "PackedLinear", "PackedLinear", "Quantized"]
+        "PackedLinear",
+        "PackedLinear",
+        "Quantized",
+    ]
     assert module_bytes(block) == dense_bytes  # the packed copy replaces the dense weight
     other = nn.Sequential(nn.Linear(4, 4))
     pack_linears(other, torch.device("cpu"), torch.bfloat16)

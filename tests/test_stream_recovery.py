@@ -8,6 +8,7 @@
 - a multi-turn session left idle past the servers' `--session-idle-timeout` reopens its streams on
   the same servers and replays its history: the next turn equals HF, nobody is banned.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,11 @@ IDLE_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def swarm(tiny_llama_path):
-    with LocalSwarm(str(tiny_llama_path), [(0, 6)] * 7,
-                    server_args=["--num-threads", "1", "--session-idle-timeout", str(IDLE_TIMEOUT_S)]) as s:
+    with LocalSwarm(
+        str(tiny_llama_path),
+        [(0, 6)] * 7,
+        server_args=["--num-threads", "1", "--session-idle-timeout", str(IDLE_TIMEOUT_S)],
+    ) as s:
         yield s
 
 
@@ -44,8 +48,12 @@ def clients(swarm, tiny_llama_path):
             # bans that outlast the module: a server seen failing stays out of every later chain of
             # that client however slowly a loaded machine runs the tests
             made[relay] = DistributedModelForCausalLM.from_pretrained(
-                str(tiny_llama_path), initial_peers=swarm.initial_peers, step_timeout_s=60.0, relay=relay,
-                peer_health=PeerHealth(base_ban_s=3600.0, max_ban_s=3600.0))
+                str(tiny_llama_path),
+                initial_peers=swarm.initial_peers,
+                step_timeout_s=60.0,
+                relay=relay,
+                peer_health=PeerHealth(base_ban_s=3600.0, max_ban_s=3600.0),
+            )
         return made[relay]
 
     try:
@@ -99,8 +107,11 @@ def test_idle_session_reopens_and_replays_after_the_servers_idle_timeout(swarm, 
         out1 = client.generate(torch.tensor([first]), max_new_tokens=5, do_sample=False)
         peers = [h.peer_id for h in session.chain.hops]
         # the servers close the silent session after IDLE_TIMEOUT_S: wait until they have (polling)
-        wait_for(lambda: all(chain.server_info(p).active_sessions == 0 for p in peers), 30 + IDLE_TIMEOUT_S,
-                 "the servers to close the idle session")
+        wait_for(
+            lambda: all(chain.server_info(p).active_sessions == 0 for p in peers),
+            30 + IDLE_TIMEOUT_S,
+            "the servers to close the idle session",
+        )
         out2 = client.generate(torch.tensor([second]), max_new_tokens=5, do_sample=False)
         assert session.chain.reopens == len(peers) and session.chain.failovers == 0
         assert not session.chain.failed_peers and [h.peer_id for h in session.chain.hops] == peers
@@ -121,8 +132,11 @@ def test_idle_reopen_after_prefix_reuse_replays_the_prefix(swarm, client, hf):
             if session.chain.prefix_tokens == 0:
                 continue
             peers = [h.peer_id for h in session.chain.hops]
-            wait_for(lambda: all(chain.server_info(p).active_sessions == 0 for p in peers), 30 + IDLE_TIMEOUT_S,
-                     "the servers to close the idle session")
+            wait_for(
+                lambda: all(chain.server_info(p).active_sessions == 0 for p in peers),
+                30 + IDLE_TIMEOUT_S,
+                "the servers to close the idle session",
+            )
             out2 = client.generate(torch.tensor([[7, 8]]), max_new_tokens=3, do_sample=False)
             assert session.chain.reopens == len(peers) and session.chain.failovers == 0
             break

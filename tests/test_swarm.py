@@ -1,4 +1,5 @@
 """The real distributed system: a DHT peer and block servers as processes on 127.0.0.1."""
+
 from __future__ import annotations
 
 import threading
@@ -22,8 +23,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.model]
 # Each server: 10 blocks x 14.2 MB of weights; at --max-length 4096 a whole-range session reserves
 # 10 x 6.3 MB. A 300 MiB budget holds the weights plus two such sessions, not three.
 SERVER_ARGS = ["--num-threads", "1", "--memory-budget", "300MiB", "--max-length", "4096"]
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sun is a",
-           "In 1492, Columbus", "Water boils at", "My favourite colour is", "A haiku about rain:"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The sun is a",
+    "In 1492, Columbus",
+    "Water boils at",
+    "My favourite colour is",
+    "A haiku about rain:",
+]
 
 
 @pytest.fixture(scope="module")
@@ -108,31 +117,41 @@ def test_bad_input_gets_typed_errors_and_server_keeps_serving(swarm, client, smo
     peer = swarm.servers[1].peer_id
     s = RawStream(client.backend, peer)
     try:
-        assert isinstance(s.expect_error({"type": "step", "session_id": "x"}, (torch.zeros(1, 576),)),
-                          UnknownSessionError)  # step before open
-        assert isinstance(s.expect_error({"type": "open", "session_id": "a", "max_length": 10**6}),
-                          MaxLengthExceededError)
-        assert isinstance(s.expect_error({"type": "open", "session_id": "a", "max_length": "long"}),
-                          InvalidRequestError)
-        assert isinstance(s.expect_error({"type": "open", "session_id": "a", "max_length": 16, "entry_block": 3}),
-                          InvalidRequestError)  # entry block outside [10, 20)
+        assert isinstance(
+            s.expect_error({"type": "step", "session_id": "x"}, (torch.zeros(1, 576),)), UnknownSessionError
+        )  # step before open
+        assert isinstance(
+            s.expect_error({"type": "open", "session_id": "a", "max_length": 10**6}), MaxLengthExceededError
+        )
+        assert isinstance(
+            s.expect_error({"type": "open", "session_id": "a", "max_length": "long"}), InvalidRequestError
+        )
+        assert isinstance(
+            s.expect_error({"type": "open", "session_id": "a", "max_length": 16, "entry_block": 3}), InvalidRequestError
+        )  # entry block outside [10, 20)
         assert isinstance(s.expect_error({"type": "dance"}), InvalidRequestError)
         garbage = wire.runtime_pb2.ExpertRequest(metadata=b"\xc1\xff\x00garbage")
         assert isinstance(s.expect_error({}, request=garbage), InvalidRequestError)
         reply, _ = s.send({"type": "open", "session_id": "a", "max_length": 16})
         assert reply["type"] == "opened"
-        assert isinstance(s.expect_error({"type": "step", "session_id": "b"}, (torch.zeros(1, 576),)),
-                          UnknownSessionError)
-        assert isinstance(s.expect_error({"type": "step", "session_id": "a"}, (torch.zeros(1, 575),)),
-                          InvalidRequestError)  # wrong shape
-        assert isinstance(s.expect_error({"type": "step", "session_id": "a"}, (torch.zeros(1, 576, dtype=torch.float64),)),
-                          InvalidRequestError)  # wrong dtype
-        assert isinstance(s.expect_error({"type": "step", "session_id": "a"}, (torch.zeros(17, 576),)),
-                          MaxLengthExceededError)
+        assert isinstance(
+            s.expect_error({"type": "step", "session_id": "b"}, (torch.zeros(1, 576),)), UnknownSessionError
+        )
+        assert isinstance(
+            s.expect_error({"type": "step", "session_id": "a"}, (torch.zeros(1, 575),)), InvalidRequestError
+        )  # wrong shape
+        assert isinstance(
+            s.expect_error({"type": "step", "session_id": "a"}, (torch.zeros(1, 576, dtype=torch.float64),)),
+            InvalidRequestError,
+        )  # wrong dtype
+        assert isinstance(
+            s.expect_error({"type": "step", "session_id": "a"}, (torch.zeros(17, 576),)), MaxLengthExceededError
+        )
         assert isinstance(s.expect_error({"type": "step", "session_id": "a"}), InvalidRequestError)  # no tensor
         bad_tensor = wire.runtime_pb2.ExpertRequest(
             metadata=wire.pack({"type": "step", "session_id": "a"}),
-            tensors=[wire.runtime_pb2.Tensor(buffer=b"123", size=[7, 576], dtype="float32")])
+            tensors=[wire.runtime_pb2.Tensor(buffer=b"123", size=[7, 576], dtype="float32")],
+        )
         assert isinstance(s.expect_error({}, request=bad_tensor), InvalidRequestError)
         # the same stream still works after all that, and lost nothing
         reply, (out,) = s.send({"type": "step", "session_id": "a"}, (torch.randn(3, 576),))

@@ -1,4 +1,5 @@
 """launch-server --emulate-slowdown (server/emulation.py): an explicitly named emulation, off by default."""
+
 from __future__ import annotations
 
 import subprocess
@@ -43,7 +44,12 @@ def test_a_batch_takes_k_times_its_compute_and_keeps_its_outputs():
 
 
 def test_off_by_default_and_validated():
-    assert build_parser().parse_args(["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"]).emulate_slowdown == 1.0
+    assert (
+        build_parser()
+        .parse_args(["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc"])
+        .emulate_slowdown
+        == 1.0
+    )
     inner = FakeRange(Clock(), 0.0)
     assert maybe_slowed(inner, 1.0) is inner and real_range(inner) is inner
     with pytest.raises(ValueError, match=">= 1"):
@@ -52,6 +58,18 @@ def test_off_by_default_and_validated():
 
 
 def test_cli_rejects_a_speedup():
-    out = subprocess.run([sys.executable, "-m", "server.cli", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc",
-                          "--emulate-slowdown", "0.5"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "--initial-peers",
+            "/ip4/127.0.0.1/tcp/1/p2p/QmW91aaAN3fKnU9CDMMrWLyRmaiaBFqwKKgqDTm6LaWpUc",
+            "--emulate-slowdown",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--emulate-slowdown must be >= 1" in out.stderr

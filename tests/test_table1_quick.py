@@ -1,5 +1,6 @@
 """`petals-chain experiment table1 --quick` end to end (the proposed column): a real swarm, the real trace,
 every request accounted for, results in the documented schema, nothing left running."""
+
 from __future__ import annotations
 
 import json
@@ -72,12 +73,34 @@ def test_quick_mode_end_to_end(tmp_path):
     # 240 MiB cannot hold the 405 MiB of blocks). float16, not the default float32: the load generator's
     # client must run the servers' dtype (a GPU run in bfloat16 once failed every request on that), and
     # float16 decodes about twice as fast as float32 on this CPU
-    argv = [sys.executable, "-m", "petals_chain.cli", "experiment", "table1", "--quick", "--policies", "proposed",
-            "--requests", "6", "--dtype", "float16",
-            "--time-scale", "3", "--deadline", "240", "--warmup-per-chain", "1", "--servers", "4",
-            "--fast-servers", "2", "--out", str(out),
-            "--netem-name", net_name] + \
-        ([] if netem_ok else ["--no-netem"])
+    argv = [
+        sys.executable,
+        "-m",
+        "petals_chain.cli",
+        "experiment",
+        "table1",
+        "--quick",
+        "--policies",
+        "proposed",
+        "--requests",
+        "6",
+        "--dtype",
+        "float16",
+        "--time-scale",
+        "3",
+        "--deadline",
+        "240",
+        "--warmup-per-chain",
+        "1",
+        "--servers",
+        "4",
+        "--fast-servers",
+        "2",
+        "--out",
+        str(out),
+        "--netem-name",
+        net_name,
+    ] + ([] if netem_ok else ["--no-netem"])
     env = {**os.environ, "TABLE1_TEST_MARKER": marker, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -96,6 +119,7 @@ def test_quick_mode_end_to_end(tmp_path):
                 pass
         if netem_ok:
             import netem
+
             netem.cleanup(net_name)
     assert proc.returncode == 0, stdout[-4000:]
     assert not _ours(marker), "processes of the run are still alive"
@@ -141,12 +165,14 @@ def test_quick_mode_end_to_end(tmp_path):
         if netem_ok and sc.get("cpu_shares"):  # each host's share and its measured use
             assert set(s["host_cpu"]) == set(sc["cpu_shares"]) and all(
                 v["used_cores"] is not None and v["used_cores"] <= v["share_cores"] * 1.2 + 0.05
-                for v in s["host_cpu"].values()), s["host_cpu"]
+                for v in s["host_cpu"].values()
+            ), s["host_cpu"]
             # every server's DHT process and p2p daemon left its host's share, and still counted apart
             moved = s["daemons_exempted"]
             assert set(moved) == set(sc["cpu_shares"]) - {"client"} and all(len(p) == 2 for p in moved.values()), moved
             assert all(v["daemons_cores"] is not None for h, v in s["host_cpu"].items() if h != "client")
     from netem import cpu as netem_cpu
+
     try:
         assert not netem_cpu.owned_groups(net_name, netem_cpu.detect())  # the groups went with the network
     except netem_cpu.CpuLimitUnavailableError:

@@ -1,4 +1,5 @@
 """An interrupted Table 1 run (SIGTERM, a time limit) stops its load generator before its swarm."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,9 @@ def test_stop_loadgen_kills_its_process_group():
     """The load generator runs in a session of its own (a SIGTERM to the experiment does not reach it);
     stop_loadgen ends it and what it started, so requests in flight are not recorded as failed by
     servers being torn down (seen on a GPU run cut by its time limit)."""
-    gen = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
-                           start_new_session=True)
+    gen = subprocess.Popen(
+        ["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     child = int(gen.stdout.readline())
     try:
         stop_loadgen(gen)

@@ -1,4 +1,5 @@
 """Table 1 workload: the Azure trace loader and the scaling arithmetic (experiments/workload.py)."""
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,11 @@ def test_lengths_are_cut_to_fit_max_length_and_counted():
     trace = _trace([0, 1, 2, 3], [160, 1600, 16, 4000], [10, 900, 1, 30])
     reqs = scale_requests(trace, 4, Scale(1.0, 1 / 16, max_length_tokens=200))
     assert [(r.input_tokens, r.output_tokens, r.truncated, r.input_cut) for r in reqs] == [
-        (10, 10, False, False), (100, 100, True, False), (1, 1, False, False), (170, 30, False, True)]
+        (10, 10, False, False),
+        (100, 100, True, False),
+        (1, 1, False, False),
+        (170, 30, False, True),
+    ]
     assert workload.summary(reqs)["truncated"] == 1 and workload.summary(reqs)["inputs_cut"] == 1
     # an input over the context keeps its last tokens; its output keeps at most half the context
     assert scale_lengths(3200, 1, Scale(1.0, 1 / 16, max_length_tokens=200)) == (199, 1, False, True)
@@ -79,8 +84,11 @@ def test_auto_time_scale_hits_the_target_load():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=3, max_size=40),
-       st.floats(0.01, 100.0), st.floats(0.01, 4.0))
+@given(
+    st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=3, max_size=40),
+    st.floats(0.01, 100.0),
+    st.floats(0.01, 4.0),
+)
 def test_time_scaling_is_a_pure_stretch(arrivals, time_scale, length_scale):
     a = sorted(arrivals)
     assume(a[-1] - a[0] > 1e-3)
@@ -95,15 +103,31 @@ def test_time_scaling_is_a_pure_stretch(arrivals, time_scale, length_scale):
 
 def test_calibrate_from_an_earlier_run_reads_its_measured_cpu_per_request(tmp_path):
     from experiments.table1 import CalibrationError, measured_cpu_s_per_request
+
     with pytest.raises(CalibrationError, match="--calibrate-from"):
         measured_cpu_s_per_request(tmp_path, servers_only=True)
-    recs = [{"index": i, "arrival_s": 0.0, "start_s": 1.0, "end_s": 2.0, "output_tokens": 3, "generated_tokens": 3,
-             "error": None} for i in range(4)]
+    recs = [
+        {
+            "index": i,
+            "arrival_s": 0.0,
+            "start_s": 1.0,
+            "end_s": 2.0,
+            "output_tokens": 3,
+            "generated_tokens": 3,
+            "error": None,
+        }
+        for i in range(4)
+    ]
     recs.append({**recs[0], "index": 4, "generated_tokens": 0, "error": "DeadlineError: late"})
     (tmp_path / "records_proposed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (tmp_path / "run_proposed.json").write_text(json.dumps({
-        "cpu": {"ours_cpu_s": 20.0},
-        "host_cpu": {"client": {"cpu_s": 8.0}, "fast0": {"cpu_s": 6.0}, "slow0": {"cpu_s": 2.0}}}))
+    (tmp_path / "run_proposed.json").write_text(
+        json.dumps(
+            {
+                "cpu": {"ours_cpu_s": 20.0},
+                "host_cpu": {"client": {"cpu_s": 8.0}, "fast0": {"cpu_s": 6.0}, "slow0": {"cpu_s": 2.0}},
+            }
+        )
+    )
     w, why = measured_cpu_s_per_request(tmp_path, servers_only=True)  # shares: the server hosts, per finished
     assert w == pytest.approx((6.0 + 2.0) / 4) and "proposed" in why
     w, _ = measured_cpu_s_per_request(tmp_path, servers_only=False)  # no shares: all our processes
@@ -117,8 +141,9 @@ def test_peak_offered_load_is_the_busiest_window():
     assert workload.peak_offered_load(arrivals, w, cpus, window_s=1000.0) == pytest.approx(8 * w / 1000.0)
     # never below the mean load over the span: the whole span is one of the windows when it is that long
     span = arrivals[-1] - arrivals[0]
-    assert workload.peak_offered_load(arrivals, w, cpus, window_s=span + 1) >= \
-        workload.offered_load(workload.rate_per_s(arrivals), w, cpus) * span / (span + 1)
+    assert workload.peak_offered_load(arrivals, w, cpus, window_s=span + 1) >= workload.offered_load(
+        workload.rate_per_s(arrivals), w, cpus
+    ) * span / (span + 1)
     assert workload.peak_offered_load([], w, cpus) == 0.0
     with pytest.raises(ValueError):
         workload.peak_offered_load(arrivals, w, cpus, window_s=0.0)
@@ -128,10 +153,13 @@ def test_orchestrator_args_of_a_column_parse_and_carry_the_leftover_placement():
     from experiments.cli import build_parser as table1_parser
     from experiments.table1 import Table1Config, orchestrator_args
     from orchestrator.service.cli import build_parser
+
     info = {"rate_per_s": 0.19, "mean_input_tokens": 129.6, "mean_output_tokens": 22.7}
     for flag in (False, True):
         peer = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmesM6xndavBMs1jxAgfk6s4aGbemH7CT3hRJcVyMFqVsy"]
-        args = build_parser().parse_args(peer + orchestrator_args(Table1Config(leftover_placement=flag), "proposed", info))
+        args = build_parser().parse_args(
+            peer + orchestrator_args(Table1Config(leftover_placement=flag), "proposed", info)
+        )
         assert args.leftover_placement is flag and args.policy == "proposed"
         assert args.arrival_rate == pytest.approx(0.19)
         assert args.length_prior_sessions == 250  # the stated means are the whole replay's (250 requests)
@@ -143,11 +171,14 @@ def test_the_server_compute_model_reaches_the_orchestrator():
     from experiments.cli import build_parser as table1_parser
     from experiments.table1 import Table1Config, orchestrator_args
     from orchestrator.service.cli import build_parser
+
     info = {"rate_per_s": 0.19, "mean_input_tokens": 129.6, "mean_output_tokens": 22.7}
     peer = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmesM6xndavBMs1jxAgfk6s4aGbemH7CT3hRJcVyMFqVsy"]
     for compute in ("auto", "shared", "parallel"):
         assert table1_parser().parse_args(["--server-compute", compute]).server_compute == compute
-        args = build_parser().parse_args(peer + orchestrator_args(Table1Config(server_compute=compute), "proposed", info))
+        args = build_parser().parse_args(
+            peer + orchestrator_args(Table1Config(server_compute=compute), "proposed", info)
+        )
         assert args.server_compute == compute
     assert table1_parser().parse_args([]).server_compute == "auto"
     with pytest.raises(SystemExit):
@@ -160,6 +191,7 @@ def test_the_batch_token_budget_reaches_every_server():
     from experiments.cli import build_parser as table1_parser
     from experiments.table1 import Table1Config, server_args
     from server.cli import build_parser
+
     peer = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmesM6xndavBMs1jxAgfk6s4aGbemH7CT3hRJcVyMFqVsy"]
     assert table1_parser().parse_args([]).max_batch_tokens == 2048 == build_parser().parse_args(peer).max_batch_tokens
     assert table1_parser().parse_args(["--max-batch-tokens", "128"]).max_batch_tokens == 128
@@ -183,6 +215,7 @@ def test_the_kv_plan_length_reaches_the_orchestrator_and_its_cluster():
     from orchestrator.service.registry import ServerRecord, build_cluster
     from orchestrator.session_times import SessionShape
     from petals_chain.wire.records import ServerInfo
+
     reqs = [ScaledRequest(i, float(i), 10 * i, 5, 10 * i, 5, False) for i in range(1, 21)]  # 15, 25, .., 205 tokens
     assert kv_plan_tokens(Table1Config(kv_plan_tokens="auto"), reqs) == 195  # the 19th of 20
     assert kv_plan_tokens(Table1Config(kv_plan_tokens="max"), reqs) is None

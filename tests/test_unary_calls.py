@@ -1,6 +1,7 @@
 """protocol.call_unary: a unary RPC's timeout never cancels the call itself, because a cancelled call
 whose reply arrives in the same loop iteration ends hivemind's reader of every unary reply of the
 process (pinned below on hivemind's own reader), and the process then loses every later reply."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,11 @@ def _frame(message) -> bytes:
 
 
 def _reply(call_id: uuid.UUID, payload: bytes) -> bytes:
-    return _frame(p2pd_pb2.PersistentConnectionResponse(
-        callId=call_id.bytes, callUnaryResponse=p2pd_pb2.CallUnaryResponse(response=payload)))
+    return _frame(
+        p2pd_pb2.PersistentConnectionResponse(
+            callId=call_id.bytes, callUnaryResponse=p2pd_pb2.CallUnaryResponse(response=payload)
+        )
+    )
 
 
 def test_hivemind_stops_reading_unary_replies_after_one_to_a_cancelled_call():
@@ -40,6 +44,7 @@ def test_hivemind_stops_reading_unary_replies_after_one_to_a_cancelled_call():
     timeout cancelled (still registered: the cancelled caller removes it only on its next step) makes
     set_result raise, the reading task ends, and the reply after it is never read. If this starts
     failing, hivemind has fixed its reader and call_unary's shield is no longer needed."""
+
     async def main():
         control = ControlClient(DaemonConnector(), _initialized_with_create=True)
         late, other = uuid.uuid4(), uuid.uuid4()
@@ -87,6 +92,7 @@ def test_call_unary_times_out_and_is_cancelled_without_cancelling_the_call():
 def test_the_services_stubs_time_out_unary_calls_without_cancelling_them():
     """`stub.rpc_x(request, timeout=...)` on our services' stubs goes through call_unary; the stream
     methods stay hivemind's."""
+
     async def main():
         loop = asyncio.get_running_loop()
         replies = []
@@ -112,6 +118,7 @@ def test_the_services_stubs_time_out_unary_calls_without_cancelling_them():
 def test_late_replies_to_timed_out_calls_leave_the_process_answered():
     """Two real p2p daemons: calls that time out while their handler still works get their replies
     later, and every call after them is answered."""
+
     async def main():
         server = await P2P.create()
         client = await P2P.create(initial_peers=await server.get_visible_maddrs())
@@ -126,8 +133,9 @@ def test_late_replies_to_timed_out_calls_leave_the_process_answered():
             await server.add_protobuf_handler("unary", handler, runtime_pb2.ExpertRequest)
 
             def call(what: bytes):
-                return client.call_protobuf_handler(server.peer_id, "unary", runtime_pb2.ExpertRequest(metadata=what),
-                                                    runtime_pb2.ExpertResponse)
+                return client.call_protobuf_handler(
+                    server.peer_id, "unary", runtime_pb2.ExpertRequest(metadata=what), runtime_pb2.ExpertResponse
+                )
 
             assert (await call_unary(call(b"first"), 10.0)).metadata == b"first"
             for _ in range(3):

@@ -2,6 +2,7 @@
 HF greedy; honest servers are never blamed; the orchestrator excludes a server only after reports of
 k distinct peers whose evidence its own third opinion confirms (client/verification.py,
 server/corruption.py, orchestrator/service/reports.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +48,11 @@ def test_each_mode_changes_outputs_as_named(tiny_llama_path):
     tol = tolerance_for(torch.float32)
     assert first_mismatch(_run(CorruptedBlockRange(honest, parse_mode("noise")), x), ref, tol) == 0
     # skip-last: exactly the output of the first five blocks
-    assert torch.allclose(_run(CorruptedBlockRange(honest, parse_mode("skip-last")), x), _run(_tiny_range(
-        tiny_llama_path, 0, 5), x), atol=1e-5)
+    assert torch.allclose(
+        _run(CorruptedBlockRange(honest, parse_mode("skip-last")), x),
+        _run(_tiny_range(tiny_llama_path, 0, 5), x),
+        atol=1e-5,
+    )
     assert first_mismatch(_run(honest, x), ref, tol) is None  # the wrapper put the family back
     after = CorruptedBlockRange(honest, parse_mode("after:2"))
     assert [first_mismatch(_run(after, x), ref, tol) for _ in range(4)] == [None, None, 0, 0]
@@ -91,10 +95,20 @@ def test_verification_config_refuses_bad_values():
 def _signed_report(identity, accused, inputs, wrong, reference, position):
     from petals_chain.swarm.identity import SwarmIdentity  # noqa: F401  (identity is one)
 
-    report = VerificationReport(model="m", accused=accused, agreeing=["checker"], start=0, end=6,
-                                position=position, dtype="float32", input_digest=digest(inputs),
-                                accused_digest=digest(wrong), reference_digest=digest(reference),
-                                verdict=Verdict.WRONG_OUTPUT, reporter_key="")
+    report = VerificationReport(
+        model="m",
+        accused=accused,
+        agreeing=["checker"],
+        start=0,
+        end=6,
+        position=position,
+        dtype="float32",
+        input_digest=digest(inputs),
+        accused_digest=digest(wrong),
+        reference_digest=digest(reference),
+        verdict=Verdict.WRONG_OUTPUT,
+        reporter_key="",
+    )
     return sign_report(report, identity)
 
 
@@ -126,8 +140,7 @@ def test_orchestrator_excludes_after_k_distinct_reporters_never_after_one_alone(
     servers = [("accused", 0, 6), ("checker", 0, 6), ("third", 0, 6)]
     reports = ServerReports(exclude_after=2)
 
-    def send(identity, accused="accused", inputs=inputs, wrong=wrong, reference=reference, position=3,
-             tamper=None):
+    def send(identity, accused="accused", inputs=inputs, wrong=wrong, reference=reference, position=3, tamper=None):
         report = _signed_report(identity, accused, inputs, wrong, reference, position)
         if tamper:
             tamper(report)
@@ -155,12 +168,14 @@ def test_orchestrator_excludes_after_k_distinct_reporters_never_after_one_alone(
         send(identities[2], tamper=lambda r: setattr(r, "position", 2))
     with pytest.raises(BadReportError, match="signed by"):  # someone else's signature
         report = _signed_report(identities[0], "accused", inputs, wrong, reference, 3)
-        reports.check_report(report, [inputs, wrong, reference], identities[2].peer_id, "m", peer_id_of_public_key,
-                             _verify_signature)
+        reports.check_report(
+            report, [inputs, wrong, reference], identities[2].peer_id, "m", peer_id_of_public_key, _verify_signature
+        )
     with pytest.raises(BadReportError, match="digest"):
         report = _signed_report(identities[2], "accused", inputs, wrong, reference, 3)
-        reports.check_report(report, [inputs, wrong + 1, reference], identities[2].peer_id, "m",
-                             peer_id_of_public_key, _verify_signature)
+        reports.check_report(
+            report, [inputs, wrong + 1, reference], identities[2].peer_id, "m", peer_id_of_public_key, _verify_signature
+        )
     with pytest.raises(BadReportError, match="itself"):
         send(identities[2], accused=identities[2].peer_id)
     with pytest.raises(BadReportError, match="base64"):
@@ -179,9 +194,15 @@ def swarm(tiny_llama_path):
     per_server = [[], []] + [["--test-corrupt", m, "--test-corrupt-seed", "3"] for m in modes]
     names = ["honest0", "honest1"] + [f"corrupt-{m.split(':')[0]}" for m in modes]
     # an orchestrator that takes reports (the clients here route by themselves, ListedChains)
-    with LocalSwarm(str(tiny_llama_path), ranges, server_args=["--num-threads", "1"], per_server_args=per_server,
-                    names=names, start_timeout_s=600, orchestrator_args=["--expected-servers", str(len(ranges)),
-                                                    "--exclude-after-reports", "2"]) as s:
+    with LocalSwarm(
+        str(tiny_llama_path),
+        ranges,
+        server_args=["--num-threads", "1"],
+        per_server_args=per_server,
+        names=names,
+        start_timeout_s=600,
+        orchestrator_args=["--expected-servers", str(len(ranges)), "--exclude-after-reports", "2"],
+    ) as s:
         yield s
 
 
@@ -208,8 +229,12 @@ def _client(tiny_llama_path, swarm, first: str, allowed: set[str] | None = None,
 
     order = [_peer(swarm, first)] + [sp.peer_id for sp in swarm.servers if sp.peer_id != _peer(swarm, first)]
     return DistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama_path), initial_peers=swarm.initial_peers, provider=ListedChains(order, 6),
-        allowed_servers=allowed, verification=VerificationConfig(**config))
+        str(tiny_llama_path),
+        initial_peers=swarm.initial_peers,
+        provider=ListedChains(order, 6),
+        allowed_servers=allowed,
+        verification=VerificationConfig(**config),
+    )
 
 
 def _corrupt_peers(swarm) -> set[str]:
@@ -220,8 +245,7 @@ PROMPT = torch.tensor([[5, 17, 42, 9, 77, 3, 21, 64]])
 
 
 @pytest.mark.integration
-def test_a_server_honest_for_n_sessions_is_caught_after_and_honest_ones_never_are(tiny_llama_path, swarm,
-                                                                                  hf_greedy):
+def test_a_server_honest_for_n_sessions_is_caught_after_and_honest_ones_never_are(tiny_llama_path, swarm, hf_greedy):
     # only the after-N server and honest ones (the noisy one is left to the report test)
     allowed = {_peer(swarm, "corrupt-after"), _peer(swarm, "honest0"), _peer(swarm, "honest1")}
     model = _client(tiny_llama_path, swarm, "corrupt-after", allowed=allowed, check_probability=1.0, seed=2)
@@ -285,8 +309,11 @@ def test_reports_of_k_distinct_clients_exclude_a_server_and_one_clients_never_do
     finally:
         second.backend.shutdown()
     assert reports()["excluded"] is True and reports()["reports"] == 3
-    wait_for(lambda: noisy not in {s["peer_id"] for s in get_json(swarm.orchestrator_url + "status")["servers"]},
-             60, "the excluded server to leave the orchestrator's plan")
+    wait_for(
+        lambda: noisy not in {s["peer_id"] for s in get_json(swarm.orchestrator_url + "status")["servers"]},
+        60,
+        "the excluded server to leave the orchestrator's plan",
+    )
 
 
 @pytest.mark.integration

@@ -1,5 +1,6 @@
 """Tensors split into parts below the message size and rebuilt exactly, and a decode step's group in one raw
 frame (no network: the codec)."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,12 +43,20 @@ def _roundtrip(meta, tensors, part_bytes, admit=None) -> Message:
 
 
 @settings(max_examples=60, deadline=None)
-@given(shapes=st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=0, max_size=3),
-       dtype=st.sampled_from(sorted(DTYPES)), part_bytes=st.integers(1, 300), seed=st.integers(0, 2**16))
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=0, max_size=3),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    part_bytes=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+)
 def test_any_tensors_roundtrip_bit_exactly_in_parts_below_the_size(shapes, dtype, part_bytes, seed):
     g = torch.Generator().manual_seed(seed)
-    tensors = [torch.randint(-2**15, 2**15, tuple(s), generator=g).to(DTYPES[dtype]) if DTYPES[dtype] in
-               (torch.int64, torch.int32) else torch.randn(tuple(s), generator=g).to(DTYPES[dtype]) for s in shapes]
+    tensors = [
+        torch.randint(-(2**15), 2**15, tuple(s), generator=g).to(DTYPES[dtype])
+        if DTYPES[dtype] in (torch.int64, torch.int32)
+        else torch.randn(tuple(s), generator=g).to(DTYPES[dtype])
+        for s in shapes
+    ]
     out = _roundtrip({"type": "step", "n": 3}, tensors, part_bytes)
     assert out.meta == {"type": "step", "n": 3}  # the parts count does not leak into the metadata
     assert len(out.tensors) == len(tensors)
@@ -93,8 +102,11 @@ def test_malformed_groups_get_one_typed_error_each():
     t = torch.arange(64, dtype=torch.float32)
     parts = split_tensor(t, part_bytes=64)  # 4 parts
     req = wire.runtime_pb2.ExpertRequest
-    truncated = [req(metadata=wire.pack({"type": "a", PARTS_KEY: 4}), tensors=parts[:1]), req(tensors=parts[1:2]),
-                 req(metadata=wire.pack({"type": "b"}))]
+    truncated = [
+        req(metadata=wire.pack({"type": "a", PARTS_KEY: 4}), tensors=parts[:1]),
+        req(tensors=parts[1:2]),
+        req(metadata=wire.pack({"type": "b"})),
+    ]
     results = _errors(truncated)
     assert isinstance(results[0], InvalidRequestError) and "early" in str(results[0])
     assert isinstance(results[1], Message) and results[1].meta == {"type": "b"}
@@ -104,8 +116,11 @@ def test_malformed_groups_get_one_typed_error_each():
     lying = wire.runtime_pb2.Tensor(buffer=b"x" * 12, size=[2], dtype="float32", chunks=1)
     assert "more than" in str(_errors([req(metadata=wire.pack({"type": "a"}), tensors=[lying])])[0])
     assert "outside" in str(_errors([req(tensors=parts[1:2])])[0])
-    assert "dtype" in str(_errors([req(metadata=wire.pack({}), tensors=[
-        wire.runtime_pb2.Tensor(buffer=b"", size=[0], dtype="complex64")])])[0])
+    assert "dtype" in str(
+        _errors(
+            [req(metadata=wire.pack({}), tensors=[wire.runtime_pb2.Tensor(buffer=b"", size=[0], dtype="complex64")])]
+        )[0]
+    )
     assert PARTS_KEY in str(_errors([req(metadata=wire.pack({PARTS_KEY: 0}))])[0])
     assert "msgpack" in str(_errors([req(metadata=b"\xc1garbage")])[0])
 
@@ -115,8 +130,9 @@ def test_unary_decode_refuses_a_first_part_with_a_fix_it_message():
     assert len(msgs) > 1
     with pytest.raises(PetalsChainError, match="stream"):
         decode_single(msgs[0])
-    (too_big,) = to_messages({"type": "forward"}, (torch.zeros(MAX_PART_BYTES // 4 + 1),),
-                             part_bytes=2 * MAX_PART_BYTES)
+    (too_big,) = to_messages(
+        {"type": "forward"}, (torch.zeros(MAX_PART_BYTES // 4 + 1),), part_bytes=2 * MAX_PART_BYTES
+    )
     with pytest.raises(PetalsChainError, match=f"at most {MAX_PART_BYTES} bytes"):
         decode_single(too_big)  # its reply would not fit one message either
     one = to_messages({"type": "forward"}, (torch.ones(3, 4),))
@@ -125,14 +141,22 @@ def test_unary_decode_refuses_a_first_part_with_a_fix_it_message():
 
 # -- raw frames (a decode step's group without protobuf) -------------------------------------------
 
+
 @settings(max_examples=80, deadline=None)
-@given(shape=st.lists(st.integers(0, 9), min_size=0, max_size=4), dtype=st.sampled_from(sorted(RAW_DTYPES)),
-       seed=st.integers(0, 2**16), step_id=st.integers(0, 2**40))
+@given(
+    shape=st.lists(st.integers(0, 9), min_size=0, max_size=4),
+    dtype=st.sampled_from(sorted(RAW_DTYPES)),
+    seed=st.integers(0, 2**16),
+    step_id=st.integers(0, 2**40),
+)
 def test_raw_frames_roundtrip_bit_exactly_and_name_themselves_raw(shape, dtype, seed, step_id):
     g = torch.Generator().manual_seed(seed)
     kind = DTYPES[dtype]
-    t = (torch.randint(-2**15, 2**15, tuple(shape), generator=g).to(kind) if kind in (torch.int64, torch.int32)
-         else torch.randn(tuple(shape), generator=g).to(kind))
+    t = (
+        torch.randint(-(2**15), 2**15, tuple(shape), generator=g).to(kind)
+        if kind in (torch.int64, torch.int32)
+        else torch.randn(tuple(shape), generator=g).to(kind)
+    )
     meta = {"type": "step", "step_id": step_id, "route": ["a", "b"]}
     out = decode_raw(encode_raw(meta, t))
     assert out.raw and out.meta == meta and len(out.tensors) == 1
@@ -202,9 +226,13 @@ FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 NON_FINITE = [float("nan"), float("inf"), float("-inf")]
 
 
-@given(dtype=st.sampled_from(FLOAT_DTYPES), rows=st.integers(1, 4), seed=st.integers(0, 2**16),
-       bad=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(NON_FINITE)), max_size=3),
-       extreme=st.booleans())
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    rows=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    bad=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(NON_FINITE)), max_size=3),
+    extreme=st.booleans(),
+)
 @settings(max_examples=120, deadline=None)
 def test_finite_decoding_agrees_with_torch_on_both_paths(dtype, rows, seed, bad, extreme):
     """`finite=True` refuses a tensor exactly when torch.isfinite says it holds NaN or Inf, in a raw

@@ -1,5 +1,6 @@
 """The generic from_wire/to_wire of the typed messages: round trips, and every broken field is a
 typed InvalidRequestError that names it (the checks the hand-written converters made, kept)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,16 +22,45 @@ from petals_chain.wire.records import (
 
 HOPS = (m.Hop("a", 0, 10, "A"), m.Hop("b", 10, 30))
 GRANT = m.ChainGrant("s1", 3, 2, HOPS, 0.5, 15.0, wait_s=0.25, extra={"seq": 7})
-SERVER = ServerInfo("p", "model", 0, 30, ServerState.ONLINE, 10**9, 10**6, 10**4, 512, 3, 1e-3, 2e-3,
-                    extra={"auto": False}, peer_rtt_s={"q": 0.012})
+SERVER = ServerInfo(
+    "p",
+    "model",
+    0,
+    30,
+    ServerState.ONLINE,
+    10**9,
+    10**6,
+    10**4,
+    512,
+    3,
+    1e-3,
+    2e-3,
+    extra={"auto": False},
+    peer_rtt_s={"q": 0.012},
+)
 
 SAMPLES = [
-    m.Open("s1", 64, entry_block=5, admission_wait_s=1.5), m.Open("s1", 64), m.Opened("s1", 5, 30),
-    m.Step("s1", 4), m.StepReply("s1", 4, 12, 0.01), m.Close(), m.Forward(3), m.ErrorReply("no_chain", "none"),
-    m.Acquire("s1", 64, 10.0, 2.0, ["x"]), m.Granted(GRANT), m.Queued(2, 5), m.Release("s1", 10, 4),
-    m.Released(True), m.Heartbeat(["s1", "s2"]), m.HeartbeatReply(["s2"], 15.0),
-    m.AssignmentReply(m.Assignment(m.AssignmentStatus.ASSIGNED, 4, 0, 12)), m.AssignmentRequest(),
-    InfoReply(SERVER), OrchestratorInfo("o", "model", "proposed", 3, 8080), GRANT, SERVER,
+    m.Open("s1", 64, entry_block=5, admission_wait_s=1.5),
+    m.Open("s1", 64),
+    m.Opened("s1", 5, 30),
+    m.Step("s1", 4),
+    m.StepReply("s1", 4, 12, 0.01),
+    m.Close(),
+    m.Forward(3),
+    m.ErrorReply("no_chain", "none"),
+    m.Acquire("s1", 64, 10.0, 2.0, ["x"]),
+    m.Granted(GRANT),
+    m.Queued(2, 5),
+    m.Release("s1", 10, 4),
+    m.Released(True),
+    m.Heartbeat(["s1", "s2"]),
+    m.HeartbeatReply(["s2"], 15.0),
+    m.AssignmentReply(m.Assignment(m.AssignmentStatus.ASSIGNED, 4, 0, 12)),
+    m.AssignmentRequest(),
+    InfoReply(SERVER),
+    OrchestratorInfo("o", "model", "proposed", 3, 8080),
+    GRANT,
+    SERVER,
 ]
 
 
@@ -48,8 +78,10 @@ def test_wire_format_is_the_old_one():
     assert m.Open("s", 8, 2).to_wire() == {"type": "open", "session_id": "s", "max_length": 8, "entry_block": 2}
     assert m.Close().to_wire() == {"type": "close"}
     g = GRANT.to_wire()
-    assert g["hops"] == [{"peer_id": "a", "start": 0, "end": 10, "name": "A"},
-                         {"peer_id": "b", "start": 10, "end": 30, "name": ""}]
+    assert g["hops"] == [
+        {"peer_id": "a", "start": 0, "end": 10, "name": "A"},
+        {"peer_id": "b", "start": 10, "end": 30, "name": ""},
+    ]
     assert type(SERVER.to_wire()["state"]) is str and SERVER.to_wire()["state"] == "online"
     assert g["extra"] == {"seq": 7} and m.ChainGrant.from_wire(g).seq == 7
 
@@ -67,15 +99,18 @@ def test_unknown_fields_are_ignored_and_defaults_fill_in():
     assert m.Close.from_wire({"type": "close", "session_id": 5}) == m.Close()
 
 
-@pytest.mark.parametrize("data, field", [
-    ({"session_id": "s"}, "max_length"),
-    ({"session_id": "s", "max_length": True}, "max_length"),
-    ({"session_id": "s", "max_length": "8"}, "max_length"),
-    ({"session_id": 1, "max_length": 8}, "session_id"),
-    ({"session_id": "s", "max_length": 8, "admission_wait_s": math.nan}, "admission_wait_s"),
-    ({"session_id": "s", "max_length": 8, "admission_wait_s": -math.inf}, "admission_wait_s"),
-    ({"session_id": "s", "max_length": 8, "entry_block": 1.5}, "entry_block"),
-])
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"session_id": "s"}, "max_length"),
+        ({"session_id": "s", "max_length": True}, "max_length"),
+        ({"session_id": "s", "max_length": "8"}, "max_length"),
+        ({"session_id": 1, "max_length": 8}, "session_id"),
+        ({"session_id": "s", "max_length": 8, "admission_wait_s": math.nan}, "admission_wait_s"),
+        ({"session_id": "s", "max_length": 8, "admission_wait_s": -math.inf}, "admission_wait_s"),
+        ({"session_id": "s", "max_length": 8, "entry_block": 1.5}, "entry_block"),
+    ],
+)
 def test_bad_open_fields_name_the_field(data, field):
     with pytest.raises(InvalidRequestError, match=field):
         m.Open.from_wire(data)
@@ -105,8 +140,15 @@ def test_nested_errors_name_the_path_and_cross_field_rules_hold():
         m.decode_tagged({"type": "dance"}, m.Open, m.Step, m.Close)
 
 
-WEIRD = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8),
-                  st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+WEIRD = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
 
 
 @given(record=st.sampled_from(SAMPLES), data=st.data())

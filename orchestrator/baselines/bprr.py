@@ -24,6 +24,7 @@ Our reading (the paper's §4.1.3 and the issue describe it; details are our choi
    0 if j has m_ij free slots, else (tau_c_j + tau_p_j m_j) / h_j with h_j the sessions holding
    cache on j (the whole mean service time if none).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,12 +47,13 @@ def bprr_target_concurrency(cluster: Cluster) -> int:
     s = cluster.service
     g = gbp_cr(cluster, 1)
     if not g.chains:
-        raise InfeasibleClusterError("BPRR: the servers cannot hold one chain of the model even with one "
-                                     "cache slot per block; add servers or memory")
+        raise InfeasibleClusterError(
+            "BPRR: the servers cannot hold one chain of the model even with one "
+            "cache slot per block; add servers or memory"
+        )
     x = cluster.arrival_rate_per_s * min(g.chain_times_s)
     r = math.ceil(x + math.sqrt(x))
-    cap_total = robust_floor_div(sum(sv.memory for sv in cluster.servers) / s.num_blocks - s.block_size,
-                                 s.cache_size)
+    cap_total = robust_floor_div(sum(sv.memory for sv in cluster.servers) / s.num_blocks - s.block_size, s.cache_size)
     return max(1, min(r, cap_total, max_capacity(cluster)))
 
 
@@ -62,8 +64,10 @@ def bprr_placement(cluster: Cluster, target_concurrency: int | None = None) -> P
     R = bprr_target_concurrency(cluster) if target_concurrency is None else target_concurrency
     per_block = s.block_size + s.cache_size * R
     m = [min(robust_floor_div(sv.memory, per_block), L) for sv in cluster.servers]
-    order = sorted((j for j in range(len(m)) if m[j] > 0),
-                   key=lambda j: ((cluster.servers[j].tau_c_s + cluster.servers[j].tau_p_s * m[j]) / m[j], j))
+    order = sorted(
+        (j for j in range(len(m)) if m[j] > 0),
+        key=lambda j: ((cluster.servers[j].tau_c_s + cluster.servers[j].tau_p_s * m[j]) / m[j], j),
+    )
     cap = np.zeros(L)
     rate = np.zeros(L)
     ranges: list[BlockInterval | None] = [None] * len(m)
@@ -74,20 +78,25 @@ def bprr_placement(cluster: Cluster, target_concurrency: int | None = None) -> P
         if np.any(cap < R):
             with np.errstate(divide="ignore"):
                 block_time = np.where(rate > 0, 1.0 / np.where(rate > 0, rate, 1.0), math.inf)
+
             def key(a):
-                w = block_time[a:a + m[j]]
+                w = block_time[a : a + m[j]]
                 inf = np.isinf(w)
                 return (-int(inf.sum()), -float(w[~inf].sum()))
         else:
+
             def key(a):
-                return tuple(np.sort(cap[a:a + m[j]]))
+                return tuple(np.sort(cap[a : a + m[j]]))
+
         start = min(starts, key=lambda a: (key(a), a))
         ranges[j] = BlockInterval(start, start + m[j])
-        cap[start:start + m[j]] += sessions
-        rate[start:start + m[j]] += sessions / (sv.tau_p_s + sv.tau_c_s / m[j])
+        cap[start : start + m[j]] += sessions
+        rate[start : start + m[j]] += sessions / (sv.tau_p_s + sv.tau_c_s / m[j])
     if np.any(cap == 0):
-        raise InfeasibleClusterError(f"BPRR placement leaves block {int(np.flatnonzero(cap == 0)[0])} "
-                                     f"without cache (target concurrency R={R}); add servers or memory")
+        raise InfeasibleClusterError(
+            f"BPRR placement leaves block {int(np.flatnonzero(cap == 0)[0])} "
+            f"without cache (target concurrency R={R}); add servers or memory"
+        )
     return Placement(tuple(ranges))
 
 
@@ -96,8 +105,9 @@ class BprrRouter(PerRequestRouter):
 
     name = "bprr"
 
-    def __init__(self, cluster: Cluster, placement: Placement, wait: str = "order-statistics",
-                 commit_at_arrival: bool = False):
+    def __init__(
+        self, cluster: Cluster, placement: Placement, wait: str = "order-statistics", commit_at_arrival: bool = False
+    ):
         self.wait = wait
         super().__init__(cluster, placement, commit_at_arrival=commit_at_arrival)
 

@@ -1,5 +1,6 @@
 """'JFFC only' baseline (§4.2.3): the whole model on every server that can hold it plus one
 session's cache, each such server a one-server chain, dispatched by JFFC."""
+
 from __future__ import annotations
 
 from orchestrator.model import (
@@ -21,8 +22,10 @@ def jffc_only_placement(cluster: Cluster) -> Placement:
     slots = residual_slots(cluster, placement)
     placement = Placement(tuple(r if r is not None and slots[j] >= L else None for j, r in enumerate(ranges)))
     if not placement.used_servers():
-        raise InfeasibleClusterError(f"JFFC-only: no server holds the whole model plus one session "
-                                     f"({need:.6g} in the cluster's memory unit); use another policy or add memory")
+        raise InfeasibleClusterError(
+            f"JFFC-only: no server holds the whole model plus one session "
+            f"({need:.6g} in the cluster's memory unit); use another policy or add memory"
+        )
     return placement
 
 

@@ -3,6 +3,7 @@
 All default to our reading (docs/orchestrator.md); orchestrator.sim.authors_setup sets them to the
 choices of the paper authors' simulator, one named switch each.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

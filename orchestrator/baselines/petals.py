@@ -17,6 +17,7 @@ Routing. Each request takes the min-latency path (Dijkstra in PETALS; an exact D
 Options (orchestrator.baselines.options): a per-server block cap, and a fixed cache per hosted
 block instead of all leftover memory (the paper authors' simulator).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -38,8 +39,9 @@ PETALS_STEP_OVERHEAD_S = 0.018
 PETALS_NO_CACHE_PENALTY_S = 10.0
 
 
-def petals_blocks(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS,
-                  max_blocks: Sequence[int | None] | None = None) -> list[int]:
+def petals_blocks(
+    cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS, max_blocks: Sequence[int | None] | None = None
+) -> list[int]:
     s = cluster.service
     per_block = s.block_size + s.cache_size * cache_sessions
     m = [min(robust_floor_div(sv.memory, per_block), s.num_blocks) for sv in cluster.servers]
@@ -54,13 +56,18 @@ def petals_fixed_slots(cluster: Cluster, placement: Placement, cache_per_block: 
     """Cache slots of PETALS servers that keep ``cache_per_block`` per hosted block:
     floor(m_j * it / s_c), at most eq. 3's M~_j."""
     s = cluster.service
-    return [min(robust_floor_div(placement.num_blocks(j) * cache_per_block, s.cache_size), full)
-            for j, full in enumerate(residual_slots(cluster, placement))]
+    return [
+        min(robust_floor_div(placement.num_blocks(j) * cache_per_block, s.cache_size), full)
+        for j, full in enumerate(residual_slots(cluster, placement))
+    ]
 
 
-def petals_placement(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESSIONS,
-                     join_order: Sequence[int] | None = None,
-                     max_blocks: Sequence[int | None] | None = None) -> Placement:
+def petals_placement(
+    cluster: Cluster,
+    cache_sessions: float = PETALS_CACHE_SESSIONS,
+    join_order: Sequence[int] | None = None,
+    max_blocks: Sequence[int | None] | None = None,
+) -> Placement:
     """Join-order greedy placement (see module docstring). ``join_order`` lists server indices
     in the order they join (default: as listed; a simulator may pass rng.permutation(J));
     ``max_blocks`` caps each server's block count."""
@@ -77,11 +84,11 @@ def petals_placement(cluster: Cluster, cache_sessions: float = PETALS_CACHE_SESS
             continue
         best_start, best_key = 0, None
         for start in range(L - m[j] + 1):
-            key = tuple(np.sort(throughput[start:start + m[j]]))
+            key = tuple(np.sort(throughput[start : start + m[j]]))
             if best_key is None or key < best_key:
                 best_start, best_key = start, key
         ranges[j] = BlockInterval(best_start, best_start + m[j])
-        throughput[best_start:best_start + m[j]] += 1.0 / (sv.tau_p_s + sv.tau_c_s / m[j])
+        throughput[best_start : best_start + m[j]] += 1.0 / (sv.tau_p_s + sv.tau_c_s / m[j])
     if np.any(throughput == 0):
         missing = int(np.flatnonzero(throughput == 0)[0])
         raise InfeasibleClusterError(f"PETALS placement leaves block {missing} uncovered: add servers or memory")
@@ -93,8 +100,14 @@ class PetalsRouter(PerRequestRouter):
 
     name = "petals"
 
-    def __init__(self, cluster: Cluster, placement: Placement, steps_per_session: int = 20,
-                 fixed_cache_per_block: float | None = None, commit_at_arrival: bool = False):
+    def __init__(
+        self,
+        cluster: Cluster,
+        placement: Placement,
+        steps_per_session: int = 20,
+        fixed_cache_per_block: float | None = None,
+        commit_at_arrival: bool = False,
+    ):
         self.steps = steps_per_session
         slots = None if fixed_cache_per_block is None else petals_fixed_slots(cluster, placement, fixed_cache_per_block)
         super().__init__(cluster, placement, total_slots=slots, commit_at_arrival=commit_at_arrival)

@@ -17,6 +17,7 @@ go negative meanwhile, and link costs see them.
 Shortest paths run as a dynamic program over block ends, as in cache_gca: a link (i, j) only
 depends on (end_i, j).
 """
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,7 @@ def end_dp_shortest_path(placement: Placement, num_blocks: int, link_cost) -> li
     for j in used:
         r = placement.ranges[j]
         e_lo = np.arange(r.start, r.end)
-        window = D[r.start:r.end] + link_cost(j, r.end - e_lo)
+        window = D[r.start : r.end] + link_cost(j, r.end - e_lo)
         k = int(np.argmin(window))
         if window[k] < D[r.end]:
             D[r.end] = window[k]
@@ -68,8 +69,13 @@ class PerRequestRouter(Dispatcher):
 
     name = "per-request"
 
-    def __init__(self, cluster: Cluster, placement: Placement, total_slots: list[int] | None = None,
-                 commit_at_arrival: bool = False):
+    def __init__(
+        self,
+        cluster: Cluster,
+        placement: Placement,
+        total_slots: list[int] | None = None,
+        commit_at_arrival: bool = False,
+    ):
         self.cluster = cluster
         self.placement = placement
         self.total_slots = residual_slots(cluster, placement) if total_slots is None else list(total_slots)
@@ -85,8 +91,10 @@ class PerRequestRouter(Dispatcher):
         self._waiting: deque[tuple[int, int]] = deque()
         self._job_route: dict[int, int] = {}
         if self._path() is None:
-            raise InfeasibleClusterError(f"{self.name}: the placement has no complete chain with enough "
-                                         "cache for one session; add servers or memory")
+            raise InfeasibleClusterError(
+                f"{self.name}: the placement has no complete chain with enough "
+                "cache for one session; add servers or memory"
+            )
 
     @abstractmethod
     def _link_cost(self, j: int, m: np.ndarray) -> np.ndarray:
@@ -96,6 +104,7 @@ class PerRequestRouter(Dispatcher):
         def cost(j, m):
             c = self._link_cost(j, m)
             return np.where(m <= self.total_slots[j], c, math.inf)
+
         return end_dp_shortest_path(self.placement, self.cluster.service.num_blocks, cost)
 
     def route(self, chain_id: int) -> ChainSpec:

@@ -9,7 +9,8 @@ and block-tokens of prefill and of decode). The orchestrator fits per server, ov
 (footnote 11's model with t_o per step and server, not per block: a step pays its framework cost
 once, whatever its blocks; t_B per block a step runs, whatever its rows: on a device whose decode
 is bound by reading the weights, a block costs about as much for 1 row as for 3, so the marginal
-t_O per block-token is small and most of a lone session's step is t_B), robustly: least absolute deviations by iteratively reweighted least
+t_O per block-token is small and most of a lone session's step is t_B), robustly: least absolute deviations by
+iteratively reweighted least
 squares, so a batch slowed by a neighbour's burst or a GC pause does not move the fit. Clients report
 on release each hop's network time per step (client time - server time); minus the RTT the
 orchestrator measured, it is the per-hop framework cost (p2pd both ways, framing, thread hops) that
@@ -17,7 +18,8 @@ an rpc_info ping does not see. Both go into tau_c (`tau_c = l_out (RTT + hop cos
 server relay only a chain's first hop is a round trip from the client (the others take their input
 pushed by the hop before, and the client's copy mostly arrives after the step ran), so clients report
 only round trips, and a server with none takes the swarm's median hop cost
-(`own_else_swarm_median`): the same framework runs on every server. The cost is timed on decode-sized steps only; a prompt's step is
+(`own_else_swarm_median`): the same framework runs on every server. The cost is timed on decode-sized steps only; a
+prompt's step is
 reported apart, with its tokens, and its time beyond the RTT per token is the time to move a token's
 hidden states there and back (the paper's Fig. 10: prefill communication grows with the input
 length; on a GPU host with hidden size 4,096 it is seconds per hop for a long prompt, against
@@ -30,6 +32,7 @@ rate or c* differs from the installed plan's by more than `enter` (relative) con
 `hold_s`, at most once per `min_interval_s`; it re-arms only after the difference fell below `exit`
 or a re-plan took the new model in (hysteresis).
 """
+
 from __future__ import annotations
 
 import math
@@ -45,20 +48,31 @@ class ServiceWindow:
     """One server's recent batches and hop costs (sliding windows) and its fit."""
 
     def __init__(self, max_batches: int = 256, max_hops: int = 256, min_batches: int = 20):
-        self.batches: deque[tuple[float, float, float, int, int]] = deque(maxlen=max_batches)  # (P, D, wall_s, sessions, blocks)
+        self.batches: deque[tuple[float, float, float, int, int]] = deque(
+            maxlen=max_batches
+        )  # (P, D, wall_s, sessions, blocks)
         self.cpu: deque[tuple[float, float]] = deque(maxlen=max_batches)  # (wall_s, cpu_s)
         self.hop_cost_s: deque[float] = deque(maxlen=max_hops)
         self.transfer_s_per_token: deque[float] = deque(maxlen=max_hops)
         self.min_batches = min_batches
         self.last_seq = -1
 
-    def add_batch(self, seq: int, prefill_block_tokens: float, decode_block_tokens: float, wall_s: float,
-                  cpu_s: float, sessions: int = 0, blocks: int = 0) -> None:
+    def add_batch(
+        self,
+        seq: int,
+        prefill_block_tokens: float,
+        decode_block_tokens: float,
+        wall_s: float,
+        cpu_s: float,
+        sessions: int = 0,
+        blocks: int = 0,
+    ) -> None:
         if seq <= self.last_seq:
             return  # seen already (the server's records are read by cursor; a restart resets it)
         self.last_seq = seq
-        self.batches.append((float(prefill_block_tokens), float(decode_block_tokens), float(wall_s), int(sessions),
-                             int(blocks)))
+        self.batches.append(
+            (float(prefill_block_tokens), float(decode_block_tokens), float(wall_s), int(sessions), int(blocks))
+        )
         self.cpu.append((float(wall_s), float(cpu_s)))
 
     def add_hop(self, comm_per_step_s: float, rtt_s: float) -> None:
@@ -71,8 +85,9 @@ class ServiceWindow:
             return None
         p, d, y, k, b = zip(*self.batches)
         # records without sessions or blocks (0: not reported) are fitted without them
-        return fit_service(p, d, y, t_O_profile_s=t_O_profile_s, sessions=k if min(k) > 0 else None,
-                           blocks=b if min(b) > 0 else None)
+        return fit_service(
+            p, d, y, t_O_profile_s=t_O_profile_s, sessions=k if min(k) > 0 else None, blocks=b if min(b) > 0 else None
+        )
 
     def add_prompt(self, steps: int, tokens: int, comm_s: float, rtt_s: float) -> None:
         """A finished session's prompt steps with this server (round trips from the client): the part
@@ -133,8 +148,7 @@ def _positive(x) -> bool:
     return x is not None and math.isfinite(x) and x > 0
 
 
-def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
-                       fitted: list[FittedProfile]) -> ServiceFit | None:
+def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float, fitted: list[FittedProfile]) -> ServiceFit | None:
     """The model of a server with no fit of its own yet (fewer than `min_batches` batches at a
     re-plan): a fitted donor's fit, scaled by the two servers' start-up profiles. None without a
     usable donor, or without a profile of its own.
@@ -161,9 +175,15 @@ def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
     # in docs/results.md: 1.83 ms on fast and slow hosts, their shares 0.193 and 0.120 cores) while the
     # prefill's, timed over many tokens, tells them apart (0.40 against 0.63 ms); slow servers without
     # a fit then took a fast server's and were modelled 1.9x too fast
-    twins = [d for d in usable if abs(d.profile_t_O_s / profile_t_O_s - 1.0) <= TWIN_PROFILE_TOLERANCE
-             and (not (_positive(profile_t_I_s) and _positive(d.profile_t_I_s))
-                  or abs(d.profile_t_I_s / profile_t_I_s - 1.0) <= TWIN_PROFILE_TOLERANCE)] or usable
+    twins = [
+        d
+        for d in usable
+        if abs(d.profile_t_O_s / profile_t_O_s - 1.0) <= TWIN_PROFILE_TOLERANCE
+        and (
+            not (_positive(profile_t_I_s) and _positive(d.profile_t_I_s))
+            or abs(d.profile_t_I_s / profile_t_I_s - 1.0) <= TWIN_PROFILE_TOLERANCE
+        )
+    ] or usable
     twins.sort(key=lambda d: d.lone_step_per_profile)
     donor = twins[(len(twins) - 1) // 2]  # the median (the lower one of an even count)
     ratio_O = profile_t_O_s / donor.profile_t_O_s
@@ -174,9 +194,16 @@ def scaled_profile_fit(profile_t_I_s: float, profile_t_O_s: float,
         t_I = f.t_I_s * profile_t_I_s / donor.profile_t_I_s
     else:
         t_I = f.t_I_s * ratio_O
-    return ServiceFit(t_I_s=t_I, t_O_s=f.t_O_s * ratio_O, t_o_s=f.t_o_s * ratio_O, samples=0,
-                      median_abs_rel_residual=math.nan, t_O_from_profile=f.t_O_from_profile,
-                      t_B_s=f.t_B_s * ratio_O, blocks_separable=f.blocks_separable)
+    return ServiceFit(
+        t_I_s=t_I,
+        t_O_s=f.t_O_s * ratio_O,
+        t_o_s=f.t_o_s * ratio_O,
+        samples=0,
+        median_abs_rel_residual=math.nan,
+        t_O_from_profile=f.t_O_from_profile,
+        t_B_s=f.t_B_s * ratio_O,
+        blocks_separable=f.blocks_separable,
+    )
 
 
 def relative_change(new: float, old: float) -> float:

@@ -7,6 +7,7 @@ servers, plans and installs. All shared state is guarded by `self.lock`, which t
 owner (`orchestrator.service.sessions.Sessions`: leases, waiting sessions, grants not yet picked up)
 shares; a grant wakes the poll that waits for it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -174,13 +175,27 @@ def _chain_key(chains) -> tuple:
 
 def _as_plan(policy: str, ev: Evaluated, cluster: Cluster, tuning: str) -> Plan:
     """The Plan record of an evaluated placement (what /plan-input and the trigger read)."""
-    return Plan(policy=policy, c=ev.c, placement=ev.placement, chains=ev.chains, total_rate_per_s=ev.rate_per_s,
-                bounds=theorem37_bounds(ev.chains, cluster.arrival_rate_per_s) if ev.chains else None,
-                unused_servers=tuple(ev.placement.unused_servers()), tuning=tuning)
+    return Plan(
+        policy=policy,
+        c=ev.c,
+        placement=ev.placement,
+        chains=ev.chains,
+        total_rate_per_s=ev.rate_per_s,
+        bounds=theorem37_bounds(ev.chains, cluster.arrival_rate_per_s) if ev.chains else None,
+        unused_servers=tuple(ev.placement.unused_servers()),
+        tuning=tuning,
+    )
 
 
-def first_plan_due(now_s: float, measured: int, expected: int, last_change_s: float, settle_s: float,
-                   first_registration_s: float, expected_wait_s: float) -> bool:
+def first_plan_due(
+    now_s: float,
+    measured: int,
+    expected: int,
+    last_change_s: float,
+    settle_s: float,
+    first_registration_s: float,
+    expected_wait_s: float,
+) -> bool:
     """Whether to make the first plan with `measured` servers whose RTT is known.
 
     Without `expected`, once no server appeared for `settle_s`. With it, once `expected` are measured,
@@ -198,12 +213,14 @@ class Orchestrator:
     def __init__(self, config: OrchestratorConfig, clock=time.monotonic):
         self._init_state(config, clock)
         self.identity = SwarmIdentity.load_or_create(config.identity_path)
-        self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                             **self.identity.dht_kwargs())
+        self.dht = start_dht(
+            initial_peers=config.initial_peers, host_maddrs=config.host_maddrs, **self.identity.dht_kwargs()
+        )
         self.peer_id = str(self.dht.peer_id)
         self.loop = BackgroundLoop("orchestrator-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         from orchestrator.service.rpc import OrchestratorRpc
+
         self.servicer = OrchestratorService(OrchestratorRpc(self), config.allowed_peers)
         self.loop.run(self.servicer.add_p2p_handlers(self.p2p), timeout_s=30)
         self._stop = threading.Event()
@@ -233,14 +250,20 @@ class Orchestrator:
         self.replan_history: list[dict] = []  # the last re-plan decisions (/status replan.history)
         self._whole_pending = False  # an incremental re-plan ran: the whole one follows at the period
         self.records: dict[str, ServerRecord] = {}
-        self.lengths = LengthEstimator(SessionShape(config.mean_input_tokens, config.mean_output_tokens),
-                                       prior_weight=config.length_prior_sessions)
+        self.lengths = LengthEstimator(
+            SessionShape(config.mean_input_tokens, config.mean_output_tokens), prior_weight=config.length_prior_sessions
+        )
         self.overheads = Overheads(config.per_block_overhead_s, config.per_step_overhead_s)
         self.policy = get_policy(config.policy)
         self.prefix_reports = PrefixReportReader()  # the servers' prefix-cache reports, into the prefix index
         # one lock: the sessions' owner shares it, so the plan and the sessions change together
-        self.sessions = Sessions(lease_ttl_s=config.lease_ttl_s, queue=config.queue, lock=self.lock,
-                                 prefix_sharing=config.prefix_sharing, prefix_index_entries=config.prefix_index_entries)
+        self.sessions = Sessions(
+            lease_ttl_s=config.lease_ttl_s,
+            queue=config.queue,
+            lock=self.lock,
+            prefix_sharing=config.prefix_sharing,
+            prefix_index_entries=config.prefix_index_entries,
+        )
         self.sessions.set_expected_tokens(config.mean_input_tokens, config.mean_output_tokens)
         self.current: InstalledPlan | None = None  # the plan servers are loading / running (swapped whole)
         self.plan_error: str | None = None
@@ -249,8 +272,9 @@ class Orchestrator:
         self._rtt_tried: dict[str, float] = {}
         self.windows: dict[str, ServiceWindow] = {}  # per server: its batches and hop costs (calibration)
         self._fit_failing: set[str] = set()  # servers whose last fit raised (said once until one succeeds)
-        self.trigger = ReplanTrigger(config.replan_enter, config.replan_exit, config.replan_hold_s,
-                                     config.model_replan_period_s)
+        self.trigger = ReplanTrigger(
+            config.replan_enter, config.replan_exit, config.replan_hold_s, config.model_replan_period_s
+        )
         self.model_moved = False  # the calibrated model moved the plan: re-plan (never forced)
         self.model_moved_s = -math.inf  # ... since then
         self._model_retry_s = -math.inf  # ... a deferred one is tried again from then (servers were busy)
@@ -267,8 +291,9 @@ class Orchestrator:
 
     # -- announcements ----------------------------------------------------------------------
     def info(self) -> OrchestratorInfo:
-        return OrchestratorInfo(self.peer_id, self.model, self.config.policy,
-                                self.current.version if self.current else 0, self.http_port)
+        return OrchestratorInfo(
+            self.peer_id, self.model, self.config.policy, self.current.version if self.current else 0, self.http_port
+        )
 
     def _announce(self) -> None:
         try:
@@ -297,9 +322,12 @@ class Orchestrator:
                 logger.exception("control loop iteration failed")
 
     def tick(self, now: float) -> None:
-        found = fetch_servers(self.dht, self.model,
-                              states=(ServerState.JOINING, ServerState.ONLINE, ServerState.OFFLINE),
-                              allowed=self.config.allowed_peers)
+        found = fetch_servers(
+            self.dht,
+            self.model,
+            states=(ServerState.JOINING, ServerState.ONLINE, ServerState.OFFLINE),
+            allowed=self.config.allowed_peers,
+        )
         found = [i for i in found if i.peer_id not in self.reports.excluded()]  # reported by k peers: never planned
         offline = {i.peer_id for i in found if i.state == ServerState.OFFLINE}
         infos = {i.peer_id: i for i in found if i.peer_id not in offline}
@@ -314,17 +342,23 @@ class Orchestrator:
                 self.first_registration_s = min(self.first_registration_s, now)
                 self.last_change_s = now
                 self.known_changed = True
-            self.log_event(f"server {infos[p].name or p} registered: "
-                           f"budget {infos[p].memory_budget_bytes / 2**20:.0f} MiB, "
-                           f"rtt {'n/a' if rtt is None else f'{rtt * 1e3:.2f} ms'}")
+            self.log_event(
+                f"server {infos[p].name or p} registered: "
+                f"budget {infos[p].memory_budget_bytes / 2**20:.0f} MiB, "
+                f"rtt {'n/a' if rtt is None else f'{rtt * 1e3:.2f} ms'}"
+            )
         with self.lock:
             for p, info in infos.items():
                 rec = self.records[p]
                 rec.info, rec.last_seen_s = info, now
-            lost = lost_servers({p: r.last_seen_s for p, r in self.records.items()}, set(infos), offline, now,
-                                self.config.lost_after_s)
-            retry = [p for p, r in self.records.items() if r.rtt_s is None and p in infos
-                     and now - self._rtt_tried.get(p, -1e9) >= RTT_RETRY_S]
+            lost = lost_servers(
+                {p: r.last_seen_s for p, r in self.records.items()}, set(infos), offline, now, self.config.lost_after_s
+            )
+            retry = [
+                p
+                for p, r in self.records.items()
+                if r.rtt_s is None and p in infos and now - self._rtt_tried.get(p, -1e9) >= RTT_RETRY_S
+            ]
         for p in retry:  # unreachable so far: try again now and then, not every tick
             self._rtt_tried[p] = now
             rtt = self.measure_rtt(p)
@@ -374,8 +408,9 @@ class Orchestrator:
                 if got[-1].seq < w.last_seq:  # the server restarted its count
                     w.last_seq = -1
                 for b in got:
-                    w.add_batch(b.seq, b.prefill_block_tokens, b.decode_block_tokens, b.wall_s, b.cpu_s, b.sessions,
-                                b.blocks)
+                    w.add_batch(
+                        b.seq, b.prefill_block_tokens, b.decode_block_tokens, b.wall_s, b.cpu_s, b.sessions, b.blocks
+                    )
             changed.append(p)
         self.refit(changed)
 
@@ -384,8 +419,11 @@ class Orchestrator:
         this thread adds batches), then publish the fits and every server's current hop cost."""
         on = self.config.calibrate
         with self.lock:
-            todo = {p: (self.windows[p], self.records[p].info.decode_s_per_token)
-                    for p in (self.records if peers is None else peers) if p in self.windows and p in self.records}
+            todo = {
+                p: (self.windows[p], self.records[p].info.decode_s_per_token)
+                for p in (self.records if peers is None else peers)
+                if p in self.windows and p in self.records
+            }
         fits = {}
         for p, (w, profile) in todo.items():
             try:
@@ -394,8 +432,9 @@ class Orchestrator:
             except Exception:  # one server's window must not stop the others' fits or the control loop
                 if p not in self._fit_failing:  # once, not at every poll while its window stays so
                     self._fit_failing.add(p)
-                    logger.exception("fitting server %s's service records failed; its previous model stays",
-                                     self.name_of(p))
+                    logger.exception(
+                        "fitting server %s's service records failed; its previous model stays", self.name_of(p)
+                    )
         with self.lock:
             measured, transfer = {}, {}
             for p, rec in self.records.items():
@@ -408,11 +447,17 @@ class Orchestrator:
             for p, rec in self.records.items():
                 rec.hop_cost_s, rec.transfer_s_per_token = hop[p], per_token[p]
             # servers without a fit of their own: a fitted twin's, scaled by their profiles (scaled_profile_fit)
-            donors = [FittedProfile(r.fit, r.info.prefill_s_per_token, r.info.decode_s_per_token,
-                                    r.info.end - r.info.start) for r in self.records.values() if r.fit is not None]
+            donors = [
+                FittedProfile(r.fit, r.info.prefill_s_per_token, r.info.decode_s_per_token, r.info.end - r.info.start)
+                for r in self.records.values()
+                if r.fit is not None
+            ]
             for rec in self.records.values():
-                rec.scaled_fit = (scaled_profile_fit(rec.info.prefill_s_per_token, rec.info.decode_s_per_token,
-                                                     donors) if on and rec.fit is None else None)
+                rec.scaled_fit = (
+                    scaled_profile_fit(rec.info.prefill_s_per_token, rec.info.decode_s_per_token, donors)
+                    if on and rec.fit is None
+                    else None
+                )
 
     def check_model(self, now: float) -> None:
         """Would the calibrated model plan differently enough to re-plan? (hysteresis: ReplanTrigger)"""
@@ -420,8 +465,9 @@ class Orchestrator:
             cur = self.current
             if cur is None or not cur.installed or self.model_moved or not self.config.calibrate:
                 return
-            if self.model_replans_held or (self.config.max_model_replans is not None
-                                           and self.model_replans >= self.config.max_model_replans):
+            if self.model_replans_held or (
+                self.config.max_model_replans is not None and self.model_replans >= self.config.max_model_replans
+            ):
                 return
             # Only a *fitted* model may move the plan: until a server the installed plan uses has a live
             # fit, the "difference" is the start-up profile against itself plus whatever joined or left
@@ -436,9 +482,17 @@ class Orchestrator:
             shape = self.lengths.shape
         cfg = self.config
         try:  # outside the lock: the RPC handlers take it
-            cluster, _ = build_cluster(records, cfg.num_blocks, shape, cfg.arrival_rate_per_s,
-                                       cfg.rho_bar, self.overheads, relay=cfg.relay,
-                                       compute=cfg.server_compute, kv_plan_tokens=cfg.kv_plan_tokens)
+            cluster, _ = build_cluster(
+                records,
+                cfg.num_blocks,
+                shape,
+                cfg.arrival_rate_per_s,
+                cfg.rho_bar,
+                self.overheads,
+                relay=cfg.relay,
+                compute=cfg.server_compute,
+                kv_plan_tokens=cfg.kv_plan_tokens,
+            )
             p = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
         except ValueError:
             return
@@ -446,7 +500,7 @@ class Orchestrator:
             if self.trigger.observe(p.total_rate_per_s, p.c, now):
                 ref_rate, ref_c = self.trigger.reference
                 self.model_moved, self.model_moved_s = True, now
-                moved = (f"planned rate {ref_rate:.3g} -> {p.total_rate_per_s:.3g}/s, c* {ref_c} -> {p.c}")
+                moved = f"planned rate {ref_rate:.3g} -> {p.total_rate_per_s:.3g}/s, c* {ref_c} -> {p.c}"
             else:
                 return
         self.log_event(f"the calibrated service model moved the plan ({moved}): re-planning")
@@ -456,21 +510,32 @@ class Orchestrator:
         rec, w = self.records.get(peer_id), self.windows.get(peer_id)
         f = rec.fit if rec else None
         scaled = rec.scaled_fit if rec else None
-        return {"announced": {"t_I": rec.info.prefill_s_per_token, "t_O": rec.info.decode_s_per_token} if rec else None,
-                "fitted": None if f is None else {"t_I": f.t_I_s, "t_O": f.t_O_s, "t_o": f.t_o_s, "t_B": f.t_B_s,
-                                                  "blocks_separable": f.blocks_separable, "samples": f.samples,
-                                                  "median_abs_rel_residual": f.median_abs_rel_residual,
-                                                  "t_O_from_profile": f.t_O_from_profile,
-                                                  "t_o_lone_batches": f.t_o_lone_batches},
-                "hop_cost": rec.hop_cost_s if rec else None,  # planned with: its own, else the swarm's median
-                "hop_cost_own": None if w is None else w.hop_cost,
-                "transfer_s_per_token": rec.transfer_s_per_token if rec else None,  # its own, else the swarm's
-                "transfer_own": None if w is None else w.transfer,
-                "batches": 0 if w is None else len(w.batches),
-                "cpu_per_wall": None if w is None else w.cpu_per_wall,
-                "scaled": None if scaled is None else {"t_I": scaled.t_I_s, "t_O": scaled.t_O_s, "t_o": scaled.t_o_s,
-                                                       "t_B": scaled.t_B_s},
-                "source": "live" if f is not None else "scaled profile" if scaled is not None else "announced"}
+        return {
+            "announced": {"t_I": rec.info.prefill_s_per_token, "t_O": rec.info.decode_s_per_token} if rec else None,
+            "fitted": None
+            if f is None
+            else {
+                "t_I": f.t_I_s,
+                "t_O": f.t_O_s,
+                "t_o": f.t_o_s,
+                "t_B": f.t_B_s,
+                "blocks_separable": f.blocks_separable,
+                "samples": f.samples,
+                "median_abs_rel_residual": f.median_abs_rel_residual,
+                "t_O_from_profile": f.t_O_from_profile,
+                "t_o_lone_batches": f.t_o_lone_batches,
+            },
+            "hop_cost": rec.hop_cost_s if rec else None,  # planned with: its own, else the swarm's median
+            "hop_cost_own": None if w is None else w.hop_cost,
+            "transfer_s_per_token": rec.transfer_s_per_token if rec else None,  # its own, else the swarm's
+            "transfer_own": None if w is None else w.transfer,
+            "batches": 0 if w is None else len(w.batches),
+            "cpu_per_wall": None if w is None else w.cpu_per_wall,
+            "scaled": None
+            if scaled is None
+            else {"t_I": scaled.t_I_s, "t_O": scaled.t_O_s, "t_o": scaled.t_o_s, "t_B": scaled.t_B_s},
+            "source": "live" if f is not None else "scaled profile" if scaled is not None else "announced",
+        }
 
     def measure_rtt(self, peer_id: str) -> float | None:
         """Median round trip of rpc_info to the server (None when it does not answer). A relayed server's
@@ -483,8 +548,9 @@ class Orchestrator:
         if reported:
             to_relay = {}
             for relay in reported:
-                pings = [x for x in (dht_ping_s(self.dht, relay) for _ in range(self.config.rtt_probes))
-                         if x is not None]
+                pings = [
+                    x for x in (dht_ping_s(self.dht, relay) for _ in range(self.config.rtt_probes)) if x is not None
+                ]
                 to_relay[relay] = median(pings) if pings else None
             rtt = relayed_rtt_s(to_relay, reported)
             if rtt is not None:
@@ -545,8 +611,15 @@ class Orchestrator:
         cur = self.current
         if cur is None:
             c = self.config
-            return first_plan_due(now, len(measured), c.expected_servers, self.last_change_s, c.settle_s,
-                                  self.first_registration_s, c.expected_wait_s)
+            return first_plan_due(
+                now,
+                len(measured),
+                c.expected_servers,
+                self.last_change_s,
+                c.settle_s,
+                self.first_registration_s,
+                c.expected_wait_s,
+            )
         if self.model_moved:  # the trigger already waited its hold and the minimum interval
             return now >= self._model_retry_s
         if not (self.known_changed or self._whole_pending):
@@ -561,10 +634,17 @@ class Orchestrator:
         """Servers joined or left an installed plan of the proposed policy: re-plan incrementally now
         (orchestrator/replan.py:incremental), before the whole re-plan's period comes round."""
         cur = self.current
-        return (self.known_changed and not self.model_moved and self.drain is None and cur is not None
-                and cur.installed and self.policy.tunes_c and self.config.incremental_replan
-                and now - cur.created_s < self.config.replan_period_s
-                and any(r.rtt_s is not None for r in self.records.values()))
+        return (
+            self.known_changed
+            and not self.model_moved
+            and self.drain is None
+            and cur is not None
+            and cur.installed
+            and self.policy.tunes_c
+            and self.config.incremental_replan
+            and now - cur.created_s < self.config.replan_period_s
+            and any(r.rtt_s is not None for r in self.records.values())
+        )
 
     # The planner runs outside `self.lock` (which the RPC handlers take, through the sessions' owner): a
     # snapshot of its inputs is taken under the lock, the plan is made without it, and the result is
@@ -573,17 +653,23 @@ class Orchestrator:
     # tests call `_plan` directly); no RPC handler takes it.
     def _snapshot(self) -> _Snapshot:
         with self.lock:
-            return _Snapshot([_copy_record(r) for r in self.records.values() if r.rtt_s is not None],
-                             self.sessions.sessions_per_peer(), self.current, self.model_moved, self._epoch,
-                             self.lengths.shape, self._can_drain())
+            return _Snapshot(
+                [_copy_record(r) for r in self.records.values() if r.rtt_s is not None],
+                self.sessions.sessions_per_peer(),
+                self.current,
+                self.model_moved,
+                self._epoch,
+                self.lengths.shape,
+                self._can_drain(),
+            )
 
     def _can_drain(self) -> bool:
         cur = self.current
-        return (cur is not None and cur.installed and self.config.drain_timeout_s > 0
-                and self.sessions.mode == "chains")
+        return cur is not None and cur.installed and self.config.drain_timeout_s > 0 and self.sessions.mode == "chains"
 
-    def _plan(self, now: float, fixed_peers: frozenset[str] = frozenset(), drain: bool = True,
-              incremental: bool = False) -> None:
+    def _plan(
+        self, now: float, fixed_peers: frozenset[str] = frozenset(), drain: bool = True, incremental: bool = False
+    ) -> None:
         """Re-plan (or make the first plan) and apply it: at once, or after draining the servers it moves.
         `fixed_peers`: servers the planner must keep on their ranges (busy movers at a drain's deadline).
         `incremental`: every server holding blocks keeps them, idle ones fill what a lost one broke."""
@@ -616,21 +702,31 @@ class Orchestrator:
         cfg = self.config
         whole = None
         try:
-            cluster, peers = build_cluster(snap.records, cfg.num_blocks, snap.shape, cfg.arrival_rate_per_s,
-                                           cfg.rho_bar, self.overheads, relay=cfg.relay,
-                                           compute=cfg.server_compute, kv_plan_tokens=cfg.kv_plan_tokens)
+            cluster, peers = build_cluster(
+                snap.records,
+                cfg.num_blocks,
+                snap.shape,
+                cfg.arrival_rate_per_s,
+                cfg.rho_bar,
+                self.overheads,
+                relay=cfg.relay,
+                compute=cfg.server_compute,
+                kv_plan_tokens=cfg.kv_plan_tokens,
+            )
             held = self._held(snap, peers)
             if not self.policy.tunes_c:
                 return self._decide_overlay(cluster, peers, held, snap)
             # without a drain (none possible, or none wanted) a server holding sessions keeps its range,
             # unless --force-replan: then they fail over, as on churn
             keep_busy = not snap.can_drain and not cfg.force_replan
-            fixed = {peers.index(p): BlockInterval(h.start, h.end) for p, h in held.items()
-                     if h.fixed or p in fixed_peers or (keep_busy and h.busy)}
+            fixed = {
+                peers.index(p): BlockInterval(h.start, h.end)
+                for p, h in held.items()
+                if h.fixed or p in fixed_peers or (keep_busy and h.busy)
+            }
             cur = snap.current
             if incremental and cur is not None and cur.plan.c is not None:
-                inst = Placement(tuple(BlockInterval(held[p].start, held[p].end) if p in held else None
-                                       for p in peers))
+                inst = Placement(tuple(BlockInterval(held[p].start, held[p].end) if p in held else None for p in peers))
                 fresh = incremental_plan(cluster, inst, cur.plan.c, cfg.leftover_placement)
             elif fixed:
                 fresh = constrained_placement(cluster, fixed, cfg.c, cfg.tuning)
@@ -647,15 +743,31 @@ class Orchestrator:
         installed = Placement(tuple(BlockInterval(held[p].start, held[p].end) if p in held else None for p in peers))
         busy = frozenset(j for j, p in enumerate(peers) if p in held and held[p].busy)
         cur = snap.current
-        d = decide(cluster, installed if cur is not None else Placement((None,) * len(peers)), fresh,
-                   tuning=cfg.tuning, fixed=fixed, busy=busy, min_gain=cfg.replan_min_gain,
-                   max_moves=cfg.max_moves_per_replan, equivalent_rel=cfg.equivalent_servers_rel,
-                   installed_c=cur.plan.c if cur is not None else None, leftover=cfg.leftover_placement)
-        return _Outcome(cluster=cluster, peers=peers, decision=d, fresh=fresh,
-                        pinned=[p for p, h in held.items() if peers.index(p) in fixed], plan=whole)
+        d = decide(
+            cluster,
+            installed if cur is not None else Placement((None,) * len(peers)),
+            fresh,
+            tuning=cfg.tuning,
+            fixed=fixed,
+            busy=busy,
+            min_gain=cfg.replan_min_gain,
+            max_moves=cfg.max_moves_per_replan,
+            equivalent_rel=cfg.equivalent_servers_rel,
+            installed_c=cur.plan.c if cur is not None else None,
+            leftover=cfg.leftover_placement,
+        )
+        return _Outcome(
+            cluster=cluster,
+            peers=peers,
+            decision=d,
+            fresh=fresh,
+            pinned=[p for p, h in held.items() if peers.index(p) in fixed],
+            plan=whole,
+        )
 
-    def _decide_overlay(self, cluster: Cluster, peers: list[str], held: dict[str, HeldRange],
-                        snap: _Snapshot) -> _Outcome:
+    def _decide_overlay(
+        self, cluster: Cluster, peers: list[str], held: dict[str, HeldRange], snap: _Snapshot
+    ) -> _Outcome:
         """The baselines (petals, bprr, jffc-only) plan the whole swarm; servers that must not move keep their
         ranges over it (`keep_held_ranges`), and GCA builds the chains over what servers will hold."""
         cfg = self.config
@@ -693,28 +805,47 @@ class Orchestrator:
         ev = d.step if d.install else d.baseline
         # what each re-plan decided, in the current model's terms (/status replan.history): the invariant
         # compares the installed step with the installed placement re-evaluated on the same cluster
-        self.replan_history.append({
-            "at_s": now, "servers": len(out.peers), "installed": d.install, "reason": d.reason,
-            "model": was_model, "movers": [self.name_of(out.peers[j]) for j in d.movers],
-            "pending_movers": [self.name_of(out.peers[j]) for j in d.pending_movers],
-            "baseline": {"capacity": d.baseline.capacity, "objective_s": _finite(d.baseline.objective(tuning))},
-            "result": {"capacity": ev.capacity, "objective_s": _finite(ev.objective(tuning))}})
+        self.replan_history.append(
+            {
+                "at_s": now,
+                "servers": len(out.peers),
+                "installed": d.install,
+                "reason": d.reason,
+                "model": was_model,
+                "movers": [self.name_of(out.peers[j]) for j in d.movers],
+                "pending_movers": [self.name_of(out.peers[j]) for j in d.pending_movers],
+                "baseline": {"capacity": d.baseline.capacity, "objective_s": _finite(d.baseline.objective(tuning))},
+                "result": {"capacity": ev.capacity, "objective_s": _finite(ev.objective(tuning))},
+            }
+        )
         del self.replan_history[:-20]
         if not d.install:
-            if (cur is not None and cur.installed and d.baseline.chains
-                    and _chain_key(d.baseline.chains) != _chain_key(cur.chains)):
+            if (
+                cur is not None
+                and cur.installed
+                and d.baseline.chains
+                and _chain_key(d.baseline.chains) != _chain_key(cur.chains)
+            ):
                 # the same placement under the current model: its chains, moving nobody
                 self._new_version(out, d.baseline, now, "refreshed chains; " + d.reason)
             else:
                 self.log_event(f"re-plan not installed: {d.reason}")
             return
         moving = {out.peers[j] for j in d.movers}
-        if (drain and moving and cur is not None and cur.installed and cfg.drain_timeout_s > 0
-                and self.sessions.mode == "chains"):
+        if (
+            drain
+            and moving
+            and cur is not None
+            and cur.installed
+            and cfg.drain_timeout_s > 0
+            and self.sessions.mode == "chains"
+        ):
             self.sessions.stop_granting(moving, now)
             self.drain = Drain(frozenset(moving), now, now + cfg.drain_timeout_s, out, self._epoch)
-            self.log_event(f"re-plan: {d.reason}; draining {', '.join(sorted(self.name_of(p) for p in moving))} "
-                           f"(no new session on their chains; up to {cfg.drain_timeout_s:g} s) before they move")
+            self.log_event(
+                f"re-plan: {d.reason}; draining {', '.join(sorted(self.name_of(p) for p in moving))} "
+                f"(no new session on their chains; up to {cfg.drain_timeout_s:g} s) before they move"
+            )
             return
         self._new_version(out, d.step, now, d.reason, moving)
 
@@ -725,18 +856,24 @@ class Orchestrator:
         if moving:  # servers that will reload take their old chains with them (drained: none holds a session)
             self.sessions.drop_servers(set(moving), now)
         # the planner's own Plan (its c* table, leftover servers) when it is what is installed
-        plan = (out.plan if out.plan is not None and out.plan.placement == ev.placement
-                else _as_plan(cfg.policy, ev, cluster, cfg.tuning))
+        plan = (
+            out.plan
+            if out.plan is not None and out.plan.placement == ev.placement
+            else _as_plan(cfg.policy, ev, cluster, cfg.tuning)
+        )
         self.current = InstalledPlan(version, plan, cluster, peers, ev.placement, list(ev.chains), created_s=now)
         placed = [(p, r) for p, r in zip(peers, ev.placement.ranges) if r is not None]
         unused = [p for p, r in zip(peers, ev.placement.ranges) if r is None]
-        desc = ", ".join([f"{self.name_of(p)}=[{r.start},{r.end})" for p, r in placed[:40]]
-                         + ([f"... {len(placed) - 40} more"] if len(placed) > 40 else [])
-                         + ([f"{self.name_of(p)}=unused" for p in unused] if len(unused) <= 8
-                            else [f"{len(unused)} servers unused"]))
+        desc = ", ".join(
+            [f"{self.name_of(p)}=[{r.start},{r.end})" for p, r in placed[:40]]
+            + ([f"... {len(placed) - 40} more"] if len(placed) > 40 else [])
+            + ([f"{self.name_of(p)}=unused" for p in unused] if len(unused) <= 8 else [f"{len(unused)} servers unused"])
+        )
         pinned = [self.name_of(p) for p in out.pinned]
-        self.log_event(f"plan v{version} ({cfg.policy}, c={plan.c}): {desc}; {why}"
-                       + (f"; kept (live sessions or fixed --blocks): {', '.join(pinned)}" if pinned else ""))
+        self.log_event(
+            f"plan v{version} ({cfg.policy}, c={plan.c}): {desc}; {why}"
+            + (f"; kept (live sessions or fixed --blocks): {', '.join(pinned)}" if pinned else "")
+        )
 
     def _drain_step(self, now: float) -> None:
         """A drain in progress: install its plan once the movers hold no session; at the deadline, re-plan
@@ -749,6 +886,7 @@ class Orchestrator:
             def sessions_of(p: str) -> int:
                 rec = self.records.get(p)
                 return per_peer.get(p, 0) + (rec.info.active_sessions if rec is not None else 0)
+
             state = dr.state(now, sessions_of)
             if state == "draining":
                 return
@@ -760,15 +898,25 @@ class Orchestrator:
             out = dr.pending
             if dr.epoch == self._epoch and (state == "drained" or self.config.force_replan):
                 if busy:
-                    self.log_event(f"drain deadline: {', '.join(self.name_of(p) for p in busy)} still hold "
-                                   "sessions; moved anyway (--force-replan): they fail over")
-                self._new_version(out, out.decision.step, now, out.decision.reason
-                                  + f"; drained in {now - dr.started_s:.1f} s", set(dr.movers))
+                    self.log_event(
+                        f"drain deadline: {', '.join(self.name_of(p) for p in busy)} still hold "
+                        "sessions; moved anyway (--force-replan): they fail over"
+                    )
+                self._new_version(
+                    out,
+                    out.decision.step,
+                    now,
+                    out.decision.reason + f"; drained in {now - dr.started_s:.1f} s",
+                    set(dr.movers),
+                )
                 return
             self.known_changed = True
-        why = ("servers joined or left while draining: re-planning" if dr.epoch != self._epoch else
-               f"drain deadline: {', '.join(self.name_of(p) for p in busy)} still hold sessions: re-planning "
-               "with them kept on their ranges")
+        why = (
+            "servers joined or left while draining: re-planning"
+            if dr.epoch != self._epoch
+            else f"drain deadline: {', '.join(self.name_of(p) for p in busy)} still hold sessions: re-planning "
+            "with them kept on their ranges"
+        )
         self.log_event(why)
         self._plan(now, fixed_peers=holding, drain=False)
         with self.lock:  # chains drained for a move that was not made take sessions again
@@ -793,9 +941,14 @@ class Orchestrator:
             else:
                 self._install_chains(cur, now)
             chains = self.sessions.chain_views()
-        self.log_event(f"plan v{cur.version} online: {len(chains)} chain(s) installed: " + "; ".join(
-            f"{'->'.join(self.name_of(p) for p in ch['servers'])} cap {ch['capacity']} T={ch['service_time']:.3f}s"
-            for ch in chains if ch["dispatchable"]))
+        self.log_event(
+            f"plan v{cur.version} online: {len(chains)} chain(s) installed: "
+            + "; ".join(
+                f"{'->'.join(self.name_of(p) for p in ch['servers'])} cap {ch['capacity']} T={ch['service_time']:.3f}s"
+                for ch in chains
+                if ch["dispatchable"]
+            )
+        )
 
     def _install_chains(self, cur: InstalledPlan, now: float) -> None:
         max_len = {p: self.records[p].info.max_length_tokens for p in cur.peers if p in self.records}
@@ -804,8 +957,9 @@ class Orchestrator:
             hops = tuple(Hop(cur.peers[j], b.start, b.end) for j, b in zip(k.servers, k.blocks))
             if all(h.peer_id in max_len for h in hops):
                 specs.append((hops, k.capacity, k.dispatch_time_s, min(max_len[h.peer_id] for h in hops)))
-        self.sessions.install_chains(specs, cur.version, now, dispatch=self.config.dispatch,
-                                    server_costs=self._server_costs(cur.peers))  # E2's load cost
+        self.sessions.install_chains(
+            specs, cur.version, now, dispatch=self.config.dispatch, server_costs=self._server_costs(cur.peers)
+        )  # E2's load cost
 
     def _server_costs(self, peers) -> dict:
         """Each server's calibrated t_I, t_O per block and token (its start-up profile until a fit has them)."""
@@ -822,8 +976,12 @@ class Orchestrator:
     def _install_router(self, cur: InstalledPlan, now: float, exclude: set[str] = frozenset()) -> None:
         """Router mode: a per-request router over the plan's placement, without lost servers."""
         keep = [j for j, p in enumerate(cur.peers) if p not in exclude and p in self.records]
-        cluster = Cluster(cur.cluster.service, tuple(cur.cluster.servers[j] for j in keep),
-                          cur.cluster.arrival_rate_per_s, cur.cluster.rho_bar)
+        cluster = Cluster(
+            cur.cluster.service,
+            tuple(cur.cluster.servers[j] for j in keep),
+            cur.cluster.arrival_rate_per_s,
+            cur.cluster.rho_bar,
+        )
         placement = Placement(tuple(cur.placement.ranges[j] for j in keep))
         peers = [cur.peers[j] for j in keep]
         try:
@@ -859,14 +1017,16 @@ class Orchestrator:
         with self.lock:
             served = sorted({a for rec in self.records.values() for a in rec.info.adapters})
             if adapter not in served:
-                raise UnknownAdapterError(f"no server of this swarm serves adapter {adapter!r}; served adapters: "
-                                          f"{served or 'none'}. Choose one of them, or start servers with "
-                                          "--adapters PATH")
+                raise UnknownAdapterError(
+                    f"no server of this swarm serves adapter {adapter!r}; served adapters: "
+                    f"{served or 'none'}. Choose one of them, or start servers with "
+                    "--adapters PATH"
+                )
             return {p for p, rec in self.records.items() if adapter not in rec.info.adapters}
 
     def name_of(self, peer_id: str) -> str:
         rec = self.records.get(peer_id)
-        return (rec.info.name if rec and rec.info.name else peer_id[-8:])
+        return rec.info.name if rec and rec.info.name else peer_id[-8:]
 
     def assignment_for(self, peer_id: str) -> Assignment:
         """Read from the installed plan without the lock: `self.current` is replaced whole, never edited
@@ -875,8 +1035,11 @@ class Orchestrator:
         if cur is None or peer_id not in cur._assigned:
             return Assignment(AssignmentStatus.PENDING, cur.version if cur else 0)
         r = cur.assignment(peer_id)
-        return (Assignment(AssignmentStatus.UNUSED, cur.version) if r is None
-                else Assignment(AssignmentStatus.ASSIGNED, cur.version, *r))
+        return (
+            Assignment(AssignmentStatus.UNUSED, cur.version)
+            if r is None
+            else Assignment(AssignmentStatus.ASSIGNED, cur.version, *r)
+        )
 
     # -- views ---------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -888,46 +1051,77 @@ class Orchestrator:
             for p, rec in sorted(self.records.items(), key=lambda kv: (kv[1].info.start, kv[0])):
                 i = rec.info
                 try:
-                    tau_c, tau_p = server_params(rec, shape, self.overheads, self.config.relay,
-                                                 partners.get(p, []))
+                    tau_c, tau_p = server_params(rec, shape, self.overheads, self.config.relay, partners.get(p, []))
                 except ValueError:
                     tau_c, tau_p = None, None
                 assigned = cur.assignment(p) if cur else None
                 f = rec.model_fit
-                servers.append({"peer_id": p, "name": i.name, "start": i.start, "end": i.end,
-                                "memory": i.memory_budget_bytes, "tau_p": tau_p, "tau_c": tau_c, "state": i.state,
-                                "rtt": rec.rtt_s,
-                                "t_I": i.prefill_s_per_token if f is None or f.t_I_s is None else f.t_I_s,
-                                "t_O": i.decode_s_per_token if f is None else f.t_O_s,
-                                "t_o": None if f is None else f.t_o_s, "t_B": None if f is None else f.t_B_s,
-                                "hop_cost": rec.hop_cost_s, "transfer_s_per_token": rec.transfer_s_per_token,
-                                "batch_overhead": batch_overhead_s(rec, shape, self.config.server_compute),
-                                "model": self.model_view(p),
-                                "assigned": list(assigned) if assigned else None,
-                                "active_sessions": i.active_sessions, "auto": bool(i.extra.get("auto", False)),
-                                "reachability": str(i.reachability)})
+                servers.append(
+                    {
+                        "peer_id": p,
+                        "name": i.name,
+                        "start": i.start,
+                        "end": i.end,
+                        "memory": i.memory_budget_bytes,
+                        "tau_p": tau_p,
+                        "tau_c": tau_c,
+                        "state": i.state,
+                        "rtt": rec.rtt_s,
+                        "t_I": i.prefill_s_per_token if f is None or f.t_I_s is None else f.t_I_s,
+                        "t_O": i.decode_s_per_token if f is None else f.t_O_s,
+                        "t_o": None if f is None else f.t_o_s,
+                        "t_B": None if f is None else f.t_B_s,
+                        "hop_cost": rec.hop_cost_s,
+                        "transfer_s_per_token": rec.transfer_s_per_token,
+                        "batch_overhead": batch_overhead_s(rec, shape, self.config.server_compute),
+                        "model": self.model_view(p),
+                        "assigned": list(assigned) if assigned else None,
+                        "active_sessions": i.active_sessions,
+                        "auto": bool(i.extra.get("auto", False)),
+                        "reachability": str(i.reachability),
+                    }
+                )
             return {
-                "model": self.model, "peer_id": self.peer_id, "policy": self.config.policy,
-                "plan_version": cur.version if cur else 0, "plan_installed": bool(cur and cur.installed),
-                "c": cur.plan.c if cur else None, "plan_error": self.plan_error,
-                "model_replans": self.model_replans, "model_replans_held": self.model_replans_held,
+                "model": self.model,
+                "peer_id": self.peer_id,
+                "policy": self.config.policy,
+                "plan_version": cur.version if cur else 0,
+                "plan_installed": bool(cur and cur.installed),
+                "c": cur.plan.c if cur else None,
+                "plan_error": self.plan_error,
+                "model_replans": self.model_replans,
+                "model_replans_held": self.model_replans_held,
                 "model_replan_pending": self.model_moved,
-                "replan": {"last_decision": self.last_decision, "last_plan_timing": dict(self.last_plan_timing),
-                           "history": [dict(h) for h in self.replan_history],
-                           "draining": sorted(self.name_of(p) for p in self.drain.movers) if self.drain else [],
-                           "drain_deadline_in_s": (self.drain.deadline_s - self.clock()) if self.drain else None,
-                           "drain_timeout_s": self.config.drain_timeout_s,
-                           "max_moves_per_replan": self.config.max_moves_per_replan,
-                           "min_gain": self.config.replan_min_gain},
-                "num_blocks": self.config.num_blocks, "servers": servers,
-                "chains": self.sessions.chain_views(), "queue_length": self.sessions.queue_length,
-                "queue_order": self.sessions.queue_order, "sessions": len(self.sessions.leases),
-                "dispatch": self.config.dispatch, "prefix": self.sessions.prefix_status(),
-                "expected_lengths": {"input_tokens": shape.mean_input_tokens, "output_tokens": shape.mean_output_tokens,
-                                     "finished_sessions": self.lengths.sessions},
-                "metrics": {"admitted": self.sessions.metrics.admitted, "released": self.sessions.metrics.released,
-                            "expired": self.sessions.metrics.expired, "timed_out": self.sessions.metrics.timed_out,
-                            "dropped": self.sessions.metrics.dropped},
+                "replan": {
+                    "last_decision": self.last_decision,
+                    "last_plan_timing": dict(self.last_plan_timing),
+                    "history": [dict(h) for h in self.replan_history],
+                    "draining": sorted(self.name_of(p) for p in self.drain.movers) if self.drain else [],
+                    "drain_deadline_in_s": (self.drain.deadline_s - self.clock()) if self.drain else None,
+                    "drain_timeout_s": self.config.drain_timeout_s,
+                    "max_moves_per_replan": self.config.max_moves_per_replan,
+                    "min_gain": self.config.replan_min_gain,
+                },
+                "num_blocks": self.config.num_blocks,
+                "servers": servers,
+                "chains": self.sessions.chain_views(),
+                "queue_length": self.sessions.queue_length,
+                "queue_order": self.sessions.queue_order,
+                "sessions": len(self.sessions.leases),
+                "dispatch": self.config.dispatch,
+                "prefix": self.sessions.prefix_status(),
+                "expected_lengths": {
+                    "input_tokens": shape.mean_input_tokens,
+                    "output_tokens": shape.mean_output_tokens,
+                    "finished_sessions": self.lengths.sessions,
+                },
+                "metrics": {
+                    "admitted": self.sessions.metrics.admitted,
+                    "released": self.sessions.metrics.released,
+                    "expired": self.sessions.metrics.expired,
+                    "timed_out": self.sessions.metrics.timed_out,
+                    "dropped": self.sessions.metrics.dropped,
+                },
                 "events": list(self.events[-15:]),
             }
 
@@ -940,8 +1134,10 @@ class Orchestrator:
             first, self.model_replans_held = not self.model_replans_held, True
             pending = self.model_moved
         if first:
-            self.log_event("calibrated re-plans held: from now on the plan moves only when servers join or leave"
-                           + (" (the re-plan already decided goes ahead)" if pending else ""))
+            self.log_event(
+                "calibrated re-plans held: from now on the plan moves only when servers join or leave"
+                + (" (the re-plan already decided goes ahead)" if pending else "")
+            )
         return pending
 
     def plan_input(self) -> dict:
@@ -950,10 +1146,14 @@ class Orchestrator:
             cur = self.current
             if cur is None:
                 return {"cluster": None, "plan": None}
-            return {"cluster": cluster_to_dict(cur.cluster), "policy": cur.plan.policy,
-                    "c": self.config.c, "tuning": self.config.tuning,
-                    "plan": plan_to_dict(cur.plan, cur.cluster),
-                    "assignment": {p: cur.assignment(p) for p in cur.peers}}
+            return {
+                "cluster": cluster_to_dict(cur.cluster),
+                "policy": cur.plan.policy,
+                "c": self.config.c,
+                "tuning": self.config.tuning,
+                "plan": plan_to_dict(cur.plan, cur.cluster),
+                "assignment": {p: cur.assignment(p) for p in cur.peers},
+            }
 
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:

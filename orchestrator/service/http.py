@@ -6,6 +6,7 @@
 - `GET /metrics`: Prometheus text format;
 - `GET /`: a small HTML status page (block map, chains, queue, measured tau_p / tau_c).
 """
+
 from __future__ import annotations
 
 import html
@@ -19,8 +20,7 @@ from orchestrator.service.sessions import WAIT_BUCKETS_S
 logger = logging.getLogger(__name__)
 
 # Block-map colours, one per server in order (tests look for them in a screenshot).
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
-           "#7f7f7f")
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 
 
 def _model_cells(m: dict | None) -> str:
@@ -31,15 +31,18 @@ def _model_cells(m: dict | None) -> str:
     if not m:
         return "<td></td>" * 7
     a, f, scaled = m.get("announced") or {}, m.get("fitted"), m.get("scaled")
-    t_o = _ms(f["t_o"]) if f is not None else f'{_ms(scaled["t_o"])} (scaled)' if scaled else ""
+    t_o = _ms(f["t_o"]) if f is not None else f"{_ms(scaled['t_o'])} (scaled)" if scaled else ""
     src = f if f is not None else scaled
     t_B = "" if src is None else _ms(src.get("t_B")) + ("" if f is not None else " (scaled)")
-    fitted = (_ms(f["t_O"]) if f is not None else f'not yet: {_ms(scaled["t_O"])} (profile scaled)' if scaled
-              else "not yet")
-    resid = "" if f is None else f'{100 * f["median_abs_rel_residual"]:.0f}% ({f["samples"]} batches)'
-    cpu = "" if m.get("cpu_per_wall") is None else f'{m["cpu_per_wall"]:.2f}'
-    return (f'<td>{_ms(a.get("t_O"))} / {fitted}</td><td>{t_o}</td><td>{t_B}</td><td>{_ms(m.get("hop_cost"))}</td>'
-            f'<td>{_us(m.get("transfer_s_per_token"))}</td><td>{resid}</td><td>{cpu}</td>')
+    fitted = (
+        _ms(f["t_O"]) if f is not None else f"not yet: {_ms(scaled['t_O'])} (profile scaled)" if scaled else "not yet"
+    )
+    resid = "" if f is None else f"{100 * f['median_abs_rel_residual']:.0f}% ({f['samples']} batches)"
+    cpu = "" if m.get("cpu_per_wall") is None else f"{m['cpu_per_wall']:.2f}"
+    return (
+        f"<td>{_ms(a.get('t_O'))} / {fitted}</td><td>{t_o}</td><td>{t_B}</td><td>{_ms(m.get('hop_cost'))}</td>"
+        f"<td>{_us(m.get('transfer_s_per_token'))}</td><td>{resid}</td><td>{cpu}</td>"
+    )
 
 
 def metrics_text(orch) -> str:
@@ -81,13 +84,19 @@ def metrics_text(orch) -> str:
         cum += n
         lines.append(f'petals_chain_queue_wait_seconds_bucket{{le="{b}"}} {cum}')
     cum += buckets[-1]
-    lines += [f'petals_chain_queue_wait_seconds_bucket{{le="+Inf"}} {cum}',
-              f"petals_chain_queue_wait_seconds_sum {wait_sum}", f"petals_chain_queue_wait_seconds_count {cum}",
-              "# HELP petals_chain_chain_sessions Sessions running on a chain.",
-              "# TYPE petals_chain_chain_sessions gauge"]
+    lines += [
+        f'petals_chain_queue_wait_seconds_bucket{{le="+Inf"}} {cum}',
+        f"petals_chain_queue_wait_seconds_sum {wait_sum}",
+        f"petals_chain_queue_wait_seconds_count {cum}",
+        "# HELP petals_chain_chain_sessions Sessions running on a chain.",
+        "# TYPE petals_chain_chain_sessions gauge",
+    ]
     for ch in chains:
         lines.append(f'petals_chain_chain_sessions{{chain="{ch["chain_id"]}"}} {ch["in_use"]}')
-    lines += ["# HELP petals_chain_chain_capacity Session capacity of a chain.", "# TYPE petals_chain_chain_capacity gauge"]
+    lines += [
+        "# HELP petals_chain_chain_capacity Session capacity of a chain.",
+        "# TYPE petals_chain_chain_capacity gauge",
+    ]
     for ch in chains:
         lines.append(f'petals_chain_chain_capacity{{chain="{ch["chain_id"]}"}} {ch["capacity"]}')
     return "\n".join(lines) + "\n"
@@ -105,8 +114,10 @@ def _relayed_mark(server: dict) -> str:
     """A server behind a NAT, reached through a libp2p relay (its RTT and tau_c include the relay's hop)."""
     if server.get("reachability") != "relayed":
         return ""
-    return (' <span class="relayed" title="behind a NAT or firewall: reached through a libp2p relay; its RTT and '
-            'tau_c include the relay\'s extra hop">relayed</span>')
+    return (
+        ' <span class="relayed" title="behind a NAT or firewall: reached through a libp2p relay; its RTT and '
+        "tau_c include the relay's extra hop\">relayed</span>"
+    )
 
 
 def status_html(status: dict) -> str:
@@ -121,21 +132,28 @@ def status_html(status: dict) -> str:
             held = s["start"] <= b < s["end"]
             bg = colors[s["peer_id"]] if held else "#eeeeee"
             cells.append(f'<td class="b" style="background:{bg};width:{cell}px" title="block {b}"></td>')
-        rows.append(f'<tr><th class="n">{html.escape(names[s["peer_id"]])}</th>{"".join(cells)}'
-                    f'<td class="r">[{s["start"]}, {s["end"]}) {html.escape(s["state"])}</td></tr>')
+        rows.append(
+            f'<tr><th class="n">{html.escape(names[s["peer_id"]])}</th>{"".join(cells)}'
+            f'<td class="r">[{s["start"]}, {s["end"]}) {html.escape(s["state"])}</td></tr>'
+        )
     head = "".join(f'<td class="h">{b if b % 5 == 0 else ""}</td>' for b in range(L))
     srv_rows = "".join(
-        f'<tr><td><span class="sw" style="background:{colors[s["peer_id"]]}"></span>{html.escape(names[s["peer_id"]])}{_relayed_mark(s)}</td>'
+        f'<tr><td><span class="sw" style="background:{colors[s["peer_id"]]}"></span>'
+        f"{html.escape(names[s['peer_id']])}{_relayed_mark(s)}</td>"
         f'<td class="mono">{html.escape(s["peer_id"][-12:])}</td><td>{html.escape(s["state"])}</td>'
-        f'<td>[{s["start"]}, {s["end"]})</td><td>{s["memory"] / 2**20:.0f} MiB</td>'
-        f'<td>{_ms(s["rtt"])}</td><td>{_ms(s["tau_c"])}</td><td>{_ms(s["tau_p"])}</td>'
-        f'<td>{s["active_sessions"]}</td>{_model_cells(s.get("model"))}</tr>' for s in status["servers"])
+        f"<td>[{s['start']}, {s['end']})</td><td>{s['memory'] / 2**20:.0f} MiB</td>"
+        f"<td>{_ms(s['rtt'])}</td><td>{_ms(s['tau_c'])}</td><td>{_ms(s['tau_p'])}</td>"
+        f"<td>{s['active_sessions']}</td>{_model_cells(s.get('model'))}</tr>"
+        for s in status["servers"]
+    )
     chain_rows = "".join(
-        f'<tr><td>{c["chain_id"]}</td><td>{" &rarr; ".join(html.escape(names.get(p, p[-8:])) for p in c["servers"])}</td>'
-        f'<td>{", ".join(f"[{a},{b})" for a, b in c["blocks"])}</td><td>{c["in_use"]} / {c["capacity"]}</td>'
+        f"<tr><td>{c['chain_id']}</td>"
+        f"<td>{' &rarr; '.join(html.escape(names.get(p, p[-8:])) for p in c['servers'])}</td>"
+        f"<td>{', '.join(f'[{a},{b})' for a, b in c['blocks'])}</td><td>{c['in_use']} / {c['capacity']}</td>"
         f'<td><div class="bar"><div style="width:{100 * c["in_use"] / max(1, c["capacity"]):.0f}%"></div></div></td>'
-        f'<td>{c["service_time"]:.3f} s</td><td>{"yes" if c["dispatchable"] else "draining"}</td></tr>'
-        for c in status["chains"])
+        f"<td>{c['service_time']:.3f} s</td><td>{'yes' if c['dispatchable'] else 'draining'}</td></tr>"
+        for c in status["chains"]
+    )
     events = "".join(f"<li>{html.escape(e)}</li>" for e in status["events"])
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="2">
@@ -200,8 +218,9 @@ class _Handler(BaseHTTPRequestHandler):
             elif path in ("/", "/index.html"):
                 self._send(200, status_html(self.orch.status()), "text/html; charset=utf-8")
             else:
-                self._send(404, json.dumps({"error": f"no such page {path}; try /, /status, /metrics"}),
-                           "application/json")
+                self._send(
+                    404, json.dumps({"error": f"no such page {path}; try /, /status, /metrics"}), "application/json"
+                )
         except Exception as e:  # a status page must never take the orchestrator down
             logger.exception("HTTP handler failed")
             self._send(500, json.dumps({"error": f"{type(e).__name__}: {e}"}), "application/json")

@@ -8,6 +8,7 @@ them keep serving, so the plan that serves is always a set of complete chains wi
 then `Drain.state` says when their sessions are gone, or the drain deadline passed, and only then is
 the new plan installed (the movers' assignments change with it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,8 +35,9 @@ class InstalledPlan:
     _assigned: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self._assigned = {p: (None if r is None else (r.start, r.end))
-                          for p, r in zip(self.peers, self.placement.ranges)}
+        self._assigned = {
+            p: (None if r is None else (r.start, r.end)) for p, r in zip(self.peers, self.placement.ranges)
+        }
 
     def assignment(self, peer_id: str) -> tuple[int, int] | None:
         return self._assigned.get(peer_id)

@@ -4,6 +4,7 @@ tau_p_j and tau_c_j come from orchestrator.session_times (one implementation, sh
 simulator); RTT_j is measured from the orchestrator (the client relays, as the tau_c model assumes).
 Here: the running estimate of the session shape (mean input/output lengths) and a median helper.
 """
+
 from __future__ import annotations
 
 from orchestrator.session_times import SessionShape
@@ -39,5 +40,7 @@ class LengthEstimator:
     def shape(self) -> SessionShape:
         w = self.prior_weight
         n = w + self.sessions
-        return SessionShape((w * self.prior.mean_input_tokens + self._sum_in) / n,
-                            (w * self.prior.mean_output_tokens + self._sum_out) / n)
+        return SessionShape(
+            (w * self.prior.mean_input_tokens + self._sum_in) / n,
+            (w * self.prior.mean_output_tokens + self._sum_out) / n,
+        )

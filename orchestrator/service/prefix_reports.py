@@ -5,6 +5,7 @@ eviction and restarts: a restarted server answers from a new epoch with its full
 
 Runs on the service thread, outside the lock for the round trips (as the batch records' reader does).
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,9 @@ from petals_chain.wire import records as wire_records
 logger = logging.getLogger(__name__)
 
 
-def fetch_prefix_delta(loop, p2p, peer_id: str, since_seq: int, epoch: str | None, *,
-                       timeout_s: float = 3.0) -> wire_records.PrefixDelta | None:
+def fetch_prefix_delta(
+    loop, p2p, peer_id: str, since_seq: int, epoch: str | None, *, timeout_s: float = 3.0
+) -> wire_records.PrefixDelta | None:
     """A server's prefix-cache changes after (epoch, since_seq); None when it does not answer or keeps none."""
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     req = wire_records.InfoRequest(prefix_since_seq=since_seq, prefix_epoch=epoch)
@@ -39,8 +41,9 @@ class PrefixReportReader:
 
     def apply(self, sessions, peer_id: str, delta: wire_records.PrefixDelta) -> None:
         """One reply into the index (Sessions.prefix_report takes the lock)."""
-        sessions.prefix_report(peer_id, [tuple(x) for x in delta.inserted], [tuple(x) for x in delta.evicted],
-                               full=delta.full)
+        sessions.prefix_report(
+            peer_id, [tuple(x) for x in delta.inserted], [tuple(x) for x in delta.evicted], full=delta.full
+        )
         self.cursors[peer_id] = (delta.epoch, delta.next_seq)
         self.reports += 1
         self.full_listings += int(delta.full)

@@ -5,6 +5,7 @@ Units: memory, s_m and s_c in bytes (the model's unit-free `memory`/`block_size`
 accept any single unit); times in seconds. Server names in the Cluster are peer ids (unique); display names
 live in the records.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,8 +69,13 @@ def peer_rtt_s(a: ServerRecord, b: ServerRecord) -> float | None:
     return max(reports) if reports else None
 
 
-def server_params(record: ServerRecord, shape: SessionShape, overheads: Overheads, relay: str = "client",
-                  others: list[ServerRecord] = ()) -> tuple[float, float]:
+def server_params(
+    record: ServerRecord,
+    shape: SessionShape,
+    overheads: Overheads,
+    relay: str = "client",
+    others: list[ServerRecord] = (),
+) -> tuple[float, float]:
     """(tau_c_s, tau_p_s) of one server. `relay="client"`: the client relays every hop, tau_c =
     steps x RTT from the orchestrator (standing in for the clients). `relay="server"`: footnote 4,
     tau_c = max over the possible predecessors (the client, `others` with a reported RTT) of
@@ -110,8 +116,9 @@ def server_params(record: ServerRecord, shape: SessionShape, overheads: Overhead
     return tau_c, tau_p_s(t_I, f.t_O_s, shape, 0.0) + shape.steps * f.t_B_s
 
 
-def lost_servers(last_seen_s: dict[str, float], present: set[str], offline: set[str], now_s: float,
-                 grace_s: float) -> list[str]:
+def lost_servers(
+    last_seen_s: dict[str, float], present: set[str], offline: set[str], now_s: float, grace_s: float
+) -> list[str]:
     """The known servers to drop: those that announced OFFLINE (a clean shutdown), and those whose record
     has been missing from the DHT for `grace_s` or more. Pure.
 
@@ -123,8 +130,7 @@ def lost_servers(last_seen_s: dict[str, float], present: set[str], offline: set[
     waiting for the orchestrator."""
     if grace_s < 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
-    return [p for p, seen in last_seen_s.items()
-            if p in offline or (p not in present and now_s - seen >= grace_s)]
+    return [p for p, seen in last_seen_s.items() if p in offline or (p not in present and now_s - seen >= grace_s)]
 
 
 def rtt_partners(records: list[ServerRecord]) -> dict[str, list[ServerRecord]]:
@@ -141,9 +147,17 @@ def rtt_partners(records: list[ServerRecord]) -> dict[str, list[ServerRecord]]:
     return {p: [by_id[o] for o in sorted(v)] for p, v in partners.items()}
 
 
-def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionShape, arrival_rate_per_s: float,
-                  rho_bar: float, overheads: Overheads = Overheads(), relay: str = "client",
-                  compute: str = "parallel", kv_plan_tokens: int | None = None) -> tuple[Cluster, list[str]]:
+def build_cluster(
+    records: list[ServerRecord],
+    num_blocks: int,
+    shape: SessionShape,
+    arrival_rate_per_s: float,
+    rho_bar: float,
+    overheads: Overheads = Overheads(),
+    relay: str = "client",
+    compute: str = "parallel",
+    kv_plan_tokens: int | None = None,
+) -> tuple[Cluster, list[str]]:
     """Cluster over the measured servers (sorted by peer id, so the same inputs give the same
     cluster), and the peer id of each server index. Records without an RTT are left out.
     `compute`: how the servers' compute serves concurrent sessions (SERVER_COMPUTE).
@@ -158,9 +172,12 @@ def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionSh
         raise ValueError(f"kv_plan_tokens must be >= 1, got {kv_plan_tokens}")
     s_m = max(r.info.block_bytes for r in usable)
     # KV grows linearly with the tokens a session may hold (static caches of max_length rows)
-    kv = [r.info.kv_bytes_per_block if kv_plan_tokens is None
-          else r.info.kv_bytes_per_block * min(kv_plan_tokens, r.info.max_length_tokens) / r.info.max_length_tokens
-          for r in usable]
+    kv = [
+        r.info.kv_bytes_per_block
+        if kv_plan_tokens is None
+        else r.info.kv_bytes_per_block * min(kv_plan_tokens, r.info.max_length_tokens) / r.info.max_length_tokens
+        for r in usable
+    ]
     s_c = max(kv)
     if any(r.info.block_bytes != s_m for r in usable) or any(x != s_c for x in kv):
         logger.warning("servers report different s_m / s_c (dtype or max_length differ); planning with the largest")
@@ -168,24 +185,49 @@ def build_cluster(records: list[ServerRecord], num_blocks: int, shape: SessionSh
     servers = []
     for r in usable:
         tau_c, tau_p = server_params(r, shape, overheads, relay, partners.get(r.peer_id, []))
-        servers.append(Server(name=r.peer_id, memory=float(r.info.memory_budget_bytes), tau_c_s=tau_c,
-                              tau_p_s=tau_p, rtt_s=r.rtt_s, batch_overhead_s=batch_overhead_s(r, shape, compute)))
-    cluster = Cluster(service=Service(num_blocks=num_blocks, block_size=float(s_m), cache_size=float(s_c)),
-                      servers=tuple(servers), arrival_rate_per_s=arrival_rate_per_s, rho_bar=rho_bar)
+        servers.append(
+            Server(
+                name=r.peer_id,
+                memory=float(r.info.memory_budget_bytes),
+                tau_c_s=tau_c,
+                tau_p_s=tau_p,
+                rtt_s=r.rtt_s,
+                batch_overhead_s=batch_overhead_s(r, shape, compute),
+            )
+        )
+    cluster = Cluster(
+        service=Service(num_blocks=num_blocks, block_size=float(s_m), cache_size=float(s_c)),
+        servers=tuple(servers),
+        arrival_rate_per_s=arrival_rate_per_s,
+        rho_bar=rho_bar,
+    )
     return cluster, [r.peer_id for r in usable]
 
 
 def cluster_to_dict(cluster: Cluster) -> dict:
     """The cluster in `petals-chain plan --cluster` input form (docs/orchestrator.md)."""
     s = cluster.service
-    return {"blocks": s.num_blocks, "block_size": s.block_size, "cache_size": s.cache_size,
-            "arrival_rate": cluster.arrival_rate_per_s, "rho_bar": cluster.rho_bar,
-            "servers": [{"name": sv.name, "memory": sv.memory, "tau_c": sv.tau_c_s, "tau_p": sv.tau_p_s,
-                         **({"rtt": sv.rtt_s} if sv.rtt_s is not None else {}),
-                         **({"batch_overhead": sv.batch_overhead_s} if sv.batch_overhead_s is not None else {}),
-                         **({"batch_block_overhead": sv.batch_block_overhead_s}
-                            if sv.batch_block_overhead_s is not None else {})}
-                        for sv in cluster.servers]}
+    return {
+        "blocks": s.num_blocks,
+        "block_size": s.block_size,
+        "cache_size": s.cache_size,
+        "arrival_rate": cluster.arrival_rate_per_s,
+        "rho_bar": cluster.rho_bar,
+        "servers": [
+            {
+                "name": sv.name,
+                "memory": sv.memory,
+                "tau_c": sv.tau_c_s,
+                "tau_p": sv.tau_p_s,
+                **({"rtt": sv.rtt_s} if sv.rtt_s is not None else {}),
+                **({"batch_overhead": sv.batch_overhead_s} if sv.batch_overhead_s is not None else {}),
+                **(
+                    {"batch_block_overhead": sv.batch_block_overhead_s} if sv.batch_block_overhead_s is not None else {}
+                ),
+            }
+            for sv in cluster.servers
+        ],
+    }
 
 
 @dataclass(frozen=True)
@@ -199,8 +241,9 @@ class HeldRange:
     busy: bool = False
 
 
-def keep_held_ranges(ranges: list[BlockInterval | None], peers: list[str], held: dict[str, HeldRange], *,
-                     force: bool = False) -> tuple[list[BlockInterval | None], list[str]]:
+def keep_held_ranges(
+    ranges: list[BlockInterval | None], peers: list[str], held: dict[str, HeldRange], *, force: bool = False
+) -> tuple[list[BlockInterval | None], list[str]]:
     """Overlay on a fresh placement the ranges that must not move: fixed servers always, busy
     servers unless `force`. Returns the placement to install and the peers kept (pinned) where the
     fresh plan wanted something else. Pure."""

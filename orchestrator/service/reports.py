@@ -22,6 +22,7 @@ What this cannot do: the orchestrator cannot prove the accused sent the row a re
 together with `exclude_after - 1` other peers; in an open swarm peer ids are free (Sybil), so k
 distinct reporters mean k independent clients only where membership is controlled (`--allowed-peers`).
 """
+
 from __future__ import annotations
 
 import base64
@@ -49,8 +50,9 @@ class AccusedServer:
     last: str = ""
 
 
-def span_path(servers: list[tuple[str, int, int]], start: int, end: int, exclude: set[str]
-              ) -> list[tuple[str, int]] | None:
+def span_path(
+    servers: list[tuple[str, int, int]], start: int, end: int, exclude: set[str]
+) -> list[tuple[str, int]] | None:
     """(peer, entry block) hops that compute exactly blocks [start, end) with servers (peer, start, end)
     outside `exclude` (each hop runs from its entry to its server's end, which must stay within the
     span), fewest hops first; None if there is none. Pure."""
@@ -91,17 +93,33 @@ class ServerReports:
 
     def view(self) -> dict:
         with self._lock:
-            return {"exclude_after": self.exclude_after, "refused": self.refused,
-                    "servers": {p: {"reporters": sorted(a.reporters), "reports": a.reports,
-                                    "unverified": a.unverified, "excluded": a.excluded, "last": a.last}
-                                for p, a in self._accused.items()}}
+            return {
+                "exclude_after": self.exclude_after,
+                "refused": self.refused,
+                "servers": {
+                    p: {
+                        "reporters": sorted(a.reporters),
+                        "reports": a.reports,
+                        "unverified": a.unverified,
+                        "excluded": a.excluded,
+                        "last": a.last,
+                    }
+                    for p, a in self._accused.items()
+                },
+            }
 
     @staticmethod
-    def check_report(report: VerificationReport, tensors: list[torch.Tensor], caller: str, model: str,
-                     peer_id_of_key: Callable[[bytes], str], verify_signature: Callable[[bytes, bytes, bytes], bool]
-                     ) -> None:
+    def check_report(
+        report: VerificationReport,
+        tensors: list[torch.Tensor],
+        caller: str,
+        model: str,
+        peer_id_of_key: Callable[[bytes], str],
+        verify_signature: Callable[[bytes, bytes, bytes], bool],
+    ) -> None:
         """Raises `BadReportError` unless the report is well-formed, signed by `caller` and its digests name
         its tensors."""
+
         def bad(why: str) -> BadReportError:
             return BadReportError(f"verification report refused: {why}")
 
@@ -110,8 +128,10 @@ class ServerReports:
         if report.accused == caller:
             raise bad("a peer cannot report itself")
         try:
-            key, signature = base64.b64decode(report.reporter_key, validate=True), base64.b64decode(
-                report.signature, validate=True)
+            key, signature = (
+                base64.b64decode(report.reporter_key, validate=True),
+                base64.b64decode(report.signature, validate=True),
+            )
         except ValueError:
             raise bad("reporter_key and signature must be base64") from None
         try:
@@ -126,16 +146,23 @@ class ServerReports:
             raise bad(f"it must carry 3 tensors (inputs, accused row, reference row), got {len(tensors)}")
         inputs, accused, reference = tensors
         if inputs.dim() != 2 or inputs.shape[0] != report.position + 1:
-            raise bad(f"its inputs must be [position + 1, hidden] = [{report.position + 1}, hidden], "
-                      f"got {list(inputs.shape)}")
+            raise bad(
+                f"its inputs must be [position + 1, hidden] = [{report.position + 1}, hidden], got {list(inputs.shape)}"
+            )
         if accused.shape != (1, inputs.shape[1]) or reference.shape != (1, inputs.shape[1]):
             raise bad("its accused and reference rows must be [1, hidden]")
         for name, t in (("input_digest", inputs), ("accused_digest", accused), ("reference_digest", reference)):
             if digest(t) != getattr(report, name):
                 raise bad(f"{name} does not name the tensor it carries")
 
-    async def add(self, report: VerificationReport, tensors: list[torch.Tensor], caller: str,
-                  servers: list[tuple[str, int, int]], forward: Forward) -> ReportReply:
+    async def add(
+        self,
+        report: VerificationReport,
+        tensors: list[torch.Tensor],
+        caller: str,
+        servers: list[tuple[str, int, int]],
+        forward: Forward,
+    ) -> ReportReply:
         """Check the evidence with a third opinion and count the report (see the module docstring)."""
         inputs, accused_row, reference_row = tensors
         accused = report.accused
@@ -161,7 +188,7 @@ class ServerReports:
                 except PetalsChainError as e:
                     failures.append(str(e))
                     continue
-                third = x[report.position:report.position + 1]
+                third = x[report.position : report.position + 1]
                 tolerance = tolerance_for(inputs.dtype, third.dtype)
                 if first_mismatch(reference_row, third, tolerance) is None:
                     verdict, decider = True, path[0][0]
@@ -170,15 +197,19 @@ class ServerReports:
         if verdict is None:
             with self._lock:
                 entry.unverified += 1
-                entry.last = (f"unverified report by {caller[-8:]}: no other server of [{report.start}, {report.end}) "
-                              f"confirmed either side{'; ' + failures[-1] if failures else ''}")
+                entry.last = (
+                    f"unverified report by {caller[-8:]}: no other server of [{report.start}, {report.end}) "
+                    f"confirmed either side{'; ' + failures[-1] if failures else ''}"
+                )
                 return ReportReply(False, len(entry.reporters), entry.excluded, entry.last)
         if not verdict:
             with self._lock:
                 self.refused += 1
                 entry.last = f"report by {caller[-8:]} contradicted by the third opinion of {decider[-8:]}"
-            raise BadReportError(f"verification report refused: the orchestrator's third opinion ({decider}) "
-                                 "computes the accused's row, not the reference: the accused was right")
+            raise BadReportError(
+                f"verification report refused: the orchestrator's third opinion ({decider}) "
+                "computes the accused's row, not the reference: the accused was right"
+            )
         with self._lock:
             entry.reporters.add(caller)
             entry.last = f"{report.verdict} at position {report.position} reported by {caller[-8:]}"

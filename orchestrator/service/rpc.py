@@ -7,6 +7,7 @@ still waits; the client calls again with the same session id and keeps its place
 So a client notices a dead orchestrator within one poll, and a waiting session gives up with
 `AcquireTimeoutError` after its own `timeout_s`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,12 +72,22 @@ class OrchestratorRpc:
         if msg.adapter is not None:  # JFFC picks among chains whose every server serves the adapter
             exclude |= orch.peers_without_adapter(msg.adapter)
         client_id = str(context.remote_id)  # the authenticated peer: the servers' --prefix-sharing client scope
-        request = DispatchRequest(client_id, tuple(msg.prefix_hashes or ()), int(msg.prompt_tokens or 0),
-                                  int(round(orch.sessions.expected_tokens[1])))
-        out = await orch.sessions.poll(msg.session_id, client_id, msg.max_length,
-                                       timeout_s=min(msg.timeout_s, orch.config.max_acquire_timeout_s),
-                                       poll_s=min(msg.poll_s, MAX_POLL_S), exclude=exclude,
-                                       clock=orch.clock, request=request)
+        request = DispatchRequest(
+            client_id,
+            tuple(msg.prefix_hashes or ()),
+            int(msg.prompt_tokens or 0),
+            int(round(orch.sessions.expected_tokens[1])),
+        )
+        out = await orch.sessions.poll(
+            msg.session_id,
+            client_id,
+            msg.max_length,
+            timeout_s=min(msg.timeout_s, orch.config.max_acquire_timeout_s),
+            poll_s=min(msg.poll_s, MAX_POLL_S),
+            exclude=exclude,
+            clock=orch.clock,
+            request=request,
+        )
         if isinstance(out, Waiting):
             return wire.response(Queued(out.position, out.queue_length))
         return self._granted(out)
@@ -107,8 +118,11 @@ class OrchestratorRpc:
                 orch.reports.refused += 1
             raise
         with orch.lock:
-            servers = [(p, r.info.start, r.info.end) for p, r in orch.records.items()
-                       if r.info.state == ServerState.ONLINE and r.info.has_blocks]
+            servers = [
+                (p, r.info.start, r.info.end)
+                for p, r in orch.records.items()
+                if r.info.state == ServerState.ONLINE and r.info.has_blocks
+            ]
 
         async def forward(peer: str, entry_block: int, hidden: torch.Tensor) -> torch.Tensor:
             (req,) = wire_parts.to_messages(Forward(entry_block).to_wire(), (hidden.unsqueeze(0),))

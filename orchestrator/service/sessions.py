@@ -25,6 +25,7 @@ so idle time earns no credit. Ties go to the client holding fewer slots, then by
 
 Pure apart from the lock and the wake-up of waiting polls: every call takes `now_s`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -132,6 +133,7 @@ class Queued:
 @dataclass
 class _Binding:
     """What the installed dispatcher's chain ids mean on the live swarm."""
+
     dispatcher: Dispatcher
     per_request: bool
     chains: list[tuple[tuple[Hop, ...], float, int]] = field(default_factory=list)  # static: (hops, T, max_len)
@@ -142,14 +144,25 @@ class _Binding:
 def chain_specs(chains: list[tuple[tuple[Hop, ...], int, float, int]]) -> list[ChainSpec]:
     """The dispatcher's view of live chains (hops, capacity, service time, max_length): only capacity
     and service time matter to it."""
-    return [ChainSpec(tuple(range(len(h))), tuple(BlockInterval(x.start, x.end) for x in h), int(cap), float(t))
-            for h, cap, t, _ in chains]
+    return [
+        ChainSpec(tuple(range(len(h))), tuple(BlockInterval(x.start, x.end) for x in h), int(cap), float(t))
+        for h, cap, t, _ in chains
+    ]
 
 
 class Sessions:
-    def __init__(self, lease_ttl_s: float = 30.0, *, queue: str = "fifo", w_in: float = 1.0, w_out: float = 2.0,
-                 lock: threading.RLock | None = None, prefix_sharing: str = "client",
-                 prefix_index_entries: int = DEFAULT_MAX_ENTRIES, max_waiting_per_client: int = 256):
+    def __init__(
+        self,
+        lease_ttl_s: float = 30.0,
+        *,
+        queue: str = "fifo",
+        w_in: float = 1.0,
+        w_out: float = 2.0,
+        lock: threading.RLock | None = None,
+        prefix_sharing: str = "client",
+        prefix_index_entries: int = DEFAULT_MAX_ENTRIES,
+        max_waiting_per_client: int = 256,
+    ):
         if lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be positive")
         if queue not in QUEUE_ORDERS:
@@ -189,8 +202,16 @@ class Sessions:
         """The order a JFFC dispatcher serves its central queue in (None: FIFO)."""
         return None if self.queue_order == "fifo" else self._fair_order
 
-    def install_chains(self, chains: list[tuple[tuple[Hop, ...], int, float, int]], plan_version: int, now_s: float,
-                       *, dispatch: str = "jffc", rng=None, server_costs: dict | None = None) -> list[ChainGrant]:
+    def install_chains(
+        self,
+        chains: list[tuple[tuple[Hop, ...], int, float, int]],
+        plan_version: int,
+        now_s: float,
+        *,
+        dispatch: str = "jffc",
+        rng=None,
+        server_costs: dict | None = None,
+    ) -> list[ChainGrant]:
         """Static chains: [(hops, capacity, service_time_s, max_length_tokens)] dispatched by `dispatch`
         (orchestrator.dispatch); `server_costs` (peer id -> dispatch.ServerCost), E2's load cost when
         known. Returns grants to waiting sessions."""
@@ -202,9 +223,16 @@ class Sessions:
                 self._retire_all()
                 self.plan_version = plan_version
                 return []
-            d = make_dispatcher(dispatch, chain_specs(chains), rng, self.queue_order_key(), index=self.prefix_index,
-                                hop_servers=[[h.peer_id for h in hops] for hops, *_ in chains], costs=self.server_costs,
-                                params=self._dispatch_params())
+            d = make_dispatcher(
+                dispatch,
+                chain_specs(chains),
+                rng,
+                self.queue_order_key(),
+                index=self.prefix_index,
+                hop_servers=[[h.peer_id for h in hops] for hops, *_ in chains],
+                costs=self.server_costs,
+                params=self._dispatch_params(),
+            )
             return self.install(d, plan_version, now_s, chains=chains)
 
     def _dispatch_params(self) -> PrefixParams:
@@ -217,14 +245,27 @@ class Sessions:
         one = self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
         return PrefixParams(quantum_client=one, quantum_chain=4 * one, w_in=self.w_in, w_out=self.w_out)
 
-    def install_router(self, router: Dispatcher, peer_ids: list[str], max_length_tokens: dict[str, int],
-                       plan_version: int, now_s: float) -> list[ChainGrant]:
+    def install_router(
+        self,
+        router: Dispatcher,
+        peer_ids: list[str],
+        max_length_tokens: dict[str, int],
+        plan_version: int,
+        now_s: float,
+    ) -> list[ChainGrant]:
         """A per-request router (petals, bprr) over servers `peer_ids` (its cluster order)."""
         return self.install(router, plan_version, now_s, peers=peer_ids, max_length=max_length_tokens)
 
-    def install(self, dispatcher: Dispatcher, plan_version: int, now_s: float, *,
-                chains: list[tuple[tuple[Hop, ...], int, float, int]] | None = None,
-                peers: list[str] | None = None, max_length: dict[str, int] | None = None) -> list[ChainGrant]:
+    def install(
+        self,
+        dispatcher: Dispatcher,
+        plan_version: int,
+        now_s: float,
+        *,
+        chains: list[tuple[tuple[Hop, ...], int, float, int]] | None = None,
+        peers: list[str] | None = None,
+        max_length: dict[str, int] | None = None,
+    ) -> list[ChainGrant]:
         """A new plan's dispatcher: over static `chains` (index-aligned with its chain list), or a
         per-request router over `peers`. Earlier chains drain; waiting sessions are offered to it in
         queue order."""
@@ -312,10 +353,14 @@ class Sessions:
         b = self._binding
         if b is None or b.per_request:
             return None  # a per-request route is computed over live slots; exclusions do not apply
-        ok = frozenset(i for i, (hops, _, max_len) in enumerate(b.chains)
-                       if max_len >= w.max_length and not (w.exclude & {h.peer_id for h in hops})
-                       and self.chains.get(self._live_of_index.get(i, -1)) is not None
-                       and self.chains[self._live_of_index[i]].dispatchable)
+        ok = frozenset(
+            i
+            for i, (hops, _, max_len) in enumerate(b.chains)
+            if max_len >= w.max_length
+            and not (w.exclude & {h.peer_id for h in hops})
+            and self.chains.get(self._live_of_index.get(i, -1)) is not None
+            and self.chains[self._live_of_index[i]].dispatchable
+        )
         if not w.exclude and w.max_length <= min(m for _, _, m in b.chains) and len(ok) == len(b.chains):
             return None  # every chain: the paper's unconstrained JFFC
         return ok
@@ -343,31 +388,52 @@ class Sessions:
             return any(c.dispatchable and c.max_length_tokens >= max_length for c in self.chains.values())
 
     # -- sessions -----------------------------------------------------------------------------
-    def acquire(self, session_id: str, client_id: str, max_length: int, now_s: float, *, timeout_s: float,
-                exclude: frozenset[str] = frozenset(),
-                request: DispatchRequest | None = None) -> tuple[ChainGrant | None, list[ChainGrant]]:
+    def acquire(
+        self,
+        session_id: str,
+        client_id: str,
+        max_length: int,
+        now_s: float,
+        *,
+        timeout_s: float,
+        exclude: frozenset[str] = frozenset(),
+        request: DispatchRequest | None = None,
+    ) -> tuple[ChainGrant | None, list[ChainGrant]]:
         """Grant `session_id` a chain now, or queue it (returns None). A session that already holds a
         lease (failover) gives it back first; the grants of other sessions that this frees come second.
         `request`: its prompt (client id, prefix hashes, token count) for the prompt-aware dispatchers.
         A client with `max_waiting_per_client` sessions waiting already gets TooManyWaitingError: a flood of
         acquires costs the orchestrator bounded memory and leaves the others' places in the queue alone."""
         with self.lock:
-            if (session_id not in self.queue and session_id not in self.leases
-                    and self._waiting_of.get(client_id, 0) >= self.max_waiting_per_client):
+            if (
+                session_id not in self.queue
+                and session_id not in self.leases
+                and self._waiting_of.get(client_id, 0) >= self.max_waiting_per_client
+            ):
                 self.refused_floods += 1
                 raise TooManyWaitingError(
                     f"client {client_id} already has {self.max_waiting_per_client} sessions waiting for a chain; "
-                    "retry once some of them were granted")
+                    "retry once some of them were granted"
+                )
             others: list[ChainGrant] = []
             if session_id in self.leases:
                 others = self.release(session_id, now_s)
             if session_id in self.queue:
                 raise ValueError(f"session {session_id!r} is already waiting")
             if request is not None and request.client_id != client_id:
-                request = DispatchRequest(client_id, request.prefix_hashes, request.prompt_tokens,
-                                          request.output_tokens)
-            w = Waiter(session_id, client_id, max_length, frozenset(exclude), now_s, now_s + timeout_s,
-                       last_seen_s=now_s, request=request)
+                request = DispatchRequest(
+                    client_id, request.prefix_hashes, request.prompt_tokens, request.output_tokens
+                )
+            w = Waiter(
+                session_id,
+                client_id,
+                max_length,
+                frozenset(exclude),
+                now_s,
+                now_s + timeout_s,
+                last_seen_s=now_s,
+                request=request,
+            )
             self._waiting_of[client_id] = self._waiting_of.get(client_id, 0) + 1
             if self.queue_order == "fair" and all(q.client_id != client_id for q in self.queue.values()):
                 self._lift(client_id)
@@ -415,12 +481,22 @@ class Sessions:
         self.metrics.admitted += 1
         self.metrics.observe_wait(wait)
         # the session id carries an API gateway's request id: this line ties a request to its chain
-        logger.info("session %s of %s: chain %s granted after %.3f s in the queue", w.session_id, w.client_id,
-                    ch.chain_id, wait)
-        g = ChainGrant(w.session_id, ch.chain_id, self.plan_version, ch.hops, ch.service_time_s, self.lease_ttl_s,
-                       wait, extra={"seq": self.metrics.admitted})
-        self.leases[w.session_id] = Lease(w.session_id, w.client_id, ch.chain_id, now_s, now_s + self.lease_ttl_s,
-                                          wait, w.job_id, charge, g)
+        logger.info(
+            "session %s of %s: chain %s granted after %.3f s in the queue", w.session_id, w.client_id, ch.chain_id, wait
+        )
+        g = ChainGrant(
+            w.session_id,
+            ch.chain_id,
+            self.plan_version,
+            ch.hops,
+            ch.service_time_s,
+            self.lease_ttl_s,
+            wait,
+            extra={"seq": self.metrics.admitted},
+        )
+        self.leases[w.session_id] = Lease(
+            w.session_id, w.client_id, ch.chain_id, now_s, now_s + self.lease_ttl_s, wait, w.job_id, charge, g
+        )
         self._unpicked[w.session_id] = (g, now_s)
         self._wake(w.session_id)
         return g
@@ -463,8 +539,9 @@ class Sessions:
             waiters.sort(key=lambda w: self._fair_key(w, held))
         return waiters
 
-    def release(self, session_id: str, now_s: float, *, input_tokens: int = 0,
-                output_tokens: int = 0) -> list[ChainGrant]:
+    def release(
+        self, session_id: str, now_s: float, *, input_tokens: int = 0, output_tokens: int = 0
+    ) -> list[ChainGrant]:
         """The session ended (or left the queue): free its slot; returns the sessions that start now.
         Reported lengths replace the expected ones in its client's service counter."""
         with self.lock:
@@ -476,11 +553,13 @@ class Sessions:
                 return []
             if input_tokens > 0 or output_tokens > 0:
                 actual = self.w_in * max(0, input_tokens) + self.w_out * max(0, output_tokens)
-                self.client_service[lease.client_id] = (self.client_service.get(lease.client_id, 0.0) + actual
-                                                        - lease.charged)
+                self.client_service[lease.client_id] = (
+                    self.client_service.get(lease.client_id, 0.0) + actual - lease.charged
+                )
             self.metrics.released += 1
-            logger.info("session %s released after %.1f s on chain %s", session_id, now_s - lease.granted_s,
-                        lease.chain_id)
+            logger.info(
+                "session %s released after %.1f s on chain %s", session_id, now_s - lease.granted_s, lease.chain_id
+            )
             return self._free(lease, now_s)
 
     def _free(self, lease: Lease, now_s: float) -> list[ChainGrant]:
@@ -574,9 +653,17 @@ class Sessions:
             grants: list[ChainGrant] = []
             b = self._binding
             if b is not None and not b.per_request:
-                grants = self._starts(b.dispatcher.disable(
-                    [self.chains[cid].index for cid in lost if self.chains[cid].index is not None
-                     and self._live_of_index.get(self.chains[cid].index) == cid]), now_s)
+                grants = self._starts(
+                    b.dispatcher.disable(
+                        [
+                            self.chains[cid].index
+                            for cid in lost
+                            if self.chains[cid].index is not None
+                            and self._live_of_index.get(self.chains[cid].index) == cid
+                        ]
+                    ),
+                    now_s,
+                )
             for cid in lost:
                 del self.chains[cid]
             for p in peer_ids:  # a lost (or moved) server's cache is gone: its next report lists it anew
@@ -621,7 +708,7 @@ class Sessions:
             out: dict[str, int] = {}
             for lease in self.leases.values():
                 ch = self.chains.get(lease.chain_id)
-                for p in (ch.peers if ch is not None else ()):
+                for p in ch.peers if ch is not None else ():
                     out[p] = out.get(p, 0) + 1
             return out
 
@@ -657,8 +744,11 @@ class Sessions:
         ch = None if lease is None else self.chains.get(lease.chain_id)
         if lease is None or lease.grant is None or ch is None or set(ch.peers) & exclude:
             return None
-        logger.info("session %s: its grant of chain %s given again (a poll whose reply its client no longer "
-                    "read had taken it)", session_id, lease.chain_id)
+        logger.info(
+            "session %s: its grant of chain %s given again (a poll whose reply its client no longer read had taken it)",
+            session_id,
+            lease.chain_id,
+        )
         return lease.grant
 
     def _wake(self, session_id: str) -> None:
@@ -670,9 +760,18 @@ class Sessions:
             except RuntimeError:  # its loop is closed (shutdown): nobody waits any more
                 pass
 
-    async def poll(self, session_id: str, client_id: str, max_length: int, *, timeout_s: float, poll_s: float,
-                   exclude: frozenset[str], clock: Callable[[], float],
-                   request: DispatchRequest | None = None) -> ChainGrant | Queued:
+    async def poll(
+        self,
+        session_id: str,
+        client_id: str,
+        max_length: int,
+        *,
+        timeout_s: float,
+        poll_s: float,
+        exclude: frozenset[str],
+        clock: Callable[[], float],
+        request: DispatchRequest | None = None,
+    ) -> ChainGrant | Queued:
         """One long poll of acquire: the grant (made now, or since the last poll), or Queued after at most
         `poll_s`. Raises NoChainError / MaxLengthExceededError at once, AcquireTimeoutError when the
         session's own deadline passed or it left the queue."""
@@ -689,9 +788,11 @@ class Sessions:
                     raise NoChainError(f"the orchestrator cannot plan for the servers it knows: {self.no_chain_reason}")
                 if self.refuses_length(max_length):
                     raise MaxLengthExceededError(
-                        f"max_length={max_length} exceeds what every chain's servers accept; use a smaller max_length")
-                self.acquire(session_id, client_id, max_length, now, timeout_s=timeout_s, exclude=exclude,
-                             request=request)
+                        f"max_length={max_length} exceeds what every chain's servers accept; use a smaller max_length"
+                    )
+                self.acquire(
+                    session_id, client_id, max_length, now, timeout_s=timeout_s, exclude=exclude, request=request
+                )
                 g = self.take_grant(session_id)
                 if g is not None:
                     return g
@@ -715,19 +816,24 @@ class Sessions:
                 g = self._granted_before(session_id, exclude)  # or an older poll of this session took its grant
                 if g is not None:
                     return g
-                raise AcquireTimeoutError("the session left the orchestrator's queue (its deadline passed or "
-                                          "its client stopped polling); retry later or raise the timeout")
+                raise AcquireTimeoutError(
+                    "the session left the orchestrator's queue (its deadline passed or "
+                    "its client stopped polling); retry later or raise the timeout"
+                )
             if clock() >= deadline:
                 self.cancel(session_id)
                 self.metrics.timed_out += 1
-                raise AcquireTimeoutError(f"no chain slot freed within {timeout_s:.0f} s (queue length "
-                                          f"{len(self.queue)}); retry later or raise the timeout")
+                raise AcquireTimeoutError(
+                    f"no chain slot freed within {timeout_s:.0f} s (queue length "
+                    f"{len(self.queue)}); retry later or raise the timeout"
+                )
             self.touch(session_id, clock())
             return Queued(list(self.queue).index(session_id) + 1, len(self.queue))
 
     # -- the global prefix index ----------------------------------------------------------------
-    def prefix_report(self, peer_id: str, inserted: list[tuple[str, str]], evicted: list[tuple[str, str]],
-                      *, full: bool = False) -> None:
+    def prefix_report(
+        self, peer_id: str, inserted: list[tuple[str, str]], evicted: list[tuple[str, str]], *, full: bool = False
+    ) -> None:
         """A server's prefix-cache report (server/prefix_report.py): chunks it stored and dropped since its
         last report, or (`full`) everything it holds (after its restart, or when reports were lost)."""
         with self.lock:
@@ -746,9 +852,13 @@ class Sessions:
         expected it, and (d2lpm) the deficit counters."""
         with self.lock:
             b = self._binding
-            out: dict = {"prefix_sharing": self.prefix_index.sharing, "index_entries": len(self.prefix_index),
-                         "index_max_entries": self.prefix_index.max_entries,
-                         "index_dropped_lru": self.prefix_index.dropped_lru, "refused_floods": self.refused_floods}
+            out: dict = {
+                "prefix_sharing": self.prefix_index.sharing,
+                "index_entries": len(self.prefix_index),
+                "index_max_entries": self.prefix_index.max_entries,
+                "index_dropped_lru": self.prefix_index.dropped_lru,
+                "refused_floods": self.refused_floods,
+            }
             d = None if b is None else b.dispatcher
             if d is not None and getattr(d, "name", None) in PROMPT_AWARE:
                 live = {i: cid for i, cid in self._live_of_index.items()}
@@ -772,14 +882,26 @@ class Sessions:
                 if ch.route and b is not None and b.per_request and ch.dispatchable:
                     # a per-request route has no fixed capacity: report the sessions it could hold right now
                     idx = {p: j for j, p in enumerate(b.peers)}
-                    cap = ch.in_use + min(b.dispatcher.free_slots[idx[h.peer_id]] // max(1, h.num_blocks)
-                                          for h in ch.hops)
-                out.append({"chain_id": ch.chain_id, "servers": list(ch.peers),
-                            "blocks": [[h.start, h.end] for h in ch.hops], "capacity": cap, "in_use": ch.in_use,
-                            "service_time": ch.service_time_s, "dispatchable": ch.dispatchable})
+                    cap = ch.in_use + min(
+                        b.dispatcher.free_slots[idx[h.peer_id]] // max(1, h.num_blocks) for h in ch.hops
+                    )
+                out.append(
+                    {
+                        "chain_id": ch.chain_id,
+                        "servers": list(ch.peers),
+                        "blocks": [[h.start, h.end] for h in ch.hops],
+                        "capacity": cap,
+                        "in_use": ch.in_use,
+                        "service_time": ch.service_time_s,
+                        "dispatchable": ch.dispatchable,
+                    }
+                )
             return out
 
     def sessions_on(self, peer_id: str) -> int:
         with self.lock:
-            return sum(1 for lease in self.leases.values()
-                       if lease.chain_id in self.chains and peer_id in self.chains[lease.chain_id].peers)
+            return sum(
+                1
+                for lease in self.leases.values()
+                if lease.chain_id in self.chains and peer_id in self.chains[lease.chain_id].peers
+            )

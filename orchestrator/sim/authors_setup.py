@@ -39,6 +39,7 @@ only at the next arrival (v4:1040-1067), which only hurts the proposed stack; th
 delay per job (params.m:90) is common to all three policies; PETALS' per-server throughputs come
 from profiled RPS (v4:1267-1289), ours from tau_p/tau_c.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -82,7 +83,7 @@ class AuthorsChoices:
 
     @classmethod
     def parse(cls, spec: str) -> "AuthorsChoices":
-        """"" -> none; "all" -> all; else comma-separated names."""
+        """ "" -> none; "all" -> all; else comma-separated names."""
         spec = spec.strip()
         if spec == "all":
             return cls.all_on()
@@ -108,7 +109,9 @@ def authors_rtt_ms(anchor_median_rtt_ms: np.ndarray, lat_deg: np.ndarray, lon_de
     from netem.topology import pairwise_geodesic_km
 
     med = np.asarray(anchor_median_rtt_ms, dtype=float)
-    rtt = AUTHORS_RTT_LOCAL_SHARE * (med[:, None] + med[None, :]) + AUTHORS_RTT_MS_PER_KM * pairwise_geodesic_km(lat_deg, lon_deg)
+    rtt = AUTHORS_RTT_LOCAL_SHARE * (med[:, None] + med[None, :]) + AUTHORS_RTT_MS_PER_KM * pairwise_geodesic_km(
+        lat_deg, lon_deg
+    )
     np.fill_diagonal(rtt, 0.0)
     return rtt
 

@@ -6,6 +6,7 @@
 
 Bad input: one line on stderr, exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,26 +38,79 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog=PROG, description="Discrete-event simulation of a cluster under a serving policy (prints JSON).")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--cluster", metavar="PATH", help="cluster JSON (plan schema: blocks, block_size, cache_size, arrival_rate, rho_bar, servers[{name, memory, tau_c, tau_p}])")
-    src.add_argument("--paper-setup", nargs=2, metavar=("J", "ETA"), help="draw the paper's section 4.1.1 cluster with J servers, a fraction ETA of them high-performance")
-    p.add_argument("--rtt-data", metavar="PATH", default=None, help="RIPE Atlas RTT CSV or its folder (default: $PETALS_CHAIN_DATA, else ../shared/data)")
+    src.add_argument(
+        "--cluster",
+        metavar="PATH",
+        help="cluster JSON (plan schema: blocks, block_size, cache_size, arrival_rate, rho_bar, servers[{name, "
+        "memory, tau_c, tau_p}])",
+    )
+    src.add_argument(
+        "--paper-setup",
+        nargs=2,
+        metavar=("J", "ETA"),
+        help="draw the paper's section 4.1.1 cluster with J servers, a fraction ETA of them high-performance",
+    )
+    p.add_argument(
+        "--rtt-data",
+        metavar="PATH",
+        default=None,
+        help="RIPE Atlas RTT CSV or its folder (default: $PETALS_CHAIN_DATA, else ../shared/data)",
+    )
     p.add_argument("--synthetic-rtt", action="store_true", help="paper setup on synthetic RTTs instead of RIPE Atlas")
-    p.add_argument("--setup", choices=("paper", "authors"), default="paper",
-                   help="with --paper-setup: the paper's setting, or every choice of the authors' simulator (docs/results.md)")
-    p.add_argument("--authors-choices", default="", metavar="A,B",
-                   help="with --paper-setup: switch on only these authors' choices (orchestrator/sim/authors_setup.py)")
-    p.add_argument("--tau-c", choices=("model", "literal"), default="model",
-                   help="with --paper-setup: tau_c = 20 x (RTT + 18 ms) (model, default) or RTT + 18 ms (literal)")
+    p.add_argument(
+        "--setup",
+        choices=("paper", "authors"),
+        default="paper",
+        help="with --paper-setup: the paper's setting, or every choice of the authors' simulator (docs/results.md)",
+    )
+    p.add_argument(
+        "--authors-choices",
+        default="",
+        metavar="A,B",
+        help="with --paper-setup: switch on only these authors' choices (orchestrator/sim/authors_setup.py)",
+    )
+    p.add_argument(
+        "--tau-c",
+        choices=("model", "literal"),
+        default="model",
+        help="with --paper-setup: tau_c = 20 x (RTT + 18 ms) (model, default) or RTT + 18 ms (literal)",
+    )
     p.add_argument("--arrival-rate", type=positive_float, default=None, help="override the arrival rate (req/s)")
-    p.add_argument("--policy", choices=POLICIES, default="proposed",
-                   help="proposed (GBP-CR + GCA + JFFC, default) or a baseline (petals, bprr, jffc-only)")
-    p.add_argument("--c", type=parse_c, default=7, help="cache reservation for 'proposed': N (default 7, as the paper's figures) or 'auto'")
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="proposed",
+        help="proposed (GBP-CR + GCA + JFFC, default) or a baseline (petals, bprr, jffc-only)",
+    )
+    p.add_argument(
+        "--c",
+        type=parse_c,
+        default=7,
+        help="cache reservation for 'proposed': N (default 7, as the paper's figures) or 'auto'",
+    )
     p.add_argument("--tuning", choices=TUNINGS, default="lower", help="objective for --c auto (default lower bound)")
-    p.add_argument("--dispatch", choices=sorted(DISPATCHERS), default="jffc", help="dispatch policy over the chains (proposed, jffc-only)")
-    p.add_argument("--workload", choices=("poisson", "azure"), default="poisson", help="Poisson/Exp(1), or the Azure code trace rescaled to the arrival rate")
-    p.add_argument("--trace-data", metavar="PATH", default=None, help="Azure trace CSV or its folder (default: the data path)")
+    p.add_argument(
+        "--dispatch",
+        choices=sorted(DISPATCHERS),
+        default="jffc",
+        help="dispatch policy over the chains (proposed, jffc-only)",
+    )
+    p.add_argument(
+        "--workload",
+        choices=("poisson", "azure"),
+        default="poisson",
+        help="Poisson/Exp(1), or the Azure code trace rescaled to the arrival rate",
+    )
+    p.add_argument(
+        "--trace-data", metavar="PATH", default=None, help="Azure trace CSV or its folder (default: the data path)"
+    )
     p.add_argument("--jobs", type=positive_int, default=20000, help="number of jobs (Poisson workload)")
-    p.add_argument("--job-sizes", default="exp", metavar="SPEC", help="job size distribution, mean 1 (Poisson workload): exp (default), det, lognormal:CV, gamma:CV")
+    p.add_argument(
+        "--job-sizes",
+        default="exp",
+        metavar="SPEC",
+        help="job size distribution, mean 1 (Poisson workload): exp (default), det, lognormal:CV, gamma:CV",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed of arrivals, job sizes and RTTs (default 0)")
     return p
 
@@ -99,7 +153,9 @@ def _cluster_and_meta(args) -> tuple[object, dict]:
         n_servers = int(args.paper_setup[0])
         eta = float(args.paper_setup[1])
     except ValueError:
-        raise _UsageError(f"--paper-setup takes J (integer) and ETA (number in [0, 1]), got {' '.join(args.paper_setup)}")
+        raise _UsageError(
+            f"--paper-setup takes J (integer) and ETA (number in [0, 1]), got {' '.join(args.paper_setup)}"
+        )
     if n_servers < 1 or not 0.0 <= eta <= 1.0:
         raise _UsageError(f"--paper-setup needs J >= 1 and 0 <= ETA <= 1, got {n_servers} {eta}")
     rng = np.random.default_rng([args.seed, 1])
@@ -114,11 +170,22 @@ def _cluster_and_meta(args) -> tuple[object, dict]:
             rtt, source = authors_rtt_ms_from_csv(path), f"authors' RTT formula over {path}"
         else:
             rtt, source = load_ripe_atlas_rtt_matrix(path), str(path)
-    inst = draw_paper_instance(rtt, n_servers, eta, rng,
-                               arrival_rate_per_s=args.arrival_rate or DEFAULT_ARRIVAL_RATE_PER_S,
-                               tau_c_reading=args.tau_c, authors=authors)
-    meta = {"paper_setup": {"J": n_servers, "eta": eta}, "setup": args.setup, "tau_c_reading": args.tau_c,
-            "authors_choices": list(authors.on()), "rtt_source": source}
+    inst = draw_paper_instance(
+        rtt,
+        n_servers,
+        eta,
+        rng,
+        arrival_rate_per_s=args.arrival_rate or DEFAULT_ARRIVAL_RATE_PER_S,
+        tau_c_reading=args.tau_c,
+        authors=authors,
+    )
+    meta = {
+        "paper_setup": {"J": n_servers, "eta": eta},
+        "setup": args.setup,
+        "tau_c_reading": args.tau_c,
+        "authors_choices": list(authors.on()),
+        "rtt_source": source,
+    }
     return to_cluster(inst), meta, inst
 
 
@@ -155,8 +222,15 @@ def run(args) -> dict:
     p = plan(cluster, policy=args.policy, c=args.c, tuning=args.tuning, baseline=opts)
     arrivals, sizes = _workload(args, cluster, np.random.default_rng([args.seed, 2]))
     t0 = time.perf_counter()
-    res = simulate_plan(p, cluster, arrivals, sizes, dispatch=args.dispatch, rng=np.random.default_rng([args.seed, 3]),
-                        warmup_fraction=0.0 if short else DEFAULT_WARMUP_FRACTION)
+    res = simulate_plan(
+        p,
+        cluster,
+        arrivals,
+        sizes,
+        dispatch=args.dispatch,
+        rng=np.random.default_rng([args.seed, 3]),
+        warmup_fraction=0.0 if short else DEFAULT_WARMUP_FRACTION,
+    )
     wall = time.perf_counter() - t0
 
     def num(x):

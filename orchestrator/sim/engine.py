@@ -10,6 +10,7 @@ and the dispatcher's own injected RNG.
 Events live in one heap of completions; arrivals are read in order from the sorted array. At equal
 times a completion is handled before an arrival.
 """
+
 from __future__ import annotations
 
 import heapq

@@ -19,6 +19,7 @@ Choices the paper leaves open (documented in docs/simulator.md and docs/results.
 - tau_c: cfg.tau_c_reading ("model": 20 x (RTT + 18 ms), default; "literal": RTT + 18 ms), see
   paper_setup; cfg.authors switches in the authors' code's choices (authors_setup).
 """
+
 from __future__ import annotations
 
 import math
@@ -93,9 +94,16 @@ class PaperConfig:
 
     @classmethod
     def quick(cls, seed: int = 2026) -> "PaperConfig":
-        return cls(seed=seed, runs=3, fig3_random_placements=30, fig5_jobs=3000, fig67_jobs=1500,
-                   fig67_rates_per_s=(0.1, 0.2, 0.5, 1.0, 2.0), fig8_jobs=1500,
-                   fig5_loads=(0.1, 0.3, 0.5, 0.7, 0.9))
+        return cls(
+            seed=seed,
+            runs=3,
+            fig3_random_placements=30,
+            fig5_jobs=3000,
+            fig67_jobs=1500,
+            fig67_rates_per_s=(0.1, 0.2, 0.5, 1.0, 2.0),
+            fig8_jobs=1500,
+            fig5_loads=(0.1, 0.3, 0.5, 0.7, 0.9),
+        )
 
 
 def _rng(cfg: PaperConfig, fig: str, run: int, *extra: int) -> np.random.Generator:
@@ -103,9 +111,16 @@ def _rng(cfg: PaperConfig, fig: str, run: int, *extra: int) -> np.random.Generat
 
 
 def _instance(rtt_ms, cfg, rng, *, num_servers=None, eta=None, rate=None):
-    return draw_paper_instance(rtt_ms, num_servers or cfg.num_servers, cfg.eta if eta is None else eta, rng,
-                               arrival_rate_per_s=rate or cfg.arrival_rate_per_s, rho_bar=cfg.rho_bar,
-                               tau_c_reading=cfg.tau_c_reading, authors=cfg.authors)
+    return draw_paper_instance(
+        rtt_ms,
+        num_servers or cfg.num_servers,
+        cfg.eta if eta is None else eta,
+        rng,
+        arrival_rate_per_s=rate or cfg.arrival_rate_per_s,
+        rho_bar=cfg.rho_bar,
+        tau_c_reading=cfg.tau_c_reading,
+        authors=cfg.authors,
+    )
 
 
 def _cluster(rtt_ms, cfg, rng, *, num_servers=None, eta=None, rate=None):
@@ -115,10 +130,13 @@ def _cluster(rtt_ms, cfg, rng, *, num_servers=None, eta=None, rate=None):
 def baseline_options(authors: AuthorsChoices, is_high) -> BaselineOptions:
     """The baselines' knobs for the authors' choices that are on (authors_setup)."""
     return BaselineOptions(
-        petals_max_blocks=tuple(None if h else AUTHORS_PETALS_LOW_BLOCK_CAP for h in is_high) if authors.petals_block_cap else None,
+        petals_max_blocks=tuple(None if h else AUTHORS_PETALS_LOW_BLOCK_CAP for h in is_high)
+        if authors.petals_block_cap
+        else None,
         petals_fixed_cache_per_block=AUTHORS_PETALS_CACHE_GB_PER_BLOCK if authors.petals_fixed_cache else None,
         bprr_wait="active-mean" if authors.bprr_active_wait else "order-statistics",
-        commit_at_arrival=authors.commit_at_arrival)
+        commit_at_arrival=authors.commit_at_arrival,
+    )
 
 
 def _finite(x: float) -> float | None:
@@ -126,6 +144,7 @@ def _finite(x: float) -> float | None:
 
 
 # ---------------------------------------------------------------- Fig. 3: GBP-CR vs random placements
+
 
 def random_disjoint_chains_objective(cluster, c: int, rng: np.random.Generator) -> int | None:
     """c * (number of chains) of one random feasible solution of (10), or None if this random
@@ -170,6 +189,7 @@ def fig3_run(rtt_ms, run: int, cfg: PaperConfig) -> dict:
 
 # ---------------------------------------------------------------- Fig. 4 / 5: fixed GBP-CR placement
 
+
 def _full_placement_chains(cluster, c: int):
     """GBP-CR with c on every server (target unreachable), then GCA: (gbp result, gca chains)."""
     g = gbp_cr(replace(cluster, arrival_rate_per_s=UNREACHABLE_RATE_PER_S), c)
@@ -209,14 +229,16 @@ def fig4_run(rtt_ms, run: int, cfg: PaperConfig) -> dict:
                 k_chains = idx + 1
                 break
         ilp = optimal_cache_allocation(replace(cluster, arrival_rate_per_s=lam), chains, slots)
-        points.append({
-            "load": load,
-            "rate": lam,
-            "gca": job_servers_for_rate(chains, required),
-            "cK": cfg.c_fixed * k_chains if k_chains is not None else None,
-            "lower_bound": math.ceil(required / mu1 - 1e-9),
-            "ilp": sum(ilp) if ilp is not None else None,
-        })
+        points.append(
+            {
+                "load": load,
+                "rate": lam,
+                "gca": job_servers_for_rate(chains, required),
+                "cK": cfg.c_fixed * k_chains if k_chains is not None else None,
+                "lower_bound": math.ceil(required / mu1 - 1e-9),
+                "ilp": sum(ilp) if ilp is not None else None,
+            }
+        )
     return {"run": run, "total_rate": nu, "num_chains": len(chains), "points": points}
 
 
@@ -241,6 +263,7 @@ def fig5_run(rtt_ms, run: int, cfg: PaperConfig) -> dict:
 
 # ---------------------------------------------------------------- Fig. 6 / 7: tuning c
 
+
 def fig67_run(rtt_ms, run: int, cfg: PaperConfig) -> dict:
     base = _cluster(rtt_ms, cfg, _rng(cfg, "fig67", run))
     per_rate = []
@@ -257,23 +280,36 @@ def fig67_run(rtt_ms, run: int, cfg: PaperConfig) -> dict:
             if cand is not None and row.total_rate_per_s > rate:
                 key = cand.gbp.placement.key()
                 if key not in sim_by_placement:
-                    sim_by_placement[key] = simulate_chains(cand.gca.chains, arrivals, sizes,
-                                                            rng=_rng(cfg, "fig67", run, ri, row.c)).mean_response_s
+                    sim_by_placement[key] = simulate_chains(
+                        cand.gca.chains, arrivals, sizes, rng=_rng(cfg, "fig67", run, ri, row.c)
+                    ).mean_response_s
                 sim = sim_by_placement[key]
-            rows.append({"c": row.c, "surrogate_s": _finite(row.surrogate / rate), "lower_s": _finite(row.lower_s),
-                         "upper_s": _finite(row.upper_s), "sim_s": _finite(sim) if sim is not None else None})
+            rows.append(
+                {
+                    "c": row.c,
+                    "surrogate_s": _finite(row.surrogate / rate),
+                    "lower_s": _finite(row.lower_s),
+                    "upper_s": _finite(row.upper_s),
+                    "sim_s": _finite(sim) if sim is not None else None,
+                }
+            )
         per_rate.append({"rate": rate, "rows": rows})
     return {"run": run, "rates": per_rate}
 
 
 # ---------------------------------------------------------------- Fig. 8: overall comparison
 
+
 def fig8_run(rtt_ms, run: int, cfg: PaperConfig, num_servers: int, eta: float, rate: float | None = None) -> dict:
     """One run of Fig. 8 at (J, eta); `rate` overrides lambda (the "fig8x" load sensitivity)."""
-    inst = _instance(rtt_ms, cfg, _rng(cfg, "fig8", run, num_servers, int(eta * 100)), num_servers=num_servers, eta=eta, rate=rate)
+    inst = _instance(
+        rtt_ms, cfg, _rng(cfg, "fig8", run, num_servers, int(eta * 100)), num_servers=num_servers, eta=eta, rate=rate
+    )
     cluster = to_cluster(inst)
     n_jobs, warmup = (AUTHORS_JOBS_PER_RUN, 0.0) if cfg.authors.short_runs else (cfg.fig8_jobs, DEFAULT_WARMUP_FRACTION)
-    arrivals, sizes = poisson_workload(cluster.arrival_rate_per_s, n_jobs, _rng(cfg, "fig8", run, num_servers, int(eta * 100), 1))
+    arrivals, sizes = poisson_workload(
+        cluster.arrival_rate_per_s, n_jobs, _rng(cfg, "fig8", run, num_servers, int(eta * 100), 1)
+    )
     opts = baseline_options(cfg.authors, inst.is_high)
     out = {"run": run, "J": num_servers, "eta": eta, "rate": cluster.arrival_rate_per_s, "n_jobs": n_jobs}
     for pol, c in (("proposed", cfg.c_fixed), ("petals", None), ("bprr", None), ("proposed-c*", None)):
@@ -282,10 +318,22 @@ def fig8_run(rtt_ms, run: int, cfg: PaperConfig, num_servers: int, eta: float, r
         except InfeasibleClusterError as e:
             out[pol] = {"feasible": False, "reason": str(e)}
             continue
-        res = simulate_plan(p, cluster, arrivals, sizes, rng=_rng(cfg, "fig8", run, num_servers, int(eta * 100), 2),
-                            warmup_fraction=warmup)
-        out[pol] = {"feasible": True, "mean_response_s": res.mean_response_s, "mean_wait_s": res.mean_wait_s,
-                    "mean_service_s": res.mean_service_s, "c": p.c, "total_rate": p.total_rate_per_s}
+        res = simulate_plan(
+            p,
+            cluster,
+            arrivals,
+            sizes,
+            rng=_rng(cfg, "fig8", run, num_servers, int(eta * 100), 2),
+            warmup_fraction=warmup,
+        )
+        out[pol] = {
+            "feasible": True,
+            "mean_response_s": res.mean_response_s,
+            "mean_wait_s": res.mean_wait_s,
+            "mean_service_s": res.mean_service_s,
+            "c": p.c,
+            "total_rate": p.total_rate_per_s,
+        }
     return out
 
 
@@ -297,8 +345,12 @@ LEFTOVER_VARIANTS = (("c=7", 7, False), ("c=7 + leftover", 7, True), ("c*", None
 def leftover_run(rtt_ms, run: int, cfg: PaperConfig, num_servers: int, eta: float) -> dict:
     """The proposed stack with and without blocks for GBP-CR's idle servers (placement_leftover),
     on Fig. 8's instances and workload (same seeds as fig8_run)."""
-    cluster = _cluster(rtt_ms, cfg, _rng(cfg, "fig8", run, num_servers, int(eta * 100)), num_servers=num_servers, eta=eta)
-    arrivals, sizes = poisson_workload(cluster.arrival_rate_per_s, cfg.fig8_jobs, _rng(cfg, "fig8", run, num_servers, int(eta * 100), 1))
+    cluster = _cluster(
+        rtt_ms, cfg, _rng(cfg, "fig8", run, num_servers, int(eta * 100)), num_servers=num_servers, eta=eta
+    )
+    arrivals, sizes = poisson_workload(
+        cluster.arrival_rate_per_s, cfg.fig8_jobs, _rng(cfg, "fig8", run, num_servers, int(eta * 100), 1)
+    )
     out = {"run": run, "J": num_servers, "eta": eta, "rate": cluster.arrival_rate_per_s}
     for name, c, leftover in LEFTOVER_VARIANTS:
         try:
@@ -307,6 +359,12 @@ def leftover_run(rtt_ms, run: int, cfg: PaperConfig, num_servers: int, eta: floa
             out[name] = {"feasible": False, "reason": str(e)}
             continue
         res = simulate_plan(p, cluster, arrivals, sizes, rng=_rng(cfg, "fig8", run, num_servers, int(eta * 100), 2))
-        out[name] = {"feasible": True, "mean_response_s": res.mean_response_s, "total_rate": p.total_rate_per_s,
-                     "idle": len(p.unused_servers), "placed": len(p.leftover_servers), "c": p.c}
+        out[name] = {
+            "feasible": True,
+            "mean_response_s": res.mean_response_s,
+            "total_rate": p.total_rate_per_s,
+            "idle": len(p.unused_servers),
+            "placed": len(p.leftover_servers),
+            "c": p.c,
+        }
     return out

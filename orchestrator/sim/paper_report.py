@@ -1,5 +1,6 @@
 """Aggregate the Monte Carlo runs of orchestrator.sim.paper_experiments into summary data, PNG
 plots (matplotlib, Agg) and a Markdown summary. Pure aggregation: no simulation here."""
+
 from __future__ import annotations
 
 import math
@@ -24,6 +25,7 @@ def _all_finite_mean(values) -> float | None:
 
 # ---------------------------------------------------------------- aggregation
 
+
 def aggregate_fig3(runs: list[dict]) -> list[dict]:
     keys = sorted({(p["J"], p["eta"], p["rate"]) for r in runs for p in r["points"]})
     out = []
@@ -32,16 +34,23 @@ def aggregate_fig3(runs: list[dict]) -> list[dict]:
         gbp = [p["gbp_cr"] for p in pts]
         rand = [v for p in pts for v in p["random"]]
         both = [p for p in pts if p["gbp_cr"] is not None and p["random"]]
-        out.append({
-            "J": J, "eta": eta, "rate": rate, "runs": len(pts),
-            "gbp_cr_mean": _mean(gbp),
-            "random_mean": _mean(rand),
-            "random_best_mean": _mean([min(p["random"]) for p in pts if p["random"]]),
-            "gbp_cr_at_least_as_good_as_best_random": sum(p["gbp_cr"] <= min(p["random"]) for p in both),
-            "gbp_cr_strictly_better_than_median_random": sum(p["gbp_cr"] < float(np.median(p["random"])) for p in both),
-            "comparable_runs": len(both),
-            "random_feasible_per_run": _mean([len(p["random"]) for p in pts]),
-        })
+        out.append(
+            {
+                "J": J,
+                "eta": eta,
+                "rate": rate,
+                "runs": len(pts),
+                "gbp_cr_mean": _mean(gbp),
+                "random_mean": _mean(rand),
+                "random_best_mean": _mean([min(p["random"]) for p in pts if p["random"]]),
+                "gbp_cr_at_least_as_good_as_best_random": sum(p["gbp_cr"] <= min(p["random"]) for p in both),
+                "gbp_cr_strictly_better_than_median_random": sum(
+                    p["gbp_cr"] < float(np.median(p["random"])) for p in both
+                ),
+                "comparable_runs": len(both),
+                "random_feasible_per_run": _mean([len(p["random"]) for p in pts]),
+            }
+        )
     return out
 
 
@@ -69,7 +78,9 @@ def aggregate_fig5(runs: list[dict]) -> list[dict]:
         for key in (*DISPATCH_POLICIES, "lower", "upper", "jffc_service_share"):
             row[key] = _mean([p[key] for p in pts])
         row["jffc_within_bounds_runs"] = sum(
-            p["lower"] is not None and p["upper"] is not None and p["lower"] * 0.97 <= p["jffc"] <= p["upper"] * 1.03 for p in pts)
+            p["lower"] is not None and p["upper"] is not None and p["lower"] * 0.97 <= p["jffc"] <= p["upper"] * 1.03
+            for p in pts
+        )
         row["runs"] = len(pts)
         out.append(row)
     return out
@@ -102,14 +113,26 @@ def aggregate_fig67(runs: list[dict]) -> list[dict]:
                 c_pick = min(finite)[1]
                 s = t[c_pick]["sim_s"]
                 regrets[key].append((s / best - 1.0) if s is not None else math.inf)
-        out.append({
-            "rate": rate,
-            "curves": curves,
-            "c_star": {k.removesuffix("_s"): v for k, v in argmin.items()},
-            "sim_at_c_star": {k.removesuffix("_s"): (curves["sim_s"][cs.index(v)] if v is not None else None) for k, v in argmin.items()},
-            "mean_regret_vs_best_sim": {k.removesuffix("_s"): (_mean(v) if v and all(math.isfinite(x) for x in v) else (None if not v else math.inf)) for k, v in regrets.items()},
-            "runs_unstable_pick": {k.removesuffix("_s"): sum(1 for x in v if not math.isfinite(x)) for k, v in regrets.items()},
-        })
+        out.append(
+            {
+                "rate": rate,
+                "curves": curves,
+                "c_star": {k.removesuffix("_s"): v for k, v in argmin.items()},
+                "sim_at_c_star": {
+                    k.removesuffix("_s"): (curves["sim_s"][cs.index(v)] if v is not None else None)
+                    for k, v in argmin.items()
+                },
+                "mean_regret_vs_best_sim": {
+                    k.removesuffix("_s"): (
+                        _mean(v) if v and all(math.isfinite(x) for x in v) else (None if not v else math.inf)
+                    )
+                    for k, v in regrets.items()
+                },
+                "runs_unstable_pick": {
+                    k.removesuffix("_s"): sum(1 for x in v if not math.isfinite(x)) for k, v in regrets.items()
+                },
+            }
+        )
     return out
 
 
@@ -122,12 +145,24 @@ def aggregate_fig8(runs: list[dict]) -> tuple[list[dict], list[dict]]:
         for pol in (*FIG8_POLICIES, "proposed-c*"):
             ok = [r[pol] for r in rs if r[pol]["feasible"]]
             m = _mean([x["mean_response_s"] for x in ok])
-            detail[pol] = {"mean_response_s": m, "feasible_runs": len(ok),
-                           "mean_wait_s": _mean([x["mean_wait_s"] for x in ok]),
-                           "mean_service_s": _mean([x["mean_service_s"] for x in ok])}
+            detail[pol] = {
+                "mean_response_s": m,
+                "feasible_runs": len(ok),
+                "mean_wait_s": _mean([x["mean_wait_s"] for x in ok]),
+                "mean_service_s": _mean([x["mean_service_s"] for x in ok]),
+            }
             if pol in FIG8_POLICIES:
-                records.append({"J": J, "eta": eta, "policy": pol, "mean_response_s": m, "feasible_runs": len(ok), "runs": len(rs),
-                                "arrival_rate": rate})
+                records.append(
+                    {
+                        "J": J,
+                        "eta": eta,
+                        "policy": pol,
+                        "mean_response_s": m,
+                        "feasible_runs": len(ok),
+                        "runs": len(rs),
+                        "arrival_rate": rate,
+                    }
+                )
         p = detail["proposed"]["mean_response_s"]
         for base in ("petals", "bprr"):
             b = detail[base]["mean_response_s"]
@@ -149,8 +184,11 @@ def aggregate_leftover(runs: list[dict]) -> list[dict]:
             ok = [r[name] for r in rs if r[name]["feasible"]]
             row[name] = {k: _mean([x[k] for x in ok]) for k in ("mean_response_s", "total_rate", "idle", "placed")}
         for base in ("c=7", "c*"):
-            pairs = [(r[base]["mean_response_s"], r[f"{base} + leftover"]["mean_response_s"]) for r in rs
-                     if r[base]["feasible"] and r[f"{base} + leftover"]["feasible"]]
+            pairs = [
+                (r[base]["mean_response_s"], r[f"{base} + leftover"]["mean_response_s"])
+                for r in rs
+                if r[base]["feasible"] and r[f"{base} + leftover"]["feasible"]
+            ]
             row[f"{base}: runs better"] = sum(b < a * 0.995 for a, b in pairs)
             row[f"{base}: runs worse"] = sum(b > a * 1.005 for a, b in pairs)
         out.append(row)
@@ -158,6 +196,7 @@ def aggregate_leftover(runs: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------- plots
+
 
 def _plt():
     import matplotlib
@@ -177,7 +216,10 @@ def plot_fig3(runs: list[dict], agg: list[dict], out_dir: Path) -> Path:
         sel = lambda p, rate: p["J"] == J and p["eta"] == eta and p["rate"] == rate  # noqa: E731
         data = [[v for r in runs for p in r["points"] if sel(p, rate) for v in p["random"]] for rate in rates]
         ax.boxplot(data, positions=range(len(rates)), widths=0.5)
-        gbp = [[p["gbp_cr"] for r in runs for p in r["points"] if sel(p, rate) and p["gbp_cr"] is not None] for rate in rates]
+        gbp = [
+            [p["gbp_cr"] for r in runs for p in r["points"] if sel(p, rate) and p["gbp_cr"] is not None]
+            for rate in rates
+        ]
         for i, g in enumerate(gbp):
             ax.scatter([i] * len(g), g, marker="*", color="red", s=60, zorder=3, label="GBP-CR" if i == 0 else None)
         ax.set_xticks(range(len(rates)), [f"λ={r:g}" for r in rates])
@@ -185,8 +227,11 @@ def plot_fig3(runs: list[dict], agg: list[dict], out_dir: Path) -> Path:
         ax.set_title(f"Fig. 3: J={J}, η={eta:g}, c=7")
         from matplotlib.lines import Line2D
 
-        ax.legend([Line2D([], [], color="black"), Line2D([], [], marker="*", color="red", ls="")],
-                  ["100 random placements/run (box)", "GBP-CR (one star per run)"], loc="upper left")
+        ax.legend(
+            [Line2D([], [], color="black"), Line2D([], [], marker="*", color="red", ls="")],
+            ["100 random placements/run (box)", "GBP-CR (one star per run)"],
+            loc="upper left",
+        )
     fig.tight_layout()
     path = out_dir / "fig3_gbp_cr.png"
     fig.savefig(path, dpi=120)
@@ -195,12 +240,23 @@ def plot_fig3(runs: list[dict], agg: list[dict], out_dir: Path) -> Path:
 
 
 def plot_fig4(agg: list[dict], out_dir: Path) -> Path:
-    series = [([a[key] for a in agg], label, style)
-              for key, label, style in (("cK", "c·K(c) (GBP-CR only)", "s-"), ("gca", "GCA", "o-"),
-                                        ("ilp", "Optimal ILP", "x--"), ("lower_bound", "Lower bound ⌈λ/(ρ̄μ1)⌉", "v:"))]
-    return _save_line_plot([100 * a["load"] for a in agg], series, "λ (% of the total service rate of GCA's chains)",
-                           "# job servers for rate λ/ρ̄", "Fig. 4: GCA under a fixed GBP-CR placement (c=7)",
-                           out_dir / "fig4_gca.png")
+    series = [
+        ([a[key] for a in agg], label, style)
+        for key, label, style in (
+            ("cK", "c·K(c) (GBP-CR only)", "s-"),
+            ("gca", "GCA", "o-"),
+            ("ilp", "Optimal ILP", "x--"),
+            ("lower_bound", "Lower bound ⌈λ/(ρ̄μ1)⌉", "v:"),
+        )
+    ]
+    return _save_line_plot(
+        [100 * a["load"] for a in agg],
+        series,
+        "λ (% of the total service rate of GCA's chains)",
+        "# job servers for rate λ/ρ̄",
+        "Fig. 4: GCA under a fixed GBP-CR placement (c=7)",
+        out_dir / "fig4_gca.png",
+    )
 
 
 def plot_fig5(agg: list[dict], out_dir: Path) -> Path:
@@ -255,15 +311,28 @@ def plot_fig6(agg67: list[dict], rate: float, out_dir: Path) -> Path | None:
 
 
 def plot_fig7(agg67: list[dict], out_dir: Path) -> Path:
-    series = [([a["c_star"][key] for a in agg67], label, style)
-              for key, label, style in (("surrogate", "c·K(c)/λ", "s-"), ("upper", "Thm 3.7 upper", "^-"),
-                                        ("lower", "Thm 3.7 lower", "v-"), ("sim", "simulation", "o--"))]
-    return _save_line_plot([a["rate"] for a in agg67], series, "arrival rate λ (req/s)", "c*", "Fig. 7: c* vs λ",
-                           out_dir / "fig7_c_star.png")
+    series = [
+        ([a["c_star"][key] for a in agg67], label, style)
+        for key, label, style in (
+            ("surrogate", "c·K(c)/λ", "s-"),
+            ("upper", "Thm 3.7 upper", "^-"),
+            ("lower", "Thm 3.7 lower", "v-"),
+            ("sim", "simulation", "o--"),
+        )
+    ]
+    return _save_line_plot(
+        [a["rate"] for a in agg67],
+        series,
+        "arrival rate λ (req/s)",
+        "c*",
+        "Fig. 7: c* vs λ",
+        out_dir / "fig7_c_star.png",
+    )
 
 
-def _save_line_plot(x: list[float], series: list[tuple[list, str, str]], xlabel: str, ylabel: str, title: str,
-                    path: Path) -> Path:
+def _save_line_plot(
+    x: list[float], series: list[tuple[list, str, str]], xlabel: str, ylabel: str, title: str, path: Path
+) -> Path:
     """One axes of lines (values None are gaps), labelled and saved as PNG."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -305,6 +374,7 @@ def plot_fig8(records: list[dict], out_dir: Path) -> Path:
 
 # ---------------------------------------------------------------- markdown
 
+
 def _f(x, digits=2) -> str:
     if x is None:
         return "—"
@@ -314,77 +384,148 @@ def _f(x, digits=2) -> str:
 
 
 def markdown_summary(summary: dict) -> str:
-    lines = [f"# Paper reproduction (section 4.1), {summary['mode']} mode, setup: {summary.get('setup', 'paper')}", "",
-             f"tau_c reading: {summary.get('tau_c_reading', 'model')}; authors' choices on: "
-             f"{', '.join(summary.get('authors_choices', [])) or 'none'}", "",
-             f"Command: `{summary['command']}`  ", f"Runs per point: {summary['config']['runs']}, seed {summary['config']['seed']}, "
-             f"RTTs: {summary['rtt_source']}, wall time {summary['wall_s']:.0f} s on {summary['workers']} worker(s).", ""]
-    lines += ["## Fig. 3: GBP-CR vs random feasible placements (c=7)", "",
-              "| J | η | λ | GBP-CR c·K | random mean | best random (mean) | runs GBP-CR ≤ best random |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Paper reproduction (section 4.1), {summary['mode']} mode, setup: {summary.get('setup', 'paper')}",
+        "",
+        f"tau_c reading: {summary.get('tau_c_reading', 'model')}; authors' choices on: "
+        f"{', '.join(summary.get('authors_choices', [])) or 'none'}",
+        "",
+        f"Command: `{summary['command']}`  ",
+        f"Runs per point: {summary['config']['runs']}, seed {summary['config']['seed']}, "
+        f"RTTs: {summary['rtt_source']}, wall time {summary['wall_s']:.0f} s on {summary['workers']} worker(s).",
+        "",
+    ]
+    lines += [
+        "## Fig. 3: GBP-CR vs random feasible placements (c=7)",
+        "",
+        "| J | η | λ | GBP-CR c·K | random mean | best random (mean) | runs GBP-CR ≤ best random |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for a in summary.get("fig3", []):
         if not a["comparable_runs"]:
             continue
-        lines.append(f"| {a['J']} | {a['eta']:g} | {a['rate']:g} | {_f(a['gbp_cr_mean'])} | {_f(a['random_mean'])} | {_f(a['random_best_mean'])} | "
-                     f"{a['gbp_cr_at_least_as_good_as_best_random']}/{a['comparable_runs']} |")
-    lines += ["", "## Fig. 4: job servers needed for λ/ρ̄ (fixed GBP-CR placement, c=7)", "",
-              "| load | c·K(c) | GCA | ILP | lower bound | runs GCA = ILP |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {a['J']} | {a['eta']:g} | {a['rate']:g} | {_f(a['gbp_cr_mean'])} | {_f(a['random_mean'])} | "
+            f"{_f(a['random_best_mean'])} | "
+            f"{a['gbp_cr_at_least_as_good_as_best_random']}/{a['comparable_runs']} |"
+        )
+    lines += [
+        "",
+        "## Fig. 4: job servers needed for λ/ρ̄ (fixed GBP-CR placement, c=7)",
+        "",
+        "| load | c·K(c) | GCA | ILP | lower bound | runs GCA = ILP |",
+        "|---|---|---|---|---|---|",
+    ]
     for a in summary.get("fig4", []):
-        lines.append(f"| {100 * a['load']:.0f}% | {_f(a['cK'])} | {_f(a['gca'])} | {_f(a['ilp'])} | {_f(a['lower_bound'])} | "
-                     f"{a['gca_equals_ilp_runs']}/{a['gca_runs']} |")
-    lines += ["", "## Fig. 5: mean response time (s) by dispatch policy; Theorem 3.7 bounds", "",
-              "| load | JFFC | JSQ | JIQ | SED | SA-JSQ | lower | upper | JFFC service share | runs JFFC in bounds (±3%) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {100 * a['load']:.0f}% | {_f(a['cK'])} | {_f(a['gca'])} | {_f(a['ilp'])} | {_f(a['lower_bound'])} | "
+            f"{a['gca_equals_ilp_runs']}/{a['gca_runs']} |"
+        )
+    lines += [
+        "",
+        "## Fig. 5: mean response time (s) by dispatch policy; Theorem 3.7 bounds",
+        "",
+        "| load | JFFC | JSQ | JIQ | SED | SA-JSQ | lower | upper | JFFC service share | runs JFFC in bounds (±3%) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for a in summary.get("fig5", []):
-        lines.append(f"| {a['load']:g} | {_f(a['jffc'])} | {_f(a['jsq'])} | {_f(a['jiq'])} | {_f(a['sed'])} | {_f(a['sa-jsq'])} | "
-                     f"{_f(a['lower'])} | {_f(a['upper'])} | {_f(a['jffc_service_share'])} | {a['jffc_within_bounds_runs']}/{a['runs']} |")
-    lines += ["", "## Figs. 6-7: c* by predictor and by simulation", "",
-              "| λ | c* surrogate | c* upper | c* lower | c* simulation | sim at lower's c* | best sim | regret lower | regret upper | regret surrogate |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {a['load']:g} | {_f(a['jffc'])} | {_f(a['jsq'])} | {_f(a['jiq'])} | {_f(a['sed'])} | "
+            f"{_f(a['sa-jsq'])} | "
+            f"{_f(a['lower'])} | {_f(a['upper'])} | {_f(a['jffc_service_share'])} | "
+            f"{a['jffc_within_bounds_runs']}/{a['runs']} |"
+        )
+    lines += [
+        "",
+        "## Figs. 6-7: c* by predictor and by simulation",
+        "",
+        "| λ | c* surrogate | c* upper | c* lower | c* simulation | sim at lower's c* | best sim | regret lower "
+        "| regret upper | regret surrogate |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for a in summary.get("fig67", []):
         cs, r = a["c_star"], a["mean_regret_vs_best_sim"]
-        lines.append(f"| {a['rate']:g} | {_f(cs['surrogate'])} | {_f(cs['upper'])} | {_f(cs['lower'])} | {_f(cs['sim'])} | "
-                     f"{_f(a['sim_at_c_star']['lower'])} | {_f(a['sim_at_c_star']['sim'])} | "
-                     f"{_pct(r['lower'])} | {_pct(r['upper'])} | {_pct(r['surrogate'])} |")
-    lines += ["", "(regret: mean over runs of sim(c picked by the predictor on that run's instance) / min_c sim − 1)", "",
-              "## Fig. 8: mean response time (s), proposed (GBP-CR c=7 + GCA + JFFC) vs PETALS vs BPRR", "",
-              "| J | η | proposed | PETALS | BPRR | reduction vs PETALS | reduction vs BPRR | proposed with tuned c* |",
-              "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {a['rate']:g} | {_f(cs['surrogate'])} | {_f(cs['upper'])} | {_f(cs['lower'])} | {_f(cs['sim'])} | "
+            f"{_f(a['sim_at_c_star']['lower'])} | {_f(a['sim_at_c_star']['sim'])} | "
+            f"{_pct(r['lower'])} | {_pct(r['upper'])} | {_pct(r['surrogate'])} |"
+        )
+    lines += [
+        "",
+        "(regret: mean over runs of sim(c picked by the predictor on that run's instance) / min_c sim − 1)",
+        "",
+        "## Fig. 8: mean response time (s), proposed (GBP-CR c=7 + GCA + JFFC) vs PETALS vs BPRR",
+        "",
+        "| J | η | proposed | PETALS | BPRR | reduction vs PETALS | reduction vs BPRR | proposed with tuned c* |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for d in summary.get("fig8_details", []):
-        lines.append(f"| {d['J']} | {d['eta']:g} | {_f(d['proposed']['mean_response_s'])} | {_f(d['petals']['mean_response_s'])} | "
-                     f"{_f(d['bprr']['mean_response_s'])} | {_pct(d['reduction_vs_petals'])} | {_pct(d['reduction_vs_bprr'])} | "
-                     f"{_f(d['proposed-c*']['mean_response_s'])} |")
-    infeasible = [(d["J"], d["eta"], pol, d[pol]["feasible_runs"], d["runs"]) for d in summary.get("fig8_details", [])
-                  for pol in (*FIG8_POLICIES, "proposed-c*") if d[pol]["feasible_runs"] < d["runs"]]
+        lines.append(
+            f"| {d['J']} | {d['eta']:g} | {_f(d['proposed']['mean_response_s'])} | "
+            f"{_f(d['petals']['mean_response_s'])} | "
+            f"{_f(d['bprr']['mean_response_s'])} | {_pct(d['reduction_vs_petals'])} | {_pct(d['reduction_vs_bprr'])} | "
+            f"{_f(d['proposed-c*']['mean_response_s'])} |"
+        )
+    infeasible = [
+        (d["J"], d["eta"], pol, d[pol]["feasible_runs"], d["runs"])
+        for d in summary.get("fig8_details", [])
+        for pol in (*FIG8_POLICIES, "proposed-c*")
+        if d[pol]["feasible_runs"] < d["runs"]
+    ]
     if infeasible:
-        lines += ["", "Infeasible runs (policy could not place all blocks / form a chain): " +
-                  ", ".join(f"J={J} η={e:g} {p}: {ok}/{n} feasible" for J, e, p, ok, n in infeasible)]
+        lines += [
+            "",
+            "Infeasible runs (policy could not place all blocks / form a chain): "
+            + ", ".join(f"J={J} η={e:g} {p}: {ok}/{n} feasible" for J, e, p, ok, n in infeasible),
+        ]
     if summary.get("fig8x_details"):
-        lines += ["", "## Fig. 8 beyond the paper: higher arrival rates (J=20, η=0.2)", "",
-                  "| λ | proposed | PETALS | BPRR | reduction vs PETALS | reduction vs BPRR | proposed with tuned c* |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Fig. 8 beyond the paper: higher arrival rates (J=20, η=0.2)",
+            "",
+            "| λ | proposed | PETALS | BPRR | reduction vs PETALS | reduction vs BPRR | proposed with tuned c* |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for d in summary["fig8x_details"]:
-            lines.append(f"| {d['rate']:g} | {_f(d['proposed']['mean_response_s'])} | {_f(d['petals']['mean_response_s'])} | "
-                         f"{_f(d['bprr']['mean_response_s'])} | {_pct(d['reduction_vs_petals'])} | {_pct(d['reduction_vs_bprr'])} | "
-                         f"{_f(d['proposed-c*']['mean_response_s'])} |")
+            lines.append(
+                f"| {d['rate']:g} | {_f(d['proposed']['mean_response_s'])} | {_f(d['petals']['mean_response_s'])} | "
+                f"{_f(d['bprr']['mean_response_s'])} | {_pct(d['reduction_vs_petals'])} | "
+                f"{_pct(d['reduction_vs_bprr'])} | "
+                f"{_f(d['proposed-c*']['mean_response_s'])} |"
+            )
     if summary.get("ablation"):
-        lines += ["", "## Fig. 8 ablation: the authors' choices switched on one at a time (and off one at a time from all on)", "",
-                  "| variant | J | η | proposed | PETALS | BPRR | reduction vs PETALS | reduction vs BPRR |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Fig. 8 ablation: the authors' choices switched on one at a time (and off one at a time from all on)",
+            "",
+            "| variant | J | η | proposed | PETALS | BPRR | reduction vs PETALS | reduction vs BPRR |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for v in summary["ablation"]:
             for d in v["fig8_details"]:
-                lines.append(f"| {v['variant']} | {d['J']} | {d['eta']:g} | {_f(d['proposed']['mean_response_s'])} | "
-                             f"{_f(d['petals']['mean_response_s'])} | {_f(d['bprr']['mean_response_s'])} | "
-                             f"{_pct(d['reduction_vs_petals'])} | {_pct(d['reduction_vs_bprr'])} |")
+                lines.append(
+                    f"| {v['variant']} | {d['J']} | {d['eta']:g} | {_f(d['proposed']['mean_response_s'])} | "
+                    f"{_f(d['petals']['mean_response_s'])} | {_f(d['bprr']['mean_response_s'])} | "
+                    f"{_pct(d['reduction_vs_petals'])} | {_pct(d['reduction_vs_bprr'])} |"
+                )
     if summary.get("leftover"):
-        lines += ["", "## Beyond the paper: blocks for the servers GBP-CR leaves idle (Fig. 8 instances)", "",
-                  "| J | η | c=7 | c=7 + leftover | idle → placed | better/worse runs | c* | c* + leftover | idle → placed | better/worse runs |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Beyond the paper: blocks for the servers GBP-CR leaves idle (Fig. 8 instances)",
+            "",
+            "| J | η | c=7 | c=7 + leftover | idle → placed | better/worse runs | c* | c* + leftover | idle → "
+            "placed | better/worse runs |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for a in summary["leftover"]:
             cells = []
             for base in ("c=7", "c*"):
                 x, y = a[base], a[f"{base} + leftover"]
-                cells.append(f"{_f(x['mean_response_s'])} | {_f(y['mean_response_s'])} | {_f(x['idle'], 1)} → {_f(y['placed'], 1)} | "
-                             f"{a[f'{base}: runs better']}/{a[f'{base}: runs worse']}")
+                cells.append(
+                    f"{_f(x['mean_response_s'])} | {_f(y['mean_response_s'])} | {_f(x['idle'], 1)} → "
+                    f"{_f(y['placed'], 1)} | "
+                    f"{a[f'{base}: runs better']}/{a[f'{base}: runs worse']}"
+                )
             lines.append(f"| {a['J']} | {a['eta']:g} | " + " | ".join(cells) + " |")
     lines += ["", "Timings per figure (s): " + ", ".join(f"{k}: {v:.1f}" for k, v in summary["timings_s"].items()), ""]
     return "\n".join(lines)

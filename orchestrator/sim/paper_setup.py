@@ -17,6 +17,7 @@ function the online orchestrator uses:
 `PaperInstance.to_plan_json()` gives the cluster in the schema of the `plan`/`simulate` CLIs
 (memory in GB, times in seconds).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -111,7 +112,9 @@ def draw_paper_instance(
     choices of node and GPU assignment, tau_c, tau_p and s_c (orchestrator.sim.authors_setup)."""
     n_nodes = rtt_ms.shape[0]
     if num_servers + 1 > n_nodes:
-        raise ValueError(f"{num_servers} servers + orchestrator need {num_servers + 1} nodes, the RTT matrix has {n_nodes}")
+        raise ValueError(
+            f"{num_servers} servers + orchestrator need {num_servers + 1} nodes, the RTT matrix has {n_nodes}"
+        )
     if not 0.0 <= eta <= 1.0:
         raise ValueError(f"eta must lie in [0, 1], got {eta}")
     if authors.orchestrator_best_connected:
@@ -132,7 +135,9 @@ def draw_paper_instance(
         is_high[np.argsort(rtt_s, kind="stable")[:n_high]] = True
     else:
         is_high[rng.choice(num_servers, size=n_high, replace=False)] = True
-    high_tau_p, low_tau_p = (AUTHORS_HIGH_TAU_P_S, AUTHORS_LOW_TAU_P_S) if authors.tau_p else (HIGH_TAU_P_S, LOW_TAU_P_S)
+    high_tau_p, low_tau_p = (
+        (AUTHORS_HIGH_TAU_P_S, AUTHORS_LOW_TAU_P_S) if authors.tau_p else (HIGH_TAU_P_S, LOW_TAU_P_S)
+    )
     return PaperInstance(
         names=tuple(f"s{j}" for j in range(num_servers)),
         memory_gb=np.where(is_high, HIGH_MEMORY_GB, LOW_MEMORY_GB),

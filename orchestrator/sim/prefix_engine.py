@@ -14,6 +14,7 @@ delay), so it may differ from the caches only by its own bound.
 A chain is c_k parallel slots (the paper's model); the dispatcher is any of orchestrator.dispatch, fed
 `DispatchRequest`s. Pure: the same inputs give the same result.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -81,13 +82,26 @@ class PrefixSimResult:
     clients: tuple[str, ...]  # per request
     cache_contents: dict  # server -> the (namespace, chunk) entries its cache holds at the end
 
-    def summary(self, *, horizon_s: float | None = None, w_in: float = 1.0, w_out: float = 2.0,
-                output_tokens: np.ndarray | None = None, prompt_tokens: np.ndarray | None = None,
-                well_behaved: Sequence[str] | None = None) -> dict:
+    def summary(
+        self,
+        *,
+        horizon_s: float | None = None,
+        w_in: float = 1.0,
+        w_out: float = 2.0,
+        output_tokens: np.ndarray | None = None,
+        prompt_tokens: np.ndarray | None = None,
+        well_behaved: Sequence[str] | None = None,
+    ) -> dict:
         r = self.response_s
-        out = {"n": int(len(r)), "mean_response_s": float(r.mean()), "p50_response_s": float(np.percentile(r, 50)),
-               "p99_response_s": float(np.percentile(r, 99)), "mean_wait_s": float(self.wait_s.mean()),
-               "reused_tokens": int(self.reused_tokens.sum()), "computed_tokens": int(self.computed_tokens.sum())}
+        out = {
+            "n": int(len(r)),
+            "mean_response_s": float(r.mean()),
+            "p50_response_s": float(np.percentile(r, 50)),
+            "p99_response_s": float(np.percentile(r, 99)),
+            "mean_wait_s": float(self.wait_s.mean()),
+            "reused_tokens": int(self.reused_tokens.sum()),
+            "computed_tokens": int(self.computed_tokens.sum()),
+        }
         total = self.reused_tokens.sum() + self.computed_tokens.sum()
         out["hit_rate"] = float(self.reused_tokens.sum() / total) if total else 0.0
         end = float(self.finish_s.max()) if horizon_s is None else horizon_s
@@ -115,12 +129,20 @@ class PrefixSimResult:
 def jain_index(xs: Sequence[float]) -> float:
     """Jain's fairness index (sum x)^2 / (n sum x^2): 1 when all equal, 1/n when one takes all."""
     x = np.asarray(xs, dtype=float)
-    return float(x.sum() ** 2 / (len(x) * (x ** 2).sum())) if len(x) and (x ** 2).sum() > 0 else math.nan
+    return float(x.sum() ** 2 / (len(x) * (x**2).sum())) if len(x) and (x**2).sum() > 0 else math.nan
 
 
-def simulate_prefix(dispatcher: Dispatcher, chains: Sequence[ChainSpec], requests: Sequence[PromptRequest], *,
-                    costs: dict[Hashable, ServerCost], overhead_s: float = 0.0, cache_chunks: int,
-                    sharing: str = "swarm", index: PrefixIndex | None = None) -> PrefixSimResult:
+def simulate_prefix(
+    dispatcher: Dispatcher,
+    chains: Sequence[ChainSpec],
+    requests: Sequence[PromptRequest],
+    *,
+    costs: dict[Hashable, ServerCost],
+    overhead_s: float = 0.0,
+    cache_chunks: int,
+    sharing: str = "swarm",
+    index: PrefixIndex | None = None,
+) -> PrefixSimResult:
     """Run `requests` (sorted by arrival) through `dispatcher` over `chains` (ChainSpec.servers name the
     servers, `costs` their t_I / t_O per block and token). `index`: the dispatcher's, told of evictions."""
     servers = sorted({s for k in chains for s in k.servers})
@@ -145,8 +167,9 @@ def simulate_prefix(dispatcher: Dispatcher, chains: Sequence[ChainSpec], request
         else:
             now = arr[i]
             q = requests[i]
-            starts = dispatcher.on_arrival(i, None, DispatchRequest(q.client_id, q.hashes, q.prompt_tokens,
-                                                                    q.output_tokens))
+            starts = dispatcher.on_arrival(
+                i, None, DispatchRequest(q.client_id, q.hashes, q.prompt_tokens, q.output_tokens)
+            )
             i += 1
         for s in starts:
             j = s.job_id
@@ -158,8 +181,10 @@ def simulate_prefix(dispatcher: Dispatcher, chains: Sequence[ChainSpec], request
             held = [caches[srv].match_chunks(ns, q.hashes) * PREFIX_CHUNK_TOKENS for srv, ns in zip(k.servers, nss)]
             u = usable_prefix_tokens(held, q.prompt_tokens)
             miss = q.prompt_tokens - u
-            service = sum((b.end - b.start) * (costs[srv].t_in_s * miss + costs[srv].t_out_s * q.output_tokens)
-                          + overhead_s for srv, b in zip(k.servers, k.blocks))
+            service = sum(
+                (b.end - b.start) * (costs[srv].t_in_s * miss + costs[srv].t_out_s * q.output_tokens) + overhead_s
+                for srv, b in zip(k.servers, k.blocks)
+            )
             for srv, ns in zip(k.servers, nss):
                 caches[srv].store(ns, q.hashes)
             chain[j], start[j], reused[j], computed[j] = s.chain_id, now, u, miss
@@ -167,5 +192,14 @@ def simulate_prefix(dispatcher: Dispatcher, chains: Sequence[ChainSpec], request
     if any(math.isnan(f) for f in finish):
         raise RuntimeError("some requests never finished")
     a, st, fi = np.array(arr), np.array(start), np.array(finish)
-    return PrefixSimResult(fi - a, st - a, fi, st, np.array(chain), np.array(reused), np.array(computed),
-                           tuple(q.client_id for q in requests), {s: c.held() for s, c in caches.items()})
+    return PrefixSimResult(
+        fi - a,
+        st - a,
+        fi,
+        st,
+        np.array(chain),
+        np.array(reused),
+        np.array(computed),
+        tuple(q.client_id for q in requests),
+        {s: c.held() for s, c in caches.items()},
+    )

@@ -18,6 +18,7 @@ Arrivals come from the Azure LLM inference trace (orchestrator.sim.traces), resc
 rate; each arrival belongs to a client drawn by the clients' rate weights (a flooder is a client with
 a large weight). Everything is drawn from one injected numpy Generator.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,8 +68,15 @@ class _Workload:
 class ToolUse(_Workload):
     output_tokens = 16
 
-    def __init__(self, rng, n_tools: int = 64, system_chunks: int = 32, tool_chunks: int = 64, query_chunks: int = 4,
-                 zipf_s: float = 1.1):
+    def __init__(
+        self,
+        rng,
+        n_tools: int = 64,
+        system_chunks: int = 32,
+        tool_chunks: int = 64,
+        query_chunks: int = 4,
+        zipf_s: float = 1.1,
+    ):
         super().__init__(rng)
         self.system = _chain(0, self.segment(), system_chunks)
         self.tools = [self.system + _chain(self.system[-1], self.segment(), tool_chunks) for _ in range(n_tools)]
@@ -84,8 +92,9 @@ class ToolUse(_Workload):
 class Chat(_Workload):
     output_tokens = 64
 
-    def __init__(self, rng, system_chunks: int = 16, question_chunks: int = 4, p_new: float = 0.25,
-                 max_turns: int = 12):
+    def __init__(
+        self, rng, system_chunks: int = 16, question_chunks: int = 4, p_new: float = 0.25, max_turns: int = 12
+    ):
         super().__init__(rng)
         self.system = _chain(0, self.segment(), system_chunks)
         self.question_chunks, self.p_new, self.max_turns = question_chunks, p_new, max_turns
@@ -106,11 +115,14 @@ class Chat(_Workload):
 class TreeOfThoughts(_Workload):
     output_tokens = 32
 
-    def __init__(self, rng, problem_chunks: int = 32, thought_chunks: int = 8, p_new: float = 0.1,
-                 max_depth: int = 4):
+    def __init__(self, rng, problem_chunks: int = 32, thought_chunks: int = 8, p_new: float = 0.1, max_depth: int = 4):
         super().__init__(rng)
-        self.problem_chunks, self.thought_chunks, self.p_new, self.max_depth = (problem_chunks, thought_chunks,
-                                                                                p_new, max_depth)
+        self.problem_chunks, self.thought_chunks, self.p_new, self.max_depth = (
+            problem_chunks,
+            thought_chunks,
+            p_new,
+            max_depth,
+        )
         self.trees: dict[str, list[list[list[int]]]] = {}  # client -> trees -> nodes (prompt paths)
 
     def prompt(self, client):
@@ -146,8 +158,9 @@ def make_workload(name: str, rng: np.random.Generator) -> _Workload:
     return table[name](rng)
 
 
-def prompt_requests(workload: str, arrivals_s: np.ndarray, clients: dict[str, float],
-                    rng: np.random.Generator) -> list[PromptRequest]:
+def prompt_requests(
+    workload: str, arrivals_s: np.ndarray, clients: dict[str, float], rng: np.random.Generator
+) -> list[PromptRequest]:
     """One request per arrival; its client drawn by the weights of `clients` (name -> rate weight)."""
     w = make_workload(workload, rng)
     names = list(clients)
@@ -158,6 +171,9 @@ def prompt_requests(workload: str, arrivals_s: np.ndarray, clients: dict[str, fl
     for t, c in zip(np.asarray(arrivals_s, dtype=float), who):
         client = names[int(c)]
         hashes, _ = w.prompt(client)
-        out.append(PromptRequest(float(t), client, tuple(hashes), len(hashes) * PREFIX_CHUNK_TOKENS + TAIL_TOKENS,
-                                 w.output_tokens))
+        out.append(
+            PromptRequest(
+                float(t), client, tuple(hashes), len(hashes) * PREFIX_CHUNK_TOKENS + TAIL_TOKENS, w.output_tokens
+            )
+        )
     return out

@@ -8,6 +8,7 @@ to the per-block compute time of footnote 11 of the paper,
 with the high-performance GPU's t_o = 1 ms, t_I = 5 GFLOP / 120 TFLOPS, t_O = 1.32 GB / 1.02 GB/ms
 (these give the paper's 109 ms at l_in = 2000, l_out = 20).
 """
+
 from __future__ import annotations
 
 import csv
@@ -69,5 +70,9 @@ def trace_workload(trace: RequestTrace, *, target_rate_per_s: float | None = Non
     arrivals = trace.arrival_s.astype(float)
     if target_rate_per_s is not None:
         arrivals = arrivals * (trace.mean_rate_per_s / target_rate_per_s)
-    work_ms = T_OVERHEAD_MS + T_PREFILL_MS_PER_TOKEN * trace.context_tokens + T_DECODE_MS_PER_TOKEN * np.maximum(trace.generated_tokens - 1, 0)
+    work_ms = (
+        T_OVERHEAD_MS
+        + T_PREFILL_MS_PER_TOKEN * trace.context_tokens
+        + T_DECODE_MS_PER_TOKEN * np.maximum(trace.generated_tokens - 1, 0)
+    )
     return arrivals, work_ms / work_ms.mean()

@@ -13,6 +13,7 @@ bfloat16 2.5e-2 against the prefill). So rows are compared by their relative err
 seen times a margin, so honest pairs stay far below it while a perturbation of a few percent of a
 row's norm (float32) does not.
 """
+
 from __future__ import annotations
 
 import hashlib

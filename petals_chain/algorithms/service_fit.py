@@ -8,6 +8,7 @@ Per batch: wall_s = t_o + t_B * blocks + t_I * prefill_block_tokens + t_O * deco
 (footnote 11 of the paper, with t_o per step and server; see `fit_service`), fitted by least absolute
 deviations (IRLS), so a batch slowed by a neighbour's burst or a GC pause does not move the fit.
 """
+
 from __future__ import annotations
 
 import math
@@ -77,8 +78,16 @@ def _separable(blocks: np.ndarray, min_each: int) -> bool:
     return int((counts >= min_each).sum()) >= 2
 
 
-def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations: int = 30,
-                t_O_profile_s: float | None = None, sessions=None, blocks=None) -> ServiceFit | None:
+def fit_service(
+    prefill_block_tokens,
+    decode_block_tokens,
+    wall_s,
+    *,
+    iterations: int = 30,
+    t_O_profile_s: float | None = None,
+    sessions=None,
+    blocks=None,
+) -> ServiceFit | None:
     """Least-absolute-deviation fit of wall = t_o + t_B b + t_I P + t_O D with every term >= 0.
     None when the window cannot separate them (no decode batch, or fewer than 3 batches).
 
@@ -170,6 +179,14 @@ def fit_service(prefill_block_tokens, decode_block_tokens, wall_s, *, iterations
         t_o, t_B = 0.0, float(coef[0])
     else:
         t_o, t_B = float(coef.get(0, 0.0)), float(coef.get(3, 0.0))
-    return ServiceFit(t_I_s=float(coef[1]) if 1 in coef else None, t_O_s=float(coef[2]), t_o_s=t_o,
-                      samples=int(len(y)), median_abs_rel_residual=float(np.median(rel)),
-                      t_O_from_profile=from_profile, t_o_lone_batches=n_lone, t_B_s=t_B, blocks_separable=separable)
+    return ServiceFit(
+        t_I_s=float(coef[1]) if 1 in coef else None,
+        t_O_s=float(coef[2]),
+        t_o_s=t_o,
+        samples=int(len(y)),
+        median_abs_rel_residual=float(np.median(rel)),
+        t_O_from_profile=from_profile,
+        t_o_lone_batches=n_lone,
+        t_B_s=t_B,
+        blocks_separable=separable,
+    )

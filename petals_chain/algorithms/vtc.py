@@ -11,6 +11,7 @@ a client is charged `w_in` per input (prefill) token and `w_out` per output (dec
 work is scheduled (lines 24, 30). Two backlogged clients' service then differs by at most
 2 max(w_in L_input, w_out M) (Theorem 4.4).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable

@@ -12,6 +12,7 @@ Policies are chosen by name (`--admission fifo|vtc`), like the servers' scheduli
   finishes (the gateway learns the count then); a user who becomes active is lifted, so idle time
   earns no credit. A heavy user's queue then cannot starve a light user's requests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -146,8 +147,10 @@ class AdmissionQueue:
                 self.waiting.remove(ticket)
                 self._maybe_idle(user)
             if isinstance(e, asyncio.TimeoutError):
-                raise CapacityError(f"all {self.max_concurrent} session slots stayed busy for {timeout_s:.0f} s "
-                                    f"({len(self.waiting)} requests waiting); retry later") from None
+                raise CapacityError(
+                    f"all {self.max_concurrent} session slots stayed busy for {timeout_s:.0f} s "
+                    f"({len(self.waiting)} requests waiting); retry later"
+                ) from None
             raise
 
     def release(self, user: str, input_tokens: int, output_tokens: int) -> None:

@@ -10,6 +10,7 @@ cached_tokens`), the chain that served the answer (the finishing chunk's `petals
 the tokens per second it measured. A Content-Security-Policy of 'self' keeps the page from loading
 anything from elsewhere.
 """
+
 from __future__ import annotations
 
 from importlib import resources
@@ -17,11 +18,15 @@ from importlib import resources
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 
-STATIC = {"/chat/chat.js": ("chat.js", "text/javascript; charset=utf-8"),
-          "/chat/chat.css": ("chat.css", "text/css; charset=utf-8")}
+STATIC = {
+    "/chat/chat.js": ("chat.js", "text/javascript; charset=utf-8"),
+    "/chat/chat.css": ("chat.css", "text/css; charset=utf-8"),
+}
 PATHS = frozenset({"/", *STATIC})
-CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
-       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 def _read(name: str) -> str:
@@ -30,6 +35,7 @@ def _read(name: str) -> str:
 
 def add_routes(app: FastAPI, *, enabled: bool, api_key_required: bool) -> None:
     if not enabled:
+
         async def running():
             # a plain answer at / still tells Ollama clients (which probe it) that the server is up
             return PlainTextResponse("petals-chain gateway is running (chat page off: --no-chat-page)\n")
@@ -37,8 +43,9 @@ def add_routes(app: FastAPI, *, enabled: bool, api_key_required: bool) -> None:
         app.add_api_route("/", running, methods=["GET", "HEAD"], include_in_schema=False)
         return
     # read once: the files are part of the package and do not change while it runs
-    html = _read("chat.html").replace('data-key-required="false"',
-                                      f'data-key-required="{"true" if api_key_required else "false"}"')
+    html = _read("chat.html").replace(
+        'data-key-required="false"', f'data-key-required="{"true" if api_key_required else "false"}"'
+    )
     files = {path: (_read(name), media) for path, (name, media) in STATIC.items()}
     headers = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
@@ -46,9 +53,11 @@ def add_routes(app: FastAPI, *, enabled: bool, api_key_required: bool) -> None:
         return Response(html, media_type="text/html; charset=utf-8", headers=headers)
 
     app.add_api_route("/", page, methods=["GET", "HEAD"], include_in_schema=False)
+
     def serve(text: str, media: str):
         async def static():
             return Response(text, media_type=media, headers=headers)
+
         return static
 
     for path, (text, media) in files.items():

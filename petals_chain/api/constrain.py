@@ -13,6 +13,7 @@ the decode of the one before it (a trailing U+FFFD becomes the character); re-ch
 start is always right, and a tool call is a few hundred characters. The JSON check is of syntax
 only (any object), not of the function's parameter schema.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,14 +76,14 @@ class TextConstraint:
                     pos += len(seg.text)
                     continue
                 if seg.text.startswith(rest):
-                    return Check(True, forced=seg.text[len(rest):] + self._forced_after(k))
+                    return Check(True, forced=seg.text[len(rest) :] + self._forced_after(k))
                 return Check(False)
             if isinstance(seg, OneOf):
                 whole = next((o for o in seg.options if rest.startswith(o)), None)
                 if whole is not None:
                     pos += len(whole)
                     continue
-                tails = [o[len(rest):] for o in seg.options if o.startswith(rest)]
+                tails = [o[len(rest) :] for o in seg.options if o.startswith(rest)]
                 if not tails:
                     return Check(False)
                 forced = _common_prefix(tails)
@@ -98,7 +99,7 @@ class TextConstraint:
     def _forced_after(self, k: int) -> str:
         """The text forced from the start of segment k + 1 on, once segment k is sure to be whole."""
         forced = ""
-        for seg in self.segments[k + 1:]:
+        for seg in self.segments[k + 1 :]:
             if isinstance(seg, Literal):
                 forced += seg.text
             elif isinstance(seg, OneOf) and len(seg.options) == 1:

@@ -8,6 +8,7 @@ token handed out as it comes. Sampling uses transformers' own logits warpers (te
 top-p);
 greedy (temperature 0) is argmax, token for token what `generate(do_sample=False)` produces.
 """
+
 from __future__ import annotations
 
 import os
@@ -89,19 +90,32 @@ class StopScanner:
         hold = 0
         if not final:
             hold = 1 if text.endswith("\ufffd") else 0
-            body = text[:len(text) - hold]
-            hold += max((next((k for k in range(min(len(s) - 1, len(body)), 0, -1) if body.endswith(s[:k])), 0)
-                         for s in self.stop), default=0)
+            body = text[: len(text) - hold]
+            hold += max(
+                (
+                    next((k for k in range(min(len(s) - 1, len(body)), 0, -1) if body.endswith(s[:k])), 0)
+                    for s in self.stop
+                ),
+                default=0,
+            )
         safe = max(len(text) - hold, len(self.sent))
-        delta = text[len(self.sent):safe]
+        delta = text[len(self.sent) : safe]
         self.sent = text[:safe]
         return delta
 
 
-def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                   *, cancel: threading.Event, on_text: Callable[[str, list[TokenLogprob]], None],
-                   session_id: str | None = None, clock: Callable[[], float] = time.perf_counter,
-                   adapter: str | None = None) -> GenerationResult:
+def run_generation(
+    model: DistributedModelForCausalLM,
+    tokenizer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    cancel: threading.Event,
+    on_text: Callable[[str, list[TokenLogprob]], None],
+    session_id: str | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    adapter: str | None = None,
+) -> GenerationResult:
     """Generate for one request (blocking; run it in a worker thread). `on_text(delta, logprobs)`
     gets each piece of text as soon as it is safe to send, with the logprobs of the tokens
     generated since the previous call (empty unless `params.top_logprobs` is set). The session
@@ -115,8 +129,9 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
     sampled token is the best (greedy) or a sample (temperature) among the tokens that keep the text
     a valid prefix, and generation stops ("stop") when the text is complete."""
     start_s = clock()
-    generator = torch.Generator().manual_seed(params.seed if params.seed is not None
-                                              else int.from_bytes(os.urandom(8), "little") >> 1)
+    generator = torch.Generator().manual_seed(
+        params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    )
     warpers = LogitsProcessorList()
     if params.temperature > 0:
         if params.temperature != 1.0:
@@ -140,8 +155,9 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
         them); sampling: `draws` independent samples (with replacement) of the warped distribution."""
         if params.temperature > 0:
             scores = warpers(torch.tensor([ids], dtype=torch.long), logits)
-            return torch.multinomial(torch.softmax(scores, dim=-1), draws, replacement=draws > 1,
-                                     generator=generator)[0].tolist()
+            return torch.multinomial(torch.softmax(scores, dim=-1), draws, replacement=draws > 1, generator=generator)[
+                0
+            ].tolist()
         if draws == 1:
             return [int(logits.argmax(dim=-1)[0])]
         return torch.sort(logits[0], descending=True, stable=True).indices[:draws].tolist()
@@ -160,8 +176,11 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
             for token in pick(ids, logits, draws):
                 if token in rejected:
                     continue
-                if token not in eos and constraint.check(tokenizer.decode(reply + [token], skip_special_tokens=True)).ok \
-                        and tokenizer.decode([token], skip_special_tokens=True):
+                if (
+                    token not in eos
+                    and constraint.check(tokenizer.decode(reply + [token], skip_special_tokens=True)).ok
+                    and tokenizer.decode([token], skip_special_tokens=True)
+                ):
                     return token
                 rejected.add(token)
                 logits[0, token] = float("-inf")
@@ -180,9 +199,12 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
             return [], False
         return ids, constraint.check(after).complete
 
-    with model.inference_session(max_length=len(prompt_ids) + params.max_tokens,
-                                 prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
-                                 adapter=adapter, session_id=session_id) as session:
+    with model.inference_session(
+        max_length=len(prompt_ids) + params.max_tokens,
+        prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
+        adapter=adapter,
+        session_id=session_id,
+    ) as session:
         result.chain = session.chain.describe()
         result.hops = session.chain.num_hops
         result.prefix_hit_tokens = session.position  # the open skipped what every hop had cached
@@ -190,8 +212,9 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
         if params.prompt_lookup_tokens > 0 and constraint is None:
             # HF's own n-gram drafter (the one `generate(prompt_lookup_num_tokens=k)` uses), its draft
             # length chosen per round from this session's measured steps unless "constant"
-            drafter = PromptLookupCandidateGenerator(num_output_tokens=params.prompt_lookup_tokens,
-                                                     max_length=len(prompt_ids) + params.max_tokens)
+            drafter = PromptLookupCandidateGenerator(
+                num_output_tokens=params.prompt_lookup_tokens, max_length=len(prompt_ids) + params.max_tokens
+            )
             if params.prompt_lookup_schedule == "adaptive":
                 drafter = AdaptivePromptLookup(drafter, params.prompt_lookup_tokens, session.step_costs)
         while len(generated) < params.max_tokens and result.finish_reason == "length":
@@ -199,7 +222,7 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
                 result.finish_reason = "cancelled"
                 break
             forced, complete = forced_ids(generated) if constraint is not None else ([], False)
-            forced = forced[:params.max_tokens - len(generated)]
+            forced = forced[: params.max_tokens - len(generated)]
             if complete and not forced:
                 result.finish_reason = "stop"
                 break
@@ -207,22 +230,27 @@ def run_generation(model: DistributedModelForCausalLM, tokenizer, prompt_ids: li
             if drafter is not None:
                 candidates, _ = drafter.get_candidates(torch.tensor([tokens], dtype=torch.long))
                 # never verify past the request's budget: the last token of a step is the model's own
-                draft = candidates[0, len(tokens):].tolist()[:params.max_tokens - len(generated) - 1]
+                draft = candidates[0, len(tokens) :].tolist()[: params.max_tokens - len(generated) - 1]
             step_tokens: list[int] = list(forced)
             if complete and result.logprobs is None:  # the closing of a forced call needs no step
                 logits = None
             else:
                 # one chain step takes the forced tokens and verifies every draft; the session rolls back the
                 # rejected ones by itself
-                logits = model(torch.tensor([tokens + forced + draft], dtype=torch.long),
-                               logits_to_keep=len(forced) + len(draft) + 1).logits[0]
+                logits = model(
+                    torch.tensor([tokens + forced + draft], dtype=torch.long),
+                    logits_to_keep=len(forced) + len(draft) + 1,
+                ).logits[0]
             # Standard acceptance with a point-mass draft: pick position i's token as plain decoding would
             # (argmax, or a sample of the model's distribution there) and keep going while it equals the
             # draft: greedy output is identical, sampled output has the model's distribution.
             for i in range(0 if complete else len(draft) + 1):
-                row = logits[len(forced) + i:len(forced) + i + 1]
-                step_tokens.append(pick(tokens + step_tokens, row)[0] if constraint is None
-                                   else pick_allowed(tokens + step_tokens, row, generated + step_tokens))
+                row = logits[len(forced) + i : len(forced) + i + 1]
+                step_tokens.append(
+                    pick(tokens + step_tokens, row)[0]
+                    if constraint is None
+                    else pick_allowed(tokens + step_tokens, row, generated + step_tokens)
+                )
                 if i == len(draft) or step_tokens[-1] != draft[i]:
                     break
             result.drafted_tokens += len(draft)

@@ -8,6 +8,7 @@ uvicorn as a well-kept ASGI server. Each request is one session through the swar
 `engine.run_generation` in a worker thread; all sessions of the gateway share the client's
 batched embedding / LM head (runtime/row_batcher.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -100,8 +101,11 @@ class Gateway:
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         user = self.config.api_keys.get(key)
         if user is None:
-            raise APIError(401, "Incorrect API key provided: pass one of the gateway's --api-key values as "
-                                "'Authorization: Bearer KEY'", code="invalid_api_key")
+            raise APIError(
+                401,
+                "Incorrect API key provided: pass one of the gateway's --api-key values as 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+            )
         return user
 
     def _model_names(self) -> list[str]:
@@ -110,9 +114,13 @@ class Gateway:
     def _check_model(self, name: str) -> str | None:
         """The LoRA adapter a request's model name asks for ('MODEL:ADAPTER'), None for the base model."""
         if name not in self._model_names():
-            raise APIError(404, f"The model '{name}' does not exist; this gateway serves "
-                                f"{', '.join(repr(n) for n in self._model_names())} (GET /v1/models)",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this gateway serves "
+                f"{', '.join(repr(n) for n in self._model_names())} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         return name.partition(":")[2] or None
 
     def _params(self, body, prompt_ids: list[int], forced: tools.ForcedCall | None = None) -> list[SamplingParams]:
@@ -121,21 +129,38 @@ class Gateway:
         room = self.config.max_length - len(prompt_ids)
         max_tokens = body.max_tokens if body.max_tokens is not None else room
         if room < 1 or max_tokens > room:
-            raise APIError(400, f"This model's maximum context length is {self.config.max_length} tokens; the "
-                                f"prompt has {len(prompt_ids)} and max_tokens asks for {max_tokens}: shorten the "
-                                "prompt or lower max_tokens", param="max_tokens", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.config.max_length} tokens; the "
+                f"prompt has {len(prompt_ids)} and max_tokens asks for {max_tokens}: shorten the "
+                "prompt or lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if body.n > self.config.max_concurrent:
-            raise APIError(400, f"n={body.n} is more than the gateway's {self.config.max_concurrent} concurrent "
-                                "sessions (--max-concurrent): ask for fewer choices", param="n")
+            raise APIError(
+                400,
+                f"n={body.n} is more than the gateway's {self.config.max_concurrent} concurrent "
+                "sessions (--max-concurrent): ask for fewer choices",
+                param="n",
+            )
         if body.n > 1 and body.temperature == 0:
             logger.info("n=%d with temperature 0: the choices will be identical", body.n)
-        return [SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                               top_k=max(body.top_k or 0, 0), stop=body.stop_list(),
-                               seed=None if body.seed is None else body.seed + i,
-                               top_logprobs=body.top_logprobs_count(),
-                               prompt_lookup_tokens=self.config.prompt_lookup_tokens,
-                               prompt_lookup_schedule=self.config.prompt_lookup_schedule,
-                               constraint=forced.constraint if forced else None) for i in range(body.n)]
+        return [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=max(body.top_k or 0, 0),
+                stop=body.stop_list(),
+                seed=None if body.seed is None else body.seed + i,
+                top_logprobs=body.top_logprobs_count(),
+                prompt_lookup_tokens=self.config.prompt_lookup_tokens,
+                prompt_lookup_schedule=self.config.prompt_lookup_schedule,
+                constraint=forced.constraint if forced else None,
+            )
+            for i in range(body.n)
+        ]
 
     def _chat_prompt(self, body: ChatRequest) -> tuple[list[int], bool, tools.ForcedCall | None]:
         """The prompt's token ids, whether the reply is parsed for tool calls, and the call the
@@ -147,10 +172,14 @@ class Gateway:
         kwargs = {}
         if offered:
             if not tools.template_supports_tools(self.tokenizer):
-                raise APIError(400, f"the chat template of {self.config.model_name} does not support tools (it "
-                                    "renders the same prompt with and without them); start the gateway with "
-                                    "--chat-template FILE naming a template that does, or send the request "
-                                    "without 'tools'", param="tools")
+                raise APIError(
+                    400,
+                    f"the chat template of {self.config.model_name} does not support tools (it "
+                    "renders the same prompt with and without them); start the gateway with "
+                    "--chat-template FILE naming a template that does, or send the request "
+                    "without 'tools'",
+                    param="tools",
+                )
             kwargs["tools"] = offered
         forced = tools.forced_call(self.tokenizer, body) if offered else None
         return self._template_ids(messages, **kwargs), bool(offered), forced
@@ -158,17 +187,27 @@ class Gateway:
     def _template_ids(self, messages: list[dict], **kwargs) -> list[int]:
         """The chat template's prompt for `messages` (the OpenAI and Ollama chat endpoints both)."""
         if not self.tokenizer.chat_template:
-            raise APIError(400, "this model has no chat template: use /v1/completions (or /api/generate with "
-                                "raw=true)", param="messages")
+            raise APIError(
+                400,
+                "this model has no chat template: use /v1/completions (or /api/generate with raw=true)",
+                param="messages",
+            )
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
-                                                     **kwargs)["input_ids"]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, **kwargs)[
+                "input_ids"
+            ]
         except Exception as e:  # a template's own raise_exception (e.g. roles that must alternate)
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
         return list(ids)
 
-    async def _start(self, request: Request, user: str, prompt_ids: list[int], params: list[SamplingParams],
-                     adapter: str | None = None):
+    async def _start(
+        self,
+        request: Request,
+        user: str,
+        prompt_ids: list[int],
+        params: list[SamplingParams],
+        adapter: str | None = None,
+    ):
         """Admit each choice and start its session in a worker thread; returns (events queue of
         (choice index, kind, value), cancel flag shared by the choices). A choice's slot goes back
         when its thread is done, whatever happens to the HTTP side."""
@@ -191,18 +230,44 @@ class Gateway:
             finally:
                 self.metrics.waiting -= 1
             self.metrics.queue_time.observe(time.perf_counter() - queued_s)
-            self._submit(loop, events, cancel, user, prompt_ids, choice_params, index,
-                         f"{request_id}.{index}.{uuid.uuid4().hex[:8]}", arrived_s, adapter)
+            self._submit(
+                loop,
+                events,
+                cancel,
+                user,
+                prompt_ids,
+                choice_params,
+                index,
+                f"{request_id}.{index}.{uuid.uuid4().hex[:8]}",
+                arrived_s,
+                adapter,
+            )
         return events, cancel
 
-    def _submit(self, loop, events: asyncio.Queue, cancel: threading.Event, user: str, prompt_ids: list[int],
-                params: SamplingParams, index: int, session_id: str, arrived_s: float,
-                adapter: str | None = None) -> None:
+    def _submit(
+        self,
+        loop,
+        events: asyncio.Queue,
+        cancel: threading.Event,
+        user: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        index: int,
+        session_id: str,
+        arrived_s: float,
+        adapter: str | None = None,
+    ) -> None:
         def work() -> GenerationResult:
-            return run_generation(self.model, self.tokenizer, prompt_ids, params, cancel=cancel, session_id=session_id,
-                                  adapter=adapter,
-                                  on_text=lambda d, lp: loop.call_soon_threadsafe(events.put_nowait,
-                                                                                  (index, "text", (d, lp))))
+            return run_generation(
+                self.model,
+                self.tokenizer,
+                prompt_ids,
+                params,
+                cancel=cancel,
+                session_id=session_id,
+                adapter=adapter,
+                on_text=lambda d, lp: loop.call_soon_threadsafe(events.put_nowait, (index, "text", (d, lp))),
+            )
 
         def finished(fut) -> None:
             self.metrics.active_sessions -= 1
@@ -213,15 +278,29 @@ class Gateway:
                 logger.warning("session %s failed: %s", session_id, error)
                 events.put_nowait((index, "error", error))
                 return
-            self.metrics.generation(prompt_tokens=len(prompt_ids), completion_tokens=result.completion_tokens,
-                                    finish_reason=result.finish_reason, ttft_s=result.time_to_first_token_s,
-                                    token_times_s=result.token_times_s, e2e_s=time.perf_counter() - arrived_s,
-                                    hops=result.hops, failovers=result.failovers,
-                                    prefix_hit_tokens=result.prefix_hit_tokens, drafted_tokens=result.drafted_tokens,
-                                    accepted_draft_tokens=result.accepted_draft_tokens)
-            logger.info("session %s (%s): %d prompt tokens (%d from prefix caches), %d generated, %s, chain %s",
-                        session_id, user, len(prompt_ids), result.prefix_hit_tokens, result.completion_tokens,
-                        result.finish_reason, result.chain)
+            self.metrics.generation(
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=result.completion_tokens,
+                finish_reason=result.finish_reason,
+                ttft_s=result.time_to_first_token_s,
+                token_times_s=result.token_times_s,
+                e2e_s=time.perf_counter() - arrived_s,
+                hops=result.hops,
+                failovers=result.failovers,
+                prefix_hit_tokens=result.prefix_hit_tokens,
+                drafted_tokens=result.drafted_tokens,
+                accepted_draft_tokens=result.accepted_draft_tokens,
+            )
+            logger.info(
+                "session %s (%s): %d prompt tokens (%d from prefix caches), %d generated, %s, chain %s",
+                session_id,
+                user,
+                len(prompt_ids),
+                result.prefix_hit_tokens,
+                result.completion_tokens,
+                result.finish_reason,
+                result.chain,
+            )
             events.put_nowait((index, "done", result))
 
         self.metrics.active_sessions += 1
@@ -241,8 +320,9 @@ class Gateway:
             disconnect.cancel()
         return getter.result()
 
-    async def _collect(self, request: Request, events: asyncio.Queue, cancel: threading.Event,
-                       n: int) -> list[GenerationResult]:
+    async def _collect(
+        self, request: Request, events: asyncio.Queue, cancel: threading.Event, n: int
+    ) -> list[GenerationResult]:
         """Wait for every choice's result; a client that disconnects meanwhile cancels the sessions."""
         results: dict[int, GenerationResult] = {}
         while len(results) < n:
@@ -257,6 +337,7 @@ class Gateway:
     def _stream(self, events: asyncio.Queue, cancel: threading.Event, first, n: int, on_text, on_done, on_end):
         """Server-sent events: `on_text(index, text, logprobs)` and `on_done(index, result)` yield
         chunks for one choice, `on_end(results)` the closing ones (usage) after every choice is done."""
+
         async def sse():
             results: dict[int, GenerationResult] = {}
             try:
@@ -305,8 +386,12 @@ class Gateway:
             text = self._token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-        return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-                            for e in entries], "refusal": None}
+        return {
+            "content": [
+                {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries
+            ],
+            "refusal": None,
+        }
 
     def _completion_logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
         """Completions' legacy shape; `text_offset` counts characters of the completion from `offset`."""
@@ -317,9 +402,12 @@ class Gateway:
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token_text(t): lp for t, lp in e.top} for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token_text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
 
     # -- the endpoints ---------------------------------------------------------------------------
     async def completions(self, request: Request, body: CompletionRequest):
@@ -331,11 +419,19 @@ class Gateway:
         events, cancel = await self._start(request, user, prompt_ids, params, adapter)
         if not body.stream:
             results = await self._collect(request, events, cancel, body.n)
-            return completion_body(rid, body.model, created,
-                                   [{**completion_choice(i, r.text, r.finish_reason,
-                                                         self._completion_logprobs(r.logprobs)),
-                                     "petals_chain": served_by(r)} for i, r in enumerate(results)],
-                                   _usage(len(prompt_ids), results))
+            return completion_body(
+                rid,
+                body.model,
+                created,
+                [
+                    {
+                        **completion_choice(i, r.text, r.finish_reason, self._completion_logprobs(r.logprobs)),
+                        "petals_chain": served_by(r),
+                    }
+                    for i, r in enumerate(results)
+                ],
+                _usage(len(prompt_ids), results),
+            )
         first = await self._first_event(request, events, cancel)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         offsets = [0] * body.n  # per choice: characters streamed so far (logprobs' text_offset)
@@ -346,8 +442,13 @@ class Gateway:
             yield completion_body(rid, body.model, created, [completion_choice(index, text, None, logprobs)], None)
 
         def on_done(index, r: GenerationResult):
-            yield completion_body(rid, body.model, created, [{**completion_choice(index, "", r.finish_reason),
-                                                              "petals_chain": served_by(r)}], None)
+            yield completion_body(
+                rid,
+                body.model,
+                created,
+                [{**completion_choice(index, "", r.finish_reason), "petals_chain": served_by(r)}],
+                None,
+            )
 
         def on_end(results):
             if include_usage:
@@ -370,8 +471,12 @@ class Gateway:
             for i, r in enumerate(results):
                 content, calls = tools.parse_tool_calls(r.text) if with_tools else (r.text, [])
                 finish = call_finish if calls else r.finish_reason
-                choices.append({**chat_choice(i, content, finish, self._chat_logprobs(r.logprobs), calls),
-                                "petals_chain": served_by(r)})
+                choices.append(
+                    {
+                        **chat_choice(i, content, finish, self._chat_logprobs(r.logprobs), calls),
+                        "petals_chain": served_by(r),
+                    }
+                )
             return chat_body(rid, body.model, created, choices, _usage(len(prompt_ids), results))
         first = await self._first_event(request, events, cancel)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -438,26 +543,35 @@ class Gateway:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, e: RequestValidationError):
-            return JSONResponse(_validation_error(e.errors(), await request.body()).body_for(request.url.path),
-                                status_code=400)
+            return JSONResponse(
+                _validation_error(e.errors(), await request.body()).body_for(request.url.path), status_code=400
+            )
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, e: StarletteHTTPException):
-            return JSONResponse(APIError(e.status_code, str(e.detail)).body_for(request.url.path),
-                                status_code=e.status_code)
+            return JSONResponse(
+                APIError(e.status_code, str(e.detail)).body_for(request.url.path), status_code=e.status_code
+            )
 
         @app.get("/health")
         async def health():
             """Liveness: the process answers (a swarm without servers is /ready's business)."""
-            return {"status": "ok", "model": gw.config.model_name, "active_sessions": gw.metrics.active_sessions,
-                    "waiting_requests": gw.metrics.waiting, "max_concurrent": gw.config.max_concurrent}
+            return {
+                "status": "ok",
+                "model": gw.config.model_name,
+                "active_sessions": gw.metrics.active_sessions,
+                "waiting_requests": gw.metrics.waiting,
+                "max_concurrent": gw.config.max_concurrent,
+            }
 
         @app.get("/ready")
         async def ready():
             """Readiness: 200 once a full chain for the model is dispatchable, else 503 with the reason."""
             ok, reason = await gw.ready()
-            return JSONResponse({"status": "ready" if ok else "unavailable", "model": gw.config.model_name,
-                                 "reason": reason}, status_code=200 if ok else 503)
+            return JSONResponse(
+                {"status": "ready" if ok else "unavailable", "model": gw.config.model_name, "reason": reason},
+                status_code=200 if ok else 503,
+            )
 
         @app.get("/metrics")
         async def metrics():
@@ -515,18 +629,24 @@ class _RequestContext:
         async def send_status(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  (b"x-request-id", request_id.encode("latin-1"))]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode("latin-1"))],
+                }
             await send(message)
 
         try:
             if not REQUEST_ID_RE.match(request_id):
-                error = APIError(400, "X-Request-Id must be 1 to 64 characters of letters, digits and . _ : - "
-                                      "(it names the request's sessions in the swarm's logs); send a shorter id",
-                                 param="X-Request-Id")
+                error = APIError(
+                    400,
+                    "X-Request-Id must be 1 to 64 characters of letters, digits and . _ : - "
+                    "(it names the request's sessions in the swarm's logs); send a shorter id",
+                    param="X-Request-Id",
+                )
                 state["request_id"] = request_id = uuid.uuid4().hex
                 return await JSONResponse(error.body_for(scope.get("path", "")), status_code=400)(
-                    scope, receive, send_status)
+                    scope, receive, send_status
+                )
             await self.app(scope, receive, send_status)
         finally:
             path = scope.get("path", "")
@@ -542,29 +662,50 @@ def _validation_error(errors: list[dict], raw_body: bytes) -> APIError:
             detail = err.get("ctx", {}).get("error", "invalid JSON")
         except ValueError as e:  # json's own message names line and column
             detail = str(e)
-        return APIError(400, f"the request body is not valid JSON ({detail}); send one JSON object with "
-                             "'Content-Type: application/json'")
+        return APIError(
+            400,
+            f"the request body is not valid JSON ({detail}); send one JSON object with "
+            "'Content-Type: application/json'",
+        )
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
-        return APIError(400, f"unsupported field '{param}': this gateway does not implement it; remove it from the "
-                             "request (README: petals-chain api lists the supported fields)", param=param)
+        return APIError(
+            400,
+            f"unsupported field '{param}': this gateway does not implement it; remove it from the "
+            "request (README: petals-chain api lists the supported fields)",
+            param=param,
+        )
     msg = err.get("msg", "invalid request").removeprefix("Value error, ")
     if err.get("type") == "missing":
         msg = "this required field is missing"
     return APIError(400, f"{msg} ('{param}')" if param else msg, param=param)
 
 
-KNOWN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
-                         "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version",
-                         *chat_page.PATHS})
+KNOWN_PATHS = frozenset(
+    {
+        "/health",
+        "/ready",
+        "/metrics",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/api/chat",
+        "/api/generate",
+        "/api/tags",
+        "/api/show",
+        "/api/version",
+        *chat_page.PATHS,
+    }
+)
 
 
 def _usage(prompt_tokens: int, results: list[GenerationResult]) -> dict:
     """A request's usage over its choices; cached tokens: what every choice's chain took from its
     prefix caches (each choice is a session of its own)."""
-    return usage(prompt_tokens, sum(r.completion_tokens for r in results),
-                 min((r.prefix_hit_tokens for r in results), default=0))
+    return usage(
+        prompt_tokens, sum(r.completion_tokens for r in results), min((r.prefix_hit_tokens for r in results), default=0)
+    )
 
 
 def _sse(obj: dict) -> str:
@@ -574,5 +715,3 @@ def _sse(obj: dict) -> str:
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-

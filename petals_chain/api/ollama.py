@@ -13,6 +13,7 @@ Ollama options the gateway does not implement are accepted only at the value tha
 (`repeat_penalty` 1, `mirostat` 0, ...); options that configure a local Ollama's loading
 (`num_gpu`, `num_thread`, ...) and names Ollama does not know are a 400 naming the option.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,14 +44,34 @@ DEFAULT_OPTIONS: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9
 SAMPLING_OPTIONS = frozenset({"temperature", "top_p", "top_k", "seed", "num_predict", "stop", "num_ctx"})
 # Ollama options the gateway does not implement: accepted only at the value that switches them off
 NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "repeat_penalty": (1, 1.0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "mirostat": (0,),
-    "typical_p": (1, 1.0), "tfs_z": (1, 1.0), "min_p": (0, 0.0),
+    "repeat_penalty": (1, 1.0),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "mirostat": (0,),
+    "typical_p": (1, 1.0),
+    "tfs_z": (1, 1.0),
+    "min_p": (0, 0.0),
 }
 # they only qualify repeat_penalty, which must be 1 (off): any value changes nothing
 QUALIFIER_OPTIONS = frozenset({"repeat_last_n", "penalize_newline", "mirostat_tau", "mirostat_eta"})
 # how a local Ollama loads and runs its model: the swarm's servers decide that for themselves
-LOAD_OPTIONS = frozenset({"num_gpu", "main_gpu", "num_thread", "num_batch", "numa", "low_vram", "use_mmap",
-                          "use_mlock", "vocab_only", "embedding_only", "logits_all", "f16_kv", "num_keep"})
+LOAD_OPTIONS = frozenset(
+    {
+        "num_gpu",
+        "main_gpu",
+        "num_thread",
+        "num_batch",
+        "numa",
+        "low_vram",
+        "use_mmap",
+        "use_mlock",
+        "vocab_only",
+        "embedding_only",
+        "logits_all",
+        "f16_kv",
+        "num_keep",
+    }
+)
 
 
 class Options(BaseModel):
@@ -87,14 +108,26 @@ def sampling_options(options: dict[str, Any] | None) -> Options:
             continue
         if name in NEUTRAL_OPTIONS:
             if value not in NEUTRAL_OPTIONS[name] and value is not None:
-                raise APIError(400, f"option '{name}' is not implemented by this gateway; remove it from 'options' "
-                                    f"(or send {NEUTRAL_OPTIONS[name][0]}, which turns it off)", param="options")
+                raise APIError(
+                    400,
+                    f"option '{name}' is not implemented by this gateway; remove it from 'options' "
+                    f"(or send {NEUTRAL_OPTIONS[name][0]}, which turns it off)",
+                    param="options",
+                )
         elif name in LOAD_OPTIONS:
-            raise APIError(400, f"option '{name}' configures how a local Ollama loads its model; the swarm's servers "
-                                "choose their own devices and threads: remove it from 'options'", param="options")
+            raise APIError(
+                400,
+                f"option '{name}' configures how a local Ollama loads its model; the swarm's servers "
+                "choose their own devices and threads: remove it from 'options'",
+                param="options",
+            )
         else:
-            raise APIError(400, f"unknown option '{name}' in 'options'; this gateway implements "
-                                f"{', '.join(sorted(SAMPLING_OPTIONS))} (docs/api.md)", param="options")
+            raise APIError(
+                400,
+                f"unknown option '{name}' in 'options'; this gateway implements "
+                f"{', '.join(sorted(SAMPLING_OPTIONS))} (docs/api.md)",
+                param="options",
+            )
     try:
         return Options.model_validate({k: v for k, v in options.items() if k in SAMPLING_OPTIONS})
     except ValidationError as e:
@@ -196,8 +229,10 @@ class GenerateBody(_Body):
     @classmethod
     def _no_template(cls, v):
         if v:
-            raise ValueError("a per-request 'template' is not supported: the gateway renders the model's chat "
-                             "template (or its --chat-template); send raw=true with a rendered prompt instead")
+            raise ValueError(
+                "a per-request 'template' is not supported: the gateway renders the model's chat "
+                "template (or its --chat-template); send raw=true with a rendered prompt instead"
+            )
         return v
 
     @field_validator("suffix")
@@ -262,73 +297,131 @@ class OllamaAPI:
                             for d in t.get_slice(key).get_shape():
                                 n *= d
                             params += n
-            digest = hashlib.sha256(json.dumps(config.to_dict() if config is not None else {}, sort_keys=True,
-                                               default=str).encode()).hexdigest()
+            digest = hashlib.sha256(
+                json.dumps(config.to_dict() if config is not None else {}, sort_keys=True, default=str).encode()
+            ).hexdigest()
             family = getattr(config, "model_type", "") or ""
             dtype = str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or "")
-            quant = {"torch.float32": "F32", "float32": "F32", "torch.bfloat16": "BF16", "bfloat16": "BF16",
-                     "torch.float16": "F16", "float16": "F16"}.get(dtype, dtype.upper() or "unknown")
-            self._facts = {"size": size_bytes, "parameters": params, "digest": digest, "family": family,
-                           "quantization": quant, "config": config,
-                           "modified_at": datetime.fromtimestamp(max((f.stat().st_mtime for f in path.glob("*")),
-                                                                     default=0), timezone.utc).isoformat()
-                           if path is not None else created_at()}
+            quant = {
+                "torch.float32": "F32",
+                "float32": "F32",
+                "torch.bfloat16": "BF16",
+                "bfloat16": "BF16",
+                "torch.float16": "F16",
+                "float16": "F16",
+            }.get(dtype, dtype.upper() or "unknown")
+            self._facts = {
+                "size": size_bytes,
+                "parameters": params,
+                "digest": digest,
+                "family": family,
+                "quantization": quant,
+                "config": config,
+                "modified_at": datetime.fromtimestamp(
+                    max((f.stat().st_mtime for f in path.glob("*")), default=0), timezone.utc
+                ).isoformat()
+                if path is not None
+                else created_at(),
+            }
         return self._facts
 
     def _details(self) -> dict[str, Any]:
         f = self.facts()
         p = f["parameters"]
         size = f"{p / 1e9:.1f}B" if p >= 1e9 else f"{p / 1e6:.0f}M" if p else "unknown"
-        return {"parent_model": "", "format": "safetensors", "family": f["family"],
-                "families": [f["family"]] if f["family"] else None, "parameter_size": size,
-                "quantization_level": f["quantization"]}
+        return {
+            "parent_model": "",
+            "format": "safetensors",
+            "family": f["family"],
+            "families": [f["family"]] if f["family"] else None,
+            "parameter_size": size,
+            "quantization_level": f["quantization"],
+        }
 
     def tags(self) -> dict[str, Any]:
         f = self.facts()
-        return {"models": [{"name": n, "model": n, "modified_at": f["modified_at"], "size": f["size"],
-                            "digest": hashlib.sha256((f["digest"] + n).encode()).hexdigest(),
-                            "details": self._details()} for n in self.gw._model_names()]}
+        return {
+            "models": [
+                {
+                    "name": n,
+                    "model": n,
+                    "modified_at": f["modified_at"],
+                    "size": f["size"],
+                    "digest": hashlib.sha256((f["digest"] + n).encode()).hexdigest(),
+                    "details": self._details(),
+                }
+                for n in self.gw._model_names()
+            ]
+        }
 
     def show(self, name: str) -> dict[str, Any]:
         self._adapter(name)
         f = self.facts()
         config = f["config"]
         arch = f["family"] or "unknown"
-        info: dict[str, Any] = {"general.architecture": arch, "general.parameter_count": f["parameters"],
-                                f"{arch}.context_length": self.gw.config.max_length}
-        for key, attr in (("embedding_length", "hidden_size"), ("block_count", "num_hidden_layers"),
-                          ("attention.head_count", "num_attention_heads"),
-                          ("attention.head_count_kv", "num_key_value_heads"), ("vocab_size", "vocab_size")):
+        info: dict[str, Any] = {
+            "general.architecture": arch,
+            "general.parameter_count": f["parameters"],
+            f"{arch}.context_length": self.gw.config.max_length,
+        }
+        for key, attr in (
+            ("embedding_length", "hidden_size"),
+            ("block_count", "num_hidden_layers"),
+            ("attention.head_count", "num_attention_heads"),
+            ("attention.head_count_kv", "num_key_value_heads"),
+            ("vocab_size", "vocab_size"),
+        ):
             if getattr(config, attr, None) is not None:
                 info[f"{arch}.{key}"] = getattr(config, attr)
         parameters = "\n".join(f"{k:<15}{v}" for k, v in DEFAULT_OPTIONS.items())
         template = self.gw.tokenizer.chat_template or ""
-        return {"modelfile": f"# served by petals-chain over a swarm\nFROM {name}\n"
-                             + "".join(f"PARAMETER {k} {v}\n" for k, v in DEFAULT_OPTIONS.items()),
-                "parameters": parameters, "template": template if isinstance(template, str) else "",
-                "details": self._details(), "model_info": info, "modified_at": f["modified_at"],
-                "capabilities": ["completion"]}
+        return {
+            "modelfile": f"# served by petals-chain over a swarm\nFROM {name}\n"
+            + "".join(f"PARAMETER {k} {v}\n" for k, v in DEFAULT_OPTIONS.items()),
+            "parameters": parameters,
+            "template": template if isinstance(template, str) else "",
+            "details": self._details(),
+            "model_info": info,
+            "modified_at": f["modified_at"],
+            "capabilities": ["completion"],
+        }
 
     # -- generation -------------------------------------------------------------------------------
     def _params(self, options: Options, prompt_ids: list[int]) -> SamplingParams:
         limit = self.gw.config.max_length
         if options.num_ctx is not None:
             if options.num_ctx > limit:
-                raise APIError(400, f"option 'num_ctx' {options.num_ctx} is more than this gateway's context of "
-                                    f"{limit} tokens (--max-length): lower it", param="options")
+                raise APIError(
+                    400,
+                    f"option 'num_ctx' {options.num_ctx} is more than this gateway's context of "
+                    f"{limit} tokens (--max-length): lower it",
+                    param="options",
+                )
             limit = options.num_ctx
         room = limit - len(prompt_ids)
         want = options.num_predict if options.num_predict not in (None, -1, -2) else room
         if room < 1 or want > room:
-            raise APIError(400, f"the context is {limit} tokens; the prompt has {len(prompt_ids)} and num_predict "
-                                f"asks for {want}: shorten the conversation or lower num_predict", param="options")
-        pick = {k: getattr(options, k) if getattr(options, k) is not None else DEFAULT_OPTIONS.get(k)
-                for k in ("temperature", "top_p", "top_k")}
+            raise APIError(
+                400,
+                f"the context is {limit} tokens; the prompt has {len(prompt_ids)} and num_predict "
+                f"asks for {want}: shorten the conversation or lower num_predict",
+                param="options",
+            )
+        pick = {
+            k: getattr(options, k) if getattr(options, k) is not None else DEFAULT_OPTIONS.get(k)
+            for k in ("temperature", "top_p", "top_k")
+        }
         gw = self.gw.config
-        return SamplingParams(max_tokens=want, temperature=pick["temperature"], top_p=pick["top_p"],
-                              top_k=pick["top_k"] or 0, stop=tuple(options.stop or ()), seed=options.seed,
-                              prompt_lookup_tokens=gw.prompt_lookup_tokens,
-                              prompt_lookup_schedule=gw.prompt_lookup_schedule)
+        return SamplingParams(
+            max_tokens=want,
+            temperature=pick["temperature"],
+            top_p=pick["top_p"],
+            top_k=pick["top_k"] or 0,
+            stop=tuple(options.stop or ()),
+            seed=options.seed,
+            prompt_lookup_tokens=gw.prompt_lookup_tokens,
+            prompt_lookup_schedule=gw.prompt_lookup_schedule,
+        )
 
     def _chat_ids(self, body: ChatBody) -> list[int]:
         return self.gw._template_ids([{"role": m.role, "content": m.content} for m in body.messages])
@@ -336,18 +429,26 @@ class OllamaAPI:
     def _generate_ids(self, body: GenerateBody) -> list[int]:
         if body.raw or not self.gw.tokenizer.chat_template:
             if body.system:
-                raise APIError(400, "'system' needs the chat template: drop raw=true, or put the system text into "
-                                    "the raw prompt", param="system")
+                raise APIError(
+                    400,
+                    "'system' needs the chat template: drop raw=true, or put the system text into the raw prompt",
+                    param="system",
+                )
             ids = list(self.gw.tokenizer(body.prompt, add_special_tokens=not body.context)["input_ids"])
         else:
-            messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-                       [{"role": "user", "content": body.prompt}]
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                {"role": "user", "content": body.prompt}
+            ]
             ids = self.gw._template_ids(messages)
         vocab = len(self.gw.tokenizer)
         context = list(body.context or ())
         if any(not 0 <= t < vocab for t in context):
-            raise APIError(400, f"'context' holds token ids outside the vocabulary (0..{vocab - 1}): send the "
-                                "context a previous answer returned", param="context")
+            raise APIError(
+                400,
+                f"'context' holds token ids outside the vocabulary (0..{vocab - 1}): send the "
+                "context a previous answer returned",
+                param="context",
+            )
         return context + ids
 
     async def run(self, request: Request, body: ChatBody | GenerateBody):
@@ -365,11 +466,22 @@ class OllamaAPI:
             result = (await self.gw._collect(request, events, cancel, 1))[0]
             return {**self._piece(body, chat, result.text), **self._final(body, chat, prompt_ids, result, arrived_s)}
         first = await self.gw._first_event(request, events, cancel)
-        return StreamingResponse(self._ndjson(body, chat, prompt_ids, events, cancel, first, arrived_s),
-                                 media_type="application/x-ndjson", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            self._ndjson(body, chat, prompt_ids, events, cancel, first, arrived_s),
+            media_type="application/x-ndjson",
+            headers={"Cache-Control": "no-cache"},
+        )
 
-    async def _ndjson(self, body, chat: bool, prompt_ids: list[int], events: asyncio.Queue, cancel: threading.Event,
-                      first, arrived_s: float):
+    async def _ndjson(
+        self,
+        body,
+        chat: bool,
+        prompt_ids: list[int],
+        events: asyncio.Queue,
+        cancel: threading.Event,
+        first,
+        arrived_s: float,
+    ):
         try:
             item = first
             while True:
@@ -378,8 +490,9 @@ class OllamaAPI:
                     if value[0]:
                         yield _line({**self._piece(body, chat, value[0]), "done": False})
                 elif kind == "done":
-                    yield _line({**self._piece(body, chat, ""), **self._final(body, chat, prompt_ids, value,
-                                                                               arrived_s)})
+                    yield _line(
+                        {**self._piece(body, chat, ""), **self._final(body, chat, prompt_ids, value, arrived_s)}
+                    )
                     return
                 else:
                     yield _line({"error": api_error_of(value).message})
@@ -399,12 +512,18 @@ class OllamaAPI:
         time to the first token (the session's open and the prompt's step), evaluation the time from
         the first token to the last; total is from the request's arrival (admission wait included)."""
         first_s = r.time_to_first_token_s or 0.0
-        out = {"done": True, "done_reason": r.finish_reason, "total_duration": _ns(time.perf_counter() - arrived_s),
-               "load_duration": 0, "prompt_eval_count": len(prompt_ids) - r.prefix_hit_tokens,
-               "prompt_eval_duration": _ns(first_s), "eval_count": r.completion_tokens,
-               "eval_duration": _ns(r.token_times_s[-1] - r.token_times_s[0]) if r.token_times_s else 0,
-               # not Ollama's: the chain of servers that served the answer (the chat page's footer)
-               "petals_chain": served_by(r)}
+        out = {
+            "done": True,
+            "done_reason": r.finish_reason,
+            "total_duration": _ns(time.perf_counter() - arrived_s),
+            "load_duration": 0,
+            "prompt_eval_count": len(prompt_ids) - r.prefix_hit_tokens,
+            "prompt_eval_duration": _ns(first_s),
+            "eval_count": r.completion_tokens,
+            "eval_duration": _ns(r.token_times_s[-1] - r.token_times_s[0]) if r.token_times_s else 0,
+            # not Ollama's: the chain of servers that served the answer (the chat page's footer)
+            "petals_chain": served_by(r),
+        }
         if not chat:
             out["context"] = list(prompt_ids) + list(r.token_ids)
         return out

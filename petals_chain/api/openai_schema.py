@@ -4,6 +4,7 @@ Field names and shapes follow OpenAI's API reference for `/v1/completions` and
 `/v1/chat/completions`. A field the gateway does not implement is rejected with a 400 naming it
 (or accepted only at its no-op value), never dropped silently.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,15 @@ UNAVAILABLE_STATUS = 503
 class APIError(Exception):
     """An error the gateway answers in OpenAI's error JSON with `status`."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -40,8 +48,9 @@ def api_error_of(error: BaseException) -> APIError:
     if isinstance(error, InvalidRequestError):
         return APIError(400, str(error))
     if isinstance(error, PetalsChainError):  # no chain, queue timeout, servers gone, out of cache
-        return APIError(UNAVAILABLE_STATUS, f"the swarm cannot serve the request now: {error}", type="server_error",
-                        code=error.code)
+        return APIError(
+            UNAVAILABLE_STATUS, f"the swarm cannot serve the request now: {error}", type="server_error", code=error.code
+        )
     return APIError(500, f"internal error in the gateway: {type(error).__name__}: {error}", type="server_error")
 
 
@@ -131,8 +140,10 @@ class CompletionRequest(_Common):
     def _one_prompt(cls, v):
         if isinstance(v, list):
             if len(v) != 1:
-                raise ValueError("send exactly one prompt per request (a string, or a list of one string); "
-                                 "use n for several completions of one prompt")
+                raise ValueError(
+                    "send exactly one prompt per request (a string, or a list of one string); "
+                    "use n for several completions of one prompt"
+                )
             return v[0]
         return v
 
@@ -186,8 +197,10 @@ class ResponseFormat(BaseModel):
     @classmethod
     def _text_only(cls, v):
         if v != "text":
-            raise ValueError(f"response_format {v!r} is not implemented by this gateway (no constrained "
-                             "decoding); remove it (or send {\"type\": \"text\"})")
+            raise ValueError(
+                f"response_format {v!r} is not implemented by this gateway (no constrained "
+                'decoding); remove it (or send {"type": "text"})'
+            )
         return v
 
 
@@ -219,8 +232,9 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
+def chat_choice(
+    index: int, text: str | None, finish_reason: str, logprobs: dict | None = None, tool_calls: list[dict] | None = None
+) -> dict:
     message = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
@@ -228,18 +242,36 @@ def chat_choice(index: int, text: str | None, finish_reason: str, logprobs: dict
 
 
 def completion_body(rid: str, model: str, created: int, choices: list[dict], usage: dict | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            **({"usage": usage} if usage is not None else {})}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **({"usage": usage} if usage is not None else {}),
+    }
 
 
 def chat_body(rid: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
 
 
 def chat_chunk(rid: str, model: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
-            **({"usage": usage} if usage is not None else {})}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **({"usage": usage} if usage is not None else {}),
+    }
 
 
 def chat_delta(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
@@ -249,8 +281,11 @@ def chat_delta(index: int, delta: dict, finish_reason: str | None, logprobs: dic
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
     """`cached_tokens`: prompt tokens the chain took from its servers' prefix caches (OpenAI's
     `prompt_tokens_details.cached_tokens`)."""
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out
@@ -263,10 +298,14 @@ def served_by(result) -> dict:
     timed them (None for fewer than two); `time_to_first_token_s` from the session's start."""
     times = result.token_times_s
     span_s = times[-1] - times[0] if len(times) > 1 else 0.0
-    return {"chain": result.chain, "hops": result.hops, "failovers": result.failovers,
-            "prefix_hit_tokens": result.prefix_hit_tokens,
-            "tokens_per_s": (len(times) - 1) / span_s if span_s > 0 else None,
-            "time_to_first_token_s": result.time_to_first_token_s}
+    return {
+        "chain": result.chain,
+        "hops": result.hops,
+        "failovers": result.failovers,
+        "prefix_hit_tokens": result.prefix_hit_tokens,
+        "tokens_per_s": (len(times) - 1) / span_s if span_s > 0 else None,
+        "time_to_first_token_s": result.time_to_first_token_s,
+    }
 
 
 def now_s() -> int:

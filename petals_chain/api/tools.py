@@ -9,6 +9,7 @@ Hermes, SmolLM3, ...): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>
 call. Forcing a call (`tool_choice: "required"` or a named function) needs constrained decoding,
 which the gateway does not do: a 400 says so.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,14 @@ from petals_chain.api.openai_schema import APIError, ChatMessage, ChatRequest
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE_TAG) + r"|$)", re.S)
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_support", "description": "probe",
-                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_tool_support",
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 _PROBE_ARGUMENTS = {"probe_key": 1}
 # OpenAI's rule for function names; it also keeps a name from running into the template's quote after it
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -45,8 +52,11 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
                 try:
                     fn["arguments"] = json.loads(fn["arguments"])
                 except ValueError:
-                    raise APIError(400, "an assistant message's tool_calls[].function.arguments is not valid JSON",
-                                   param="messages") from None
+                    raise APIError(
+                        400,
+                        "an assistant message's tool_calls[].function.arguments is not valid JSON",
+                        param="messages",
+                    ) from None
             calls.append({**call, "function": fn})
         out["tool_calls"] = calls
     return out
@@ -64,11 +74,17 @@ def offered_tools(body: ChatRequest) -> list[dict] | None:
     for i, tool in enumerate(body.tools):
         fn = tool.get("function")
         if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise APIError(400, 'each tool must be {"type": "function", "function": {"name": ..., "parameters": ...}}',
-                           param=f"tools.{i}")
+            raise APIError(
+                400,
+                'each tool must be {"type": "function", "function": {"name": ..., "parameters": ...}}',
+                param=f"tools.{i}",
+            )
         if not _NAME_RE.match(fn["name"]):
-            raise APIError(400, f"tool name {fn['name']!r} must be 1 to 64 letters, digits, '_' or '-' (OpenAI's rule)",
-                           param=f"tools.{i}.function.name")
+            raise APIError(
+                400,
+                f"tool name {fn['name']!r} must be 1 to 64 letters, digits, '_' or '-' (OpenAI's rule)",
+                param=f"tools.{i}.function.name",
+            )
     _forced_name(body)  # 400s for a tool_choice that is neither of OpenAI's forms
     return list(body.tools)
 
@@ -83,12 +99,18 @@ def _forced_name(body: ChatRequest) -> tuple[bool, str | None]:
     names = [t["function"]["name"] for t in body.tools or ()]
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(fn, dict):
-        raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
-                            '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+        raise APIError(
+            400,
+            'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
     if fn.get("name") not in names:
-        raise APIError(400, f"tool_choice names the function {fn.get('name')!r}, which is not among the offered "
-                            f"tools ({', '.join(names)}): offer it in 'tools' or name one of them",
-                       param="tool_choice.function.name")
+        raise APIError(
+            400,
+            f"tool_choice names the function {fn.get('name')!r}, which is not among the offered "
+            f"tools ({', '.join(names)}): offer it in 'tools' or name one of them",
+            param="tool_choice.function.name",
+        )
     return True, fn["name"]
 
 
@@ -118,28 +140,46 @@ def forced_call(tokenizer, body: ChatRequest) -> ForcedCall | None:
 
 
 def _call_shape(tokenizer) -> tuple[str, str, str]:
-    unsupported = APIError(400, "this chat template does not render tool calls as <tool_call>{\"name\": ..., "
-                                "\"arguments\": {...}}</tool_call>, the shape the gateway forces and parses; use "
-                                "tool_choice 'auto' or start the gateway with --chat-template FILE naming a "
-                                "Hermes-style template", param="tool_choice")
+    unsupported = APIError(
+        400,
+        'this chat template does not render tool calls as <tool_call>{"name": ..., '
+        '"arguments": {...}}</tool_call>, the shape the gateway forces and parses; use '
+        "tool_choice 'auto' or start the gateway with --chat-template FILE naming a "
+        "Hermes-style template",
+        param="tool_choice",
+    )
     name = _PROBE_TOOL["function"]["name"]
     ask = [{"role": "user", "content": "hi"}]
-    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_probe", "type": "function", "function": {
-        "name": name, "arguments": _PROBE_ARGUMENTS}}]}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_probe", "type": "function", "function": {"name": name, "arguments": _PROBE_ARGUMENTS}}
+        ],
+    }
     try:
         prompt = tokenizer.apply_chat_template(ask, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(ask + [call], tools=[_PROBE_TOOL], tokenize=False)
     except Exception:
         raise unsupported from None
-    reply = full[len(prompt):] if full.startswith(prompt) else ""
+    reply = full[len(prompt) :] if full.startswith(prompt) else ""
     at_name = reply.find(name)
-    at_args, args = next(((reply.find(a, at_name), a) for a in (json.dumps(_PROBE_ARGUMENTS),
-                                                                  json.dumps(_PROBE_ARGUMENTS, separators=(",", ":")))
-                          if at_name >= 0 and reply.find(a, at_name) >= 0), (-1, ""))
+    at_args, args = next(
+        (
+            (reply.find(a, at_name), a)
+            for a in (json.dumps(_PROBE_ARGUMENTS), json.dumps(_PROBE_ARGUMENTS, separators=(",", ":")))
+            if at_name >= 0 and reply.find(a, at_name) >= 0
+        ),
+        (-1, ""),
+    )
     at_close = reply.find(CLOSE_TAG, at_args + len(args))
     if min(at_name, at_args, at_close) < 0:
         raise unsupported
-    shape = reply[:at_name], reply[at_name + len(name):at_args], reply[at_args + len(args):at_close + len(CLOSE_TAG)]
+    shape = (
+        reply[:at_name],
+        reply[at_name + len(name) : at_args],
+        reply[at_args + len(args) : at_close + len(CLOSE_TAG)],
+    )
     # the parser must read a call in this shape back as exactly that call (one implementation of the format)
     content, calls = parse_tool_calls(shape[0] + "f" + shape[1] + '{"a": [1]}' + shape[2])
     if content is not None or [c["function"] for c in calls] != [{"name": "f", "arguments": '{"a": [1]}'}]:
@@ -150,7 +190,9 @@ def _call_shape(tokenizer) -> tuple[str, str, str]:
 def template_supports_tools(tokenizer) -> bool:
     probe = [{"role": "user", "content": "hi"}]
     try:
-        with_tool = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True)
+        with_tool = tokenizer.apply_chat_template(
+            probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True
+        )
     except Exception:  # a template that raises on tools does not support them
         return False
     return with_tool != tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
@@ -169,9 +211,16 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return text, []
         arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+        calls.append(
+            {
+                "id": "call_" + uuid.uuid4().hex[:24],
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+        )
     if not calls:
         return text, []
     content = _CALL_RE.sub("", text).strip()
@@ -190,15 +239,16 @@ class ToolCallStream:
         self.text += delta
         start = self.text.find(OPEN_TAG)
         if start < 0:  # hold a tail that may be the start of the tag
-            start = len(self.text) - next((k for k in range(min(len(OPEN_TAG) - 1, len(self.text)), 0, -1)
-                                           if self.text.endswith(OPEN_TAG[:k])), 0)
-        out = self.text[self.sent:max(start, self.sent)]
+            start = len(self.text) - next(
+                (k for k in range(min(len(OPEN_TAG) - 1, len(self.text)), 0, -1) if self.text.endswith(OPEN_TAG[:k])), 0
+            )
+        out = self.text[self.sent : max(start, self.sent)]
         self.sent = max(start, self.sent)
         return out
 
     def finish(self) -> tuple[str, list[dict]]:
         """(text still to send, tool calls)."""
-        held = self.text[self.sent:]
+        held = self.text[self.sent :]
         content, calls = parse_tool_calls(held)
         self.sent = len(self.text)
         return (content or "") if calls else held, calls

@@ -8,6 +8,7 @@ traceback reaches a user for something the user caused. A bug still shows its tr
 
 Light on purpose: no torch, no hivemind at import (every CLI imports this before parsing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,18 @@ import re
 import sys
 from typing import Callable
 
-SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # `--log-level` (type=str.upper)
 # `--dtype` of every CLI: the names of runtime/block_range.DTYPES (kept here, torch-free, so parsing a
 # command line imports no torch; tests/test_cli_errors.py checks the two agree)
@@ -44,8 +55,7 @@ def one_line(error: BaseException) -> str:
     return " | ".join(lines) if lines else type(error).__name__
 
 
-def run_main(prog: str, main: Callable[[list[str]], int | None], argv: list[str], *,
-             exit_process: bool = False) -> int:
+def run_main(prog: str, main: Callable[[list[str]], int | None], argv: list[str], *, exit_process: bool = False) -> int:
     """Run a command's `main(argv)`; what the user caused becomes one line on stderr and an exit code.
 
     `exit_process` (the command runs as its own program, not called from Python): once `main` is
@@ -171,8 +181,9 @@ def _multiaddr_class():
     if name not in sys.modules:
         spec = importlib.util.find_spec("hivemind")
         folder = os.path.join(os.path.dirname(spec.origin), "utils", "multiaddr")
-        spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
-                                                      submodule_search_locations=[folder])
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -199,7 +210,8 @@ def peer_maddr(text: str) -> str:
     except Exception as e:
         raise argparse.ArgumentTypeError(
             f"bad peer address {text!r} ({e}); pass the full multiaddr printed by `petals-chain dht`, "
-            "e.g. /ip4/127.0.0.1/tcp/31337/p2p/QmXXXX...") from None
+            "e.g. /ip4/127.0.0.1/tcp/31337/p2p/QmXXXX..."
+        ) from None
     return text
 
 
@@ -213,8 +225,9 @@ def identity_path(text: str) -> str:
         return text
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"no folder {folder!r} to make the identity file {text!r} in; "
-                                         "create the folder or pick another path")
+        raise argparse.ArgumentTypeError(
+            f"no folder {folder!r} to make the identity file {text!r} in; create the folder or pick another path"
+        )
     if not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write the identity file {text!r}: folder {folder!r} is not writable")
     return text

@@ -8,6 +8,7 @@ their KV caches. Replies stream as they are generated.
   /exit    leave (also /bye or Ctrl-D)
   \"\"\"      start and end a message of several lines; a line ending in \\ continues on the next
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,18 +32,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = CliParser(prog="petals-chain chat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
-    p.add_argument("--initial-peers", nargs="*", default=None, type=peer_maddr,
-                   help="multiaddrs of swarm DHT peers (without them the blocks run in this process)")
-    p.add_argument("--identity-path", default=None, type=identity_path,
-                   help="this client's peer identity file: a stable peer id for a private swarm's --allowed-peers")
-    p.add_argument("--allowed-peers", default=None, metavar="FILE",
-                   help="use only servers (and an orchestrator) whose peer ids FILE lists (private swarm)")
-    p.add_argument("--local-ranges", type=parse_ranges, default=None,
-                   help="without --initial-peers: block ranges run in this process (default: all blocks in one)")
+    p.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=None,
+        type=peer_maddr,
+        help="multiaddrs of swarm DHT peers (without them the blocks run in this process)",
+    )
+    p.add_argument(
+        "--identity-path",
+        default=None,
+        type=identity_path,
+        help="this client's peer identity file: a stable peer id for a private swarm's --allowed-peers",
+    )
+    p.add_argument(
+        "--allowed-peers",
+        default=None,
+        metavar="FILE",
+        help="use only servers (and an orchestrator) whose peer ids FILE lists (private swarm)",
+    )
+    p.add_argument(
+        "--local-ranges",
+        type=parse_ranges,
+        default=None,
+        help="without --initial-peers: block ranges run in this process (default: all blocks in one)",
+    )
     p.add_argument("--system", default=None, help="a system message at the start of the conversation")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest reply (tokens, default 256)")
-    p.add_argument("--max-length", type=positive_int, default=2048,
-                   help="the conversation's room in tokens, reserved on the servers (default 2048); /clear frees it")
+    p.add_argument(
+        "--max-length",
+        type=positive_int,
+        default=2048,
+        help="the conversation's room in tokens, reserved on the servers (default 2048); /clear frees it",
+    )
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=positive_float, default=0.7, help="with --sample: > 0 (default 0.7)")
     p.add_argument("--top-p", type=probability, default=0.9, help="with --sample: nucleus mass in (0, 1] (default 0.9)")
@@ -106,7 +128,7 @@ class Conversation:
         if self.session is not None and self.session.token_ids:
             seen = self.tokenizer.decode(self.session.token_ids, skip_special_tokens=False)
             if target.startswith(seen):
-                return self.tokenizer(target[len(seen):], add_special_tokens=False).input_ids
+                return self.tokenizer(target[len(seen) :], add_special_tokens=False).input_ids
             messages = self.messages
             self.clear()
             self.messages = messages
@@ -124,14 +146,18 @@ class Conversation:
             self._context = self.model.inference_session(max_length=self.args.max_length)
             self.session = self._context.__enter__()
         max_new = min(self.args.max_new_tokens, self.args.max_length - held - len(ids))
-        kwargs = dict(max_new_tokens=max_new, do_sample=self.args.sample, streamer=streamer,
-                      eos_token_id=self.tokenizer.eos_token_id)
+        kwargs = dict(
+            max_new_tokens=max_new,
+            do_sample=self.args.sample,
+            streamer=streamer,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
         if self.args.sample:
             kwargs.update(temperature=self.args.temperature, top_p=self.args.top_p)
         start_s = time.perf_counter()
         out = self.model.generate(torch.tensor([ids]), **kwargs)
         elapsed_s = time.perf_counter() - start_s
-        reply_ids = out[0, held + len(ids):].tolist()
+        reply_ids = out[0, held + len(ids) :].tolist()
         reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
         self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
         return reply, len(reply_ids), elapsed_s
@@ -143,8 +169,10 @@ class Conversation:
 
 class ConversationFull(Exception):
     def __init__(self, held: int, max_length: int):
-        super().__init__(f"the conversation holds {held} of its {max_length} tokens and this message does not fit: "
-                         "/clear starts a new one (or restart with a larger --max-length)")
+        super().__init__(
+            f"the conversation holds {held} of its {max_length} tokens and this message does not fit: "
+            "/clear starts a new one (or restart with a larger --max-length)"
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -158,8 +186,12 @@ def main(argv: list[str]) -> int:
     path = resolve_model_path(args.model)
     if args.initial_peers:
         model = DistributedModelForCausalLM.from_pretrained(
-            args.model, initial_peers=args.initial_peers, dtype=args.dtype, identity_path=args.identity_path,
-            allowed_servers=load_allowed_peers(args.allowed_peers))
+            args.model,
+            initial_peers=args.initial_peers,
+            dtype=args.dtype,
+            identity_path=args.identity_path,
+            allowed_servers=load_allowed_peers(args.allowed_peers),
+        )
     else:
         ranges = args.local_ranges or [(0, load_config(path).num_hidden_layers)]
         model = DistributedModelForCausalLM.from_local_ranges(path, ranges, dtype=args.dtype)
@@ -167,8 +199,11 @@ def main(argv: list[str]) -> int:
     conversation = Conversation(model, tokenizer, args)
     conversation.clear()
     where = "through the swarm" if args.initial_peers else "in this process"
-    print(f"chatting with {args.model} {where}; /clear forgets the conversation, /exit leaves, "
-          '""" starts a message of several lines', flush=True)
+    print(
+        f"chatting with {args.model} {where}; /clear forgets the conversation, /exit leaves, "
+        '""" starts a message of several lines',
+        flush=True,
+    )
     try:
         while True:
             text = read_message()
@@ -186,8 +221,11 @@ def main(argv: list[str]) -> int:
             except ConversationFull as e:
                 print(f"({e})", flush=True)
                 continue
-            print(f"({n_tokens} tokens in {elapsed_s:.1f} s; {conversation.tokens_held} of {args.max_length} "
-                  "tokens in this conversation)", flush=True)
+            print(
+                f"({n_tokens} tokens in {elapsed_s:.1f} s; {conversation.tokens_held} of {args.max_length} "
+                "tokens in this conversation)",
+                flush=True,
+            )
     finally:
         conversation.clear()
         model.backend.shutdown()

@@ -1,4 +1,5 @@
 """`petals-chain convert`: convert the embedded model into the cache ahead of time."""
+
 from __future__ import annotations
 
 import time

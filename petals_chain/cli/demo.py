@@ -3,6 +3,7 @@
 `--blocks auto`. The orchestrator plans their placement (GBP-CR + GCA by default), the demo
 streams one chat answer, then runs N concurrent sessions dispatched by JFFC and prints each
 session's queue wait and service time; then it shuts everything down (also on Ctrl-C)."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,15 +26,27 @@ from petals_chain.cli.args import (
 )
 
 DEFAULT_BUDGETS = "300MiB,340MiB,380MiB,420MiB"
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sun is a", "In 1492, Columbus",
-           "Water boils at", "My favourite colour is", "A haiku about rain:", "The best way to learn is",
-           "Photosynthesis is", "The three primary colors are", "A good cup of coffee"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The sun is a",
+    "In 1492, Columbus",
+    "Water boils at",
+    "My favourite colour is",
+    "A haiku about rain:",
+    "The best way to learn is",
+    "Photosynthesis is",
+    "The three primary colors are",
+    "A good cup of coffee",
+]
 
 
 def get_policy_names() -> tuple[str, ...]:
     from orchestrator.policies import (
         POLICY_NAMES,  # the registry (planner, simulator, service read it too)
     )
+
     return POLICY_NAMES
 
 
@@ -64,13 +77,15 @@ def check_budgets(path, budgets_bytes: list[int], max_length_tokens: int) -> Non
         raise InvalidRequestError(
             f"--budgets: {too_small[0] / mib:.0f} MiB cannot hold one block ({s_m / mib:.1f} MiB) with one session's "
             f"KV at --max-length {max_length_tokens} ({s_c / mib:.2f} MiB); give every server at least "
-            f"{per_block / mib:.0f} MiB, e.g. --budgets {DEFAULT_BUDGETS}")
+            f"{per_block / mib:.0f} MiB, e.g. --budgets {DEFAULT_BUDGETS}"
+        )
     held = sum(b // per_block for b in budgets_bytes)
     if held < num_blocks:
         raise InvalidRequestError(
             f"--budgets: together the servers hold {held} of the model's {num_blocks} blocks (each block "
             f"{per_block / mib:.1f} MiB with one session's KV); add servers or memory, "
-            f"e.g. --budgets {DEFAULT_BUDGETS}")
+            f"e.g. --budgets {DEFAULT_BUDGETS}"
+        )
 
 
 def _get(url: str, timeout_s: float = 10.0) -> dict:
@@ -164,8 +179,10 @@ def start_swarm(swarm, progress_start_s: float, *, timeout_s: float = 600.0, pol
 
     swarm.start(wait_servers=False)
     progress = StartupProgress(swarm, progress_start_s)
-    progress.say(f"DHT peer and orchestrator up; {len(swarm.servers)} servers starting (each measures one block, "
-                 "registers, then loads the blocks the orchestrator assigns it and measures those)")
+    progress.say(
+        f"DHT peer and orchestrator up; {len(swarm.servers)} servers starting (each measures one block, "
+        "registers, then loads the blocks the orchestrator assigns it and measures those)"
+    )
     deadline = time.monotonic() + timeout_s
     while True:
         progress.poll()
@@ -180,9 +197,11 @@ def start_swarm(swarm, progress_start_s: float, *, timeout_s: float = 600.0, pol
             return status
         if time.monotonic() > deadline:
             busy = [name for name in progress.phase if name not in progress.done]
-            raise RuntimeError(f"the swarm did not come online within {timeout_s:.0f} s (still starting: "
-                               f"{', '.join(busy) or 'none; the plan is not installed'}); a loaded machine "
-                               "may need a later try")
+            raise RuntimeError(
+                f"the swarm did not come online within {timeout_s:.0f} s (still starting: "
+                f"{', '.join(busy) or 'none; the plan is not installed'}); a loaded machine "
+                "may need a later try"
+            )
         time.sleep(poll_s)
 
 
@@ -207,15 +226,28 @@ def main(argv: list[str]) -> int:
     start_s = time.monotonic()  # the progress lines' clock: seconds since the command started
     p = CliParser(prog="petals-chain demo", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
-    p.add_argument("--budgets", type=parse_budgets, default=parse_budgets(DEFAULT_BUDGETS),
-                   help=f"comma-separated memory budgets, one server each (default {DEFAULT_BUDGETS})")
-    p.add_argument("--servers", type=positive_int, default=None,
-                   help="number of servers (budgets cycle through --budgets; default: one per budget)")
-    p.add_argument("--policy", default="proposed", choices=get_policy_names(),
-                   help="the orchestrator's placement and dispatch policy (default proposed: GBP-CR + GCA + JFFC)")
+    p.add_argument(
+        "--budgets",
+        type=parse_budgets,
+        default=parse_budgets(DEFAULT_BUDGETS),
+        help=f"comma-separated memory budgets, one server each (default {DEFAULT_BUDGETS})",
+    )
+    p.add_argument(
+        "--servers",
+        type=positive_int,
+        default=None,
+        help="number of servers (budgets cycle through --budgets; default: one per budget)",
+    )
+    p.add_argument(
+        "--policy",
+        default="proposed",
+        choices=get_policy_names(),
+        help="the orchestrator's placement and dispatch policy (default proposed: GBP-CR + GCA + JFFC)",
+    )
     p.add_argument("--c", default="3", help="cache reservation c for the proposed policy: auto or N (default 3)")
-    p.add_argument("--sessions", type=non_negative_int, default=8,
-                   help="concurrent sessions after the chat (default 8)")
+    p.add_argument(
+        "--sessions", type=non_negative_int, default=8, help="concurrent sessions after the chat (default 8)"
+    )
     p.add_argument("--session-tokens", type=positive_int, default=12, help="tokens each concurrent session generates")
     p.add_argument("--prompt", default="Explain in three sentences why the sky is blue.", help="the chat's message")
     p.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens of the chat's answer (default 48)")
@@ -243,44 +275,66 @@ def main(argv: list[str]) -> int:
 
     converted = not _is_converted(args.model)
     if converted:
-        print(f"converting the embedded model {args.model} into {cache_dir() / 'models'} (once; later runs "
-              "reuse it) ...", flush=True)
+        print(
+            f"converting the embedded model {args.model} into {cache_dir() / 'models'} (once; later runs reuse it) ...",
+            flush=True,
+        )
     path = resolve_model_path(args.model)  # convert once here, not in every server
     if converted:
         print(f"  [{time.monotonic() - start_s:5.0f} s] model ready: {path}", flush=True)
     check_budgets(path, [parse_size(b) for b in budgets], args.max_length)  # before any process starts
     orch_args = ["--expected-servers", str(len(budgets)), "--policy", args.policy, "--c", args.c, "--arrival-rate", "2"]
-    print(f"starting a local swarm on 127.0.0.1: DHT peer + orchestrator ({args.policy}) + {len(budgets)} servers "
-          f"with --blocks auto and budgets {', '.join(budgets)} ...", flush=True)
+    print(
+        f"starting a local swarm on 127.0.0.1: DHT peer + orchestrator ({args.policy}) + {len(budgets)} servers "
+        f"with --blocks auto and budgets {', '.join(budgets)} ...",
+        flush=True,
+    )
     model = None
-    swarm = LocalSwarm(args.model, [None] * len(budgets),
-                       server_args=["--num-threads", "1", "--max-length", str(args.max_length)],
-                       per_server_args=[["--memory-budget", b] for b in budgets], orchestrator_args=orch_args)
+    swarm = LocalSwarm(
+        args.model,
+        [None] * len(budgets),
+        server_args=["--num-threads", "1", "--max-length", str(args.max_length)],
+        per_server_args=[["--memory-budget", b] for b in budgets],
+        orchestrator_args=orch_args,
+    )
     try:
         with _stopping(swarm):
             status = start_swarm(swarm, start_s)
             names = {s["peer_id"]: s["name"] for s in status["servers"]}
-            print(f"\norchestrator {swarm.orchestrator_peer_id[-8:]}: plan v{status['plan_version']}, "
-                  f"policy {status['policy']}, c = {status['c']}   (status page: {swarm.orchestrator_url})")
+            print(
+                f"\norchestrator {swarm.orchestrator_peer_id[-8:]}: plan v{status['plan_version']}, "
+                f"policy {status['policy']}, c = {status['c']}   (status page: {swarm.orchestrator_url})"
+            )
             print("placement (what each server loaded):")
             for s in status["servers"]:
                 blocks = f"[{s['start']:2d}, {s['end']:2d})" if s["end"] > s["start"] else "unused  "
-                print(f"  {s['name']:8s} budget {s['memory'] / 2**20:5.0f} MiB  blocks {blocks}  "
-                      f"tau_c {s['tau_c'] * 1e3:6.1f} ms  tau_p {s['tau_p'] * 1e3:6.2f} ms/block")
+                print(
+                    f"  {s['name']:8s} budget {s['memory'] / 2**20:5.0f} MiB  blocks {blocks}  "
+                    f"tau_c {s['tau_c'] * 1e3:6.1f} ms  tau_p {s['tau_p'] * 1e3:6.2f} ms/block"
+                )
             print("  budget  the server's --memory-budget: its blocks' weights and its sessions' KV caches fit in it")
             print("  blocks  the blocks [start, end) the orchestrator assigned it (0-based, end excluded)")
             print("  tau_c   a session's network time with it: its steps x (the measured RTT + a per-step overhead)")
             print("  tau_p   a session's compute time per block on it: about t_I x prompt + t_O x output tokens,")
-            print(f"          t_I/t_O measured at its first start (cached in {cache_dir() / 'throughput.json'}; "
-                  "delete that file to measure again)")
-            print("chains:" if args.policy in ("proposed", "jffc-only") else
-                  "chains (per-request routes, made on demand):")
+            print(
+                f"          t_I/t_O measured at its first start (cached in {cache_dir() / 'throughput.json'}; "
+                "delete that file to measure again)"
+            )
+            print(
+                "chains:"
+                if args.policy in ("proposed", "jffc-only")
+                else "chains (per-request routes, made on demand):"
+            )
             for k in status["chains"]:
-                print(f"  {' -> '.join(names.get(p, p[-8:]) for p in k['servers'])}  blocks {k['blocks']}  "
-                      f"capacity {k['capacity']}  T = {k['service_time']:.2f} s")
+                print(
+                    f"  {' -> '.join(names.get(p, p[-8:]) for p in k['servers'])}  blocks {k['blocks']}  "
+                    f"capacity {k['capacity']}  T = {k['service_time']:.2f} s"
+                )
             if status["chains"]:
-                print("  blocks: each hop's range; capacity: sessions it serves at once (its servers' KV memory); "
-                      "T: one session's service time on it")
+                print(
+                    "  blocks: each hop's range; capacity: sessions it serves at once (its servers' KV memory); "
+                    "T: one session's service time on it"
+                )
 
             model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers)
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -289,8 +343,13 @@ def main(argv: list[str]) -> int:
             streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
             chat_start_s = time.perf_counter()
             with model.inference_session(max_length=ids.shape[1] + args.max_new_tokens) as session:
-                out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer,
-                                     eos_token_id=tokenizer.eos_token_id)
+                out = model.generate(
+                    ids,
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                    streamer=streamer,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
                 chain = session.chain.describe()
             elapsed_s = time.perf_counter() - chat_start_s
             new_tokens = out.shape[1] - ids.shape[1]
@@ -298,11 +357,17 @@ def main(argv: list[str]) -> int:
 
             if args.sessions:
                 from orchestrator.policies import get_policy
+
                 routed = get_policy(args.policy).per_request
-                capacity = ("routes chosen per request" if routed else
-                            f"total capacity {sum(k['capacity'] for k in status['chains'])}")
-                print(f"\n{args.sessions} concurrent sessions, {args.session_tokens} tokens each ({capacity}):",
-                      flush=True)
+                capacity = (
+                    "routes chosen per request"
+                    if routed
+                    else f"total capacity {sum(k['capacity'] for k in status['chains'])}"
+                )
+                print(
+                    f"\n{args.sessions} concurrent sessions, {args.session_tokens} tokens each ({capacity}):",
+                    flush=True,
+                )
                 rows: dict[int, tuple] = {}
                 errors: list[str] = []
 
@@ -316,8 +381,13 @@ def main(argv: list[str]) -> int:
                             o = m.generate(prompt, max_new_tokens=args.session_tokens, do_sample=False)
                             t2 = time.perf_counter()
                             grant = getattr(s.chain, "grant", None)  # the orchestrator's, on the session
-                            rows[i] = (t1 - t0, grant.wait_s if grant else float("nan"), t2 - t1, s.chain.describe(),
-                                       tokenizer.decode(o[0, prompt.shape[1]:], skip_special_tokens=True))
+                            rows[i] = (
+                                t1 - t0,
+                                grant.wait_s if grant else float("nan"),
+                                t2 - t1,
+                                s.chain.describe(),
+                                tokenizer.decode(o[0, prompt.shape[1] :], skip_special_tokens=True),
+                            )
                     except PetalsChainError as e:
                         errors.append(f"session {i}: {e}")
 
@@ -330,20 +400,26 @@ def main(argv: list[str]) -> int:
                 print(f"  {'#':>2}  {'wait (client)':>13}  {'queue wait (orch.)':>18}  {'service':>8}  chain")
                 for i in sorted(rows):
                     w_client, w_orch, service, chain, text = rows[i]
-                    print(f"  {i:2d}  {w_client:11.2f} s  {w_orch:16.2f} s  {service:6.2f} s  {chain}   "
-                          f"{text.strip()[:40]!r}")
-                print("  wait (client): asking for a chain until holding one; queue wait (orch.): the part spent in "
-                      "the orchestrator's queue; service: generating the tokens")
+                    print(
+                        f"  {i:2d}  {w_client:11.2f} s  {w_orch:16.2f} s  {service:6.2f} s  {chain}   "
+                        f"{text.strip()[:40]!r}"
+                    )
+                print(
+                    "  wait (client): asking for a chain until holding one; queue wait (orch.): the part spent in "
+                    "the orchestrator's queue; service: generating the tokens"
+                )
                 for e in errors:
                     print("  " + e)
                 st = _get_or_none(swarm.orchestrator_url + "status")
                 if st is None:
                     print("orchestrator: its status page did not answer within 10 s (a busy machine)")
                 else:
-                    print(f"orchestrator: {st['metrics']['admitted']} sessions admitted, "
-                          f"queue length {st['queue_length']}, "
-                          f"expected lengths now in={st['expected_lengths']['input_tokens']:.1f} "
-                          f"out={st['expected_lengths']['output_tokens']:.1f} tokens")
+                    print(
+                        f"orchestrator: {st['metrics']['admitted']} sessions admitted, "
+                        f"queue length {st['queue_length']}, "
+                        f"expected lengths now in={st['expected_lengths']['input_tokens']:.1f} "
+                        f"out={st['expected_lengths']['output_tokens']:.1f} tokens"
+                    )
             if args.keep_running:
                 print(f"\nswarm running; status page {swarm.orchestrator_url} - Ctrl-C stops it", flush=True)
                 while True:

@@ -1,4 +1,5 @@
 """`petals-chain dht`: start a bootstrap DHT peer, print its full multiaddrs, serve until Ctrl-C/SIGTERM."""
+
 from __future__ import annotations
 
 import signal
@@ -10,13 +11,32 @@ from petals_chain.cli.args import CliParser, identity_path, listen_maddr, peer_m
 
 def main(argv: list[str]) -> int:
     p = CliParser(prog="petals-chain dht", description=__doc__)
-    p.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], type=listen_maddr,
-                   help="multiaddrs to listen on (default /ip4/127.0.0.1/tcp/0; use /ip4/0.0.0.0/tcp/PORT to accept remote peers)")
-    p.add_argument("--initial-peers", nargs="*", default=[], type=peer_maddr, help="join an existing DHT instead of starting a new one")
-    p.add_argument("--identity-path", default=None, type=identity_path, help="file with a private key, for a stable peer id across restarts")
-    p.add_argument("--no-relay-service", action="store_true",
-                   help="do not relay for servers behind NATs (by default this peer relays and answers their "
-                        "dial-back reachability checks)")
+    p.add_argument(
+        "--host-maddrs",
+        nargs="*",
+        default=["/ip4/127.0.0.1/tcp/0"],
+        type=listen_maddr,
+        help="multiaddrs to listen on (default /ip4/127.0.0.1/tcp/0; use /ip4/0.0.0.0/tcp/PORT to accept remote peers)",
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        type=peer_maddr,
+        help="join an existing DHT instead of starting a new one",
+    )
+    p.add_argument(
+        "--identity-path",
+        default=None,
+        type=identity_path,
+        help="file with a private key, for a stable peer id across restarts",
+    )
+    p.add_argument(
+        "--no-relay-service",
+        action="store_true",
+        help="do not relay for servers behind NATs (by default this peer relays and answers their "
+        "dial-back reachability checks)",
+    )
     args = p.parse_args(argv)
     from petals_chain.process.loop import BackgroundLoop
     from petals_chain.process.signals import start_dht

@@ -3,6 +3,7 @@
 Without --initial-peers the block ranges run in this process (pipelined, no network); with
 --initial-peers the client joins a swarm and relays through its servers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,56 +48,92 @@ def parse_ranges(text: str) -> list[tuple[int, int]]:
         try:
             start, end = (int(x) for x in part.split(":"))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"bad block range {part!r}: use START:END, e.g. 0:10,10:20,20:30") from None
+            raise argparse.ArgumentTypeError(
+                f"bad block range {part!r}: use START:END, e.g. 0:10,10:20,20:30"
+            ) from None
         expected = ranges[-1][1] if ranges else 0
         if start != expected or end <= start:
             raise argparse.ArgumentTypeError(
                 f"block ranges must tile the model from block 0 in order, each START < END; {part!r} should start "
-                f"at {expected} (e.g. 0:10,10:20,20:30)")
+                f"at {expected} (e.g. 0:10,10:20,20:30)"
+            )
         ranges.append((start, end))
     return ranges
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = CliParser(prog="petals-chain generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CliParser(
+        prog="petals-chain generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint folder")
-    p.add_argument("--prompt", default="What is pipeline parallelism? Answer in two sentences.",
-                   help="the user's message (sent through the chat template unless --no-chat)")
+    p.add_argument(
+        "--prompt",
+        default="What is pipeline parallelism? Answer in two sentences.",
+        help="the user's message (sent through the chat template unless --no-chat)",
+    )
     p.add_argument("--no-chat", action="store_true", help="send the prompt as raw text, without the chat template")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=positive_float, default=0.7, help="with --sample: > 0 (default 0.7)")
     p.add_argument("--top-p", type=probability, default=0.9, help="with --sample: nucleus mass in (0, 1] (default 0.9)")
-    p.add_argument("--repetition-penalty", type=positive_float, default=1.0,
-                   help="> 0; 1 (default) leaves the logits as they are")
+    p.add_argument(
+        "--repetition-penalty", type=positive_float, default=1.0, help="> 0; 1 (default) leaves the logits as they are"
+    )
     p.add_argument("--seed", type=int, default=0, help="torch seed for --sample (default 0)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="client-side dtype")
-    p.add_argument("--local-ranges", type=parse_ranges, default=parse_ranges("0:10,10:20,20:30"),
-                   help="block ranges run in this process when no --initial-peers is given (default 0:10,10:20,20:30)")
+    p.add_argument(
+        "--local-ranges",
+        type=parse_ranges,
+        default=parse_ranges("0:10,10:20,20:30"),
+        help="block ranges run in this process when no --initial-peers is given (default 0:10,10:20,20:30)",
+    )
     p.add_argument("--initial-peers", nargs="*", default=None, type=peer_maddr, help="multiaddrs of swarm DHT peers")
-    p.add_argument("--identity-path", default=None, type=identity_path,
-                   help="this client's peer identity file (`petals-chain identity new PATH`): a stable peer id to "
-                        "list in a private swarm's --allowed-peers")
-    p.add_argument("--allowed-peers", default=None, metavar="FILE",
-                   help="use only servers (and an orchestrator) whose peer ids FILE lists (private swarm)")
-    p.add_argument("--device", default="cpu",
-                   help="cpu or cuda[:N]: where the client head runs (and, without --initial-peers, the local ranges)")
-    p.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
-                   help="speculative decoding by prompt lookup: draft up to K tokens copied from n-grams of the "
-                        "context, verified in one chain step (HF's prompt_lookup_num_tokens; 0: off)")
-    p.add_argument("--prompt-lookup-schedule", choices=("adaptive", "constant"), default="adaptive",
-                   help="adaptive (default): send 0..K drafted tokens per round, as many as pay off by the measured "
-                        "acceptance and chain step times (no worth-while draft: a plain step); constant: all K")
-    p.add_argument("--stats", action="store_true",
-                   help='print a final JSON line {"tokens", "chain_steps", "accepted_draft_tokens"}')
+    p.add_argument(
+        "--identity-path",
+        default=None,
+        type=identity_path,
+        help="this client's peer identity file (`petals-chain identity new PATH`): a stable peer id to "
+        "list in a private swarm's --allowed-peers",
+    )
+    p.add_argument(
+        "--allowed-peers",
+        default=None,
+        metavar="FILE",
+        help="use only servers (and an orchestrator) whose peer ids FILE lists (private swarm)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda[:N]: where the client head runs (and, without --initial-peers, the local ranges)",
+    )
+    p.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding by prompt lookup: draft up to K tokens copied from n-grams of the "
+        "context, verified in one chain step (HF's prompt_lookup_num_tokens; 0: off)",
+    )
+    p.add_argument(
+        "--prompt-lookup-schedule",
+        choices=("adaptive", "constant"),
+        default="adaptive",
+        help="adaptive (default): send 0..K drafted tokens per round, as many as pay off by the measured "
+        "acceptance and chain step times (no worth-while draft: a plain step); constant: all K",
+    )
+    p.add_argument(
+        "--stats",
+        action="store_true",
+        help='print a final JSON line {"tokens", "chain_steps", "accepted_draft_tokens"}',
+    )
     return p
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool):
     if chat and tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"]
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
     return tokenizer(prompt, return_tensors="pt").input_ids
 
 
@@ -120,21 +157,32 @@ def main(argv: list[str]) -> int:
             from petals_chain.transport.membership import load_allowed_peers
 
             model = DistributedModelForCausalLM.from_pretrained(
-                args.model, initial_peers=args.initial_peers, dtype=args.dtype, device=args.device,
-                identity_path=args.identity_path, allowed_servers=load_allowed_peers(args.allowed_peers))
+                args.model,
+                initial_peers=args.initial_peers,
+                dtype=args.dtype,
+                device=args.device,
+                identity_path=args.identity_path,
+                allowed_servers=load_allowed_peers(args.allowed_peers),
+            )
         else:
-            model = DistributedModelForCausalLM.from_local_ranges(path, args.local_ranges, dtype=args.dtype,
-                                                                  device=args.device)
+            model = DistributedModelForCausalLM.from_local_ranges(
+                path, args.local_ranges, dtype=args.dtype, device=args.device
+            )
         tokenizer = AutoTokenizer.from_pretrained(path)
         ids = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat)
         torch.manual_seed(args.seed)
-        gen_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
-                          repetition_penalty=args.repetition_penalty, eos_token_id=tokenizer.eos_token_id)
+        gen_kwargs = dict(
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.sample,
+            repetition_penalty=args.repetition_penalty,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         if args.sample:
             gen_kwargs.update(temperature=args.temperature, top_p=args.top_p)
         if args.prompt_lookup:
-            gen_kwargs.update(prompt_lookup_num_tokens=args.prompt_lookup,
-                              prompt_lookup_schedule=args.prompt_lookup_schedule)
+            gen_kwargs.update(
+                prompt_lookup_num_tokens=args.prompt_lookup, prompt_lookup_schedule=args.prompt_lookup_schedule
+            )
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         start_s = time.perf_counter()
         # + K: a verification step may hold up to K drafted tokens past the output

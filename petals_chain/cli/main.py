@@ -5,6 +5,7 @@ strings and imports only the one that runs, so `petals_chain` never imports `orc
 `server` at module level (the layering of DESIGN.md) and `petals-chain --help` stays fast.
 Each target is `main(argv: list[str]) -> int`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,10 +16,16 @@ from petals_chain.cli.args import run_main
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("petals_chain.cli.demo:main", "start a local private swarm and generate through it"),
     "generate": ("petals_chain.cli.generate:main", "generate text locally through block ranges or through a swarm"),
-    "chat": ("petals_chain.cli.chat:main", "chat in the terminal through a swarm (or in-process): history, streaming, /clear"),
+    "chat": (
+        "petals_chain.cli.chat:main",
+        "chat in the terminal through a swarm (or in-process): history, streaming, /clear",
+    ),
     "api": ("petals_chain.cli.api:main", "serve the OpenAI API (completions, chat, streaming) over a swarm"),
     "dht": ("petals_chain.cli.dht:main", "start a bootstrap DHT peer and print its multiaddr"),
-    "identity": ("petals_chain.cli.identity:main", "make a peer identity file (stable peer id, signs DHT records) or show its peer id"),
+    "identity": (
+        "petals_chain.cli.identity:main",
+        "make a peer identity file (stable peer id, signs DHT records) or show its peer id",
+    ),
     "convert": ("petals_chain.cli.convert:main", "convert the embedded GGUF model into the local cache"),
     "plan": ("orchestrator.plan_cli:main", "plan block placement and chains for a cluster JSON (GBP-CR + GCA)"),
     "orchestrator": ("orchestrator.service.cli:main", "run the online orchestrator (GBP-CR + GCA + JFFC) for a swarm"),
@@ -30,7 +37,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
-    lines = ["usage: petals-chain SUBCOMMAND [options]   (petals-chain SUBCOMMAND --help for details)", "", "subcommands:"]
+    lines = [
+        "usage: petals-chain SUBCOMMAND [options]   (petals-chain SUBCOMMAND --help for details)",
+        "",
+        "subcommands:",
+    ]
     for name, (_, help_text) in SUBCOMMANDS.items():
         lines.append(f"  {name.ljust(width)}  {help_text}")
     return "\n".join(lines)

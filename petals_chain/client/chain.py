@@ -5,6 +5,7 @@ new tokens of one sequence [n, hidden] and returns the last block's output [n, h
 backend runs block ranges in this process (used by `petals-chain generate --local` and tests); the
 remote backend (`petals_chain.client.remote`) relays through servers over hivemind.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -52,8 +53,9 @@ class ChainSession(ABC):
         if start_position is None:
             return self.position
         if not 0 <= start_position <= self.position:
-            raise InvalidRequestError(f"a step may start at a position in [0, {self.position}] (what the chain "
-                                      f"holds), got {start_position}")
+            raise InvalidRequestError(
+                f"a step may start at a position in [0, {self.position}] (what the chain holds), got {start_position}"
+            )
         return start_position
 
     @abstractmethod
@@ -65,8 +67,14 @@ class ChainSession(ABC):
 
 class ChainBackend(ABC):
     @abstractmethod
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, adapter: str | None = None, *,
-                     session_id: str | None = None) -> ChainSession:
+    def open_session(
+        self,
+        max_length: int,
+        prefix: PromptPrefix | None = None,
+        adapter: str | None = None,
+        *,
+        session_id: str | None = None,
+    ) -> ChainSession:
         """`prefix`: the prompt, offered for prefix reuse (backends without a cache ignore it);
         `adapter`: the LoRA adapter every hop runs this session with (None: the base model).
         `session_id`: the id the chain's orchestrator and servers know (and log) the session by
@@ -115,11 +123,18 @@ class LocalChain(ChainBackend):
         expected = 0
         for r in ranges:
             if r.start != expected:
-                raise InvalidRequestError(f"block ranges must tile the model in order; got [{r.start}, {r.end}) "
-                                          f"after block {expected}")
+                raise InvalidRequestError(
+                    f"block ranges must tile the model in order; got [{r.start}, {r.end}) after block {expected}"
+                )
             expected = r.end
         self.ranges = ranges
 
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, adapter: str | None = None, *,
-                     session_id: str | None = None) -> ChainSession:
+    def open_session(
+        self,
+        max_length: int,
+        prefix: PromptPrefix | None = None,
+        adapter: str | None = None,
+        *,
+        session_id: str | None = None,
+    ) -> ChainSession:
         return LocalChainSession(self.ranges, max_length, adapter)

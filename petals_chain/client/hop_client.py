@@ -4,6 +4,7 @@ close); what a failure then leads to is `recovery.py`'s.
 Only transport errors and a server's typed "unavailable"/"out of cache" replies count as the
 server's failure (`as_server_error`); a local error propagates unchanged and bans nobody.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,8 +61,16 @@ CALLER_ERRORS = (InvalidRequestError, MaxLengthExceededError)
 # What a dead, slow or unreachable server looks like to the transport. Anything else raised while
 # talking to a server is a local error (a bug or misuse in this process, e.g. two threads reading
 # one stream) and propagates as it is: it must never get a healthy server banned.
-TRANSPORT_ERRORS = (TimeoutError, asyncio.TimeoutError, StopAsyncIteration, ConnectionError, EOFError, OSError,
-                    P2PHandlerError, P2PDaemonError)
+TRANSPORT_ERRORS = (
+    TimeoutError,
+    asyncio.TimeoutError,
+    StopAsyncIteration,
+    ConnectionError,
+    EOFError,
+    OSError,
+    P2PHandlerError,
+    P2PDaemonError,
+)
 # A server's failures that another server may not have: the hop is failed over (the server is banned
 # for the session). NotAllowedError: a members-only server (--allowed-peers) in an open swarm refuses
 # this client, which then uses the swarm's other servers instead of failing.
@@ -120,8 +129,9 @@ class HopClient:
     `BackgroundLoop`) within its timeout, and a failure comes out as the server's typed error
     (`run`), so callers see `PetalsChainError`s or local errors, never raw transport ones."""
 
-    def __init__(self, loop, p2p, *, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
-                 direct_streams: bool = True):
+    def __init__(
+        self, loop, p2p, *, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0, direct_streams: bool = True
+    ):
         self.loop = loop
         self.p2p = p2p
         self.step_timeout_s = step_timeout_s
@@ -179,10 +189,17 @@ class HopClient:
         requests = wire_parts.to_messages(Forward(hop.start, adapter).to_wire(), (hidden,))
         stub = self.stub(hop.peer_id)
         if len(requests) == 1:
-            reply = wire_parts.decode_single(await self.receive_while_alive(
-                hop, stub.rpc_forward(requests[0], timeout=self.step_timeout_s), LIVENESS_FLOOR_S,
-                self.step_timeout_s, "the forward"))
+            reply = wire_parts.decode_single(
+                await self.receive_while_alive(
+                    hop,
+                    stub.rpc_forward(requests[0], timeout=self.step_timeout_s),
+                    LIVENESS_FLOOR_S,
+                    self.step_timeout_s,
+                    "the forward",
+                )
+            )
         else:
+
             async def outgoing():
                 for request in requests:
                     yield request
@@ -196,11 +213,14 @@ class HopClient:
 
             try:
                 # the stream's opening too: a dial to a dead peer can hang as well as its reply
-                reply = await self.receive_while_alive(hop, reply_on_stream(), LIVENESS_FLOOR_S, self.step_timeout_s,
-                                                       "the forward")
+                reply = await self.receive_while_alive(
+                    hop, reply_on_stream(), LIVENESS_FLOOR_S, self.step_timeout_s, "the forward"
+                )
             except StopAsyncIteration:  # the stream ended before a whole reply: the server or the link went away
-                raise ServerUnavailableError(f"server {hop.describe()} closed the forward stream before its reply "
-                                             "(it died or the connection broke)") from None
+                raise ServerUnavailableError(
+                    f"server {hop.describe()} closed the forward stream before its reply "
+                    "(it died or the connection broke)"
+                ) from None
             except InvalidRequestError as e:  # the reply's parts do not fit together: the server's fault
                 raise ServerUnavailableError(f"server {hop.describe()} sent a malformed forward reply: {e}") from e
         wire.raise_if_error(reply.meta)
@@ -224,8 +244,9 @@ class HopClient:
         try:
             # the stream's opening too: the client's p2p daemon can hang dialling a dead peer (seen
             # while another server was frozen) as well as open a stream that is never answered
-            channel, first = await self.receive_while_alive(hop, open_stream(), LIVENESS_FLOOR_S,
-                                                            self.open_timeout_s, "the open")
+            channel, first = await self.receive_while_alive(
+                hop, open_stream(), LIVENESS_FLOOR_S, self.open_timeout_s, "the open"
+            )
         except BaseException:
             for channel in opened_channel:  # the stream, if it was opened
                 channel.abort()
@@ -243,17 +264,29 @@ class HopClient:
         # a server without a cache (or another chunk size) does not answer: nothing reused on this chain
         if opened.prefix_chunk_tokens != PREFIX_CHUNK_TOKENS or not 0 <= match <= len(hashes) * PREFIX_CHUNK_TOKENS:
             match = 0
-        return HopStream(hop, channel, prefix_match_tokens=match, relay_from=open_msg.relay_from,
-                         raw_frames=bool(opened.raw_frames))
+        return HopStream(
+            hop, channel, prefix_match_tokens=match, relay_from=open_msg.relay_from, raw_frames=bool(opened.raw_frames)
+        )
 
-    def step(self, stream: HopStream, step: Step, hidden: torch.Tensor | wire_parts.RawTensor,
-             liveness_after_s: float = LIVENESS_FLOOR_S) -> StepResult:
-        return self.run_hop(stream.hop, self.step_async(stream, step, hidden, liveness_after_s),
-                            self.step_timeout_s + 2)
+    def step(
+        self,
+        stream: HopStream,
+        step: Step,
+        hidden: torch.Tensor | wire_parts.RawTensor,
+        liveness_after_s: float = LIVENESS_FLOOR_S,
+    ) -> StepResult:
+        return self.run_hop(
+            stream.hop, self.step_async(stream, step, hidden, liveness_after_s), self.step_timeout_s + 2
+        )
 
-    async def step_async(self, stream: HopStream, step: Step, hidden: torch.Tensor | wire_parts.RawTensor,
-                         liveness_after_s: float = LIVENESS_FLOOR_S, copy_after_s: float | None = None
-                         ) -> StepResult:
+    async def step_async(
+        self,
+        stream: HopStream,
+        step: Step,
+        hidden: torch.Tensor | wire_parts.RawTensor,
+        liveness_after_s: float = LIVENESS_FLOOR_S,
+        copy_after_s: float | None = None,
+    ) -> StepResult:
         """One step on `stream`; its reply awaited with liveness probes after `liveness_after_s`.
 
         `hidden` may be the previous hop's reply as it came (a `RawTensor`): a raw frame carries its
@@ -322,8 +355,9 @@ class HopClient:
             return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return None
 
-    async def receive_while_alive(self, hop: Hop, reply, liveness_after_s: float, timeout_s: float,
-                                  what: str = "the step"):
+    async def receive_while_alive(
+        self, hop: Hop, reply, liveness_after_s: float, timeout_s: float, what: str = "the step"
+    ):
         """The result of `reply` (an awaitable: the server's reply to the request just sent). While it
         is pending past `liveness_after_s` the server is probed (`rpc_info`); LIVENESS_PROBES probes in
         a row without an answer within LIVENESS_PROBE_S each mean it is gone, and the request fails
@@ -366,15 +400,17 @@ class HopClient:
                     continue
                 failed_probes += 1
                 if failed_probes >= LIVENESS_PROBES:
-                    end_wait(ServerUnavailableError(
-                        f"server {hop.describe()} went silent: no reply to {what} for {waited_s:.1f} s and "
-                        f"none to {LIVENESS_PROBES} liveness probes in a row ({LIVENESS_PROBE_S:.0f} s each; "
-                        f"last: {probe_error})"))
+                    end_wait(
+                        ServerUnavailableError(
+                            f"server {hop.describe()} went silent: no reply to {what} for {waited_s:.1f} s and "
+                            f"none to {LIVENESS_PROBES} liveness probes in a row ({LIVENESS_PROBE_S:.0f} s each; "
+                            f"last: {probe_error})"
+                        )
+                    )
                     return
             end_wait(TimeoutError(f"no reply to {what} from {hop.describe()} within {timeout_s:.1f} s"))
 
-        late = loop.call_later(min(liveness_after_s, timeout_s),
-                               lambda: watcher.append(asyncio.ensure_future(watch())))
+        late = loop.call_later(min(liveness_after_s, timeout_s), lambda: watcher.append(asyncio.ensure_future(watch())))
         try:
             return await reply
         except asyncio.CancelledError:
@@ -389,6 +425,7 @@ class HopClient:
 
     def close(self, streams: list[HopStream]) -> None:
         """Close `streams` (best effort: a dead server's stream is gone anyway)."""
+
         async def close(s: HopStream):
             try:
                 await s.channel.send(wire.request(Close()))

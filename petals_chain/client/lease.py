@@ -9,6 +9,7 @@ from another thread) sends nothing. What the provider granted (the orchestrator'
 wait in the queue, chain id, plan version) is kept here, on the session, so a long-lived provider
 keeps nothing of a session once it ended.
 """
+
 from __future__ import annotations
 
 import threading
@@ -25,9 +26,17 @@ class LeaseClosedError(PetalsChainError):
 
 
 class Lease:
-    def __init__(self, provider: ChainProvider, session_id: str, *, num_blocks: int, max_length: int,
-                 adapter: str | None = None, prompt: dict | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        provider: ChainProvider,
+        session_id: str,
+        *,
+        num_blocks: int,
+        max_length: int,
+        adapter: str | None = None,
+        prompt: dict | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.provider = provider
         self.prompt = dict(prompt or {})  # prefix_hashes / prompt_tokens, for a provider that dispatches by them
         self.session_id = session_id
@@ -56,8 +65,15 @@ class Lease:
         with self._lock:
             if self._released:
                 raise LeaseClosedError(f"session {self.session_id[:8]} is closed; open a new session")
-        acquired = self.provider.acquire(0, self.num_blocks, exclude=exclude, max_length=self.max_length,
-                                         session_id=self.session_id, adapter=self.adapter, **self.prompt)
+        acquired = self.provider.acquire(
+            0,
+            self.num_blocks,
+            exclude=exclude,
+            max_length=self.max_length,
+            session_id=self.session_id,
+            adapter=self.adapter,
+            **self.prompt,
+        )
         with self._lock:
             closed_meanwhile = self._released  # released by another thread while the acquire was in flight
             self._held = True
@@ -72,15 +88,17 @@ class Lease:
 
     def find_span(self, start: int, ends: frozenset[int], exclude: frozenset[str]) -> list[Hop]:
         """Hops replacing one span of the chain (client-side routing's failover; the lease stays as it is)."""
-        return self.provider.find_span(start, ends, exclude=exclude, max_length=self.max_length,
-                                       session_id=self.session_id, adapter=self.adapter)
+        return self.provider.find_span(
+            start, ends, exclude=exclude, max_length=self.max_length, session_id=self.session_id, adapter=self.adapter
+        )
 
     def give_back(self) -> None:
         """Hand the hold back while the session waits (it will `acquire` again)."""
         self._end(list(self.hops), final=False)
 
-    def release(self, hops: list[Hop], *, input_tokens: int = 0, output_tokens: int = 0,
-                hop_timings: tuple = ()) -> None:
+    def release(
+        self, hops: list[Hop], *, input_tokens: int = 0, output_tokens: int = 0, hop_timings: tuple = ()
+    ) -> None:
         """The session ended on `hops`: release its hold (once; later calls are no-ops) with what it ran
         (the orchestrator refines its estimates from the lengths and the hops' timings)."""
         self._end(hops, final=True, input_tokens=input_tokens, output_tokens=output_tokens, hop_timings=hop_timings)

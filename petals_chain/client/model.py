@@ -5,6 +5,7 @@ chain session (remote servers or local block ranges). `generate` is transformers
 GenerationMixin: greedy, sampling, repetition penalty, eos, streamers all work unchanged, because
 the model feeds the chain only the tokens it has not processed yet and never uses HF's KV cache.
 """
+
 from __future__ import annotations
 
 import threading
@@ -54,8 +55,12 @@ class GenerateStats:
         return self.tokens - self.chain_steps
 
     def to_json(self) -> dict[str, int]:
-        return {"tokens": self.tokens, "chain_steps": self.chain_steps,
-                "accepted_draft_tokens": self.accepted_draft_tokens, "drafted_tokens": self.drafted_tokens}
+        return {
+            "tokens": self.tokens,
+            "chain_steps": self.chain_steps,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
+            "drafted_tokens": self.drafted_tokens,
+        }
 
 
 class InferenceSession:
@@ -120,10 +125,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_local_ranges(cls, model: str | Path, ranges: list[tuple[int, int]], *, dtype: str = "float32",
-                          quant: str = "none", device: str = "cpu", cuda_graphs: bool = True,
-                          adapters: list[str | Path] = (), active_adapter: str | None = None,
-                          ) -> "DistributedModelForCausalLM":
+    def from_local_ranges(
+        cls,
+        model: str | Path,
+        ranges: list[tuple[int, int]],
+        *,
+        dtype: str = "float32",
+        quant: str = "none",
+        device: str = "cpu",
+        cuda_graphs: bool = True,
+        adapters: list[str | Path] = (),
+        active_adapter: str | None = None,
+    ) -> "DistributedModelForCausalLM":
         """All block ranges in this process: pipelined generation without a network. `device`: where
         the block ranges and the client head run (e.g. "cuda"). `adapters`: PEFT LoRA folders every
         range loads; `active_adapter`: the one sessions use by default."""
@@ -131,17 +144,39 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         head = ClientHead(path, dtype=dtype, model_path=path, device=device)
         num_blocks = head.config.num_hidden_layers
         if not ranges or ranges[-1][1] != num_blocks or any(not 0 <= s < e <= num_blocks for s, e in ranges):
-            raise InvalidRequestError(f"block ranges {ranges} do not tile the model's blocks [0, {num_blocks}): "
-                                      f"e.g. [(0, {num_blocks // 2}), ({num_blocks // 2}, {num_blocks})]")
-        block_ranges = [BlockRange(path, s, e, dtype=dtype, quant=quant, config=head.config, model_path=path,
-                                   device=device, cuda_graphs=cuda_graphs, adapters=adapters)
-                        for s, e in ranges]
+            raise InvalidRequestError(
+                f"block ranges {ranges} do not tile the model's blocks [0, {num_blocks}): "
+                f"e.g. [(0, {num_blocks // 2}), ({num_blocks // 2}, {num_blocks})]"
+            )
+        block_ranges = [
+            BlockRange(
+                path,
+                s,
+                e,
+                dtype=dtype,
+                quant=quant,
+                config=head.config,
+                model_path=path,
+                device=device,
+                cuda_graphs=cuda_graphs,
+                adapters=adapters,
+            )
+            for s, e in ranges
+        ]
         return cls(head.config, head, LocalChain(block_ranges), active_adapter)
 
     @classmethod
-    def from_pretrained(cls, model: str | Path, *, initial_peers: list[str], dtype: str = "float32",
-                        max_batch_rows: int = 4096, device: str = "cpu", active_adapter: str | None = None,
-                        **remote_kwargs) -> "DistributedModelForCausalLM":
+    def from_pretrained(
+        cls,
+        model: str | Path,
+        *,
+        initial_peers: list[str],
+        dtype: str = "float32",
+        max_batch_rows: int = 4096,
+        device: str = "cpu",
+        active_adapter: str | None = None,
+        **remote_kwargs,
+    ) -> "DistributedModelForCausalLM":
         """Client of a swarm: `initial_peers` are multiaddrs of DHT peers (e.g. printed by `petals-chain dht`).
         `max_batch_rows` bounds the client head's cross-session batches (1 turns batching off).
         `device`: where the client head (embeddings, final norm, LM head) runs; hidden states leave it
@@ -152,8 +187,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
         path = resolve_model_path(model)
         head = ClientHead(path, dtype=dtype, model_path=path, max_batch_rows=max_batch_rows, device=device)
-        backend = RemoteChain(model=str(model), config=head.config, initial_peers=initial_peers, dtype=head.dtype,
-                              **remote_kwargs)
+        backend = RemoteChain(
+            model=str(model), config=head.config, initial_peers=initial_peers, dtype=head.dtype, **remote_kwargs
+        )
         return cls(head.config, head, backend, active_adapter)
 
     def get_input_embeddings(self):
@@ -164,9 +200,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # -- sessions ----------------------------------------------------------------------------
     @contextmanager
-    def inference_session(self, max_length: int = DEFAULT_MAX_LENGTH, *, prompt_ids: torch.Tensor | None = None,
-                          adapter: str | None = None, session_id: str | None = None,
-                          check_probability: float | None = None):
+    def inference_session(
+        self,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        *,
+        prompt_ids: torch.Tensor | None = None,
+        adapter: str | None = None,
+        session_id: str | None = None,
+        check_probability: float | None = None,
+    ):
         """`with model.inference_session(max_length=...) as s:` keeps the conversation cached on the chain;
         every `generate` inside continues it (pass only the new tokens). `prompt_ids` [n]: the first
         prompt, offered to the servers' prefix caches (the session then starts past the reused part).
@@ -186,7 +228,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if check_probability is not None and chain.verifier is not None:
             chain.verifier.check_probability = check_probability
         # a reused prompt prefix is already on the chain
-        reused = prompt_ids[:chain.position].tolist() if prompt_ids is not None else []
+        reused = prompt_ids[: chain.position].tolist() if prompt_ids is not None else []
         session = InferenceSession(chain, max_length, reused)
         self._session = session
         try:
@@ -207,8 +249,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         here; client/verification.py); a catch rolls the session back and generates again from the last
         trusted token, so the output is what honest servers give."""
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise InvalidRequestError("generate takes input_ids of shape [1, n]: one sequence per session "
-                                      "(run several sessions, e.g. in threads, for several sequences)")
+            raise InvalidRequestError(
+                "generate takes input_ids of shape [1, n]: one sequence per session "
+                "(run several sessions, e.g. in threads, for several sequences)"
+            )
         if kwargs.get("attention_mask") is not None and not bool(kwargs["attention_mask"].all()):
             raise InvalidRequestError("padding is not supported: pass one unpadded sequence")
         kwargs.pop("attention_mask", None)
@@ -230,8 +274,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         budget += int(kwargs.get("prompt_lookup_num_tokens") or 0)
         # the prompt goes with the open: hops that hold its prefix skip it (generate keeps only the
         # last position's logits, so the skipped positions' logits are never needed)
-        with self.inference_session(max_length=budget, prompt_ids=input_ids[0],
-                                    check_probability=check_probability) as session:
+        with self.inference_session(
+            max_length=budget, prompt_ids=input_ids[0], check_probability=check_probability
+        ) as session:
             return self._generate_in(session, input_ids, **kwargs)
 
     def _session_length(self, prompt_tokens: int, kwargs: dict) -> int:
@@ -255,15 +300,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         positions = getattr(self.config, "max_position_embeddings", None)
         return prompt_tokens + default_new if positions is None else min(prompt_tokens + default_new, positions)
 
-    def _generate_in(self, session: InferenceSession, full_ids: torch.Tensor, *,
-                     prompt_lookup_schedule: str = "adaptive", **kwargs):
+    def _generate_in(
+        self, session: InferenceSession, full_ids: torch.Tensor, *, prompt_lookup_schedule: str = "adaptive", **kwargs
+    ):
         if prompt_lookup_schedule not in SCHEDULES:
             raise InvalidRequestError(f"prompt_lookup_schedule={prompt_lookup_schedule!r}: use one of {SCHEDULES}")
         self._session = session
         # read by `_get_candidate_generator`, which HF calls deep inside `generate`
         self._local.prompt_lookup_schedule = prompt_lookup_schedule
-        kwargs.setdefault("pad_token_id", self.config.pad_token_id if self.config.pad_token_id is not None
-                          else self.config.eos_token_id)
+        kwargs.setdefault(
+            "pad_token_id",
+            self.config.pad_token_id if self.config.pad_token_id is not None else self.config.eos_token_id,
+        )
         if kwargs.get("prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None:
             # HF's assisted decoding insists on a cache it can crop: it gets an empty DynamicCache that
             # only passes through `forward`; the chain holds the real KV and drops rejected drafts by
@@ -273,8 +321,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         out = self._generate_verified(session, full_ids, kwargs)
         session.token_ids = out[0].tolist()
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        session.last_generate = GenerateStats(sequences.shape[1] - full_ids.shape[1], session.chain_steps - steps,
-                                              session.drafted_tokens - drafted)
+        session.last_generate = GenerateStats(
+            sequences.shape[1] - full_ids.shape[1], session.chain_steps - steps, session.drafted_tokens - drafted
+        )
         return out
 
     def _generate_verified(self, session: InferenceSession, full_ids: torch.Tensor, kwargs: dict):
@@ -302,8 +351,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 # the ids HF had: all of them after generate returned, else those the chain held before the step
                 source = sequences[0].tolist() if sequences is not None else list(session.processed_ids)
                 # tokens [0, q] are trusted (token q came from row q - 1's output); the prompt always is
-                kept = full_ids[0].tolist() if q + 1 <= prompt_tokens else source[:q + 1]
-                session.processed_ids = kept[:min(q, len(kept) - 1)]  # the next step recomputes from row q
+                kept = full_ids[0].tolist() if q + 1 <= prompt_tokens else source[: q + 1]
+                session.processed_ids = kept[: min(q, len(kept) - 1)]  # the next step recomputes from row q
                 left = target_tokens - len(kept)
                 if left <= 0:
                     return torch.tensor([kept], dtype=torch.long)
@@ -316,16 +365,25 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         (client/speculation.py) unless the schedule is "constant"."""
         generator = super()._get_candidate_generator(generation_config, *args, **kwargs)
         session = self._session
-        if (isinstance(generator, PromptLookupCandidateGenerator) and session is not None
-                and getattr(self._local, "prompt_lookup_schedule", "adaptive") == "adaptive"):
+        if (
+            isinstance(generator, PromptLookupCandidateGenerator)
+            and session is not None
+            and getattr(self._local, "prompt_lookup_schedule", "adaptive") == "adaptive"
+        ):
             return AdaptivePromptLookup(generator, generation_config.prompt_lookup_num_tokens, session.step_costs)
         return generator
 
     def prepare_inputs_for_generation(self, input_ids, logits_to_keep: int = 0, past_key_values=None, **kwargs):
         return {"input_ids": input_ids, "logits_to_keep": logits_to_keep, "past_key_values": past_key_values}
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0,
-                past_key_values=None, **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        past_key_values=None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """Feed the chain the tokens it has not seen yet and return logits [1, n, vocab] for the last
         `logits_to_keep` of them (0: all new positions). transformers' generate passes 1, so a
         700-token prefill runs the LM head on one position, not 700."""
@@ -338,21 +396,26 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         out.past_key_values = past_key_values  # HF's placeholder cache (assisted decoding), untouched
         return out
 
-    def _forward_in(self, session: InferenceSession, input_ids: torch.Tensor,
-                    logits_to_keep: int = 0) -> CausalLMOutputWithPast:
+    def _forward_in(
+        self, session: InferenceSession, input_ids: torch.Tensor, logits_to_keep: int = 0
+    ) -> CausalLMOutputWithPast:
         ids = input_ids[0].tolist()
         # Run from where `ids` leave what the chain holds (rolling it back when they differ), and at
         # least the positions whose logits are asked for: a sequence the chain already holds whole
         # (a regenerated turn) recomputes its last token, which costs one token, not the prompt.
-        start = min(_common_prefix_tokens(ids, session.processed_ids), session.position,
-                    len(ids) - max(1, logits_to_keep))
+        start = min(
+            _common_prefix_tokens(ids, session.processed_ids), session.position, len(ids) - max(1, logits_to_keep)
+        )
         if start < 0:
-            raise InvalidRequestError(f"logits_to_keep={logits_to_keep} asks for more positions than the "
-                                      f"{len(ids)} input tokens")
+            raise InvalidRequestError(
+                f"logits_to_keep={logits_to_keep} asks for more positions than the {len(ids)} input tokens"
+            )
         if len(ids) > session.max_length:
-            raise InvalidRequestError(f"the session was opened with max_length={session.max_length} but would hold "
-                                      f"{len(ids)} tokens; open it with a larger max_length (speculative decoding "
-                                      "verifies up to k drafted tokens past the output: add k)")
+            raise InvalidRequestError(
+                f"the session was opened with max_length={session.max_length} but would hold "
+                f"{len(ids)} tokens; open it with a larger max_length (speculative decoding "
+                "verifies up to k drafted tokens past the output: add k)"
+            )
         new = input_ids[0, start:]
         session.processed_ids = ids[:start]  # what the chain holds should this step fail
         started_s = time.perf_counter()

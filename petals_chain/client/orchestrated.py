@@ -11,6 +11,7 @@ a server failure the session asks again with the failed server excluded and repl
 The provider keeps only the leases held now; what a session was granted is on its `Lease`
 (`client/lease.py`), which also makes sure each grant is released once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,6 @@ from petals_chain.wire.record import WireRecord
 logger = logging.getLogger(__name__)
 
 
-
 # Steps of at most this many tokens time a hop's per-step cost (a decode step, a speculative draft's
 # verification); a prompt's step does not: its time beyond the RTT is mostly moving its hidden states
 # (a 1,676-token bfloat16 prompt at hidden size 4,096 is 13.7 MB per hop: 3.3 s of client time against
@@ -71,11 +71,22 @@ def hop_reports(hop_timings) -> list[HopReport] | None:
                 a[4] += comm_s
     return [HopReport(p, *a) for p, a in acc.items()] or None
 
+
 class OrchestratorChainProvider(ChainProvider):
     whole_chain_failover = True
 
-    def __init__(self, loop, p2p, orchestrator_peer_id: str, *, acquire_timeout_s: float = 120.0,
-                 poll_s: float = 5.0, rpc_margin_s: float = 5.0, rediscover=None, retry_unavailable_s: float = 1.0):
+    def __init__(
+        self,
+        loop,
+        p2p,
+        orchestrator_peer_id: str,
+        *,
+        acquire_timeout_s: float = 120.0,
+        poll_s: float = 5.0,
+        rpc_margin_s: float = 5.0,
+        rediscover=None,
+        retry_unavailable_s: float = 1.0,
+    ):
         """`rediscover()` returns the peer id of the orchestrator the DHT announces now (or None):
         when the known one does not answer and the DHT names another, calls go there."""
         self.rediscover = rediscover
@@ -136,20 +147,49 @@ class OrchestratorChainProvider(ChainProvider):
             raise OrchestratorUnavailableError(
                 f"the orchestrator {peer_id[-8:]} did not answer {method} "
                 f"({type(e).__name__}: {e or 'no reply'}); restart it, or open the model with "
-                "use_orchestrator=False to route client-side") from None
+                "use_orchestrator=False to route client-side"
+            ) from None
         out = wire.unpack(resp.metadata)
         wire.raise_if_error(out)
         return out
 
     takes_prompt = True
 
-    def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None,
-                   prefix_hashes=(), prompt_tokens=0):
-        return self.acquire(start, end, exclude=exclude, max_length=max_length, session_id=session_id,
-                            adapter=adapter, prefix_hashes=prefix_hashes, prompt_tokens=prompt_tokens).hops
+    def find_chain(
+        self,
+        start,
+        end,
+        *,
+        exclude=frozenset(),
+        max_length=0,
+        session_id="",
+        adapter=None,
+        prefix_hashes=(),
+        prompt_tokens=0,
+    ):
+        return self.acquire(
+            start,
+            end,
+            exclude=exclude,
+            max_length=max_length,
+            session_id=session_id,
+            adapter=adapter,
+            prefix_hashes=prefix_hashes,
+            prompt_tokens=prompt_tokens,
+        ).hops
 
-    def acquire(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None,
-                prefix_hashes=(), prompt_tokens=0) -> Acquired:
+    def acquire(
+        self,
+        start,
+        end,
+        *,
+        exclude=frozenset(),
+        max_length=0,
+        session_id="",
+        adapter=None,
+        prefix_hashes=(),
+        prompt_tokens=0,
+    ) -> Acquired:
         """`prefix_hashes`, `prompt_tokens`: the session's prompt (its chained chunk hashes, the first
         MAX_PREFIX_HASHES, and its length), so a prompt-aware dispatcher can send it where its prefix is cached."""
         if not session_id:
@@ -157,9 +197,17 @@ class OrchestratorChainProvider(ChainProvider):
         deadline = time.monotonic() + self.acquire_timeout_s
         max_length = int(max_length or 1)
         prompt_tokens = min(int(prompt_tokens), max_length)
-        hashes = list(prefix_hashes)[:min(MAX_PREFIX_HASHES, prompt_tokens // PREFIX_CHUNK_TOKENS)]
-        meta = Acquire(session_id, max_length, float(self.acquire_timeout_s), float(self.poll_s),
-                       sorted(exclude), adapter, hashes or None, prompt_tokens or None)
+        hashes = list(prefix_hashes)[: min(MAX_PREFIX_HASHES, prompt_tokens // PREFIX_CHUNK_TOKENS)]
+        meta = Acquire(
+            session_id,
+            max_length,
+            float(self.acquire_timeout_s),
+            float(self.poll_s),
+            sorted(exclude),
+            adapter,
+            hashes or None,
+            prompt_tokens or None,
+        )
         while True:
             try:
                 out = decode_tagged(self._call("rpc_acquire", meta, self.poll_s + self.rpc_margin_s), Granted, Queued)
@@ -224,8 +272,11 @@ class OrchestratorChainProvider(ChainProvider):
                     # say it once: a lost lease is not renewed (a failover acquires a new one)
                     del self.grants[sid]
         for sid in lost:
-            logger.warning("the orchestrator no longer holds the lease of session %s (it expired or its chain "
-                           "lost a server); the session keeps its streams but is no longer counted", str(sid)[:8])
+            logger.warning(
+                "the orchestrator no longer holds the lease of session %s (it expired or its chain "
+                "lost a server); the session keeps its streams but is no longer counted",
+                str(sid)[:8],
+            )
         return lost
 
     def close(self) -> None:

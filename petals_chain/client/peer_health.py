@@ -10,6 +10,7 @@ forward that went through the server) forgets the failures. A ban that expired i
 `forget_after_s` more (so a server that fails again at once gets the doubled ban), then dropped: the
 list holds at most the servers that failed recently, whatever the number of sessions.
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,13 +38,21 @@ class PeerHealth:
     """The one owner of a client's bans (thread-safe: every read and write holds its lock, never
     across I/O). `clock`: seconds, monotonic (injected so tests step time)."""
 
-    def __init__(self, *, base_ban_s: float = BASE_BAN_S, backoff_rate: float = BACKOFF_RATE,
-                 max_ban_s: float = MAX_BAN_S, forget_after_s: float = FORGET_AFTER_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        *,
+        base_ban_s: float = BASE_BAN_S,
+        backoff_rate: float = BACKOFF_RATE,
+        max_ban_s: float = MAX_BAN_S,
+        forget_after_s: float = FORGET_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not (0 < base_ban_s <= max_ban_s) or backoff_rate < 1 or forget_after_s < 0:
-            raise InvalidRequestError(f"PeerHealth needs 0 < base_ban_s <= max_ban_s, backoff_rate >= 1 and "
-                                      f"forget_after_s >= 0; got base_ban_s={base_ban_s}, max_ban_s={max_ban_s}, "
-                                      f"backoff_rate={backoff_rate}, forget_after_s={forget_after_s}")
+            raise InvalidRequestError(
+                f"PeerHealth needs 0 < base_ban_s <= max_ban_s, backoff_rate >= 1 and "
+                f"forget_after_s >= 0; got base_ban_s={base_ban_s}, max_ban_s={max_ban_s}, "
+                f"backoff_rate={backoff_rate}, forget_after_s={forget_after_s}"
+            )
         self.base_ban_s = base_ban_s
         self.backoff_rate = backoff_rate
         self.max_ban_s = max_ban_s

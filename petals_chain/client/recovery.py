@@ -13,6 +13,7 @@ answers its ping runs again on it once (`SAME`: a stream that broke on a live se
 for want of KV memory waits and asks again (`WAIT`: the server is full, not failed, and is not
 banned); anything else replaces the server (`REPLACE`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,9 +56,16 @@ class Recovery:
     never use (the Table 1 model probe measures one chain alone by avoiding every other server);
     `ping_s` (stateless forwards): a failed server that still answers is retried once."""
 
-    def __init__(self, max_failovers: int, health: PeerHealth, *, avoid: Iterable[str] = (),
-                 ping_s: Callable[[str], float | None] | None = None,
-                 busy_backoff_s: tuple[float, ...] = BUSY_BACKOFF_S, sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        max_failovers: int,
+        health: PeerHealth,
+        *,
+        avoid: Iterable[str] = (),
+        ping_s: Callable[[str], float | None] | None = None,
+        busy_backoff_s: tuple[float, ...] = BUSY_BACKOFF_S,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self.max_failovers = max_failovers
         self.health = health
         self.avoid = frozenset(avoid)
@@ -86,8 +94,14 @@ class Recovery:
                 raise
             return find(now)
 
-    def run(self, attempt: Callable[[], T], repair: Callable[[HopFailed, Decision], None], what: str, *,
-            busy_waits: bool = False) -> T:
+    def run(
+        self,
+        attempt: Callable[[], T],
+        repair: Callable[[HopFailed, Decision], None],
+        what: str,
+        *,
+        busy_waits: bool = False,
+    ) -> T:
         """`attempt()`'s result, repairing after each server failure until the budget is spent
         (then `ServerUnavailableError`). `busy_waits`: a server refusing for want of memory is waited
         for (an open) rather than replaced. Errors other than `HopFailed` propagate unchanged."""
@@ -111,8 +125,9 @@ class Recovery:
         if busy_waits and isinstance(failed.error, OutOfCacheError) and self.busy < len(self.busy_backoff_s):
             wait_s = self.busy_backoff_s[self.busy]
             self.busy += 1
-            logger.info("%s: server %s is full (%s); asking again in %.0f s", what, failed.hop.describe(),
-                        failed.error, wait_s)
+            logger.info(
+                "%s: server %s is full (%s); asking again in %.0f s", what, failed.hop.describe(), failed.error, wait_s
+            )
             return Decision(Action.WAIT, wait_s)
         self.failovers += 1
         peer = failed.hop.peer_id
@@ -120,15 +135,22 @@ class Recovery:
             # the operation gives up, but the server did fail: later sessions should not try it either
             self.failed_peers.add(peer)
             self.health.report_failure(peer)
-            raise ServerUnavailableError(f"{what} gave up after {self.max_failovers} failovers; last: "
-                                         f"{failed.error}") from failed.error
+            raise ServerUnavailableError(
+                f"{what} gave up after {self.max_failovers} failovers; last: {failed.error}"
+            ) from failed.error
         if self.ping_s is not None and peer not in self._retried and self.ping_s(peer) is not None:
             self._retried.add(peer)
-            logger.warning("%s: server %s failed (%s) but answers; retrying it once", what, failed.hop.describe(),
-                           failed.error)
+            logger.warning(
+                "%s: server %s failed (%s) but answers; retrying it once", what, failed.hop.describe(), failed.error
+            )
             return Decision(Action.SAME)
         self.failed_peers.add(peer)
         ban_s = self.health.report_failure(peer)
-        logger.warning("%s: server %s failed (%s); banned for %.0f s, asking for a replacement", what,
-                       failed.hop.describe(), failed.error, ban_s)
+        logger.warning(
+            "%s: server %s failed (%s); banned for %.0f s, asking for a replacement",
+            what,
+            failed.hop.describe(),
+            failed.error,
+            ban_s,
+        )
         return Decision(Action.REPLACE)

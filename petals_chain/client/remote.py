@@ -6,6 +6,7 @@ paper's tau_c,ij, footnote 4). With `relay="client"` the client alone relays, as
 rpc_push does (the paper's default tau_c model). A session's relay and its recovery from
 failures live in `remote_session.py`; this module finds the servers and runs stateless forwards.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,14 +50,30 @@ logger = logging.getLogger(__name__)
 
 RELAYS = ("server", "client")
 
+
 class RemoteChain(ChainBackend):
-    def __init__(self, model: str, config, initial_peers: list[str], dtype: torch.dtype = torch.float32, *,
-                 provider: ChainProvider | None = None, step_timeout_s: float = 30.0, open_timeout_s: float = 15.0,
-                 max_failovers: int = 3, wait_for_chain_s: float = 20.0, use_orchestrator: bool = True,
-                 acquire_timeout_s: float = 120.0, allowed_servers: frozenset[str] | list[str] | None = None,
-                 identity_path: str | None = None, prefix_reuse: bool = True, relay: str = "server",
-                 direct_streams: bool = True, peer_health: PeerHealth | None = None,
-                 verification: VerificationConfig | None = None):
+    def __init__(
+        self,
+        model: str,
+        config,
+        initial_peers: list[str],
+        dtype: torch.dtype = torch.float32,
+        *,
+        provider: ChainProvider | None = None,
+        step_timeout_s: float = 30.0,
+        open_timeout_s: float = 15.0,
+        max_failovers: int = 3,
+        wait_for_chain_s: float = 20.0,
+        use_orchestrator: bool = True,
+        acquire_timeout_s: float = 120.0,
+        allowed_servers: frozenset[str] | list[str] | None = None,
+        identity_path: str | None = None,
+        prefix_reuse: bool = True,
+        relay: str = "server",
+        direct_streams: bool = True,
+        peer_health: PeerHealth | None = None,
+        verification: VerificationConfig | None = None,
+    ):
         self.model = model_key(model)
         self.num_blocks = config.num_hidden_layers
         self.dtype = dtype
@@ -74,27 +91,41 @@ class RemoteChain(ChainBackend):
         # `identity_path`: a stable peer id, e.g. to be listed in a private swarm's --allowed-peers
         verification = verification or VerificationConfig()
         # spot checks sign their reports with the peer's identity (a fresh one without `identity_path`)
-        self.identity = (SwarmIdentity.load_or_create(identity_path)
-                         if identity_path is not None or verification.spot_checks else None)
-        identity = ({"record_validators": swarm_validators()} if self.identity is None else self.identity.dht_kwargs())
+        self.identity = (
+            SwarmIdentity.load_or_create(identity_path)
+            if identity_path is not None or verification.spot_checks
+            else None
+        )
+        identity = {"record_validators": swarm_validators()} if self.identity is None else self.identity.dht_kwargs()
         self.dht = start_dht(initial_peers=initial_peers, client_mode=True, **identity)
         self.loop = BackgroundLoop("client-p2p")
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout_s=30)
         # `direct_streams`: session streams over plain TCP to servers that offer them (launch-server
         # --direct-port), else through the p2p daemons (petals_chain/transport/direct_stream.py)
-        self.hops = HopClient(self.loop, self.p2p, step_timeout_s=step_timeout_s, open_timeout_s=open_timeout_s,
-                              direct_streams=direct_streams)
+        self.hops = HopClient(
+            self.loop,
+            self.p2p,
+            step_timeout_s=step_timeout_s,
+            open_timeout_s=open_timeout_s,
+            direct_streams=direct_streams,
+        )
         # a private swarm: records of servers (and of an orchestrator) not on this list are ignored
         allowed = None if allowed_servers is None else frozenset(allowed_servers)
         self.allowed_servers = allowed
-        self.orchestrator = (find_orchestrator(self.dht, self.model, allowed)
-                             if provider is None and use_orchestrator else None)
+        self.orchestrator = (
+            find_orchestrator(self.dht, self.model, allowed) if provider is None and use_orchestrator else None
+        )
         if provider is None and self.orchestrator is not None:
             provider = OrchestratorChainProvider(
-                self.loop, self.p2p, self.orchestrator.peer_id, acquire_timeout_s=acquire_timeout_s,
-                rediscover=lambda: getattr(find_orchestrator(self.dht, self.model, allowed), "peer_id", None))
-        self.provider = provider or DhtChainProvider(lambda: fetch_servers(self.dht, self.model, allowed=allowed),
-                                                     self.ping_s, wait_for_chain_s=wait_for_chain_s)
+                self.loop,
+                self.p2p,
+                self.orchestrator.peer_id,
+                acquire_timeout_s=acquire_timeout_s,
+                rediscover=lambda: getattr(find_orchestrator(self.dht, self.model, allowed), "peer_id", None),
+            )
+        self.provider = provider or DhtChainProvider(
+            lambda: fetch_servers(self.dht, self.model, allowed=allowed), self.ping_s, wait_for_chain_s=wait_for_chain_s
+        )
         # who is relayed (behind a NAT) and connecting through the relays: one owner for every session
         self.relays = RelayDialer(self.loop, self.p2p, lambda: fetch_servers(self.dht, self.model, allowed=allowed))
         # servers seen failing, banned with backoff for every session of this client (pass one object to
@@ -123,16 +154,28 @@ class RemoteChain(ChainBackend):
         stub = OrchestratorService.get_stub(self.p2p, PeerID.from_base58(orchestrator.peer_id))
         resp = self.loop.run(stub.rpc_report(request, timeout=60.0), timeout_s=62.0)
         reply = wire.decode_reply(wire.unpack(resp.metadata), ReportReply)
-        return (f"counted: {reply.reporters} reporter(s), excluded={reply.excluded}" if reply.counted
-                else f"not counted: {reply.detail}")
+        return (
+            f"counted: {reply.reporters} reporter(s), excluded={reply.excluded}"
+            if reply.counted
+            else f"not counted: {reply.detail}"
+        )
 
     def session_context(self) -> SessionContext:
         """What a session opened now uses of this client (the provider as set now: tests swap it)."""
-        return SessionContext(model=self.model, num_blocks=self.num_blocks, dtype=self.dtype,
-                              step_timeout_s=self.step_timeout_s, max_failovers=self.max_failovers,
-                              server_relay=self.server_relay, loop=self.loop, hops=self.hops, provider=self.provider,
-                              peer_health=self.peer_health, relays=self.relays,
-                              busy_backoff_s=tuple(self.busy_backoff_s))
+        return SessionContext(
+            model=self.model,
+            num_blocks=self.num_blocks,
+            dtype=self.dtype,
+            step_timeout_s=self.step_timeout_s,
+            max_failovers=self.max_failovers,
+            server_relay=self.server_relay,
+            loop=self.loop,
+            hops=self.hops,
+            provider=self.provider,
+            peer_health=self.peer_health,
+            relays=self.relays,
+            busy_backoff_s=tuple(self.busy_backoff_s),
+        )
 
     @property
     def server_relay(self) -> bool:
@@ -147,8 +190,9 @@ class RemoteChain(ChainBackend):
         return ping_block_server_s(self.loop, self.p2p, peer_id)
 
     def server_info(self, peer_id: str) -> wire_records.ServerInfo:
-        resp = self.loop.run(self.stub(peer_id).rpc_info(wire.request(wire_records.InfoRequest()), timeout=5.0),
-                             timeout_s=7.0)
+        resp = self.loop.run(
+            self.stub(peer_id).rpc_info(wire.request(wire_records.InfoRequest()), timeout=5.0), timeout_s=7.0
+        )
         return wire.decode_reply(wire.unpack(resp.metadata), wire_records.InfoReply).info
 
     def forward(self, hidden: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
@@ -179,15 +223,28 @@ class RemoteChain(ChainBackend):
         finally:
             lease.release(lease.hops)
 
-    def open_session(self, max_length: int, prefix: PromptPrefix | None = None, adapter: str | None = None, *,
-                     session_id: str | None = None, avoid: Iterable[str] = ()) -> "RemoteChainSession":
+    def open_session(
+        self,
+        max_length: int,
+        prefix: PromptPrefix | None = None,
+        adapter: str | None = None,
+        *,
+        session_id: str | None = None,
+        avoid: Iterable[str] = (),
+    ) -> "RemoteChainSession":
         """`prefix`: the prompt, offered to the hops' prefix caches (`remote_session.py`); `adapter`:
         the LoRA adapter of the session (only servers that list it are used); `avoid`: peer ids of
         servers the session must not use."""
         # spot checks audit a hop from its own inputs: a prefix its cache supplied is not among them
         reuse = self.prefix_reuse and not self.verification.config.spot_checks
-        session = RemoteChainSession(self.session_context(), max_length, prefix if reuse else None, adapter,
-                                     session_id=session_id, avoid=set(avoid) | self.verification.avoided())
+        session = RemoteChainSession(
+            self.session_context(),
+            max_length,
+            prefix if reuse else None,
+            adapter,
+            session_id=session_id,
+            avoid=set(avoid) | self.verification.avoided(),
+        )
         session.verifier = self.verification.session(session)
         return session
 

@@ -17,6 +17,7 @@ the rest of the prompt. A hop opened later (a replacement, a reopened idle strea
 from a cache: its input for the reused prefix is rebuilt by running the prefix's embeddings
 statelessly through the hops before it, and replayed ahead of its history.
 """
+
 from __future__ import annotations
 
 import logging
@@ -122,8 +123,16 @@ class _StepRun:
 
 
 class RemoteChainSession(ChainSession):
-    def __init__(self, ctx: SessionContext, max_length: int, prefix: PromptPrefix | None = None,
-                 adapter: str | None = None, *, session_id: str | None = None, avoid: Iterable[str] = ()):
+    def __init__(
+        self,
+        ctx: SessionContext,
+        max_length: int,
+        prefix: PromptPrefix | None = None,
+        adapter: str | None = None,
+        *,
+        session_id: str | None = None,
+        avoid: Iterable[str] = (),
+    ):
         self.ctx = ctx
         self.max_length = max_length
         self.adapter = adapter  # the LoRA adapter every hop runs this session with (None: base model)
@@ -136,8 +145,14 @@ class RemoteChainSession(ChainSession):
         # Table 1 model probe measures one chain alone by avoiding every server outside it)
         self.recovery = Recovery(ctx.max_failovers, ctx.peer_health, avoid=avoid, busy_backoff_s=ctx.busy_backoff_s)
         # the session's hold on its chain (with an orchestrator: its lease and grant), released in `close`
-        self.lease = Lease(ctx.provider, self.session_id, num_blocks=ctx.num_blocks, max_length=max_length,
-                           adapter=adapter, prompt=self._prompt())
+        self.lease = Lease(
+            ctx.provider,
+            self.session_id,
+            num_blocks=ctx.num_blocks,
+            max_length=max_length,
+            adapter=adapter,
+            prompt=self._prompt(),
+        )
         self.reopens = 0  # streams reopened after the server's session_idle_timeout (not failovers)
         self.rollbacks = 0  # steps that restarted below `position` (rejected drafts, an edited last turn)
         self.streams: list[HopStream] = []
@@ -148,15 +163,19 @@ class RemoteChainSession(ChainSession):
         self.step_timings: list[StepTiming] = []
         try:
             self.recovery.ask(self.lease.acquire)
-            self.streams = self.recovery.run(lambda: self._open_hops(self.lease.hops, self.prefix_hashes),
-                                             self._repair_open, f"opening session {self.session_id[:8]}",
-                                             busy_waits=True)
+            self.streams = self.recovery.run(
+                lambda: self._open_hops(self.lease.hops, self.prefix_hashes),
+                self._repair_open,
+                f"opening session {self.session_id[:8]}",
+                busy_waits=True,
+            )
         except BaseException:
             self.close()
             raise
         if self.prefix_hashes:
-            self.prefix_tokens = usable_prefix_tokens([s.prefix_match_tokens for s in self.streams],
-                                                      len(self.prefix.token_ids))
+            self.prefix_tokens = usable_prefix_tokens(
+                [s.prefix_match_tokens for s in self.streams], len(self.prefix.token_ids)
+            )
             for s in self.streams:
                 s.prefix_tokens = self.prefix_tokens
             self.position = self.prefix_tokens  # the first step starts after the reused prefix
@@ -206,7 +225,7 @@ class RemoteChainSession(ChainSession):
         if not self.ctx.server_relay:
             return None
         route = []
-        for s in self.streams[index + 1:]:
+        for s in self.streams[index + 1 :]:
             if not self._takes_pushes(s):
                 break
             route.append(s.hop.peer_id)
@@ -219,19 +238,29 @@ class RemoteChainSession(ChainSession):
     def _call(self, stream: HopStream, hidden: torch.Tensor) -> torch.Tensor:
         """One step of `stream`'s hop alone, with a fresh step id (replays); raises HopFailed or the
         server's other typed errors."""
-        return wire_parts.as_tensor(self.ctx.hops.run_hop(stream.hop, self._call_async(stream, hidden),
-                                                            self.ctx.step_timeout_s + 2))
+        return wire_parts.as_tensor(
+            self.ctx.hops.run_hop(stream.hop, self._call_async(stream, hidden), self.ctx.step_timeout_s + 2)
+        )
 
-    async def _call_async(self, stream: HopStream, hidden: torch.Tensor | wire_parts.RawTensor,
-                          step_id: int | None = None, index: int | None = None, start_position: int | None = None
-                          ) -> torch.Tensor | wire_parts.RawTensor:
+    async def _call_async(
+        self,
+        stream: HopStream,
+        hidden: torch.Tensor | wire_parts.RawTensor,
+        step_id: int | None = None,
+        index: int | None = None,
+        start_position: int | None = None,
+    ) -> torch.Tensor | wire_parts.RawTensor:
         """One step of `stream`'s hop, on the loop; its output as the reply carried it (a RawTensor
         from a raw frame: `wire_parts.as_tensor` decodes it). With `index` (its place in the chain) and server
         relay on, the step names the route on, and tells the hop its previous peer when that
         changed; the hop may have run it already from a push, and then answers at once.
         `start_position`: a rollback step (every hop, and every push, carries it)."""
-        step = Step(self.session_id, self._new_step_id() if step_id is None else step_id,
-                    prefix_tokens=stream.prefix_tokens, start_position=start_position)
+        step = Step(
+            self.session_id,
+            self._new_step_id() if step_id is None else step_id,
+            prefix_tokens=stream.prefix_tokens,
+            start_position=start_position,
+        )
         pushed = False
         if index is not None and self.ctx.server_relay:
             step.push_route = self._route(index)
@@ -244,12 +273,21 @@ class RemoteChainSession(ChainSession):
         # a step that registers the hop's new pusher (relay_from) must go now: the push is refused until it lands
         copy_after_s = self._copy_after_s(stream) if pushed and step.relay_from is None else None
         # within the step timeout: step_async's reply wait covers its send too
-        result = await self.ctx.hops.step_async(stream, step, hidden, self._liveness_after_s(stream.hop.peer_id),
-                                                copy_after_s)
+        result = await self.ctx.hops.step_async(
+            stream, step, hidden, self._liveness_after_s(stream.hop.peer_id), copy_after_s
+        )
         return self._received(stream, step, hidden, result, pushed, replay=index is None)
 
-    def _received(self, stream: HopStream, step: Step, hidden: torch.Tensor | wire_parts.RawTensor,
-                  result: StepResult, pushed: bool, *, replay: bool = False) -> torch.Tensor | wire_parts.RawTensor:
+    def _received(
+        self,
+        stream: HopStream,
+        step: Step,
+        hidden: torch.Tensor | wire_parts.RawTensor,
+        result: StepResult,
+        pushed: bool,
+        *,
+        replay: bool = False,
+    ) -> torch.Tensor | wire_parts.RawTensor:
         """Every reply to a step of this session comes through here, once per hop and step (the
         chain's steps and the replays of failovers and reopens alike), on the loop, before its output
         goes on to the next hop: the one place to check a reply. Raising `ServerUnavailableError`
@@ -258,13 +296,23 @@ class RemoteChainSession(ChainSession):
             stream.late_copies += 1
         if step.start_position is not None and result.reply.position != step.start_position + hidden.shape[0]:
             # after a rollback every hop must hold exactly what the client does
-            raise ServerUnavailableError(f"server {stream.hop.describe()} holds {result.reply.position} tokens after a "
-                                         f"step from {step.start_position} with {hidden.shape[0]}; it ignored the "
-                                         "rollback")
-        self.hop_timings.append(HopTiming(
-            next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)), stream.hop.peer_id,
-            stream.hop.num_blocks, hidden.shape[0], result.client_s, result.reply.server_s, result.reply.compute_s,
-            pushed))
+            raise ServerUnavailableError(
+                f"server {stream.hop.describe()} holds {result.reply.position} tokens after a "
+                f"step from {step.start_position} with {hidden.shape[0]}; it ignored the "
+                "rollback"
+            )
+        self.hop_timings.append(
+            HopTiming(
+                next((i for i, s in enumerate(self.streams) if s is stream), len(self.streams)),
+                stream.hop.peer_id,
+                stream.hop.num_blocks,
+                hidden.shape[0],
+                result.client_s,
+                result.reply.server_s,
+                result.reply.compute_s,
+                pushed,
+            )
+        )
         if self.verifier is not None:  # checks of the reply (client/verification.py); raising fails the hop over
             self.verifier.on_reply(stream, hidden, result.output, step.start_position, replay=replay)
         return result.output
@@ -273,8 +321,11 @@ class RemoteChainSession(ChainSession):
         """How long a pushed step's copy to `stream` is held back (None: sent at once); see COPY_GRACE_FACTOR."""
         if stream.late_copies >= COPY_LATE_MAX:
             return None
-        recent = [t.client_s for t in self.hop_timings[-4 * COPY_HISTORY_STEPS * max(1, len(self.streams)):]
-                  if t.peer_id == stream.hop.peer_id and t.pushed][-COPY_HISTORY_STEPS:]
+        recent = [
+            t.client_s
+            for t in self.hop_timings[-4 * COPY_HISTORY_STEPS * max(1, len(self.streams)) :]
+            if t.peer_id == stream.hop.peer_id and t.pushed
+        ][-COPY_HISTORY_STEPS:]
         if len(recent) < COPY_HISTORY_STEPS:
             return None
         return max(COPY_GRACE_FLOOR_S, COPY_GRACE_FACTOR * sorted(recent)[len(recent) // 2])
@@ -284,13 +335,15 @@ class RemoteChainSession(ChainSession):
         still answers (`HopClient.receive_while_alive`): LIVENESS_STEP_FACTOR times the median of its
         last steps' round trips in this session (a prompt's long step does not stretch it), at least
         LIVENESS_FLOOR_S."""
-        recent = sorted(t.client_s for t in self.hop_timings[-4 * LIVENESS_RECENT_STEPS:]
-                        if t.peer_id == peer_id)[-LIVENESS_RECENT_STEPS:]
+        recent = sorted(t.client_s for t in self.hop_timings[-4 * LIVENESS_RECENT_STEPS :] if t.peer_id == peer_id)[
+            -LIVENESS_RECENT_STEPS:
+        ]
         typical_s = recent[len(recent) // 2] if recent else 0.0
         return max(LIVENESS_FLOOR_S, LIVENESS_STEP_FACTOR * typical_s)
 
-    def _open_hops(self, hops: list[Hop], hashes: list[str] | None = None,
-                   before: str | None = None) -> list[HopStream]:
+    def _open_hops(
+        self, hops: list[Hop], hashes: list[str] | None = None, before: str | None = None
+    ) -> list[HopStream]:
         """Streams opened on `hops` (offering the prompt's `hashes`); a server's failure raises
         `HopFailed` naming the hop (what was opened is closed again). With server relay each hop
         takes pushes from the one before it (`before`: the peer before the first)."""
@@ -299,9 +352,19 @@ class RemoteChainSession(ChainSession):
         try:
             for hop in hops:
                 relay_from = before if self.ctx.server_relay else None
-                opened.append(self.ctx.hops.open(hop, Open(self.session_id, self.max_length, hop.start,
-                                                           prefix_hashes=hashes or None, adapter=self.adapter,
-                                                           relay_from=relay_from)))
+                opened.append(
+                    self.ctx.hops.open(
+                        hop,
+                        Open(
+                            self.session_id,
+                            self.max_length,
+                            hop.start,
+                            prefix_hashes=hashes or None,
+                            adapter=self.adapter,
+                            relay_from=relay_from,
+                        ),
+                    )
+                )
                 before = hop.peer_id
         except BaseException:
             self._close_streams(opened)
@@ -322,8 +385,9 @@ class RemoteChainSession(ChainSession):
         t0_s, first_hop = time.perf_counter(), len(self.hop_timings)
         start = self.check_start(start_position)
         if start + hidden.shape[0] > self.max_length:
-            raise MaxLengthExceededError(f"session opened with max_length={self.max_length} cannot take "
-                                         f"{start + hidden.shape[0]} tokens")
+            raise MaxLengthExceededError(
+                f"session opened with max_length={self.max_length} cannot take {start + hidden.shape[0]} tokens"
+            )
         rollback = start < self.position
         if rollback:
             self._roll_back(start)
@@ -331,18 +395,25 @@ class RemoteChainSession(ChainSession):
         # holds exactly that many tokens, so it is right for it too)
         rollback_start = start if rollback else None
         x0 = hidden.to(self.ctx.dtype)
-        run = _StepRun(x0=x0, x=x0,
-                       step_id=self._new_step_id(),  # one id along the chain: a hop runs it once, pushed or sent
-                       rollback_start=rollback_start)
-        x = self.recovery.run(lambda: self._attempt_step(run), lambda failed, _: self._repair_step(run, failed),
-                              f"session {self.session_id[:8]}")
+        run = _StepRun(
+            x0=x0,
+            x=x0,
+            step_id=self._new_step_id(),  # one id along the chain: a hop runs it once, pushed or sent
+            rollback_start=rollback_start,
+        )
+        x = self.recovery.run(
+            lambda: self._attempt_step(run),
+            lambda failed, _: self._repair_step(run, failed),
+            f"session {self.session_id[:8]}",
+        )
         self.position += hidden.shape[0]
         if self.steps == 0:
             self.input_tokens = hidden.shape[0]
         self.steps += 1
         output = wire_parts.as_tensor(x)  # the last hop's reply, decoded for the caller (the LM head)
-        self.step_timings.append(StepTiming(hidden.shape[0], time.perf_counter() - t0_s, first_hop,
-                                            len(self.hop_timings)))
+        self.step_timings.append(
+            StepTiming(hidden.shape[0], time.perf_counter() - t0_s, first_hop, len(self.hop_timings))
+        )
         return output
 
     def _attempt_step(self, run: _StepRun) -> torch.Tensor | wire_parts.RawTensor:
@@ -355,15 +426,20 @@ class RemoteChainSession(ChainSession):
             # and stops at the first failure
             run.i, run.x, error = self.ctx.loop.run(
                 self._relay_async(run.i, run.x, run.step_id, run.done, run.rollback_start),
-                timeout_s=(self.ctx.step_timeout_s + 3) * (len(self.streams) - run.i) + 2)
+                timeout_s=(self.ctx.step_timeout_s + 3) * (len(self.streams) - run.i) + 2,
+            )
             if error is None:
                 return run.x
             if not isinstance(error, SessionIdleTimeoutError):
                 raise error
             stream = self.streams[run.i]
             if stream.hop.peer_id in run.reopened:
-                raise HopFailed(stream.hop, ServerUnavailableError(
-                    f"server {stream.hop.describe()} closed the reopened session at once: {error}")) from error
+                raise HopFailed(
+                    stream.hop,
+                    ServerUnavailableError(
+                        f"server {stream.hop.describe()} closed the reopened session at once: {error}"
+                    ),
+                ) from error
             run.reopened.add(stream.hop.peer_id)
             self._reopen(run.i, error)
             run.step_id = self._new_step_id()  # after the replay's
@@ -382,9 +458,14 @@ class RemoteChainSession(ChainSession):
             self._replace(run.i, failed.error)
         run.step_id = self._new_step_id()  # after the replay's
 
-    async def _relay_async(self, i: int, x: torch.Tensor | wire_parts.RawTensor, step_id: int,
-                           done: list[HopStream], start_position: int | None = None
-                           ) -> tuple[int, torch.Tensor | wire_parts.RawTensor, Exception | None]:
+    async def _relay_async(
+        self,
+        i: int,
+        x: torch.Tensor | wire_parts.RawTensor,
+        step_id: int,
+        done: list[HopStream],
+        start_position: int | None = None,
+    ) -> tuple[int, torch.Tensor | wire_parts.RawTensor, Exception | None]:
         """Hops `i`.. of one step; returns where it stopped, that hop's input and its error (as
         `HopClient.run_hop` would raise it), or (len, output, None). A hop's reply goes on to the
         next hop as it came (a RawTensor); each hop's history keeps its input as a tensor, decoded
@@ -417,8 +498,13 @@ class RemoteChainSession(ChainSession):
         was freed when the server closed the idle stream). The chain and any lease stay as they are."""
         old = self.streams[index]
         self.reopens += 1
-        logger.info("server %s closed idle session %s (%s); reopening it and replaying %d tokens", old.hop.describe(),
-                    self.session_id[:8], error, sum(x.shape[0] for x in old.inputs))
+        logger.info(
+            "server %s closed idle session %s (%s); reopening it and replaying %d tokens",
+            old.hop.describe(),
+            self.session_id[:8],
+            error,
+            sum(x.shape[0] for x in old.inputs),
+        )
         self._close_streams([old])
         inputs = self._with_prefix_input(index, old)  # before the new stream takes index's place
         before = self.streams[index - 1].hop.peer_id if index > 0 else None
@@ -442,13 +528,20 @@ class RemoteChainSession(ChainSession):
             index, failed = 0, self.streams[0]
             new_hops = self.recovery.ask(self.lease.acquire)
         else:
-            ends = frozenset({s.hop.start for s in self.streams[index + 1:]} | {self.ctx.num_blocks})
+            ends = frozenset({s.hop.start for s in self.streams[index + 1 :]} | {self.ctx.num_blocks})
             new_hops = self.recovery.ask(lambda exclude: self.lease.find_span(failed.hop.start, ends, exclude))
         new_end = new_hops[-1].end
-        keep_from = next((i for i in range(index + 1, len(self.streams)) if self.streams[i].hop.start == new_end),
-                         len(self.streams))
-        logger.warning("server %s failed (%s); replacing blocks [%d, %d) with %s", failed.hop.describe(), error,
-                       failed.hop.start, new_end, " -> ".join(h.describe() for h in new_hops))
+        keep_from = next(
+            (i for i in range(index + 1, len(self.streams)) if self.streams[i].hop.start == new_end), len(self.streams)
+        )
+        logger.warning(
+            "server %s failed (%s); replacing blocks [%d, %d) with %s",
+            failed.hop.describe(),
+            error,
+            failed.hop.start,
+            new_end,
+            " -> ".join(h.describe() for h in new_hops),
+        )
         self._close_streams(self.streams[index:keep_from])
         inputs = self._with_prefix_input(index, failed)
         history = torch.cat(inputs) if inputs else None
@@ -473,7 +566,7 @@ class RemoteChainSession(ChainSession):
         run statelessly (`rpc_forward`) through the hops before it."""
         if not self.prefix_tokens or stream.prefix_in_inputs:
             return list(stream.inputs)
-        x = self.prefix.hidden[:self.prefix_tokens].to(self.ctx.dtype)
+        x = self.prefix.hidden[: self.prefix_tokens].to(self.ctx.dtype)
         for before in self.streams[:index]:
             x = self.ctx.hops.forward(before.hop, x.unsqueeze(0), self.adapter)[0]
         return [x, *stream.inputs]
@@ -490,5 +583,6 @@ class RemoteChainSession(ChainSession):
         hops = self.hops
         self._close_streams(self.streams)
         self.streams = []
-        self.lease.release(hops, input_tokens=self.input_tokens, output_tokens=self.steps,
-                           hop_timings=tuple(self.hop_timings))
+        self.lease.release(
+            hops, input_tokens=self.input_tokens, output_tokens=self.steps, hop_timings=tuple(self.hop_timings)
+        )

@@ -7,6 +7,7 @@ DHT records by minimum estimated latency, as PETALS does: Dijkstra over block bo
 using server s from boundary b costs its round trip plus its per-block decode time over the blocks
 it would process, with a penalty when it reports no free KV slot.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -40,26 +41,59 @@ class ChainProvider(ABC):
     takes_prompt: bool = False
 
     @abstractmethod
-    def find_chain(self, start: int, end: int, *, exclude: frozenset[str] = frozenset(),
-                   max_length: int = 0, session_id: str = "", adapter: str | None = None) -> list[Hop]:
+    def find_chain(
+        self,
+        start: int,
+        end: int,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        max_length: int = 0,
+        session_id: str = "",
+        adapter: str | None = None,
+    ) -> list[Hop]:
         """Hops covering `[start, end)`, each serving the LoRA `adapter` if one is asked for;
         raises NoChainError when none exists."""
 
-    def acquire(self, start: int, end: int, *, exclude: frozenset[str] = frozenset(), max_length: int = 0,
-                session_id: str = "", adapter: str | None = None) -> Acquired:
+    def acquire(
+        self,
+        start: int,
+        end: int,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        max_length: int = 0,
+        session_id: str = "",
+        adapter: str | None = None,
+    ) -> Acquired:
         """`find_chain`, with the grant that comes with the chain (`client/lease.py` keeps it on the session)."""
-        return Acquired(self.find_chain(start, end, exclude=exclude, max_length=max_length, session_id=session_id,
-                                        adapter=adapter))
+        return Acquired(
+            self.find_chain(start, end, exclude=exclude, max_length=max_length, session_id=session_id, adapter=adapter)
+        )
 
-    def find_span(self, start: int, ends: frozenset[int], *, exclude: frozenset[str] = frozenset(),
-                  max_length: int = 0, session_id: str = "", adapter: str | None = None) -> list[Hop]:
+    def find_span(
+        self,
+        start: int,
+        ends: frozenset[int],
+        *,
+        exclude: frozenset[str] = frozenset(),
+        max_length: int = 0,
+        session_id: str = "",
+        adapter: str | None = None,
+    ) -> list[Hop]:
         """Hops from `start` to any boundary in `ends` (failover of one span); by default the
         longest span, i.e. a new chain to `max(ends)`."""
-        return self.find_chain(start, max(ends), exclude=exclude, max_length=max_length, session_id=session_id,
-                               adapter=adapter)
+        return self.find_chain(
+            start, max(ends), exclude=exclude, max_length=max_length, session_id=session_id, adapter=adapter
+        )
 
-    def session_finished(self, hops: list[Hop], *, session_id: str = "", input_tokens: int = 0,
-                         output_tokens: int = 0, hop_timings: tuple = ()) -> None:
+    def session_finished(
+        self,
+        hops: list[Hop],
+        *,
+        session_id: str = "",
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        hop_timings: tuple = (),
+    ) -> None:
         """Called when a session on `hops` ends (an orchestrator frees its slot); `hop_timings`:
         its steps' `HopTiming`s (the orchestrator learns the per-hop network cost from them)."""
 
@@ -67,9 +101,17 @@ class ChainProvider(ABC):
         """Stop background work (heartbeats)."""
 
 
-def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Callable[[str], float | None],
-                      *, exclude: frozenset[str] = frozenset(), max_length: int = 0,
-                      ends: frozenset[int] | None = None, adapter: str | None = None) -> list[Hop]:
+def min_latency_chain(
+    servers: list[ServerInfo],
+    start: int,
+    end: int,
+    rtt_s: Callable[[str], float | None],
+    *,
+    exclude: frozenset[str] = frozenset(),
+    max_length: int = 0,
+    ends: frozenset[int] | None = None,
+    adapter: str | None = None,
+) -> list[Hop]:
     """Dijkstra over block boundaries `start..end` (pure; `rtt_s(peer)` is None for unreachable peers).
 
     With `ends`, the chain may stop at any of those boundaries (all <= `end`): failover uses it to
@@ -79,11 +121,20 @@ def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Ca
     targets = ends if ends else frozenset({end})
     if adapter is not None and servers and not any(adapter in s.adapters for s in servers):
         served = sorted({a for s in servers for a in s.adapters})
-        raise UnknownAdapterError(f"no server of this model serves adapter {adapter!r}; served adapters: "
-                                  f"{served or 'none'}. Choose one of them, or start servers with --adapters PATH")
-    usable = [s for s in servers if s.peer_id not in exclude and s.state == ServerState.ONLINE
-              and s.max_length_tokens >= max_length and s.end > start and s.start < end
-              and (adapter is None or adapter in s.adapters)]
+        raise UnknownAdapterError(
+            f"no server of this model serves adapter {adapter!r}; served adapters: "
+            f"{served or 'none'}. Choose one of them, or start servers with --adapters PATH"
+        )
+    usable = [
+        s
+        for s in servers
+        if s.peer_id not in exclude
+        and s.state == ServerState.ONLINE
+        and s.max_length_tokens >= max_length
+        and s.end > start
+        and s.start < end
+        and (adapter is None or adapter in s.adapters)
+    ]
     best: dict[int, float] = {start: 0.0}
     prev: dict[int, tuple[int, ServerInfo]] = {}
     heap = [(0.0, start)]
@@ -109,9 +160,11 @@ def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Ca
     if not reached:
         covered = sorted((s.start, s.end) for s in usable)
         serving = f" serving adapter {adapter!r}" if adapter is not None else ""
-        raise NoChainError(f"no chain of online servers{serving} covers blocks [{start}, {end}) (usable servers hold "
-                           f"{covered or 'nothing'}); start servers for the missing blocks"
-                           f"{' with --adapters' if adapter is not None else ''} or wait for them to join")
+        raise NoChainError(
+            f"no chain of online servers{serving} covers blocks [{start}, {end}) (usable servers hold "
+            f"{covered or 'nothing'}); start servers for the missing blocks"
+            f"{' with --adapters' if adapter is not None else ''} or wait for them to join"
+        )
     hops, b = [], min(reached, key=lambda t: best[t])
     while b != start:
         a, s = prev[b]
@@ -123,9 +176,15 @@ def min_latency_chain(servers: list[ServerInfo], start: int, end: int, rtt_s: Ca
 class DhtChainProvider(ChainProvider):
     """Client-side routing from DHT records (used when no orchestrator is present)."""
 
-    def __init__(self, fetch_servers: Callable[[], list[ServerInfo]], ping_s: Callable[[str], float | None],
-                 *, wait_for_chain_s: float = 20.0, rtt_ttl_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        fetch_servers: Callable[[], list[ServerInfo]],
+        ping_s: Callable[[str], float | None],
+        *,
+        wait_for_chain_s: float = 20.0,
+        rtt_ttl_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.fetch_servers = fetch_servers
         self.ping_s = ping_s
         self.wait_for_chain_s = wait_for_chain_s
@@ -153,8 +212,16 @@ class DhtChainProvider(ChainProvider):
         deadline = self.clock() + self.wait_for_chain_s
         while True:
             try:
-                return min_latency_chain(self.fetch_servers(), start, max(ends), self._rtt_s, exclude=exclude,
-                                         max_length=max_length, ends=ends, adapter=adapter)
+                return min_latency_chain(
+                    self.fetch_servers(),
+                    start,
+                    max(ends),
+                    self._rtt_s,
+                    exclude=exclude,
+                    max_length=max_length,
+                    ends=ends,
+                    adapter=adapter,
+                )
             except NoChainError:
                 if self.clock() >= deadline:
                     raise

@@ -4,6 +4,7 @@ one owner of the client's view of which servers sit behind NATs.
 `RemoteChain` builds a context for each session it opens; the session reads nothing else of it, so
 `remote_session.py` does not import `remote.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,15 @@ class RelayDialer:
     loop's one thread read or write them (`dial` hands its work to the loop; `relayed` is called by
     the session's step coroutines there), so the sessions of many threads share it without a lock."""
 
-    def __init__(self, loop: BackgroundLoop, p2p, fetch_records: Callable[[], list[ServerInfo]], *,
-                 refresh_s: float = RELAY_RECORDS_REFRESH_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        loop: BackgroundLoop,
+        p2p,
+        fetch_records: Callable[[], list[ServerInfo]],
+        *,
+        refresh_s: float = RELAY_RECORDS_REFRESH_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.loop = loop
         self.p2p = p2p
         self.fetch_records = fetch_records

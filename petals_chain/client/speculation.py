@@ -19,6 +19,7 @@ rule in `_assisted_decoding`); a draft held back is compared with the tokens the
 the next rounds. So a chat that stopped drafting notices at no cost when the model starts to quote.
 The acceptance rule itself stays HF's: only the draft's length changes, so the output does not.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -93,8 +94,7 @@ class AdaptivePromptLookup(CandidateGenerator):
     drafts' acceptance. Used by `DistributedModelForCausalLM.generate` (HF's assisted-decoding loop)
     and by the API gateway's decode loop (`draft`)."""
 
-    def __init__(self, lookup: CandidateGenerator, max_draft_tokens: int, step_costs: StepCostModel,
-                 window: int = 16):
+    def __init__(self, lookup: CandidateGenerator, max_draft_tokens: int, step_costs: StepCostModel, window: int = 16):
         if max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be >= 1, got {max_draft_tokens}")
         self.lookup = lookup
@@ -122,7 +122,7 @@ class AdaptivePromptLookup(CandidateGenerator):
         ids = input_ids[0].tolist()
         self._resolve(ids)
         candidates, _ = self.lookup.get_candidates(input_ids)
-        full = candidates[0, len(ids):len(ids) + self.max_draft_tokens].tolist()
+        full = candidates[0, len(ids) : len(ids) + self.max_draft_tokens].tolist()
         if not full:
             return []  # no match: a plain 1-token step
         self.pending.append((len(ids), full))
@@ -149,7 +149,7 @@ class AdaptivePromptLookup(CandidateGenerator):
         """Compare every pending draft with the tokens generated since it was drafted."""
         self.pending_matched, still = [], []
         for start, full in self.pending:
-            seen = ids[start:start + len(full)]
+            seen = ids[start : start + len(full)]
             matched = next((i for i, (a, b) in enumerate(zip(seen, full)) if a != b), len(seen))
             if matched < len(seen) or len(seen) == len(full):
                 self.accepted.append(matched)  # rejected at `matched`, or accepted whole

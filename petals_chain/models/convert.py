@@ -5,6 +5,7 @@ transformers loads a GGUF with `gguf_file=` (de-quantizing to float) but refuses
 on such a model, so the state dict is written with safetensors and the config as plain JSON.
 The embeddings are tied to the LM head, so only `model.embed_tokens.weight` is stored.
 """
+
 from __future__ import annotations
 
 import fcntl

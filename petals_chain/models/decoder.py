@@ -5,6 +5,7 @@ builds from checkpoint tensors.
 Blocks are transformers' own decoder-layer modules used as weight containers; the forward is
 written here so that one call carries several sessions' rows against per-session static caches.
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ session's static KV cache (`models/attention.py:segment_attention` does the per-
 The registry imports every module of that folder on first use, so adding a family never edits
 this file.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -106,7 +107,7 @@ class ModelFamily(ABC):
         """The block module's state dict from its checkpoint tensors (by default: names minus the prefix;
         a family whose checkpoint layout differs from its module's, e.g. Mixtral's experts, converts here)."""
         prefix = self.block_prefix(index)
-        return {name[len(prefix):]: t for name, t in tensors.items()}
+        return {name[len(prefix) :]: t for name, t in tensors.items()}
 
     @abstractmethod
     def kv_heads_and_dim(self, config) -> tuple[int, int]:
@@ -121,7 +122,10 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def block_forward(
-        self, block: nn.Module, hidden: torch.Tensor, features: tuple[torch.Tensor, ...],
+        self,
+        block: nn.Module,
+        hidden: torch.Tensor,
+        features: tuple[torch.Tensor, ...],
         segments: list[AttentionSegment],
     ) -> torch.Tensor:
         """Run one block over `hidden` [rows, hidden_size]; writes each segment's new KV."""
@@ -147,8 +151,10 @@ class FamilyRegistry:
     def register(self, family: ModelFamily) -> ModelFamily:
         for model_type in family.model_types:
             if model_type in self._families and self._families[model_type] is not family:
-                raise ValueError(f"model type {model_type!r} is registered twice "
-                                 f"({self._families[model_type].name} and {family.name})")
+                raise ValueError(
+                    f"model type {model_type!r} is registered twice "
+                    f"({self._families[model_type].name} and {family.name})"
+                )
             self._families[model_type] = family
         return family
 
@@ -172,7 +178,8 @@ class FamilyRegistry:
         if family is None:
             raise UnsupportedModelError(
                 f"model type {model_type!r} is not supported; supported: {sorted(self._families)}. "
-                "Add a family module under petals_chain/models/families/ to serve it.")
+                "Add a family module under petals_chain/models/families/ to serve it."
+            )
         family.check_config(config)
         return family
 

@@ -8,6 +8,7 @@ log lines): a decode step that meets one stalls by that much. Freezing the heap 
 vLLM's engine and CPython's docs for pre-fork servers do) moves it to the permanent generation, so
 full collections walk only what came after: the same collector, without the start-up heap.
 """
+
 from __future__ import annotations
 
 import gc
@@ -26,6 +27,10 @@ def freeze_startup_heap(what: str) -> int:
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
-    logger.info("%s: %d objects of the start-up heap frozen (out of the collector's way) in %.0f ms", what, frozen,
-                (time.perf_counter() - t0) * 1e3)
+    logger.info(
+        "%s: %d objects of the start-up heap frozen (out of the collector's way) in %.0f ms",
+        what,
+        frozen,
+        (time.perf_counter() - t0) * 1e3,
+    )
     return frozen

@@ -1,4 +1,5 @@
 """An asyncio event loop on a daemon thread, for sync code that talks to hivemind's async P2P."""
+
 from __future__ import annotations
 
 import asyncio

@@ -11,6 +11,7 @@ child. Two things go wrong with hivemind's defaults:
   their 32-s step timeout instead of a closed stream. `start_dht`'s child watches its parent and,
   when the parent is gone, kills its own children (p2pd) and exits (`_exit_with_parent`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,8 +64,9 @@ class ParentBoundDHT(DHT):
         # parent's shutdown waited for timeouts on a dead daemon. A group kill still ends this
         # process within PARENT_CHECK_PERIOD_S: its parent is gone.
         os.setpgid(0, 0)
-        threading.Thread(target=_exit_with_parent, args=(self._parent_pid,), name="exit-with-parent",
-                         daemon=True).start()
+        threading.Thread(
+            target=_exit_with_parent, args=(self._parent_pid,), name="exit-with-parent", daemon=True
+        ).start()
         super().run()
 
 
@@ -97,13 +99,18 @@ def describe_p2p_error(error: Exception, initial_peers: list) -> str:
     """hivemind's P2PDaemonError (the daemon's log lines) as one line that says what to do."""
     text = str(error)
     # the daemon's lines start with a Go timestamp: "2026/11/23 07:03:38 failed to parse ..."
-    reasons = [re.sub(r"^(Daemon failed to start:\s*)?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s*", "", line).strip()
-               for line in text.splitlines() if line.strip()]
+    reasons = [
+        re.sub(r"^(Daemon failed to start:\s*)?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s*", "", line).strip()
+        for line in text.splitlines()
+        if line.strip()
+    ]
     reason = next((r for r in reasons if r), text.strip() or type(error).__name__)
     if "bootstrap peers" in reason:
         peers = " ".join(str(p) for p in initial_peers)
-        return (f"none of the initial peers answered ({peers}): check that the address is the one "
-                "`petals-chain dht` printed, that the peer is running and that this host can reach it")
+        return (
+            f"none of the initial peers answered ({peers}): check that the address is the one "
+            "`petals-chain dht` printed, that the peer is running and that this host can reach it"
+        )
     if "multiaddr" in reason:
         return f"the p2p daemon refused an address: {reason}; use e.g. /ip4/0.0.0.0/tcp/31337"
     return f"the p2p daemon did not start: {reason}"

@@ -3,6 +3,7 @@
 This is what a server runs and what the in-process pipeline and the exactness tests chain
 together. Only the range's own tensors are read from the checkpoint.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,9 +52,20 @@ class StepInput:
 class BlockRange:
     """Blocks `[start, end)` of a causal LM, ready to run sessions' steps."""
 
-    def __init__(self, model: str | Path, start: int, end: int, *, dtype: str | torch.dtype = "float32",
-                 quant: str = "none", device: str | torch.device = "cpu", config=None, model_path: Path | None = None,
-                 cuda_graphs: bool = True, adapters: list[str | Path] = ()):
+    def __init__(
+        self,
+        model: str | Path,
+        start: int,
+        end: int,
+        *,
+        dtype: str | torch.dtype = "float32",
+        quant: str = "none",
+        device: str | torch.device = "cpu",
+        config=None,
+        model_path: Path | None = None,
+        cuda_graphs: bool = True,
+        adapters: list[str | Path] = (),
+    ):
         """`adapters`: PEFT LoRA folders, each served under its folder name (`runtime/lora.py`)."""
         self.model_path = model_path or resolve_model_path(model)
         self.config = config or load_config(self.model_path)
@@ -62,7 +74,8 @@ class BlockRange:
         if not (0 <= start < end <= total):
             raise InvalidRequestError(
                 f"block range [{start}, {end}) is not inside the model's {total} blocks; use START:END with "
-                f"0 <= START < END <= {total}")
+                f"0 <= START < END <= {total}"
+            )
         self.start, self.end = start, end
         self.dtype = parse_dtype(dtype)
         self.quant = quant
@@ -88,8 +101,9 @@ class BlockRange:
         for path in adapters:
             name = adapter_name(path)
             if name in self.adapters:
-                raise InvalidRequestError(f"two adapters are named {name!r} (adapters are named by their folder); "
-                                          "rename one folder")
+                raise InvalidRequestError(
+                    f"two adapters are named {name!r} (adapters are named by their folder); rename one folder"
+                )
             prefixes = {i: self.family.block_prefix(i) for i in range(start, end)}
             for index, weights in load_adapter_blocks(path, prefixes, self.dtype).items():
                 attach_adapter(self.blocks[index], weights, self.lora_rows)
@@ -97,9 +111,17 @@ class BlockRange:
         # CUDA graphs of decode steps (runtime/decode_graphs.py): on CUDA unless turned off, and not
         # for bitsandbytes layers (int8's matmul syncs with the host: its capture fails, measured on
         # an H100 with bitsandbytes 0.50.2, so quantized ranges decode eagerly)
-        self.graphs = (DecodeGraphs(self._graph_body, hidden_size=self.hidden_size, dtype=self.dtype,
-                                    device=self.device, version=self._encode_positions_version)
-                       if cuda_graphs and self.device.type == "cuda" and quant == "none" else None)
+        self.graphs = (
+            DecodeGraphs(
+                self._graph_body,
+                hidden_size=self.hidden_size,
+                dtype=self.dtype,
+                device=self.device,
+                version=self._encode_positions_version,
+            )
+            if cuda_graphs and self.device.type == "cuda" and quant == "none"
+            else None
+        )
 
     # -- sizes the orchestrator plans with -------------------------------------------------
     @cached_property
@@ -113,21 +135,22 @@ class BlockRange:
         return kv_bytes_per_block(self.kv_heads, self.head_dim, max_length_tokens, self.dtype)
 
     # -- sessions --------------------------------------------------------------------------
-    def allocate_kv(self, max_length_tokens: int, first_block: int | None = None,
-                    adapter: str | None = None) -> SessionKV:
+    def allocate_kv(
+        self, max_length_tokens: int, first_block: int | None = None, adapter: str | None = None
+    ) -> SessionKV:
         """A session's cache; `adapter`: the LoRA adapter its steps run with (None: the base model)."""
         check_adapter(adapter, self.adapters)
         first = self.start if first_block is None else first_block
         if not self.start <= first < self.end:
-            raise InvalidRequestError(
-                f"entry block {first} is outside this range [{self.start}, {self.end})")
+            raise InvalidRequestError(f"entry block {first} is outside this range [{self.start}, {self.end})")
         if max_length_tokens <= 0:
             raise InvalidRequestError(f"max_length must be positive, got {max_length_tokens}")
         # the position table covers the whole session now, not at a later step (that step may be a
         # graph replay, which must not reallocate what a captured graph reads)
         self._encode_positions.reserve(max_length_tokens)
-        return SessionKV.allocate(first, self.end, self.kv_heads, self.head_dim, max_length_tokens,
-                                  self.dtype, self.device, adapter=adapter)
+        return SessionKV.allocate(
+            first, self.end, self.kv_heads, self.head_dim, max_length_tokens, self.dtype, self.device, adapter=adapter
+        )
 
     def validate_step(self, step: StepInput, check_finite: bool = True, past_tokens: int | None = None) -> None:
         """Refuse a step this range cannot run (typed errors). `check_finite=False`: the caller has
@@ -146,7 +169,8 @@ class BlockRange:
         if past + h.shape[0] > step.kv.max_length_tokens:
             raise MaxLengthExceededError(
                 f"session would reach {past + h.shape[0]} tokens but was opened with max_length="
-                f"{step.kv.max_length_tokens}; open the session with a larger max_length")
+                f"{step.kv.max_length_tokens}; open the session with a larger max_length"
+            )
         # one reduction instead of isfinite + all + bool (each torch call costs tens of microseconds on a
         # decode step's cold path): the float64 sum of finite float16/bfloat16/float32 values cannot
         # overflow, so it is finite exactly when every value is (no block range runs float64)
@@ -175,8 +199,12 @@ class BlockRange:
             if out is None:
                 hidden = torch.cat([s.hidden.to(self.device, self.dtype) for s in steps])
                 self._encode_positions.reserve(max(s.kv.past_tokens + n for s, n in zip(steps, sizes)))
-                positions = torch.cat([torch.arange(s.kv.past_tokens, s.kv.past_tokens + n, device=self.device)
-                                       for s, n in zip(steps, sizes)])
+                positions = torch.cat(
+                    [
+                        torch.arange(s.kv.past_tokens, s.kv.past_tokens + n, device=self.device)
+                        for s, n in zip(steps, sizes)
+                    ]
+                )
                 features = self._encode_positions(positions, self.dtype)
                 out = self._run_blocks(hidden, features, [s.kv for s in steps], sizes)
         for step, n in zip(steps, sizes):
@@ -193,8 +221,14 @@ class BlockRange:
         """Changes whenever the position encoder reallocates its table (a captured graph read the old one)."""
         return getattr(self._encode_positions, "capacity", 0)
 
-    def _run_blocks(self, hidden: torch.Tensor, features: tuple[torch.Tensor, ...], kvs: list[SessionKV],
-                    sizes: list[int], positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def _run_blocks(
+        self,
+        hidden: torch.Tensor,
+        features: tuple[torch.Tensor, ...],
+        kvs: list[SessionKV],
+        sizes: list[int],
+        positions: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
@@ -216,12 +250,13 @@ class BlockRange:
             adapter_rows: dict[str, list[int]] = {}
             for row_start, i in zip(starts, active):
                 k, v = kvs[i].block_views(index)
-                position = None if positions is None else positions[i:i + 1]
+                position = None if positions is None else positions[i : i + 1]
                 segments.append(AttentionSegment(row_start, sizes[i], kvs[i].past_tokens, k, v, position))
                 if kvs[i].adapter is not None:
                     adapter_rows.setdefault(kvs[i].adapter, []).extend(range(row_start, row_start + sizes[i]))
-            self.lora_rows.groups = [(name, torch.tensor(rows_of, device=self.device))
-                                     for name, rows_of in adapter_rows.items()]
+            self.lora_rows.groups = [
+                (name, torch.tensor(rows_of, device=self.device)) for name, rows_of in adapter_rows.items()
+            ]
             try:
                 out = self.family.block_forward(self.blocks[index], sub_hidden, sub_features, segments)
             finally:
@@ -233,11 +268,13 @@ class BlockRange:
         return list(torch.split(hidden, sizes))
 
     @torch.inference_mode()
-    def forward_stateless(self, hidden: torch.Tensor, first_block: int | None = None,
-                          adapter: str | None = None) -> torch.Tensor:
+    def forward_stateless(
+        self, hidden: torch.Tensor, first_block: int | None = None, adapter: str | None = None
+    ) -> torch.Tensor:
         """Forward of whole sequences without keeping a cache: hidden [batch, seq, hidden] -> same shape."""
         if hidden.dim() != 3:
-            raise InvalidRequestError(f"hidden states must have shape [batch, seq, {self.hidden_size}], "
-                                      f"got {tuple(hidden.shape)}")
+            raise InvalidRequestError(
+                f"hidden states must have shape [batch, seq, {self.hidden_size}], got {tuple(hidden.shape)}"
+            )
         steps = [StepInput(self.allocate_kv(hidden.shape[1], first_block, adapter), seq) for seq in hidden]
         return torch.stack(self.forward(steps))

@@ -1,4 +1,5 @@
 """The client side of a model: token embeddings, final norm and LM head (no transformer blocks)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,15 @@ LM_HEAD_GATHER_FRACTION = 0.5
 
 
 class ClientHead(torch.nn.Module):
-    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "float32", model_path: Path | None = None,
-                 max_batch_rows: int = 4096, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str | torch.dtype = "float32",
+        model_path: Path | None = None,
+        max_batch_rows: int = 4096,
+        device: str | torch.device = "cpu",
+    ):
         """`max_batch_rows`: most rows one batched call of concurrent sessions may hold (1: no
         cross-session batching, each call alone, as a baseline for benchmarks). `device`: where the
         embeddings, norm and LM head run (a GPU's LM head takes ~0.1 ms where a CPU's took 4.5 ms
@@ -31,7 +39,8 @@ class ClientHead(torch.nn.Module):
         names = self.family.client_tensor_names(self.config)
         tensors = read_tensors(self.model_path, sorted(set(names.values())), dtype=self.dtype)
         self.embed, self.norm, self.lm_head = self.family.make_client_modules(
-            self.config, {role: tensors[name] for role, name in names.items()})
+            self.config, {role: tensors[name] for role, name in names.items()}
+        )
         self.device = torch.device(device)
         self.requires_grad_(False).eval().to(self.device)
         # the LM head through a oneDNN-packed weight on the CPU (runtime/packed_linear.py): SmolLM2's

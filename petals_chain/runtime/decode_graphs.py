@@ -23,6 +23,7 @@ leaving re-capture; a dead session's graph is never replayed: weak references te
 kept LRU up to `max_graphs`, and batches larger than `max_batch` or steps of more than one token
 per session (prefill, chunked prefill, speculative verification) run eagerly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -109,9 +110,20 @@ class _Graph:
 class DecodeGraphs:
     """Owned by one `BlockRange` and called only from its `forward` (the server's scheduler thread)."""
 
-    def __init__(self, body: Body, *, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 version: Callable[[], int], capture: Callable | None = None, max_batch: int = 16,
-                 max_graphs: int = 8, capture_after: int = 2, recent_steps: int = 8):
+    def __init__(
+        self,
+        body: Body,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        version: Callable[[], int],
+        capture: Callable | None = None,
+        max_batch: int = 16,
+        max_graphs: int = 8,
+        capture_after: int = 2,
+        recent_steps: int = 8,
+    ):
         self.body = body
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device)
         self.version = version
@@ -192,8 +204,9 @@ class DecodeGraphs:
 
     def _capture(self, members: list, version: int) -> _Graph | None:
         hidden = torch.zeros(len(members), self.hidden_size, dtype=self.dtype, device=self.device)
-        positions = torch.tensor([min(kv.past_tokens, kv.max_length_tokens - 1) for kv in members], dtype=torch.long,
-                                 device=self.device)
+        positions = torch.tensor(
+            [min(kv.past_tokens, kv.max_length_tokens - 1) for kv in members], dtype=torch.long, device=self.device
+        )
         if any(kv.past_tokens >= kv.max_length_tokens for kv in members):
             return None  # a full session has no free position for the capture's warm-up write
         try:

@@ -1,4 +1,5 @@
 """Per-session static KV cache (the paper's static allocation by max length, §2.1)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,12 +29,26 @@ class SessionKV:
         self.nbytes = self.keys.numel() * self.keys.element_size() * 2
 
     @classmethod
-    def allocate(cls, first_block: int, end_block: int, kv_heads: int, head_dim: int, max_length_tokens: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", adapter: str | None = None) -> "SessionKV":
+    def allocate(
+        cls,
+        first_block: int,
+        end_block: int,
+        kv_heads: int,
+        head_dim: int,
+        max_length_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        adapter: str | None = None,
+    ) -> "SessionKV":
         shape = (end_block - first_block, kv_heads, max_length_tokens, head_dim)
-        return cls(first_block, end_block, max_length_tokens,
-                   torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                   adapter=adapter)
+        return cls(
+            first_block,
+            end_block,
+            max_length_tokens,
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+            adapter=adapter,
+        )
 
     @property
     def num_blocks(self) -> int:

@@ -6,6 +6,7 @@ layer of a block is wrapped in a `LoraLinear` that keeps the base layer and ever
 `scaling * B(A(x))` is added only to the rows of the sessions that use it (`LoraRows`, set by the
 block range around each block call), so sessions with different adapters, or none, share a batch.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,16 +45,16 @@ class LoraWeights:
 
 def _scaling(config: dict, path: Path) -> float:
     refused = [k for k in ("use_dora", "fan_in_fan_out", "lora_bias") if config.get(k)]
-    refused += [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform")
-                if config.get(k)]
+    refused += [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform") if config.get(k)]
     if config.get("peft_type", "LORA") != "LORA" or refused:
         raise UnsupportedModelError(
             f"adapter {path}: only plain LoRA adapters are served (peft_type LORA without "
-            f"{', '.join(refused) or 'other peft types'}); merge or retrain it as plain LoRA")
+            f"{', '.join(refused) or 'other peft types'}); merge or retrain it as plain LoRA"
+        )
     if config.get("bias", "none") != "none":
         raise UnsupportedModelError(f"adapter {path}: LoRA with trained biases (bias={config['bias']!r}) is not served")
     r, alpha = int(config["r"]), float(config["lora_alpha"])
-    return alpha / (r ** 0.5) if config.get("use_rslora") else alpha / r
+    return alpha / (r**0.5) if config.get("use_rslora") else alpha / r
 
 
 def load_adapter_blocks(path: str | Path, block_prefixes: dict[int, str], dtype: torch.dtype) -> dict[int, LoraWeights]:
@@ -63,8 +64,10 @@ def load_adapter_blocks(path: str | Path, block_prefixes: dict[int, str], dtype:
     (embeddings, LM head) is refused: the client head does not take adapters."""
     path = Path(path).expanduser()
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
-        raise ModelNotFoundError(f"{path} is not a PEFT adapter folder: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} "
-                                 "(what PeftModel.save_pretrained writes)")
+        raise ModelNotFoundError(
+            f"{path} is not a PEFT adapter folder: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} "
+            "(what PeftModel.save_pretrained writes)"
+        )
     scaling = _scaling(json.loads((path / ADAPTER_CONFIG).read_text()), path)
     name = adapter_name(path)
     out = {index: LoraWeights(name, scaling) for index in block_prefixes}
@@ -73,8 +76,10 @@ def load_adapter_blocks(path: str | Path, block_prefixes: dict[int, str], dtype:
         for key in f.keys():
             module, _, kind = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
             if kind not in ("A.weight", "B.weight"):
-                raise UnsupportedModelError(f"adapter {path}: unexpected tensor {key!r} (only lora_A/lora_B weights "
-                                            "of linear layers are served)")
+                raise UnsupportedModelError(
+                    f"adapter {path}: unexpected tensor {key!r} (only lora_A/lora_B weights "
+                    "of linear layers are served)"
+                )
             pairs.setdefault(module, {})[kind[0]] = key
         for module, keys in pairs.items():
             index = next((i for i, p in block_prefixes.items() if module.startswith(p)), None)
@@ -82,10 +87,11 @@ def load_adapter_blocks(path: str | Path, block_prefixes: dict[int, str], dtype:
                 if not any(module.startswith(p.rsplit(".", 2)[0] + ".") for p in block_prefixes.values()):
                     raise UnsupportedModelError(
                         f"adapter {path} changes {module!r}, which is not inside a transformer block; only adapters "
-                        "of block layers are served")
+                        "of block layers are served"
+                    )
                 continue  # another server's block
             a, b = (f.get_tensor(keys[k]).to(dtype) for k in ("A", "B"))
-            out[index].modules[module[len(block_prefixes[index]):]] = (a, b)
+            out[index].modules[module[len(block_prefixes[index]) :]] = (a, b)
     return out
 
 
@@ -110,10 +116,14 @@ class LoraLinear(nn.Module):
     def add(self, name: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         out_features, in_features = b.shape[0], a.shape[1]
         if (getattr(self.base, "in_features", in_features), getattr(self.base, "out_features", out_features)) != (
-                in_features, out_features):
-            raise UnsupportedModelError(f"adapter {name}: LoRA shapes {tuple(a.shape)}/{tuple(b.shape)} do not fit a "
-                                        f"{self.base.in_features}->{self.base.out_features} layer; was it trained "
-                                        "on this model?")
+            in_features,
+            out_features,
+        ):
+            raise UnsupportedModelError(
+                f"adapter {name}: LoRA shapes {tuple(a.shape)}/{tuple(b.shape)} do not fit a "
+                f"{self.base.in_features}->{self.base.out_features} layer; was it trained "
+                "on this model?"
+            )
         self.lora[name] = (a, b, scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,8 +146,10 @@ def attach_adapter(block: nn.Module, weights: LoraWeights, rows: LoraRows) -> No
         layer = getattr(parent, child)
         if not isinstance(layer, LoraLinear):
             if not isinstance(layer, nn.Linear):
-                raise UnsupportedModelError(f"adapter {weights.name} targets {module_path} ({type(layer).__name__}); "
-                                            "only linear layers take LoRA here")
+                raise UnsupportedModelError(
+                    f"adapter {weights.name} targets {module_path} ({type(layer).__name__}); "
+                    "only linear layers take LoRA here"
+                )
             layer = LoraLinear(layer, rows)
             setattr(parent, child, layer)
         layer.add(weights.name, a.to(layer.base.weight.device), b.to(layer.base.weight.device), weights.scaling)
@@ -145,5 +157,7 @@ def attach_adapter(block: nn.Module, weights: LoraWeights, rows: LoraRows) -> No
 
 def check_adapter(adapter: str | None, served: list[str]) -> None:
     if adapter is not None and adapter not in served:
-        raise UnknownAdapterError(f"adapter {adapter!r} is not served here; served adapters: {served or 'none'}. "
-                                  "Choose one of them, or start servers with --adapters PATH")
+        raise UnknownAdapterError(
+            f"adapter {adapter!r} is not served here; served adapters: {served or 'none'}. "
+            "Choose one of them, or start servers with --adapters PATH"
+        )

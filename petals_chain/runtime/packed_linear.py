@@ -30,6 +30,7 @@ before and LoRA still finds its device); the packed copy is a non-persistent buf
 their own kernels; other dtypes and devices were not measured to gain), and only where this torch
 has oneDNN; LoRA wraps the packed layer as any linear.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,11 @@ from torch import nn
 
 def packing_available() -> bool:
     """Whether this torch build has oneDNN and the (private, Inductor's) packed linear ops."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 class PackedLinear(nn.Linear):
@@ -50,8 +54,9 @@ class PackedLinear(nn.Linear):
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().contiguous())
-        new.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device),
-                                  requires_grad=False)
+        new.weight = nn.Parameter(
+            torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device), requires_grad=False
+        )
         new.bias = linear.bias
         new.register_buffer("packed_weight", packed, persistent=False)
         return new

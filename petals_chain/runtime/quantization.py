@@ -4,6 +4,7 @@ bitsandbytes quantizes a parameter when it is moved from the CPU to a device (`.
 parameter already on the GPU is not quantized, so the block must be quantized before it moves
 (`BlockRange` does so).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,12 +27,22 @@ def quantize_linears(module: nn.Module, mode: str, compute_dtype: torch.dtype, d
         if isinstance(child, nn.Linear):
             weight = child.weight.data
             if mode == "nf4":
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=compute_dtype, quant_type="nf4")
+                q = bnb.nn.Linear4bit(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=compute_dtype,
+                    quant_type="nf4",
+                )
                 q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
             else:
-                q = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
-                                        has_fp16_weights=False, threshold=6.0)
+                q = bnb.nn.Linear8bitLt(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    has_fp16_weights=False,
+                    threshold=6.0,
+                )
                 q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
             if child.bias is not None:
                 q.bias = nn.Parameter(child.bias.data, requires_grad=False)
@@ -62,7 +73,9 @@ def module_bytes(module: nn.Module) -> int:
         total += t.numel() * t.element_size()
         state = getattr(t, "quant_state", None)
         if state is not None:
-            total += sum(x.numel() * x.element_size() for x in (state.absmax, getattr(state, "code", None)) if x is not None)
+            total += sum(
+                x.numel() * x.element_size() for x in (state.absmax, getattr(state, "code", None)) if x is not None
+            )
         scb = getattr(t, "SCB", None)
         if scb is not None:
             total += scb.numel() * scb.element_size()

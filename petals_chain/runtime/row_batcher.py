@@ -16,6 +16,7 @@ server batch but 3.8 per LM head call, i.e. two LM head passes over the 113 MB o
 step). The leader therefore waits for expected callers, at most `gather_fraction` of a batch's
 measured time: a session that is in another server batch costs that much latency, never more.
 """
+
 from __future__ import annotations
 
 import threading
@@ -114,7 +115,7 @@ class RowBatcher:
             offset = 0
             for j in batch:
                 n = j.rows.shape[0]
-                j.result = out[offset:offset + n]
+                j.result = out[offset : offset + n]
                 offset += n
         except BaseException as e:  # every caller of the batch gets the error, none hangs
             for j in batch:

@@ -14,6 +14,7 @@ peer can overwrite it. `SwarmRecordValidator` adds what the signature alone does
 Every DHT node of the swarm (bootstrap, servers, orchestrator, clients) runs these validators, so a
 forged record is refused both where it would be stored and where it is read.
 """
+
 from __future__ import annotations
 
 import functools
@@ -68,8 +69,9 @@ class SwarmIdentity:
             try:
                 P2P.generate_identity(path)
             except OSError as e:
-                raise IdentityError(f"cannot write a new identity to {path}: {e}; pass --identity-path "
-                                    "to a file in a writable folder") from None
+                raise IdentityError(
+                    f"cannot write a new identity to {path}: {e}; pass --identity-path to a file in a writable folder"
+                ) from None
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -80,8 +82,10 @@ class SwarmIdentity:
             private_key.__setstate__({"_private_key": pb.data})  # hivemind's own (pickle) loading path
             peer_id = PeerID.from_identity(data).to_base58()
         except Exception as e:
-            raise IdentityError(f"{path} is not a libp2p RSA identity ({type(e).__name__}: {e}); make one with "
-                                "`petals-chain identity new PATH` or remove the file to have a new one made") from None
+            raise IdentityError(
+                f"{path} is not a libp2p RSA identity ({type(e).__name__}: {e}); make one with "
+                "`petals-chain identity new PATH` or remove the file to have a new one made"
+            ) from None
         return cls(path, private_key, peer_id, ephemeral, tmpdir)
 
     @functools.cached_property
@@ -93,8 +97,11 @@ class SwarmIdentity:
     def dht_kwargs(self) -> dict[str, Any]:
         """Arguments for `start_dht` so the DHT runs as this identity and signs its records."""
         # a fresh identity cannot be taken by anyone else: skip hivemind's network check for it
-        return {"identity_path": self.path, "check_if_identity_free": not self.ephemeral,
-                "record_validators": swarm_validators(self.private_key)}
+        return {
+            "identity_path": self.path,
+            "check_if_identity_free": not self.ephemeral,
+            "record_validators": swarm_validators(self.private_key),
+        }
 
 
 class SwarmRecordValidator(RecordValidatorBase):
@@ -131,4 +138,3 @@ def swarm_validators(private_key: RSAPrivateKey | None = None) -> list[RecordVal
     """Validators for every DHT node of a swarm; `private_key` signs this node's own records (readers
     that announce nothing may leave it out)."""
     return [RSASignatureValidator(private_key), SwarmRecordValidator()]
-

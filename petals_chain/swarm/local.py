@@ -4,6 +4,7 @@ Used by `petals-chain demo`, the tests and the benchmarks. Every process gets it
 group, so stopping the swarm (also on Ctrl-C or an exception) leaves no stray process, p2p daemons
 included.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,6 +27,8 @@ Placement = Callable[[str], tuple[list[str], str]]
 
 def on_localhost(role: str) -> tuple[list[str], str]:
     return [], "127.0.0.1"
+
+
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout this module was imported from
 
 
@@ -81,11 +84,19 @@ def _is_peer_maddr(line: str) -> bool:
 class LocalSwarm:
     """`with LocalSwarm(model, [(0, 10), (10, 20), (20, 30)]) as swarm:` -> swarm.initial_peers."""
 
-    def __init__(self, model: str, ranges: list[tuple[int, int] | None], *, server_args: list[str] | None = None,
-                 per_server_args: list[list[str]] | None = None, start_timeout_s: float = 180.0,
-                 env: dict[str, str] | None = None,
-                 orchestrator_args: list[str] | None = None, placement: Placement = on_localhost,
-                 names: list[str] | None = None):
+    def __init__(
+        self,
+        model: str,
+        ranges: list[tuple[int, int] | None],
+        *,
+        server_args: list[str] | None = None,
+        per_server_args: list[list[str]] | None = None,
+        start_timeout_s: float = 180.0,
+        env: dict[str, str] | None = None,
+        orchestrator_args: list[str] | None = None,
+        placement: Placement = on_localhost,
+        names: list[str] | None = None,
+    ):
         """`ranges[i] = None` starts server i with `--blocks auto`; `orchestrator_args` (a list, possibly
         empty) starts `petals-chain orchestrator` with them before the servers; `placement` says on which
         host each process runs and which address it listens on; `names[i]` names server i (default its role
@@ -110,8 +121,14 @@ class LocalSwarm:
 
     def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
         prefix, _ = self.placement(role)
-        return subprocess.Popen([*prefix, sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=self.env, start_new_session=True)
+        return subprocess.Popen(
+            [*prefix, sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
 
     def _maddr(self, role: str) -> str:
         return f"/ip4/{self.placement(role)[1]}/tcp/0"
@@ -120,7 +137,9 @@ class LocalSwarm:
         """`wait_servers=False`: return once the servers are spawned (a caller that waits for the
         orchestrator's plan instead: a server the plan leaves out never reports a range)."""
         try:
-            self.dht_process = self._spawn("dht", ["-m", "petals_chain.cli", "dht", "--host-maddrs", self._maddr("dht")])
+            self.dht_process = self._spawn(
+                "dht", ["-m", "petals_chain.cli", "dht", "--host-maddrs", self._maddr("dht")]
+            )
             lines: list[str] = []
             ready = threading.Event()
             threading.Thread(target=_reader, args=(self.dht_process, lines, ready, _is_peer_maddr), daemon=True).start()
@@ -132,8 +151,13 @@ class LocalSwarm:
                 self.start_orchestrator(self.orchestrator_args, timeout_s=self.start_timeout_s)
             for i, rng in enumerate(self.ranges):
                 start, end = rng if rng is not None else (None, None)
-                self.add_server(start, end, extra_args=self.per_server_args[i], wait=False,
-                                name=self.names[i] if self.names else None)
+                self.add_server(
+                    start,
+                    end,
+                    extra_args=self.per_server_args[i],
+                    wait=False,
+                    name=self.names[i] if self.names else None,
+                )
             if wait_servers:
                 self.wait_ready()
         except BaseException:
@@ -143,12 +167,29 @@ class LocalSwarm:
 
     def start_orchestrator(self, args: list[str], timeout_s: float = 60.0) -> None:
         self.orchestrator_lines = []
-        self.orchestrator_process = self._spawn("orchestrator", [
-            "-m", "petals_chain.cli", "orchestrator", "--model", self.model, "--initial-peers", *self.initial_peers,
-            "--host-maddrs", self._maddr("orchestrator"), "--http-host", self.placement("orchestrator")[1], *args])
+        self.orchestrator_process = self._spawn(
+            "orchestrator",
+            [
+                "-m",
+                "petals_chain.cli",
+                "orchestrator",
+                "--model",
+                self.model,
+                "--initial-peers",
+                *self.initial_peers,
+                "--host-maddrs",
+                self._maddr("orchestrator"),
+                "--http-host",
+                self.placement("orchestrator")[1],
+                *args,
+            ],
+        )
         ready = threading.Event()
-        threading.Thread(target=_reader, args=(self.orchestrator_process, self.orchestrator_lines, ready,
-                                               _contains("orchestrator ready")), daemon=True).start()
+        threading.Thread(
+            target=_reader,
+            args=(self.orchestrator_process, self.orchestrator_lines, ready, _contains("orchestrator ready")),
+            daemon=True,
+        ).start()
         if not ready.wait(timeout_s) or self.orchestrator_process.poll() is not None:
             raise SwarmStartError("the orchestrator did not start", self.orchestrator_lines)
         line = next(line for line in self.orchestrator_lines if line.startswith("orchestrator ready"))
@@ -169,21 +210,48 @@ class LocalSwarm:
             _crash(self.dht_process)
             self.dht_process.wait(timeout=30)
 
-    def add_server(self, start: int | None, end: int | None, *, extra_args: list[str] | None = None,
-                   wait: bool = True, name: str | None = None, num_blocks: int | None = None) -> ServerProcess:
+    def add_server(
+        self,
+        start: int | None,
+        end: int | None,
+        *,
+        extra_args: list[str] | None = None,
+        wait: bool = True,
+        name: str | None = None,
+        num_blocks: int | None = None,
+    ) -> ServerProcess:
         """`start = end = None`: `--blocks auto` (the orchestrator assigns the range); `num_blocks`:
         `--num-blocks N --no-orchestrator` (the server chooses its own span)."""
         role = f"server{len(self.servers)}"
         name = name or role
-        blocks = (["--num-blocks", str(num_blocks), "--no-orchestrator"] if num_blocks is not None else
-                  ["--blocks", "auto" if start is None else f"{start}:{end}"])
-        proc = self._spawn(role, ["-m", "server.cli", "--model", self.model, *blocks,
-                            "--initial-peers", *self.initial_peers, "--host-maddrs", self._maddr(role), "--name", name,
-                            *self.server_args, *(extra_args or [])])
+        blocks = (
+            ["--num-blocks", str(num_blocks), "--no-orchestrator"]
+            if num_blocks is not None
+            else ["--blocks", "auto" if start is None else f"{start}:{end}"]
+        )
+        proc = self._spawn(
+            role,
+            [
+                "-m",
+                "server.cli",
+                "--model",
+                self.model,
+                *blocks,
+                "--initial-peers",
+                *self.initial_peers,
+                "--host-maddrs",
+                self._maddr(role),
+                "--name",
+                name,
+                *self.server_args,
+                *(extra_args or []),
+            ],
+        )
         sp = ServerProcess(name, start, end, proc)
         sp._ready = threading.Event()  # type: ignore[attr-defined]
-        threading.Thread(target=_reader, args=(proc, sp.lines, sp._ready, _contains("serving ", "standing by: ")),
-                         daemon=True).start()
+        threading.Thread(
+            target=_reader, args=(proc, sp.lines, sp._ready, _contains("serving ", "standing by: ")), daemon=True
+        ).start()
         self.servers.append(sp)
         if wait:
             self.wait_ready([sp])

@@ -31,6 +31,7 @@ Every public peer (the bootstrap DHT peer, reachable servers) runs p2pd's relay 
 not to (`--no-relay-service`: p2pd's `-relayService=0`). hivemind's `P2P.create` takes neither that
 flag nor `-relayDiscovery`; `p2pd_flags` adds them to the daemon's command line while a DHT starts.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -103,8 +104,7 @@ def p2pd_flags(*, relay_service: bool = True) -> Iterator[None]:
 
 def relayed_dht_kwargs(relays: list[str]) -> dict:
     """hivemind DHT arguments of a server that joins through `relays` (full multiaddrs with /p2p/)."""
-    return dict(client_mode=True, use_auto_relay=True, force_reachability="private",
-                trusted_relays=list(relays))
+    return dict(client_mode=True, use_auto_relay=True, force_reachability="private", trusted_relays=list(relays))
 
 
 def relay_peer_id(maddr: str) -> str | None:
@@ -134,8 +134,11 @@ def dht_ping_s(dht, peer_id: str, timeout_s: float = 5.0) -> float | None:
 def relayed_rtt_s(to_relay_s: dict[str, float | None], relay_to_server_s: dict[str, float]) -> float | None:
     """A relayed server's RTT as a client's traffic pays it: the measurer's RTT to a relay plus the
     server's to that relay, over the relay where the sum is smallest; None when no relay has both."""
-    sums = [a + b for r, a in to_relay_s.items() if a is not None and (b := relay_to_server_s.get(r)) is not None
-            and a >= 0 and b >= 0]
+    sums = [
+        a + b
+        for r, a in to_relay_s.items()
+        if a is not None and (b := relay_to_server_s.get(r)) is not None and a >= 0 and b >= 0
+    ]
     return min(sums) if sums else None
 
 
@@ -184,8 +187,13 @@ async def serve_dial_back(p2p: P2P) -> None:
         except Exception as e:
             return wire.error_response(e)
         peers = await p2p.list_peers()
-        observed = [ip_port for info in peers if info.peer_id == context.remote_id for a in info.addrs
-                    if (ip_port := _ip_port(a)) is not None]
+        observed = [
+            ip_port
+            for info in peers
+            if info.peer_id == context.remote_id
+            for a in info.addrs
+            if (ip_port := _ip_port(a)) is not None
+        ]
         ips = list(dict.fromkeys(ip for ip, _ in observed))[:MAX_DIAL_IPS]
         dialed = await asyncio.gather(*(_dial(ip, port, DIAL_BACK_TIMEOUT_S) for ip in ips for port in req.ports))
         return wire.response(DialBackReply(any(d.endswith(" ok") for d in dialed), tuple(dialed)))
@@ -199,23 +207,44 @@ class ReachabilityCheck:
     detail: str  # what each asked peer saw, for the log
 
 
-async def check_reachability(initial_peers: list[str], host_maddrs: list[str],
-                             announce_maddrs: list[str] | None = None, *, timeout_s: float = 10.0) -> ReachabilityCheck:
+async def check_reachability(
+    initial_peers: list[str],
+    host_maddrs: list[str],
+    announce_maddrs: list[str] | None = None,
+    *,
+    timeout_s: float = 10.0,
+) -> ReachabilityCheck:
     """Ask the initial peers to dial this host back (see the module doc). Needs the listen ports: with
     `/tcp/0` the probe gets its own port, which says the same for a NAT without port forwarding."""
-    probe = await P2P.create(initial_peers=initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
-                             dht_mode="client", use_relay=False, auto_nat=False, nat_port_map=False)
+    probe = await P2P.create(
+        initial_peers=initial_peers,
+        host_maddrs=host_maddrs,
+        announce_maddrs=announce_maddrs,
+        dht_mode="client",
+        use_relay=False,
+        auto_nat=False,
+        nat_port_map=False,
+    )
     try:
-        ports = tuple(dict.fromkeys(p for a in await probe.get_visible_maddrs(latest=True)
-                                    if (p := (_ip_port(a) or (None, None))[1])))[:MAX_DIAL_PORTS]
+        ports = tuple(
+            dict.fromkeys(
+                p for a in await probe.get_visible_maddrs(latest=True) if (p := (_ip_port(a) or (None, None))[1])
+            )
+        )[:MAX_DIAL_PORTS]
         answers: list[str] = []
         reachable = 0
         for maddr in initial_peers:
             peer = maddr.rsplit("/p2p/", 1)[-1]
             try:
-                resp = await call_unary(probe.call_protobuf_handler(
-                    PeerID.from_base58(peer), DIAL_BACK_HANDLER, wire.request(DialBackRequest(ports)),
-                    runtime_pb2.ExpertResponse), timeout_s)
+                resp = await call_unary(
+                    probe.call_protobuf_handler(
+                        PeerID.from_base58(peer),
+                        DIAL_BACK_HANDLER,
+                        wire.request(DialBackRequest(ports)),
+                        runtime_pb2.ExpertResponse,
+                    ),
+                    timeout_s,
+                )
                 reply = wire.decode_reply(wire.unpack(resp.metadata), DialBackReply)
             except Exception as e:
                 answers.append(f"{peer[-8:]}: no answer ({type(e).__name__})")
@@ -223,8 +252,7 @@ async def check_reachability(initial_peers: list[str], host_maddrs: list[str],
             reachable += reply.reachable
             answers.append(f"{peer[-8:]}: {', '.join(reply.dialed) or 'no address to dial'}")
         asked = sum(1 for a in answers if "no answer" not in a)
-        verdict = (Reachability.UNKNOWN if not asked else
-                   Reachability.DIRECT if reachable else Reachability.RELAYED)
+        verdict = Reachability.UNKNOWN if not asked else Reachability.DIRECT if reachable else Reachability.RELAYED
         return ReachabilityCheck(verdict, "; ".join(answers) or "no initial peers to ask")
     finally:
         await probe.shutdown()
@@ -255,8 +283,15 @@ class RelayRoutes:
     def relayed(self, peer_id: str) -> bool:
         return peer_id in self.routes
 
-    async def connect(self, p2p: P2P, peer_id: str, *, min_interval_s: float = 0.0, timeout_s: float = 10.0,
-                      via_relay_only: bool = False) -> bool:
+    async def connect(
+        self,
+        p2p: P2P,
+        peer_id: str,
+        *,
+        min_interval_s: float = 0.0,
+        timeout_s: float = 10.0,
+        via_relay_only: bool = False,
+    ) -> bool:
         """Connect to a relayed peer through its relays (a no-op for others, and when connected already:
         p2pd returns at once). False, logged, when no relay got through. `via_relay_only`: first drop any
         connection the NATed peer opened to us itself (libp2p prefers a direct one), so what follows runs
@@ -271,8 +306,9 @@ class RelayRoutes:
                 await asyncio.wait_for(p2p._client.disconnect(PeerID.from_base58(peer_id)), timeout_s)
             # hivemind's P2P has no public connect(); its daemon client's connect adds the addresses to
             # the peerstore and dials them
-            await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer_id),
-                                                       [encode_circuit(m) for m in maddrs]), timeout_s)
+            await asyncio.wait_for(
+                p2p._client.connect(PeerID.from_base58(peer_id), [encode_circuit(m) for m in maddrs]), timeout_s
+            )
             return True
         except Exception as e:
             logger.warning("connecting to relayed server %s through %s failed: %s", peer_id[-8:], ", ".join(maddrs), e)

@@ -1,6 +1,7 @@
 """Where swarm records live in the DHT, and how they are written and read: the servers' records under
 `servers_key(model)` and the online orchestrator's under `orchestrator_key(model)` (the records
 themselves are `petals_chain/wire/records.py`)."""
+
 from __future__ import annotations
 
 import logging
@@ -24,13 +25,16 @@ def model_key(model: str) -> str:
     return model.rstrip("/").split("/")[-1].lower()
 
 
-def store_record(dht: DHT, key: str, owner: SwarmIdentity, value: dict, ttl_s: float, *,
-                 timeout_s: float = 10.0) -> bool:
+def store_record(
+    dht: DHT, key: str, owner: SwarmIdentity, value: dict, ttl_s: float, *, timeout_s: float = 10.0
+) -> bool:
     """Store `value` under `key` and `owner`'s subkey, signed by `owner` (swarm_identity), expiring after `ttl_s`.
 
     Bounded by `timeout_s`: if the DHT process died the caller must not block forever.
     """
-    future = dht.store(key, subkey=owner.owner_subkey, value=value, expiration_time=get_dht_time() + ttl_s, return_future=True)
+    future = dht.store(
+        key, subkey=owner.owner_subkey, value=value, expiration_time=get_dht_time() + ttl_s, return_future=True
+    )
     return bool(future.result(timeout=timeout_s))
 
 
@@ -39,8 +43,13 @@ def announce_server(dht: DHT, info: ServerInfo, owner: SwarmIdentity, ttl_s: flo
     return store_record(dht, servers_key(info.model), owner, info.to_wire(), ttl_s, timeout_s=timeout_s)
 
 
-def fetch_servers(dht: DHT, model: str, *, states: tuple[ServerState, ...] = (ServerState.ONLINE,),
-                  allowed: frozenset[str] | None = None) -> list[ServerInfo]:
+def fetch_servers(
+    dht: DHT,
+    model: str,
+    *,
+    states: tuple[ServerState, ...] = (ServerState.ONLINE,),
+    allowed: frozenset[str] | None = None,
+) -> list[ServerInfo]:
     """All unexpired ServerInfo records of `model` (malformed records are skipped with a warning);
     with `allowed` (a private swarm's members), only those of allowed peers."""
     found = dht.get(servers_key(model), latest=True)

@@ -21,6 +21,7 @@ p2p stream instead, and does not try that server directly again for NO_DIRECT_RE
 stream to each server goes over p2p too, while its offer is asked for (`DirectDialer`). Nothing of a
 session depends on which transport carries it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,8 +72,15 @@ class DirectListener:
     """The server's side: issues tickets (`offer`, called by its `rpc_direct` handler) and serves the
     direct connections on its event loop with the handlers given to `start`."""
 
-    def __init__(self, p2p: P2P, hosts: list[str], *, bind_host: str = "0.0.0.0", port: int = 0,
-                 token: Callable[[int], str] = secrets.token_hex):
+    def __init__(
+        self,
+        p2p: P2P,
+        hosts: list[str],
+        *,
+        bind_host: str = "0.0.0.0",
+        port: int = 0,
+        token: Callable[[int], str] = secrets.token_hex,
+    ):
         if not hosts:
             raise ValueError("a direct listener needs at least one address to offer")
         self.p2p = p2p
@@ -131,8 +139,9 @@ class DirectListener:
             if peer is None:
                 raise DirectRefusedError("unknown ticket (the server restarted?): ask rpc_direct for a new one")
             if hello.stream not in self.handlers:
-                raise DirectRefusedError(f"no direct stream {hello.stream[:80]!r} here; "
-                                         f"streams: {sorted(self.handlers)}")
+                raise DirectRefusedError(
+                    f"no direct stream {hello.stream[:80]!r} here; streams: {sorted(self.handlers)}"
+                )
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):  # went away or said nothing
             self.refused += 1
             writer.close()
@@ -153,10 +162,13 @@ class DirectListener:
         await serve_framed(reader, writer, context, handler, request_type)
 
 
-def offered_hosts(announce_maddrs: list[str], host_maddrs: list[str], visible_maddrs: list[str]) -> tuple[str, list[str]]:
+def offered_hosts(
+    announce_maddrs: list[str], host_maddrs: list[str], visible_maddrs: list[str]
+) -> tuple[str, list[str]]:
     """(the address to bind, the addresses to offer in order) for a server's direct streams: its
     announced IPv4 addresses if any, else its listen addresses, else what p2p sees of it; routable
     addresses before loopback ones, never 0.0.0.0. Pure."""
+
     def ip4s(maddrs):
         out = []
         for m in maddrs:
@@ -183,8 +195,15 @@ class DirectDialer:
     over p2p while its `rpc_direct` answer is fetched beside it; later streams use the answer (a server
     offering none is not asked again for NO_OFFER_RETRY_S)."""
 
-    def __init__(self, p2p: P2P, ask_offer: Callable[[str], object] | None = None, *, enabled: bool = True,
-                 clock: Callable[[], float] = time.monotonic, open_p2p: Callable[..., object] | None = None):
+    def __init__(
+        self,
+        p2p: P2P,
+        ask_offer: Callable[[str], object] | None = None,
+        *,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        open_p2p: Callable[..., object] | None = None,
+    ):
         self._open_p2p = open_p2p or (lambda peer_id, name: FramedStream.open(p2p, peer_id, name))
         # async (peer id) -> DirectOffer; raises when the server cannot say
         self._ask_offer = ask_offer or (lambda peer_id: ask_direct_offer(p2p, peer_id))

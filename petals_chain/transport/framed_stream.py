@@ -17,6 +17,7 @@ in one write and read with two reads, inline in the caller's coroutine. Either s
 with hivemind's own (a hivemind stub can call a handler served here and the other way round:
 tests/test_framed_stream.py), so nothing of hivemind is patched.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,11 @@ from petals_chain.wire.parts import RawFrame
 logger = logging.getLogger(__name__)
 
 _HEADER_BYTES = 1 + P2P.HEADER_LEN  # marker + length
-_END_FRAME = P2P.ERROR_MARKER + len(P2P.END_OF_STREAM.SerializeToString()).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) \
+_END_FRAME = (
+    P2P.ERROR_MARKER
+    + len(P2P.END_OF_STREAM.SerializeToString()).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
     + P2P.END_OF_STREAM.SerializeToString()
+)
 RAW_MARKER = b"\x02"  # ours, beside hivemind's MESSAGE_MARKER (0) and ERROR_MARKER (1): a RawFrame's body
 CLOSE_WAIT_S = 5.0  # an ended stream's socket is dropped this long after (the server ends it sooner)
 
@@ -58,8 +62,13 @@ class FramedStream:
     reads the replies (`StopAsyncIteration` when the server ended the stream; a server-side handler
     failure raises `P2PHandlerError`, as hivemind's stub does). Used from one event loop."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str,
-                 response_type=runtime_pb2.ExpertResponse):
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        name: str,
+        response_type=runtime_pb2.ExpertResponse,
+    ):
         self._reader, self._writer = reader, writer
         self.name = name
         self.response_type = response_type
@@ -133,8 +142,13 @@ class FramedStream:
 Handler = Callable[[AsyncIterator, P2PContext], AsyncIterator]
 
 
-async def serve_framed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: P2PContext,
-                       handler: Handler, request_type=runtime_pb2.ExpertRequest) -> None:
+async def serve_framed(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    context: P2PContext,
+    handler: Handler,
+    request_type=runtime_pb2.ExpertRequest,
+) -> None:
     """Run `handler(requests, context)` on one stream: the requests read in the handler's own coroutine
     (no reader task or queue per stream), each response written in one write; the socket is closed at
     the end. Used by the p2p handlers below and by the direct streams (petals_chain/transport/direct_stream.py)."""

@@ -1,6 +1,7 @@
 """The block server's RPC surface, shared by server (which implements it) and client (which
 gets a stub from it). hivemind names handlers after this class, so both sides use this one class.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,9 @@ class _MembersOnly(ServicerBase):
         """hivemind's stub, with every unary call (`stub.rpc_info(request, timeout=5.0)`) made through
         `call_unary`, so no caller can cancel one (see there)."""
         stub = super().get_stub(p2p, peer, namespace=namespace)
-        return ShieldedStub(stub, frozenset(h.method_name for h in cls._rpc_handlers
-                                            if not (h.stream_input or h.stream_output)))
+        return ShieldedStub(
+            stub, frozenset(h.method_name for h in cls._rpc_handlers if not (h.stream_input or h.stream_output))
+        )
 
 
 class BlockService(_MembersOnly):
@@ -87,18 +89,21 @@ class BlockService(_MembersOnly):
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return self._refusal(context) or await self.impl.forward(request, context)
 
-    async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                                 context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for response in self._members_stream(self.impl.forward_stream, requests, context):
             yield response
 
-    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for response in self._members_stream(self.impl.inference, requests, context):
             yield response
 
-    async def rpc_push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                       context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Server-to-server relay: another server pushes a session's steps here (server/relay.py)."""
         async for response in self._members_stream(self.impl.push, requests, context):
             yield response
@@ -114,10 +119,14 @@ class OrchestratorService(_MembersOnly):
     async def rpc_release(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return self._refusal(context) or await self.impl.release(request, context)
 
-    async def rpc_heartbeat(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+    async def rpc_heartbeat(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
         return self._refusal(context) or await self.impl.heartbeat(request, context)
 
-    async def rpc_assignment(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+    async def rpc_assignment(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
         return self._refusal(context) or await self.impl.assignment(request, context)
 
     async def rpc_report(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
@@ -180,6 +189,7 @@ class ShieldedStub:
 
         def call(request, timeout: float | None = None):
             return call_unary(method(request), timeout)
+
         return call
 
 
@@ -201,8 +211,10 @@ def fetch_service_records(loop, p2p, peer_id: str, since_seq: int, *, timeout_s:
     rpc_info; None when it does not answer. The orchestrator's calibrated model reads them."""
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     try:
-        resp = loop.run(stub.rpc_info(wire.request(wire_records.InfoRequest(service_since_seq=since_seq)), timeout=timeout_s),
-                        timeout_s=timeout_s + 1)
+        resp = loop.run(
+            stub.rpc_info(wire.request(wire_records.InfoRequest(service_since_seq=since_seq)), timeout=timeout_s),
+            timeout_s=timeout_s + 1,
+        )
         return wire.decode_reply(wire.unpack(resp.metadata), wire_records.InfoReply).service or []
     except Exception:
         return None

@@ -7,6 +7,7 @@ messages are in `wire/messages.py`, the swarm's records in `wire/records.py`); `
 missing or mistyped fields with `InvalidRequestError`, so a bad message becomes a typed error reply,
 never a crash.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,8 @@ from petals_chain.wire.record import WireRecord, decode_value
 logger = logging.getLogger(__name__)
 
 MAX_METADATA_BYTES = 64 * 1024
+
+
 def pack(meta: dict[str, Any]) -> bytes:
     return msgpack.packb(meta, use_bin_type=True)
 
@@ -56,7 +59,9 @@ def decode_request(request, kind: type[WireRecord]) -> WireRecord:
     return kind.from_wire(meta)
 
 
-def field_of(meta: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = dataclasses.MISSING) -> Any:
+def field_of(
+    meta: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = dataclasses.MISSING
+) -> Any:
     """Read `meta[name]` and check it as a record field of type `kind` would be (`wire_record.decode_value`)."""
     if name not in meta:
         if default is dataclasses.MISSING:

@@ -13,6 +13,7 @@ whose `TYPE` is the `type` tag on the wire; the wire format is the msgpack map i
 
 Pure (no hivemind), so every package may import it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -68,8 +69,9 @@ def decode_tagged(meta: dict[str, Any], *kinds: type[WireRecord]) -> WireRecord:
     for kind in kinds:
         if tag == kind.TYPE:
             return kind.from_wire(meta)
-    raise InvalidRequestError(f"unknown message type {str(tag)[:64]!r} "
-                              f"(expected {', '.join(str(k.TYPE) for k in kinds)})")
+    raise InvalidRequestError(
+        f"unknown message type {str(tag)[:64]!r} (expected {', '.join(str(k.TYPE) for k in kinds)})"
+    )
 
 
 def _check_session_id(session_id: str) -> None:
@@ -319,8 +321,10 @@ class Acquire(WireRecord):
         if self.prefix_hashes is not None:
             check_prefix_hashes(self.prefix_hashes)
         if self.prompt_tokens is not None and not 0 <= self.prompt_tokens <= self.max_length:
-            raise InvalidRequestError(f"prompt_tokens={self.prompt_tokens} must lie in [0, max_length="
-                                      f"{self.max_length}]: the session's max_length must hold its prompt")
+            raise InvalidRequestError(
+                f"prompt_tokens={self.prompt_tokens} must lie in [0, max_length="
+                f"{self.max_length}]: the session's max_length must hold its prompt"
+            )
         if self.prefix_hashes:
             if self.prompt_tokens is None:
                 raise InvalidRequestError("prefix_hashes need prompt_tokens (the prompt's length in tokens)")
@@ -328,7 +332,8 @@ class Acquire(WireRecord):
                 raise InvalidRequestError(
                     f"{len(self.prefix_hashes)} prefix hashes cover {len(self.prefix_hashes) * PREFIX_CHUNK_TOKENS} "
                     f"tokens, more than prompt_tokens={self.prompt_tokens}: hash only the prompt's full chunks "
-                    "(petals_chain.wire.prefix_keys.prefix_hashes)")
+                    "(petals_chain.wire.prefix_keys.prefix_hashes)"
+                )
 
 
 @dataclass

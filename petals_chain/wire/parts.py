@@ -26,6 +26,7 @@ it) ran ~0.15 ms each with protobuf objects on a core whose caches the forward h
 that it takes them (`Opened.raw_frames`), the client then sends its steps so, and the server answers
 a stream's raw steps in raw frames; everyone else keeps the protobuf groups.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,14 @@ PARTS_KEY = "parts"  # metadata field: number of messages in this group (absent:
 # would keep a stream waiting for parts that never come, so it is refused at once.
 MAX_PARTS_PER_GROUP = 4096
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                                  "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _COMPRESSION_NONE = runtime_pb2.CompressionType.NONE  # read once: protobuf's enum lookup costs ~1 us a call
@@ -80,20 +87,26 @@ def split_tensor(t: torch.Tensor, part_bytes: int = MAX_PART_BYTES) -> list[runt
     """`t` as protobuf parts of at most `part_bytes` bytes; the first part carries the header."""
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None:
-        raise InvalidRequestError(f"tensors of dtype {str(t.dtype).removeprefix('torch.')} cannot be sent; use one "
-                                  f"of {', '.join(DTYPES)}")
+        raise InvalidRequestError(
+            f"tensors of dtype {str(t.dtype).removeprefix('torch.')} cannot be sent; use one of {', '.join(DTYPES)}"
+        )
     array = np.ascontiguousarray(_host_array(t))  # a copy only for a strided tensor
     raw = memoryview(array).cast("B") if array.size else memoryview(b"")  # a view with a 0 in its shape cannot cast
     n = max(1, math.ceil(len(raw) / part_bytes))
-    parts = [runtime_pb2.Tensor(buffer=raw[:part_bytes].tobytes(), size=list(t.shape), dtype=name, chunks=n,
-                                compression=_COMPRESSION_NONE)]
-    parts += [runtime_pb2.Tensor(buffer=raw[i:i + part_bytes].tobytes())
-              for i in range(part_bytes, len(raw), part_bytes)]
+    parts = [
+        runtime_pb2.Tensor(
+            buffer=raw[:part_bytes].tobytes(), size=list(t.shape), dtype=name, chunks=n, compression=_COMPRESSION_NONE
+        )
+    ]
+    parts += [
+        runtime_pb2.Tensor(buffer=raw[i : i + part_bytes].tobytes()) for i in range(part_bytes, len(raw), part_bytes)
+    ]
     return parts
 
 
-def to_messages(meta: dict[str, Any], tensors: Iterable[torch.Tensor] = (), *, reply: bool = False,
-                part_bytes: int = MAX_PART_BYTES) -> list:
+def to_messages(
+    meta: dict[str, Any], tensors: Iterable[torch.Tensor] = (), *, reply: bool = False, part_bytes: int = MAX_PART_BYTES
+) -> list:
     """One message group: ExpertRequests (or ExpertResponses with `reply=True`), each carrying at
     most `part_bytes` of tensor payload (small tensors share a message)."""
     cls = runtime_pb2.ExpertResponse if reply else runtime_pb2.ExpertRequest
@@ -145,8 +158,10 @@ def all_finite(values: np.ndarray, dtype: torch.dtype) -> bool:
 
 
 def _not_finite_error() -> InvalidRequestError:
-    return InvalidRequestError("hidden states contain NaN or Inf; send finite values (a float16 model overflowing "
-                               "is a common cause: use bfloat16 or float32)")
+    return InvalidRequestError(
+        "hidden states contain NaN or Inf; send finite values (a float16 model overflowing "
+        "is a common cause: use bfloat16 or float32)"
+    )
 
 
 @dataclass
@@ -168,8 +183,9 @@ class RawTensor:
 
     def tensor(self) -> torch.Tensor:
         if self._decoded is None:
-            self._decoded = _raw_values(self.section, _RAW_CODES[self.dtype], self.shape,
-                                        _DTYPE_DIMS.size + 4 * len(self.shape))
+            self._decoded = _raw_values(
+                self.section, _RAW_CODES[self.dtype], self.shape, _DTYPE_DIMS.size + 4 * len(self.shape)
+            )
         return self._decoded
 
 
@@ -195,8 +211,17 @@ def encode_raw(meta: dict[str, Any], tensor: torch.Tensor | RawTensor | None = N
     if array.nbytes > MAX_PART_BYTES:
         return None
     packed, shape = pack(meta), array.shape
-    return RawFrame(b"".join((_U32.pack(len(packed)), packed, _DTYPE_DIMS.pack(code, len(shape)),
-                              _SHAPES[len(shape)].pack(*shape), array.tobytes())))
+    return RawFrame(
+        b"".join(
+            (
+                _U32.pack(len(packed)),
+                packed,
+                _DTYPE_DIMS.pack(code, len(shape)),
+                _SHAPES[len(shape)].pack(*shape),
+                array.tobytes(),
+            )
+        )
+    )
 
 
 def _parse_raw(frame: RawFrame, admit: Admit | None) -> tuple[dict[str, Any], int, tuple[int, ...], int, int]:
@@ -210,16 +235,18 @@ def _parse_raw(frame: RawFrame, admit: Admit | None) -> tuple[dict[str, Any], in
     end = _U32.size + meta_bytes
     if end + _DTYPE_DIMS.size > len(body):
         raise InvalidRequestError(f"a raw frame declares {meta_bytes} bytes of metadata, more than it holds")
-    meta = unpack(body[_U32.size:end])
+    meta = unpack(body[_U32.size : end])
     section = end
     code, dims = _DTYPE_DIMS.unpack_from(body, end)
     end += _DTYPE_DIMS.size
     if code == 255 and dims == 0 and end == len(body):
         return meta, code, (), section, end
     if code >= len(RAW_DTYPES) or dims > RAW_MAX_DIMS:
-        raise InvalidRequestError(f"a raw frame's tensor has dtype code {code} and {dims} dimensions; codes are "
-                                  f"0..{len(RAW_DTYPES) - 1} ({', '.join(RAW_DTYPES)}), at most {RAW_MAX_DIMS} "
-                                  "dimensions")
+        raise InvalidRequestError(
+            f"a raw frame's tensor has dtype code {code} and {dims} dimensions; codes are "
+            f"0..{len(RAW_DTYPES) - 1} ({', '.join(RAW_DTYPES)}), at most {RAW_MAX_DIMS} "
+            "dimensions"
+        )
     if end + 4 * dims > len(body):
         raise InvalidRequestError("a raw frame ends inside its tensor's shape")
     shape = _SHAPES[dims].unpack_from(body, end)
@@ -227,15 +254,17 @@ def _parse_raw(frame: RawFrame, admit: Admit | None) -> tuple[dict[str, Any], in
     dtype = DTYPES[RAW_DTYPES[code]]
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes != len(body) - end:
-        raise InvalidRequestError(f"a raw frame's tensor of shape {list(shape)} needs {nbytes} bytes, the frame "
-                                  f"carries {len(body) - end}")
+        raise InvalidRequestError(
+            f"a raw frame's tensor of shape {list(shape)} needs {nbytes} bytes, the frame carries {len(body) - end}"
+        )
     if admit is not None:
         admit(shape, dtype)
     return meta, code, shape, section, end
 
 
-def _raw_values(buffer: bytes | memoryview, code: int, shape: tuple[int, ...], offset: int,
-                finite: bool = False) -> torch.Tensor:
+def _raw_values(
+    buffer: bytes | memoryview, code: int, shape: tuple[int, ...], offset: int, finite: bool = False
+) -> torch.Tensor:
     """The tensor of dtype code `code` and `shape` whose values start at `offset` of `buffer` (and run
     to its end, as `_parse_raw` checked); with `finite`, NaN or Inf raises a typed error."""
     dtype = DTYPES[RAW_DTYPES[code]]
@@ -293,8 +322,12 @@ class Assembler:
         out: list[Message | PetalsChainError] = []
         if isinstance(message, RawFrame):  # a whole group in one frame
             if self._meta is not None:
-                out.append(InvalidRequestError(f"a message group ended {self._messages_left} message(s) early; "
-                                               "send every part of a tensor before the next message"))
+                out.append(
+                    InvalidRequestError(
+                        f"a message group ended {self._messages_left} message(s) early; "
+                        "send every part of a tensor before the next message"
+                    )
+                )
             self._reset()
             try:
                 out.append(decode_raw(message, self.admit, self.finite))
@@ -303,15 +336,20 @@ class Assembler:
             return out
         if message.metadata:
             if self._meta is not None:
-                out.append(InvalidRequestError(f"a message group ended {self._messages_left} message(s) early; "
-                                               "send every part of a tensor before the next message"))
+                out.append(
+                    InvalidRequestError(
+                        f"a message group ended {self._messages_left} message(s) early; "
+                        "send every part of a tensor before the next message"
+                    )
+                )
             self._reset()
             try:
                 meta = unpack(message.metadata)
                 self._messages_left = field_of(meta, PARTS_KEY, int, default=1)
                 if not 1 <= self._messages_left <= MAX_PARTS_PER_GROUP:
-                    raise InvalidRequestError(f"field {PARTS_KEY!r} must lie in [1, {MAX_PARTS_PER_GROUP}], got "
-                                              f"{self._messages_left}")
+                    raise InvalidRequestError(
+                        f"field {PARTS_KEY!r} must lie in [1, {MAX_PARTS_PER_GROUP}], got {self._messages_left}"
+                    )
                 meta.pop(PARTS_KEY, None)
                 self._meta = meta
             except PetalsChainError as e:
@@ -319,8 +357,12 @@ class Assembler:
                 return out + [e]
         elif self._meta is None:
             if not self._skipping:
-                out.append(InvalidRequestError("a message without metadata arrived outside a message group: "
-                                               "every group starts with a message that carries metadata"))
+                out.append(
+                    InvalidRequestError(
+                        "a message without metadata arrived outside a message group: "
+                        "every group starts with a message that carries metadata"
+                    )
+                )
             return out
         try:
             for part in message.tensors:
@@ -328,8 +370,9 @@ class Assembler:
             self._messages_left -= 1
             if self._messages_left == 0:
                 if self._pending is not None:
-                    raise InvalidRequestError(f"the group ended with {self._pending.parts_left} part(s) of a tensor "
-                                              "missing")
+                    raise InvalidRequestError(
+                        f"the group ended with {self._pending.parts_left} part(s) of a tensor missing"
+                    )
                 out.append(Message(self._meta, self._tensors))
                 self._reset()
         except PetalsChainError as e:
@@ -351,13 +394,14 @@ class Assembler:
         if p.filled_bytes + len(buffer) > len(p.raw):
             raise InvalidRequestError(f"tensor parts carry more than the {len(p.raw)} bytes its header declares")
         # the one copy on this side: the part's bytes straight into the tensor's memory
-        memoryview(p.raw)[p.filled_bytes:p.filled_bytes + len(buffer)] = buffer
+        memoryview(p.raw)[p.filled_bytes : p.filled_bytes + len(buffer)] = buffer
         p.filled_bytes += len(buffer)
         p.parts_left -= 1
         if p.parts_left == 0:
             if p.filled_bytes != len(p.raw):
-                raise InvalidRequestError(f"tensor parts carry {p.filled_bytes} bytes, its header declares "
-                                          f"{len(p.raw)}")
+                raise InvalidRequestError(
+                    f"tensor parts carry {p.filled_bytes} bytes, its header declares {len(p.raw)}"
+                )
             if self.finite and not all_finite(np.frombuffer(p.raw, _NUMPY_BY_DTYPE[p.dtype]), p.dtype):
                 raise _not_finite_error()
             flat = torch.frombuffer(p.raw, dtype=p.dtype) if p.raw else torch.empty(0, dtype=p.dtype)
@@ -382,20 +426,25 @@ def decode_single(message, admit: Admit | None = None, finite: bool = False) -> 
     results = Assembler(admit, finite).feed(message)
     if not results:
         meta = unpack(message.metadata) if message.metadata else {}
-        raise InvalidRequestError(f"this message is the first of {meta.get(PARTS_KEY, '?')} parts; a unary RPC "
-                                  f"carries at most {MAX_PART_BYTES} bytes of tensors, send larger ones over a "
-                                  "stream")
+        raise InvalidRequestError(
+            f"this message is the first of {meta.get(PARTS_KEY, '?')} parts; a unary RPC "
+            f"carries at most {MAX_PART_BYTES} bytes of tensors, send larger ones over a "
+            "stream"
+        )
     if isinstance(results[0], PetalsChainError):
         raise results[0]
     payload_bytes = sum(t.numel() * t.element_size() for t in results[0].tensors)
     if payload_bytes > MAX_PART_BYTES:
-        raise InvalidRequestError(f"a unary RPC carries at most {MAX_PART_BYTES} bytes of tensors, this one "
-                                  f"{payload_bytes}; send larger ones over a stream in parts (wire_parts.to_messages)")
+        raise InvalidRequestError(
+            f"a unary RPC carries at most {MAX_PART_BYTES} bytes of tensors, this one "
+            f"{payload_bytes}; send larger ones over a stream in parts (wire_parts.to_messages)"
+        )
     return results[0]
 
 
-async def assembled(messages: AsyncIterator, admit: Admit | None = None,
-                    finite: bool = False) -> AsyncIterator[Message | PetalsChainError]:
+async def assembled(
+    messages: AsyncIterator, admit: Admit | None = None, finite: bool = False
+) -> AsyncIterator[Message | PetalsChainError]:
     """The message groups (or a typed error per bad group) of a stream of messages."""
     assembler = Assembler(admit, finite)
     async for message in messages:
@@ -428,8 +477,9 @@ def decode_raw_lazy(frame: RawFrame) -> Message:
     return Message(meta, [RawTensor(memoryview(frame.body)[section:], DTYPES[RAW_DTYPES[code]], shape)], raw=True)
 
 
-async def receive_one(messages: AsyncIterator, admit: Admit | None = None, finite: bool = False,
-                      lazy: bool = False) -> Message:
+async def receive_one(
+    messages: AsyncIterator, admit: Admit | None = None, finite: bool = False, lazy: bool = False
+) -> Message:
     """Read messages until one group is complete (a reply on a stream); a bad group raises its
     typed error, a stream that ends mid-group raises StopAsyncIteration. `lazy` (no `admit` or
     `finite` then): a raw frame's tensor comes as a `RawTensor`, decoded when asked."""

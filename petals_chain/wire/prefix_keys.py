@@ -6,6 +6,7 @@ prompts share hash i exactly when they share their first (i+1) chunks. Only full
 A server stores the KV of its blocks under these hashes (`server/prefix_cache.py`); it never sees
 the ids themselves.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,13 +27,15 @@ def prefix_hashes(token_ids: Sequence[int], model: str, chunk_tokens: int = PREF
     out = []
     for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
         h = hashlib.blake2b(previous, digest_size=16)
-        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids[start:start + chunk_tokens]))
+        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids[start : start + chunk_tokens]))
         previous = h.digest()
         out.append(h.hexdigest())
     return out
 
 
-def usable_prefix_tokens(match_tokens: Sequence[int], prompt_tokens: int, chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> int:
+def usable_prefix_tokens(
+    match_tokens: Sequence[int], prompt_tokens: int, chunk_tokens: int = PREFIX_CHUNK_TOKENS
+) -> int:
     """Tokens a chain can take from its hops' caches: the smallest match over the hops (a chain
     reuses a prefix only as far as every hop holds it), in whole chunks, leaving at least one
     prompt token to compute (the last position's logits come from running it)."""
@@ -48,6 +51,8 @@ def check_prefix_hashes(hashes: object) -> list[str]:
         raise InvalidRequestError(f"prefix_hashes must be a list of at most {MAX_PREFIX_HASHES} hashes")
     for h in hashes:
         if not isinstance(h, str) or len(h) != HASH_CHARS or any(c not in "0123456789abcdef" for c in h):
-            raise InvalidRequestError(f"each prefix hash must be {HASH_CHARS} lowercase hex characters "
-                                      "(petals_chain.wire.prefix_keys.prefix_hashes computes them)")
+            raise InvalidRequestError(
+                f"each prefix hash must be {HASH_CHARS} lowercase hex characters "
+                "(petals_chain.wire.prefix_keys.prefix_hashes computes them)"
+            )
     return list(hashes)

@@ -13,6 +13,7 @@ checks every field against its annotation and raises `InvalidRequestError` namin
 A field with a default may be absent; unknown keys are ignored (a newer peer may send more).
 `check()` is the hook for rules across fields (a block range's order). Pure: no I/O, no hivemind.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,8 +79,10 @@ def decode_value(name: str, value: Any, hint: Any) -> Any:
         args = _hint_shape(hint)[1]
         if not args:
             return value
-        return {decode_value(f"{name} key", k, args[0]): decode_value(f"{name}[{str(k)[:32]!r}]", v, args[1])
-                for k, v in value.items()}
+        return {
+            decode_value(f"{name} key", k, args[0]): decode_value(f"{name}[{str(k)[:32]!r}]", v, args[1])
+            for k, v in value.items()
+        }
     if isinstance(hint, type) and issubclass(hint, WireRecord):
         return hint.from_wire(value, name=name)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
@@ -119,8 +122,11 @@ def _schema(cls: type) -> tuple[tuple[str, Any, bool, bool], ...]:
     A field whose default is None is left out of the map while it is None, so a peer that predates
     it (and would refuse a None) reads the message as before."""
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints[f.name], f.default is MISSING and f.default_factory is MISSING, f.default is None)
-                 for f in dataclasses.fields(cls) if f.init)
+    return tuple(
+        (f.name, hints[f.name], f.default is MISSING and f.default_factory is MISSING, f.default is None)
+        for f in dataclasses.fields(cls)
+        if f.init
+    )
 
 
 class WireRecord:

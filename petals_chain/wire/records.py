@@ -2,6 +2,7 @@
 its `rpc_info` reply) and the online orchestrator's `OrchestratorInfo`. Where they live in the DHT is
 `petals_chain/swarm/records.py`.
 """
+
 from __future__ import annotations
 
 import enum
@@ -23,10 +24,10 @@ class ServerState(enum.StrEnum):
 
 class Reachability(enum.StrEnum):
     """How peers reach a server (petals_chain/swarm/reachability.py)."""
+
     DIRECT = "direct"  # at its own addresses
     RELAYED = "relayed"  # behind a NAT/firewall: through the libp2p relays in `relay_maddrs`
     UNKNOWN = "unknown"  # no peer could check; it runs as a direct peer
-
 
 
 @dataclass
@@ -142,6 +143,7 @@ class InfoReply(WireRecord):
 class OrchestratorInfo(WireRecord):
     """The online orchestrator's DHT record, announced under `orchestrator_key(model)`, so servers and
     clients of the same model find it with no extra flag (its RPCs' messages are in `messages.py`)."""
+
     peer_id: str
     model: str
     policy: str

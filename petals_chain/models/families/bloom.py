@@ -1,6 +1,7 @@
 """BLOOM (the PETALS paper's model): ALiBi instead of rotary positions, a fused QKV projection
 (interleaved per head: [heads, 3, dim]), LayerNorms with biases, GELU MLP, and a LayerNorm right
 after the token embedding, which runs on the client head with the embedding."""
+
 from __future__ import annotations
 
 import torch
@@ -58,10 +59,14 @@ class BloomFamily(ModelFamily):
 
     def client_tensor_names(self, config) -> dict[str, str]:
         embed = "transformer.word_embeddings.weight"
-        return {"embed": embed, "embed_norm": "transformer.word_embeddings_layernorm.weight",
-                "embed_norm_bias": "transformer.word_embeddings_layernorm.bias",
-                "norm": "transformer.ln_f.weight", "norm_bias": "transformer.ln_f.bias",
-                "lm_head": tied_lm_head_name(config, embed)}
+        return {
+            "embed": embed,
+            "embed_norm": "transformer.word_embeddings_layernorm.weight",
+            "embed_norm_bias": "transformer.word_embeddings_layernorm.bias",
+            "norm": "transformer.ln_f.weight",
+            "norm_bias": "transformer.ln_f.bias",
+            "lm_head": tied_lm_head_name(config, embed),
+        }
 
     def make_client_modules(self, config, tensors):
         eps = config.layer_norm_epsilon

@@ -4,6 +4,7 @@ rotary positions, LayerNorms with biases. Both layer layouts of HF's FalconConfi
 norm) and False (Falcon-7B: multi-query, one `input_layernorm`, `parallel_attn` on or off).
 The cache holds only the real KV heads (HF broadcasts them to every query head; `enable_gqa`
 does that inside attention), so KV bytes per token are the config's KV heads, not its query heads."""
+
 from __future__ import annotations
 
 import copy
@@ -30,7 +31,8 @@ class FalconFamily(ModelFamily):
         if getattr(config, "alibi", False):
             raise UnsupportedModelError(
                 "Falcon checkpoints with alibi=True (falcon-rw) are not supported; serve a rotary Falcon "
-                "(falcon-7b/40b/180b: alibi=false)")
+                "(falcon-7b/40b/180b: alibi=false)"
+            )
 
     def num_blocks(self, config) -> int:
         return config.num_hidden_layers
@@ -93,8 +95,12 @@ class FalconFamily(ModelFamily):
 
     def client_tensor_names(self, config) -> dict[str, str]:
         embed = "transformer.word_embeddings.weight"
-        return {"embed": embed, "norm": "transformer.ln_f.weight", "norm_bias": "transformer.ln_f.bias",
-                "lm_head": tied_lm_head_name(config, embed)}
+        return {
+            "embed": embed,
+            "norm": "transformer.ln_f.weight",
+            "norm_bias": "transformer.ln_f.bias",
+            "lm_head": tied_lm_head_name(config, embed),
+        }
 
     def make_client_modules(self, config, tensors):
         norm = norm_with(nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon), tensors, "norm")

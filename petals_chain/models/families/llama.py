@@ -1,4 +1,5 @@
 """The Llama family (Llama 2/3.x, SmolLM2, and Llama-layout models without sliding windows)."""
+
 from __future__ import annotations
 
 from transformers.models.llama.modeling_llama import (

@@ -1,4 +1,5 @@
 """Mistral: the Llama layout with sliding-window attention on every layer when `sliding_window` is set."""
+
 from __future__ import annotations
 
 from transformers.models.mistral.modeling_mistral import (

@@ -6,6 +6,7 @@ flattened batch). Checkpoints store experts one by one (`block_sparse_moe.expert
 what HF's `save_pretrained` and the Hub's Mixtral checkpoints hold); the module keeps them fused
 ([experts, 2*inter, hidden] gate+up, [experts, hidden, inter] down), so `block_state` fuses them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,12 +40,16 @@ class MixtralFamily(MistralFamily):
     def block_state(self, config, index, tensors):
         prefix = self.block_prefix(index)
         moe = prefix + _MOE
-        state = {n[len(prefix):]: t for n, t in tensors.items() if not n.startswith(moe)}
+        state = {n[len(prefix) :]: t for n, t in tensors.items() if not n.startswith(moe)}
         state["mlp.gate.weight"] = tensors[moe + "gate.weight"]
         experts = range(config.num_local_experts)
         # gate_up_proj[e] = [w1; w3]: the expert computes act(x w1^T) * (x w3^T), then w2
         state["mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([tensors[f"{moe}experts.{e}.w1.weight"], tensors[f"{moe}experts.{e}.w3.weight"]]) for e in experts])
+            [
+                torch.cat([tensors[f"{moe}experts.{e}.w1.weight"], tensors[f"{moe}experts.{e}.w3.weight"]])
+                for e in experts
+            ]
+        )
         state["mlp.experts.down_proj"] = torch.stack([tensors[f"{moe}experts.{e}.w2.weight"] for e in experts])
         return state
 

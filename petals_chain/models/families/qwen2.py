@@ -1,5 +1,6 @@
 """Qwen2 / Qwen2.5: the Llama layout with biases on q/k/v (in the HF module itself) and, where the
 config turns it on, a sliding window on the layers `layer_types` marks 'sliding_attention'."""
+
 from __future__ import annotations
 
 from transformers.models.qwen2.modeling_qwen2 import (
