@@ -158,7 +158,7 @@ class BlockServicer:
             req = wire_records.InfoRequest()
         return wire.response(
             wire_records.InfoReply(
-                self._info(), self.meter.since(req.service_since_seq), prefix_delta(self.stacks.current, req)
+                self._info(), self.meter.since(req.service_since_seq), prefix_delta(self.lifecycle.current, req)
             )
         )
 
