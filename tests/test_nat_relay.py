@@ -70,8 +70,8 @@ class PauseAfter(BaseStreamer):
     def end(self):
         pass
 
-peer, path, ids, n_pause, n_total = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]),
-int(sys.argv[5])
+peer, path, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+n_pause, n_total = int(sys.argv[4]), int(sys.argv[5])
 model = DistributedModelForCausalLM.from_pretrained(path, initial_peers=[peer])
 try:
     with model.inference_session(max_length=64) as s:
