@@ -30,11 +30,15 @@ generate: setup
 # source (ast.parse) for its ^^^ markers. Background threads (hivemind, asyncio) print tracebacks while
 # pytest formats a failure on the main thread, which turned one failing test into an INTERNALERROR
 # that ended the run. Without column tables, tracebacks never call ast.parse.
+# Two workers (pytest-xdist), a file to a worker: much of the suite waits on processes starting, emulated
+# links, CPU shares and timeouts rather than computing, so two files at a time finish sooner even on 2 cores
+# (docs/benchmarks.md, "Test suite"). TEST_WORKERS=0 runs the files one after another in this process.
+TEST_WORKERS ?= 2
 test: setup
-	PYTHONNODEBUGRANGES=1 $(PY) -m pytest
+	PYTHONNODEBUGRANGES=1 $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test-fast: setup
-	PYTHONNODEBUGRANGES=1 $(PY) -m pytest -m "not integration and not model"
+	PYTHONNODEBUGRANGES=1 $(PY) -m pytest -m "not integration and not model" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # Headless Chromium for the status-page screenshot test (skipped with a reason when absent). Needs root.
 browser:

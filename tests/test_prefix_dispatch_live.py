@@ -22,7 +22,14 @@ QUESTIONS = [
     "Question: When does the library open on Saturday?\nAnswer: The library",
     "Question: How many books may I borrow at once?\nAnswer: You",
 ]
-OTHER = "Write a haiku about the sea in winter, then explain in one sentence why you chose its images.\n"
+# as long as the shared prompts: E2's rebalancing compares the servers' loads over its window, which these
+# two prefills make (their calibrated t_I grows on a loaded machine); a much shorter unrelated prompt would
+# leave the first chain's server over Th_bal x the other's, and the third session would be sent to explore
+OTHER = (
+    "Write a haiku about the sea in winter, then explain in one sentence why you chose its images. Use plain "
+    "words a child would know, keep every line short, mention the cold wind, the grey light over the water, a "
+    "single gull and the harbour wall, and end the explanation with what the poem should make a reader feel.\n"
+)
 
 
 def _ask(model, ids, n=6):
