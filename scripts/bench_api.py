@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from petals_chain.swarm.local import REPO_ROOT, LocalSwarm
+from petals_chain.swarm.local import REPO_ROOT, LocalSwarm, stop_process
 
 PROMPTS = [
     "Once upon a time, in a small village by the sea,",
@@ -85,18 +84,6 @@ def start_gateway(swarm: LocalSwarm, extra: list[str]) -> tuple[subprocess.Popen
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep draining
             return proc, line.split("api ready at ")[1].split()[0]
     raise RuntimeError("gateway did not start:\n" + "".join(lines[-20:]))
-
-
-def stop_gateway(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def cpu_s(pid: int) -> float:
@@ -296,7 +283,7 @@ def main() -> None:
                 )
         finally:
             for _, proc, _, _ in gateways:
-                stop_gateway(proc)
+                stop_process(proc)
     for name, _ in variants:
         single = {k: statistics.median(r[k] for r in runs[name]["one"]) for k in runs[name]["one"][0]}
         many = {k: statistics.median(r[k] for r in runs[name]["many"]) for k in runs[name]["many"][0]}

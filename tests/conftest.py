@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,11 @@ def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     # sorted() is stable: within a file, and among the files not listed, the collection order stays
     items[:] = sorted(items, key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# the live gateway's stack of contexts (swarm, gateway), and the last test of this run that uses it
+_LIVE_GATEWAY_STACK = pytest.StashKey[contextlib.ExitStack]()
+_LIVE_GATEWAY_LAST_USER = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session")
@@ -126,3 +132,37 @@ def tiny_family_path(tmp_path_factory):
         return built[variant]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def live_gateway(request, smollm2_path):
+    """One live swarm of the embedded SmolLM2 (two servers, blocks [0, 15) and [15, 30), prefix caches on,
+    info logs: the servers' "session ... opened" lines carry the gateway's request ids) and `petals-chain
+    api` over it (one API key, 4 sessions at once): a `LiveGateway`. Shared by tests/test_api_gateway.py
+    and tests/test_chat_page.py, so a run starts it once: the first time a test asks for it, and it stops
+    after the last test of the run that uses it (see `pytest_runtest_teardown`). Its users leave no
+    session running and read the gateway's counters as differences."""
+    from petals_chain.swarm.local import LocalSwarm
+    from tests.swarm_helpers import LIVE_GATEWAY_KEY, running_gateway
+
+    with contextlib.ExitStack() as stack:
+        request.config.stash[_LIVE_GATEWAY_STACK] = stack
+        server_args = ["--num-threads", "1", "--log-level", "info"]
+        swarm = stack.enter_context(LocalSwarm("smollm2-135m", [(0, 15), (15, 30)], server_args=server_args))
+        yield stack.enter_context(running_gateway(swarm, key=LIVE_GATEWAY_KEY, max_concurrent=4))
+
+
+def pytest_collection_finish(session):
+    users = [item.nodeid for item in session.items if "live_gateway" in getattr(item, "fixturenames", ())]
+    if users:
+        session.config.stash[_LIVE_GATEWAY_LAST_USER] = users[-1]
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own teardown of the test's narrower fixtures
+def pytest_runtest_teardown(item, nextitem):
+    """Stops the live gateway and its swarm after the last test that uses it, not at the end of the run:
+    idle servers would hold memory and CPU through every later file."""
+    if item.nodeid == item.config.stash.get(_LIVE_GATEWAY_LAST_USER, None):
+        stack = item.config.stash.get(_LIVE_GATEWAY_STACK, None)
+        if stack is not None:
+            stack.close()  # the fixture's own exit at the end of the session then finds nothing left to stop

@@ -1,12 +1,16 @@
-"""Helpers for tests that talk to real servers: raw inference streams and HF references."""
+"""Helpers for tests that talk to real servers: raw inference streams, HF references, a live gateway."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ import torch
 from petals_chain.client.remote import RemoteChain
 from petals_chain.client.routing import ChainProvider, Hop
 from petals_chain.errors import PetalsChainError, error_from_code
+from petals_chain.swarm.local import stop_process
 from petals_chain.wire import parts as wire_parts
 
 
@@ -128,3 +133,48 @@ class ListedChains(ChainProvider):
     def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
         self.excludes.append(exclude)
         return [Hop(next(p for p in self.peers if p not in exclude), start, end)]
+
+
+LIVE_GATEWAY_KEY = "sk-live-gateway"  # the API key of conftest's shared `live_gateway`
+
+
+@dataclass(frozen=True)
+class LiveGateway:
+    """`petals-chain api` running over a live `LocalSwarm`: `root` is its URL (…/), `key` its API key."""
+
+    root: str
+    key: str
+    swarm: object  # the LocalSwarm (its servers' `lines` carry the gateway's request ids)
+
+    @property
+    def v1(self) -> str:
+        return self.root + "v1"
+
+
+@contextlib.contextmanager
+def running_gateway(swarm, *, key: str, max_concurrent: int, start_timeout_s: float = 180):
+    """Starts `petals-chain api --port 0` over `swarm` and yields a `LiveGateway` once it prints where it
+    listens; on the way out it is stopped with SIGTERM, then its process group (its p2p daemon) killed."""
+    cmd = [sys.executable, "-m", "petals_chain.cli", "api", "--initial-peers", *swarm.initial_peers]
+    cmd += ["--port", "0", "--api-key", key, "--max-concurrent", str(max_concurrent)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=swarm.env, start_new_session=True
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if "chat page at " in line:  # its last start-up line: the OpenAI and Ollama APIs are up too
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        started = ready.wait(start_timeout_s) and proc.poll() is None
+        assert started, "gateway did not start:\n" + "\n".join(lines[-30:])
+        root = next(x for x in lines if "chat page at " in x).split("chat page at ")[1].strip()
+        yield LiveGateway(root=root, key=key, swarm=swarm)
+    finally:
+        stop_process(proc)  # and its p2p daemon

@@ -1,13 +1,10 @@
 """`petals-chain api` as a real process over a live local swarm, driven by the official `openai`
-client (and raw HTTP where a client library would hide what we test)."""
+client (and raw HTTP where a client library would hide what we test). The swarm and the gateway are
+conftest's `live_gateway`, which tests/test_chat_page.py shares."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -15,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from petals_chain.swarm.local import LocalSwarm
+from tests.swarm_helpers import LIVE_GATEWAY_KEY
 
 openai = pytest.importorskip(
     "openai", reason="the gateway tests need the official `openai` package (pip install openai)"
@@ -23,66 +20,20 @@ openai = pytest.importorskip(
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
-KEY = "sk-test-key"
+KEY = LIVE_GATEWAY_KEY
 MODEL = "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
-def swarm(smollm2_path):
-    # info logs: the servers' "session ... opened" lines carry the gateway's request ids
-    with LocalSwarm(MODEL, [(0, 15), (15, 30)], server_args=["--num-threads", "1", "--log-level", "info"]) as swarm:
-        yield swarm
+def swarm(live_gateway):
+    """The shared swarm (conftest's `live_gateway`): two servers, [0, 15) and [15, 30), with info logs."""
+    return live_gateway.swarm
 
 
 @pytest.fixture(scope="module")
-def gateway(swarm):
-    """The gateway process; yields its base URL (…/v1)."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "petals_chain.cli",
-            "api",
-            "--initial-peers",
-            *swarm.initial_peers,
-            "--port",
-            "0",
-            "--api-key",
-            KEY,
-            "--max-concurrent",
-            "4",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=swarm.env,
-        start_new_session=True,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if "api ready at " in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert ready.wait(120) and proc.poll() is None, "gateway did not start:\n" + "\n".join(lines[-30:])
-        line = next(x for x in lines if "api ready at " in x)
-        yield line.split("api ready at ")[1].split()[0]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # and its p2p daemon
-        except ProcessLookupError:
-            pass
+def gateway(live_gateway):
+    """The shared `petals-chain api` process (--max-concurrent 4); its base URL (…/v1)."""
+    return live_gateway.v1
 
 
 @pytest.fixture(scope="module")

@@ -417,3 +417,74 @@ def test_engine_keeps_a_random_model_inside_the_forced_call(tiny_chat_path):
                 assert r.finish_reason == "length" and r.completion_tokens == 40
     finally:
         torch.set_num_threads(threads)
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def ollama_app():
+    """The gateway's app over no model: a request body is validated before anything reaches the swarm."""
+    from fastapi.testclient import TestClient
+
+    from petals_chain.api.gateway import Gateway, GatewayConfig
+
+    return TestClient(Gateway(object(), None, GatewayConfig(model_name="smollm2-135m")).app)
+
+
+@pytest.mark.parametrize(
+    "path, body, field, words",
+    [
+        (
+            "/api/chat",
+            {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
+            "messages.0.images",
+            "text-only",
+        ),
+        (
+            "/api/chat",
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
+            "messages.0.tool_calls",
+            "/v1/chat/completions with 'tools'",
+        ),
+        ("/api/chat", {"tools": [TOOL]}, "tools", "/v1/chat/completions with 'tools'"),
+        ("/api/chat", {"format": "json"}, "format", "structured output"),
+        ("/api/chat", {"format": {"type": "object"}}, "format", "structured output"),
+        ("/api/chat", {"think": True}, "think", "send false"),
+        ("/api/chat", {"think": "high"}, "think", "send false"),
+        ("/api/generate", {"logprobs": True}, "logprobs", "/v1/chat/completions with logprobs=true"),
+        ("/api/generate", {"top_logprobs": 3}, "top_logprobs", "/v1/chat/completions with logprobs=true"),
+        ("/api/generate", {"template": "{{ .Prompt }}"}, "template", "raw=true"),
+        ("/api/generate", {"suffix": "}"}, "suffix", "fill in the middle"),
+        ("/api/generate", {"images": ["aGk="]}, "images", "text-only"),
+    ],
+)
+def test_unsupported_ollama_fields_are_a_400_naming_the_field_and_what_to_do(ollama_app, path, body, field, words):
+    r = ollama_app.post(path, json={"model": "smollm2-135m", **body})
+    assert r.status_code == 400 and list(r.json()) == ["error"], r.text  # Ollama's error shape
+    message = r.json()["error"]
+    assert message.startswith(f"unsupported field '{field}': ") and words in message, message
+    assert "; " in message.removeprefix(f"unsupported field '{field}': ")  # why, then what to do
+
+
+def test_unsupported_ollama_fields_at_their_off_values_are_accepted(ollama_app):
+    from pydantic import ValidationError
+
+    from petals_chain.api.ollama import GenerateBody
+    from petals_chain.api.openai_schema import UnsupportedFieldError
+
+    off = {
+        "format": "",
+        "think": False,
+        "logprobs": False,
+        "top_logprobs": 0,
+        "images": [],
+        "suffix": "",
+        "template": "",
+    }
+    r = ollama_app.post("/api/generate", json={"model": "smollm2-135m", "stream": False, **off})
+    assert r.status_code == 200 and r.json()["done_reason"] == "load", r.text  # an empty prompt: "load the model"
+    with pytest.raises(ValidationError) as e:  # the typed error, under pydantic's report
+        GenerateBody.model_validate({"model": "m", "suffix": "x"})
+    cause = e.value.errors()[0]["ctx"]["error"]
+    assert isinstance(cause, UnsupportedFieldError) and cause.field == "suffix"

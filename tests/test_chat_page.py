@@ -1,7 +1,8 @@
 """The chat page `petals-chain api` serves at /, driven in headless Chromium over the DevTools
 protocol (Chromium's `--remote-debugging-pipe`: JSON messages on file descriptors 3 and 4, so no
-websocket library is needed): a two-turn conversation over a live one-server swarm whose text equals
-the API's greedy answer, the second turn reusing the first's prompt from the server's prefix cache,
+websocket library is needed): a two-turn conversation over a live two-server swarm (conftest's
+`live_gateway`, shared with tests/test_api_gateway.py) whose text equals
+the API's greedy answer, the second turn reusing the first's prompt from the servers' prefix caches,
 the stop button, and a screenshot (saved as chat_page.png in the test's tmp dir)."""
 
 from __future__ import annotations
@@ -9,22 +10,22 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
 import pytest
 
-from petals_chain.swarm.local import LocalSwarm
+from tests.swarm_helpers import LIVE_GATEWAY_KEY
 
 openai = pytest.importorskip("openai", reason="the gateway tests need the official `openai` package")
 
 MODEL = "smollm2-135m"
-KEY = "sk-chat-page"
+KEY = LIVE_GATEWAY_KEY
 BROWSER_FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -201,65 +202,26 @@ class DevTools:
 
 
 @pytest.fixture(scope="module")
-def gateway(smollm2_path):
-    """A one-server swarm (its prefix cache on, as by default) and `petals-chain api` over it; yields the
-    gateway's root URL."""
-    with LocalSwarm(MODEL, [(0, 30)], server_args=["--num-threads", "1"]) as swarm:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "petals_chain.cli",
-                "api",
-                "--initial-peers",
-                *swarm.initial_peers,
-                "--port",
-                "0",
-                "--api-key",
-                KEY,
-                "--max-concurrent",
-                "2",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=swarm.env,
-            start_new_session=True,
-        )
-        lines: list[str] = []
-        ready = threading.Event()
-
-        def read():
-            for line in proc.stdout:
-                lines.append(line.rstrip())
-                if "chat page at " in line:
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        try:
-            assert ready.wait(180) and proc.poll() is None, "gateway did not start:\n" + "\n".join(lines[-30:])
-            yield next(x for x in lines if "chat page at " in x).split("chat page at ")[1].strip()
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # and its p2p daemon
-            except ProcessLookupError:
-                pass
+def gateway(live_gateway):
+    """The shared swarm and `petals-chain api` over it (conftest's `live_gateway`: two servers, their
+    prefix caches on, as by default); the gateway's root URL."""
+    return live_gateway.root
 
 
 @pytest.fixture
-def page(gateway, tmp_path):
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
+def browser():
+    """Chromium's path; skips (before the swarm starts) where it is not installed."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
         pytest.skip(
             "chromium is not installed (make browser, or apt-get install -y chromium); the chat page test "
             "drives it headless"
         )
+    return found
+
+
+@pytest.fixture
+def page(browser, gateway, tmp_path):
     tools = DevTools(browser, str(tmp_path / "profile"))
     try:
         tools.call("Page.navigate", {"url": gateway}, session=True)
@@ -287,7 +249,7 @@ def _turn(page, text: str, index: int) -> dict:
 
 @pytest.mark.integration
 @pytest.mark.model
-def test_two_turns_in_headless_chromium_equal_the_apis_greedy_answers(gateway, page, tmp_path):
+def test_two_turns_in_headless_chromium_equal_the_apis_greedy_answers(page, gateway, tmp_path):
     assert page.js("document.getElementById('model').value") == MODEL
     page.type_into("temperature", "0")
     page.type_into("max-tokens", "12")
@@ -307,9 +269,11 @@ def test_two_turns_in_headless_chromium_equal_the_apis_greedy_answers(gateway, p
         )
     assert [first["text"], second["text"]] == expected
     for shown in (first, second):
-        assert shown["chain"].endswith("[0:30)") and int(shown["tokens"]) >= 1 and "tokens/s" in shown["meta"]
+        # the chain of the shared swarm's two servers, as `describe()` names it
+        assert re.fullmatch(r"\S+\[0:15\) -> \S+\[15:30\)", shown["chain"]), shown["chain"]
+        assert int(shown["tokens"]) >= 1 and "tokens/s" in shown["meta"]
         assert float(shown["rate"]) > 0
-    # the second turn's session started past the first turn's prompt, cached by the server
+    # the second turn's session started past the first turn's prompt, cached by the servers
     assert int(second["cached"]) >= 16 and f"{second['cached']} reused" in second["meta"]
     shot = tmp_path / "chat_page.png"
     shot.write_bytes(page.screenshot())
@@ -325,7 +289,7 @@ def test_two_turns_in_headless_chromium_equal_the_apis_greedy_answers(gateway, p
 
 @pytest.mark.integration
 @pytest.mark.model
-def test_stop_button_cancels_the_answer_and_frees_the_session(gateway, page):
+def test_stop_button_cancels_the_answer_and_frees_the_session(page, gateway):
     page.type_into("temperature", "0")
     page.type_into("max-tokens", "400")
     page.type_into("input", "Write a long story about a dragon.")

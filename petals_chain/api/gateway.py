@@ -43,6 +43,7 @@ from petals_chain.api.openai_schema import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    UnsupportedFieldError,
     api_error_of,
     chat_body,
     chat_choice,
@@ -673,9 +674,12 @@ def _validation_error(errors: list[dict], raw_body: bytes) -> APIError:
         return APIError(
             400,
             f"unsupported field '{param}': this gateway does not implement it; remove it from the "
-            "request (README: petals-chain api lists the supported fields)",
+            "request (the supported fields: docs/reference.md for the OpenAI API, docs/api.md for Ollama's)",
             param=param,
         )
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedFieldError):
+        return APIError(400, cause.message_at(param or cause.field), param=param)
     msg = err.get("msg", "invalid request").removeprefix("Value error, ")
     if err.get("type") == "missing":
         msg = "this required field is missing"

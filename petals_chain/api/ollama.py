@@ -22,15 +22,15 @@ import json
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from petals_chain.api.engine import GenerationResult, SamplingParams
-from petals_chain.api.openai_schema import APIError, api_error_of, served_by
+from petals_chain.api.openai_schema import APIError, UnsupportedFieldError, api_error_of, served_by
 
 # The Ollama release whose API these endpoints follow. Clients compare /api/version against the
 # versions that introduced features (Open WebUI, for one), so it is Ollama's numbering, not ours.
@@ -136,29 +136,37 @@ def sampling_options(options: dict[str, Any] | None) -> Options:
         raise APIError(400, f"option '{name}': {err['msg'].removeprefix('Value error, ')}", param="options") from None
 
 
+def unsupported(why: str, fix: str = "remove it", *, off: tuple[Any, ...] | None = None) -> AfterValidator:
+    """A field Ollama defines that this gateway does not implement: accepted only at a value that leaves it
+    off (any falsy value, or one of `off`); any other value is an `UnsupportedFieldError`, which the
+    gateway answers as a 400 in Ollama's shape naming the field, `why` and `fix`."""
+
+    def check(value, info: ValidationInfo):
+        if (value in off) if off is not None else not value:
+            return value
+        raise UnsupportedFieldError(info.field_name, why, fix)
+
+    return AfterValidator(check)
+
+
+TEXT_ONLY = unsupported("the swarm serves a text-only model")
+TOOLS_ON_OPENAI = unsupported(
+    "tool calls are served on the OpenAI endpoint", "send the request to /v1/chat/completions with 'tools'"
+)
+LOGPROBS_ON_OPENAI = unsupported(
+    "logprobs are served on the OpenAI endpoints", "ask /v1/chat/completions with logprobs=true and top_logprobs"
+)
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
-    images: list[str] | None = None
+    images: Annotated[list[str] | None, TEXT_ONLY] = None
     thinking: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[dict[str, Any]] | None, TOOLS_ON_OPENAI] = None
     tool_name: str | None = None
-
-    @field_validator("images")
-    @classmethod
-    def _no_images(cls, v):
-        if v:
-            raise ValueError("images are not supported: the swarm serves a text-only model")
-        return v
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, v):
-        if v:
-            raise ValueError("tool calls are served on the OpenAI endpoint (/v1/chat/completions with 'tools')")
-        return v
 
 
 class _Body(BaseModel):
@@ -168,86 +176,38 @@ class _Body(BaseModel):
     model: str = Field(min_length=1)
     stream: bool = True  # Ollama's default
     options: dict[str, Any] | None = None
-    format: str | dict[str, Any] | None = None
+    format: Annotated[
+        str | dict[str, Any] | None,
+        unsupported("structured output is not implemented by this gateway", off=(None, "")),
+    ] = None
     # how long a local Ollama keeps the model loaded; a swarm's servers keep theirs loaded: no effect
     keep_alive: float | str | None = None
-    think: bool | str | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-
-    @field_validator("format")
-    @classmethod
-    def _no_format(cls, v):
-        if v not in (None, ""):
-            raise ValueError("structured output ('format') is not implemented by this gateway; remove it")
-        return v
-
-    @field_validator("think")
-    @classmethod
-    def _no_think(cls, v):
-        if v not in (None, False):
-            raise ValueError("this model does not think: remove 'think' (or send false)")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are served on the OpenAI endpoints (/v1/chat/completions with logprobs=true)")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are served on the OpenAI endpoints (/v1/chat/completions with top_logprobs)")
-        return v
+    think: Annotated[
+        bool | str | None, unsupported("this model does not think", "remove it (or send false)", off=(None, False))
+    ] = None
+    logprobs: Annotated[bool | None, LOGPROBS_ON_OPENAI] = None
+    top_logprobs: Annotated[int | None, LOGPROBS_ON_OPENAI] = None
 
 
 class ChatBody(_Body):
     messages: list[Message] = Field(default_factory=list)  # none: Ollama's "load the model" request
-    tools: list[dict[str, Any]] | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are served on the OpenAI endpoint (/v1/chat/completions with 'tools')")
-        return v
+    tools: Annotated[list[dict[str, Any]] | None, TOOLS_ON_OPENAI] = None
 
 
 class GenerateBody(_Body):
     prompt: str = ""  # empty: Ollama's "load the model" request
     system: str | None = None
-    template: str | None = None
+    template: Annotated[
+        str | None,
+        unsupported(
+            "the gateway renders the model's chat template (or its --chat-template), not one per request",
+            "send raw=true with a rendered prompt instead",
+        ),
+    ] = None
     context: list[int] | None = None  # a previous answer's `context`: the conversation's tokens so far
     raw: bool = False  # the prompt as it is, without the chat template
-    suffix: str | None = None
-    images: list[str] | None = None
-
-    @field_validator("template")
-    @classmethod
-    def _no_template(cls, v):
-        if v:
-            raise ValueError(
-                "a per-request 'template' is not supported: the gateway renders the model's chat "
-                "template (or its --chat-template); send raw=true with a rendered prompt instead"
-            )
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("'suffix' (fill in the middle) is not implemented by this gateway; remove it")
-        return v
-
-    @field_validator("images")
-    @classmethod
-    def _no_images(cls, v):
-        if v:
-            raise ValueError("images are not supported: the swarm serves a text-only model")
-        return v
+    suffix: Annotated[str | None, unsupported("fill in the middle is not implemented by this gateway")] = None
+    images: Annotated[list[str] | None, TEXT_ONLY] = None
 
 
 class ShowBody(BaseModel):

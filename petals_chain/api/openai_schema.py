@@ -41,6 +41,20 @@ class APIError(Exception):
         return {"error": self.message} if path.startswith("/api/") else self.body()
 
 
+class UnsupportedFieldError(ValueError):
+    """A request field the gateway does not implement, sent at a value that would change the answer.
+    Raised while pydantic validates a body; the gateway answers it as a 400, in the shape of the API the
+    path belongs to, whose message names the field where it stands, why it is refused and what to do."""
+
+    def __init__(self, field: str, why: str, fix: str):
+        super().__init__(f"unsupported field '{field}': {why}; {fix}")
+        self.field, self.why, self.fix = field, why, fix
+
+    def message_at(self, location: str) -> str:
+        """The message with the field's place in the body (`messages.0.images`), not only its name."""
+        return f"unsupported field '{location}': {self.why}; {self.fix}"
+
+
 def api_error_of(error: BaseException) -> APIError:
     """A session's failure as the HTTP error the client gets."""
     if isinstance(error, APIError):
@@ -71,7 +85,7 @@ def _only_neutral(name: str, value: Any, neutral: tuple[Any, ...]) -> Any:
     never a silently dropped setting."""
     if value not in neutral:
         shown = " or ".join(repr(v) for v in neutral if v is not None) or "null"
-        raise ValueError(f"'{name}' is not implemented by this gateway; remove it (or send {shown})")
+        raise UnsupportedFieldError(name, "not implemented by this gateway", f"remove it (or send {shown})")
     return value
 
 

@@ -331,6 +331,18 @@ def _crash(proc: subprocess.Popen) -> None:
             pass
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Stops a process started with `start_new_session=True` next to a swarm (a `petals-chain api`, say):
+    SIGTERM, up to `timeout_s` for it to exit, then SIGKILL whatever is left in its process group (its
+    p2p daemon)."""
+    proc.send_signal(signal.SIGTERM)  # a no-op once it has exited
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc, signal.SIGKILL)
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
