@@ -465,7 +465,10 @@ class _PromptAwareDispatcher(Dispatcher):
 
     def on_completion(self, job_id: int) -> list[Start]:
         k = self._job_chain.pop(job_id)
-        self._finished(job_id, k, self._job_request.pop(job_id))
+        req = self._job_request.pop(job_id)
+        self._finished(job_id, k, req)
+        # the hops ran its prompt by now: what they did not report storing is dropped from here on
+        self.index.settle(self._hops[k], req.client_id, req.prefix_hashes)
         if k in self._disabled:
             return []
         waiting = [j for j, (allowed, _) in self._queue.items() if allowed is None or k in allowed]
@@ -509,8 +512,9 @@ class _PromptAwareDispatcher(Dispatcher):
         gone = set(chain_ids) - self._disabled
         self._disabled |= gone
         for job in [j for j, k in self._job_chain.items() if k in gone]:
-            del self._job_chain[job]
-            self._job_request.pop(job, None)
+            k = self._job_chain.pop(job)
+            req = self._job_request.pop(job)
+            self.index.settle(self._hops[k], req.client_id, req.prefix_hashes)
         return []  # no slot freed on a live chain: nobody waiting can start
 
     @property

@@ -62,6 +62,43 @@ def test_index_is_bounded_lru_and_evictions_prune():
     assert idx.held_by("s") == {(ns, 7)}
 
 
+def test_learned_entries_wait_for_their_session_before_reports_can_drop_them():
+    """A server stores a prompt's chunks once it ran them: reports during a long prefill must not drop what
+    the grant taught (the requests sharing the prefix meanwhile would be dispatched as if nothing held it);
+    two reports after the session ended, an unconfirmed entry goes; one that never settles, after a bound."""
+    from orchestrator.prefix_index import PENDING_MAX_REPORTS, PROVISIONAL_REPORTS
+
+    chains = chains_of(2, capacity=4, hops=1)
+    idx = PrefixIndex(sharing="swarm")
+    d = make_dispatcher("e2", chains, index=idx)
+    for server in (0, 1):
+        idx.apply(server, [], [])  # both servers report (their first, empty, reports)
+    d.on_arrival(0, None, DispatchRequest("a", prompt(4, 20, 0), 21 * 16, 4))  # load on one server
+    shared = prompt(3, 20, 0)[:-1]
+    [first] = d.on_arrival(1, None, DispatchRequest("a", shared + (("u", 1),), 21 * 16, 4))  # explores the other
+    for _ in range(3 * PROVISIONAL_REPORTS):  # the prefill is still running: nothing confirmed yet
+        idx.apply(first.chain_id, [], [])
+    [second] = d.on_arrival(2, None, DispatchRequest("a", shared + (("u", 2),), 21 * 16, 4))
+    assert second.chain_id == first.chain_id  # exploits the prefix the first request is computing there
+    d.on_completion(1)
+    for _ in range(PROVISIONAL_REPORTS):  # job 2 still runs on the same hop and keeps the shared entries
+        idx.apply(first.chain_id, [], [])
+    assert d.match_tokens(first.chain_id, DispatchRequest("a", shared, 20 * 16, 4)) == 19 * 16
+    d.on_completion(2)
+    idx.apply(first.chain_id, [], [])
+    assert d.match_tokens(first.chain_id, DispatchRequest("a", shared, 20 * 16, 4)) == 19 * 16
+    idx.apply(first.chain_id, [], [])  # the server never reported storing them: gone
+    assert d.match_tokens(first.chain_id, DispatchRequest("a", shared, 20 * 16, 4)) == 0
+    assert idx.dropped_unconfirmed == 21 + 1
+    # a session that never settles (its dispatcher replaced) keeps its entries for a bounded number of reports
+    idx.learn([HopKey(first.chain_id, 0)], "a", shared)
+    for _ in range(PENDING_MAX_REPORTS - 1):
+        idx.apply(first.chain_id, [], [])
+    assert d.match_tokens(first.chain_id, DispatchRequest("a", shared, 20 * 16, 4)) == 19 * 16
+    idx.apply(first.chain_id, [], [])
+    assert d.match_tokens(first.chain_id, DispatchRequest("a", shared, 20 * 16, 4)) == 0
+
+
 # -- every policy keeps JFFC's contract ----------------------------------------------------------
 events = st.lists(
     st.tuples(
