@@ -91,25 +91,39 @@ class PrefixIndex:
         return set(self._entries)
 
     # -- lookups --------------------------------------------------------------------------
-    def held_chunks(self, hop: HopKey, client_id: str, hashes: Sequence[Hashable]) -> int:
-        """Leading chunks of `hashes` the hop's server holds for this client (no side effects)."""
+    def held_chunks(self, hop: HopKey, client_id: str, hashes: Sequence[Hashable], *, stored: bool = False) -> int:
+        """Leading chunks of `hashes` the hop's server holds for this client (no side effects). With
+        `stored`, only chunks it has stored already: not those a session still running on it is computing
+        (learned at its grant, not yet confirmed by a report)."""
         held = self._by_namespace.get((hop.server, namespace(self.sharing, client_id, hop.first_block)))
         if not held:
             return 0
+        pending = self._provisional.get(hop.server, {}) if stored else {}
+        ns = namespace(self.sharing, client_id, hop.first_block)
         n = 0
         for h in hashes:
             if h not in held:
+                break
+            rec = pending.get((hop.server, ns, h))
+            if rec is not None and rec[1] > 0:
                 break
             n += 1
         return n
 
     def chain_match_tokens(
-        self, hops: Sequence[HopKey], client_id: str, hashes: Sequence[Hashable], prompt_tokens: int
+        self,
+        hops: Sequence[HopKey],
+        client_id: str,
+        hashes: Sequence[Hashable],
+        prompt_tokens: int,
+        *,
+        stored: bool = False,
     ) -> int:
-        """Tokens of the prompt a chain can reuse: min over its hops, whole chunks, one token left to run."""
+        """Tokens of the prompt a chain can reuse: min over its hops, whole chunks, one token left to run
+        (`stored`: only what its servers hold now, see held_chunks)."""
         if not hashes or not hops:
             return 0
-        held = [self.held_chunks(h, client_id, hashes) * self.chunk_tokens for h in hops]
+        held = [self.held_chunks(h, client_id, hashes, stored=stored) * self.chunk_tokens for h in hops]
         return usable_prefix_tokens(held, prompt_tokens, self.chunk_tokens)
 
     # -- updates --------------------------------------------------------------------------
