@@ -22,7 +22,8 @@ caches together hold every segment, one server's does not (the regime where wher
 
 Every policy gets the same requests in the same order. So that a change of this machine's load
 cannot favour one policy (a run takes many minutes, and other work shares the cores), the policies
-alternate: the requests are cut into blocks of `--block`; in round j each policy in turn replays block j
+alternate: the requests are cut into blocks (at most `--block` requests arriving within `--block-span`
+seconds); in round j each policy in turn replays block j
 at the trace's times (the block's first request at once), waits for all of it to finish, and hands
 over; the policies' order rotates by one every round. A swarm idles while the others replay, keeping
 its caches and its orchestrator's state.
@@ -64,9 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="petals-chain experiment prefix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--policies", default="jffc,e2,d2lpm")
-    p.add_argument("--requests", type=positive_int, default=210, help="requests per policy (the same for each)")
+    p.add_argument("--requests", type=positive_int, default=300, help="requests per policy (the same for each)")
     p.add_argument("--rate", type=positive_float, default=1.0, help="mean arrivals per second of the chosen requests")
     p.add_argument("--block", type=positive_int, default=35, help="requests a policy replays before the next one")
+    p.add_argument(
+        "--block-span", type=positive_float, default=30.0, help="... arriving within at most this many seconds"
+    )
     p.add_argument("--servers", type=positive_int, default=3, help="servers = chains per policy")
     p.add_argument("--sessions-per-server", type=positive_int, default=4, help="each chain's capacity c_k")
     p.add_argument("--clients", type=positive_int, default=3)
@@ -151,12 +155,22 @@ def workload(args, tokenizer, trace_arrival_s: np.ndarray) -> tuple[list[dict], 
     return out, head_tokens, seg_tokens
 
 
-def rounds(n_requests: int, block: int, policies: list[str]) -> list[tuple[int, str, range]]:
+def blocks_of(arrival_s: list[float], block: int, span_s: float) -> list[range]:
+    """Consecutive requests, at most `block` of them arriving within at most `span_s` of the block's first."""
+    out, start = [], 0
+    for i in range(1, len(arrival_s) + 1):
+        if i == len(arrival_s) or i - start >= block or arrival_s[i] - arrival_s[start] > span_s:
+            out.append(range(start, i))
+            start = i
+    return out
+
+
+def rounds(blocks: list[range], policies: list[str]) -> list[tuple[int, str, range]]:
     """(round, policy, request indices) in replay order: block j for every policy, the order rotated by j."""
     out = []
-    for j, start in enumerate(range(0, n_requests, block)):
+    for j, idx in enumerate(blocks):
         order = policies[j % len(policies) :] + policies[: j % len(policies)]
-        out += [(j, p, range(start, min(start + block, n_requests))) for p in order]
+        out += [(j, p, idx) for p in order]
     return out
 
 
@@ -419,7 +433,9 @@ def main(argv: list[str]) -> int:
             swarms[policy] = PolicySwarm(policy, args, sizes, Path(tmp), stack)
             print(f"{policy}: swarm up in {time.perf_counter() - t:.0f} s", flush=True)
         summary["chains"] = {p: s.status().get("chains") for p, s in swarms.items()}
-        for round_no, policy, idx in rounds(len(requests), args.block, policies):
+        blocks = blocks_of([r["arrival_s"] for r in requests], args.block, args.block_span)
+        summary["workload"]["blocks"] = len(blocks)
+        for round_no, policy, idx in rounds(blocks, policies):
             sw = swarms[policy]
             t = time.perf_counter()
             sw.replay([requests[i] for i in idx], args, round_no)
