@@ -864,8 +864,8 @@ class Sessions:
             if d is not None and getattr(d, "name", None) in PROMPT_AWARE:
                 live = {i: cid for i, cid in self._live_of_index.items()}
                 out["chain_hit_rate"] = {str(live.get(i, i)): r for i, r in enumerate(d.hit_rates())}
-                if hasattr(d, "rebalanced"):  # e2: requests its rebalancing rule sent to explore
-                    out["rebalanced"] = d.rebalanced
+                if hasattr(d, "rebalanced"):  # e2: requests its rebalancing rule sent to explore, newcomers held
+                    out["rebalanced"], out["holds"] = d.rebalanced, d.holds
                 if isinstance(d, D2lpmDispatcher):
                     out["client_deficit"] = dict(d.client_deficit)
                     out["chain_deficit"] = {f"{c}@{live.get(k, k)}": q for (c, k), q in d.chain_deficit.items()}
