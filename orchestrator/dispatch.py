@@ -362,6 +362,9 @@ class PrefixParams:
       (Preble's priority levels avoid starvation); None: plain LPM (rr-lpm).
     - ``lookahead``: a freed slot's longest-match search looks at the first `lookahead` candidates of
       the queue (arrival order), so an event costs O(lookahead) lookups however long the queue grows.
+    - ``hold_completions``: E2's hold (not the paper's): a newcomer whose prefix only busy chains hold
+      (full, or still computing it) waits for one of them for at most this many completions elsewhere;
+      0: never (the paper's E2 explores a free chain at once).
     """
 
     window: int = 256
@@ -372,6 +375,7 @@ class PrefixParams:
     w_out: float = 2.0
     max_skips: int | None = 16
     lookahead: int = 64
+    hold_completions: int = 8
 
 
 class _PromptAwareDispatcher(Dispatcher):
@@ -404,6 +408,8 @@ class _PromptAwareDispatcher(Dispatcher):
         self._job_chain: dict[int, int] = {}
         self._job_request: dict[int, DispatchRequest] = {}
         self._skips: dict[int, int] = {}
+        # held jobs (see _hold): job -> [the chains it may use, completions elsewhere it still waits for]
+        self._held: dict[int, list] = {}
         self.hit_tokens = [0] * len(chains)  # tokens the index expected each chain to reuse
         self.prompt_tokens = [0] * len(chains)
 
@@ -421,6 +427,10 @@ class _PromptAwareDispatcher(Dispatcher):
 
     def _finished(self, job_id: int, k: int, req: DispatchRequest) -> None:
         """Bookkeeping after a completion."""
+
+    def _hold(self, req: DispatchRequest, allowed: frozenset[int] | None, free: list[int]) -> frozenset[int] | None:
+        """Busy chains a newcomer should wait for although `free` chains could take it now (None: start now)."""
+        return None
 
     # -- shared mechanics ------------------------------------------------------------------
     def match_tokens(self, k: int, req: DispatchRequest) -> int:
@@ -453,30 +463,70 @@ class _PromptAwareDispatcher(Dispatcher):
     ) -> list[Start]:
         req = request if request is not None else DispatchRequest()
         free = self._free(allowed)
-        if not free:
-            self._queue[job_id] = (allowed, req)
+        hold = self._hold(req, allowed, free) if free else None
+        if not free or hold is not None:
+            self._queue[job_id] = (allowed if hold is None else hold, req)
             self._skips[job_id] = 0
+            if hold is not None:
+                self._held[job_id] = [allowed, self.params.hold_completions]
             self._queued(job_id, req)
             return []
         return [self._start(job_id, self._choose(req, free), req)]
+
+    def _count_holds(self, k: int) -> list[int]:
+        """Chain k finished a job: held jobs that do not wait for k waited one completion more; those out of
+        patience may use their own chains again (returned, to be started where a chain is free)."""
+        out = []
+        for j, rec in list(self._held.items()):
+            if k in self._queue[j][0]:
+                continue
+            rec[1] -= 1
+            if rec[1] <= 0:
+                self._release_hold(j)
+                out.append(j)
+        return out
+
+    def _release_hold(self, j: int) -> None:
+        allowed, _ = self._held.pop(j)
+        self._queue[j] = (allowed, self._queue[j][1])
+
+    def _start_released(self, jobs: list[int]) -> list[Start]:
+        starts = []
+        for j in jobs:
+            if j not in self._queue:
+                continue
+            allowed, req = self._queue[j]
+            free = self._free(allowed)
+            if free:
+                del self._queue[j]
+                self._skips.pop(j, None)
+                self._left_queue(j, req)
+                starts.append(self._start(j, self._choose(req, free), req))
+        return starts
 
     def _queued(self, job_id: int, req: DispatchRequest) -> None:
         """A job starts waiting."""
 
     def on_completion(self, job_id: int) -> list[Start]:
         k = self._job_chain.pop(job_id)
-        self._finished(job_id, k, self._job_request.pop(job_id))
+        req = self._job_request.pop(job_id)
+        self._finished(job_id, k, req)
+        # the hops ran its prompt by now: what they did not report storing is dropped from here on
+        self.index.settle(self._hops[k], req.client_id, req.prefix_hashes)
+        released = self._count_holds(k)
         if k in self._disabled:
-            return []
+            return self._start_released(released)
         waiting = [j for j, (allowed, _) in self._queue.items() if allowed is None or k in allowed]
         self._busy[k] -= 1
-        if not waiting:
-            return []
-        w = self._pick_waiting(k, waiting)
-        _, req = self._queue.pop(w)
-        self._skips.pop(w, None)
-        self._left_queue(w, req)
-        return [self._start(w, k, req)]
+        starts = []
+        if waiting:
+            w = self._pick_waiting(k, waiting)
+            _, req = self._queue.pop(w)
+            self._skips.pop(w, None)
+            self._held.pop(w, None)
+            self._left_queue(w, req)
+            starts.append(self._start(w, k, req))
+        return starts + self._start_released(released)
 
     def _left_queue(self, job_id: int, req: DispatchRequest) -> None:
         """A waiting job was granted (or cancelled)."""
@@ -503,15 +553,21 @@ class _PromptAwareDispatcher(Dispatcher):
         entry = self._queue.pop(job_id, None)
         if entry is not None:
             self._skips.pop(job_id, None)
+            self._held.pop(job_id, None)
             self._left_queue(job_id, entry[1])
 
     def disable(self, chain_ids: Iterable[int]) -> list[Start]:
         gone = set(chain_ids) - self._disabled
         self._disabled |= gone
         for job in [j for j, k in self._job_chain.items() if k in gone]:
-            del self._job_chain[job]
-            self._job_request.pop(job, None)
-        return []  # no slot freed on a live chain: nobody waiting can start
+            k = self._job_chain.pop(job)
+            req = self._job_request.pop(job)
+            self.index.settle(self._hops[k], req.client_id, req.prefix_hashes)
+        released = []  # held jobs whose every chain it waited for is gone may use their own chains again
+        for j in [j for j in self._held if self._queue[j][0] <= self._disabled]:
+            self._release_hold(j)
+            released.append(j)
+        return self._start_released(released)  # no slot freed on a live chain: only those may start
 
     @property
     def queue_length(self) -> int:
@@ -520,6 +576,11 @@ class _PromptAwareDispatcher(Dispatcher):
     @property
     def busy(self) -> tuple[int, ...]:
         return tuple(self._busy)
+
+    @property
+    def held(self) -> dict[int, frozenset[int]]:
+        """Waiting jobs held for busy chains (see _hold): job -> the chains it waits for."""
+        return {j: self._queue[j][0] for j in self._held}
 
     def hit_rates(self) -> list[float]:
         """Per chain: reused / prompt tokens of its grants, as the index expected them."""
@@ -565,6 +626,7 @@ class E2Dispatcher(_PromptAwareDispatcher):
         self._decode_units: dict = {}  # server -> sum of m_s t_O(s) over the window (times avg_out later)
         self._out_sum = 0.0
         self.rebalanced = 0  # requests sent to explore by the rebalancing rule
+        self.holds = 0  # newcomers held for busy chains that hold their prefix (_hold)
 
     def _load(self, server) -> float:
         avg_out = self._out_sum / len(self._window) if self._window else 0.0
@@ -601,6 +663,39 @@ class E2Dispatcher(_PromptAwareDispatcher):
                 return self._best_by_cost(best, req, match)
             self.rebalanced += 1
         return self._best_by_cost(free, req, match)
+
+    def _hold(self, req: DispatchRequest, allowed: frozenset[int] | None, free: list[int]) -> frozenset[int] | None:
+        """Not the paper's (Preble queues per GPU, without capacities): with GCA's capacities a newcomer whose
+        prefix only busy chains hold would explore a free chain, prefill it all there and evict what that
+        chain's servers hold for others; or, when its prefix is still being computed by a session on a free
+        chain, prefill it a second time alongside. It waits for those chains instead, when what waiting saves
+        exceeds what it computes anyway (E2's exploit rule: reused > missed), and at most
+        ``hold_completions`` completions elsewhere (then any free chain; a completion always comes: the
+        chains it waits for run a job). Rebalancing wins: a prefix whose holders all go through the
+        heaviest server is explored as Alg. 1 says."""
+        if self.params.hold_completions <= 0:
+            return None
+        live = [k for k in range(len(self._chains)) if k not in self._disabled and (allowed is None or k in allowed)]
+        match = {k: self.match_tokens(k, req) for k in live}
+        best = max(match.values())
+        if best <= 0 or best <= req.prompt_tokens - best:
+            return None
+        stored_free = max(
+            self.index.chain_match_tokens(
+                self._hops[k], req.client_id, req.prefix_hashes, req.prompt_tokens, stored=True
+            )
+            for k in free
+        )
+        if best - stored_free <= req.prompt_tokens - best:
+            return None  # a free chain holds enough of it now
+        holders = frozenset(k for k in live if match[k] == best and self._busy[k] > 0)
+        if not holders:
+            return None
+        heavy = self._imbalanced_heaviest()
+        if heavy is not None and all(heavy in {h.server for h in self._hops[k]} for k in holders):
+            return None
+        self.holds += 1
+        return holders
 
     def _pick_waiting(self, k: int, waiting: list[int]) -> int:
         return self._lpm(k, waiting)

@@ -16,9 +16,15 @@ corrected by the servers' reports of what they inserted and evicted (`apply`), a
 between a grant and a report the index may believe a chunk the server refused to store, which costs
 one dispatch a worse chain, never a wrong output (the servers match again at open).
 
-An entry learned at a grant that the server's reports have not confirmed (an insert) after
-``PROVISIONAL_REPORTS`` of its reports is dropped: the server refused to store it (no memory), or the
-session never ran, and no report would ever mention it.
+An entry learned at a grant that the server's reports have not confirmed (an insert) is dropped
+``PROVISIONAL_REPORTS`` of its reports after the session that taught it ended (`settle`): the server
+refused to store it (no memory), or the session never ran, and no report would ever mention it. The
+clock starts at the session's end, not at the grant, because a server stores a prompt's chunks only
+once it has run them: a prefill that takes longer than two report intervals (a long prompt, a busy
+server) must not lose its entries before the server could report them, or the requests that share
+the prefix and arrive meanwhile are dispatched as if nothing held it. A session that never settles
+(its dispatcher was replaced by a new plan) leaves its entries provisional for at most
+``PENDING_MAX_REPORTS`` reports.
 
 Bounded: at most ``max_entries`` (server, namespace, hash) entries, least recently used dropped first.
 Pure: no clock, no I/O, no lock (its owner holds one).
@@ -34,7 +40,8 @@ from petals_chain.wire.prefix_keys import PREFIX_CHUNK_TOKENS, usable_prefix_tok
 
 SHARING_SCOPES = ("client", "swarm")
 DEFAULT_MAX_ENTRIES = 1 << 18
-PROVISIONAL_REPORTS = 2  # a learned entry no report confirmed after this many reports of its server is dropped
+PROVISIONAL_REPORTS = 2  # a learned entry no report confirmed this many reports after its session ended is dropped
+PENDING_MAX_REPORTS = 64  # ... and one whose session never settled, this many reports after it was learned
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,8 @@ class PrefixIndex:
         self._entries: OrderedDict[tuple[Hashable, str, Hashable], None] = OrderedDict()  # LRU order, oldest first
         self._by_namespace: dict[tuple[Hashable, str], set] = {}  # (server, namespace) -> hashes: the lookups' view
         self.dropped_lru = 0  # entries pushed out by the bound (not by a server's eviction)
-        self._provisional: dict[Hashable, dict[tuple, int]] = {}  # server -> learned key -> its report count then
+        # server -> learned, unconfirmed key -> [report count its clock started at, sessions still running]
+        self._provisional: dict[Hashable, dict[tuple, list[int]]] = {}
         self._reports: dict[Hashable, int] = {}  # server -> reports applied
         self.dropped_unconfirmed = 0
 
@@ -83,40 +91,74 @@ class PrefixIndex:
         return set(self._entries)
 
     # -- lookups --------------------------------------------------------------------------
-    def held_chunks(self, hop: HopKey, client_id: str, hashes: Sequence[Hashable]) -> int:
-        """Leading chunks of `hashes` the hop's server holds for this client (no side effects)."""
+    def held_chunks(self, hop: HopKey, client_id: str, hashes: Sequence[Hashable], *, stored: bool = False) -> int:
+        """Leading chunks of `hashes` the hop's server holds for this client (no side effects). With
+        `stored`, only chunks it has stored already: not those a session still running on it is computing
+        (learned at its grant, not yet confirmed by a report)."""
         held = self._by_namespace.get((hop.server, namespace(self.sharing, client_id, hop.first_block)))
         if not held:
             return 0
+        pending = self._provisional.get(hop.server, {}) if stored else {}
+        ns = namespace(self.sharing, client_id, hop.first_block)
         n = 0
         for h in hashes:
             if h not in held:
+                break
+            rec = pending.get((hop.server, ns, h))
+            if rec is not None and rec[1] > 0:
                 break
             n += 1
         return n
 
     def chain_match_tokens(
-        self, hops: Sequence[HopKey], client_id: str, hashes: Sequence[Hashable], prompt_tokens: int
+        self,
+        hops: Sequence[HopKey],
+        client_id: str,
+        hashes: Sequence[Hashable],
+        prompt_tokens: int,
+        *,
+        stored: bool = False,
     ) -> int:
-        """Tokens of the prompt a chain can reuse: min over its hops, whole chunks, one token left to run."""
+        """Tokens of the prompt a chain can reuse: min over its hops, whole chunks, one token left to run
+        (`stored`: only what its servers hold now, see held_chunks)."""
         if not hashes or not hops:
             return 0
-        held = [self.held_chunks(h, client_id, hashes) * self.chunk_tokens for h in hops]
+        held = [self.held_chunks(h, client_id, hashes, stored=stored) * self.chunk_tokens for h in hops]
         return usable_prefix_tokens(held, prompt_tokens, self.chunk_tokens)
 
     # -- updates --------------------------------------------------------------------------
     def learn(self, hops: Iterable[HopKey], client_id: str, hashes: Sequence[Hashable]) -> None:
-        """A session with these hashes was granted a chain: each hop will hold its chunks."""
+        """A session with these hashes was granted a chain: each hop will hold its chunks once it ran them.
+        The caller `settle`s the same hops and hashes when the session ends."""
         for hop in hops:
             ns = namespace(self.sharing, client_id, hop.first_block)
             mine = None
             for h in hashes:
                 key = (hop.server, ns, h)
-                if key not in self._entries and hop.server in self._reports:  # a reporting server: to be confirmed
+                if hop.server in self._reports:  # a reporting server: to be confirmed
                     if mine is None:
                         mine = self._provisional.setdefault(hop.server, {})
-                    mine[key] = self._reports[hop.server]
+                    rec = mine.get(key)
+                    if rec is not None:  # still unconfirmed: one more session waits for it
+                        rec[0], rec[1] = self._reports[hop.server], rec[1] + 1
+                    elif key not in self._entries:
+                        mine[key] = [self._reports[hop.server], 1]
                 self._touch(key)
+
+    def settle(self, hops: Iterable[HopKey], client_id: str, hashes: Sequence[Hashable]) -> None:
+        """A session `learn`ed with these hops and hashes ended: its unconfirmed entries now have
+        PROVISIONAL_REPORTS reports of their server to be confirmed."""
+        for hop in hops:
+            mine = self._provisional.get(hop.server)
+            if not mine:
+                continue
+            ns = namespace(self.sharing, client_id, hop.first_block)
+            for h in hashes:
+                rec = mine.get((hop.server, ns, h))
+                if rec is not None and rec[1] > 0:
+                    rec[1] -= 1
+                    if rec[1] == 0:
+                        rec[0] = self._reports[hop.server]
 
     def insert(self, server: Hashable, ns: str, h: Hashable) -> None:
         self._touch((server, ns, h))
@@ -143,7 +185,12 @@ class PrefixIndex:
         n = self._reports[server] = self._reports.get(server, 0) + 1
         mine = self._provisional.get(server)
         if mine:
-            for key in [k for k, at in mine.items() if n - at >= PROVISIONAL_REPORTS]:
+            gone = [
+                k
+                for k, (at, running) in mine.items()
+                if n - at >= (PENDING_MAX_REPORTS if running else PROVISIONAL_REPORTS)
+            ]
+            for key in gone:
                 del mine[key]
                 if self._entries.pop(key, 0) is None:
                     self._unindex(key)
@@ -178,6 +225,7 @@ class PrefixIndex:
         while len(self._entries) > self.max_entries:
             old, _ = self._entries.popitem(last=False)
             self._unindex(old)
+            self._provisional.get(old[0], {}).pop(old, None)
             self.dropped_lru += 1
 
     def _unindex(self, key: tuple[Hashable, str, Hashable]) -> None:

@@ -285,6 +285,10 @@ class PrefixRun:
             # within the window (the loops' sessions still running at the end fail when the chains shut down)
             "failures": sum(t0 <= t < t1 for c in self.clients for t in c.failures),
             "evicted_chunks": after["evicted_chunks"] - before["evicted_chunks"],
+            # every finished session in the window, in order: (s after the window's start, client, reused tokens);
+            # where the locality broke (a session that reused less than its system prompt) and whose turn it was
+            "timeline": sorted((round(d[0] - t0, 2), name, d[1]) for name, v in done.items() for d in v),
+            "misses": sum(1 for v in done.values() for d in v if d[1] < args.prefix_tokens // 16 * 16),
             "max_gap_weighted_tokens": worst[1][0],
             "max_gap_pair": worst[0],
             "batches_both_backlogged": worst[1][1],
@@ -303,7 +307,8 @@ def _print_result(r: dict) -> None:
         f"cache hit rate {r['hit_rate']:.3f} ({r['hit_tokens']}/{r['asked_tokens']} tokens); server computed "
         f"{r['computed_tokens_per_session'] or nan:.0f} tokens and {r['server_cpu_s_per_session'] or nan:.2f} CPU s "
         f"per session (busy {r['server_busy_fraction']:.2f}, CPU {r['server_cpu_fraction']:.2f} of the window); "
-        f"per client {json.dumps(r['completed_by_client'])}; max backlogged gap {r['max_gap_weighted_tokens']:.0f} "
+        f"per client {json.dumps(r['completed_by_client'])}; {r['misses']} missed the cache; "
+        f"max backlogged gap {r['max_gap_weighted_tokens']:.0f} "
         f"({r['max_gap_pair']}, {r['batches_both_backlogged']} of {r['batches']} batches) vs 2(U+Q) = "
         f"{r['bound_2_U_plus_Q']:.0f}; failures {r['failures']}",
         flush=True,

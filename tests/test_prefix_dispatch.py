@@ -4,7 +4,7 @@ index (orchestrator.prefix_index) and the prefix-aware simulator (orchestrator.s
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.dispatch import (
@@ -13,6 +13,7 @@ from orchestrator.dispatch import (
     DispatchRequest,
     PrefixParams,
     ServerCost,
+    Start,
     make_dispatcher,
 )
 from orchestrator.model import BlockInterval, ChainSpec
@@ -62,6 +63,43 @@ def test_index_is_bounded_lru_and_evictions_prune():
     assert idx.held_by("s") == {(ns, 7)}
 
 
+def test_learned_entries_wait_for_their_session_before_reports_can_drop_them():
+    """A server stores a prompt's chunks once it ran them: reports during a long prefill must not drop what
+    the grant taught (the requests sharing the prefix meanwhile would be dispatched as if nothing held it);
+    two reports after the session ended, an unconfirmed entry goes; one that never settles, after a bound."""
+    from orchestrator.prefix_index import PENDING_MAX_REPORTS, PROVISIONAL_REPORTS
+
+    chains = chains_of(2, capacity=4, hops=1)
+    idx = PrefixIndex(sharing="swarm")
+    d = make_dispatcher("e2", chains, index=idx, params=PrefixParams(hold_completions=0))  # no holds here
+    for server in (0, 1):
+        idx.apply(server, [], [])  # both servers report (their first, empty, reports)
+    d.on_arrival(0, None, DispatchRequest("a", prompt(4, 20, 0), 21 * 16, 4))  # load on one server
+    shared = prompt(3, 20, 0)[:-1]
+    [first] = d.on_arrival(1, None, DispatchRequest("a", shared + (("u", 1),), 21 * 16, 4))  # explores the other
+    for _ in range(3 * PROVISIONAL_REPORTS):  # the prefill is still running: nothing confirmed yet
+        idx.apply(first.chain_id, [], [])
+    [second] = d.on_arrival(2, None, DispatchRequest("a", shared + (("u", 2),), 21 * 16, 4))
+    assert second.chain_id == first.chain_id  # exploits the prefix the first request is computing there
+    d.on_completion(1)
+    for _ in range(PROVISIONAL_REPORTS):  # job 2 still runs on the same hop and keeps the shared entries
+        idx.apply(first.chain_id, [], [])
+    assert d.match_tokens(first.chain_id, DispatchRequest("a", shared, 20 * 16, 4)) == 19 * 16
+    d.on_completion(2)
+    idx.apply(first.chain_id, [], [])
+    assert d.match_tokens(first.chain_id, DispatchRequest("a", shared, 20 * 16, 4)) == 19 * 16
+    idx.apply(first.chain_id, [], [])  # the server never reported storing them: gone
+    assert d.match_tokens(first.chain_id, DispatchRequest("a", shared, 20 * 16, 4)) == 0
+    assert idx.dropped_unconfirmed == 21 + 1
+    # a session that never settles (its dispatcher replaced) keeps its entries for a bounded number of reports
+    idx.learn([HopKey(first.chain_id, 0)], "a", shared)
+    for _ in range(PENDING_MAX_REPORTS - 1):
+        idx.apply(first.chain_id, [], [])
+    assert d.match_tokens(first.chain_id, DispatchRequest("a", shared, 20 * 16, 4)) == 19 * 16
+    idx.apply(first.chain_id, [], [])
+    assert d.match_tokens(first.chain_id, DispatchRequest("a", shared, 20 * 16, 4)) == 0
+
+
 # -- every policy keeps JFFC's contract ----------------------------------------------------------
 events = st.lists(
     st.tuples(
@@ -79,8 +117,23 @@ events = st.lists(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=st.sampled_from(POLICIES), evs=events, n_chains=st.integers(1, 4))
 def test_policies_respect_capacity_allowed_sets_and_the_central_queue(policy, evs, n_chains):
-    chains = chains_of(n_chains)
-    d = make_dispatcher(policy, chains, index=PrefixIndex(sharing="swarm"))
+    check_contract(make_dispatcher(policy, chains_of(n_chains), index=PrefixIndex(sharing="swarm")), evs, n_chains)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(evs=events, n_chains=st.integers(2, 3), capacity=st.integers(1, 2))
+def test_e2_holds_keep_the_contract_and_every_held_job_starts(evs, n_chains, capacity):
+    """Two long prefix families and few slots: e2 holds newcomers for busy chains (the contract's one
+    exception to work conservation), and every held job still starts (draining finishes all). No
+    rebalancing (an idle server in E2's window would send every such newcomer to explore instead)."""
+    params = PrefixParams(th_bal=float("inf"))
+    d = make_dispatcher("e2", chains_of(n_chains, capacity), index=PrefixIndex(sharing="swarm"), params=params)
+    check_contract(d, evs, n_chains, capacity, families=2)
+    assume(d.holds > 0)
+
+
+def check_contract(d, evs, n_chains: int, capacity: int = 2, families: int = 3) -> None:
+    chains = chains_of(n_chains, capacity)
     running: dict[int, int] = {}
     waiting: dict[int, frozenset | None] = {}
     job = 0
@@ -97,11 +150,12 @@ def test_policies_respect_capacity_allowed_sets_and_the_central_queue(policy, ev
             job += 1
             allowed = frozenset({chain % n_chains}) if restrict else None
             waiting[job] = allowed
+            n = prefix if families == 3 else 12
             started(
                 d.on_arrival(
                     job,
                     allowed,
-                    DispatchRequest(f"c{client}", prompt(prefix % 3, prefix, job), 16 * (prefix + 1) + 5, 4),
+                    DispatchRequest(f"c{client}", prompt(prefix % families, n, job), 16 * (n + 1) + 5, 4),
                 )
             )
         elif kind == "complete" and running:
@@ -115,7 +169,11 @@ def test_policies_respect_capacity_allowed_sets_and_the_central_queue(policy, ev
         busy = [sum(1 for k in running.values() if k == c) for c in range(n_chains)]
         assert all(b <= ch.capacity for b, ch in zip(busy, chains))
         assert list(d.busy) == busy and d.queue_length == len(waiting)
-        for allowed in waiting.values():  # work conserving: nobody waits while a chain it may use is free
+        held = getattr(d, "held", {})
+        for j, allowed in waiting.items():  # work conserving: nobody waits while a chain it may use is free...
+            if j in held:  # ... but a job e2 holds for busy chains that hold its prefix (one of them runs a job)
+                assert held[j] and (allowed is None or held[j] <= allowed) and any(busy[c] for c in held[j])
+                continue
             assert all(busy[c] == chains[c].capacity for c in range(n_chains) if allowed is None or c in allowed)
     while running:  # draining finishes every waiting job
         j = min(running)
@@ -138,6 +196,47 @@ def test_e2_exploits_the_longest_usable_match_and_explores_by_load_cost():
     # a prompt with nothing matched explores: the chain of least load (chain 2 now carries job 1's load)
     [s] = d.on_arrival(2, None, DispatchRequest("a", prompt(8, 20, 1), 21 * 16, 4))
     assert s.chain_id != 2
+
+
+
+def test_e2_holds_a_newcomer_for_the_busy_chain_that_holds_its_prefix_within_a_bound():
+    chains = chains_of(2, capacity=1, hops=1)
+    idx = PrefixIndex(sharing="swarm")
+    d = make_dispatcher("e2", chains, index=idx, params=PrefixParams(hold_completions=2))
+    for server in (0, 1):
+        idx.apply(server, [], [])
+    doc, other, third = (prompt(p, 20, 0)[:-1] for p in (5, 6, 7))
+
+    def req(hashes, j):
+        return DispatchRequest("a", hashes + (("u", j),), 21 * 16, 4)
+
+    [o] = d.on_arrival(0, None, req(other, 0))
+    [a] = d.on_arrival(1, None, req(doc, 1))  # explores the other chain
+    d.on_completion(0)  # both servers carry load in E2's window (no rebalancing below)
+    # the document again while job 1 still computes it on a busy chain, the other chain free: it waits
+    assert d.on_arrival(2, None, req(doc, 2)) == []
+    assert d.held == {2: frozenset({a.chain_id})} and d.holds == 1
+    [b] = d.on_arrival(3, None, req(third, 3))  # an unrelated prompt does not wait: it takes the free chain
+    assert b.chain_id == o.chain_id
+    [s] = d.on_completion(1)  # job 1 ran the document: job 2 goes where it is now
+    assert (s.job_id, s.chain_id) == (2, a.chain_id) and not d.held
+    # held again, its chain stays busy: after hold_completions completions elsewhere it takes a free chain
+    assert d.on_completion(3) == []  # chain o free again, job 2 still runs on chain a
+    assert d.on_arrival(4, None, req(doc, 4)) == [] and d.held == {4: frozenset({a.chain_id})}
+    for j in (5, 6):
+        [c] = d.on_arrival(j, None, req(third, j))
+        assert c.chain_id == o.chain_id
+        starts = d.on_completion(j)  # a completion elsewhere
+    assert starts == [Start(4, o.chain_id, chains[o.chain_id].service_time_s)] and not d.held
+    # the paper's E2 (hold_completions=0) explores at once
+    d0 = make_dispatcher("e2", chains, index=PrefixIndex(sharing="swarm"), params=PrefixParams(hold_completions=0))
+    for server in (0, 1):
+        d0.index.apply(server, [], [])
+    d0.on_arrival(0, None, req(other, 0))
+    [x] = d0.on_arrival(1, None, req(doc, 1))
+    d0.on_completion(0)
+    [y] = d0.on_arrival(2, None, req(doc, 2))
+    assert x.chain_id != y.chain_id
 
 
 def test_e2_rebalances_away_from_a_server_over_th_bal():

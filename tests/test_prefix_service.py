@@ -156,10 +156,16 @@ def test_index_converges_to_the_caches_after_grants_evictions_a_restart_and_a_lo
     # 12 chunks offered into 6 chunks of room: the caches evicted, the reports said so
     assert all(len(c) == 6 for c in caches.values()) and all(c.stats.evicted_chunks == 6 for c in caches.values())
     assert_converged(s, caches)
-    # a grant whose session never ran: learned, never confirmed, dropped after two reports
+    # a grant whose session never ran: learned, never confirmed; kept while it holds its lease (a long prefill
+    # is not done before the servers' next reports), dropped two reports after it ended
     s.acquire("ghost", "c", 256, 0.0, timeout_s=10, request=req("c", H[:3], 3 * PREFIX_CHUNK_TOKENS + 1))
     assert len(s.prefix_index) == 12 + 6
+    for _ in range(3):
+        report_round(reader, s, caches)
+    assert len(s.prefix_index) == 12 + 6
+    s.release("ghost", 1.5)
     report_round(reader, s, caches)
+    assert len(s.prefix_index) == 12 + 6
     report_round(reader, s, caches)
     assert_converged(s, caches)
     # A1 restarts: a new cache (a new epoch) holding something else; its first reply is a full listing

@@ -857,12 +857,15 @@ class Sessions:
                 "index_entries": len(self.prefix_index),
                 "index_max_entries": self.prefix_index.max_entries,
                 "index_dropped_lru": self.prefix_index.dropped_lru,
+                "index_dropped_unconfirmed": self.prefix_index.dropped_unconfirmed,
                 "refused_floods": self.refused_floods,
             }
             d = None if b is None else b.dispatcher
             if d is not None and getattr(d, "name", None) in PROMPT_AWARE:
                 live = {i: cid for i, cid in self._live_of_index.items()}
                 out["chain_hit_rate"] = {str(live.get(i, i)): r for i, r in enumerate(d.hit_rates())}
+                if hasattr(d, "rebalanced"):  # e2: requests its rebalancing rule sent to explore, newcomers held
+                    out["rebalanced"], out["holds"] = d.rebalanced, d.holds
                 if isinstance(d, D2lpmDispatcher):
                     out["client_deficit"] = dict(d.client_deficit)
                     out["chain_deficit"] = {f"{c}@{live.get(k, k)}": q for (c, k), q in d.chain_deficit.items()}
