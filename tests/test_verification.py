@@ -108,6 +108,35 @@ def test_a_conviction_bans_for_good_and_every_chain_asked_for_leaves_the_server_
     assert health.banned() == frozenset()
 
 
+def test_shown_text_swallows_what_a_stream_showed_and_fails_when_a_rollback_would_change_it():
+    from petals_chain.api.engine import ShownText, StreamTakenBackError
+
+    got = []
+    shown = ShownText(lambda text, entries: got.append(text), streamed=True)
+    shown.give("<5>", [], hold=True)  # held back while a probation audit runs: nothing shown
+    assert got == []
+    shown.give(" <9>", [])
+    assert got == ["<5> <9>"]
+    shown.restart()  # a rollback: the corrected text comes again from its start
+    shown.give("<5>", [])
+    shown.give(" <9> <3>", [])
+    assert got == ["<5> <9>", " <3>"] and shown.text == "<5> <9> <3>"
+    shown.restart()
+    with pytest.raises(StreamTakenBackError, match="retry the request"):
+        shown.give("<5> <4>", [])  # differs from what the stream showed
+    shown = ShownText(lambda text, entries: got.append(text), streamed=True)
+    shown.give("<5> <9>", [])
+    shown.restart()
+    shown.give("<5>", [])
+    with pytest.raises(StreamTakenBackError):
+        shown.finish()  # the corrected reply is shorter than what was shown
+    quiet = ShownText(lambda text, entries: None, streamed=False)  # nobody saw it: taken back silently
+    quiet.give("<5> <9>", [])
+    quiet.restart()
+    quiet.give("<6>", [])
+    quiet.finish()
+
+
 # -- the orchestrator's reports --------------------------------------------------------------------
 def _signed_report(identity, accused, inputs, wrong, reference, position):
     from petals_chain.swarm.identity import SwarmIdentity  # noqa: F401  (identity is one)
@@ -439,4 +468,81 @@ def test_a_conviction_keeps_the_server_out_of_every_later_session_and_of_clients
         finally:
             other.backend.shutdown()
     finally:
+        model.backend.shutdown()
+
+
+def _word_tokenizer():
+    """A tokenizer for the tiny model's 128 ids: token i is the word "<i>", "<1>" its end of sequence."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(128)}, unk_token="<0>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<1>", pad_token="<0>")
+
+
+@pytest.mark.integration
+def test_the_gateway_rolls_a_request_back_after_a_catch_and_answers_what_honest_servers_give(
+    tiny_llama_path, swarm, hf_greedy
+):
+    """A streamed and a plain completion, each meeting the noisy server first (the client forgets its
+    ban in between): its probation audit catches it, the session rolls back and fails over, and the
+    text is HF greedy's (the stream held its text back during the audit, so nothing sent had to be
+    taken back); a later request leaves the server out."""
+    import json
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    import uvicorn
+
+    from petals_chain.api.gateway import Gateway, GatewayConfig
+
+    noise = _peer(swarm, "corrupt-noise")
+    honest = [_peer(swarm, "honest0"), _peer(swarm, "honest1")]
+    model = _client(tiny_llama_path, swarm, "corrupt-noise", {noise, *honest}, check_probability=1e-9, report=False)
+    tokenizer = _word_tokenizer()
+    gateway = Gateway(model, tokenizer, GatewayConfig(model_name="tiny", max_concurrent=2))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(gateway.app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    prompt = " ".join(f"<{i}>" for i in PROMPT[0].tolist())
+
+    def expected(n: int) -> str:
+        return tokenizer.decode(hf_greedy(PROMPT, n)[0][PROMPT.shape[1] :], skip_special_tokens=True)
+
+    def post(body: dict):
+        req = urllib.request.Request(
+            url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+        )
+        return urllib.request.urlopen(req, timeout=120)
+
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the in-process gateway did not start"
+            time.sleep(0.02)
+        provider, v = model.backend.provider, model.backend.verification
+        with post({"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True}) as r:
+            events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not [c for c in chunks if "error" in c], chunks
+        assert "".join(c["choices"][0]["text"] for c in chunks) == expected(10)
+        assert [(c.peer_id, c.probation) for c in v.stats.catches] == [(noise, True)]
+        v.forget()
+        with post({"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0}) as r:
+            assert json.loads(r.read())["choices"][0]["text"] == expected(10)
+        assert [(c.peer_id, c.probation) for c in v.stats.catches] == [(noise, True)]
+        with post({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}) as r:  # banned now
+            assert json.loads(r.read())["choices"][0]["text"] == expected(4)
+        assert noise in provider.excludes[-1] and len(v.stats.catches) == 1
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        gateway.shutdown()
         model.backend.shutdown()
