@@ -91,6 +91,52 @@ def test_verification_config_refuses_bad_values():
         VerificationConfig(norm_margin=1.0)
 
 
+def test_a_conviction_bans_for_good_and_every_chain_asked_for_leaves_the_server_out():
+    from petals_chain.client.peer_health import PeerHealth
+    from petals_chain.client.recovery import Recovery
+
+    now = [0.0]
+    health = PeerHealth(base_ban_s=1.0, max_ban_s=2.0, forget_after_s=1.0, clock=lambda: now[0])
+    assert health.convict("bad") and not health.convict("bad")  # once
+    health.report_failure("flaky")
+    assert health.banned() == {"bad", "flaky"}
+    health.report_success(["bad", "flaky"])  # a convicted server answering quickly is not forgiven
+    now[0] = 1e6  # nor does time lift it
+    assert health.banned() == {"bad"} == health.convicted() and len(health) == 0
+    assert "bad" in Recovery(3, health).exclude()  # what every open and failover asks the provider to leave out
+    health.forget_convictions()
+    assert health.banned() == frozenset()
+
+
+def test_shown_text_swallows_what_a_stream_showed_and_fails_when_a_rollback_would_change_it():
+    from petals_chain.api.engine import ShownText, StreamTakenBackError
+
+    got = []
+    shown = ShownText(lambda text, entries: got.append(text), streamed=True)
+    shown.give("<5>", [], hold=True)  # held back while a probation audit runs: nothing shown
+    assert got == []
+    shown.give(" <9>", [])
+    assert got == ["<5> <9>"]
+    shown.restart()  # a rollback: the corrected text comes again from its start
+    shown.give("<5>", [])
+    shown.give(" <9> <3>", [])
+    assert got == ["<5> <9>", " <3>"] and shown.text == "<5> <9> <3>"
+    shown.restart()
+    with pytest.raises(StreamTakenBackError, match="retry the request"):
+        shown.give("<5> <4>", [])  # differs from what the stream showed
+    shown = ShownText(lambda text, entries: got.append(text), streamed=True)
+    shown.give("<5> <9>", [])
+    shown.restart()
+    shown.give("<5>", [])
+    with pytest.raises(StreamTakenBackError):
+        shown.finish()  # the corrected reply is shorter than what was shown
+    quiet = ShownText(lambda text, entries: None, streamed=False)  # nobody saw it: taken back silently
+    quiet.give("<5> <9>", [])
+    quiet.restart()
+    quiet.give("<6>", [])
+    quiet.finish()
+
+
 # -- the orchestrator's reports --------------------------------------------------------------------
 def _signed_report(identity, accused, inputs, wrong, reference, position):
     from petals_chain.swarm.identity import SwarmIdentity  # noqa: F401  (identity is one)
@@ -221,18 +267,22 @@ def hf_greedy(tiny_llama_path):
     return lambda ids, n: hf.generate(ids, max_new_tokens=n, do_sample=False).tolist()
 
 
-def _client(tiny_llama_path, swarm, first: str, allowed: set[str] | None = None, **config):
+def _client(tiny_llama_path, swarm, first: str, allowed: set[str] | None = None, peer_health=None, **config):
     """A client whose sessions start on server `first` (then the others, in the swarm's order); with
-    `allowed`, it uses (and asks for opinions) only those servers."""
+    `allowed`, it uses (and asks for opinions) only those servers; `peer_health`: a ban list shared
+    with another client."""
     from petals_chain.client.model import DistributedModelForCausalLM
     from tests.swarm_helpers import ListedChains
 
     order = [_peer(swarm, first)] + [sp.peer_id for sp in swarm.servers if sp.peer_id != _peer(swarm, first)]
+    if allowed is not None:
+        order = [p for p in order if p in allowed]
     return DistributedModelForCausalLM.from_pretrained(
         str(tiny_llama_path),
         initial_peers=swarm.initial_peers,
         provider=ListedChains(order, 6),
         allowed_servers=allowed,
+        peer_health=peer_health,
         verification=VerificationConfig(**config),
     )
 
@@ -284,9 +334,7 @@ def test_reports_of_k_distinct_clients_exclude_a_server_and_one_clients_never_do
     def catch(model) -> str:
         backend = model.backend  # it routes by itself (ListedChains) and reports to the swarm's orchestrator
         wait_for(lambda: find_orchestrator(backend.dht, backend.model, None), 60, "the orchestrator's record")
-        with backend.verification._lock:  # forget this client's ban: it meets the server again
-            backend.verification.convicted.clear()
-            backend.verification.stats.catches.clear()
+        backend.verification.forget()  # forget this client's ban: it meets the server again
         model.generate(PROMPT, max_new_tokens=3, do_sample=False)
         (caught,) = [c for c in backend.verification.stats.catches if c.peer_id == noisy]
         return caught.reported
@@ -331,4 +379,170 @@ def test_a_corrupting_server_is_caught_and_the_output_stays_hf_greedy(tiny_llama
         assert caught in model.backend.verification.avoided() <= _corrupt_peers(swarm)
         assert len(stats.catches) == len({c.peer_id for c in stats.catches})  # each caught once
     finally:
+        model.backend.shutdown()
+
+
+@pytest.mark.integration
+def test_probation_catches_a_server_corrupting_every_step_at_its_first_step_in_every_session(
+    tiny_llama_path, swarm, hf_greedy
+):
+    """A session that used a server another session's audit convicted rolls back to its first
+    unverified row. At a check probability that never samples a step, the first step through the
+    noisy server is audited anyway (probation; the session's next step waits for the verdict) and
+    catches it: two sessions at once both end with HF's output, the server convicted once."""
+    import threading
+
+    from petals_chain.errors import VerificationRollback
+
+    noise = _peer(swarm, "corrupt-noise")
+    allowed = {noise, _peer(swarm, "honest0"), _peer(swarm, "honest1")}
+    model = _client(tiny_llama_path, swarm, "corrupt-noise", allowed, check_probability=1e-9, seed=6, report=False)
+    v = model.backend.verification
+    try:
+        # a session stepping through the noisy server unaudited (as if it had passed probation before
+        # and turned bad since), then another session whose own audit convicts it
+        v.end_probation({noise}, v.start_probation({noise}))
+        other = model.backend.open_session(32)
+        assert [s.hop.peer_id for s in other.streams] == [noise]
+        x = model.head.embed_batched(PROMPT[0])
+        other.step(x[:6])
+        other.step(x[6:7])
+        assert v.stats.audits == 0 and not other.verifier.holding()
+        assert model.generate(PROMPT, max_new_tokens=6, do_sample=False, check_probability=1.0).tolist() == (
+            hf_greedy(PROMPT, 6)
+        )
+        assert other.verifier.holding()  # its server is convicted: a gateway's stream would hold its text
+        with pytest.raises(VerificationRollback) as rollback:
+            other.step(x[7:8])
+        assert rollback.value.trusted_position == 0  # none of its rows were verified
+        other.close()
+
+        v.forget()  # a client new to the server again: its probation comes at the first step
+        outs: list = [None, None]
+
+        def run(i):
+            outs[i] = model.generate(PROMPT, max_new_tokens=10, do_sample=False).tolist()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert outs == [hf_greedy(PROMPT, 10)] * 2
+        (catch,) = v.stats.catches  # convicted once, by its probation audit, of its first step
+        # audited after step 1, and the verdict in before step 2 (which waited for it)
+        assert (catch.peer_id, catch.verdict, catch.probation, catch.detected_at_step, catch.convicted_at_step) == (
+            noise,
+            Verdict.WRONG_OUTPUT,
+            True,
+            1,
+            1,
+        )
+        assert v.stats.probation_audits >= 1
+    finally:
+        model.backend.shutdown()
+
+
+@pytest.mark.integration
+def test_a_conviction_keeps_the_server_out_of_every_later_session_and_of_clients_sharing_the_ban_list(
+    tiny_llama_path, swarm, hf_greedy
+):
+    skip = _peer(swarm, "corrupt-skip-last")
+    allowed = {skip, _peer(swarm, "honest0"), _peer(swarm, "honest1")}
+    model = _client(tiny_llama_path, swarm, "corrupt-skip-last", allowed, check_probability=1e-9, report=False)
+    try:
+        assert model.generate(PROMPT, max_new_tokens=4, do_sample=False).tolist() == hf_greedy(PROMPT, 4)
+        assert skip in model.backend.peer_health.convicted()
+        provider = model.backend.provider
+        asked = len(provider.excludes)
+        # the next session, spot checks off, asks for a chain without it
+        assert model.generate(PROMPT, max_new_tokens=4, do_sample=False, check_probability=0.0).tolist() == (
+            hf_greedy(PROMPT, 4)
+        )
+        assert skip in provider.excludes[asked] and model.backend.verification.stats.catches[-1].peer_id == skip
+        # another client of the process given the same ban list (no spot checks of its own) avoids it too
+        other = _client(tiny_llama_path, swarm, "corrupt-skip-last", allowed, peer_health=model.backend.peer_health)
+        try:
+            assert other.generate(PROMPT, max_new_tokens=4, do_sample=False).tolist() == hf_greedy(PROMPT, 4)
+            assert all(skip in e for e in other.backend.provider.excludes)
+        finally:
+            other.backend.shutdown()
+    finally:
+        model.backend.shutdown()
+
+
+def _word_tokenizer():
+    """A tokenizer for the tiny model's 128 ids: token i is the word "<i>", "<1>" its end of sequence."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(128)}, unk_token="<0>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<1>", pad_token="<0>")
+
+
+@pytest.mark.integration
+def test_the_gateway_rolls_a_request_back_after_a_catch_and_answers_what_honest_servers_give(
+    tiny_llama_path, swarm, hf_greedy
+):
+    """A streamed and a plain completion, each meeting the noisy server first (the client forgets its
+    ban in between): its probation audit catches it, the session rolls back and fails over, and the
+    text is HF greedy's (the stream held its text back during the audit, so nothing sent had to be
+    taken back); a later request leaves the server out."""
+    import json
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    import uvicorn
+
+    from petals_chain.api.gateway import Gateway, GatewayConfig
+
+    noise = _peer(swarm, "corrupt-noise")
+    honest = [_peer(swarm, "honest0"), _peer(swarm, "honest1")]
+    model = _client(tiny_llama_path, swarm, "corrupt-noise", {noise, *honest}, check_probability=1e-9, report=False)
+    tokenizer = _word_tokenizer()
+    gateway = Gateway(model, tokenizer, GatewayConfig(model_name="tiny", max_concurrent=2))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(gateway.app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    prompt = " ".join(f"<{i}>" for i in PROMPT[0].tolist())
+
+    def expected(n: int) -> str:
+        return tokenizer.decode(hf_greedy(PROMPT, n)[0][PROMPT.shape[1] :], skip_special_tokens=True)
+
+    def post(body: dict):
+        req = urllib.request.Request(
+            url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+        )
+        return urllib.request.urlopen(req, timeout=120)
+
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the in-process gateway did not start"
+            time.sleep(0.02)
+        provider, v = model.backend.provider, model.backend.verification
+        with post({"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True}) as r:
+            events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not [c for c in chunks if "error" in c], chunks
+        assert "".join(c["choices"][0]["text"] for c in chunks) == expected(10)
+        assert [(c.peer_id, c.probation) for c in v.stats.catches] == [(noise, True)]
+        v.forget()
+        with post({"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0}) as r:
+            assert json.loads(r.read())["choices"][0]["text"] == expected(10)
+        assert [(c.peer_id, c.probation) for c in v.stats.catches] == [(noise, True)]
+        with post({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}) as r:  # banned now
+            assert json.loads(r.read())["choices"][0]["text"] == expected(4)
+        assert noise in provider.excludes[-1] and len(v.stats.catches) == 1
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        gateway.shutdown()
         model.backend.shutdown()

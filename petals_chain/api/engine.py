@@ -22,9 +22,9 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from petals_chain.api.constrain import TextConstraint
-from petals_chain.client.model import DistributedModelForCausalLM
+from petals_chain.client.model import MAX_VERIFICATION_RESTARTS, DistributedModelForCausalLM
 from petals_chain.client.speculation import AdaptivePromptLookup
-from petals_chain.errors import InvalidRequestError
+from petals_chain.errors import InvalidRequestError, VerificationRollback
 
 # pick_allowed's candidates per round after a rejected first pick: a softmax and a multinomial (or a sort)
 # over the whole vocabulary cost about as much for 64 candidates as for one
@@ -71,6 +71,7 @@ class GenerationResult:
     prefix_hit_tokens: int = 0  # prompt tokens every hop took from its prefix cache
     drafted_tokens: int = 0  # prompt lookup: draft tokens verified, and those accepted
     accepted_draft_tokens: int = 0
+    verification_restarts: int = 0  # rollbacks after a spot check caught a server (client/verification.py)
 
 
 class StopScanner:
@@ -104,6 +105,63 @@ class StopScanner:
         return delta
 
 
+class StreamTakenBackError(VerificationRollback):
+    """A catch would take back text a stream already sent: the request fails (its client retries)."""
+
+
+class ShownText:
+    """What a request's `on_text` was given, so that a rollback after a spot check's catch
+    (client/verification.py) takes back only what nobody saw. While the session's work may yet be
+    found wrong soon (`SessionVerifier.holding`: a probation audit of one of its servers is running),
+    a stream's text is held back, so a server that corrupts every step is caught before any of its
+    text is shown. After a rollback the corrected text is given again from its start: the part
+    already shown is matched and swallowed, and text that differs from what was shown raises
+    `VerificationRollback` (a stream cannot take text back)."""
+
+    def __init__(self, on_text: Callable[[str, list[TokenLogprob]], None], streamed: bool):
+        self.on_text = on_text
+        self.streamed = streamed
+        self.text = ""  # given to on_text
+        self.logprobs = 0  # entries given to on_text
+        self._held_text = ""
+        self._held: list[TokenLogprob] = []
+        self._replay: str | None = None  # after a rollback: shown text the corrected one must match yet
+
+    def give(self, delta: str, entries: list[TokenLogprob], hold: bool = False) -> None:
+        self._held_text += delta
+        self._held += entries
+        if hold or not (self._held_text or self._held):
+            return
+        delta, entries = self._held_text, self._held
+        self._held_text, self._held = "", []
+        if self._replay is not None and self.streamed:
+            n = min(len(delta), len(self._replay))
+            if delta[:n] != self._replay[:n]:
+                raise self.diverged()
+            delta, self._replay = delta[n:], self._replay[n:] or None
+        if delta or entries:
+            self.text += delta
+            self.logprobs += len(entries)
+            self.on_text(delta, entries)
+
+    def restart(self) -> None:
+        """A rollback: what was held is dropped, the corrected text will come again from its start."""
+        self._held_text, self._held = "", []
+        self._replay = self.text or None
+
+    def finish(self) -> None:
+        if self._replay is not None and self.streamed:  # the corrected text ended before what was shown
+            raise self.diverged()
+
+    @staticmethod
+    def diverged() -> StreamTakenBackError:
+        return StreamTakenBackError(
+            "a spot check caught a server returning wrong hidden states after part of this streamed reply was "
+            "sent, and the corrected reply differs from what was sent, which a stream cannot take back; the "
+            "server is banned now: retry the request"
+        )
+
+
 def run_generation(
     model: DistributedModelForCausalLM,
     tokenizer,
@@ -115,6 +173,7 @@ def run_generation(
     session_id: str | None = None,
     clock: Callable[[], float] = time.perf_counter,
     adapter: str | None = None,
+    streamed: bool = True,
 ) -> GenerationResult:
     """Generate for one request (blocking; run it in a worker thread). `on_text(delta, logprobs)`
     gets each piece of text as soon as it is safe to send, with the logprobs of the tokens
@@ -123,6 +182,12 @@ def run_generation(
     resends the conversation); `session_id` (the request id in it) names the session in the
     orchestrator's and servers' logs. The session is closed (its chain released) on every way
     out, cancellation and errors included. `adapter`: the session's LoRA adapter.
+
+    With spot checks on, a catch (`VerificationRollback`) rolls the session back to the last trusted
+    token and decoding goes on from there, as `DistributedModelForCausalLM.generate` does, so greedy
+    output is what honest servers give. `streamed`: `on_text`'s text is shown as it comes (see
+    `ShownText`: held back during a probation audit; a rollback whose corrected text differs from
+    text already shown fails the request); otherwise a rollback takes back text silently.
 
     With `params.constraint`, the text the constraint forces is fed without sampling (its tokens go
     through the chain with the next step, and their logprobs come from that step's logits), every
@@ -199,6 +264,7 @@ def run_generation(
             return [], False
         return ids, constraint.check(after).complete
 
+    shown = ShownText(on_text, streamed)
     with model.inference_session(
         max_length=len(prompt_ids) + params.max_tokens,
         prompt_ids=torch.tensor(prompt_ids, dtype=torch.long),
@@ -208,6 +274,7 @@ def run_generation(
         result.chain = session.chain.describe()
         result.hops = session.chain.num_hops
         result.prefix_hit_tokens = session.position  # the open skipped what every hop had cached
+        verifier = session.chain.verifier  # None on local chains
         drafter = None
         if params.prompt_lookup_tokens > 0 and constraint is None:
             # HF's own n-gram drafter (the one `generate(prompt_lookup_num_tokens=k)` uses), its draft
@@ -217,74 +284,107 @@ def run_generation(
             )
             if params.prompt_lookup_schedule == "adaptive":
                 drafter = AdaptivePromptLookup(drafter, params.prompt_lookup_tokens, session.step_costs)
-        while len(generated) < params.max_tokens and result.finish_reason == "length":
-            if cancel.is_set():
-                result.finish_reason = "cancelled"
-                break
-            forced, complete = forced_ids(generated) if constraint is not None else ([], False)
-            forced = forced[: params.max_tokens - len(generated)]
-            if complete and not forced:
-                result.finish_reason = "stop"
-                break
-            draft: list[int] = []
-            if drafter is not None:
-                candidates, _ = drafter.get_candidates(torch.tensor([tokens], dtype=torch.long))
-                # never verify past the request's budget: the last token of a step is the model's own
-                draft = candidates[0, len(tokens) :].tolist()[: params.max_tokens - len(generated) - 1]
-            step_tokens: list[int] = list(forced)
-            if complete and result.logprobs is None:  # the closing of a forced call needs no step
-                logits = None
-            else:
-                # one chain step takes the forced tokens and verifies every draft; the session rolls back the
-                # rejected ones by itself
-                logits = model(
-                    torch.tensor([tokens + forced + draft], dtype=torch.long),
-                    logits_to_keep=len(forced) + len(draft) + 1,
-                ).logits[0]
-            # Standard acceptance with a point-mass draft: pick position i's token as plain decoding would
-            # (argmax, or a sample of the model's distribution there) and keep going while it equals the
-            # draft: greedy output is identical, sampled output has the model's distribution.
-            for i in range(0 if complete else len(draft) + 1):
-                row = logits[len(forced) + i : len(forced) + i + 1]
-                step_tokens.append(
-                    pick(tokens + step_tokens, row)[0]
-                    if constraint is None
-                    else pick_allowed(tokens + step_tokens, row, generated + step_tokens)
-                )
-                if i == len(draft) or step_tokens[-1] != draft[i]:
-                    break
-            result.drafted_tokens += len(draft)
-            now_s = clock()
-            for n, token in enumerate(step_tokens):
-                result.accepted_draft_tokens += n > len(forced)  # a token after the step's first pick was a draft
-                if result.logprobs is not None:
-                    entry = token_logprob(logits[n], token, params.top_logprobs)
-                    result.logprobs.append(entry)
-                    pending.append(entry)
-                if result.time_to_first_token_s is None:
-                    result.time_to_first_token_s = now_s - start_s
-                result.token_times_s.append(now_s)
-                tokens.append(token)
-                generated.append(token)
-                if token in eos and constraint is None:
-                    result.finish_reason = "stop"
-                    break
-                delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True))
-                if delta:
-                    on_text(delta, pending)
+
+        def holding() -> bool:
+            return streamed and verifier is not None and verifier.holding()
+
+        def roll_back(q: int) -> None:
+            """Back to the last trusted token: tokens [0, q] are (token q came from row q - 1), the prompt always."""
+            nonlocal scanner, pending
+            keep = min(len(tokens), max(len(prompt_ids), q + 1))
+            n = keep - len(prompt_ids)
+            if streamed and result.logprobs is not None and n < shown.logprobs:
+                raise ShownText.diverged()  # logprobs computed from wrong hidden states were sent
+            del tokens[keep:], generated[n:], result.token_times_s[n:]
+            if result.logprobs is not None:
+                del result.logprobs[n:]
+                pending = result.logprobs[min(shown.logprobs, n) :]
+            session.processed_ids = tokens[: min(q, len(tokens) - 1)]  # the next step recomputes from row q
+            result.finish_reason = "length"
+            scanner = StopScanner(params.stop)  # the corrected text comes again from its start
+            shown.restart()
+
+        while True:
+            try:
+                while len(generated) < params.max_tokens and result.finish_reason == "length":
+                    if cancel.is_set():
+                        result.finish_reason = "cancelled"
+                        break
+                    forced, complete = forced_ids(generated) if constraint is not None else ([], False)
+                    forced = forced[: params.max_tokens - len(generated)]
+                    if complete and not forced:
+                        result.finish_reason = "stop"
+                        break
+                    draft: list[int] = []
+                    if drafter is not None:
+                        candidates, _ = drafter.get_candidates(torch.tensor([tokens], dtype=torch.long))
+                        # never verify past the request's budget: the last token of a step is the model's own
+                        draft = candidates[0, len(tokens) :].tolist()[: params.max_tokens - len(generated) - 1]
+                    step_tokens: list[int] = list(forced)
+                    if complete and result.logprobs is None:  # the closing of a forced call needs no step
+                        logits = None
+                    else:
+                        # one chain step takes the forced tokens and verifies every draft; the session rolls
+                        # back the rejected ones by itself
+                        logits = model(
+                            torch.tensor([tokens + forced + draft], dtype=torch.long),
+                            logits_to_keep=len(forced) + len(draft) + 1,
+                        ).logits[0]
+                    # Standard acceptance with a point-mass draft: pick position i's token as plain decoding
+                    # would (argmax, or a sample of the model's distribution there) and keep going while it
+                    # equals the draft: greedy output is identical, sampled output has the model's distribution.
+                    for i in range(0 if complete else len(draft) + 1):
+                        row = logits[len(forced) + i : len(forced) + i + 1]
+                        step_tokens.append(
+                            pick(tokens + step_tokens, row)[0]
+                            if constraint is None
+                            else pick_allowed(tokens + step_tokens, row, generated + step_tokens)
+                        )
+                        if i == len(draft) or step_tokens[-1] != draft[i]:
+                            break
+                    result.drafted_tokens += len(draft)
+                    now_s = clock()
+                    for n, token in enumerate(step_tokens):
+                        # a token after the step's first pick was a draft
+                        result.accepted_draft_tokens += n > len(forced)
+                        if result.logprobs is not None:
+                            entry = token_logprob(logits[n], token, params.top_logprobs)
+                            result.logprobs.append(entry)
+                            pending.append(entry)
+                        if result.time_to_first_token_s is None:
+                            result.time_to_first_token_s = now_s - start_s
+                        result.token_times_s.append(now_s)
+                        tokens.append(token)
+                        generated.append(token)
+                        if token in eos and constraint is None:
+                            result.finish_reason = "stop"
+                            break
+                        delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True))
+                        if delta or pending:
+                            shown.give(delta, pending, hold=holding())
+                            pending = []
+                        if scanner.stopped:
+                            result.finish_reason = "stop"
+                            break
+                if verifier is not None and result.finish_reason != "cancelled":
+                    # audits still running may yet find a wrong row: roll back and go on then
+                    verifier.settle()
+                if result.finish_reason != "cancelled":
+                    delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True), final=True)
+                    shown.give(delta, pending)  # with what was held back
                     pending = []
-                if scanner.stopped:
-                    result.finish_reason = "stop"
-                    break
+                    shown.finish()
+                break
+            except VerificationRollback as rollback:
+                if isinstance(rollback, StreamTakenBackError):
+                    raise
+                result.verification_restarts += 1
+                session.verification_restarts += 1
+                if result.verification_restarts > MAX_VERIFICATION_RESTARTS:
+                    raise
+                roll_back(rollback.trusted_position)
         result.failovers = getattr(session.chain, "failovers", 0)
         result.chain = session.chain.describe()  # the chain that served the answer (after any failover)
-        if session.chain.verifier is not None and result.finish_reason != "cancelled":
-            # audits still running may yet find a wrong row: VerificationRollback fails the request then
-            session.chain.verifier.settle()
-    if result.finish_reason != "cancelled":
-        delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True), final=True)
-        if delta or pending:
-            on_text(delta, pending)
     result.text = scanner.sent
     result.completion_tokens = len(generated)
     result.token_ids = generated

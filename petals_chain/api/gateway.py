@@ -208,10 +208,12 @@ class Gateway:
         prompt_ids: list[int],
         params: list[SamplingParams],
         adapter: str | None = None,
+        streamed: bool = True,
     ):
         """Admit each choice and start its session in a worker thread; returns (events queue of
         (choice index, kind, value), cancel flag shared by the choices). A choice's slot goes back
-        when its thread is done, whatever happens to the HTTP side."""
+        when its thread is done, whatever happens to the HTTP side. `streamed`: the reply's text is
+        shown as it comes (a spot check's rollback cannot take it back: engine.ShownText)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -242,6 +244,7 @@ class Gateway:
                 f"{request_id}.{index}.{uuid.uuid4().hex[:8]}",
                 arrived_s,
                 adapter,
+                streamed,
             )
         return events, cancel
 
@@ -257,6 +260,7 @@ class Gateway:
         session_id: str,
         arrived_s: float,
         adapter: str | None = None,
+        streamed: bool = True,
     ) -> None:
         def work() -> GenerationResult:
             return run_generation(
@@ -267,6 +271,7 @@ class Gateway:
                 cancel=cancel,
                 session_id=session_id,
                 adapter=adapter,
+                streamed=streamed,
                 on_text=lambda d, lp: loop.call_soon_threadsafe(events.put_nowait, (index, "text", (d, lp))),
             )
 
@@ -293,7 +298,7 @@ class Gateway:
                 accepted_draft_tokens=result.accepted_draft_tokens,
             )
             logger.info(
-                "session %s (%s): %d prompt tokens (%d from prefix caches), %d generated, %s, chain %s",
+                "session %s (%s): %d prompt tokens (%d from prefix caches), %d generated, %s, chain %s%s",
                 session_id,
                 user,
                 len(prompt_ids),
@@ -301,6 +306,9 @@ class Gateway:
                 result.completion_tokens,
                 result.finish_reason,
                 result.chain,
+                f", {result.verification_restarts} rollback(s) after spot-check catches"
+                if result.verification_restarts
+                else "",
             )
             events.put_nowait((index, "done", result))
 
@@ -417,7 +425,7 @@ class Gateway:
         prompt_ids = list(self.tokenizer(body.prompt)["input_ids"])
         params = self._params(body, prompt_ids)
         rid, created = "cmpl-" + request.state.request_id, now_s()
-        events, cancel = await self._start(request, user, prompt_ids, params, adapter)
+        events, cancel = await self._start(request, user, prompt_ids, params, adapter, streamed=bool(body.stream))
         if not body.stream:
             results = await self._collect(request, events, cancel, body.n)
             return completion_body(
@@ -465,7 +473,7 @@ class Gateway:
         # a forced call's reply finishes as vLLM's does: "stop" for a named function, "tool_calls" for "required"
         call_finish = forced.finish_reason if forced else "tool_calls"
         rid, created = "chatcmpl-" + request.state.request_id, now_s()
-        events, cancel = await self._start(request, user, prompt_ids, params, adapter)
+        events, cancel = await self._start(request, user, prompt_ids, params, adapter, streamed=bool(body.stream))
         if not body.stream:
             results = await self._collect(request, events, cancel, body.n)
             choices = []

@@ -420,7 +420,7 @@ class OllamaAPI:
             return self._loaded(body, chat)  # Ollama's "load the model" request: the swarm has it loaded
         prompt_ids = self._chat_ids(body) if chat else self._generate_ids(body)
         params = self._params(options, prompt_ids)
-        events, cancel = await self.gw._start(request, user, prompt_ids, [params], adapter)
+        events, cancel = await self.gw._start(request, user, prompt_ids, [params], adapter, streamed=body.stream)
         arrived_s = request.state.arrived_s
         if not body.stream:
             result = (await self.gw._collect(request, events, cancel, 1))[0]

@@ -109,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="P",
         help="spot checks: after a step, with probability P, every hop's work is recomputed by other "
         "servers holding the same blocks, off the critical path; a server caught returning wrong "
-        "hidden states is banned (and reported to the orchestrator), and the request that met it "
-        "fails with verification_rollback (retry it) (default 0: only cheap checks of every reply; "
-        "petals_chain/client/verification.py)",
+        "hidden states is banned for every session (and reported to the orchestrator), and the requests "
+        "that used it roll back to their last trusted token and go on without it; a server new to the "
+        "gateway has its first step always checked (probation), and streams hold text back meanwhile "
+        "(default 0: only cheap checks of every reply; petals_chain/client/verification.py)",
     )
     p.add_argument(
         "--verify-prompt-share",

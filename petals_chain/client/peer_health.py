@@ -9,6 +9,11 @@ without a success in between doubles the ban (up to `max_ban_s`), and a success 
 forward that went through the server) forgets the failures. A ban that expired is remembered for
 `forget_after_s` more (so a server that fails again at once gets the doubled ban), then dropped: the
 list holds at most the servers that failed recently, whatever the number of sessions.
+
+A server a spot check convicted of returning wrong hidden states (client/verification.py) is another
+matter: `convict` bans it for the life of the list, and neither a success nor time lifts it (a server
+that computes wrongly answers quickly). Convictions are in `banned()` like failures, so every session
+of the client (a gateway's concurrent ones included) and every failover leaves the server out.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class PeerHealth:
         self.clock = clock
         self._lock = threading.Lock()
         self._bans: dict[str, Ban] = {}
+        self._convicted: set[str] = set()  # caught returning wrong hidden states: banned for good
 
     def ban_s(self, failures: int) -> float:
         """How long the `failures`-th failure in a row bans a server."""
@@ -87,18 +93,39 @@ class PeerHealth:
                 self._bans.pop(p, None)
 
     def banned(self) -> frozenset[str]:
-        """The servers banned now."""
+        """The servers banned now (failed lately, or convicted)."""
         with self._lock:
             now = self.clock()
             self._forget_old(now)
-            return frozenset(p for p, b in self._bans.items() if now < b.until_s)
+            return frozenset(p for p, b in self._bans.items() if now < b.until_s) | self._convicted
+
+    def convict(self, peer_id: str) -> bool:
+        """`peer_id` was caught returning wrong hidden states: banned for the life of this list (a
+        success does not lift it, time does not expire it). True if it was not convicted before."""
+        with self._lock:
+            new = peer_id not in self._convicted
+            self._convicted.add(peer_id)
+            return new
+
+    def convicted(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._convicted)
+
+    def forget_convictions(self) -> None:
+        """Lift every conviction, and the failure bans of the convicted servers' failovers (benchmarks
+        and tests whose next trial must meet a caught server anew)."""
+        with self._lock:
+            for p in self._convicted:
+                self._bans.pop(p, None)
+            self._convicted.clear()
 
     def standing(self, peer_id: str) -> Ban | None:
         with self._lock:
             return self._bans.get(peer_id)
 
     def __len__(self) -> int:
-        """Servers remembered (banned, or expired within `forget_after_s`)."""
+        """Servers remembered for failures (banned, or expired within `forget_after_s`); convictions
+        are not counted (`convicted()`)."""
         with self._lock:
             return len(self._bans)
 

@@ -132,7 +132,10 @@ class RemoteChain(ChainBackend):
         # several clients to share it)
         self.peer_health = peer_health if peer_health is not None else PeerHealth()
         # cheap checks of every reply, spot checks by redundancy (client/verification.py)
-        self.verification = Verification(verification, self, send_report=self._send_report)
+        # (a server a spot check convicts goes on `peer_health` for good: every session leaves it out)
+        self.verification = Verification(
+            verification, self, send_report=self._send_report, peer_health=self.peer_health
+        )
 
     def _send_report(self, report: VerificationReport, tensors: tuple[torch.Tensor, ...]) -> str:
         """A signed verification report to the orchestrator (rpc_report); its answer, in words."""
@@ -243,7 +246,7 @@ class RemoteChain(ChainBackend):
             prefix if reuse else None,
             adapter,
             session_id=session_id,
-            avoid=set(avoid) | self.verification.avoided(),
+            avoid=avoid,  # and what `peer_health` bans, convicted servers included
         )
         session.verifier = self.verification.session(session)
         return session

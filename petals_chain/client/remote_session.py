@@ -382,6 +382,8 @@ class RemoteChainSession(ChainSession):
         return len(self.streams)
 
     def step(self, hidden: torch.Tensor, start_position: int | None = None) -> torch.Tensor:
+        if self.verifier is not None:  # a probation audit's verdict first; a catch is raised here
+            self.verifier.before_step()
         t0_s, first_hop = time.perf_counter(), len(self.hop_timings)
         start = self.check_start(start_position)
         if start + hidden.shape[0] > self.max_length:

@@ -17,18 +17,29 @@ step path, `_call_async`, which every step and replay goes through):
    row error against a per-dtype bound calibrated from honest pairs). A stateless forward needs no
    KV on the checker, and one audit covers every row since the last, so a server corrupting rarely
    is found at the next audit after it did, not only if the corrupted step itself was sampled.
+   **Probation** (`probation`, on with spot checks): the first step a session sends through a server
+   this process has not audited yet is always audited (that hop alone; one probation audit per
+   server at a time, whatever the number of sessions on it), so a server that corrupts every step is
+   caught at its first step, by construction, at any p. A server leaves probation once one audit of
+   its work ran; after that only p finds it (a server honest at first, corrupting later).
 3. **A mismatch is settled before anyone is blamed**: by the client's own computation when it holds
    the blocks (`local_model`), else by a third path avoiding both servers. Two that agree against
    the third convict it: `wrong_output` (the session's server) or `wrong_check` (the checker lied).
    With no third opinion, or three different answers, nobody is convicted: the session only avoids
    its server from the first mismatching row on.
-4. **A catch**: the convicted server goes on this process's ban list (`Verification.convicted`,
-   every later session avoids it), the session raises `VerificationRollback(q)` at its next hop reply
-   (or in `settle`), q the first wrong row: `DistributedModelForCausalLM.generate` rolls back to q
+4. **A catch**: the convicted server goes on the client's ban list for good (`PeerHealth.convict`:
+   every later session and failover leaves it out), the session raises `VerificationRollback(q)` at
+   its next hop reply (or in `settle`), q the first wrong row; every other session of the process that
+   used the server rolls back too, to the first of its rows no audit verified (0 if it kept none):
+   `DistributedModelForCausalLM.generate` rolls back to q
    (the KV rollback speculative decoding uses), the step through the convicted server fails over
    (`BadReplyError`), and generation continues from the last trusted token, so the output is what
-   honest servers give. A signed report goes to the orchestrator (`VerificationReport`), which
-   counts it per reporting peer after checking its evidence itself (orchestrator/service/reports.py).
+   honest servers give (the gateway's decode loop does the same: api/engine.py). A signed report
+   goes to the orchestrator (`VerificationReport`), which counts it per reporting peer after checking
+   its evidence itself (orchestrator/service/reports.py).
+
+A checker may declare another dtype than the session's (a mixed-dtype swarm): it is sent the rows
+in its own dtype, and the two are compared within the looser dtype's bound (`Verification.tolerance`).
 
 What this does not guarantee: a server corrupting steps no audit covered before the session ended
 changes that session's output unnoticed (p trades cost for the detection latency 1/p steps; `settle`
@@ -53,6 +64,7 @@ import torch
 
 from petals_chain.algorithms.hidden_compare import digest, first_mismatch, row_errors, tolerance_for
 from petals_chain.client.hop_client import HopFailed
+from petals_chain.client.peer_health import PeerHealth
 from petals_chain.client.routing import min_latency_chain
 from petals_chain.errors import (
     BadReplyError,
@@ -92,6 +104,9 @@ class VerificationConfig:
     norm_margin: float = NORM_MARGIN
     local_model: str | Path | None = None  # the client's own copy of the blocks: the third opinion
     report: bool = True  # send signed reports to the orchestrator (when there is one)
+    # probation: the first step a session sends through a server this process has not audited yet is
+    # always audited (its hop alone), so a server that corrupts every step is caught at its first step
+    probation: bool = True
     settle_timeout_s: float = 120.0  # most `settle` waits for a session's running audits
 
     def __post_init__(self):
@@ -178,12 +193,15 @@ class Catch:
     agreeing: tuple[str, ...]
     session_id: str
     detected_at_step: int  # the session's steps when the audit that found it was scheduled
+    convicted_at_step: int = 0  # the session's steps when the verdict was in (the rollback comes at the next reply)
+    probation: bool = False  # found by a probation audit (the server's first audited step in this process)
     reported: str = ""  # the orchestrator's answer, or why none went
 
 
 @dataclass
 class VerificationStats:
     audits: int = 0  # hops audited
+    probation_audits: int = 0  # of them, audits of servers on probation (new to this process)
     rows_verified: int = 0
     unchecked: int = 0  # audits skipped: no second path, or it failed
     mismatches: int = 0
@@ -194,6 +212,7 @@ class VerificationStats:
     def to_json(self) -> dict:
         return {
             "audits": self.audits,
+            "probation_audits": self.probation_audits,
             "rows_verified": self.rows_verified,
             "unchecked": self.unchecked,
             "mismatches": self.mismatches,
@@ -206,6 +225,8 @@ class VerificationStats:
                     "position": c.position,
                     "verdict": str(c.verdict),
                     "step": c.detected_at_step,
+                    "convicted_at_step": c.convicted_at_step,
+                    "probation": c.probation,
                     "reported": c.reported,
                 }
                 for c in self.catches
@@ -235,21 +256,27 @@ class LocalReference:
 
 
 class Verification:
-    """One client process's verification (one per `RemoteChain`): the shared norm bounds, the ban
-    list of convicted servers, the audit thread, the stats, and the reports it sends."""
+    """One client process's verification (one per `RemoteChain`): the shared norm bounds, the audit
+    thread, the servers on probation, the stats, and the reports it sends. Convicted servers go on
+    the client's `PeerHealth` (its one ban list: every session and failover of the client avoids them)."""
 
     def __init__(
         self,
         config: VerificationConfig,
         chain: RemoteChain,
         send_report: Callable[[VerificationReport, tuple[torch.Tensor, ...]], str] | None = None,
+        peer_health: PeerHealth | None = None,
     ):
         self.config = config
         self.chain = chain
         self.bounds = ReplyBounds(config.norm_margin)
         self.rng = random.Random(config.seed)
         self._lock = threading.Lock()
-        self.convicted: set[str] = set()  # servers caught by this process: every later session avoids them
+        self.peer_health = peer_health if peer_health is not None else PeerHealth()
+        # probation: servers whose probation audit ran (vetted), and those whose probation audit is running
+        self._vetted: set[str] = set()
+        self._probing: dict[str, Future] = {}
+        self._dtypes: dict[str, torch.dtype] = {}  # servers' declared dtypes, from the records second_path read
         self.stats = VerificationStats()
         # one audit at a time: on a few cores more would only compete with the sessions' own steps
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verification")
@@ -262,12 +289,50 @@ class Verification:
         return SessionVerifier(self, session, prompt_audit=sampled)
 
     def avoided(self) -> frozenset[str]:
-        with self._lock:
-            return frozenset(self.convicted)
+        """The servers convicted in this process (the client's `PeerHealth` holds them)."""
+        return self.peer_health.convicted()
 
-    def convict(self, peer_id: str) -> None:
+    def convict(self, peer_id: str) -> bool:
+        """Ban `peer_id` for good; True if it was not convicted before."""
+        return self.peer_health.convict(peer_id)
+
+    def forget(self, *, probation: bool = True) -> None:
+        """Forget convictions and catches, and (`probation`) which servers passed probation: benchmarks
+        and tests whose next trial meets every server as a new client would."""
+        self.peer_health.forget_convictions()
         with self._lock:
-            self.convicted.add(peer_id)
+            if probation:
+                self._vetted.clear()
+            self.stats.catches.clear()
+
+    # -- probation ----------------------------------------------------------------------------------
+    def on_probation(self, peer_id: str) -> bool:
+        """Whether `peer_id`'s work was never audited in this process, nor is being audited."""
+        with self._lock:
+            return peer_id not in self._vetted and peer_id not in self._probing
+
+    def start_probation(self, peer_ids: set[str]) -> Future:
+        """`peer_ids`' probation audit is under way (the future is done when it ran)."""
+        done: Future = Future()
+        with self._lock:
+            for p in peer_ids:
+                self._probing[p] = done
+        return done
+
+    def end_probation(self, peer_ids: set[str], done: Future) -> None:
+        """Their probation audit ran. Whatever its outcome they leave probation (a catch bans the server;
+        a server no other one can check cannot be held on probation for ever: spot checks go on)."""
+        with self._lock:
+            for p in peer_ids:
+                if self._probing.get(p) is done:
+                    del self._probing[p]
+                    self._vetted.add(p)
+        done.set_result(None)
+
+    def probing(self, peer_ids) -> list[Future]:
+        """The probation audits running on any of `peer_ids` (any session's)."""
+        with self._lock:
+            return [f for p in peer_ids if (f := self._probing.get(p)) is not None and not f.done()]
 
     def draw(self) -> float:
         with self._lock:
@@ -288,6 +353,9 @@ class Verification:
 
         chain = self.chain
         servers = [s for s in fetch_servers(chain.dht, chain.model, allowed=chain.allowed_servers) if s.end <= end]
+        with self._lock:
+            for s in servers:
+                self._dtypes[s.peer_id] = getattr(torch, s.dtype, chain.dtype)
         try:
             # a random cost per server: the checker is drawn among those that can compute the span, so a
             # server cannot tell which of its peers will check it
@@ -296,10 +364,24 @@ class Verification:
         except NoChainError:
             return None
 
+    def dtype_of(self, peer_id: str) -> torch.dtype:
+        """The dtype `peer_id` declares (its blocks' and hidden states'); the chain's when unknown."""
+        with self._lock:
+            return self._dtypes.get(peer_id, self.chain.dtype)
+
+    def tolerance(self, peer_ids) -> float:
+        """The comparison bound between this chain's hidden states and those computed by `peer_ids`:
+        the loosest of their dtypes' (a float32 session checked by a bfloat16 server: bfloat16's)."""
+        if self.config.tolerance is not None:
+            return self.config.tolerance
+        return tolerance_for(self.chain.dtype, *(self.dtype_of(p) for p in peer_ids if p != LOCAL))
+
     def run_path(self, path: list[Hop], hidden: torch.Tensor) -> torch.Tensor:
+        """A stateless forward of `hidden` through `path`, each server sent its own dtype (a checker
+        may declare another than the session's: a mixed-dtype swarm)."""
         x = hidden.unsqueeze(0)
         for hop in path:
-            x = self.chain.hops.forward(hop, x.to(self.chain.dtype))
+            x = self.chain.hops.forward(hop, x.to(self.dtype_of(hop.peer_id)))
         return x[0]
 
     def close(self) -> None:
@@ -381,7 +463,20 @@ class SessionVerifier:
                     trusted_position=q,
                 )
             avoid = peer in self._avoid
-        if avoid or peer in self.v.avoided():
+        if not avoid and peer in self.v.avoided():
+            # convicted by another session's audit (or one of this session's for another hop) while this
+            # session used it: its rows since the hop's last verified one are untrusted here too
+            q = self._untrusted_from(stream)
+            with self._lock:
+                self._avoid.add(peer)
+            if q is not None and not replay:
+                raise VerificationRollback(
+                    f"server {stream.hop.describe()} was caught returning wrong hidden states; roll the "
+                    f"session back to position {q}, the first of its rows not verified",
+                    trusted_position=q,
+                )
+            avoid = True
+        if avoid:
             raise BadReplyError(
                 f"server {stream.hop.describe()} was caught returning wrong hidden states; failing over around it"
             )
@@ -409,10 +504,24 @@ class SessionVerifier:
         if streams and stream is streams[-1]:
             self._after_step()
 
+    def _untrusted_from(self, stream: HopStream) -> int | None:
+        """The first row `stream`'s hop answered that no audit verified (0 when this session keeps no
+        record of it: nothing of it is trusted), None when every row it answered was verified."""
+        with self._lock:
+            entry = self._records.get(id(stream))
+            if entry is None or entry[0] is not stream:
+                return 0 if self.session.position > 0 or self.steps > 0 else None
+            record = entry[1]
+            return record.verified_rows if record.rows > record.verified_rows else None
+
     def _after_step(self) -> None:
         self.steps += 1
         first = self.steps == 1
-        if not ((first and self.prompt_audit) or self.v.draw() < self.check_probability):
+        sampled = (first and self.prompt_audit) or self.v.draw() < self.check_probability
+        probation: set[str] = set()
+        if self.v.config.probation:
+            probation = {s.hop.peer_id for s in self.session.streams if self.v.on_probation(s.hop.peer_id)}
+        if not sampled and not probation:
             return
         with self._lock:
             live = {id(s) for s in self.session.streams}
@@ -424,44 +533,63 @@ class SessionVerifier:
             ]
         if any(s.rows > s.verified for s in snapshot):
             step = self.steps
-            future = self.v.submit(lambda: self._audit_all(snapshot, step))
+            # a sampled step audits every hop; a probation audit alone only the hops of servers on probation
+            only = None if sampled else probation
+            probed = self.v.start_probation(probation) if probation else None
+            future = self.v.submit(lambda: self._audit_all(snapshot, step, only, probation, probed))
             with self._lock:
                 self._running = [f for f in self._running if not f.done()] + [future]
 
     # -- on the verification thread -----------------------------------------------------------
-    def _audit_all(self, snapshot: list[_Snapshot], step: int) -> None:
-        """Audit every hop: alone where other servers compute exactly its blocks, else together with the
-        hops after it, compared at the end of the group (a server holding more blocks than one hop)."""
+    def _audit_all(
+        self,
+        snapshot: list[_Snapshot],
+        step: int,
+        only: set[str] | None = None,
+        probation: set[str] = frozenset(),
+        probed: Future | None = None,
+    ) -> None:
+        """Audit every hop (`only`: the hops of these servers): alone where other servers compute exactly
+        its blocks, else together with the hops after it, compared at the end of the group (a server
+        holding more blocks than one hop). `probation`: the servers on probation among them, whose
+        probation `probed` ends when this audit ran."""
         i = 0
-        while i < len(snapshot):
-            done = i + 1
-            try:
-                for j in range(i, len(snapshot)):
-                    group = snapshot[i : j + 1]
-                    if all(s.rows <= s.verified for s in group) or self._distrusted(group):
-                        break  # nothing new, or a server the session already fails over around
-                    if self._audit(group, step):
-                        done = j + 1
-                        break
-                else:
-                    self.v.count(unchecked=1)  # no other servers compute these blocks
-            except Exception:
-                logger.exception("auditing server %s failed", snapshot[i].hop.describe())
-            i = done
+        try:
+            while i < len(snapshot):
+                done = i + 1
+                if only is not None and snapshot[i].hop.peer_id not in only:
+                    i = done
+                    continue
+                try:
+                    for j in range(i, len(snapshot)):
+                        group = snapshot[i : j + 1]
+                        if all(s.rows <= s.verified for s in group) or self._distrusted(group):
+                            break  # nothing new, or a server the session already fails over around
+                        if self._audit(group, step, probation=bool(probation & {s.hop.peer_id for s in group})):
+                            done = j + 1
+                            break
+                    else:
+                        self.v.count(unchecked=1)  # no other servers compute these blocks
+                except Exception:
+                    logger.exception("auditing server %s failed", snapshot[i].hop.describe())
+                i = done
+        finally:
+            if probed is not None:
+                self.v.end_probation(probation, probed)
 
-    def _audit(self, group: list[_Snapshot], step: int) -> bool:
+    def _audit(self, group: list[_Snapshot], step: int, probation: bool = False) -> bool:
         """Audit one hop or a group of consecutive hops; False when no second opinion covers its span."""
         v = self.v
         start, end = group[0].hop.start, group[-1].hop.end
         peers = frozenset(s.hop.peer_id for s in group)
         rows, verified = min(s.rows for s in group), min(s.verified for s in group)
         x, y = torch.cat(group[0].inputs)[:rows], torch.cat(group[-1].outputs)[:rows]
-        tolerance = v.config.tolerance if v.config.tolerance is not None else tolerance_for(self.session.ctx.dtype)
+        tolerance = v.tolerance(())  # the session's own dtype (its servers and the client's blocks share it)
         check, checker_ids = self._opinion(start, end, x, peers)
         if check is None:
             return False
-        v.count(audits=1)
-        bad = first_mismatch(y[verified:], check[verified:], tolerance)
+        v.count(audits=1, probation_audits=int(probation))
+        bad = first_mismatch(y[verified:], check[verified:], v.tolerance(checker_ids))
         if bad is None:
             for s in group:
                 self._mark_verified(s.record, rows, s.epoch)
@@ -481,7 +609,17 @@ class SessionVerifier:
                 if hop_bad is not None:
                     q = verified + hop_bad
                     self._convict(
-                        s.hop.peer_id, Verdict.WRONG_OUTPUT, s.hop.start, s.hop.end, q, hx, hy, local, (LOCAL,), step
+                        s.hop.peer_id,
+                        Verdict.WRONG_OUTPUT,
+                        s.hop.start,
+                        s.hop.end,
+                        q,
+                        hx,
+                        hy,
+                        local,
+                        (LOCAL,),
+                        step,
+                        probation=probation,
                     )
                     return True
             # every hop computed what the client's own blocks do: the check was wrong
@@ -491,20 +629,22 @@ class SessionVerifier:
                 self._convict(checker_ids[0], Verdict.WRONG_CHECK, start, end, q, x, check, y, (LOCAL,), step)
             return True
 
-        def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
-            return first_mismatch(a[rq], b[rq], tolerance) is None
+        def agree(a: tuple[tuple[str, ...], torch.Tensor], b: tuple[tuple[str, ...], torch.Tensor]) -> bool:
+            # within the loosest bound of the dtypes that computed them (a mixed-dtype swarm)
+            return first_mismatch(a[1][rq], b[1][rq], v.tolerance((*a[0], *b[0]))) is None
 
         # more opinions until two agree at the first disagreeing row (the session's servers count as one)
+        session_opinion = (tuple(sorted(peers)), y)
         opinions: list[tuple[tuple[str, ...], torch.Tensor]] = [(checker_ids, check)]
         used = set(peers) | set(checker_ids)
-        reference: torch.Tensor | None = None
+        reference: tuple[tuple[str, ...], torch.Tensor] | None = None
         while True:
-            if any(agree(o, y) for _, o in opinions):
-                reference = y
+            if any(agree(o, session_opinion) for o in opinions):
+                reference = session_opinion
                 break
-            pair = next(((a, b) for i, a in enumerate(opinions) for b in opinions[i + 1 :] if agree(a[1], b[1])), None)
+            pair = next(((a, b) for i, a in enumerate(opinions) for b in opinions[i + 1 :] if agree(a, b)), None)
             if pair is not None:
-                reference = pair[0][1]
+                reference = pair[0]
                 break
             if len(opinions) >= MAX_OPINIONS:
                 break
@@ -530,8 +670,9 @@ class SessionVerifier:
             )
             self._roll_back_around(peers, q)
             return True
-        agreeing = tuple(p for ids, o in opinions if agree(o, reference) for p in ids)
-        for ids, o in opinions:  # every opinion against the reference is wrong (convicted when one server gave it)
+        agreeing = tuple(p for o in opinions if agree(o, reference) for p in o[0])
+        for o in opinions:  # every opinion against the reference is wrong (convicted when one server gave it)
+            ids = o[0]
             if not agree(o, reference) and len(ids) == 1 and ids != (LOCAL,):
                 self._convict(
                     ids[0],
@@ -540,17 +681,29 @@ class SessionVerifier:
                     end,
                     q,
                     x,
-                    o,
-                    reference,
-                    (*(sorted(peers) if reference is y else ()), *agreeing),
+                    o[1],
+                    reference[1],
+                    (*(sorted(peers) if reference is session_opinion else ()), *agreeing),
                     step,
                 )
-        if reference is y:
+        if reference is session_opinion:
             for s in group:  # the session's servers were right: their rows are trusted
                 self._mark_verified(s.record, rows, s.epoch)
             return True
         if len(group) == 1:
-            self._convict(group[0].hop.peer_id, Verdict.WRONG_OUTPUT, start, end, q, x, y, reference, agreeing, step)
+            self._convict(
+                group[0].hop.peer_id,
+                Verdict.WRONG_OUTPUT,
+                start,
+                end,
+                q,
+                x,
+                y,
+                reference[1],
+                agreeing,
+                step,
+                probation=probation,
+            )
         else:
             v.count(inconclusive=1)
             logger.warning(
@@ -576,14 +729,16 @@ class SessionVerifier:
         reference: torch.Tensor,
         agreeing: tuple[str, ...],
         step: int,
+        *,
+        probation: bool = False,
     ) -> None:
-        """Ban `accused` in this process, roll the session back around it (its own server), report it."""
+        """Ban `accused` in this process (the client's `PeerHealth`), roll the session back around it
+        (its own server), report it."""
         v = self.v
         if verdict == Verdict.WRONG_OUTPUT:
             self._roll_back_around({accused}, q)
-        if accused in v.avoided():
+        if not v.convict(accused):
             return  # caught before (in another audit): banned and reported once
-        v.convict(accused)
         err = float(row_errors(wrong[q : q + 1], reference[q : q + 1])[0])
         logger.warning(
             "spot check: server %s returned wrong hidden states for blocks [%d, %d) at position %d "
@@ -596,9 +751,23 @@ class SessionVerifier:
             err,
             ", ".join(agreeing),
         )
-        catch = Catch(accused, start, end, q, verdict, tuple(agreeing), self.session.session_id, step)
+        catch = Catch(
+            accused,
+            start,
+            end,
+            q,
+            verdict,
+            tuple(agreeing),
+            self.session.session_id,
+            step,
+            convicted_at_step=self.steps,
+            probation=probation,
+        )
         if v.config.report and v.send_report is not None:
-            catch.reported = self._report(catch, x[: q + 1], wrong[q : q + 1], reference[q : q + 1])
+            # the evidence in the session's dtype (a checker of another dtype computed one of the rows)
+            catch.reported = self._report(
+                catch, x[: q + 1], wrong[q : q + 1].to(x.dtype), reference[q : q + 1].to(x.dtype)
+            )
         with v._lock:
             v.stats.catches.append(catch)
 
@@ -664,22 +833,61 @@ class SessionVerifier:
             return f"not sent: {e}"
 
     # -- the session's caller -------------------------------------------------------------------
-    def settle(self) -> None:
-        """Wait for this session's running audits (at most `settle_timeout_s`); raises
-        `VerificationRollback` when one caught a server (the caller rolls back and continues)."""
+    def _wait(self, future: Future) -> None:
+        try:
+            future.result(timeout=self.v.config.settle_timeout_s)
+        except Exception:
+            logger.warning("a spot check did not finish in time; its result is not waited for")
+
+    def holding(self) -> bool:
+        """Whether what the session computed may yet be found wrong soon: a probation audit of one of its
+        servers is running (any session's), one of them is convicted, or a catch waits to be raised. A
+        gateway streaming text holds it back meanwhile, so a server that corrupts every step is caught
+        before any of its text is shown."""
+        peers = {s.hop.peer_id for s in self.session.streams}
         with self._lock:
-            running = list(self._running)
-        for future in running:
-            try:
-                future.result(timeout=self.v.config.settle_timeout_s)
-            except Exception:
-                logger.warning("a spot check did not finish in time; its result is not waited for")
+            if self._catch is not None:
+                return True
+        return bool(peers & self.v.avoided()) or bool(self.v.probing(peers))
+
+    def before_step(self) -> None:
+        """On the session's thread, before each step: a probation audit of one of its servers (any
+        session's) is waited for, so its verdict is in before the session's second step through a new
+        server; then a catch is raised (`VerificationRollback`), also one another session's audit made
+        of a server this session used (rolled back to the first of its rows no audit verified)."""
+        for future in self.v.probing({s.hop.peer_id for s in self.session.streams} - self.v.avoided()):
+            self._wait(future)
         with self._lock:
             if self._catch is not None:
                 q, self._catch = self._catch, None
                 raise VerificationRollback(
                     f"a spot check caught a server returning wrong hidden states from position {q}", trusted_position=q
                 )
+        convicted = self.v.avoided()
+        for stream in self.session.streams:  # convicted by another session's audit while this one used it
+            peer = stream.hop.peer_id
+            with self._lock:
+                known = peer in self._avoid
+            if peer not in convicted or known:
+                continue
+            q = self._untrusted_from(stream)
+            with self._lock:
+                self._avoid.add(peer)
+            if q is not None:
+                raise VerificationRollback(
+                    f"server {stream.hop.describe()} was caught returning wrong hidden states from position {q}",
+                    trusted_position=q,
+                )
+
+    def settle(self) -> None:
+        """Wait for this session's running audits and the probation audits of its servers (at most
+        `settle_timeout_s` each); raises `VerificationRollback` when one caught a server whose rows the
+        session used (the caller rolls back and continues)."""
+        with self._lock:
+            running = list(self._running)
+        for future in running:
+            self._wait(future)
+        self.before_step()
 
 
 def sign_report(report: VerificationReport, identity) -> VerificationReport:
