@@ -38,6 +38,7 @@ class ErrorCode(enum.StrEnum):
     BAD_REPLY = "bad_reply"
     VERIFICATION_ROLLBACK = "verification_rollback"
     BAD_REPORT = "bad_report"
+    SERVER_MOVING = "server_moving"
 
 
 class PetalsChainError(Exception):
@@ -180,6 +181,14 @@ class P2PStartError(PetalsChainError):
     code = ErrorCode.P2P_START_ERROR
 
 
+class ServerMovingError(ServerUnavailableError):
+    """The server closed this session to load other blocks: the orchestrator's re-plan moved it once its
+    drain deadline passed (`--drain-timeout` with `--force-replan`). The server is healthy: the client
+    fails the session over to another chain (replaying it, as when a server leaves) without banning it."""
+
+    code = ErrorCode.SERVER_MOVING
+
+
 class BadReplyError(ServerUnavailableError):
     """A server's reply was impossible (NaN/Inf, a wrong shape or dtype, norms far outside what its
     blocks produce) or it was caught returning wrong hidden states (petals_chain/client/verification.py):
@@ -220,6 +229,7 @@ ERROR_TYPES: dict[ErrorCode, type[PetalsChainError]] = {
         MaxLengthExceededError,
         RequestTooLargeError,
         ServerUnavailableError,
+        ServerMovingError,
         NoChainError,
         AcquireTimeoutError,
         OrchestratorUnavailableError,

@@ -132,6 +132,16 @@ class AdmissionQueue:
         self.admitted_after_wait += 1
         return self.clock() - start_s
 
+    def fail_waiting(self, error: Exception) -> int:
+        """Refuse every waiting session with `error` (the server moves to other blocks); returns how many.
+        Each waiter's `reserve` raises it and cleans up after itself."""
+        failed = 0
+        for w in list(self._waiting.values()):
+            if not w.future.done():
+                w.future.set_exception(error)
+                failed += 1
+        return failed
+
     def on_release(self) -> None:
         """Memory freed: the policy hands it out among the waiting sessions that now fit."""
         while self._waiting:

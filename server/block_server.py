@@ -8,7 +8,8 @@ With `start=end=None` (`--blocks auto`) the range comes from the orchestrator: m
 one block loaded temporarily -> join the DHT and register handlers -> announce `joining` with no
 blocks (budget, s_m, s_c, t_I, t_O) -> ask the orchestrator (rpc_assignment) until it assigns a
 range -> load exactly that range -> announce `online`. A later plan may move the server; it moves
-only while it holds no session and none waits to open.
+only while it holds no session and none waits to open, unless the assignment forces the move (a
+re-plan's drain deadline passed): then it closes its sessions with `ServerMovingError` first.
 
 The start-up is a stack of resources (`BlockServer.STARTUP`): a failure at any stage tears down what
 the earlier stages started, in reverse order. The lifecycle (state, serving stack, profile) is owned by
@@ -29,7 +30,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from petals_chain.errors import PetalsChainError
+from petals_chain.errors import PetalsChainError, ServerMovingError
 from petals_chain.models.checkpoint import load_config, resolve_model_path
 from petals_chain.models.family import get_family
 from petals_chain.process.heap import freeze_startup_heap
@@ -108,6 +109,9 @@ class BlockServer:
     # how long the unwinding waits for the server's threads to end, all together (each waits on `_stop`,
     # so this is for one caught mid-step, e.g. a peer's RTT probe; a Ctrl-C must end within seconds)
     THREAD_JOIN_S = 3.0
+    # a forced move: how long it waits for the sessions it closed to end before it reloads (each ends
+    # after its running step: a prompt's prefill at most, seconds on a loaded CPU)
+    MOVE_CLOSE_WAIT_S = 30.0
 
     def __init__(self, config: ServerConfig):
         self.config = config
@@ -462,7 +466,8 @@ class BlockServer:
             return None
 
     def _follow_assignments(self) -> None:
-        """A later plan may move this server: reload when the range changes and no session is open."""
+        """A later plan may move this server: reload when the range changes and no session is open (or
+        at once, closing its sessions, when the assignment says `force`)."""
         while not self._stop.wait(max(2.0, self.config.assignment_poll_s)):
             a = self._ask_assignment()
             if (
@@ -471,7 +476,7 @@ class BlockServer:
                 or (a.start, a.end) == (self.block_range.start, self.block_range.end)
             ):
                 continue
-            self._move_to(a.start, a.end, f"plan v{a.plan_version}")
+            self._move_to(a.start, a.end, f"plan v{a.plan_version}", force=a.force)
 
     def _measure_relay_rtts(self) -> None:
         """A relayed server: DHT pings to each relay it is due for (`relay_rtts`, announced as
@@ -539,17 +544,22 @@ class BlockServer:
             if target is not None:
                 self._move_to(target, target + n, "rebalance: the swarm's weakest blocks moved")
 
-    def _move_to(self, start: int, end: int, why: str) -> bool:
+    def _move_to(self, start: int, end: int, why: str, force: bool = False) -> bool:
         """Reload blocks [start, end) if no session is open, none waits in admission and no open is in
         flight (a session is never dropped for a move); returns whether it moved. The check and the
-        refusal of new opens are one step (`ServerLifecycle.begin_move`). A shutdown during the move is
-        final: the move then neither puts its stack in place nor announces `online`."""
-        if not self.lifecycle.begin_move():
+        refusal of new opens are one step (`ServerLifecycle.begin_move`). `force` (the orchestrator's
+        drain deadline passed): move anyway; the open sessions are closed with `ServerMovingError` (their
+        clients fail over, as when a server leaves) and the waiting opens refused with it, and the reload
+        starts once they are gone (`_close_for_move`). A shutdown during the move is final: the move then
+        neither puts its stack in place nor announces `online`."""
+        if not self.lifecycle.begin_move(force=force):
             return False
         logger.info("%s: moving to blocks [%d, %d)", why, start, end)
         self._announce()  # joining
         moved = False
         try:
+            if force:
+                self._close_for_move(start, end, why)
             self._load(start, end)
             moved = not self.lifecycle.stopped
         except Exception:
@@ -560,6 +570,24 @@ class BlockServer:
         if moved:
             print(f"serving {self.model_name} blocks [{start}, {end}) as {self.peer_id} ({why})", flush=True)
         return moved
+
+    def _close_for_move(self, start: int, end: int, why: str) -> None:
+        """A forced move's first step (new opens are refused already): close what is open with
+        `ServerMovingError`, then wait until the stack holds nothing (each stream ends after its running
+        step is answered, each waiting open gives up), at most MOVE_CLOSE_WAIT_S; past that the reload
+        starts anyway (the old stack is stopped when the new one is in place: a step stuck in it fails
+        there, and its client fails over too)."""
+        error = ServerMovingError(
+            f"this server closed the session to move to blocks [{start}, {end}) ({why}: the orchestrator's "
+            "drain deadline passed); fail the session over to another chain"
+        )
+        closed = self.loop.run(self._servicer.evict(error), timeout_s=10.0)
+        deadline = time.monotonic() + self.MOVE_CLOSE_WAIT_S
+        while not self.lifecycle.quiet() and time.monotonic() < deadline and not self._stop.is_set():
+            self._stop.wait(0.02)  # the streams end on the loop thread; polled with a deadline
+        if not self.lifecycle.quiet():
+            logger.warning("forced move: sessions still open after %.0f s; reloading anyway", self.MOVE_CLOSE_WAIT_S)
+        print(f"forced move ({why}): closed {closed} session(s) and waiting open(s); they fail over", flush=True)
 
     # -- records ------------------------------------------------------------------------------
     def info(self, view: LifecycleView | None = None) -> ServerInfo:

@@ -144,6 +144,8 @@ class BlockServicer:
         self.dialer = dialer  # streams to the next hop: direct where it offers them, else p2p
         self.direct_listener = direct
         self.relay_index = RelayIndex()  # which session takes pushes from which peer
+        # the streams' sessions by reservation key (on the loop only): what `evict` closes
+        self._open_sessions: dict[str, OpenSession] = {}
 
     def _stack(self, what: str) -> ServingStack:
         stack = self.lifecycle.current
@@ -194,6 +196,10 @@ class BlockServicer:
                     return
                 if kind == relay.END:
                     return
+                if kind == relay.EVICTED:  # the server moves (`evict`): the client fails this session over
+                    logger.info("closing a session of %s: %s", client_id, message)
+                    yield wire.error_response(message)
+                    return
                 if kind == relay.FAILED:
                     raise message
                 try:
@@ -209,6 +215,7 @@ class BlockServicer:
                         if session is not None:
                             raise InvalidRequestError("this stream already has an open session")
                         session = await self._open(msg, client_id, inbox)
+                        self._open_sessions[session.reservation.key] = session
                         pin = session.prefix_pin  # how much of the prompt this hop holds
                         yield wire.response(
                             Opened(
@@ -244,7 +251,19 @@ class BlockServicer:
         finally:
             inbox.close()
             if session is not None:
+                self._open_sessions.pop(session.reservation.key, None)
                 self._close(session)
+
+    async def evict(self, error: Exception) -> int:
+        """Close every open session's stream with `error` (a forced move: `ServerMovingError`), each after
+        its running step, if any, is answered; and refuse the opens waiting for memory in admission with
+        it. Run on the loop; returns how many streams and waiters it closed. The caller has refused new
+        opens already (`ServerLifecycle.begin_move`)."""
+        for session in list(self._open_sessions.values()):
+            session.inbox.evict(error)
+        stack = self.lifecycle.current
+        waiting = stack.admission.fail_waiting(error) if stack is not None else 0
+        return len(self._open_sessions) + waiting
 
     async def _run_and_reply(
         self, session: OpenSession, msg: Step | Push, hidden: torch.Tensor

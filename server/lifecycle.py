@@ -16,7 +16,8 @@ announcer one value per module container; writers make one transition each, so
 - a move starts only while the stack holds no session, none waits in admission and no open is in
   flight (`begin_move`), and new opens are refused from then on: the check and the refusal are one
   step under the lock, and an open counts itself (`opening`) under the same lock before it reads
-  the stack, so none slips in between.
+  the stack, so none slips in between. A forced move (the orchestrator's drain deadline) refuses new
+  opens first and reloads only once what was open is closed (`quiet`).
 """
 
 from __future__ import annotations
@@ -124,17 +125,27 @@ class ServerLifecycle:
             self._state = ServerState.ONLINE
             return True
 
-    def begin_move(self) -> bool:
+    def begin_move(self, force: bool = False) -> bool:
         """Start a move (state joining, opens refused) if the stack holds no session, none waits in
-        admission and no open is in flight; False (nothing changed) otherwise."""
+        admission and no open is in flight; False (nothing changed) otherwise. `force` (a re-plan's
+        drain deadline passed): start it anyway; the caller then closes what is open (`BlockServer`'s
+        forced move) and waits for `quiet` before it reloads."""
         with self._lock:
             if self._state != ServerState.ONLINE or self._moving:
                 return False
-            stack = self._stack
-            if self._opening or (stack is not None and (len(stack.sessions) or len(stack.admission))):
+            if not force and not self._quiet():
                 return False
             self._moving, self._state = True, ServerState.JOINING
             return True
+
+    def quiet(self) -> bool:
+        """No session in the stack, none waiting in admission, no open in flight."""
+        with self._lock:
+            return self._quiet()
+
+    def _quiet(self) -> bool:
+        stack = self._stack
+        return not self._opening and not (stack is not None and (len(stack.sessions) or len(stack.admission)))
 
     def end_move(self) -> bool:
         """The move is over (loaded or failed): online again, unless shut down meanwhile. Returns

@@ -37,7 +37,7 @@ from petals_chain.wire.messages import Push
 logger = logging.getLogger(__name__)
 
 # items of a RelayInbox: (kind, payload)
-CLIENT, PUSHED, END, FAILED = "client", "pushed", "end", "failed"
+CLIENT, PUSHED, END, FAILED, EVICTED = "client", "pushed", "end", "failed", "evicted"
 
 
 class RelayInbox:
@@ -55,6 +55,8 @@ class RelayInbox:
         self._reader: asyncio.Task | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_fired = False
+        self._evicted: Exception | None = None  # the server closes this stream (a forced move): why
+        self._evict_fired = False  # `evict` cancelled the reader's wait
 
     def claim(self, step_id: int | None) -> bool:
         """True when `step_id` is new here (and now taken); steps without an id always run."""
@@ -68,12 +70,15 @@ class RelayInbox:
     async def next(self) -> tuple[str, object]:
         """The next (kind, payload): CLIENT with a message group (or the typed error of a bad one),
         PUSHED with (push, tensor), END when the client ended the stream, FAILED with the transport's
-        error. Read inline from the client's stream until `take_pushes`. Raises TimeoutError when
-        nothing came for `idle_timeout_s`."""
+        error, EVICTED with the error to send once `evict` was called (at once, or ending the wait it
+        interrupted). Read inline from the client's stream until `take_pushes`. Raises TimeoutError
+        when nothing came for `idle_timeout_s`."""
+        if self._evicted is not None:
+            return EVICTED, self._evicted
         loop = asyncio.get_running_loop()
         self._waiting_since = loop.time()
+        self._reader = asyncio.current_task()
         if self.idle_timeout_s is not None and self._idle_timer is None:
-            self._reader = asyncio.current_task()
             self._idle_timer = loop.call_later(self.idle_timeout_s, self._watch_idle)
         try:
             if self._pump is not None or self._client is None:
@@ -85,13 +90,28 @@ class RelayInbox:
             except Exception as e:  # the transport broke (a cancel is no Exception): the handler ends the stream
                 return FAILED, e
         except asyncio.CancelledError:
-            if not self._idle_fired:
+            ours = int(self._idle_fired) + int(self._evict_fired)
+            if not ours:
                 raise  # cancelled from outside
-            self._idle_fired = False
-            self._reader.uncancel()  # our own cancel, turned into the timeout it stands for
+            self._idle_fired = self._evict_fired = False
+            for _ in range(ours):
+                self._reader.uncancel()  # our own cancels, turned into what they stand for
+            if self._evicted is not None:
+                return EVICTED, self._evicted
             raise TimeoutError(f"nothing arrived for {self.idle_timeout_s} s") from None
         finally:
             self._waiting_since = None
+
+    def evict(self, error: Exception) -> None:
+        """The server closes this stream (on the loop): the reader's wait, if it waits now, ends with
+        (EVICTED, `error`), and so does every later `next` (a step running now finishes and is answered
+        first). Idempotent."""
+        if self._evicted is not None:
+            return
+        self._evicted = error
+        if self._waiting_since is not None and self._reader is not None and not self._reader.done():
+            self._evict_fired = True
+            self._reader.cancel()
 
     def _watch_idle(self) -> None:
         """The idle timer: fires at the earliest moment the reader could have waited `idle_timeout_s`;

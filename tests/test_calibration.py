@@ -423,6 +423,49 @@ def test_at_the_drain_deadline_busy_movers_are_kept_by_the_planner_not_overlaid(
     assert any(c["in_use"] == 1 and "pa" in c["servers"] for c in ch)  # s1 counted on the new chain
 
 
+def test_at_the_drain_deadline_with_force_replan_busy_movers_are_told_to_move_at_once():
+    """--force-replan: at the drain deadline the decided plan is installed although a mover still holds a
+    session; its assignment says `force` (the server closes the session with ServerMovingError and its client
+    fails over: tests/test_server_lifecycle.py), its lease is dropped (as when a server leaves), and the force
+    lasts until the server reports its new range, across a newer plan that keeps that range."""
+    from orchestrator.replan import evaluate
+    from orchestrator.service.core import _Outcome
+
+    now = [0.0]
+    orch = _auto_orchestrator(now)
+    orch.config.force_replan = True
+    old = orch.current.assignment("pa")
+    g, _ = orch.sessions.acquire("s1", "c1", 64, 0.0, timeout_s=600)
+    assert g is not None and "pa" in [h.peer_id for h in g.hops]
+    _slower_live_service(orch)
+    orch.refit()
+    orch.model_moved, orch.model_moved_s = True, 100.0
+    orch._plan(100.0)
+    assert orch.drain is not None and "pa" in orch.drain.movers
+    movers, deadline = orch.drain.movers, orch.drain.deadline_s
+    orch._maybe_plan(deadline - 1)
+    a = orch.assignment_for("pa")
+    assert orch.drain is not None and (a.start, a.end) == old and not a.force  # draining: no force yet
+    orch.sessions.heartbeat("s1", deadline)
+    orch._maybe_plan(deadline)
+    assert orch.drain is None and orch.current.version == 2
+    a = orch.assignment_for("pa")
+    assert (a.start, a.end) != old and a.force  # told to move now, with s1 still open
+    assert orch.current.forced == movers  # the movers only
+    assert not any(orch.assignment_for(p).force for p in orch.current.peers if p not in movers)
+    assert "s1" not in orch.sessions.leases  # its client fails over, as when a server leaves
+    assert any("told to move at once" in e for e in orch.events)
+    # a newer plan (the same placement) before pa reported its new range: still forced; after: not
+    cur = orch.current
+    same = _Outcome(cluster=cur.cluster, peers=cur.peers, decision=None)
+    ev = evaluate(cur.cluster, cur.placement, cur.plan.c, cur.chains)
+    orch._new_version(same, ev, deadline + 1, "a test's newer plan")
+    assert orch.current.version == 3 and orch.assignment_for("pa").force
+    _online(orch)
+    orch._new_version(same, ev, deadline + 2, "a test's plan after the move")
+    assert not orch.assignment_for("pa").force and not orch.current.forced
+
+
 def test_an_unfitted_server_takes_a_fitted_twins_fit_scaled_by_their_profiles():
     from orchestrator.service.calibration import FittedProfile, scaled_profile_fit
     from petals_chain.algorithms.service_fit import ServiceFit

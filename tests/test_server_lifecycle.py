@@ -17,19 +17,28 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
+from transformers.generation.streamers import BaseStreamer
 
-from petals_chain.errors import InvalidRequestError, MaxLengthExceededError, ServerUnavailableError
+from petals_chain.errors import (
+    InvalidRequestError,
+    MaxLengthExceededError,
+    ServerMovingError,
+    ServerUnavailableError,
+    error_from_code,
+)
 from petals_chain.process.signals import start_dht
 from petals_chain.runtime.block_range import BlockRange
 from petals_chain.swarm.identity import swarm_validators
 from petals_chain.swarm.records import fetch_servers
-from petals_chain.wire.messages import Open
+from petals_chain.wire import parts as wire_parts
+from petals_chain.wire.messages import Open, Step
 from petals_chain.wire.records import ServerState
-from server import block_server
+from server import block_server, relay
 from server.block_server import BlockServer
 from server.config import ServerConfig
 from server.handler import BlockServicer, OpenSession, ServicerLimits
 from server.lifecycle import ServerLifecycle
+from server.relay import RelayInbox
 from server.service_meter import ServiceMeter
 from server.serving_stack import build_stack
 
@@ -205,6 +214,84 @@ def test_a_bad_step_is_refused_before_it_changes_the_session(one_session_stack):
     asyncio.run(scenario())
 
 
+async def _settled(coro, what: str, timeout_s: float = 10.0):
+    """`coro`'s result, failing if it is not done within `timeout_s` (unlike `wait_for`, the wait does not
+    cancel it: a cancel would reach the code under test as if it were its own)."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if task not in done:
+        task.cancel()
+        pytest.fail(what)
+    return task.result()
+
+
+def test_a_forced_move_closes_open_sessions_and_waiting_opens_with_server_moving(one_session_stack):
+    """The drain deadline's forced move (server side): new opens are refused at once, the open session's
+    stream gets a typed `ServerMovingError` reply after its running step is answered and ends (its KV
+    freed), the open waiting for memory in admission is refused with it, and then the server is quiet
+    (what `_move_to` waits for before it reloads). An unforced move still waits."""
+    s = one_session_stack
+    stack, life, servicer, br = s.stack, s.life, s.servicer, s.stack.block_range
+
+    async def scenario():
+        requests: asyncio.Queue = asyncio.Queue()
+        responses = servicer.inference(wire_parts.until_none(requests), SimpleNamespace(remote_id="client-a"))
+        (open_a,) = wire_parts.to_messages(Open("a", MAX_LENGTH).to_wire(), ())
+        await requests.put(open_a)
+        opened = await wire_parts.receive_one(responses)
+        assert opened.meta["type"] == "opened" and len(stack.sessions) == 1
+        (step,) = wire_parts.to_messages(Step("a", step_id=1).to_wire(), (torch.randn(3, br.hidden_size),))
+        await requests.put(step)
+        reply = await wire_parts.receive_one(responses)
+        assert reply.meta["type"] == "step" and reply.tensors[0].shape == (3, br.hidden_size)
+        # a second session waits for memory (the budget holds one and a half)
+        waiting = asyncio.create_task(servicer._open(Open("b", MAX_LENGTH, admission_wait_s=60.0), "client-b", None))
+        await _until(lambda: len(stack.admission) == 1, "the second open did not wait for memory")
+        assert not life.begin_move()  # unforced: a move waits for both
+        assert life.begin_move(force=True) and not life.accepting and not life.quiet()
+        with pytest.raises(ServerUnavailableError):  # new opens are refused from the forced move's start
+            with life.opening():
+                pass
+        assert await servicer.evict(ServerMovingError("moving to blocks [2, 4)")) == 2
+        closed = await _settled(wire_parts.receive_one(responses), "the open stream got no reply")
+        assert closed.meta["type"] == "error"
+        err = error_from_code(closed.meta["code"], closed.meta["message"])
+        assert isinstance(err, ServerMovingError) and "[2, 4)" in str(err)
+        with pytest.raises(StopAsyncIteration):  # the server ended the stream
+            await anext(responses)
+        with pytest.raises(ServerMovingError):
+            await waiting
+        await _until(life.quiet, "the forced move's sessions did not close")
+        assert len(stack.sessions) == 0 and len(stack.admission) == 0 and stack.budget.reserved_bytes == 0
+        assert life.end_move() and life.accepting
+
+    asyncio.run(scenario())
+
+
+def test_an_inbox_evicted_mid_wait_or_before_it_ends_with_the_error():
+    async def run():
+        never: asyncio.Queue = asyncio.Queue()
+
+        async def client():
+            while (item := await never.get()) is not None:
+                yield item
+
+        inbox = RelayInbox(client(), idle_timeout_s=30.0)
+        loop = asyncio.get_running_loop()
+        error = ServerMovingError("moving")
+        loop.call_later(0.05, inbox.evict, error)
+        assert await _settled(inbox.next(), "the read was not interrupted") == (relay.EVICTED, error)
+        assert await inbox.next() == (relay.EVICTED, error)  # and stays so
+        inbox.close()
+        quiet = RelayInbox(client(), idle_timeout_s=30.0)
+        quiet.evict(error)  # before any read (a step was running): the next read ends at once
+        assert await quiet.next() == (relay.EVICTED, error)
+        quiet.close()
+        assert not asyncio.current_task().cancelling()  # our cancels were taken back
+
+    asyncio.run(run())
+
+
 # -- a live server: start-up stages and shutdown during a move -----------------------------------
 def _config(path, **kw) -> ServerConfig:
     # loopback only (no dial-back check); a direct port, so a start-up has a listening port to leak;
@@ -354,3 +441,71 @@ def test_shutdown_during_a_move_leaves_the_record_offline(warm, monkeypatch):
             reader.shutdown()
     # the move's stack was stopped with everything else
     assert before.wait_clean() == NOTHING
+
+
+class MoveServingServer(BaseStreamer):
+    """At the `n`-th new token, the server holding the session is told to move at once (the orchestrator's
+    drain deadline with --force-replan: `_move_to(..., force=True)`), on its own thread as its assignment
+    poller would; the next step is sent once the server closed the session's stream (a client between two
+    steps, the common case)."""
+
+    def __init__(self, servers, session, n):
+        self.servers, self.session, self.n, self.seen = servers, session, n, -1
+        self.mover: threading.Thread | None = None
+        self.moved: list[bool] = []
+        self.moved_peer: str | None = None
+
+    def put(self, value):
+        self.seen += 1  # the first put is the prompt
+        if self.seen == self.n and self.mover is None:
+            self.moved_peer = self.session.chain.hops[0].peer_id
+            server = next(s for s in self.servers if s.peer_id == self.moved_peer)
+            self.mover = threading.Thread(
+                target=lambda: self.moved.append(server._move_to(0, 6, "a test's forced move", force=True))
+            )
+            self.mover.start()
+            # the next step must meet the closed stream: wait (with a deadline) until the server closed it
+            deadline = time.monotonic() + 30
+            while server.lifecycle.accepting or not server.lifecycle.quiet():
+                assert time.monotonic() < deadline, "the forced move did not close the session"
+                time.sleep(0.01)
+
+    def end(self):
+        pass
+
+
+@pytest.mark.integration
+def test_a_forced_move_fails_the_session_over_with_hf_tokens_and_bans_nobody(warm):
+    """Live (two in-process whole-model servers, a client routing itself): the server a session runs on is
+    moved by force mid-generation; the client gets ServerMovingError, fails over to the other server
+    (replaying the session) without banning the moved one, and the tokens equal HF's greedy ones."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from petals_chain.client.model import DistributedModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32).eval()
+    prompt = torch.tensor([[2, 5, 7, 11]])
+    ref = hf.generate(prompt, max_new_tokens=12, do_sample=False)
+    servers, model = [], None
+    try:
+        servers.append(BlockServer(replace(_config(warm), end=6)))
+        peers = [str(m) for m in servers[0].dht.get_visible_maddrs()]
+        servers.append(BlockServer(replace(_config(warm), end=6, initial_peers=peers)))
+        model = DistributedModelForCausalLM.from_pretrained(str(warm), initial_peers=peers, step_timeout_s=60.0)
+        with model.inference_session(max_length=32) as session:
+            mover = MoveServingServer(servers, session, 4)
+            out = model.generate(prompt, max_new_tokens=12, do_sample=False, streamer=mover)
+            assert mover.mover is not None
+            mover.mover.join(60)
+            assert mover.moved == [True]
+            assert session.chain.hops[0].peer_id != mover.moved_peer  # failed over to the other server
+            assert session.chain.failovers == 1
+            assert model.backend.peer_health.banned() == frozenset()  # the moved server was banned by nobody
+        assert out.tolist() == ref.tolist()
+    finally:
+        if model is not None:
+            model.backend.shutdown()
+        for s in servers:
+            s.shutdown()

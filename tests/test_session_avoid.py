@@ -14,7 +14,7 @@ from petals_chain.client.recovery import Recovery
 from petals_chain.client.remote_session import RemoteChainSession
 from petals_chain.client.routing import ChainProvider
 from petals_chain.client.session_context import SessionContext
-from petals_chain.errors import NoChainError, OutOfCacheError, ServerUnavailableError
+from petals_chain.errors import NoChainError, OutOfCacheError, ServerMovingError, ServerUnavailableError
 from petals_chain.wire.messages import Hop
 
 
@@ -61,6 +61,27 @@ def test_avoided_servers_stay_excluded_after_a_failure():
     failed = SimpleNamespace(hop=SimpleNamespace(peer_id="peerC", describe=lambda: "peerC[0:30)"), error="reset")
     assert recovery.decide(failed, "step").action == "replace"
     assert recovery.exclude() == frozenset({"peerA", "peerC"}) and recovery.failovers == 1
+
+
+def test_a_server_that_moves_is_replaced_for_the_session_but_banned_by_nobody():
+    """A re-plan's forced move closes the session with ServerMovingError: the session fails over (one
+    failover of its budget) and avoids that server from then on, but the client's ban list stays empty
+    (the server is healthy and serves its new blocks to later sessions), even when the budget is spent."""
+    health = PeerHealth()
+    recovery = Recovery(1, health)
+    moving = SimpleNamespace(
+        hop=SimpleNamespace(peer_id="peerM", describe=lambda: "peerM[0:30)"), error=ServerMovingError("moving")
+    )
+    assert recovery.decide(moving, "step").action == "replace" and recovery.failovers == 1
+    assert recovery.exclude() == frozenset({"peerM"}) and health.banned() == frozenset()
+    assert recovery.failed_peers == set()
+    with pytest.raises(ServerUnavailableError, match="gave up after 1 failovers"):
+        recovery.decide(moving, "step")
+    assert health.banned() == frozenset() and recovery.failed_peers == set()
+    # any other failure still bans
+    failed = SimpleNamespace(hop=SimpleNamespace(peer_id="peerC", describe=lambda: "peerC[0:30)"), error="reset")
+    Recovery(2, health).decide(failed, "step")
+    assert health.banned() == frozenset({"peerC"})
 
 
 class GrantingProvider(ChainProvider):

@@ -146,7 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replan-period", type=positive_float, default=60.0, help="slow time scale: seconds between re-plans"
     )
-    p.add_argument("--force-replan", action="store_true", help="re-planning may move servers that hold live sessions")
+    p.add_argument(
+        "--force-replan",
+        action="store_true",
+        help="re-planning may move servers that hold live sessions (at the --drain-timeout deadline, or at once "
+        "without a drain): they close those sessions with a typed error and the clients fail over, replaying them",
+    )
     p.add_argument(
         "--lease-ttl", type=positive_float, default=15.0, help="seconds a session lease lives without a heartbeat"
     )
@@ -216,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="a re-plan that moves servers first stops granting sessions on chains through them and waits "
         "up to this many seconds for their sessions to end; then it plans again with the servers "
-        "still holding sessions kept on their ranges (with --force-replan: moves them anyway, their "
+        "still holding sessions kept on their ranges (with --force-replan: tells them to move at once, their "
         "sessions fail over). 0: no drain (default 60)",
     )
     p.add_argument(

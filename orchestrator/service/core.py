@@ -852,16 +852,29 @@ class Orchestrator:
     def _new_version(self, out: _Outcome, ev: Evaluated, now: float, why: str, moving: set[str] = frozenset()) -> None:
         cfg = self.config
         peers, cluster = out.peers, out.cluster
-        version = (self.current.version if self.current else 0) + 1
+        prev = self.current
+        version = (prev.version if prev else 0) + 1
         if moving:  # servers that will reload take their old chains with them (drained: none holds a session)
             self.sessions.drop_servers(set(moving), now)
+        # --force-replan: the movers are told to move even while they hold sessions (they close them and
+        # the clients fail over); a forced move not yet made stays forced while its range stays the same
+        forced = set(moving) if cfg.force_replan else set()
+        if prev is not None:
+            new_ranges = {p: (None if r is None else (r.start, r.end)) for p, r in zip(peers, ev.placement.ranges)}
+            for p in prev.forced:
+                rec = self.records.get(p)
+                want = prev.assignment(p)
+                if want is not None and new_ranges.get(p) == want and rec and (rec.info.start, rec.info.end) != want:
+                    forced.add(p)
         # the planner's own Plan (its c* table, leftover servers) when it is what is installed
         plan = (
             out.plan
             if out.plan is not None and out.plan.placement == ev.placement
             else _as_plan(cfg.policy, ev, cluster, cfg.tuning)
         )
-        self.current = InstalledPlan(version, plan, cluster, peers, ev.placement, list(ev.chains), created_s=now)
+        self.current = InstalledPlan(
+            version, plan, cluster, peers, ev.placement, list(ev.chains), created_s=now, forced=frozenset(forced)
+        )
         placed = [(p, r) for p, r in zip(peers, ev.placement.ranges) if r is not None]
         unused = [p for p, r in zip(peers, ev.placement.ranges) if r is None]
         desc = ", ".join(
@@ -900,7 +913,7 @@ class Orchestrator:
                 if busy:
                     self.log_event(
                         f"drain deadline: {', '.join(self.name_of(p) for p in busy)} still hold "
-                        "sessions; moved anyway (--force-replan): they fail over"
+                        "sessions; told to move at once (--force-replan): they close them and the clients fail over"
                     )
                 self._new_version(
                     out,
@@ -1038,7 +1051,7 @@ class Orchestrator:
         return (
             Assignment(AssignmentStatus.UNUSED, cur.version)
             if r is None
-            else Assignment(AssignmentStatus.ASSIGNED, cur.version, *r)
+            else Assignment(AssignmentStatus.ASSIGNED, cur.version, *r, force=peer_id in cur.forced)
         )
 
     # -- views ---------------------------------------------------------------------------------

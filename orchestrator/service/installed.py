@@ -6,7 +6,8 @@ A re-plan that moves servers (`orchestrator/replan.py:decide`) does not tell the
 chains through them stop taking sessions (`Sessions.stop_granting`; the installed chains that avoid
 them keep serving, so the plan that serves is always a set of complete chains with true capacities),
 then `Drain.state` says when their sessions are gone, or the drain deadline passed, and only then is
-the new plan installed (the movers' assignments change with it).
+the new plan installed (the movers' assignments change with it; past the deadline, with
+--force-replan, the movers that still hold sessions are told to move at once: `InstalledPlan.forced`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class InstalledPlan:
     chains: list  # ChainSpec over `placement`
     installed: bool = False
     created_s: float = 0.0
+    # servers told to move now even while they hold sessions (a drain's deadline with --force-replan):
+    # they close them (`ServerMovingError`) and their clients fail over
+    forced: frozenset[str] = frozenset()
     _assigned: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

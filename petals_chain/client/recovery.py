@@ -11,7 +11,9 @@ ago that the records still list) is counted and repaired in turn. Then the attem
 What a failure means is decided here once (`Decision`): a stateless forward whose server still
 answers its ping runs again on it once (`SAME`: a stream that broke on a live server); an open refused
 for want of KV memory waits and asks again (`WAIT`: the server is full, not failed, and is not
-banned); anything else replaces the server (`REPLACE`).
+banned); a server that closed the session because it moves to other blocks (`ServerMovingError`: a
+re-plan's drain deadline) is replaced for this operation but not banned (it is healthy, and serves
+its new blocks a moment later); anything else replaces the server (`REPLACE`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import TypeVar
 
 from petals_chain.client.hop_client import HopFailed
 from petals_chain.client.peer_health import PeerHealth
-from petals_chain.errors import NoChainError, OutOfCacheError, ServerUnavailableError
+from petals_chain.errors import NoChainError, OutOfCacheError, ServerMovingError, ServerUnavailableError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,11 +77,13 @@ class Recovery:
         self.failovers = 0
         self.busy = 0  # opens refused for want of memory so far
         self.failed_peers: set[str] = set()  # servers this operation saw fail (what it reports; bans are `health`'s)
+        self.moved_peers: set[str] = set()  # servers that closed it to move (avoided by it, banned by nobody)
         self._retried: set[str] = set()
 
     def exclude(self) -> frozenset[str]:
-        """The servers a chain asked for now must not use: the avoided ones and those banned now."""
-        return self.avoid | self.health.banned()
+        """The servers a chain asked for now must not use: the avoided ones, those that moved away from
+        this operation and those banned now."""
+        return self.avoid | self.moved_peers | self.health.banned()
 
     def ask(self, find: Callable[[frozenset[str]], T]) -> T:
         """`find(exclude)` (a provider's chain or span), asked once more when it finds none
@@ -131,13 +135,22 @@ class Recovery:
             return Decision(Action.WAIT, wait_s)
         self.failovers += 1
         peer = failed.hop.peer_id
+        moved = isinstance(failed.error, ServerMovingError)
         if self.failovers > self.max_failovers:
             # the operation gives up, but the server did fail: later sessions should not try it either
-            self.failed_peers.add(peer)
-            self.health.report_failure(peer)
+            if not moved:
+                self.failed_peers.add(peer)
+                self.health.report_failure(peer)
             raise ServerUnavailableError(
                 f"{what} gave up after {self.max_failovers} failovers; last: {failed.error}"
             ) from failed.error
+        if moved:
+            # not a failure of the server: its blocks are elsewhere now (the session's KV is gone with them)
+            self.moved_peers.add(peer)
+            logger.info(
+                "%s: server %s moves to other blocks (%s); failing over", what, failed.hop.describe(), failed.error
+            )
+            return Decision(Action.REPLACE)
         if self.ping_s is not None and peer not in self._retried and self.ping_s(peer) is not None:
             self._retried.add(peer)
             logger.warning(

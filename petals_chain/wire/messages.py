@@ -399,12 +399,15 @@ class HeartbeatReply(WireRecord):
 
 @dataclass
 class Assignment(WireRecord):
-    """The block range the orchestrator assigned to a server (see `AssignmentStatus`)."""
+    """The block range the orchestrator assigned to a server (see `AssignmentStatus`). `force`: move
+    now even while sessions are open (a re-plan's drain deadline passed): the server closes them with
+    `ServerMovingError` and the clients fail over; without it a server moves only once it holds none."""
 
     status: AssignmentStatus
     plan_version: int
     start: int = 0
     end: int = 0
+    force: bool = False
 
     def check(self) -> None:
         if self.status == AssignmentStatus.ASSIGNED and not 0 <= self.start < self.end:
