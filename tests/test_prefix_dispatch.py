@@ -198,7 +198,6 @@ def test_e2_exploits_the_longest_usable_match_and_explores_by_load_cost():
     assert s.chain_id != 2
 
 
-
 def test_e2_holds_a_newcomer_for_the_busy_chain_that_holds_its_prefix_within_a_bound():
     chains = chains_of(2, capacity=1, hops=1)
     idx = PrefixIndex(sharing="swarm")
