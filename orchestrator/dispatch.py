@@ -669,10 +669,11 @@ class E2Dispatcher(_PromptAwareDispatcher):
         prefix only busy chains hold would explore a free chain, prefill it all there and evict what that
         chain's servers hold for others; or, when its prefix is still being computed by a session on a free
         chain, prefill it a second time alongside. It waits for those chains instead, when what waiting saves
-        exceeds what it computes anyway (E2's exploit rule: reused > missed), and at most
-        ``hold_completions`` completions elsewhere (then any free chain; a completion always comes: the
-        chains it waits for run a job). Rebalancing wins: a prefix whose holders all go through the
-        heaviest server is explored as Alg. 1 says."""
+        exceeds what it computes anyway (E2's exploit rule: reused > missed), only for chains where a slot
+        is expected sooner than the prefill it saves would take (T_k / c_k < its t_I cost: a chain of long
+        sessions is not waited for), and for at most ``hold_completions`` completions elsewhere (then any
+        free chain; a completion always comes: the chains it waits for run a job). Rebalancing wins: a
+        prefix whose holders all go through the heaviest server is explored as Alg. 1 says."""
         if self.params.hold_completions <= 0:
             return None
         live = [k for k in range(len(self._chains)) if k not in self._disabled and (allowed is None or k in allowed)]
@@ -688,7 +689,13 @@ class E2Dispatcher(_PromptAwareDispatcher):
         )
         if best - stored_free <= req.prompt_tokens - best:
             return None  # a free chain holds enough of it now
-        holders = frozenset(k for k in live if match[k] == best and self._busy[k] > 0)
+        holders = frozenset(
+            k
+            for k in live
+            if match[k] == best
+            and self._busy[k] > 0
+            and self._expected_wait_s(k) < self._prefill_cost_s(k, best - stored_free)
+        )
         if not holders:
             return None
         heavy = self._imbalanced_heaviest()
@@ -696,6 +703,16 @@ class E2Dispatcher(_PromptAwareDispatcher):
             return None
         self.holds += 1
         return holders
+
+    def _expected_wait_s(self, k: int) -> float:
+        """Until chain k frees a slot, about: its mean session time over its slots (a running session is
+        on average halfway, and any of c_k may finish first; for a session still computing the prefix
+        the same bound holds)."""
+        return self._chains[k].service_time_s / self._chains[k].capacity
+
+    def _prefill_cost_s(self, k: int, tokens: int) -> float:
+        """What prefilling `tokens` costs on chain k (Alg. 2's P: m_s t_I per hop)."""
+        return sum(m * self._cost(h.server).t_in_s * tokens for h, m in zip(self._hops[k], self._blocks[k]))
 
     def _pick_waiting(self, k: int, waiting: list[int]) -> int:
         return self._lpm(k, waiting)

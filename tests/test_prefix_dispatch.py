@@ -120,7 +120,8 @@ def test_policies_respect_capacity_allowed_sets_and_the_central_queue(policy, ev
     check_contract(make_dispatcher(policy, chains_of(n_chains), index=PrefixIndex(sharing="swarm")), evs, n_chains)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# about one example in five holds a job (the rest are discarded by `assume`): the filter is expected
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(evs=events, n_chains=st.integers(2, 3), capacity=st.integers(1, 2))
 def test_e2_holds_keep_the_contract_and_every_held_job_starts(evs, n_chains, capacity):
     """Two long prefix families and few slots: e2 holds newcomers for busy chains (the contract's one
@@ -227,15 +228,18 @@ def test_e2_holds_a_newcomer_for_the_busy_chain_that_holds_its_prefix_within_a_b
         assert c.chain_id == o.chain_id
         starts = d.on_completion(j)  # a completion elsewhere
     assert starts == [Start(4, o.chain_id, chains[o.chain_id].service_time_s)] and not d.held
-    # the paper's E2 (hold_completions=0) explores at once
-    d0 = make_dispatcher("e2", chains, index=PrefixIndex(sharing="swarm"), params=PrefixParams(hold_completions=0))
-    for server in (0, 1):
-        d0.index.apply(server, [], [])
-    d0.on_arrival(0, None, req(other, 0))
-    [x] = d0.on_arrival(1, None, req(doc, 1))
-    d0.on_completion(0)
-    [y] = d0.on_arrival(2, None, req(doc, 2))
-    assert x.chain_id != y.chain_id
+    # no hold: the paper's E2 (hold_completions=0); or chains whose slot is expected later (T_k / c_k = 1 s)
+    # than the prefill saved would take (t_I = 1 us per block and token: 320 tokens x 4 blocks = 1.3 ms)
+    cheap = {0: ServerCost(1e-6, 1e-6), 1: ServerCost(1e-6, 1e-6)}
+    for kw in ({"params": PrefixParams(hold_completions=0)}, {"costs": cheap}):
+        d0 = make_dispatcher("e2", chains, index=PrefixIndex(sharing="swarm"), **kw)
+        for server in (0, 1):
+            d0.index.apply(server, [], [])
+        d0.on_arrival(0, None, req(other, 0))
+        [x] = d0.on_arrival(1, None, req(doc, 1))
+        d0.on_completion(0)
+        [y] = d0.on_arrival(2, None, req(doc, 2))
+        assert x.chain_id != y.chain_id and d0.holds == 0
 
 
 def test_e2_rebalances_away_from_a_server_over_th_bal():
