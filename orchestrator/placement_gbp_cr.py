@@ -34,11 +34,16 @@ class GbpCrResult:
     chain_times_s: tuple[float, ...]
     scaled_rate_per_s: float  # nu of Alg. 1 = sum_k 1 / sum_{j in k} t_j(c)
     meets_target: bool
-    unused_servers: tuple[int, ...]
 
     @property
     def num_chains(self) -> int:
         return len(self.chains)
+
+    @property
+    def unused_servers(self) -> tuple[int, ...]:
+        """Computed when asked, not stored: at J = 10^6 most servers are unused, and a tuple of their
+        indices per c tried held more memory than the rest of the plan."""
+        return tuple(self.placement.unused_servers())
 
 
 @dataclass(frozen=True)
@@ -101,16 +106,78 @@ def gbp_cr(cluster: Cluster, c: int) -> GbpCrResult:
     return GbpCrSweep(cluster)(c)
 
 
-@dataclass(frozen=True)
-class _FullRun:
-    """Alg. 1's loop for one vector m(c), run past the stopping rule until the servers run out:
-    everything a given c needs is a prefix of it (see GbpCrSweep)."""
+class _Run:
+    """Alg. 1's loop for one vector m(c), without its stopping rule, run only as far as some c asked
+    (`extend`): everything a given c needs is a prefix of it (see GbpCrSweep). Lazy and compact: the
+    servers' order (line 1/3) is sorted only as far as the loop reached (`_grow`: the smallest keys by
+    a partition, then sorted; all of them once the loop needs them all), positions are numpy indices and
+    each one's start block an int; BlockIntervals are made only for the prefix a result uses."""
 
-    order: list[int]  # servers with m_j > 0, in line 1/3's order
-    ranges: list[BlockInterval]  # per position in ``order``
-    chain_end_pos: list[int]  # position after the last server of each complete chain
-    chain_times_s: list[float]
-    nu_prefix: list[float]  # nu after each complete chain (line 8), summed in loop order
+    CHUNK = 4096  # servers whose m_j, t_j are gathered from the arrays at a time (and the first sorted prefix)
+
+    def __init__(
+        self, holders: np.ndarray, key: np.ndarray, m_arr: np.ndarray, t_arr: np.ndarray, busy, L: int
+    ) -> None:
+        self._holders, self._key = holders, key  # servers with m_j > 0, and their t_j / m_j
+        self._m, self._t, self._busy, self._L = m_arr, t_arr, busy, L
+        self.order = np.empty(0, dtype=np.int64)  # the first servers in line 1/3's order
+        self.starts: list[int] = []  # start block per position in ``order`` processed so far
+        self.chain_end_pos: list[int] = []  # position after the last server of each complete chain
+        self.chain_times_s: list[float] = []
+        self.nu_prefix: list[float] = []  # nu after each complete chain (line 8), summed in loop order
+        self._a, self._nu, self._T, self._B = 1, 0.0, 0.0, 0.0  # line 2 (B: the chain's busiest shared server)
+
+    @property
+    def sorted_all(self) -> bool:
+        return len(self.order) == len(self._holders)
+
+    @property
+    def done(self) -> bool:
+        return self.sorted_all and len(self.starts) == len(self.order)
+
+    def _grow(self, want: int) -> None:
+        """``order`` with at least ``want`` servers (all if fewer hold blocks): by t_j / m_j, ties to the
+        smaller index (lexsort: the last key is the primary one), as sorting all of them gives. The servers
+        whose key is at most the want-th smallest are all of that order's first ones (ties included)."""
+        holders, key = self._holders, self._key
+        if want >= len(holders):
+            self.order = holders[np.lexsort((holders, key))]
+            return
+        kth = np.partition(key, want - 1)[want - 1]
+        sel = np.flatnonzero(key <= kth)
+        sub = holders[sel]
+        self.order = sub[np.lexsort((sub, key[sel]))]
+
+    def extend(self, threshold: float) -> None:
+        """Run the loop on until a complete chain brings nu to ``threshold`` or the servers run out."""
+        L = self._L
+        a, nu, T, B = self._a, self._nu, self._T, self._B
+        starts, ends, times, nus = self.starts, self.chain_end_pos, self.chain_times_s, self.nu_prefix
+        while not self.done and not (nus and nus[-1] >= threshold):
+            pos0 = len(starts)
+            if pos0 == len(self.order):
+                self._grow(max(self.CHUNK, 2 * len(self.order)))
+            idx = self.order[pos0 : pos0 + self.CHUNK]
+            m, t = self._m[idx].tolist(), self._t[idx].tolist()  # the same numbers as one tolist() of all
+            busy = None if self._busy is None else self._busy[idx].tolist()
+            for i in range(len(m)):
+                mj = m[i]
+                a_j = min(a, L - mj + 1)  # line 4: shift the last server back so it ends at block L
+                starts.append(a_j - 1)
+                T += t[i]  # line 5
+                if busy is not None:
+                    B = max(B, busy[i])
+                a = min(a + mj - 1, L) + 1  # line 6
+                if a > L:  # line 7
+                    T = max(T, B)
+                    nu += 1.0 / T if T > 0 else math.inf  # line 8
+                    ends.append(pos0 + i + 1)
+                    times.append(T)
+                    nus.append(nu)
+                    a, T, B = 1, 0.0, 0.0  # line 12
+                    if nu >= threshold:
+                        break
+        self._a, self._nu, self._T, self._B = a, nu, T, B
 
 
 class GbpCrSweep:
@@ -121,22 +188,29 @@ class GbpCrSweep:
     servers' few memory sizes crosses a multiple of s_m + s_c c), and for a fixed m(c) the loop is
     the same for every c up to where it stops: so the loop runs once per distinct m(c) without the
     stopping rule, recording nu after each chain (the same float sums, in the same order), and c
-    takes the prefix up to the first chain with nu >= target (bisection; nu only grows). Results
-    (placements included) are shared between the c that stop at the same chain. This makes the c*
-    search of orchestrator.tuning linear in J for all c together instead of c_max times J.
+    takes the prefix up to the first chain with nu >= target (bisection; nu only grows). The loop is
+    run only as far as a c asked (`_Run.extend`): with J large and the target met by the first few
+    chains, not over the idle servers. Results (placements included) are shared between the c that
+    stop at the same chain. This makes the c* search of orchestrator.tuning linear in J for all c
+    together instead of c_max times J.
+
+    Memory: m(c) is non-increasing in c, so the c of one m(c) are contiguous, and so are the c of one
+    result; a sweep in c order (the tuning's) needs only the latest run and result, and only those are
+    kept (any other order is recomputed: the same result). At J = 10^6 the runs and results of every
+    m(c) kept together took more memory than the rest of the plan.
     """
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
         self.arrays = server_arrays(cluster)
-        self._runs: dict[tuple, _FullRun] = {}
-        self._results: dict[tuple, GbpCrResult] = {}
+        self._run: tuple[tuple, _Run] | None = None  # (m key, its run)
+        self._result: tuple[tuple, GbpCrResult] | None = None  # ((m key, k), its result)
+        self._intervals: dict[tuple[int, int], BlockInterval] = {}  # one object per distinct range
 
-    def _full_run(self, m_arr: np.ndarray, c: int | None = None) -> _FullRun:
+    def _new_run(self, m_arr: np.ndarray, c: int | None = None) -> _Run:
         """``c``: only with shared-compute servers (Server.batch_overhead_s), whose chain time is at
         least each such server's busy time for c sessions (model.contended_chains): then
         the run depends on c itself, not only on m(c)."""
-        L = self.cluster.service.num_blocks
         t_arr = self.arrays.tau_c_s + self.arrays.tau_p_s * m_arr  # eq. (9), the same float operations per server
         if c is None:
             busy = None
@@ -146,56 +220,47 @@ class GbpCrSweep:
                 self.arrays.batch_overhead_s + m_arr * b_arr + c * (self.arrays.tau_p_s - b_arr) * m_arr, nan=0.0
             )
         holders = np.flatnonzero(m_arr > 0)
-        # line 1, 3: by t_j / m_j, ties to the smaller index (lexsort: last key is the primary one)
-        order = holders[np.lexsort((holders, t_arr[holders] / m_arr[holders]))].tolist()
-        m, t = m_arr.tolist(), t_arr.tolist()
-        ranges, ends, times, nus = [], [], [], []
-        a, nu, T, B = 1, 0.0, 0.0, 0.0  # line 2 (B: the chain's busiest shared-compute server)
-        for pos, j in enumerate(order):
-            a_j = min(a, L - m[j] + 1)  # line 4: shift the last server back so it ends at block L
-            ranges.append(BlockInterval(a_j - 1, a_j - 1 + m[j]))
-            T += t[j]  # line 5
-            if busy is not None:
-                B = max(B, float(busy[j]))
-            a = min(a + m[j] - 1, L) + 1  # line 6
-            if a > L:  # line 7
-                T = max(T, B)
-                nu += 1.0 / T if T > 0 else math.inf  # line 8
-                ends.append(pos + 1)
-                times.append(T)
-                nus.append(nu)
-                a, T, B = 1, 0.0, 0.0  # line 12
-        return _FullRun(order, ranges, ends, times, nus)
+        # line 1, 3: by t_j / m_j (_Run sorts them as far as it needs)
+        return _Run(holders, t_arr[holders] / m_arr[holders], m_arr, t_arr, busy, self.cluster.service.num_blocks)
+
+    def _interval(self, start: int, end: int) -> BlockInterval:
+        r = self._intervals.get((start, end))
+        if r is None:
+            r = self._intervals[(start, end)] = BlockInterval(start, end)
+        return r
 
     def __call__(self, c: int) -> GbpCrResult:
         if c < 1:
             raise ValueError(f"capacity requirement c must be >= 1, got {c}")
-        m_arr = _blocks_array(self.cluster, c, self.arrays)
         m_key = tuple(_blocks_per_class(self.cluster, c, self.arrays))
         contended = self.arrays.batch_overhead_s is not None
         if contended:
             m_key = (*m_key, c)  # the chain times depend on c itself
-        run = self._runs.get(m_key)
-        if run is None:
-            run = self._runs[m_key] = self._full_run(m_arr, c if contended else None)
+        if self._run is None or self._run[0] != m_key:
+            m_arr = _blocks_array(self.cluster, c, self.arrays)
+            self._run = (m_key, self._new_run(m_arr, c if contended else None))
+        run = self._run[1]
         target = self.cluster.arrival_rate_per_s / (self.cluster.rho_bar * c)
-        k = bisect.bisect_left(run.nu_prefix, target * (1 - 1e-12))  # line 9-10 (relative tolerance)
+        threshold = target * (1 - 1e-12)  # line 9-10 (relative tolerance)
+        run.extend(threshold)
+        k = bisect.bisect_left(run.nu_prefix, threshold)
         met = k < len(run.nu_prefix)
         key = (m_key, k)
-        res = self._results.get(key)
-        if res is not None:
+        if self._result is not None and self._result[0] == key:
+            res = self._result[1]
             return res if res.c == c else replace(res, c=c)
-        n_used = run.chain_end_pos[k] if met else len(run.order)  # not met: a trailing group keeps its blocks
+        # not met (the run is done): a trailing group keeps its blocks
+        n_used = run.chain_end_pos[k] if met else len(run.order)
         n_chains = k + 1 if met else len(run.nu_prefix)
-        ranges: list[BlockInterval | None] = [None] * len(m_arr)
-        for j, r in zip(run.order[:n_used], run.ranges[:n_used]):
-            ranges[j] = r
+        used = run.order[:n_used]
+        ranges: list[BlockInterval | None] = [None] * self.cluster.num_servers
+        for j, a, m in zip(used.tolist(), run.starts[:n_used], run._m[used].tolist()):
+            ranges[j] = self._interval(a, a + m)
+        order = used.tolist()
         chains, start = [], 0
         for end in run.chain_end_pos[:n_chains]:
-            chains.append(tuple(run.order[start:end]))
+            chains.append(tuple(order[start:end]))
             start = end
-        used = np.zeros(len(m_arr), dtype=bool)
-        used[run.order[:n_used]] = True
         res = GbpCrResult(
             c=c,
             placement=Placement(tuple(ranges)),
@@ -203,9 +268,8 @@ class GbpCrSweep:
             chain_times_s=tuple(run.chain_times_s[:n_chains]),
             scaled_rate_per_s=run.nu_prefix[n_chains - 1] if n_chains else 0.0,
             meets_target=met,
-            unused_servers=tuple(np.flatnonzero(~used).tolist()),
         )
-        self._results[key] = res
+        self._result = (key, res)
         return res
 
 

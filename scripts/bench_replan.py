@@ -6,10 +6,15 @@ running (issue 54: the planner used to run under the lock the RPC handlers take)
 An offline orchestrator (orchestrator/service/core.py, no DHT) is given J synthetic servers (two GPU
 types as scripts/bench_plan.py, announced profiles, RTTs 5-30 ms), plans and installs; then the
 acquire path the RPC handler runs (`Sessions.poll` on an asyncio loop, then `Orchestrator.release`)
-is timed call by call: first with nothing else running, then while a re-plan (the servers' decode
-times moved by up to +-30 %, as a calibrated model does) runs on another thread. `--locked` adds the
-same measurement with the re-plan holding the service's lock, as `_plan` did before (the baseline
-this change removes). Prints one JSON object (also written to --json).
+is timed call by call: first with nothing else running (`--acquires` of them, and again for as long as
+the re-plan below took: `idle_as_long`), then while a re-plan (the servers' decode
+times moved by up to +-30 %, as a calibrated model does) runs on another thread, its planner in the
+worker process (`--plan-process-min-servers`, orchestrator/service/planning.py). `--thread` adds the same
+measurement with the planner in that thread (sharing the GIL with the acquires, as before the worker
+process); `--locked` with the re-plan holding the service's lock too, as `_plan` did before that. Prints
+one JSON object (also written to --json).
+
+    python scripts/bench_replan.py [--servers 10000] [--thread] [--locked] [--plan-process-min-servers 1000]
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ def summary(lat: list[float]) -> dict:
 
 
 def replan_phase(orch: Orchestrator, loop, rng, locked: bool, start_id: int) -> dict:
+    orch.drain = None  # a drain the phase before started: this phase re-plans from the installed plan again
     for rec in orch.records.values():  # the calibrated model moved every server's decode time
         rec.info = replace(rec.info, decode_s_per_token=rec.info.decode_s_per_token * float(rng.uniform(0.7, 1.3)))
     orch.model_moved, orch.model_moved_s = True, orch.clock()
@@ -117,6 +123,7 @@ def replan_phase(orch: Orchestrator, loop, rng, locked: bool, start_id: int) -> 
         **summary(lat),
         "granted": granted,
         "plan_s": took["plan_s"],
+        "planned_in": orch.planner.last_where,
         "decision": orch.last_decision,
         "timing": orch.last_plan_timing,
     }
@@ -129,7 +136,9 @@ def main() -> None:
     ap.add_argument("--acquires", type=int, default=3000, help="acquire + release pairs with no plan running")
     ap.add_argument("--arrival-rate", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--thread", action="store_true", help="also measure with the planner in a thread of this process")
     ap.add_argument("--locked", action="store_true", help="also measure with the plan under the lock (the old way)")
+    ap.add_argument("--plan-process-min-servers", type=int, default=1000)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
@@ -142,6 +151,7 @@ def main() -> None:
         calibrate=False,
         arrival_rate_per_s=a.arrival_rate,
         lease_ttl_s=600.0,
+        plan_process_min_servers=a.plan_process_min_servers,
     )
     orch = Orchestrator.offline(cfg, lambda: now[0])
     swarm(orch, a.servers, rng)
@@ -164,12 +174,24 @@ def main() -> None:
         "first_plan_s": first_s,
         "chains": len(orch.sessions.chain_views()),
         "idle": {**summary(idle_lat), "granted": idle_granted},
+        "first_plan_in": orch.planner.last_where,
         "during_replan": replan_phase(orch, loop, rng, False, 10**7),
     }
-    if a.locked:
-        orch.drain = None
-        out["during_replan_locked"] = replan_phase(orch, loop, rng, True, 2 * 10**7)
+    # the same acquires with no plan running for as long as the re-plan ran: a short idle phase meets none of
+    # the host's scheduling stalls a seconds-long one does, and the ratio would credit them to the plan
+    until = time.perf_counter() + out["during_replan"]["plan_s"]
+    lat, granted = acquires(orch, loop, lambda: time.perf_counter() >= until, 4 * 10**7)
+    out["idle_as_long"] = {**summary(lat), "granted": granted, "seconds": out["during_replan"]["plan_s"]}
     out["p99_ratio_during_vs_idle"] = out["during_replan"]["p99_ms"] / out["idle"]["p99_ms"]
+    out["p99_ratio_during_vs_idle_as_long"] = out["during_replan"]["p99_ms"] / out["idle_as_long"]["p99_ms"]
+    if a.thread:
+        min_servers, orch.planner.min_servers = orch.planner.min_servers, 0
+        out["during_replan_thread"] = replan_phase(orch, loop, rng, False, 3 * 10**7)
+        orch.planner.min_servers = min_servers
+        out["p99_ratio_thread_vs_idle"] = out["during_replan_thread"]["p99_ms"] / out["idle"]["p99_ms"]
+    if a.locked:
+        out["during_replan_locked"] = replan_phase(orch, loop, rng, True, 2 * 10**7)
+    orch.planner.close()
     out["host"] = platform.node()
     out["date"] = time.strftime("%Y-%m-%d %H:%M")
     text = json.dumps(out, indent=1)

@@ -40,7 +40,6 @@ def gbp_cr_loop(cluster: Cluster, c: int) -> GbpCrResult:
                 met = True
                 break
             a, T, group = 1, 0.0, []  # line 12
-    unused = tuple(j for j in range(len(m)) if ranges[j] is None)
     return GbpCrResult(
         c=c,
         placement=Placement(tuple(ranges)),
@@ -48,5 +47,4 @@ def gbp_cr_loop(cluster: Cluster, c: int) -> GbpCrResult:
         chain_times_s=tuple(chain_times),
         scaled_rate_per_s=nu,
         meets_target=met,
-        unused_servers=unused,
     )

@@ -429,7 +429,7 @@ def test_at_the_drain_deadline_with_force_replan_busy_movers_are_told_to_move_at
     fails over: tests/test_server_lifecycle.py), its lease is dropped (as when a server leaves), and the force
     lasts until the server reports its new range, across a newer plan that keeps that range."""
     from orchestrator.replan import evaluate
-    from orchestrator.service.core import _Outcome
+    from orchestrator.service.planning import Outcome
 
     now = [0.0]
     orch = _auto_orchestrator(now)
@@ -457,7 +457,7 @@ def test_at_the_drain_deadline_with_force_replan_busy_movers_are_told_to_move_at
     assert any("told to move at once" in e for e in orch.events)
     # a newer plan (the same placement) before pa reported its new range: still forced; after: not
     cur = orch.current
-    same = _Outcome(cluster=cur.cluster, peers=cur.peers, decision=None)
+    same = Outcome(cluster=cur.cluster, peers=cur.peers, decision=None)
     ev = evaluate(cur.cluster, cur.placement, cur.plan.c, cur.chains)
     orch._new_version(same, ev, deadline + 1, "a test's newer plan")
     assert orch.current.version == 3 and orch.assignment_for("pa").force

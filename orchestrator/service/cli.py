@@ -249,6 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
         "moves nothing (default 0.05)",
     )
     p.add_argument(
+        "--plan-process-min-servers",
+        type=non_negative_int,
+        default=1000,
+        metavar="N",
+        help="plan in a separate worker process once N servers are measured, so that planning a large "
+        "swarm never delays the RPC handlers (acquires, releases); 0: always plan in the control thread "
+        "(default 1000)",
+    )
+    p.add_argument(
         "--replan-hold",
         type=float,
         default=30.0,
@@ -352,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             max_moves_per_replan=args.max_moves_per_replan,
             replan_min_gain=args.replan_min_gain,
             equivalent_servers_rel=args.equivalent_servers,
+            plan_process_min_servers=args.plan_process_min_servers,
             lost_after_s=args.lost_after,
             max_model_replans=args.model_replans,
             identity_path=args.identity_path,

@@ -17,16 +17,12 @@ import time
 from dataclasses import dataclass, field
 
 from orchestrator.bounds import theorem37_bounds
-from orchestrator.cache_gca import gca
 from orchestrator.cluster_io import plan_to_dict
 from orchestrator.dispatch import PROMPT_AWARE, ServerCost
-from orchestrator.model import BlockInterval, Cluster, InfeasibleClusterError, Placement, contended_chains
-from orchestrator.placement_leftover import place_leftover
+from orchestrator.model import Cluster, Placement
 from orchestrator.planner import Plan, make_baseline_router
-from orchestrator.planner import plan as run_plan
 from orchestrator.policies import get_policy
-from orchestrator.replan import Decision, Evaluated, constrained_placement, decide, evaluate
-from orchestrator.replan import incremental as incremental_plan
+from orchestrator.replan import Evaluated
 from orchestrator.service.calibration import (
     FittedProfile,
     ReplanTrigger,
@@ -36,15 +32,21 @@ from orchestrator.service.calibration import (
 )
 from orchestrator.service.installed import Drain, InstalledPlan
 from orchestrator.service.measurements import LengthEstimator, median
+from orchestrator.service.planning import (
+    ModelCheckInputs,
+    Outcome,
+    PlanInputs,
+    PlannerSettings,
+    PlannerWorker,
+    decide_plan,
+    model_check_plan,
+)
 from orchestrator.service.prefix_reports import PrefixReportReader
 from orchestrator.service.registry import (
-    HeldRange,
     Overheads,
     ServerRecord,
     batch_overhead_s,
-    build_cluster,
     cluster_to_dict,
-    keep_held_ranges,
     lost_servers,
     rtt_partners,
     server_params,
@@ -120,6 +122,9 @@ class OrchestratorConfig:
     replan_min_gain: float = 0.02  # a re-plan that moves servers must gain this much (relative) in the model
     equivalent_servers_rel: float = 0.05  # servers this close in tau^c, tau^p (same memory) are interchangeable
     incremental_replan: bool = True  # a join or leave is re-planned at once with the placed servers fixed
+    # plan in a spawned worker process once this many servers are measured (0: always in the control thread):
+    # a planner thread shares the GIL with the RPC handlers (planning.py)
+    plan_process_min_servers: int = 1000
     max_acquire_timeout_s: float = 600.0
     rtt_probes: int = 5
     announce_period_s: float = 2.0
@@ -146,17 +151,6 @@ class _Snapshot:
     epoch: int
     shape: SessionShape
     can_drain: bool  # a move can be drained first (static chains installed, --drain-timeout > 0)
-
-
-@dataclass
-class _Outcome:
-    error: str | None = None
-    cluster: Cluster | None = None
-    peers: list[str] = field(default_factory=list)
-    decision: Decision | None = None
-    fresh: Evaluated | None = None
-    pinned: list[str] = field(default_factory=list)
-    plan: Plan | None = None  # a baseline's own Plan (the proposed policy's is made from `decision`)
 
 
 def _finite(x: float) -> float | None:
@@ -255,6 +249,8 @@ class Orchestrator:
         )
         self.overheads = Overheads(config.per_block_overhead_s, config.per_step_overhead_s)
         self.policy = get_policy(config.policy)
+        # where plans run: this thread for small swarms, a worker process for large ones (planning.py)
+        self.planner = PlannerWorker(config.plan_process_min_servers)
         self.prefix_reports = PrefixReportReader()  # the servers' prefix-cache reports, into the prefix index
         # one lock: the sessions' owner shares it, so the plan and the sessions change together
         self.sessions = Sessions(
@@ -480,27 +476,17 @@ class Orchestrator:
                 return
             records = [_copy_record(r) for r in self.records.values() if r.rtt_s is not None]
             shape = self.lengths.shape
-        cfg = self.config
-        try:  # outside the lock: the RPC handlers take it
-            cluster, _ = build_cluster(
-                records,
-                cfg.num_blocks,
-                shape,
-                cfg.arrival_rate_per_s,
-                cfg.rho_bar,
-                self.overheads,
-                relay=cfg.relay,
-                compute=cfg.server_compute,
-                kv_plan_tokens=cfg.kv_plan_tokens,
-            )
-            p = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
-        except ValueError:
+        # outside the lock (the RPC handlers take it); a large swarm's in the planner's worker process
+        inputs = ModelCheckInputs(PlannerSettings.of(self.config), self.overheads, records, shape)
+        planned = self.planner.run(model_check_plan, inputs, len(records))
+        if planned is None:
             return
+        rate_per_s, c_star = planned
         with self.lock:
-            if self.trigger.observe(p.total_rate_per_s, p.c, now):
+            if self.trigger.observe(rate_per_s, c_star, now):
                 ref_rate, ref_c = self.trigger.reference
                 self.model_moved, self.model_moved_s = True, now
-                moved = f"planned rate {ref_rate:.3g} -> {p.total_rate_per_s:.3g}/s, c* {ref_c} -> {p.c}"
+                moved = f"planned rate {ref_rate:.3g} -> {rate_per_s:.3g}/s, c* {ref_c} -> {c_star}"
             else:
                 return
         self.log_event(f"the calibrated service model moved the plan ({moved}): re-planning")
@@ -687,99 +673,25 @@ class Orchestrator:
             # /status: how long the last plan took, and how much of it held the lock the RPC handlers take
             self.last_plan_timing = {"snapshot_s": t1 - t0, "plan_s": t2 - t1, "apply_s": t3 - t2}
 
-    def _held(self, snap: _Snapshot, peers: list[str]) -> dict[str, HeldRange]:
-        held = {}
-        recs = {r.peer_id: r for r in snap.records}
-        for p in peers:
-            info = recs[p].info
-            if info.has_blocks:
-                busy = bool(snap.sessions_per_peer.get(p, 0) or info.active_sessions)
-                held[p] = HeldRange(info.start, info.end, fixed=not info.extra.get("auto", False), busy=busy)
-        return held
-
-    def _decide(self, snap: _Snapshot, fixed_peers: frozenset[str], incremental: bool = False) -> _Outcome:
-        """The planner and the re-plan decision, on the snapshot only (no lock held)."""
-        cfg = self.config
-        whole = None
-        try:
-            cluster, peers = build_cluster(
-                snap.records,
-                cfg.num_blocks,
-                snap.shape,
-                cfg.arrival_rate_per_s,
-                cfg.rho_bar,
-                self.overheads,
-                relay=cfg.relay,
-                compute=cfg.server_compute,
-                kv_plan_tokens=cfg.kv_plan_tokens,
-            )
-            held = self._held(snap, peers)
-            if not self.policy.tunes_c:
-                return self._decide_overlay(cluster, peers, held, snap)
-            # without a drain (none possible, or none wanted) a server holding sessions keeps its range,
-            # unless --force-replan: then they fail over, as on churn
-            keep_busy = not snap.can_drain and not cfg.force_replan
-            fixed = {
-                peers.index(p): BlockInterval(h.start, h.end)
-                for p, h in held.items()
-                if h.fixed or p in fixed_peers or (keep_busy and h.busy)
-            }
-            cur = snap.current
-            if incremental and cur is not None and cur.plan.c is not None:
-                inst = Placement(tuple(BlockInterval(held[p].start, held[p].end) if p in held else None for p in peers))
-                fresh = incremental_plan(cluster, inst, cur.plan.c, cfg.leftover_placement)
-            elif fixed:
-                fresh = constrained_placement(cluster, fixed, cfg.c, cfg.tuning)
-                if fresh is None:
-                    raise InfeasibleClusterError("with the fixed servers on their ranges no complete chain forms")
-                if cfg.leftover_placement:
-                    lo = place_leftover(cluster, fresh.placement, fresh.c)
-                    fresh = evaluate(cluster, lo.placement, fresh.c, lo.gca.chains)
-            else:
-                whole = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
-                fresh = evaluate(cluster, whole.placement, whole.c, whole.chains)
-        except ValueError as e:  # InvalidClusterError / InfeasibleClusterError
-            return _Outcome(error=str(e))
-        installed = Placement(tuple(BlockInterval(held[p].start, held[p].end) if p in held else None for p in peers))
-        busy = frozenset(j for j, p in enumerate(peers) if p in held and held[p].busy)
+    def _decide(self, snap: _Snapshot, fixed_peers: frozenset[str], incremental: bool = False) -> Outcome:
+        """The planner and the re-plan decision, on the snapshot only (no lock held): in this thread, or
+        in the planner's worker process for a large swarm (`planning.PlannerWorker`)."""
         cur = snap.current
-        d = decide(
-            cluster,
-            installed if cur is not None else Placement((None,) * len(peers)),
-            fresh,
-            tuning=cfg.tuning,
-            fixed=fixed,
-            busy=busy,
-            min_gain=cfg.replan_min_gain,
-            max_moves=cfg.max_moves_per_replan,
-            equivalent_rel=cfg.equivalent_servers_rel,
-            installed_c=cur.plan.c if cur is not None else None,
-            leftover=cfg.leftover_placement,
+        inputs = PlanInputs(
+            PlannerSettings.of(self.config),
+            self.overheads,
+            snap.records,
+            snap.sessions_per_peer,
+            snap.shape,
+            current_c=cur.plan.c if cur is not None else None,
+            has_current=cur is not None,
+            can_drain=snap.can_drain,
+            fixed_peers=frozenset(fixed_peers),
+            incremental=incremental,
         )
-        return _Outcome(
-            cluster=cluster,
-            peers=peers,
-            decision=d,
-            fresh=fresh,
-            pinned=[p for p, h in held.items() if peers.index(p) in fixed],
-            plan=whole,
-        )
+        return self.planner.run(decide_plan, inputs, len(snap.records))
 
-    def _decide_overlay(
-        self, cluster: Cluster, peers: list[str], held: dict[str, HeldRange], snap: _Snapshot
-    ) -> _Outcome:
-        """The baselines (petals, bprr, jffc-only) plan the whole swarm; servers that must not move keep their
-        ranges over it (`keep_held_ranges`), and GCA builds the chains over what servers will hold."""
-        cfg = self.config
-        result = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
-        ranges, pinned = keep_held_ranges(list(result.placement.ranges), peers, held, force=cfg.force_replan)
-        placement = Placement(tuple(ranges))
-        chains = tuple(contended_chains(cluster, gca(cluster, placement).chains)) if pinned else result.chains
-        ev = evaluate(cluster, placement, result.c, chains)
-        d = Decision(True, "baseline policy: planned whole", ev, ev, ev)
-        return _Outcome(cluster=cluster, peers=peers, decision=d, fresh=ev, pinned=pinned, plan=result)
-
-    def _apply(self, out: _Outcome, snap: _Snapshot, now: float, drain: bool) -> None:
+    def _apply(self, out: Outcome, snap: _Snapshot, now: float, drain: bool) -> None:
         """Under the lock: install the decided plan, start draining its movers, or say why not."""
         cfg = self.config
         if out.error is not None:
@@ -849,7 +761,7 @@ class Orchestrator:
             return
         self._new_version(out, d.step, now, d.reason, moving)
 
-    def _new_version(self, out: _Outcome, ev: Evaluated, now: float, why: str, moving: set[str] = frozenset()) -> None:
+    def _new_version(self, out: Outcome, ev: Evaluated, now: float, why: str, moving: set[str] = frozenset()) -> None:
         cfg = self.config
         peers, cluster = out.peers, out.cluster
         prev = self.current
@@ -1173,6 +1085,7 @@ class Orchestrator:
         if self._stop.is_set():
             return
         self._stop.set()
+        self.planner.close()  # a plan running in the worker is abandoned: the control thread ends at once
         self._control.join(timeout=10)
         try:
             self.loop.run(self.servicer.remove_p2p_handlers(self.p2p), timeout_s=5)
