@@ -140,13 +140,15 @@ def test_gathering_waits_for_a_client_served_first_even_when_the_batch_is_full(p
 def test_vtc_counter_spread_stays_within_one_charge_with_the_prompt_limit(ops, budget, cap_fraction, w_in, w_out):
     """Lemma 4.3 (eq. 2), so Theorem 4.4's 2U, with decode steps first and prompt rows limited while
     sessions decode: the counters of the clients with waiting work differ by at most
-    U = max(w_in * budget, w_out); and every batch keeps the limit (the scheduler checks it)."""
+    U = max(w_in * L_input, w_out * M) with L_input and M both the batch token budget here (one batch may
+    hold `budget` decode rows of one client: each is charged w_out); and every batch keeps the limit (the
+    scheduler checks it)."""
     assume(any(run for _, _, run in ops) and any(n == 1 for _, n, _ in ops))
     cap = max(1, int(cap_fraction * budget))
     vtc = VTCPolicy(w_in=w_in, w_out=w_out)
     sched, _, _ = make(vtc, budget=budget, cap=cap)
     res = Results()
-    u = max(w_in * budget, w_out)
+    u = max(w_in * budget, w_out * budget)
     for k, (client, n, run) in enumerate(ops):
         submit(sched, res, f"{client}{k}", FakeKV(0 if n > 1 else 5), n, client=client)
         if run:

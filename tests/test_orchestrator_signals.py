@@ -21,9 +21,9 @@ def test_sigusr1_holds_the_calibrated_replans_of_a_running_orchestrator(smollm2_
         assert _status(url)["model_replans_held"] is False
         for _ in range(2):  # a second signal changes nothing and kills nothing
             proc.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + 90.0  # a loaded machine (CI's two test workers beside others) is slow to poll
         while not (st := _status(url))["model_replans_held"]:
-            assert time.monotonic() < deadline, "SIGUSR1 did not hold the re-plans within 30 s"
+            assert time.monotonic() < deadline, "SIGUSR1 did not hold the re-plans within 90 s"
             time.sleep(0.2)
         assert proc.poll() is None
         assert sum("re-plans held" in e for e in st["events"]) == 1

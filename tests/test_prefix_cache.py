@@ -269,7 +269,10 @@ def _hf(hf, ids, steps):
     return logits, tokens
 
 
-def _check_same(got, ref, tol=1e-4):
+# float32 logits of SmolLM2 reach |20| (an ulp of 2e-6 there); a prefix copied from the cache and one
+# computed in the prompt's own batch are summed in other orders, and under other thread counts (two test
+# workers) the kernels' blocking differs too: 1.006e-4 was seen with identical tokens
+def _check_same(got, ref, tol=2e-4):
     (logits, tokens), (ref_logits, ref_tokens) = got, ref
     assert tokens == ref_tokens
     worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
