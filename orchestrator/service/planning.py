@@ -99,22 +99,28 @@ def held_ranges(records: list[ServerRecord], sessions_per_peer: dict[str, int]) 
     return held
 
 
+def _cluster_of(inp):
+    """The planner's cluster (and its peers, in index order) from a plan's or a model check's inputs."""
+    cfg = inp.settings
+    return build_cluster(
+        inp.records,
+        cfg.num_blocks,
+        inp.shape,
+        cfg.arrival_rate_per_s,
+        cfg.rho_bar,
+        inp.overheads,
+        relay=cfg.relay,
+        compute=cfg.server_compute,
+        kv_plan_tokens=cfg.kv_plan_tokens,
+    )
+
+
 def decide_plan(inp: PlanInputs) -> Outcome:
     """The planner and the re-plan decision on `inp` alone (run in the control thread or a worker process)."""
     cfg = inp.settings
     whole = None
     try:
-        cluster, peers = build_cluster(
-            inp.records,
-            cfg.num_blocks,
-            inp.shape,
-            cfg.arrival_rate_per_s,
-            cfg.rho_bar,
-            inp.overheads,
-            relay=cfg.relay,
-            compute=cfg.server_compute,
-            kv_plan_tokens=cfg.kv_plan_tokens,
-        )
+        cluster, peers = _cluster_of(inp)
         index = {p: j for j, p in enumerate(peers)}
         held = {p: h for p, h in held_ranges(inp.records, inp.sessions_per_peer).items() if p in index}
         if not get_policy(cfg.policy).tunes_c:
@@ -191,17 +197,7 @@ def model_check_plan(inp: ModelCheckInputs) -> tuple[float, int | None] | None:
     plan (the trigger then waits)."""
     cfg = inp.settings
     try:
-        cluster, _ = build_cluster(
-            inp.records,
-            cfg.num_blocks,
-            inp.shape,
-            cfg.arrival_rate_per_s,
-            cfg.rho_bar,
-            inp.overheads,
-            relay=cfg.relay,
-            compute=cfg.server_compute,
-            kv_plan_tokens=cfg.kv_plan_tokens,
-        )
+        cluster, _ = _cluster_of(inp)
         p = run_plan(cluster, cfg.policy, c=cfg.c, tuning=cfg.tuning, leftover=cfg.leftover_placement)
     except ValueError:
         return None
