@@ -343,7 +343,8 @@ def run_paired(specs: list[str], args, head: ClientHead, out_dir: Path) -> list[
     policy alike and their ratio does not move with it (run one after the other, minutes apart, the
     ratio moved from 0.64 to 4.67 with the load). With `--prefix-pin-cores` (the default where there
     are as many cores as policies) each policy's server runs on a core of its own, so one policy's
-    server cannot take CPU time the other's leaves while it waits for its clients."""
+    server cannot take CPU time the other's leaves while it waits for its clients; halfway through the
+    window the servers swap cores, so neither keeps the core the machine's other work loads more."""
     _describe(args, specs)
     cores = sorted(os.sched_getaffinity(0))
     pin = args.prefix_pin_cores and len(cores) >= len(specs)
@@ -355,10 +356,20 @@ def run_paired(specs: list[str], args, head: ClientHead, out_dir: Path) -> list[
         time.sleep(args.prefix_warmup_s)  # explicit warm-up window: the loops reach their steady state
         for run in runs:
             run.mark()
-        time.sleep(args.prefix_duration_s)  # the measurement window: every policy's load runs for this long
+        if pin and len(runs) > 1:
+            # the cores are not loaded alike by the machine's other work (in three paired runs the second
+            # core gave its server 0.02-0.03 of a core less every time): halfway through the window every
+            # server moves to the next core, so each policy spends half of it on each
+            time.sleep(args.prefix_duration_s / 2)  # the window's first half on the first cores
+            for i, run in enumerate(runs):
+                run.core = cores[(i + 1) % len(runs)]
+                pin_process_tree(run.swarm.servers[0].process.pid, run.core)
+            time.sleep(args.prefix_duration_s / 2)  # and its second half on the other ones
+        else:
+            time.sleep(args.prefix_duration_s)  # the measurement window: every policy's load runs for this long
         for run in runs:
             run.mark()
-    results = [{**run.result(), "core": run.core} for run in runs]
+    results = [{**run.result(), "cores": [cores[i], run.core] if pin else None} for i, run in enumerate(runs)]
     for r in results:
         _print_result(r)
     return results
