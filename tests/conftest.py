@@ -33,15 +33,43 @@ LONGEST_FIRST = (
 )
 
 
+# The files whose tests use `live_gateway`: they run one after the other (and on one xdist worker: see
+# `pytest_xdist_make_scheduler`), so a run starts the gateway once and stops it when they are done.
+LIVE_GATEWAY_FILES = ("test_api_gateway.py", "test_chat_page.py")
+# the live gateway's stack of contexts (swarm, gateway), so that it can be stopped before the session ends
+_LIVE_GATEWAY_STACK = pytest.StashKey[contextlib.ExitStack]()
+
+
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     # sorted() is stable: within a file, and among the files not listed, the collection order stays
     items[:] = sorted(items, key=lambda item: rank.get(item.path.name, len(rank)))
+    users = {item.path.name for item in items if "live_gateway" in getattr(item, "fixturenames", ())}
+    strays = sorted(users - set(LIVE_GATEWAY_FILES))
+    if strays:
+        raise pytest.UsageError(f"tests/conftest.py: add {strays} to LIVE_GATEWAY_FILES (they use live_gateway)")
+    # the live gateway's files together, where the first of them stands
+    shared = [item for item in items if item.path.name in LIVE_GATEWAY_FILES]
+    if shared:
+        first = items.index(shared[0])
+        rest = [item for item in items if item.path.name not in LIVE_GATEWAY_FILES]
+        items[:] = rest[:first] + shared + rest[first:]
 
 
-# the live gateway's stack of contexts (swarm, gateway), and the last test of this run that uses it
-_LIVE_GATEWAY_STACK = pytest.StashKey[contextlib.ExitStack]()
-_LIVE_GATEWAY_LAST_USER = pytest.StashKey[str]()
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it, never called
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (make test) with the files of LIVE_GATEWAY_FILES as one work unit: one worker runs
+    them in turn, so the suite starts the shared gateway once, not once per worker that gets one of them."""
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedGatewayScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "live_gateway" if path.rsplit("/", 1)[-1] in LIVE_GATEWAY_FILES else path
+
+    return SharedGatewayScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -138,10 +166,10 @@ def tiny_family_path(tmp_path_factory):
 def live_gateway(request, smollm2_path):
     """One live swarm of the embedded SmolLM2 (two servers, blocks [0, 15) and [15, 30), prefix caches on,
     info logs: the servers' "session ... opened" lines carry the gateway's request ids) and `petals-chain
-    api` over it (one API key, 4 sessions at once): a `LiveGateway`. Shared by tests/test_api_gateway.py
-    and tests/test_chat_page.py, so a run starts it once: the first time a test asks for it, and it stops
-    after the last test of the run that uses it (see `pytest_runtest_teardown`). Its users leave no
-    session running and read the gateway's counters as differences."""
+    api` over it (one API key, 4 sessions at once): a `LiveGateway`. Shared by the files of
+    LIVE_GATEWAY_FILES, so a run starts it once: the first time a test asks for it; it stops after the
+    last test of those files (see `pytest_runtest_teardown`). Its users leave no session running and
+    read the gateway's counters as differences."""
     from petals_chain.swarm.local import LocalSwarm
     from tests.swarm_helpers import LIVE_GATEWAY_KEY, running_gateway
 
@@ -152,17 +180,12 @@ def live_gateway(request, smollm2_path):
         yield stack.enter_context(running_gateway(swarm, key=LIVE_GATEWAY_KEY, max_concurrent=4))
 
 
-def pytest_collection_finish(session):
-    users = [item.nodeid for item in session.items if "live_gateway" in getattr(item, "fixturenames", ())]
-    if users:
-        session.config.stash[_LIVE_GATEWAY_LAST_USER] = users[-1]
-
-
 @pytest.hookimpl(trylast=True)  # after pytest's own teardown of the test's narrower fixtures
 def pytest_runtest_teardown(item, nextitem):
-    """Stops the live gateway and its swarm after the last test that uses it, not at the end of the run:
-    idle servers would hold memory and CPU through every later file."""
-    if item.nodeid == item.config.stash.get(_LIVE_GATEWAY_LAST_USER, None):
+    """Stops the live gateway and its swarm after the last test of LIVE_GATEWAY_FILES (they run together),
+    not at the end of the run: idle servers would hold memory and CPU through every later file."""
+    last = nextitem is None or nextitem.path.name not in LIVE_GATEWAY_FILES
+    if item.path.name in LIVE_GATEWAY_FILES and last:
         stack = item.config.stash.get(_LIVE_GATEWAY_STACK, None)
         if stack is not None:
             stack.close()  # the fixture's own exit at the end of the session then finds nothing left to stop
