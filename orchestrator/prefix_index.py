@@ -95,11 +95,11 @@ class PrefixIndex:
         """Leading chunks of `hashes` the hop's server holds for this client (no side effects). With
         `stored`, only chunks it has stored already: not those a session still running on it is computing
         (learned at its grant, not yet confirmed by a report)."""
-        held = self._by_namespace.get((hop.server, namespace(self.sharing, client_id, hop.first_block)))
+        ns = namespace(self.sharing, client_id, hop.first_block)
+        held = self._by_namespace.get((hop.server, ns))
         if not held:
             return 0
         pending = self._provisional.get(hop.server, {}) if stored else {}
-        ns = namespace(self.sharing, client_id, hop.first_block)
         n = 0
         for h in hashes:
             if h not in held:

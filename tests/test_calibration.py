@@ -363,12 +363,11 @@ def _auto_orchestrator(now):
     return orch
 
 
-def test_a_model_replan_drains_the_servers_it_moves_then_installs_the_new_plan():
-    """Drain, then move: the re-plan first stops granting on chains through the servers it moves (a new
-    session waits, never granted there), keeps their old assignment while their sessions run, and installs
-    the new plan once they ended; the fresh plan is installed whole (no server kept)."""
-    now = [0.0]
+def _a_drain_of_pa_holding_a_session(now: list[float], force_replan: bool = False):
+    """An orchestrator whose calibrated model moved while server pa holds a session: its re-plan (at 100 s)
+    drains pa. Returns (the orchestrator, pa's assignment before, the session's grant)."""
     orch = _auto_orchestrator(now)
+    orch.config.force_replan = force_replan
     old = orch.current.assignment("pa")
     g, _ = orch.sessions.acquire("s1", "c1", 64, 0.0, timeout_s=600)
     assert g is not None and "pa" in [h.peer_id for h in g.hops]
@@ -376,6 +375,15 @@ def test_a_model_replan_drains_the_servers_it_moves_then_installs_the_new_plan()
     orch.refit()
     orch.model_moved, orch.model_moved_s = True, 100.0
     orch._plan(100.0)
+    return orch, old, g
+
+
+def test_a_model_replan_drains_the_servers_it_moves_then_installs_the_new_plan():
+    """Drain, then move: the re-plan first stops granting on chains through the servers it moves (a new
+    session waits, never granted there), keeps their old assignment while their sessions run, and installs
+    the new plan once they ended; the fresh plan is installed whole (no server kept)."""
+    now = [0.0]
+    orch, old, g = _a_drain_of_pa_holding_a_session(now)
     assert orch.drain is not None and "pa" in orch.drain.movers and orch.current.version == 1
     assert orch.status()["replan"]["draining"] == ["pa"]
     g2, _ = orch.sessions.acquire("s2", "c2", 64, 100.0, timeout_s=600)
@@ -432,15 +440,7 @@ def test_at_the_drain_deadline_with_force_replan_busy_movers_are_told_to_move_at
     from orchestrator.service.planning import Outcome
 
     now = [0.0]
-    orch = _auto_orchestrator(now)
-    orch.config.force_replan = True
-    old = orch.current.assignment("pa")
-    g, _ = orch.sessions.acquire("s1", "c1", 64, 0.0, timeout_s=600)
-    assert g is not None and "pa" in [h.peer_id for h in g.hops]
-    _slower_live_service(orch)
-    orch.refit()
-    orch.model_moved, orch.model_moved_s = True, 100.0
-    orch._plan(100.0)
+    orch, old, g = _a_drain_of_pa_holding_a_session(now, force_replan=True)
     assert orch.drain is not None and "pa" in orch.drain.movers
     movers, deadline = orch.drain.movers, orch.drain.deadline_s
     orch._maybe_plan(deadline - 1)

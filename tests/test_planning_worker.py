@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -52,18 +51,18 @@ def refuse(_inputs):
 
 def hang_in_a_worker(started: Path) -> str:
     """Stands for a step the worker never finishes (it is killed): it says it started (the file), then
-    waits; in the calling thread it returns at once."""
+    blocks until the test kills the process; in the calling thread it returns at once."""
     if multiprocessing.parent_process() is not None:
         started.write_text(str(os.getpid()))
-        time.sleep(600)
+        threading.Event().wait()  # nothing sets it: only the kill ends the worker
     return "ran in the calling thread"
 
 
-def _until(predicate, what: str) -> None:
-    deadline = time.monotonic() + 60
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+def _until_started(started: Path) -> None:
+    # imported here, not at the top: the spawned worker imports this module for hang_in_a_worker
+    from tests.swarm_helpers import wait_for
+
+    wait_for(started.exists, 60, "the worker to start the step", period_s=0.01)
 
 
 def test_the_workers_outcome_equals_the_control_threads():
@@ -109,7 +108,7 @@ def test_a_worker_killed_mid_step_is_replaced_and_the_step_runs_in_the_calling_t
         done: list[str] = []
         t = threading.Thread(target=lambda: done.append(worker.run(hang_in_a_worker, started, 1)))
         t.start()
-        _until(started.exists, "the worker never started the step")
+        _until_started(started)
         os.kill(first, 9)  # the worker dies holding the step
         t.join(60)
         assert done == ["ran in the calling thread"] and worker.last_where == "thread"
@@ -133,7 +132,7 @@ def test_close_abandons_the_step_a_worker_runs(tmp_path):
 
     t = threading.Thread(target=run)
     t.start()
-    _until(started.exists, "the worker never started the step")
+    _until_started(started)
     worker.close()
     t.join(30)
     assert not t.is_alive() and len(errors) == 1

@@ -41,6 +41,7 @@ from server.lifecycle import ServerLifecycle
 from server.relay import RelayInbox
 from server.service_meter import ServiceMeter
 from server.serving_stack import build_stack
+from tests.swarm_helpers import wait_for
 
 MAX_LENGTH = 32
 
@@ -119,12 +120,12 @@ def test_no_open_is_in_flight_while_a_move_runs():
     threads = [threading.Thread(target=opener) for _ in range(3)] + [threading.Thread(target=mover)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while (state["moves"] < 200 or state["opens"] < 200) and time.monotonic() < deadline:
-        time.sleep(0.01)  # polling the counters, not standing in for work
-    stop.set()
-    for t in threads:
-        t.join()
+    try:
+        wait_for(lambda: state["moves"] >= 200 and state["opens"] >= 200, 60, "200 moves and 200 opens", period_s=0.01)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
     assert state["moves"] >= 200 and state["opens"] >= 200
     assert state["broken"] == 0
 
@@ -465,10 +466,12 @@ class MoveServingServer(BaseStreamer):
             )
             self.mover.start()
             # the next step must meet the closed stream: wait (with a deadline) until the server closed it
-            deadline = time.monotonic() + 30
-            while server.lifecycle.accepting or not server.lifecycle.quiet():
-                assert time.monotonic() < deadline, "the forced move did not close the session"
-                time.sleep(0.01)
+            wait_for(
+                lambda: not server.lifecycle.accepting and server.lifecycle.quiet(),
+                30,
+                "the forced move to close the session",
+                period_s=0.01,
+            )
 
     def end(self):
         pass

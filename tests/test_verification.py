@@ -492,12 +492,12 @@ def test_the_gateway_rolls_a_request_back_after_a_catch_and_answers_what_honest_
     import json
     import socket
     import threading
-    import time
     import urllib.request
 
     import uvicorn
 
     from petals_chain.api.gateway import Gateway, GatewayConfig
+    from tests.swarm_helpers import wait_for
 
     noise = _peer(swarm, "corrupt-noise")
     honest = [_peer(swarm, "honest0"), _peer(swarm, "honest1")]
@@ -522,10 +522,8 @@ def test_the_gateway_rolls_a_request_back_after_a_catch_and_answers_what_honest_
         return urllib.request.urlopen(req, timeout=120)
 
     try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the in-process gateway did not start"
-            time.sleep(0.02)
+        wait_for(lambda: server.started or not thread.is_alive(), 30, "the in-process gateway to start")
+        assert server.started, "the in-process gateway's thread ended before it started"
         provider, v = model.backend.provider, model.backend.verification
         with post({"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True}) as r:
             events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]

@@ -40,6 +40,7 @@ from orchestrator.dispatch import (
     D2lpmDispatcher,
     Dispatcher,
     DispatchRequest,
+    E2Dispatcher,
     PrefixParams,
     Start,
     make_dispatcher,
@@ -864,7 +865,7 @@ class Sessions:
             if d is not None and getattr(d, "name", None) in PROMPT_AWARE:
                 live = {i: cid for i, cid in self._live_of_index.items()}
                 out["chain_hit_rate"] = {str(live.get(i, i)): r for i, r in enumerate(d.hit_rates())}
-                if hasattr(d, "rebalanced"):  # e2: requests its rebalancing rule sent to explore, newcomers held
+                if isinstance(d, E2Dispatcher):  # requests its rebalancing rule sent to explore, newcomers held
                     out["rebalanced"], out["holds"] = d.rebalanced, d.holds
                 if isinstance(d, D2lpmDispatcher):
                     out["client_deficit"] = dict(d.client_deficit)

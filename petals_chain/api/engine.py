@@ -304,76 +304,82 @@ def run_generation(
             scanner = StopScanner(params.stop)  # the corrected text comes again from its start
             shown.restart()
 
-        while True:
-            try:
-                while len(generated) < params.max_tokens and result.finish_reason == "length":
-                    if cancel.is_set():
-                        result.finish_reason = "cancelled"
+        def decode() -> None:
+            """Decode until the budget, a stop or a cancel, then let the running audits finish and send the
+            rest of the text; a catch raises `VerificationRollback` from anywhere in it."""
+            nonlocal pending
+            while len(generated) < params.max_tokens and result.finish_reason == "length":
+                if cancel.is_set():
+                    result.finish_reason = "cancelled"
+                    break
+                forced, complete = forced_ids(generated) if constraint is not None else ([], False)
+                forced = forced[: params.max_tokens - len(generated)]
+                if complete and not forced:
+                    result.finish_reason = "stop"
+                    break
+                draft: list[int] = []
+                if drafter is not None:
+                    candidates, _ = drafter.get_candidates(torch.tensor([tokens], dtype=torch.long))
+                    # never verify past the request's budget: the last token of a step is the model's own
+                    draft = candidates[0, len(tokens) :].tolist()[: params.max_tokens - len(generated) - 1]
+                step_tokens: list[int] = list(forced)
+                if complete and result.logprobs is None:  # the closing of a forced call needs no step
+                    logits = None
+                else:
+                    # one chain step takes the forced tokens and verifies every draft; the session rolls
+                    # back the rejected ones by itself
+                    logits = model(
+                        torch.tensor([tokens + forced + draft], dtype=torch.long),
+                        logits_to_keep=len(forced) + len(draft) + 1,
+                    ).logits[0]
+                # Standard acceptance with a point-mass draft: pick position i's token as plain decoding
+                # would (argmax, or a sample of the model's distribution there) and keep going while it
+                # equals the draft: greedy output is identical, sampled output has the model's distribution.
+                for i in range(0 if complete else len(draft) + 1):
+                    row = logits[len(forced) + i : len(forced) + i + 1]
+                    step_tokens.append(
+                        pick(tokens + step_tokens, row)[0]
+                        if constraint is None
+                        else pick_allowed(tokens + step_tokens, row, generated + step_tokens)
+                    )
+                    if i == len(draft) or step_tokens[-1] != draft[i]:
                         break
-                    forced, complete = forced_ids(generated) if constraint is not None else ([], False)
-                    forced = forced[: params.max_tokens - len(generated)]
-                    if complete and not forced:
+                result.drafted_tokens += len(draft)
+                now_s = clock()
+                for n, token in enumerate(step_tokens):
+                    # a token after the step's first pick was a draft
+                    result.accepted_draft_tokens += n > len(forced)
+                    if result.logprobs is not None:
+                        entry = token_logprob(logits[n], token, params.top_logprobs)
+                        result.logprobs.append(entry)
+                        pending.append(entry)
+                    if result.time_to_first_token_s is None:
+                        result.time_to_first_token_s = now_s - start_s
+                    result.token_times_s.append(now_s)
+                    tokens.append(token)
+                    generated.append(token)
+                    if token in eos and constraint is None:
                         result.finish_reason = "stop"
                         break
-                    draft: list[int] = []
-                    if drafter is not None:
-                        candidates, _ = drafter.get_candidates(torch.tensor([tokens], dtype=torch.long))
-                        # never verify past the request's budget: the last token of a step is the model's own
-                        draft = candidates[0, len(tokens) :].tolist()[: params.max_tokens - len(generated) - 1]
-                    step_tokens: list[int] = list(forced)
-                    if complete and result.logprobs is None:  # the closing of a forced call needs no step
-                        logits = None
-                    else:
-                        # one chain step takes the forced tokens and verifies every draft; the session rolls
-                        # back the rejected ones by itself
-                        logits = model(
-                            torch.tensor([tokens + forced + draft], dtype=torch.long),
-                            logits_to_keep=len(forced) + len(draft) + 1,
-                        ).logits[0]
-                    # Standard acceptance with a point-mass draft: pick position i's token as plain decoding
-                    # would (argmax, or a sample of the model's distribution there) and keep going while it
-                    # equals the draft: greedy output is identical, sampled output has the model's distribution.
-                    for i in range(0 if complete else len(draft) + 1):
-                        row = logits[len(forced) + i : len(forced) + i + 1]
-                        step_tokens.append(
-                            pick(tokens + step_tokens, row)[0]
-                            if constraint is None
-                            else pick_allowed(tokens + step_tokens, row, generated + step_tokens)
-                        )
-                        if i == len(draft) or step_tokens[-1] != draft[i]:
-                            break
-                    result.drafted_tokens += len(draft)
-                    now_s = clock()
-                    for n, token in enumerate(step_tokens):
-                        # a token after the step's first pick was a draft
-                        result.accepted_draft_tokens += n > len(forced)
-                        if result.logprobs is not None:
-                            entry = token_logprob(logits[n], token, params.top_logprobs)
-                            result.logprobs.append(entry)
-                            pending.append(entry)
-                        if result.time_to_first_token_s is None:
-                            result.time_to_first_token_s = now_s - start_s
-                        result.token_times_s.append(now_s)
-                        tokens.append(token)
-                        generated.append(token)
-                        if token in eos and constraint is None:
-                            result.finish_reason = "stop"
-                            break
-                        delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True))
-                        if delta or pending:
-                            shown.give(delta, pending, hold=holding())
-                            pending = []
-                        if scanner.stopped:
-                            result.finish_reason = "stop"
-                            break
-                if verifier is not None and result.finish_reason != "cancelled":
-                    # audits still running may yet find a wrong row: roll back and go on then
-                    verifier.settle()
-                if result.finish_reason != "cancelled":
-                    delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True), final=True)
-                    shown.give(delta, pending)  # with what was held back
-                    pending = []
-                    shown.finish()
+                    delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True))
+                    if delta or pending:
+                        shown.give(delta, pending, hold=holding())
+                        pending = []
+                    if scanner.stopped:
+                        result.finish_reason = "stop"
+                        break
+            if verifier is not None and result.finish_reason != "cancelled":
+                # audits still running may yet find a wrong row: roll back and go on then
+                verifier.settle()
+            if result.finish_reason != "cancelled":
+                delta = scanner.push(tokenizer.decode(generated, skip_special_tokens=True), final=True)
+                shown.give(delta, pending)  # with what was held back
+                pending = []
+                shown.finish()
+
+        while True:
+            try:
+                decode()
                 break
             except VerificationRollback as rollback:
                 if isinstance(rollback, StreamTakenBackError):
