@@ -284,7 +284,7 @@ class PlannerWorker:
         self._proc = None
         self._conn = None
         self._closed = False
-        self.last_where = "none"  # where the last step ran: "thread" or "process" (/status)
+        self.last_where = "none"  # where the last step ran: "thread" or "process" (scripts/bench_replan.py)
 
     def uses_process(self, servers: int) -> bool:
         return self.min_servers > 0 and servers >= self.min_servers
