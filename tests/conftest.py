@@ -14,22 +14,32 @@ import torch
 # end while the other worker idles. Order only; a file missing here runs in its usual place.
 LONGEST_FIRST = (
     "test_table1_quick.py",
-    "test_online_orchestrator.py",
-    "test_runtime_exactness.py",
-    "test_lifecycle.py",
-    "test_large_tensors.py",
     "test_sim_cli.py",
-    "test_verification.py",
     "test_readme.py",
-    "test_self_placement.py",
-    "test_prefix_dispatch_live.py",
-    "test_relay.py",
-    "test_replan_live.py",
-    "test_prefix_live.py",
-    "test_overload.py",
+    "test_lifecycle.py",
+    "test_online_orchestrator.py",
     "test_soak.py",
-    "test_families_live.py",
+    "test_large_tensors.py",
     "test_demo.py",
+    "test_replan_live.py",
+    "test_runtime_exactness.py",
+    "test_verification.py",
+    "test_netem_swarm.py",
+    "test_api_features.py",
+    "test_online_policies.py",
+    "test_prefix_live.py",
+    "test_swarm.py",
+    "test_direct_stream.py",
+    "test_self_placement.py",
+    "test_failover.py",
+    "test_families_live.py",
+    "test_prefix_dispatch_live.py",
+    "test_cli_errors.py",
+    "test_speculative_live.py",
+    "test_lora_live.py",
+    "test_stream_recovery.py",
+    "test_relay.py",
+    "test_overload.py",
 )
 
 
@@ -62,6 +72,9 @@ def pytest_xdist_make_scheduler(config, log):
     them in turn, so the suite starts the shared gateway once, not once per worker that gets one of them."""
     if config.getvalue("dist") != "loadfile":
         return None  # xdist's own scheduler
+    # xdist sorts the files by how many tests they hold, most first, unless told not to: that ran the
+    # long live files of LONGEST_FIRST (a few tests each) last, one worker busy alone for 20 min at the end
+    config.option.loadscopereorder = False
     from xdist.scheduler import LoadFileScheduling
 
     class SharedGatewayScheduling(LoadFileScheduling):

@@ -50,6 +50,25 @@ def _ours(marker: str) -> list[psutil.Process]:
     return out
 
 
+def _faster_cpu_dtype() -> str:
+    """float16 where this CPU multiplies it faster than float32, else float32. Hosts differ by 60x here:
+    with AVX-512 FP16 or AMX float16 decodes about twice as fast as float32, while on an AVX2-only host a
+    float16 GEMM is ~30x slower than float32 (a 300-token prefill took 84 s, the test 16 min)."""
+    import time
+
+    import torch
+
+    def seconds(dtype) -> float:
+        a, w = torch.randn(64, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+        a @ w  # first call: kernel selection
+        t0 = time.perf_counter()
+        for _ in range(5):
+            a @ w
+        return time.perf_counter() - t0
+
+    return "float16" if seconds(torch.float16) < seconds(torch.float32) else "float32"
+
+
 @pytest.mark.integration
 @pytest.mark.model
 def test_quick_mode_end_to_end(tmp_path):
@@ -70,9 +89,8 @@ def test_quick_mode_end_to_end(tmp_path):
     # driven live by tests/test_online_policies.py, and the report's comparison of columns by
     # tests/test_table1_report.py), and 4 servers (2 fast, 2 slow) instead of 9: each starts SmolLM2
     # and runs at a fraction of a core, and 4 still make chains of several servers (a slow server's
-    # 240 MiB cannot hold the 405 MiB of blocks). float16, not the default float32: the load generator's
-    # client must run the servers' dtype (a GPU run in bfloat16 once failed every request on that), and
-    # float16 decodes about twice as fast as float32 on this CPU
+    # 240 MiB cannot hold the 405 MiB of blocks). The dtype is the faster of float16 and float32 on this
+    # CPU (`_faster_cpu_dtype`); the load generator's client runs the servers' dtype either way
     argv = [
         sys.executable,
         "-m",
@@ -85,7 +103,7 @@ def test_quick_mode_end_to_end(tmp_path):
         "--requests",
         "6",
         "--dtype",
-        "float16",
+        _faster_cpu_dtype(),
         "--time-scale",
         "3",
         "--deadline",
