@@ -109,6 +109,7 @@ def rotating_chains(peers: list[str]):
     import threading
 
     from petals_chain.client.routing import ChainProvider
+    from petals_chain.errors import NoChainError
     from petals_chain.wire.messages import Hop
 
     class RotatingChains(ChainProvider):
@@ -122,6 +123,8 @@ def rotating_chains(peers: list[str]):
                 self._turn += 1
                 turn = self._turn
             free = [p for p in self.peers if p not in exclude]
+            if not free:  # a mixed-dtype path has one serving peer, avoided for a while after a mismatch
+                raise NoChainError(f"every serving peer of this path is excluded ({len(self.peers)} of them)")
             return [Hop(free[turn % len(free)], start, end)]
 
     return RotatingChains()
@@ -352,14 +355,18 @@ def honest(swarm, sessions: int, budget_s: float, tokens: int, concurrency: int,
             clients.append((name, model))
         lock = threading.Lock()
         state = {"started": 0, "done": 0, "failed": []}
+        running = [0]  # sessions in flight
         t0 = time.perf_counter()
 
         def worker(index: int) -> None:
             gen = torch.Generator().manual_seed(1000 + index)
             while True:
                 with lock:
-                    if state["started"] >= sessions or time.perf_counter() - t0 > budget_s:
+                    # completed sessions count toward `sessions`: a failed one (no chain while the path's
+                    # only server is avoided) is counted apart and does not end the run early
+                    if state["done"] + running[0] >= sessions or time.perf_counter() - t0 > budget_s:
                         return
+                    running[0] += 1
                     n = state["started"]
                     state["started"] += 1
                 _, model = clients[n % len(clients)]
@@ -368,9 +375,13 @@ def honest(swarm, sessions: int, budget_s: float, tokens: int, concurrency: int,
                     model.generate(ids, max_new_tokens=tokens, do_sample=False)
                 except Exception as e:  # counted and shown, never a false positive
                     with lock:
+                        running[0] -= 1
                         state["failed"].append(f"{type(e).__name__}: {e}")
+                    # back off: the path's server is avoided for the ban's 15 s after a mismatch
+                    time.sleep(1.0)
                     continue
                 with lock:
+                    running[0] -= 1
                     state["done"] += 1
                     if state["done"] % 50 == 0:
                         print(f"honest: {state['done']} sessions in {time.perf_counter() - t0:.0f} s", flush=True)

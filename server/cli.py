@@ -460,7 +460,9 @@ def _main(argv: list[str]) -> int:
         f"free slots={info.free_kv_slots})",
         flush=True,
     )
-    stop.wait()
+    from petals_chain.process.signals import wait_handling_signals
+
+    wait_handling_signals(stop)
     server.shutdown()
     print("server stopped", flush=True)
     return 0

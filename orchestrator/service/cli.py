@@ -379,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://{args.http_host}:{orch.http_port}/" if http else "(no HTTP)"
     freeze_startup_heap("orchestrator")  # dispatch never meets a full collection of the start-up heap
     print(f"orchestrator ready: {orch.model} as {orch.peer_id}, policy {args.policy}, status {url}", flush=True)
-    stop.wait()
+    from petals_chain.process.signals import wait_handling_signals
+
+    wait_handling_signals(stop)
     if http is not None:
         http.shutdown()
     orch.shutdown()

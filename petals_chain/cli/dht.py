@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     from petals_chain.process.loop import BackgroundLoop
-    from petals_chain.process.signals import start_dht
+    from petals_chain.process.signals import start_dht, wait_handling_signals
     from petals_chain.swarm.identity import SwarmIdentity
     from petals_chain.swarm.reachability import p2pd_flags, serve_dial_back
 
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     for maddr in dht.get_visible_maddrs():
         print(maddr, flush=True)
     print("DHT peer running; pass the address above as --initial-peers. Ctrl-C stops it.", file=sys.stderr, flush=True)
-    stop.wait()
+    wait_handling_signals(stop)
     dht.shutdown()
     loop.stop()
     return 0

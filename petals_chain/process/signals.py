@@ -131,3 +131,15 @@ def deferred_interrupts() -> Iterator[None]:
             signal.signal(sig, handler)
         if received:
             raise KeyboardInterrupt
+
+
+def wait_handling_signals(stop: threading.Event, poll_s: float = 0.5) -> None:
+    """Block the main thread until `stop` is set, running Python's signal handlers meanwhile.
+
+    Why not `stop.wait()`: CPython runs signal handlers on the main thread only, and the kernel may deliver
+    a process-directed signal (SIGUSR1, SIGTERM from a parent) to any of the process's other threads
+    (hivemind's, the HTTP server's). Then the main thread, blocked in a lock wait with no timeout, is
+    never interrupted and the handler waits until something else wakes it: a SIGUSR1 to the orchestrator
+    once went unhandled for over 90 s. Waking every `poll_s` bounds that delay."""
+    while not stop.wait(poll_s):
+        pass
