@@ -354,8 +354,7 @@ def honest(swarm, sessions: int, budget_s: float, tokens: int, concurrency: int,
             model.backend.provider = rotating_chains(serving)
             clients.append((name, model))
         lock = threading.Lock()
-        state = {"started": 0, "done": 0, "failed": []}
-        running = [0]  # sessions in flight
+        state = {"started": 0, "running": 0, "done": 0, "failed": []}
         t0 = time.perf_counter()
 
         def worker(index: int) -> None:
@@ -364,9 +363,9 @@ def honest(swarm, sessions: int, budget_s: float, tokens: int, concurrency: int,
                 with lock:
                     # completed sessions count toward `sessions`: a failed one (no chain while the path's
                     # only server is avoided) is counted apart and does not end the run early
-                    if state["done"] + running[0] >= sessions or time.perf_counter() - t0 > budget_s:
+                    if state["done"] + state["running"] >= sessions or time.perf_counter() - t0 > budget_s:
                         return
-                    running[0] += 1
+                    state["running"] += 1
                     n = state["started"]
                     state["started"] += 1
                 _, model = clients[n % len(clients)]
@@ -375,13 +374,13 @@ def honest(swarm, sessions: int, budget_s: float, tokens: int, concurrency: int,
                     model.generate(ids, max_new_tokens=tokens, do_sample=False)
                 except Exception as e:  # counted and shown, never a false positive
                     with lock:
-                        running[0] -= 1
+                        state["running"] -= 1
                         state["failed"].append(f"{type(e).__name__}: {e}")
                     # back off: the path's server is avoided for the ban's 15 s after a mismatch
                     time.sleep(1.0)
                     continue
                 with lock:
-                    running[0] -= 1
+                    state["running"] -= 1
                     state["done"] += 1
                     if state["done"] % 50 == 0:
                         print(f"honest: {state['done']} sessions in {time.perf_counter() - t0:.0f} s", flush=True)
