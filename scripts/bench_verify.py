@@ -64,6 +64,8 @@ def calibrate(sessions: int, prompt_tokens: int, decode_steps: int, dtypes: list
     gen = torch.Generator().manual_seed(0)
     ranges = {d: BlockRange(path, 0, head.config.num_hidden_layers, dtype=d) for d in dtypes}
     errors: dict[tuple[str, str], list[float]] = {(a, b): [] for a in dtypes for b in dtypes}
+    # a session's median row error: what a cross-dtype audit of all its rows is judged by (hidden_compare)
+    medians: dict[tuple[str, str], list[float]] = {(a, b): [] for a in dtypes for b in dtypes}
     for _ in range(sessions):
         n = prompt_tokens + decode_steps
         x = head.embed_batched(torch.randint(0, head.config.vocab_size, (n,), generator=gen))
@@ -78,7 +80,9 @@ def calibrate(sessions: int, prompt_tokens: int, decode_steps: int, dtypes: list
             served[d] = torch.cat(rows)
             checked[d] = br.forward_stateless(xd.unsqueeze(0))[0]
         for a, b in errors:
-            errors[a, b].extend(row_errors(served[a], checked[b]).tolist())
+            session_errors = row_errors(served[a], checked[b])
+            errors[a, b].extend(session_errors.tolist())
+            medians[a, b].append(float(session_errors.median()))
         print(f"calibrate: session {_ + 1}/{sessions} done", flush=True)
     out = {}
     for (a, b), errs in errors.items():
@@ -92,6 +96,8 @@ def calibrate(sessions: int, prompt_tokens: int, decode_steps: int, dtypes: list
             "bound": bound,
             "margin": bound / errs[-1],
             "over_bound": sum(e > bound for e in errs),
+            "session_median_max": max(medians[a, b]),
+            "sessions_median_over_bound": sum(m > bound for m in medians[a, b]),
         }
         print(f"calibrate {a} served, {b} check: {out[f'{a} served, {b} check']}", flush=True)
     return {

@@ -9,8 +9,16 @@ import asyncio
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from petals_chain.algorithms.hidden_compare import digest, first_mismatch, row_errors, tolerance_for
+from petals_chain.algorithms.hidden_compare import (
+    MIN_ROWS_FOR_MEDIAN,
+    digest,
+    first_mismatch,
+    row_errors,
+    tolerance_for,
+)
 from petals_chain.client.verification import ReplyBounds, VerificationConfig, sign_report
 from petals_chain.errors import BadReportError, InvalidRequestError
 from petals_chain.wire.messages import Hop, Verdict, VerificationReport
@@ -63,6 +71,46 @@ def test_each_mode_changes_outputs_as_named(tiny_llama_path):
     # the small perturbation is small: a few percent of a row's norm, yet 20x the float32 bound
     errors = [float(row_errors(o, ref).max()) for o in outs if first_mismatch(o, ref, tol) is not None]
     assert all(0.005 < e < 0.1 for e in errors)
+
+
+# -- comparing rows across dtypes ------------------------------------------------------------------
+def _rows_with_errors(errors: list[float], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two [rows, 64] tensors whose row-wise relative errors are `errors` (up to float rounding)."""
+    gen = torch.Generator().manual_seed(seed)
+    b = torch.randn(len(errors), 64, generator=gen, dtype=torch.float64)
+    d = torch.randn(len(errors), 64, generator=gen, dtype=torch.float64)
+    d = d / d.norm(dim=-1, keepdim=True) * b.norm(dim=-1, keepdim=True) * torch.tensor(errors).unsqueeze(1)
+    return (b + d).float(), b.float()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 24),
+    outliers=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_across_dtypes_a_minority_of_outlier_rows_passes_and_a_majority_or_one_in_a_short_audit_does_not(
+    rows, outliers, seed
+):
+    bound = 0.2
+    picked = outliers.draw(st.sets(st.integers(0, rows - 1), min_size=1, max_size=rows))
+    errors = [0.9 if i in picked else 0.02 for i in range(rows)]
+    a, b = _rows_with_errors(errors, seed)
+    first = min(picked)
+    assert first_mismatch(a, b, bound) == first  # within a dtype every row is judged
+    median_over = len(picked) > rows // 2  # torch's median of an even count is the lower middle one
+    expected = first if rows < MIN_ROWS_FOR_MEDIAN or median_over else None
+    assert first_mismatch(a, b, bound, across_dtypes=True) == expected
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(MIN_ROWS_FOR_MEDIAN, 24), row=st.data(), seed=st.integers(0, 2**16))
+def test_across_dtypes_a_non_finite_row_always_disagrees(rows, row, seed):
+    a, b = _rows_with_errors([0.01] * rows, seed)
+    i = row.draw(st.integers(0, rows - 1))
+    a[i, 3] = float(row.draw(st.sampled_from(["nan", "inf", "-inf"])))
+    assume(not bool(torch.isfinite(a[i]).all()))
+    assert first_mismatch(a, b, 0.2, across_dtypes=True) == i
 
 
 # -- cheap checks ----------------------------------------------------------------------------------
