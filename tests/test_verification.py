@@ -285,7 +285,11 @@ def swarm(tiny_llama_path):
 
     modes = ["noise", "rare:0.25", "skip-last", "after:1"]
     ranges = [(0, 6)] * (2 + len(modes))
-    per_server = [[], []] + [["--test-corrupt", m, "--test-corrupt-seed", "3"] for m in modes]
+    # a seed of its own per corrupting server: with one seed the noise and after:N servers added the same
+    # noise to the same rows and agreed with each other against the honest ones (two of them colluding,
+    # which no spot check can tell from two honest ones: docs/verification.md), and a session that met
+    # them at an unlucky draw ran out of failovers
+    per_server = [[], []] + [["--test-corrupt", m, "--test-corrupt-seed", str(3 + i)] for i, m in enumerate(modes)]
     names = ["honest0", "honest1"] + [f"corrupt-{m.split(':')[0]}" for m in modes]
     # an orchestrator that takes reports (the clients here route by themselves, ListedChains)
     with LocalSwarm(
