@@ -3,8 +3,8 @@ long-running command without a traceback, leaving no child behind, and `kill -9 
 launch-server takes its DHT child, p2pd and torch_shm_manager with it, while its client notices at once.
 
 The promise to users is an exit within 5 s of Ctrl-C (CTRL_C_PROMISE_S; about 1 s on a quiet 2-core
-machine). A test cannot hold a wall clock to it on a shared host: in a full two-worker run on CI a
-launch-server once took longer while the other worker loaded every core. So a command that ends after
+machine). A test cannot hold a wall clock to it on a shared host (the other test worker may load every
+core), so it is measured rather than asserted: a command that ends after
 the promise but before HANG_DEADLINE_S passes with a warning that says how long it took (pytest's
 warnings summary), and one that outlives HANG_DEADLINE_S fails with every thread's stack.
 
@@ -173,8 +173,8 @@ def _main_thread_first(dump: str) -> str:
     return head + blocks[0] + "\n\nmain thread (faulthandler lists it last):\n" + "\n\n".join([main, *others])
 
 
-def _wait_for_exit_after_ctrl_c(cmd: Command, name: str) -> float:
-    """Seconds from Ctrl-C to the command's exit; past HANG_DEADLINE_S the test fails with its stacks;
+def _wait_for_exit_after_ctrl_c(cmd: Command, name: str) -> None:
+    """Wait for the command's exit after Ctrl-C; past HANG_DEADLINE_S the test fails with its stacks;
     past CTRL_C_PROMISE_S it passes with a warning (see the module's docstring)."""
     sent = time.monotonic()
     try:
@@ -201,7 +201,6 @@ def _wait_for_exit_after_ctrl_c(cmd: Command, name: str) -> float:
             f"(load average {os.getloadavg()}: a busy host, or a slower shutdown)",
             stacklevel=2,
         )
-    return took_s
 
 
 @pytest.mark.parametrize("name", ["launch-server", "orchestrator", "api", "generate", "dht"])

@@ -358,17 +358,17 @@ class Verification:
 
         chain = self.chain
         servers = [s for s in fetch_servers(chain.dht, chain.model, allowed=chain.allowed_servers) if s.end <= end]
+        dtypes = {s.peer_id: getattr(torch, s.dtype, chain.dtype) for s in servers}
         with self._lock:
-            for s in servers:
-                self._dtypes[s.peer_id] = getattr(torch, s.dtype, chain.dtype)
+            self._dtypes.update(dtypes)
         try:
             # a random cost per server: the checker is drawn among those that can compute the span, so a
             # server cannot tell which of its peers will check it; servers of the chain's own dtype first
             # (a cross-dtype opinion is a weaker one: a looser bound, and rows judged by their median), so the
             # penalty outweighs any sum of jitters
             cost = {
-                s.peer_id: self.draw() + (CROSS_DTYPE_PENALTY if self._dtypes[s.peer_id] != chain.dtype else 0.0)
-                for s in servers
+                peer: self.draw() + (CROSS_DTYPE_PENALTY if dtype != chain.dtype else 0.0)
+                for peer, dtype in dtypes.items()
             }
             return min_latency_chain(servers, start, end, lambda peer: cost[peer], exclude=exclude | self.avoided())
         except NoChainError:
