@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from petals_chain.process.preload import ForkedProcess, PreloadedLauncher
 from petals_chain.process.signals import deferred_interrupts
 
 # Where a process of the swarm runs: role ("dht", "orchestrator", "server0", ...) -> (argv prefix that
@@ -30,6 +31,20 @@ def on_localhost(role: str) -> tuple[list[str], str]:
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout this module was imported from
+# What the preloaded launcher imports once for every process it forks: most of a server's and a DHT
+# peer's start-up CPU (torch, transformers' Llama and config registry, hivemind, the server's own modules)
+PRELOAD_MODULES = (
+    "torch",
+    "transformers.models.llama.modeling_llama",
+    "hivemind.dht.dht",
+    "hivemind.p2p",
+    "safetensors.torch",
+    "petals_chain.cli.main",
+    "petals_chain.transport.membership",
+    "petals_chain.runtime.block_range",
+    "server.block_server",
+    "server.cli",
+)
 
 
 class SwarmStartError(RuntimeError):
@@ -52,7 +67,7 @@ class ServerProcess:
     name: str
     start: int | None  # None until an auto server reports the range it was assigned
     end: int | None
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     lines: list[str] = field(default_factory=list)
     peer_id: str = ""
 
@@ -96,11 +111,14 @@ class LocalSwarm:
         orchestrator_args: list[str] | None = None,
         placement: Placement = on_localhost,
         names: list[str] | None = None,
+        preload: bool | None = None,
     ):
         """`ranges[i] = None` starts server i with `--blocks auto`; `orchestrator_args` (a list, possibly
         empty) starts `petals-chain orchestrator` with them before the servers; `placement` says on which
         host each process runs and which address it listens on; `names[i]` names server i (default its role
-        `server<i>`)."""
+        `server<i>`); `preload` (default: on unless `PETALS_CHAIN_PRELOAD=0`) forks the processes that run
+        here (not through a placement's command prefix) from one launcher that imported torch, transformers and
+        hivemind once (`process/preload.py`) instead of exec'ing each."""
         self.names = names
         self.model = model
         self.ranges = ranges
@@ -111,16 +129,32 @@ class LocalSwarm:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {})}
         self.orchestrator_args = orchestrator_args
         self.placement = placement
-        self.orchestrator_process: subprocess.Popen | None = None
+        self.orchestrator_process: subprocess.Popen | ForkedProcess | None = None
         self.orchestrator_lines: list[str] = []
         self.orchestrator_peer_id = ""
         self.orchestrator_url = ""
-        self.dht_process: subprocess.Popen | None = None
+        self.dht_process: subprocess.Popen | ForkedProcess | None = None
         self.initial_peers: list[str] = []
         self.servers: list[ServerProcess] = []
+        if preload is None:
+            preload = self.env.get("PETALS_CHAIN_PRELOAD", "1") != "0"
+        self.preload = preload
+        self._launcher: PreloadedLauncher | None = None
+        self._launcher_lock = threading.Lock()
 
-    def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
+    def _preloaded(self) -> PreloadedLauncher:
+        with self._launcher_lock:
+            if self._launcher is None:
+                modules = list(PRELOAD_MODULES)
+                if self.orchestrator_args is not None:
+                    modules.append("orchestrator.service.core")
+                self._launcher = PreloadedLauncher(self.env, modules, start_timeout_s=self.start_timeout_s)
+            return self._launcher
+
+    def _spawn(self, role: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
         prefix, _ = self.placement(role)
+        if self.preload and not prefix and args[0] == "-m":
+            return self._preloaded().spawn(args[1], args[2:])
         return subprocess.Popen(
             [*prefix, sys.executable, *args],
             stdout=subprocess.PIPE,
@@ -303,6 +337,10 @@ class LocalSwarm:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        with self._launcher_lock:
+            launcher, self._launcher = self._launcher, None
+        if launcher is not None:  # after its children: their exit statuses come through it
+            launcher.close()
 
     def __enter__(self) -> "LocalSwarm":
         return self.start()
