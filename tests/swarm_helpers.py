@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -155,11 +153,9 @@ class LiveGateway:
 def running_gateway(swarm, *, key: str, max_concurrent: int, start_timeout_s: float = 180):
     """Starts `petals-chain api --port 0` over `swarm` and yields a `LiveGateway` once it prints where it
     listens; on the way out it is stopped with SIGTERM, then its process group (its p2p daemon) killed."""
-    cmd = [sys.executable, "-m", "petals_chain.cli", "api", "--initial-peers", *swarm.initial_peers]
+    cmd = ["-m", "petals_chain.cli", "api", "--initial-peers", *swarm.initial_peers]
     cmd += ["--port", "0", "--api-key", key, "--max-concurrent", str(max_concurrent)]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=swarm.env, start_new_session=True
-    )
+    proc = swarm.spawn("api", cmd)  # preloaded as the swarm's own processes are
     lines: list[str] = []
     ready = threading.Event()
 

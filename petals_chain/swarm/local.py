@@ -141,6 +141,7 @@ class LocalSwarm:
         self.preload = preload
         self._launcher: PreloadedLauncher | None = None
         self._launcher_lock = threading.Lock()
+        self._extra: list[subprocess.Popen | ForkedProcess] = []  # started by `spawn`
 
     def _preloaded(self) -> PreloadedLauncher:
         with self._launcher_lock:
@@ -150,6 +151,14 @@ class LocalSwarm:
                     modules.append("orchestrator.service.core")
                 self._launcher = PreloadedLauncher(self.env, modules, start_timeout_s=self.start_timeout_s)
             return self._launcher
+
+    def spawn(self, role: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
+        """Run `python ARGS` as the swarm runs its own processes (on `role`'s host, preloaded where it can,
+        output on `.stdout`, in a session of its own): e.g. `petals-chain api` next to the swarm. The swarm
+        stops it with its own processes if it still runs then."""
+        proc = self._spawn(role, args)
+        self._extra.append(proc)
+        return proc
 
     def _spawn(self, role: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
         prefix, _ = self.placement(role)
@@ -321,7 +330,8 @@ class LocalSwarm:
             self._stop(timeout_s)
 
     def _stop(self, timeout_s: float) -> None:
-        procs = [sp.process for sp in self.servers] + [p for p in (self.orchestrator_process, self.dht_process) if p]
+        procs = [*self._extra, *(sp.process for sp in self.servers)]
+        procs += [p for p in (self.orchestrator_process, self.dht_process) if p]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
