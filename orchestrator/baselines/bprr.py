@@ -109,38 +109,53 @@ class BprrRouter(PerRequestRouter):
         self, cluster: Cluster, placement: Placement, wait: str = "order-statistics", commit_at_arrival: bool = False
     ):
         self.wait = wait
+        self._tau_c_s = np.array([sv.tau_c_s for sv in cluster.servers])
+        self._tau_p_s = np.array([sv.tau_p_s for sv in cluster.servers])
         super().__init__(cluster, placement, commit_at_arrival=commit_at_arrival)
 
-    def _active_mean_wait_s(self, j: int, m: np.ndarray) -> np.ndarray:
-        sv = self.cluster.servers[j]
-        mean_service_s = sv.tau_c_s + sv.tau_p_s * self.placement.num_blocks(j)
-        w = mean_service_s / self.holders_on[j] if self.holders_on[j] > 0 else mean_service_s
-        return np.where(self.free_slots[j] >= m, 0.0, w)
-
-    def _expected_wait_s(self, j: int, m: np.ndarray) -> np.ndarray:
-        if self.wait == "active-mean":
-            return self._active_mean_wait_s(j, m)
-        missing = m + self.pending_slots[j] - self.free_slots[j]
-        if not np.any(missing > 0):
-            return np.zeros(len(m))
-        n = self.sessions_on[j]
-        used = self.total_slots[j] - self.free_slots[j]
-        if n > 0:
-            mean_rate = self.rate_sum_on[j] / n
-            avg_slots = used / n
-        else:
-            mean_rate = 1.0 / max(r.service_time_s for r in self._routes) if self._routes else 1.0
-            avg_slots = float(max(1, int(m.max())))
-        out = np.zeros(len(m))
-        for idx, d in enumerate(missing):
-            if d <= 0:
-                continue
-            q = math.ceil(d / avg_slots)
-            within = min(q, n)
-            w = sum(1.0 / (r * mean_rate) for r in range(n - within + 1, n + 1))
-            out[idx] = w + (q - within) / mean_rate
+    def _active_mean_wait_s(self) -> np.ndarray:
+        links = self.links
+        out = np.zeros(len(links.pair_m))
+        for i, j in enumerate(links.order):
+            sv = self.cluster.servers[j]
+            mean_service_s = sv.tau_c_s + sv.tau_p_s * self.placement.num_blocks(j)
+            w = mean_service_s / self.holders_on[j] if self.holders_on[j] > 0 else mean_service_s
+            lo, hi = links.offsets[i], links.offsets[i + 1]
+            out[lo:hi] = np.where(self.free_slots[j] >= links.pair_m[lo:hi], 0.0, w)
         return out
 
-    def _link_cost(self, j: int, m: np.ndarray) -> np.ndarray:
-        sv = self.cluster.servers[j]
-        return sv.tau_c_s + sv.tau_p_s * m + self._expected_wait_s(j, m)
+    def _expected_wait_s(self) -> np.ndarray:
+        """Per link: the expected wait for the slots it lacks on its server (0 where they are free)."""
+        if self.wait == "active-mean":
+            return self._active_mean_wait_s()
+        links = self.links
+        j_of, m_of = links.pair_j, links.pair_m
+        missing = m_of + (np.asarray(self.pending_slots) - np.asarray(self.free_slots))[j_of]
+        out = np.zeros(len(m_of))
+        if not np.any(missing > 0):
+            return out
+        for i, j in enumerate(links.order):
+            lo, hi = links.offsets[i], links.offsets[i + 1]
+            if not np.any(missing[lo:hi] > 0):
+                continue
+            n = self.sessions_on[j]
+            used = self.total_slots[j] - self.free_slots[j]
+            if n > 0:
+                mean_rate = self.rate_sum_on[j] / n
+                avg_slots = used / n
+            else:
+                mean_rate = 1.0 / max(r.service_time_s for r in self._routes) if self._routes else 1.0
+                avg_slots = float(max(1, int(m_of[lo:hi].max())))
+            for idx in range(lo, hi):
+                d = missing[idx]
+                if d <= 0:
+                    continue
+                q = math.ceil(d / avg_slots)
+                within = min(q, n)
+                w = sum(1.0 / (r * mean_rate) for r in range(n - within + 1, n + 1))
+                out[idx] = w + (q - within) / mean_rate
+        return out
+
+    def _link_costs(self) -> np.ndarray:
+        j = self.links.pair_j
+        return self._tau_c_s[j] + self._tau_p_s[j] * self.links.pair_m + self._expected_wait_s()

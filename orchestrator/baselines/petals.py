@@ -108,12 +108,17 @@ class PetalsRouter(PerRequestRouter):
         fixed_cache_per_block: float | None = None,
         commit_at_arrival: bool = False,
     ):
-        self.steps = steps_per_session
         slots = None if fixed_cache_per_block is None else petals_fixed_slots(cluster, placement, fixed_cache_per_block)
+        self.steps = steps_per_session
+        servers = cluster.servers
+        half_rtt = [sv.rtt_s / 2 if sv.rtt_s is not None else sv.tau_c_s / self.steps for sv in servers]
+        self._half_rtt_s = np.array(half_rtt) if servers else np.zeros(0)
+        self._tau_p_s = np.array([sv.tau_p_s for sv in servers]) if servers else np.zeros(0)
         super().__init__(cluster, placement, total_slots=slots, commit_at_arrival=commit_at_arrival)
 
-    def _link_cost(self, j: int, m: np.ndarray) -> np.ndarray:
-        sv = self.cluster.servers[j]
-        half_rtt = sv.rtt_s / 2 if sv.rtt_s is not None else sv.tau_c_s / self.steps
-        cost = half_rtt + PETALS_STEP_OVERHEAD_S + m * sv.tau_p_s / self.steps
-        return cost + np.where(self.free_slots[j] < m, PETALS_NO_CACHE_PENALTY_S, 0.0)
+    def _link_costs(self) -> np.ndarray:
+        j, m = self.links.pair_j, self.links.pair_m
+        # the same arithmetic, element by element, as half_rtt + overhead + m * tau_p / steps per server
+        cost = self._half_rtt_s[j] + PETALS_STEP_OVERHEAD_S + m * self._tau_p_s[j] / self.steps
+        free = np.asarray(self.free_slots)[j]
+        return cost + np.where(free < m, PETALS_NO_CACHE_PENALTY_S, 0.0)
