@@ -27,6 +27,14 @@ Sections (`--sections`, default all), each measured in this run:
 - `honest-mixed`: the same on a mixed-dtype swarm (one float32 server, one bfloat16, SmolLM2 on
   each): float32 sessions checked by the bfloat16 server and bfloat16 sessions checked by the
   float32 one, in turn (the tolerance path).
+- `detect-mixed`: detection across dtypes, live: SmolLM2-135M servers with all 30 blocks, each
+  corrupting server (`--detect-mixed-modes`, in float32 and in bfloat16) checked only by two honest
+  servers of the other dtype (so the audit judges rows by their median, `hidden_compare`); per
+  mode and dtype `--trials` sessions of the corrupting server's dtype starting on it, at
+  `--detect-mixed-p` with probation on: the step that caught it, and whether the output equals HF
+  greedy in the session's dtype (after the catch the other dtype's servers serve the rest, so the
+  tokens may differ from the session dtype's HF without any server being wrong: reported, not
+  asserted).
 
 Writes `--out` (default results/bench_verify.json) and prints it.
 """
@@ -282,6 +290,97 @@ def detect(
     return {"tokens": tokens, "rare_tokens": rare_tokens, "trials": trials, "results": results, "summary": summary}
 
 
+def detect_mixed(modes: list[str], p: float, trials: int, tokens: int) -> dict:
+    """Corrupting servers of each dtype checked only by honest servers of the other: the cross-dtype
+    audit (median row rule) on a live swarm. Every trial meets the corrupting server as a new client."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from petals_chain.models.checkpoint import resolve_model_path
+    from petals_chain.swarm.local import LocalSwarm
+
+    path = resolve_model_path("smollm2-135m", show_progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt = tok("The three primary colors are", return_tensors="pt").input_ids
+    dtypes = ("float32", "bfloat16")
+    references = {}
+    for d in dtypes:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, d)).eval()
+        references[d] = hf.generate(prompt, max_new_tokens=tokens, do_sample=False).tolist()
+        del hf
+    names, per_server = [], []
+    for d in dtypes:  # two honest checkers of each dtype
+        for i in range(2):
+            names.append(f"honest-{d}-{i}")
+            per_server.append(["--dtype", d])
+    for j, (d, m) in enumerate((d, m) for d in dtypes for m in modes):
+        names.append(f"corrupt-{d}-{m}")
+        per_server.append(["--dtype", d, "--test-corrupt", m, "--test-corrupt-seed", str(3 + j)])
+    results = []
+    with LocalSwarm(
+        "smollm2-135m",
+        [(0, 30)] * len(names),
+        server_args=["--num-threads", "1"],
+        per_server_args=per_server,
+        names=names,
+        start_timeout_s=600,
+    ) as swarm:
+        by_name = {n: sp.peer_id for n, sp in zip(names, swarm.servers)}
+        for d in dtypes:
+            other = "bfloat16" if d == "float32" else "float32"
+            checkers = {by_name[f"honest-{other}-{i}"] for i in range(2)}
+            for m in modes:
+                bad = by_name[f"corrupt-{d}-{m}"]
+                model = _client(
+                    path, swarm, bad, checkers | {bad}, dtype=d, check_probability=p, seed=17, probation=True
+                )
+                verification = model.backend.verification
+                try:
+                    for trial in range(trials):
+                        verification.forget(probation=True)
+                        verification.rng.seed(1000 * trial + 17)
+                        t0 = time.perf_counter()
+                        with model.inference_session(max_length=prompt.shape[1] + tokens) as session:
+                            out = model.generate(prompt, max_new_tokens=tokens, do_sample=False)
+                            steps = session.chain.verifier.steps
+                        catches = [c for c in verification.stats.catches if c.peer_id == bad]
+                        first = catches[0] if catches else None
+                        row = {
+                            "mode": m,
+                            "dtype": d,
+                            "checker_dtype": other,
+                            "p": p,
+                            "trial": trial,
+                            "caught": first is not None,
+                            "caught_at_step": None if first is None else first.detected_at_step,
+                            "convicted_at_step": None if first is None else first.convicted_at_step,
+                            "verdict": None if first is None else str(first.verdict),
+                            "chain_steps": steps,
+                            "equals_hf_same_dtype": out.tolist() == references[d],
+                            "equals_hf_checker_dtype": out.tolist() == references[other],
+                            "seconds": time.perf_counter() - t0,
+                        }
+                        results.append(row)
+                        print(f"detect-mixed {row}", flush=True)
+                    stats = verification.stats.to_json()
+                    stats.pop("catches")
+                    print(f"detect-mixed {d} {m}: {stats}", flush=True)
+                    results[-1]["verification"] = stats
+                finally:
+                    model.backend.shutdown()
+    summary = {}
+    for d in dtypes:
+        for m in modes:
+            rows = [r for r in results if r["mode"] == m and r["dtype"] == d]
+            summary[f"{m} ({d}, checked by {rows[0]['checker_dtype']})"] = {
+                "trials": len(rows),
+                "caught": sum(r["caught"] for r in rows),
+                "caught_at_step": [r["caught_at_step"] for r in rows],
+                "equal_hf_same_dtype": sum(r["equals_hf_same_dtype"] for r in rows),
+                "equal_hf_checker_dtype": sum(r["equals_hf_checker_dtype"] for r in rows),
+            }
+    return {"p": p, "tokens": tokens, "trials": trials, "results": results, "summary": summary}
+
+
 def smollm2_swarm():
     from petals_chain.swarm.local import LocalSwarm
 
@@ -431,7 +530,7 @@ def mixed_swarm():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="calibrate,detect,overhead,honest,honest-mixed")
+    p.add_argument("--sections", default="calibrate,detect,detect-mixed,overhead,honest,honest-mixed")
     p.add_argument("--out", default=str(REPO / "results" / "bench_verify.json"))
     p.add_argument("--calibrate-sessions", type=int, default=8)
     p.add_argument("--calibrate-tokens", type=int, default=24, help="prompt tokens, and as many decode steps")
@@ -449,6 +548,9 @@ def main(argv=None) -> int:
     p.add_argument("--honest-tokens", type=int, default=2, help="new tokens per honest session")
     p.add_argument("--honest-concurrency", type=int, default=2, help="honest sessions at a time")
     p.add_argument("--calibrate-dtypes", default="float32,bfloat16")
+    p.add_argument("--detect-mixed-modes", default="noise,skip-last")
+    p.add_argument("--detect-mixed-p", type=float, default=0.1)
+    p.add_argument("--detect-mixed-tokens", type=int, default=20)
     args = p.parse_args(argv)
     sections = args.sections.split(",")
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_avg_start": os.getloadavg()}
@@ -464,6 +566,10 @@ def main(argv=None) -> int:
             args.modes.split(","),
             [{"on": True, "off": False}[x] for x in args.probation.split(",")],
             args.rare_detect_tokens,
+        )
+    if "detect-mixed" in sections:
+        result["detect_mixed"] = detect_mixed(
+            args.detect_mixed_modes.split(","), args.detect_mixed_p, args.trials, args.detect_mixed_tokens
         )
     if "overhead" in sections or "honest" in sections:
         with smollm2_swarm() as swarm:
@@ -496,9 +602,10 @@ def main(argv=None) -> int:
     result["load_avg_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    summary = {k: v for k, v in result.items() if k != "detect"}
-    if "detect" in result:
-        summary["detect"] = result["detect"]["summary"]
+    summary = {k: v for k, v in result.items() if k not in ("detect", "detect_mixed")}
+    for key in ("detect", "detect_mixed"):
+        if key in result:
+            summary[key] = result[key]["summary"]
     print(
         json.dumps(
             {
