@@ -108,9 +108,13 @@ def test_bprr_active_mean_wait():
     cl, p = single_block_pair()
     r = make_baseline_router("bprr", cl, p, options=BaselineOptions(bprr_wait="active-mean"))
     assert r.route(r.on_arrival(0)[0].chain_id).servers == (0,)
-    m = np.array([1])
-    assert r._expected_wait_s(0, m)[0] == pytest.approx(0.2 / 1)  # (tau_c + tau_p m_j) / 1 holder
-    assert r._expected_wait_s(1, m)[0] == 0.0  # cache fits
+    wait = r._expected_wait_s()  # per link of r.links
+
+    def one_block_link(j):
+        return int(np.flatnonzero((r.links.pair_j == j) & (r.links.pair_m == 1))[0])
+
+    assert wait[one_block_link(0)] == pytest.approx(0.2 / 1)  # (tau_c + tau_p m_j) / 1 holder
+    assert wait[one_block_link(1)] == 0.0  # cache fits
     assert r.on_arrival(1) == []  # 0.2 + 0.2 < B's 1.0: waits for A, as the default estimate does
 
 

@@ -22,7 +22,8 @@ def test_sigusr1_holds_the_calibrated_replans_of_a_running_orchestrator(smollm2_
         for _ in range(2):  # a second signal changes nothing and kills nothing
             proc.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + 90.0  # a loaded machine (CI's two test workers beside others) is slow to poll
-        while not (st := _status(url))["model_replans_held"]:
+        # the flag is set under the orchestrator's lock and its event logged just after: wait for both
+        while not (st := _status(url))["model_replans_held"] or not any("re-plans held" in e for e in st["events"]):
             assert time.monotonic() < deadline, "SIGUSR1 did not hold the re-plans within 90 s"
             time.sleep(0.2)
         assert proc.poll() is None
