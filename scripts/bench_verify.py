@@ -174,6 +174,21 @@ def _expected_steps(mode: str, p: float) -> dict:
     return {"expected_without_probation": 1 / p}
 
 
+def _trial(model, prompt, tokens: int, trial: int, peer_id: str, *, probation: bool = True, **generate_kwargs):
+    """One detection trial: the client meets the servers as a new client would (convictions forgotten, and
+    probation unless `probation` is False), with other sampled steps each trial. Returns (output ids as lists,
+    the session's chain steps, the first catch of `peer_id` or None, verification restarts, seconds)."""
+    verification = model.backend.verification
+    verification.forget(probation=probation)
+    verification.rng.seed(1000 * trial + 17)
+    t0 = time.perf_counter()
+    with model.inference_session(max_length=prompt.shape[1] + tokens) as session:
+        out = model.generate(prompt, max_new_tokens=tokens, do_sample=False, **generate_kwargs)
+        steps = session.chain.verifier.steps
+    first = next((c for c in verification.stats.catches if c.peer_id == peer_id), None)
+    return out.tolist(), steps, first, session.verification_restarts, time.perf_counter() - t0
+
+
 def detect(
     probabilities: list[float], trials: int, tokens: int, modes: list[str], probations: list[bool], rare_tokens: int
 ) -> dict:
@@ -232,14 +247,9 @@ def detect(
                         for _ in range(after_n):  # its honest sessions (the server counts sessions since its start)
                             model.generate(prompt, max_new_tokens=4, do_sample=False, eos_token_id=None)
                         for trial in range(trials):
-                            verification.forget(probation=not after_n)
-                            verification.rng.seed(1000 * trial + 17)  # other sampled steps each trial
-                            t0 = time.perf_counter()
-                            with model.inference_session(max_length=prompt.shape[1] + n) as session:
-                                out = model.generate(prompt, max_new_tokens=n, do_sample=False, eos_token_id=None)
-                                steps = session.chain.verifier.steps
-                            catches = [c for c in verification.stats.catches if c.peer_id == sp.peer_id]
-                            first = catches[0] if catches else None
+                            out, steps, first, restarts, seconds = _trial(
+                                model, prompt, n, trial, sp.peer_id, probation=not after_n, eos_token_id=None
+                            )
                             wrong_step = None if first is None else max(1, first.position - prompt.shape[1] + 2)
                             row = {
                                 "mode": mode,
@@ -255,9 +265,9 @@ def detect(
                                 if first is None
                                 else first.detected_at_step - wrong_step + 1,
                                 "chain_steps": steps,
-                                "restarts": session.verification_restarts,
-                                "equals_hf": out.tolist() == references[n],
-                                "seconds": time.perf_counter() - t0,
+                                "restarts": restarts,
+                                "equals_hf": out == references[n],
+                                "seconds": seconds,
                             }
                             results.append(row)
                             print(f"detect {row}", flush=True)
@@ -336,14 +346,7 @@ def detect_mixed(modes: list[str], p: float, trials: int, tokens: int) -> dict:
                 verification = model.backend.verification
                 try:
                     for trial in range(trials):
-                        verification.forget(probation=True)
-                        verification.rng.seed(1000 * trial + 17)
-                        t0 = time.perf_counter()
-                        with model.inference_session(max_length=prompt.shape[1] + tokens) as session:
-                            out = model.generate(prompt, max_new_tokens=tokens, do_sample=False)
-                            steps = session.chain.verifier.steps
-                        catches = [c for c in verification.stats.catches if c.peer_id == bad]
-                        first = catches[0] if catches else None
+                        out, steps, first, _, seconds = _trial(model, prompt, tokens, trial, bad)
                         row = {
                             "mode": m,
                             "dtype": d,
@@ -355,9 +358,9 @@ def detect_mixed(modes: list[str], p: float, trials: int, tokens: int) -> dict:
                             "convicted_at_step": None if first is None else first.convicted_at_step,
                             "verdict": None if first is None else str(first.verdict),
                             "chain_steps": steps,
-                            "equals_hf_same_dtype": out.tolist() == references[d],
-                            "equals_hf_checker_dtype": out.tolist() == references[other],
-                            "seconds": time.perf_counter() - t0,
+                            "equals_hf_same_dtype": out == references[d],
+                            "equals_hf_checker_dtype": out == references[other],
+                            "seconds": seconds,
                         }
                         results.append(row)
                         print(f"detect-mixed {row}", flush=True)

@@ -48,7 +48,7 @@ def test_output_exit_code_cwd_and_argv(launcher, tmp_path, monkeypatch):
 
 def test_own_session_signals_and_negative_codes(launcher, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    mod = _tool(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    mod = _tool(tmp_path, "import signal\nprint('up', flush=True)\nsignal.pause()\n")  # until signalled
     p = launcher.spawn(mod, [])
     assert p.stdout.readline().strip() == "up"
     assert p.poll() is None
@@ -107,6 +107,7 @@ def test_a_launcher_whose_owner_dies_ends_too(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 30
+    # polled: not our child, and reaped by whoever adopted it (or left a zombie where nobody reaps)
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the launcher outlived its owner"
         time.sleep(0.1)

@@ -111,18 +111,16 @@ class BprrRouter(PerRequestRouter):
         self.wait = wait
         self._tau_c_s = np.array([sv.tau_c_s for sv in cluster.servers])
         self._tau_p_s = np.array([sv.tau_p_s for sv in cluster.servers])
+        blocks = np.array([placement.num_blocks(j) for j in range(cluster.num_servers)])
+        self._mean_service_s = self._tau_c_s + self._tau_p_s * blocks  # a server's whole range, one session
         super().__init__(cluster, placement, commit_at_arrival=commit_at_arrival)
 
     def _active_mean_wait_s(self) -> np.ndarray:
-        links = self.links
-        out = np.zeros(len(links.pair_m))
-        for i, j in enumerate(links.order):
-            sv = self.cluster.servers[j]
-            mean_service_s = sv.tau_c_s + sv.tau_p_s * self.placement.num_blocks(j)
-            w = mean_service_s / self.holders_on[j] if self.holders_on[j] > 0 else mean_service_s
-            lo, hi = links.offsets[i], links.offsets[i + 1]
-            out[lo:hi] = np.where(self.free_slots[j] >= links.pair_m[lo:hi], 0.0, w)
-        return out
+        j, m = self.links.pair_j, self.links.pair_m
+        holders = np.asarray(self.holders_on)[j]
+        mean_s = self._mean_service_s[j]
+        wait_s = np.where(holders > 0, mean_s / np.maximum(holders, 1), mean_s)  # over the holders, if any
+        return np.where(np.asarray(self.free_slots)[j] >= m, 0.0, wait_s)
 
     def _expected_wait_s(self) -> np.ndarray:
         """Per link: the expected wait for the slots it lacks on its server (0 where they are free)."""

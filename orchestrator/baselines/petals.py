@@ -111,9 +111,9 @@ class PetalsRouter(PerRequestRouter):
         slots = None if fixed_cache_per_block is None else petals_fixed_slots(cluster, placement, fixed_cache_per_block)
         self.steps = steps_per_session
         servers = cluster.servers
-        half_rtt = [sv.rtt_s / 2 if sv.rtt_s is not None else sv.tau_c_s / self.steps for sv in servers]
-        self._half_rtt_s = np.array(half_rtt) if servers else np.zeros(0)
-        self._tau_p_s = np.array([sv.tau_p_s for sv in servers]) if servers else np.zeros(0)
+        half_rtt_s = [sv.rtt_s / 2 if sv.rtt_s is not None else sv.tau_c_s / self.steps for sv in servers]
+        self._half_rtt_s = np.array(half_rtt_s)
+        self._tau_p_s = np.array([sv.tau_p_s for sv in servers])
         super().__init__(cluster, placement, total_slots=slots, commit_at_arrival=commit_at_arrival)
 
     def _link_costs(self) -> np.ndarray:

@@ -57,13 +57,12 @@ class RouteLinks:
         order = tuple(sorted(placement.used_servers(), key=lambda j: (placement.ranges[j].end, j)))
         starts = tuple(placement.ranges[j].start for j in order)
         ends = tuple(placement.ranges[j].end for j in order)
-        offsets = [0]
-        for a, b in zip(starts, ends):
-            offsets.append(offsets[-1] + b - a)
-        pair_j = np.repeat(np.array(order, dtype=np.int64), [b - a for a, b in zip(starts, ends)])
+        lengths = [b - a for a, b in zip(starts, ends)]
+        offsets = tuple(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).tolist())
+        pair_j = np.repeat(np.array(order, dtype=np.int64), lengths)
         pair_lo = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)]) if order else np.zeros(0, np.int64)
-        pair_m = np.repeat(np.array(ends, dtype=np.int64), [b - a for a, b in zip(starts, ends)]) - pair_lo
-        return cls(order, starts, ends, tuple(offsets), pair_j, pair_lo, pair_m)
+        pair_m = np.repeat(np.array(ends, dtype=np.int64), lengths) - pair_lo
+        return cls(order, starts, ends, offsets, pair_j, pair_lo, pair_m)
 
 
 def end_dp_shortest_path(links: RouteLinks, num_blocks: int, costs: np.ndarray) -> list[int] | None:

@@ -152,10 +152,6 @@ class PreloadedLauncher:
                         child._set_exit(code)
                 self._answer.notify_all()
 
-    @property
-    def alive(self) -> bool:
-        return self._proc.poll() is None and not self._closed
-
     def spawn(self, module: str, args: list[str], timeout_s: float = 30.0) -> ForkedProcess:
         read_fd, write_fd = os.pipe()
         try:
