@@ -32,9 +32,9 @@ Sections (`--sections`, default all), each measured in this run:
   servers of the other dtype (so the audit judges rows by their median, `hidden_compare`); per
   mode and dtype `--trials` sessions of the corrupting server's dtype starting on it, at
   `--detect-mixed-p` with probation on: the step that caught it, and whether the output equals HF
-  greedy in the session's dtype (after the catch the other dtype's servers serve the rest, so the
-  tokens may differ from the session dtype's HF without any server being wrong: reported, not
-  asserted).
+  greedy in the session's dtype and what the same session gives through an honest server of the
+  other dtype (after the catch the other dtype's servers serve the rest, casting, so the tokens may
+  differ from the session dtype's HF without any server being wrong: reported, not asserted).
 
 Writes `--out` (default results/bench_verify.json) and prints it.
 """
@@ -338,6 +338,14 @@ def detect_mixed(modes: list[str], p: float, trials: int, tokens: int) -> dict:
         for d in dtypes:
             other = "bfloat16" if d == "float32" else "float32"
             checkers = {by_name[f"honest-{other}-{i}"] for i in range(2)}
+            # what the session gives once failed over: a session of dtype d through an honest server of the
+            # other dtype (it casts the steps in and its replies back), unchecked
+            honest = by_name[f"honest-{other}-0"]
+            model = _client(path, swarm, honest, {honest}, dtype=d)
+            try:
+                references[f"{d} via honest {other}"] = _trial(model, prompt, tokens, 0, honest)[0]
+            finally:
+                model.backend.shutdown()
             for m in modes:
                 bad = by_name[f"corrupt-{d}-{m}"]
                 model = _client(
@@ -360,6 +368,7 @@ def detect_mixed(modes: list[str], p: float, trials: int, tokens: int) -> dict:
                             "chain_steps": steps,
                             "equals_hf_same_dtype": out == references[d],
                             "equals_hf_checker_dtype": out == references[other],
+                            "equals_honest_mixed_chain": out == references[f"{d} via honest {other}"],
                             "seconds": seconds,
                         }
                         results.append(row)
@@ -380,6 +389,7 @@ def detect_mixed(modes: list[str], p: float, trials: int, tokens: int) -> dict:
                 "caught_at_step": [r["caught_at_step"] for r in rows],
                 "equal_hf_same_dtype": sum(r["equals_hf_same_dtype"] for r in rows),
                 "equal_hf_checker_dtype": sum(r["equals_hf_checker_dtype"] for r in rows),
+                "equal_honest_mixed_chain": sum(r["equals_honest_mixed_chain"] for r in rows),
             }
     return {"p": p, "tokens": tokens, "trials": trials, "results": results, "summary": summary}
 

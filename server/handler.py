@@ -485,7 +485,10 @@ class BlockServicer:
         job = stack.scheduler.submit(
             request, deliver, inline=inline, defer=lambda observe: loop.call_later(OBSERVE_AFTER_S, observe)
         )
-        return await future, job.compute_s
+        out = await future
+        if request.wire_dtype is not None:  # a mixed-dtype chain: the reply in the dtype the step came in
+            out = out.to(request.wire_dtype)
+        return out, job.compute_s
 
     # -- stateless forward ----------------------------------------------------------------
     @wire.replies_with_typed_errors

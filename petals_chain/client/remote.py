@@ -124,7 +124,10 @@ class RemoteChain(ChainBackend):
                 rediscover=lambda: getattr(find_orchestrator(self.dht, self.model, allowed), "peer_id", None),
             )
         self.provider = provider or DhtChainProvider(
-            lambda: fetch_servers(self.dht, self.model, allowed=allowed), self.ping_s, wait_for_chain_s=wait_for_chain_s
+            lambda: fetch_servers(self.dht, self.model, allowed=allowed),
+            self.ping_s,
+            wait_for_chain_s=wait_for_chain_s,
+            dtype=str(dtype).removeprefix("torch."),
         )
         # who is relayed (behind a NAT) and connecting through the relays: one owner for every session
         self.relays = RelayDialer(self.loop, self.p2p, lambda: fetch_servers(self.dht, self.model, allowed=allowed))

@@ -137,7 +137,11 @@ class RemoteChainSession(ChainSession):
         self.max_length = max_length
         self.adapter = adapter  # the LoRA adapter every hop runs this session with (None: base model)
         self.prefix = prefix
-        self.prefix_hashes = prefix_hashes(prefix.token_ids, ctx.model) if prefix is not None else []
+        self.prefix_hashes = (
+            prefix_hashes(prefix.token_ids, ctx.model, dtype=str(ctx.dtype).removeprefix("torch."))
+            if prefix is not None
+            else []
+        )
         self.prefix_tokens = 0  # tokens of the prompt every hop took from its cache
         self.session_id = session_id or uuid.uuid4().hex
         self.position = 0

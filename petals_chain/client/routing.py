@@ -22,6 +22,10 @@ from petals_chain.wire.messages import ChainGrant, Hop
 from petals_chain.wire.records import ServerInfo, ServerState
 
 NO_CACHE_PENALTY_S = 10.0
+# a server of another dtype than the session's still serves it (it casts the hidden states in and its reply
+# back), but its rounding makes the output differ from the session's own dtype: used only where no chain of
+# the session's dtype is this much faster (a hop's RTT plus its blocks' decode time is well under it)
+OTHER_DTYPE_PENALTY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -111,12 +115,14 @@ def min_latency_chain(
     max_length: int = 0,
     ends: frozenset[int] | None = None,
     adapter: str | None = None,
+    dtype: str | None = None,
 ) -> list[Hop]:
     """Dijkstra over block boundaries `start..end` (pure; `rtt_s(peer)` is None for unreachable peers).
 
     With `ends`, the chain may stop at any of those boundaries (all <= `end`): failover uses it to
     replace only a failed span and keep the hops after it, which start at those boundaries.
-    With `adapter`, only servers that list that LoRA adapter are used.
+    With `adapter`, only servers that list that LoRA adapter are used. With `dtype` (the session's),
+    servers declaring another dtype cost OTHER_DTYPE_PENALTY_S more (a mixed-dtype swarm).
     """
     targets = ends if ends else frozenset({end})
     if adapter is not None and servers and not any(adapter in s.adapters for s in servers):
@@ -152,6 +158,8 @@ def min_latency_chain(
                 continue
             nxt = min(s.end, end)
             c = cost + rtt + s.decode_s_per_token * (nxt - b) + (NO_CACHE_PENALTY_S if s.free_kv_slots <= 0 else 0.0)
+            if dtype is not None and s.dtype != dtype:
+                c += OTHER_DTYPE_PENALTY_S
             if c < best.get(nxt, float("inf")):
                 best[nxt] = c
                 prev[nxt] = (b, s)
@@ -184,8 +192,10 @@ class DhtChainProvider(ChainProvider):
         wait_for_chain_s: float = 20.0,
         rtt_ttl_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        dtype: str | None = None,
     ):
         self.fetch_servers = fetch_servers
+        self.dtype = dtype  # the sessions' dtype: servers of it preferred (min_latency_chain)
         self.ping_s = ping_s
         self.wait_for_chain_s = wait_for_chain_s
         self.rtt_ttl_s = rtt_ttl_s
@@ -221,6 +231,7 @@ class DhtChainProvider(ChainProvider):
                     max_length=max_length,
                     ends=ends,
                     adapter=adapter,
+                    dtype=self.dtype,
                 )
             except NoChainError:
                 if self.clock() >= deadline:

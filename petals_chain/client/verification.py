@@ -42,6 +42,9 @@ A checker may declare another dtype than the session's (a mixed-dtype swarm): it
 in its own dtype, and the two are compared within the looser dtype's bound (`Verification.tolerance`) by
 the median of the rows' errors (honest float32 and bfloat16 rows differ with a heavy tail of isolated
 rows: `hidden_compare`). Checkers of the session's own dtype are preferred where the swarm has them.
+The session's own hops may declare another dtype too (a server casts a step in and its reply back;
+a chain takes one where the swarm has no server of the session's dtype, or after a failover): every
+comparison is judged by the dtypes of the parties on both sides (`Verification.dtypes_of`).
 
 What this does not guarantee: a server corrupting steps no audit covered before the session ended
 changes that session's output unnoticed (p trades cost for the detection latency 1/p steps; `settle`
@@ -80,6 +83,7 @@ from petals_chain.wire.messages import Hop, Verdict, VerificationReport
 
 if TYPE_CHECKING:
     from petals_chain.client.hop_client import HopStream
+    from petals_chain.wire.records import ServerInfo
 
 # the session (`RemoteChainSession`) and chain (`RemoteChain`) this module serves: named, not imported,
 # since both import it
@@ -354,13 +358,10 @@ class Verification:
     def second_path(self, start: int, end: int, exclude: frozenset[str]) -> list[Hop] | None:
         """Servers other than `exclude` that together compute exactly blocks [start, end) (each ends
         within the span: a stateless forward runs to its server's last block), or None."""
-        from petals_chain.swarm.records import fetch_servers
-
         chain = self.chain
-        servers = [s for s in fetch_servers(chain.dht, chain.model, allowed=chain.allowed_servers) if s.end <= end]
-        dtypes = {s.peer_id: getattr(torch, s.dtype, chain.dtype) for s in servers}
+        servers = [s for s in self._learn_dtypes() if s.end <= end]
         with self._lock:
-            self._dtypes.update(dtypes)
+            dtypes = {s.peer_id: self._dtypes.get(s.peer_id, chain.dtype) for s in servers}
         try:
             # a random cost per server: the checker is drawn among those that can compute the span, so a
             # server cannot tell which of its peers will check it; servers of the chain's own dtype first
@@ -374,22 +375,44 @@ class Verification:
         except NoChainError:
             return None
 
-    def dtype_of(self, peer_id: str) -> torch.dtype:
-        """The dtype `peer_id` declares (its blocks' and hidden states'); the chain's when unknown."""
+    def _learn_dtypes(self) -> list[ServerInfo]:
+        """The model's servers from the DHT, their declared dtypes remembered."""
+        from petals_chain.swarm.records import fetch_servers
+
+        chain = self.chain
+        servers = fetch_servers(chain.dht, chain.model, allowed=chain.allowed_servers)
         with self._lock:
-            return self._dtypes.get(peer_id, self.chain.dtype)
+            self._dtypes.update({s.peer_id: getattr(torch, s.dtype, chain.dtype) for s in servers})
+        return servers
+
+    def dtype_of(self, peer_id: str) -> torch.dtype:
+        """The dtype `peer_id` computes in (its declared one; the client's own blocks, LOCAL, and a server
+        whose record is gone: the chain's). The session's hops may declare another dtype than the session
+        (a mixed-dtype swarm: such a server casts a step in and its reply back)."""
+        if peer_id == LOCAL:
+            return self.chain.dtype
+        with self._lock:
+            known = self._dtypes.get(peer_id)
+        if known is None:
+            self._learn_dtypes()  # a hop not met in a record yet: once per new server
+            with self._lock:
+                known = self._dtypes.setdefault(peer_id, self.chain.dtype)
+        return known
+
+    def dtypes_of(self, peer_ids) -> set[torch.dtype]:
+        """The dtypes that computed the opinions of `peer_ids` (the session's hops, checkers, LOCAL)."""
+        return {self.dtype_of(p) for p in peer_ids} or {self.chain.dtype}
 
     def tolerance(self, peer_ids) -> float:
-        """The comparison bound between this chain's hidden states and those computed by `peer_ids`:
-        the loosest of their dtypes' (a float32 session checked by a bfloat16 server: bfloat16's)."""
+        """The bound for comparing hidden states computed by `peer_ids` (both sides of a comparison): the
+        loosest of their dtypes' (a float32 hop checked by a bfloat16 server: bfloat16's)."""
         if self.config.tolerance is not None:
             return self.config.tolerance
-        return tolerance_for(self.chain.dtype, *(self.dtype_of(p) for p in peer_ids if p != LOCAL))
+        return tolerance_for(*self.dtypes_of(peer_ids))
 
     def cross_dtype(self, peer_ids) -> bool:
-        """Whether any of `peer_ids` computes in another dtype than this chain's (the client's own
-        blocks share the chain's)."""
-        return any(self.dtype_of(p) != self.chain.dtype for p in peer_ids if p != LOCAL)
+        """Whether the parties `peer_ids` (both sides of a comparison) computed in more than one dtype."""
+        return len(self.dtypes_of(peer_ids)) > 1
 
     def run_path(self, path: list[Hop], hidden: torch.Tensor) -> torch.Tensor:
         """A stateless forward of `hidden` through `path`, each server sent its own dtype (a checker
@@ -599,14 +622,15 @@ class SessionVerifier:
         peers = frozenset(s.hop.peer_id for s in group)
         rows, verified = min(s.rows for s in group), min(s.verified for s in group)
         x, y = torch.cat(group[0].inputs)[:rows], torch.cat(group[-1].outputs)[:rows]
-        tolerance = v.tolerance(())  # the session's own dtype (its servers and the client's blocks share it)
         check, checker_ids = self._opinion(start, end, x, peers)
         if check is None:
             return False
         v.count(audits=1, probation_audits=int(probation))
-        # across dtypes honest rows have a heavy tail: judged by their median (hidden_compare)
-        across = v.cross_dtype(checker_ids)
-        bound = v.tolerance(checker_ids)
+        # across dtypes honest rows have a heavy tail: judged by their median (hidden_compare); the
+        # session's hops may declare other dtypes than the session's (a mixed-dtype chain)
+        parties = (*peers, *checker_ids)
+        across = v.cross_dtype(parties)
+        bound = v.tolerance(parties)
         bad = first_mismatch(y[verified:], check[verified:], bound, across_dtypes=across)
         if across and bad is None:
             v.count(outlier_rows=int((row_errors(y[verified:], check[verified:]) > bound).sum()))
@@ -625,7 +649,10 @@ class SessionVerifier:
             for s in group:
                 hx, hy = torch.cat(s.inputs)[:rows], torch.cat(s.outputs)[:rows]
                 local = v.local.forward(s.hop.start, s.hop.end, hx)
-                hop_bad = first_mismatch(hy[verified:], local[verified:], tolerance)
+                pair = (s.hop.peer_id, LOCAL)
+                hop_bad = first_mismatch(
+                    hy[verified:], local[verified:], v.tolerance(pair), across_dtypes=v.cross_dtype(pair)
+                )
                 if hop_bad is not None:
                     q = verified + hop_bad
                     self._convict(

@@ -1,10 +1,10 @@
 """Prefix keys: chained hashes of a prompt's token ids, chunk by chunk (client and server agree on them).
 
 The prompt is cut into chunks of `PREFIX_CHUNK_TOKENS` ids; hash i = blake2b(hash i-1 || ids of
-chunk i), seeded with the model name, so one hash names the whole prefix up to its chunk and two
-prompts share hash i exactly when they share their first (i+1) chunks. Only full chunks are hashed.
-A server stores the KV of its blocks under these hashes (`server/prefix_cache.py`); it never sees
-the ids themselves.
+chunk i), seeded with the model name and the session's dtype, so one hash names the whole prefix up to
+its chunk and two prompts share hash i exactly when they share their first (i+1) chunks. Only full
+chunks are hashed. A server stores the KV of its blocks under these hashes (`server/prefix_cache.py`);
+it never sees the ids themselves.
 """
 
 from __future__ import annotations
@@ -19,11 +19,16 @@ MAX_PREFIX_HASHES = 4096  # bounds an open message: 4096 chunks of 16 tokens = 6
 HASH_CHARS = 32  # a hash is 32 hex characters (128 bits of blake2b)
 
 
-def prefix_hashes(token_ids: Sequence[int], model: str, chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> list[str]:
-    """Chained hashes (32 hex characters each) of the full chunks of `token_ids`."""
+def prefix_hashes(
+    token_ids: Sequence[int], model: str, chunk_tokens: int = PREFIX_CHUNK_TOKENS, *, dtype: str = "float32"
+) -> list[str]:
+    """Chained hashes (32 hex characters each) of the full chunks of `token_ids`. `dtype`, the session's,
+    is in the seed: a server of another dtype casts such a session's hidden states, so their KV differs
+    from its own dtype's sessions' by the rounding, and the two never share a cached prefix."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    previous = hashlib.blake2b(f"petals-chain prefix v1|{model}|{chunk_tokens}".encode(), digest_size=16).digest()
+    seed = f"petals-chain prefix v2|{model}|{dtype}|{chunk_tokens}"
+    previous = hashlib.blake2b(seed.encode(), digest_size=16).digest()
     out = []
     for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
         h = hashlib.blake2b(previous, digest_size=16)
