@@ -15,7 +15,7 @@ import torch
 
 from petals_chain.client.remote import RemoteChain
 from petals_chain.client.routing import ChainProvider, Hop
-from petals_chain.errors import PetalsChainError, error_from_code
+from petals_chain.errors import NoChainError, PetalsChainError, error_from_code
 from petals_chain.swarm.local import stop_process
 from petals_chain.wire import parts as wire_parts
 
@@ -130,7 +130,10 @@ class ListedChains(ChainProvider):
 
     def find_chain(self, start, end, *, exclude=frozenset(), max_length=0, session_id="", adapter=None):
         self.excludes.append(exclude)
-        return [Hop(next(p for p in self.peers if p not in exclude), start, end)]
+        free = [p for p in self.peers if p not in exclude]
+        if not free:
+            raise NoChainError(f"every listed peer is excluded ({len(self.peers)} of them)")
+        return [Hop(free[0], start, end)]
 
 
 LIVE_GATEWAY_KEY = "sk-live-gateway"  # the API key of conftest's shared `live_gateway`

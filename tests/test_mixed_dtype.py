@@ -126,32 +126,51 @@ def test_a_float32_session_runs_through_a_bfloat16_hop(tiny_llama_path, relay):
     assert forward.dtype == torch.float32 and float(row_errors(forward, reference[0]).max()) <= bound
 
 
-def test_spot_checks_of_a_bfloat16_hop_in_a_float32_session_find_no_fault(smollm2_path, smollm2_tokenizer):
-    """A float32 session served by a bfloat16 server, every step checked by a float32 one: the comparison
-    is judged across the dtypes (not by float32's exact bound), so an honest swarm gives no mismatch."""
-    prompt = smollm2_tokenizer("The three primary colors are", return_tensors="pt").input_ids
-    per_server = [["--dtype", "bfloat16"], ["--dtype", "float32"]]
+@pytest.fixture(scope="module")
+def mixed_smollm2_swarm(smollm2_path):
+    """SmolLM2 servers with all 30 blocks: one bfloat16, two float32 (peer ids by name)."""
+    dtypes = ["bfloat16", "float32", "float32"]
     with LocalSwarm(
-        str(smollm2_path), [(0, 30), (0, 30)], server_args=["--num-threads", "1"], per_server_args=per_server
+        str(smollm2_path),
+        [(0, 30)] * 3,
+        server_args=["--num-threads", "1"],
+        per_server_args=[["--dtype", d] for d in dtypes],
     ) as swarm:
-        bf16, f32 = (sp.peer_id for sp in swarm.servers)
-        outputs, stats = [], None
-        for check_probability in (0.0, 1.0):
-            model = DistributedModelForCausalLM.from_pretrained(
-                str(smollm2_path),
-                initial_peers=swarm.initial_peers,
-                provider=ListedChains([bf16, f32], 30),
-                prefix_reuse=False,
-                dtype="float32",
-                verification=VerificationConfig(check_probability=check_probability, seed=3),
-            )
-            try:
-                with model.inference_session(max_length=prompt.shape[1] + 12) as session:
-                    outputs.append(model.generate(prompt, max_new_tokens=12, do_sample=False).tolist())
-                    assert [h.peer_id for h in session.chain.hops] == [bf16]
-                stats = model.backend.verification.stats
-            finally:
-                model.backend.shutdown()
+        peers = {"bf16": swarm.servers[0].peer_id, "f32": swarm.servers[1].peer_id, "f32b": swarm.servers[2].peer_id}
+        yield swarm, peers
+
+
+@pytest.mark.parametrize(
+    ("session_dtype", "hop", "checker"),
+    [("float32", "bf16", "f32"), ("bfloat16", "f32", "f32b")],
+    ids=["float32-session-bfloat16-hop", "bfloat16-session-float32-hop-float32-checker"],
+)
+def test_spot_checks_of_a_hop_of_another_dtype_find_no_fault(
+    mixed_smollm2_swarm, smollm2_path, smollm2_tokenizer, session_dtype, hop, checker
+):
+    """A session served by a server of another dtype, every step checked: each comparison is judged by
+    the dtypes of both sides (the hop's, the session's that its reply comes back in, the checker's), not
+    by one dtype's exact bound, so an honest swarm gives no mismatch."""
+    swarm, peers = mixed_smollm2_swarm
+    prompt = smollm2_tokenizer("The three primary colors are", return_tensors="pt").input_ids
+    outputs, stats = [], None
+    for check_probability in (0.0, 1.0):
+        model = DistributedModelForCausalLM.from_pretrained(
+            str(smollm2_path),
+            initial_peers=swarm.initial_peers,
+            provider=ListedChains([peers[hop], peers[checker]], 30),
+            allowed_servers=[peers[hop], peers[checker]],
+            prefix_reuse=False,
+            dtype=session_dtype,
+            verification=VerificationConfig(check_probability=check_probability, seed=3),
+        )
+        try:
+            with model.inference_session(max_length=prompt.shape[1] + 12) as session:
+                outputs.append(model.generate(prompt, max_new_tokens=12, do_sample=False).tolist())
+                assert [h.peer_id for h in session.chain.hops] == [peers[hop]]
+            stats = model.backend.verification.stats
+        finally:
+            model.backend.shutdown()
     assert stats.audits >= 1 and stats.rows_verified >= prompt.shape[1]
     assert stats.mismatches == 0 and not stats.catches
     assert outputs[0] == outputs[1]  # the audits changed nothing

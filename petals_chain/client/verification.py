@@ -627,8 +627,9 @@ class SessionVerifier:
             return False
         v.count(audits=1, probation_audits=int(probation))
         # across dtypes honest rows have a heavy tail: judged by their median (hidden_compare); the
-        # session's hops may declare other dtypes than the session's (a mixed-dtype chain)
-        parties = (*peers, *checker_ids)
+        # session's hops may declare other dtypes than the session's (a mixed-dtype chain), and their
+        # replies come back in the session's
+        parties = (*peers, LOCAL, *checker_ids)  # LOCAL: the session's own dtype, its rows' rounding
         across = v.cross_dtype(parties)
         bound = v.tolerance(parties)
         bad = first_mismatch(y[verified:], check[verified:], bound, across_dtypes=across)
@@ -680,10 +681,15 @@ class SessionVerifier:
             # within the loosest bound of the dtypes that computed them (a mixed-dtype swarm); one row,
             # the first disagreeing, within a dtype, and all rows since the audit's first across dtypes
             # (their median: hidden_compare)
-            ids = (*a[0], *b[0])
+            ids = (*computed_by(a), *computed_by(b))
             if v.cross_dtype(ids):
                 return first_mismatch(a[1][verified:], b[1][verified:], v.tolerance(ids), across_dtypes=True) is None
             return first_mismatch(a[1][rq], b[1][rq], v.tolerance(ids)) is None
+
+        def computed_by(o: tuple[tuple[str, ...], torch.Tensor]) -> tuple[str, ...]:
+            # the session's rows came back cast to the session's dtype (a hop of another dtype casts its
+            # reply back): that rounding is one more party (LOCAL stands for the session's dtype)
+            return (*o[0], LOCAL) if o is session_opinion else o[0]
 
         # more opinions until two agree at the first disagreeing row (the session's servers count as one)
         session_opinion = (tuple(sorted(peers)), y)
