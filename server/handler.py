@@ -66,6 +66,7 @@ INLINE_MAX_TOKENS = 16  # the largest step run on the event loop itself (decode 
 # right after the write delays the client it just woke (measured on loopback: 0.22 -> 0.17 ms to the
 # client's read); the record waits for an idle moment instead.
 OBSERVE_AFTER_S = 0.002
+FORWARD_LINGER_S = 10.0  # how long a forward stream waits, after its reply, for the caller to end its input
 
 
 @dataclass(frozen=True)
@@ -520,10 +521,14 @@ class BlockServicer:
             if not isinstance(e, PetalsChainError):  # a bug must not take the server down: report it to this caller
                 logger.exception("unexpected error in rpc_forward_stream")
             yield wire.error_response(e)
-            await wire_parts.drain(requests)  # the parts still on their way
+            await _until_caller_ends(requests)  # the parts still on their way
             return
         for response in wire_parts.to_messages(Forward().to_wire(), (out,), reply=True):
             yield response
+        # the reply is sent, but the caller may not have ended its input yet (its end-of-stream can be
+        # still on its way): closing now breaks its pipe, and a broken pipe makes its reader raise
+        # before the reply already in its buffer is read, so the reply is lost. Wait for the end
+        await _until_caller_ends(requests)
 
     async def _forward(self, message: wire_parts.Message, context: P2PContext) -> torch.Tensor:
         client_id = str(context.remote_id)
@@ -568,3 +573,12 @@ class BlockServicer:
             finally:
                 row_reservation.release()
         return torch.stack(outputs)
+
+
+async def _until_caller_ends(requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+    """Drop what a forward stream's caller still sends until it ends its input (at most
+    FORWARD_LINGER_S: a caller that never ends it does not hold the stream open)."""
+    try:
+        await asyncio.wait_for(wire_parts.drain(requests), FORWARD_LINGER_S)
+    except asyncio.TimeoutError:
+        pass

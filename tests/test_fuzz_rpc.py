@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,8 @@ from petals_chain.client.model import DistributedModelForCausalLM
 from petals_chain.client.remote import RemoteChain
 from petals_chain.models.checkpoint import load_config
 from petals_chain.swarm.local import LocalSwarm
+from petals_chain.wire import codec as wire
+from petals_chain.wire import parts as wire_parts
 from tests.fuzz_messages import ORCHESTRATOR_RPCS, SERVER_RPCS, RpcFuzzer, fuzz
 from tests.swarm_helpers import get_json, wait_for
 
@@ -80,3 +83,37 @@ def test_after_fuzzing_everything_still_serves(live):
     fuzzer.release_grants()
     assert all(sp.alive for sp in swarm.servers) and swarm.orchestrator_process.poll() is None
     assert client.generate(PROMPT, max_new_tokens=5, do_sample=False).tolist() == reference
+
+
+@pytest.mark.integration
+def test_a_forward_stream_stays_open_after_its_reply_until_the_caller_ends_it(live):
+    """The server waits, after a forward stream's reply, for the caller to end its input: closing at
+    once makes the caller's end-of-stream write into a closed stream, and that broken pipe makes its
+    reader raise before it reads the reply already buffered (seen under load as lost replies)."""
+    import asyncio
+
+    from hivemind.p2p import P2P, PeerID
+
+    from petals_chain.transport.protocol import BlockService
+
+    swarm, fuzzer, _, _ = live
+    p2p = fuzzer.chain.p2p
+
+    async def exchange():
+        _, reader, writer = await p2p.call_binary_stream_handler(
+            PeerID.from_base58(fuzzer.server_peer), BlockService.handle_name("rpc_forward_stream")
+        )
+        try:
+            (request,) = wire_parts.to_messages({"type": "forward"}, (torch.randn(1, 3, 64, dtype=torch.float16),))
+            await P2P.send_protobuf(request, writer)
+            reply, err = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
+            assert err is None and wire.unpack(reply.metadata)["type"] == "forward"
+            # without our end the stream must still be open: no end of it (b"") while we wait
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(reader.read(1), 2.0)
+            await P2P.send_protobuf(P2P.END_OF_STREAM, writer)  # no broken pipe
+            return await asyncio.wait_for(reader.read(1), 10.0)  # and then the server ends it
+        finally:
+            writer.close()
+
+    assert fuzzer.chain.loop.run(exchange(), timeout_s=20) == b""
