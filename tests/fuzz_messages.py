@@ -245,6 +245,7 @@ class RpcFuzzer:
         self.by_kind: Counter = Counter()
         self.untyped: list[str] = []
         self.granted: set[str] = set()
+        self.last_no_reply = ""
         self._n = 0
 
     def _note(self, rpc: str, kind: str, outcome: str, detail: str = "") -> None:
@@ -327,6 +328,7 @@ class RpcFuzzer:
         except Exception as e:
             if isinstance(e, PetalsChainError):
                 return {"type": "error", "code": e.code, "message": str(e)}
+            self.last_no_reply = repr(e)  # what a "silent" outcome ran into (a timeout, a broken pipe)
             return None
 
     def _end(self, queue, responses) -> None:

@@ -72,7 +72,12 @@ def test_fuzzed_messages_get_typed_errors(live, seed, rpc):
     swarm, fuzzer, _, _ = live
     fuzzer.rng.seed(seed)
     outcome = fuzzer.run(rpc)
-    assert outcome not in ("untyped_error", "no_reply", "silent"), (rpc, fuzzer.untyped[-1:], dict(fuzzer.by_kind))
+    assert outcome not in ("untyped_error", "no_reply", "silent"), (
+        rpc,
+        fuzzer.untyped[-1:],
+        fuzzer.last_no_reply,
+        dict(fuzzer.by_kind),
+    )
     assert fuzzer.outcomes["stream_broken"] == 0, dict(fuzzer.by_kind)
 
 
