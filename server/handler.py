@@ -521,14 +521,13 @@ class BlockServicer:
             if not isinstance(e, PetalsChainError):  # a bug must not take the server down: report it to this caller
                 logger.exception("unexpected error in rpc_forward_stream")
             yield wire.error_response(e)
-            await _until_caller_ends(requests)  # the parts still on their way
+            await wire_parts.drain(requests, FORWARD_LINGER_S)  # the parts still on their way
             return
         for response in wire_parts.to_messages(Forward().to_wire(), (out,), reply=True):
             yield response
-        # the reply is sent, but the caller may not have ended its input yet (its end-of-stream can be
-        # still on its way): closing now breaks its pipe, and a broken pipe makes its reader raise
-        # before the reply already in its buffer is read, so the reply is lost. Wait for the end
-        await _until_caller_ends(requests)
+        # the reply is sent, but the caller's end-of-stream may still be on its way: closing now would
+        # break its pipe and lose the reply in its buffer (wire_parts.drain)
+        await wire_parts.drain(requests, FORWARD_LINGER_S)
 
     async def _forward(self, message: wire_parts.Message, context: P2PContext) -> torch.Tensor:
         client_id = str(context.remote_id)
@@ -573,12 +572,3 @@ class BlockServicer:
             finally:
                 row_reservation.release()
         return torch.stack(outputs)
-
-
-async def _until_caller_ends(requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
-    """Drop what a forward stream's caller still sends until it ends its input (at most
-    FORWARD_LINGER_S: a caller that never ends it does not hold the stream open)."""
-    try:
-        await asyncio.wait_for(wire_parts.drain(requests), FORWARD_LINGER_S)
-    except asyncio.TimeoutError:
-        pass

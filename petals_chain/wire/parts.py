@@ -29,6 +29,7 @@ a stream's raw steps in raw frames; everyone else keeps the protobuf groups.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -462,10 +463,19 @@ async def until_none(queue) -> AsyncIterator:
         yield item
 
 
-async def drain(messages: AsyncIterator) -> None:
-    """Drop what a refused caller still sends (no work, no memory) until it closes the stream:
-    closing a stream under a sender that is still writing parts breaks its pipe."""
-    async for _ in messages:
+async def drain(messages: AsyncIterator, timeout_s: float | None = None) -> None:
+    """Drop what a caller still sends (no work, no memory) until it ends its input: closing a stream
+    under a sender that is still writing (its parts, or only its end-of-stream) breaks its pipe, and a
+    broken pipe makes its reader raise before it reads a reply already buffered. With `timeout_s`, a
+    caller that never ends its input does not hold the stream longer than that."""
+
+    async def drop() -> None:
+        async for _ in messages:
+            pass
+
+    try:
+        await asyncio.wait_for(drop(), timeout_s)
+    except asyncio.TimeoutError:
         pass
 
 
