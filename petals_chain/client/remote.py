@@ -49,6 +49,7 @@ from petals_chain.wire.messages import ReportReply, VerificationReport
 logger = logging.getLogger(__name__)
 
 RELAYS = ("server", "client")
+REPORT_FIND_ORCHESTRATOR_S = 12.0  # how long a verification report looks for the orchestrator's record
 
 
 class RemoteChain(ChainBackend):
@@ -144,13 +145,16 @@ class RemoteChain(ChainBackend):
         """A signed verification report to the orchestrator (rpc_report); its answer, in words."""
         if self.identity is None:
             return "no identity to sign with"
-        # the swarm's orchestrator, also when this client routes by itself (its record may lag under load)
+        # the swarm's orchestrator, also when this client routes by itself. Its record lives 3 announce
+        # periods (6 s) and may lapse for a while when the orchestrator or the DHT is slow under load, so
+        # look for REPORT_FIND_ORCHESTRATOR_S, about twice that (on the verification thread, never a session's)
         orchestrator = self.orchestrator
-        for attempt in range(3):
-            if orchestrator is not None:
-                break
-            time.sleep(attempt)  # on the verification thread, never a session's
+        deadline = time.monotonic() + REPORT_FIND_ORCHESTRATOR_S
+        while orchestrator is None:
             orchestrator = find_orchestrator(self.dht, self.model, self.allowed_servers)
+            if orchestrator is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
         if orchestrator is None:
             return "no orchestrator to report to"
         sign_report(report, self.identity)
