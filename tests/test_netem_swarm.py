@@ -102,8 +102,9 @@ def _rtts_match(status: dict) -> bool:
 
 
 def test_orchestrator_rtts_match_the_emulated_ones_and_tau_c_grows_with_them(wan, swarm):
-    # The orchestrator re-measures RTTs before every re-plan (--replan-period 5 here): a sample taken while
-    # this shared machine was overloaded is replaced within seconds, so poll for a matching status page.
+    # The orchestrator takes each RTT as the shortest of its probes and takes it again every RTT_REFRESH_S
+    # (and before every re-plan): a sample taken while this shared machine was overloaded is replaced
+    # within a minute, so poll for a matching status page.
     seen: list[dict] = []
 
     def matching():

@@ -31,7 +31,7 @@ from orchestrator.service.calibration import (
     scaled_profile_fit,
 )
 from orchestrator.service.installed import Drain, InstalledPlan
-from orchestrator.service.measurements import LengthEstimator, median
+from orchestrator.service.measurements import LengthEstimator
 from orchestrator.service.planning import (
     ModelCheckInputs,
     Outcome,
@@ -71,6 +71,10 @@ from petals_chain.wire.records import OrchestratorInfo, ServerState
 logger = logging.getLogger(__name__)
 
 RTT_RETRY_S = 15.0  # how often a server that did not answer the RTT probes is probed again
+# how often a measured server's RTT is taken again between re-plans (one server per tick): a WAN's
+# RTTs drift, and a sample taken while either end was overloaded must not stay on /status and in the
+# next plan for as long as nothing else changes
+RTT_REFRESH_S = 30.0
 
 
 @dataclass
@@ -355,11 +359,23 @@ class Orchestrator:
                 for p, r in self.records.items()
                 if r.rtt_s is None and p in infos and now - self._rtt_tried.get(p, -1e9) >= RTT_RETRY_S
             ]
+            stale = sorted(
+                (self._rtt_tried.get(p, -1e9), p)
+                for p, r in self.records.items()
+                if r.rtt_s is not None and p in infos and now - self._rtt_tried.get(p, -1e9) >= RTT_REFRESH_S
+            )
         for p in retry:  # unreachable so far: try again now and then, not every tick
             self._rtt_tried[p] = now
             rtt = self.measure_rtt(p)
             with self.lock:
                 if p in self.records:
+                    self.records[p].rtt_s = rtt
+        if stale:  # the oldest measurement, one per tick so that a tick stays short
+            p = stale[0][1]
+            self._rtt_tried[p] = now
+            rtt = self.measure_rtt(p)
+            with self.lock:
+                if p in self.records and rtt is not None:  # a missed probe keeps the last good value
                     self.records[p].rtt_s = rtt
         if lost:
             self.drop_servers(lost, now, why="left the DHT")
@@ -524,7 +540,7 @@ class Orchestrator:
         }
 
     def measure_rtt(self, peer_id: str) -> float | None:
-        """Median round trip of rpc_info to the server (None when it does not answer). A relayed server's
+        """Shortest round trip of rpc_info to the server (None when it does not answer). A relayed server's
         RTT is the path clients' traffic takes: ours to its relay plus its own to the relay, as it reports
         it (`relayed_rtt_s`); without a report, probed after dialing it through its relays."""
         # every time, not throttled: the NATed server keeps re-opening its own direct connection (assignment
@@ -537,14 +553,17 @@ class Orchestrator:
                 pings = [
                     x for x in (dht_ping_s(self.dht, relay) for _ in range(self.config.rtt_probes)) if x is not None
                 ]
-                to_relay[relay] = median(pings) if pings else None
+                to_relay[relay] = min(pings) if pings else None  # the shortest, as below
             rtt = relayed_rtt_s(to_relay, reported)
             if rtt is not None:
                 return rtt
-        # a probe here may still run over a direct connection the NATed server opened (see reachability.py)
+        # a probe here may still run over a direct connection the NATed server opened (see reachability.py).
+        # The minimum, not the median: queueing in either process (a busy event loop, a starved CPU) only
+        # ever adds to the path's round trip, so the shortest probe is the best estimate of it (as TCP's
+        # and BBR's min-RTT filters do); the servers' own load is planned from their service times
         samples = [ping_block_server_s(self.loop, self.p2p, peer_id) for _ in range(self.config.rtt_probes)]
         samples = [x for x in samples if x is not None]
-        return median(samples) if samples else None
+        return min(samples) if samples else None
 
     def drop_servers(self, peers: list[str], now: float, why: str) -> None:
         with self.lock:
@@ -582,6 +601,8 @@ class Orchestrator:
             peers = [p for p, r in self.records.items() if r.rtt_s is not None]
         # fresh RTTs right before planning (those taken at registration may have met loading servers)
         rtts = {p: self.measure_rtt(p) for p in peers}
+        for p in peers:
+            self._rtt_tried[p] = now
         with self.lock:
             for p, rtt in rtts.items():
                 if p in self.records and rtt is not None:
