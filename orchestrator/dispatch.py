@@ -746,19 +746,26 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
     w_q output_tokens (line 22; the expected output length, the dispatcher sees no decode step).
 
     A freed slot of chain k (DLPM at the central queue): the waiting jobs in order of their match on k,
-    the first whose client has deficit d_i > 0; when no waiting client has d_i > 0 they all get Q^u. A grant
-    charges d_i w_e * (prompt - match) + w_q * output (the extend tokens: reuse is cheap for whoever
-    gets it). A client that stops waiting has its deficit reset to 0 (deficit round robin), so credit or
-    debt is not carried over idle time. This is what gives the bound W_g - W_f <= 2 (U + Q^u) |W| over any
-    window in which f stays backlogged (tests/test_prefix_dispatch.py checks it).
+    the first whose client has deficit d_i > 0; when no waiting client has d_i > 0, every known client
+    whose d_i <= 0 gets Q^u (CheckRefill, Alg. 1 lines 3-7: the known clients, not only the waiting
+    ones). A grant, through the queue or on a free chain, charges d_i w_e * (prompt - match) + w_q *
+    output (the extend tokens: reuse is cheap for whoever gets it). So a client that is idle through a
+    round keeps its credit (at most Q^u, since only d_i <= 0 is refilled) and pays off its debt: a light
+    client's request that arrives while a flooder's backlog is being served is eligible at once, rather
+    than waiting for the flooder to spend its whole quantum (which, at a hit's small extend charge, is
+    dozens of grants). This is what gives the bound W_g - W_f <= 2 (U + Q^u) |W| over any window in which
+    f stays backlogged (tests/test_prefix_dispatch.py checks it). At most `MAX_CLIENTS` clients are known;
+    past it the longest-known idle one is forgotten (it comes back as new, at 0, Alg. 1 line 12).
     """
+
+    MAX_CLIENTS = 65_536
 
     name = "d2lpm"
 
     def __init__(self, chains: Sequence[ChainSpec], **kw):
         super().__init__(chains, **kw)
         self.chain_deficit: dict[tuple[str, int], float] = {}  # q_{i,k}
-        self.client_deficit: dict[str, float] = {}  # d_i of the central queue's DLPM
+        self.client_deficit: dict[str, float] = {}  # d_i of the central queue's DLPM, every known client
         self._waiting_of: dict[str, int] = {}
         self.service: dict[str, float] = {}  # what each client was charged at its grants (for tests, /status)
 
@@ -784,11 +791,13 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
     def _pick_waiting(self, k: int, waiting: list[int]) -> int:
         d = self.client_deficit
         eligible = [j for j in waiting if d.get(self._queue[j][1].client_id, 0.0) > 0]
-        if not eligible:  # Alg. 1 line 7: every waiting client is out of quantum: all get Q^u (enough rounds)
+        if not eligible:  # Alg. 1 lines 3-7, repeated in one step until a waiting client may be served
+            quantum = self.params.quantum_client
             active = {self._queue[j][1].client_id for j in waiting}
-            rounds = min(int(-d.get(c, 0.0) // self.params.quantum_client) + 1 for c in active)
-            for c in active:
-                d[c] = d.get(c, 0.0) + rounds * self.params.quantum_client
+            rounds = min(int(-d.get(c, 0.0) // quantum) + 1 for c in active)
+            for c, q in d.items():  # each round refills only those at or below 0: credit stays <= Q^u
+                if q <= 0:
+                    d[c] = q + quantum * min(rounds, int(-q // quantum) + 1)
             eligible = [j for j in waiting if d[self._queue[j][1].client_id] > 0]
         # Alg. 1 line 3-4: the longest match among the jobs whose client may be served (first of equals)
         best, best_m = eligible[0], -1
@@ -798,7 +807,19 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
                 best, best_m = j, m
         return best
 
+    def _known(self, c: str) -> None:
+        """Alg. 1 line 12: a client seen for the first time starts at 0; the known set is bounded."""
+        d = self.client_deficit
+        if c in d:
+            return
+        if len(d) >= self.MAX_CLIENTS:
+            idle = next((x for x in d if x not in self._waiting_of), None)
+            if idle is not None:
+                del d[idle]
+        d[c] = 0.0
+
     def _queued(self, job_id: int, req: DispatchRequest) -> None:
+        self._known(req.client_id)
         self._waiting_of[req.client_id] = self._waiting_of.get(req.client_id, 0) + 1
 
     def _left_queue(self, job_id: int, req: DispatchRequest) -> None:
@@ -812,10 +833,8 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
         cost = self.charge(req, match_tokens)
         self.service[c] = self.service.get(c, 0.0) + cost
         self.chain_deficit[(c, k)] = self.chain_deficit.get((c, k), 0.0) - self.params.w_in * req.prompt_tokens
-        if c in self._waiting_of:
-            self.client_deficit[c] = self.client_deficit.get(c, 0.0) - cost
-        else:  # DRR: a client with nothing waiting keeps neither credit nor debt
-            self.client_deficit[c] = 0.0
+        self._known(c)
+        self.client_deficit[c] -= cost
 
     def _finished(self, job_id: int, k: int, req: DispatchRequest) -> None:
         key = (req.client_id, k)

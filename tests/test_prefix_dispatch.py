@@ -281,6 +281,30 @@ def test_d2lpm_serves_a_light_client_before_a_flooders_backlog():
     assert 99 in served[:2]  # FIFO would serve it 20th; a flooder request (24) spends its quantum (20)
 
 
+def test_d2lpm_a_client_idle_through_a_round_keeps_its_credit():
+    """Alg. 1's CheckRefill refills every known client at or below 0, not only the waiting ones: a light
+    client that was idle while the flooder's backlog was refilled comes back eligible and is served at the
+    next freed slot, not after the flooder has spent another whole quantum on its cached prefix."""
+    chains = chains_of(1, capacity=1, hops=1)
+    d = make_dispatcher("d2lpm", chains, params=PrefixParams(quantum_client=100.0))
+    assert d.on_arrival(0, None, DispatchRequest("light", prompt(2, 4, 0), 5 * 16, 4))  # on the free chain: -88
+    for j in range(1, 30):
+        assert not d.on_arrival(j, None, DispatchRequest("flood", prompt(1, 4, j), 5 * 16, 4))
+    [s] = d.on_completion(0)  # nobody waiting may be served: a refill (light -88 -> 12, flood 0 -> 100)
+    assert s.job_id == 1 and abs(d.client_deficit["light"] - 12.0) < 1e-9
+    [s] = d.on_completion(1)  # the flooder's hits cost 16 + 8 each: its quantum lasts several grants
+    assert not d.on_arrival(99, None, DispatchRequest("light", prompt(2, 4, 99), 5 * 16, 4))
+    served = []
+    running = s.job_id
+    for _ in range(6):
+        [s] = d.on_completion(running)
+        served.append(s.job_id)
+        running = s.job_id
+    # eligible (12 > 0) from its arrival: served as soon as the flooder's refill is spent (12 - 24 < 0 after
+    # one more grant), and never after a second quantum of the flooder's
+    assert 99 in served[:2], served
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n_chains=st.integers(1, 3),
