@@ -812,11 +812,34 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
         d = self.client_deficit
         if c in d:
             return
-        if len(d) >= self.MAX_CLIENTS:
-            idle = next((x for x in d if x not in self._waiting_of), None)
-            if idle is not None:
-                del d[idle]
+        # clients waiting or running stay (a running job is charged again at its end): the bound is
+        # MAX_CLIENTS or the active clients, whichever is more
+        active = None
+        while len(d) >= self.MAX_CLIENTS:
+            if active is None:
+                active = set(self._waiting_of) | {r.client_id for r in self._job_request.values()}
+            idle = next((x for x in d if x not in active), None)
+            if idle is None:
+                break
+            del d[idle]
+            for k in range(len(self._chains)):  # its q_{i,k} go with it (new again: 0, Alg. 2)
+                self.chain_deficit.pop((idle, k), None)
+            self.service.pop(idle, None)
         d[c] = 0.0
+
+    def deficits_view(self, limit: int = 64) -> dict:
+        """The counters for /status: at most `limit` clients, the waiting ones first."""
+        clients = sorted(self.client_deficit, key=lambda c: c not in self._waiting_of)[:limit]
+        return {
+            "clients_known": len(self.client_deficit),
+            "client_deficit": {c: self.client_deficit[c] for c in clients},
+            "chain_deficit": {
+                (c, k): self.chain_deficit[(c, k)]
+                for c in clients
+                for k in range(len(self._chains))
+                if (c, k) in self.chain_deficit
+            },
+        }
 
     def _queued(self, job_id: int, req: DispatchRequest) -> None:
         self._known(req.client_id)

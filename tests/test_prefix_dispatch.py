@@ -305,6 +305,23 @@ def test_d2lpm_a_client_idle_through_a_round_keeps_its_credit():
     assert 99 in served[:2], served
 
 
+def test_d2lpm_forgets_idle_clients_past_its_bound_and_status_shows_waiting_ones_first():
+    chains = chains_of(2, capacity=1, hops=1)
+    d = make_dispatcher("d2lpm", chains)
+    d.MAX_CLIENTS = 4
+    running = [j for j in range(2) if d.on_arrival(j, None, DispatchRequest(f"c{j}", prompt(j, 2, j), 48, 2))]
+    for j in range(2, 12):  # both chains busy: these wait (all distinct clients), then are served in turn
+        assert not d.on_arrival(j, None, DispatchRequest(f"c{j}", prompt(j, 2, j), 48, 2))
+    while running:
+        running += [s.job_id for s in d.on_completion(running.pop(0))]
+    assert len(d.client_deficit) == 12  # waiting and running clients are never forgotten
+    d.on_arrival(99, None, DispatchRequest("new", prompt(99, 2, 99), 48, 2))
+    assert len(d.client_deficit) == 4 and "new" in d.client_deficit  # the longest-known idle ones went
+    assert {c for c, _ in d.chain_deficit} <= set(d.client_deficit) and set(d.service) <= set(d.client_deficit)
+    view = d.deficits_view(limit=2)
+    assert view["clients_known"] == len(d.client_deficit) and len(view["client_deficit"]) == 2
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n_chains=st.integers(1, 3),

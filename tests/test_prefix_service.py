@@ -97,10 +97,11 @@ def test_a_flooding_client_is_refused_beyond_its_waiting_bound_and_others_are_se
         s.acquire("f7", "flood", 64, 0.0, timeout_s=10, request=req("flood", [], 10))
     assert s.queue_length == 3 and s.prefix_status()["refused_floods"] == 1  # nothing lost, nothing added
     s.acquire("light", "light", 64, 0.0, timeout_s=10, request=req("light", [], 10))
-    # d2lpm's fair order: both clients get a quantum, the flooder's older session spends it, then light goes
-    # before the rest of the flooder's backlog (FIFO would serve it last)
-    assert [g.session_id for g in s.release("f0", 1.0)] == ["f4"]
-    assert [g.session_id for g in s.release("f1", 1.0)] == ["light"]
+    # d2lpm's fair order: the flooder's four grants on free chains were charged (4 x 26 against a quantum of
+    # 20), so the refill makes light eligible first, before the flooder's older backlog (FIFO would serve it
+    # last); then the flooder's sessions in turn
+    assert [g.session_id for g in s.release("f0", 1.0)] == ["light"]
+    assert [g.session_id for g in s.release("f1", 1.0)] == ["f4"]
 
 
 # -- convergence of the index to the servers' caches ------------------------------------------------------

@@ -868,8 +868,9 @@ class Sessions:
                 if isinstance(d, E2Dispatcher):  # requests its rebalancing rule sent to explore, newcomers held
                     out["rebalanced"], out["holds"] = d.rebalanced, d.holds
                 if isinstance(d, D2lpmDispatcher):
-                    out["client_deficit"] = dict(d.client_deficit)
-                    out["chain_deficit"] = {f"{c}@{live.get(k, k)}": q for (c, k), q in d.chain_deficit.items()}
+                    view = d.deficits_view()
+                    out["clients_known"], out["client_deficit"] = view["clients_known"], view["client_deficit"]
+                    out["chain_deficit"] = {f"{c}@{live.get(k, k)}": q for (c, k), q in view["chain_deficit"].items()}
             return out
 
     # -- views ----------------------------------------------------------------------------------
