@@ -264,6 +264,24 @@ def test_max_capacity_constrained_plan_tunes_c():
     assert ev is not None and 1 <= ev.c <= max_capacity(cl) and math.isfinite(ev.lower_s)
 
 
+def test_an_incremental_replan_never_composes_fewer_slots_than_the_installed_placement():
+    """GCA is greedy, not monotone in the placement: here the joined copy of s5 would take blocks [0, 1) and
+    GCA compose 19 slots from what formed 20 without it (a counterexample the property test below found);
+    the repair leaves the joined server idle instead."""
+    from dataclasses import replace
+
+    from orchestrator.replan import incremental
+
+    cluster = make_cluster([0, 0, 0, 3.0, 8.0, 1.25, 0, 0], [1.0] * 8, [1.0] * 8, num_blocks=3, rho_bar=0.5)
+    p = plan(cluster, "proposed")
+    cl = replace(cluster, servers=(*cluster.servers, replace(cluster.servers[5], name="joined")))
+    inst = Placement((*p.placement.ranges, None))
+    inc = incremental(cl, inst, p.c)
+    before = evaluate(cl, inst, p.c)
+    assert not movers(inst, inc.placement) and not_worse(inc, before, "lower")
+    assert inc.capacity >= before.capacity == 20
+
+
 @settings(max_examples=60, **SETTINGS)
 @given(clusters(max_servers=8, max_blocks=5), st.data())
 def test_an_incremental_replan_after_a_leave_or_join_is_held_to_the_whole_replan(cluster, data):

@@ -135,7 +135,7 @@ def decide_plan(inp: PlanInputs) -> Outcome:
         }
         installed = Placement(tuple(BlockInterval(held[p].start, held[p].end) if p in held else None for p in peers))
         if inp.incremental and inp.current_c is not None:
-            fresh = incremental_plan(cluster, installed, inp.current_c, cfg.leftover_placement)
+            fresh = incremental_plan(cluster, installed, inp.current_c, cfg.leftover_placement, cfg.tuning)
         elif fixed:
             fresh = constrained_placement(cluster, fixed, cfg.c, cfg.tuning)
             if fresh is None:
