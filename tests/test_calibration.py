@@ -592,7 +592,9 @@ def test_steps_of_several_block_counts_separate_t_o_from_t_B(t_o, t_B, t_O, t_I,
     fit = fit_service(prefill, decode, wall, blocks=blocks)
     assert fit.blocks_separable
     step = t_o + max(spans) * (t_B + t_O)  # the scale a term is judged at: one lone step through the most blocks
-    assert fit.t_B_s == pytest.approx(t_B, rel=0.1, abs=0.02 * step / max(spans))
+    # t_B is told from t_o by the difference in block counts: its error scales as the steps' noise over
+    # max(spans) - min(spans), not over max(spans) (spans 3 and 7, t_B 1/30 of t_o: off by 0.15 ms, 3 sigma)
+    assert fit.t_B_s == pytest.approx(t_B, rel=0.1, abs=0.02 * step / (max(spans) - min(spans)))
     assert fit.t_o_s == pytest.approx(t_o, abs=0.05 * step)
     assert fit.t_O_s == pytest.approx(t_O, rel=0.2, abs=0.02 * step / max(spans))
     for m in spans:  # what the planner uses: a session alone through m blocks
