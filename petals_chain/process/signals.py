@@ -133,13 +133,20 @@ def deferred_interrupts() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
-def wait_handling_signals(stop: threading.Event, poll_s: float = 0.5) -> None:
+def wait_handling_signals(stop: threading.Event, poll_s: float = 0.25) -> None:
     """Block the main thread until `stop` is set, running Python's signal handlers meanwhile.
 
     Why not `stop.wait()`: CPython runs signal handlers on the main thread only, and the kernel may deliver
     a process-directed signal (SIGUSR1, SIGTERM from a parent) to any of the process's other threads
     (hivemind's, the HTTP server's). Then the main thread, blocked in a lock wait with no timeout, is
     never interrupted and the handler waits until something else wakes it: a SIGUSR1 to the orchestrator
-    once went unhandled for over 90 s. Waking every `poll_s` bounds that delay."""
-    while not stop.wait(poll_s):
-        pass
+    once went unhandled for over 90 s. Waking every `poll_s` bounds that delay.
+
+    Why not `stop.wait(poll_s)` either, but a sleep and the lock-free `is_set()`: the handlers set `stop`,
+    and a handler runs on this thread between two bytecodes, possibly while this thread holds the
+    Event's internal (non-reentrant) lock inside `wait()`; its `stop.set()` then waits for that lock
+    forever (a launch-server hung on Ctrl-C, its main thread in `on_signal` -> `Event.set` ->
+    `Condition.__enter__` under `Event.wait`). Sleeping holds no lock, and `time.sleep` returns to its
+    remaining time after a handler: `stop` set by a handler or by another thread is seen within `poll_s`."""
+    while not stop.is_set():
+        time.sleep(poll_s)
