@@ -829,7 +829,8 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
 
     def deficits_view(self, limit: int = 64) -> dict:
         """The counters for /status: at most `limit` clients, the waiting ones first."""
-        clients = sorted(self.client_deficit, key=lambda c: c not in self._waiting_of)[:limit]
+        idle = (c for c in self.client_deficit if c not in self._waiting_of)
+        clients = list(itertools.islice(itertools.chain(self._waiting_of, idle), limit))
         return {
             "clients_known": len(self.client_deficit),
             "client_deficit": {c: self.client_deficit[c] for c in clients},

@@ -203,7 +203,12 @@ def _better(a: Evaluated, b: Evaluated, tuning: str) -> bool:
 
 
 def incremental(
-    cluster: Cluster, installed: Placement, c: int, leftover: bool = False, tuning: str = "lower"
+    cluster: Cluster,
+    installed: Placement,
+    c: int,
+    leftover: bool = False,
+    tuning: str = "lower",
+    as_is: Evaluated | None = None,
 ) -> Evaluated:
     """The re-plan after servers joined or left, without re-planning the swarm: every server that holds
     blocks keeps them (fixed), GBP-CR with fixed servers fills the chains a lost server broke with idle
@@ -218,13 +223,17 @@ def incremental(
 
     Never worse than the installed placement as it stands (``not_worse`` under ``tuning``): GCA composes
     chains greedily and is not monotone in the placement, so a joined server's new blocks can leave it
-    fewer slots (found by the property test: 19 against 20); then the joined server stays idle."""
+    fewer slots (found by the property test: 19 against 20); then the joined server stays idle.
+    ``as_is``: the installed placement already evaluated at ``c`` (``decide`` has it), else evaluated here
+    when the repair placed anyone."""
     keep = {j: r for j, r in enumerate(installed.ranges) if r is not None}
-    as_is = evaluate(cluster, installed, c)
     ev = evaluate(cluster, gbp_cr_fixed(cluster, c, keep), c)
     if leftover:
         lo = place_leftover(cluster, ev.placement, c)
         ev = evaluate(cluster, lo.placement, c, lo.gca.chains)
+    if ev.placement == installed:
+        return ev
+    as_is = as_is if as_is is not None else evaluate(cluster, installed, c)
     return ev if not_worse(ev, as_is, tuning) else as_is
 
 
@@ -313,9 +322,10 @@ def decide(
     # it where GCA gains from them (leftover); the installed servers are fixed
     c0 = installed_c if installed_c is not None else fresh.c
     if c0 is not None:
-        cands["repair"] = incremental(cluster, installed, c0, tuning=tuning)
+        as_is = base if c0 == installed_c else None
+        cands["repair"] = incremental(cluster, installed, c0, tuning=tuning, as_is=as_is)
         if leftover:
-            cands["leftover"] = incremental(cluster, installed, c0, leftover=True, tuning=tuning)
+            cands["leftover"] = incremental(cluster, installed, c0, leftover=True, tuning=tuning, as_is=as_is)
     ok = {name: ev for name, ev in cands.items() if not_worse(ev, base, tuning)}
     still = [ev for ev in ok.values() if not movers(installed, ev.placement)]
     best_still = base

@@ -359,24 +359,16 @@ class Orchestrator:
                 for p, r in self.records.items()
                 if r.rtt_s is None and p in infos and now - self._rtt_tried.get(p, -1e9) >= RTT_RETRY_S
             ]
-            stale = sorted(
-                (self._rtt_tried.get(p, -1e9), p)
-                for p, r in self.records.items()
-                if r.rtt_s is not None and p in infos and now - self._rtt_tried.get(p, -1e9) >= RTT_REFRESH_S
+            oldest = min(  # the oldest measurement past RTT_REFRESH_S, one per tick so that a tick stays short
+                (
+                    (self._rtt_tried.get(p, -1e9), p)
+                    for p, r in self.records.items()
+                    if r.rtt_s is not None and p in infos and now - self._rtt_tried.get(p, -1e9) >= RTT_REFRESH_S
+                ),
+                default=None,
             )
-        for p in retry:  # unreachable so far: try again now and then, not every tick
-            self._rtt_tried[p] = now
-            rtt = self.measure_rtt(p)
-            with self.lock:
-                if p in self.records:
-                    self.records[p].rtt_s = rtt
-        if stale:  # the oldest measurement, one per tick so that a tick stays short
-            p = stale[0][1]
-            self._rtt_tried[p] = now
-            rtt = self.measure_rtt(p)
-            with self.lock:
-                if p in self.records and rtt is not None:  # a missed probe keeps the last good value
-                    self.records[p].rtt_s = rtt
+        for p in retry + ([oldest[1]] if oldest else []):  # unreachable ones now and then, not every tick
+            self._remeasure_rtt(p, now)
         if lost:
             self.drop_servers(lost, now, why="left the DHT")
         if now - self._last_service_poll_s >= self.config.service_poll_s:
@@ -538,6 +530,14 @@ class Orchestrator:
             else {"t_I": scaled.t_I_s, "t_O": scaled.t_O_s, "t_o": scaled.t_o_s, "t_B": scaled.t_B_s},
             "source": "live" if f is not None else "scaled profile" if scaled is not None else "announced",
         }
+
+    def _remeasure_rtt(self, peer_id: str, now: float) -> None:
+        """Probe a registered server's RTT again; a missed probe keeps the last value (None or good)."""
+        self._rtt_tried[peer_id] = now
+        rtt = self.measure_rtt(peer_id)
+        with self.lock:
+            if peer_id in self.records and rtt is not None:
+                self.records[peer_id].rtt_s = rtt
 
     def measure_rtt(self, peer_id: str) -> float | None:
         """Shortest round trip of rpc_info to the server (None when it does not answer). A relayed server's
