@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -159,7 +160,6 @@ def _commands(model: str, peers: list[str]) -> dict[str, tuple[list[str], str]]:
     }
 
 
-@pytest.mark.parametrize("name", ["launch-server", "orchestrator", "api", "generate", "dht"])
 def _main_thread_first(dump: str) -> str:
     """A fault-handler dump with the main thread's stack first: faulthandler lists threads newest
     first, so the main thread comes last, where a truncated report loses it."""
@@ -215,6 +215,23 @@ def test_ctrl_c_ends_the_command_quickly_and_quietly(swarm, tiny_chat_path, name
         assert cmd.proc.returncode in (0, 130), (cmd.proc.returncode, cmd.err[-2000:])
         assert b"Traceback" not in cmd.err and b"Error" not in cmd.err, cmd.err[-3000:].decode()
         assert not gone(children, ORPHAN_DEADLINE_S)
+    finally:
+        cmd.kill_group()
+
+
+def test_the_api_accepts_connections_as_soon_as_it_says_it_is_ready(swarm, tiny_chat_path):
+    """A client (or a test) that connects the moment `api ready` is printed is accepted, even if the
+    gateway has not yet reached its event loop: the process is frozen at the ready line, and the
+    kernel must still complete the connection (its socket listens before the line, not after)."""
+    argv, marker = _commands(str(tiny_chat_path), swarm.initial_peers)["api"]
+    cmd = Command(argv)
+    try:
+        cmd.wait_for(marker)
+        os.killpg(cmd.proc.pid, signal.SIGSTOP)
+        line = next(x for x in cmd.out.decode().splitlines() if marker in x)
+        port = int(re.search(r":(\d+)/v1", line).group(1))
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass  # refused (ECONNREFUSED) if the socket were bound but not yet listening
     finally:
         cmd.kill_group()
 

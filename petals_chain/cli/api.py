@@ -13,6 +13,8 @@ from petals_chain.api.admission import ADMISSION_POLICIES
 from petals_chain.cli.args import DTYPE_CHOICES, CliParser, unit_interval
 from petals_chain.process.heap import freeze_startup_heap
 
+LISTEN_BACKLOG = 2048  # uvicorn's own default backlog
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="petals-chain api", description=__doc__)
@@ -238,6 +240,10 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_on_signal)
     freeze_startup_heap("api gateway")  # requests never meet a full collection of the start-up heap
+    # Listen before the ready line: a bound socket that does not listen refuses connections, and
+    # uvicorn calls listen() only once its event loop has started, some time after the line. From
+    # here the kernel queues connections (up to the backlog) until uvicorn accepts them.
+    sock.listen(LISTEN_BACKLOG)
     routing = "orchestrator" if getattr(model.backend, "orchestrator", None) else "client-side routing"
     print(
         f"api ready at http://{args.host}:{port}/v1 (model {args.model}, {routing}, "
