@@ -359,7 +359,8 @@ class PrefixParams:
     - ``quantum_chain``: D2LPM's Q^w (per-client, per-chain quantum of SelectWorker).
     - ``w_in``, ``w_out``: the charge w_e * tokens + w_q * output tokens (VTC's, DLPM's weights).
     - ``max_skips``: E2's bound on how often a waiting job may be passed over by longer matches
-      (Preble's priority levels avoid starvation); None: plain LPM (rr-lpm).
+      (Preble's priority levels avoid starvation): past it, the job goes first at the next freed slot of
+      a chain where its match is longest; None: plain LPM (rr-lpm).
     - ``lookahead``: a freed slot's longest-match search looks at the first `lookahead` candidates of
       the queue (arrival order), so an event costs O(lookahead) lookups however long the queue grows.
     - ``hold_completions``: E2's hold (not the paper's): a newcomer whose prefix only busy chains hold
@@ -532,13 +533,9 @@ class _PromptAwareDispatcher(Dispatcher):
         """A waiting job was granted (or cancelled)."""
 
     def _lpm(self, k: int, waiting: list[int]) -> int:
-        """Longest prefix match on chain k among `waiting` (ties: arrival order), with E2's starvation bound:
-        the oldest waiting job goes once it has been passed over `max_skips` times."""
-        oldest = waiting[0]
-        bound = self.params.max_skips
-        if bound is not None and self._skips.get(oldest, 0) >= bound:
-            return oldest
-        best, best_m = oldest, -1
+        """Longest prefix match on chain k among `waiting` (ties: arrival order), counting how often each
+        job was passed over (E2's starvation bound reads the counts: E2Dispatcher._pick_waiting)."""
+        best, best_m = waiting[0], -1
         for j in itertools.islice(waiting, self.params.lookahead):
             m = self.match_tokens(k, self._queue[j][1])
             if m > best_m:
@@ -612,7 +609,8 @@ class E2Dispatcher(_PromptAwareDispatcher):
     - rebalancing: while the heaviest server's L exceeds Th_bal x the lightest's, a request that would
       exploit a chain through the heaviest server explores instead ("direct future requests that are
       supposed to exploit the heavy GPU to the light GPU").
-    - a freed slot goes to the waiting job with the longest match on that chain, bounded by max_skips.
+    - a freed slot goes to the waiting job with the longest match on that chain; a job passed over
+      max_skips times goes first at the next slot of a chain where its match is longest (_pick_waiting).
     Not built: Alg. 2's eviction cost M (the orchestrator does not know the servers' eviction order),
     prefix autoscaling and prefill/decode balancing (Alg. 1's DecodeRatio).
     """
@@ -715,6 +713,26 @@ class E2Dispatcher(_PromptAwareDispatcher):
         return sum(m * self._cost(h.server).t_in_s * tokens for h, m in zip(self._hops[k], self._blocks[k]))
 
     def _pick_waiting(self, k: int, waiting: list[int]) -> int:
+        """LPM on chain k, where a job passed over `max_skips` times (starving) goes first, but only to a
+        slot where it is best served: a chain with its longest match, or any chain when no chain holds
+        enough of it to be worth waiting for (E2's exploit rule: matched > missed). Forcing the oldest
+        onto whichever chain frees first (plain `_lpm`) made it prefill a prompt another chain holds
+        and evict that chain's prefixes for it; waiting for one of its own chains costs it about one
+        completion there (they run jobs, so one comes) and computes what waiting saves."""
+        bound = self.params.max_skips
+        if bound is None:
+            return self._lpm(k, waiting)
+        live: list[int] | None = None
+        for j in itertools.islice(waiting, self.params.lookahead):
+            if self._skips.get(j, 0) < bound:
+                continue
+            if live is None:
+                live = [c for c in range(len(self._chains)) if c not in self._disabled]
+            allowed, req = self._queue[j]
+            here = self.match_tokens(k, req)
+            best = max(self.match_tokens(c, req) for c in live if allowed is None or c in allowed)
+            if here >= best or best <= req.prompt_tokens - best:
+                return j
         return self._lpm(k, waiting)
 
     def _granted(self, job_id: int, k: int, req: DispatchRequest, match_tokens: int) -> None:

@@ -242,6 +242,48 @@ def test_e2_holds_a_newcomer_for_the_busy_chain_that_holds_its_prefix_within_a_b
         assert x.chain_id != y.chain_id and d0.holds == 0
 
 
+def test_e2_sends_a_starving_job_to_the_chain_that_holds_its_prefix_not_the_first_that_frees():
+    """Past max_skips a waiting job goes first, at the next slot of a chain where its match is longest:
+    not onto another chain that frees first, where it would prefill what its own chain holds."""
+    chains = chains_of(2, capacity=1, hops=1)
+    idx = PrefixIndex(sharing="swarm")
+    params = PrefixParams(max_skips=1, hold_completions=0, th_bal=float("inf"))
+    d = make_dispatcher("e2", chains, index=idx, params=params)
+    for server in (0, 1):
+        idx.apply(server, [], [])
+    doc_a, doc_b = prompt(1, 20, 0)[:-1], prompt(2, 20, 0)[:-1]
+
+    def req(hashes, j):
+        return DispatchRequest("a", hashes + (("u", j),), 21 * 16, 4)
+
+    [a] = d.on_arrival(1, None, req(doc_a, 1))
+    [b] = d.on_arrival(2, None, req(doc_b, 2))
+    assert a.chain_id != b.chain_id
+    assert d.on_arrival(3, None, req(doc_a, 3)) == [] and d.on_arrival(4, None, req(doc_b, 4)) == []
+    [s] = d.on_completion(2)  # b's chain frees: job 4 matches there, job 3 is passed over (now starving)
+    assert (s.job_id, s.chain_id) == (4, b.chain_id)
+    assert d.on_arrival(5, None, req(doc_b, 5)) == []
+    # b's chain frees again: job 3 is starving but holds nothing there; job 5 (a match) takes it
+    [s] = d.on_completion(4)
+    assert (s.job_id, s.chain_id) == (5, b.chain_id)
+    assert d.on_arrival(6, None, req(doc_a, 6)) == []
+    # a's chain frees: job 3 goes first there, before job 6's equal match (and it reuses its prefix)
+    [s] = d.on_completion(1)
+    assert (s.job_id, s.chain_id) == (3, a.chain_id)
+    assert d.match_tokens(a.chain_id, req(doc_a, 3)) == 20 * 16
+    # a starving job that no chain holds enough of to be worth waiting for (a's chain holds 5 of its 20
+    # chunks: matched < missed) takes the first slot that frees, wherever
+    [s] = d.on_completion(5)  # b's chain: job 6 (nothing matched there) takes it
+    assert (s.job_id, s.chain_id) == (6, b.chain_id)
+    partly_a = doc_a[:5] + tuple(("q", i) for i in range(15))
+    assert d.on_arrival(7, None, req(partly_a, 7)) == [] and d.on_arrival(8, None, req(doc_a, 8)) == []
+    [s] = d.on_completion(3)  # a's chain: job 8 (320 matched) passes job 7 (80) over: job 7 starves
+    assert (s.job_id, s.chain_id) == (8, a.chain_id)
+    assert d.on_arrival(9, None, req(doc_b, 9)) == []
+    [s] = d.on_completion(6)  # b's chain: job 7 goes, before job 9's longer match there
+    assert (s.job_id, s.chain_id) == (7, b.chain_id)
+
+
 def test_e2_rebalances_away_from_a_server_over_th_bal():
     chains = chains_of(2, capacity=50, hops=1)
     costs = {0: ServerCost(1.0, 1.0), 1: ServerCost(1.0, 1.0)}
