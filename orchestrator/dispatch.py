@@ -434,6 +434,13 @@ class _PromptAwareDispatcher(Dispatcher):
         return None
 
     # -- shared mechanics ------------------------------------------------------------------
+    def set_quanta(self, quantum_client: float, quantum_chain: float) -> None:
+        """New quanta Q^u and Q^w from the next refill on (the live service keeps them at its expected
+        session's charge, which it learns as sessions finish); the deficit counters keep their values."""
+        if not (quantum_client > 0 and quantum_chain > 0):
+            raise ValueError(f"quanta must be positive (got Q^u {quantum_client}, Q^w {quantum_chain})")
+        self.params = dataclasses.replace(self.params, quantum_client=quantum_client, quantum_chain=quantum_chain)
+
     def match_tokens(self, k: int, req: DispatchRequest) -> int:
         """Tokens chain k can reuse for this prompt (every hop must hold them)."""
         return self.index.chain_match_tokens(self._hops[k], req.client_id, req.prefix_hashes, req.prompt_tokens)

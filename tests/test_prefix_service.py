@@ -85,6 +85,30 @@ def test_a_session_goes_where_its_prefix_is_cached_and_only_its_own_under_client
     assert bob.prefix_status()["chain_hit_rate"] == {k: 0.0 for k in bob.prefix_status()["chain_hit_rate"]}
 
 
+def test_d2lpm_quanta_follow_the_expected_session_so_a_client_stays_where_its_prefix_is():
+    """Q^u and Q^w are one and four expected sessions' charge *as learned*, not as the prior (64 + 2 x 32)
+    at the plan's install: with prompts of 131 tokens a quantum of the prior's sessions sent the client to
+    the chain without its prefix after 4 sessions; at the learned length (300, 4) its chain quantum lasts 9."""
+
+    def chains_taken(learn: bool) -> list[str]:
+        s = Sessions(prefix_sharing="client")
+        s.install_chains(two_chains(), 1, 0.0, dispatch="d2lpm")
+        if learn:
+            s.set_expected_tokens(300, 4)  # what the service does as sessions finish
+        s.prefix_report("B0", [("alice|0", h) for h in H], [])
+        s.prefix_report("B1", [("alice|4", h) for h in H], [])
+        taken = []
+        for i in range(10):
+            g, _ = s.acquire(f"a{i}", "alice", 256, float(i), timeout_s=10, request=req("alice", H, 8 * 16 + 3))
+            taken.append(g.hops[0].peer_id[0])
+            s.release(f"a{i}", i + 0.5)
+        return taken
+
+    # each session charges its chain 131 at the grant and 2 x 8 at its end
+    assert chains_taken(learn=False)[:5] == ["B", "B", "B", "B", "A"]  # Q^w = 4 x 128 = 512
+    assert chains_taken(learn=True) == ["B"] * 9 + ["A"]  # Q^w = 4 x 308 = 1232
+
+
 def test_a_flooding_client_is_refused_beyond_its_waiting_bound_and_others_are_served():
     s = Sessions(max_waiting_per_client=3)
     s.dispatch_params = PrefixParams(quantum_client=20.0)  # less than one request's charge (10 + 2 x 8)

@@ -224,3 +224,39 @@ def test_simulate_setup_flags(capsys):
     assert rc == 0 and json.loads(out)["tau_c_reading"] == "literal"
     rc, out, err = _run(["--paper-setup", "10", "0.3", "--synthetic-rtt", "--authors-choices", "nope"], capsys)
     assert rc == 2 and "nope" in err
+
+
+def test_sim_prefix_dispatch_counts_the_goals_over_seeds(tmp_path):
+    """A small run of scripts/sim_prefix_dispatch.py with --goal-seeds: each seed's goals, and the count of
+    seeds meeting each target agrees with them."""
+    try:
+        resolve_data_file(AZURE_CODE_TRACE_FILENAME)
+    except DataNotFoundError as exc:
+        pytest.skip(f"Azure trace absent ({exc}); set ${DATA_ENV_VAR} to the shared data folder")
+    out = tmp_path / "sim"
+    argv = ["--chains", "4", "--rhos", "0.6", "--fig7-rhos", "4.0", "--requests", "120", "--workers", "1"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "sim_prefix_dispatch.py"),
+            *argv,
+            "--goal-seeds",
+            "0",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    by_seed = summary["goals_by_seed"]
+    assert set(by_seed) == {"0", "1"} and by_seed["0"] == summary["goals"]
+    assert by_seed["0"]["e2_over_jffc_mean"] != by_seed["1"]["e2_over_jffc_mean"]  # other prompts, other result
+    mean_met = sum(g["e2_over_jffc_mean"] <= 0.5 for g in by_seed.values())
+    thr_met = sum(g["next_to_a_flooder_by_rho"]["4.0"]["d2lpm_over_vtc_rr_throughput"] >= 1.5 for g in by_seed.values())
+    assert summary["goals_met_in_seeds"]["e2_over_jffc_mean"] == f"{mean_met} of 2"
+    assert summary["goals_met_in_seeds"]["d2lpm_over_vtc_rr_throughput (rho 4.0)"] == f"{thr_met} of 2"

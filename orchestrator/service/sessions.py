@@ -240,11 +240,16 @@ class Sessions:
         """The prompt-aware policies' knobs: DLPM's Q^u of one expected session's charge (w_in l_in + w_out
         l_out) and D2LPM's Q^w of four, so a flooder's backlog yields to a light client within a session or
         two (a quantum of many sessions lets one client's burst go first; the bound 2 (U + Q^u) |W| grows
-        with it), in the units the counters charge."""
+        with it), in the units the counters charge; kept current as the expected lengths are learned
+        (set_expected_tokens)."""
         if self.dispatch_params is not None:
             return self.dispatch_params
+        q_user, q_chain = self._quanta()
+        return PrefixParams(quantum_client=q_user, quantum_chain=q_chain, w_in=self.w_in, w_out=self.w_out)
+
+    def _quanta(self) -> tuple[float, float]:
         one = self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
-        return PrefixParams(quantum_client=one, quantum_chain=4 * one, w_in=self.w_in, w_out=self.w_out)
+        return one, 4 * one
 
     def install_router(
         self,
@@ -721,6 +726,12 @@ class Sessions:
         """The expected (l_in, l_out) a fair queue charges at a grant (the service keeps them current)."""
         with self.lock:
             self.expected_tokens = (float(input_tokens), float(output_tokens))
+            # the installed dispatcher's quanta follow, unless set explicitly: fixed at the plan's install
+            # they stayed at the prior's session (64 + 2 x 32) under prompts of hundreds of tokens, and
+            # D2LPM then moved a client to another chain after every session or two (cache locality lost)
+            b = self._binding
+            if self.dispatch_params is None and b is not None and hasattr(b.dispatcher, "set_quanta"):
+                b.dispatcher.set_quanta(*self._quanta())
 
     def set_no_chain_reason(self, reason: str | None) -> None:
         """Why no plan exists (acquire then fails at once with NoChainError), or None."""
