@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions-per-server", type=positive_int, default=4, help="each chain's capacity c_k")
     p.add_argument("--clients", type=positive_int, default=3)
     p.add_argument("--flood-weight", type=positive_float, default=1.0)
+    p.add_argument(
+        "--chain-quantum-sessions",
+        type=positive_float,
+        default=None,
+        help="d2lpm's Q^w, passed to the orchestrators (default: theirs)",
+    )
     p.add_argument("--workload", choices=("tooluse", "longdoc"), default="tooluse")
     p.add_argument("--segments", type=positive_int, default=12, help="tool descriptions or documents")
     p.add_argument(
@@ -219,6 +225,8 @@ class PolicySwarm:
             *("--policy", "jffc-only", "--expected-servers", str(args.servers), "--dispatch", policy),
             *("--prefix-sharing", "swarm", "--lease-ttl", "60"),
         ]
+        if args.chain_quantum_sessions is not None:
+            orch += ["--chain-quantum-sessions", str(args.chain_quantum_sessions)]
         self.swarm = stack.enter_context(
             LocalSwarm(MODEL, [None] * args.servers, server_args=server_args, orchestrator_args=orch)
         )

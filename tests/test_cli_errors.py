@@ -69,6 +69,10 @@ CASES = [
     (PC + ["orchestrator", "--initial-peers", PEER, "--rho", "2"], "--rho must lie in (0, 1)"),
     (PC + ["orchestrator", "--initial-peers", PEER, "--expected-servers", "-1"], "must be >= 0"),
     (PC + ["orchestrator", "--initial-peers", PEER, "--http-port", "70000"], "--http-port must be in"),
+    (
+        PC + ["orchestrator", "--initial-peers", PEER, "--chain-quantum-sessions", "0"],
+        "--chain-quantum-sessions: must be a positive number",
+    ),
     # plan, simulate
     (PC + ["plan", "--cluster", "/nonexistent.json"], "cannot read /nonexistent.json"),
     (PC + ["plan", "--cluster", "examples/cluster.json", "--c", "0"], "--c: must be >= 1"),

@@ -178,6 +178,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound of the global prefix index (server, namespace, chunk) entries, LRU (default 262144)",
     )
     p.add_argument(
+        "--client-quantum-sessions",
+        type=positive_float,
+        default=1.0,
+        help="d2lpm: DLPM's per-client quantum Q^u at the central queue, in expected sessions' charge "
+        "(default 1: a flooder's backlog yields to a light client within a session or two; larger favours "
+        "locality over fairness, and the bound 2 (U + Q^u) |W| grows with it)",
+    )
+    p.add_argument(
+        "--chain-quantum-sessions",
+        type=positive_float,
+        default=4.0,
+        help="d2lpm: D2LPM's per-client, per-chain quantum Q^w, in expected sessions' charge (default 4): how "
+        "much a client sends to the chain holding its prefix before others get its next sessions "
+        "(larger: more locality, less even load; not in the fairness bound)",
+    )
+    p.add_argument(
         "--queue",
         choices=["fifo", "fair"],
         default="fifo",
@@ -352,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             dispatch=args.dispatch,
             prefix_sharing=args.prefix_sharing,
             prefix_index_entries=args.prefix_index_entries,
+            client_quantum_sessions=args.client_quantum_sessions,
+            chain_quantum_sessions=args.chain_quantum_sessions,
             calibrate=args.calibrate,
             replan_enter=args.replan_threshold,
             replan_exit=args.replan_threshold / 2,

@@ -109,6 +109,9 @@ class OrchestratorConfig:
     dispatch: str = "jffc"  # chain dispatcher (orchestrator.dispatch) for policies over static chains
     prefix_sharing: str = "client"  # whose prefixes a prompt-aware dispatcher matches (the servers' scope)
     prefix_index_entries: int = 1 << 18  # bound of the global prefix index (LRU)
+    # DLPM's Q^u and D2LPM's Q^w, in expected sessions' charge (w_in l_in + w_out l_out, as learned)
+    client_quantum_sessions: float = 1.0
+    chain_quantum_sessions: float = 4.0
     # the calibrated service model (orchestrator/service/calibration.py)
     calibrate: bool = True  # plan from live service fits once a server has enough batches
     service_poll_s: float = 2.0  # how often servers' batch records are read
@@ -263,6 +266,7 @@ class Orchestrator:
             lock=self.lock,
             prefix_sharing=config.prefix_sharing,
             prefix_index_entries=config.prefix_index_entries,
+            quantum_sessions=(config.client_quantum_sessions, config.chain_quantum_sessions),
         )
         self.sessions.set_expected_tokens(config.mean_input_tokens, config.mean_output_tokens)
         self.current: InstalledPlan | None = None  # the plan servers are loading / running (swapped whole)

@@ -163,6 +163,7 @@ class Sessions:
         prefix_sharing: str = "client",
         prefix_index_entries: int = DEFAULT_MAX_ENTRIES,
         max_waiting_per_client: int = 256,
+        quantum_sessions: tuple[float, float] = (1.0, 4.0),
     ):
         if lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be positive")
@@ -191,7 +192,10 @@ class Sessions:
         # read it and learn grants into it, the servers' reports correct it (`prefix_report`)
         self.prefix_index = PrefixIndex(sharing=prefix_sharing, max_entries=prefix_index_entries)
         self.server_costs: dict | None = None  # peer id -> dispatch.ServerCost (calibrated t_I, t_O), if known
-        self.dispatch_params: PrefixParams | None = None  # None: quanta of one expected request (below)
+        self.dispatch_params: PrefixParams | None = None  # None: quanta of expected sessions (below)
+        if not all(q > 0 for q in quantum_sessions):
+            raise ValueError(f"quantum_sessions must be positive, got {quantum_sessions}")
+        self.quantum_sessions = quantum_sessions  # (Q^u, Q^w) in expected sessions' charge
         if max_waiting_per_client < 1:
             raise ValueError("max_waiting_per_client must be >= 1")
         self.max_waiting_per_client = max_waiting_per_client
@@ -237,11 +241,11 @@ class Sessions:
             return self.install(d, plan_version, now_s, chains=chains)
 
     def _dispatch_params(self) -> PrefixParams:
-        """The prompt-aware policies' knobs: DLPM's Q^u of one expected session's charge (w_in l_in + w_out
-        l_out) and D2LPM's Q^w of four, so a flooder's backlog yields to a light client within a session or
-        two (a quantum of many sessions lets one client's burst go first; the bound 2 (U + Q^u) |W| grows
-        with it), in the units the counters charge; kept current as the expected lengths are learned
-        (set_expected_tokens)."""
+        """The prompt-aware policies' knobs: DLPM's Q^u of one expected session's charge (w_in l_in +
+        w_out l_out) and D2LPM's Q^w of four by default (`quantum_sessions`), so a flooder's backlog yields
+        to a light client within a session or two (a quantum of many sessions lets one client's burst go
+        first; the bound 2 (U + Q^u) |W| grows with it), in the units the counters charge; kept current as
+        the expected lengths are learned (set_expected_tokens)."""
         if self.dispatch_params is not None:
             return self.dispatch_params
         q_user, q_chain = self._quanta()
@@ -249,7 +253,7 @@ class Sessions:
 
     def _quanta(self) -> tuple[float, float]:
         one = self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
-        return one, 4 * one
+        return self.quantum_sessions[0] * one, self.quantum_sessions[1] * one
 
     def install_router(
         self,
