@@ -603,6 +603,7 @@ class _PromptAwareDispatcher(Dispatcher):
 
 
 _UNIT_COST = ServerCost(1.0, 1.0)
+STARVING_CHECKED = 8  # E2: starving jobs a freed slot examines (each a match on every chain)
 
 
 class E2Dispatcher(_PromptAwareDispatcher):
@@ -730,9 +731,9 @@ class E2Dispatcher(_PromptAwareDispatcher):
         if bound is None:
             return self._lpm(k, waiting)
         live: list[int] | None = None
-        for j in itertools.islice(waiting, self.params.lookahead):
-            if self._skips.get(j, 0) < bound:
-                continue
+        starving = (j for j in itertools.islice(waiting, self.params.lookahead) if self._skips.get(j, 0) >= bound)
+        # each costs a match on every chain: the oldest few (they are served first anyway) bound the work
+        for j in itertools.islice(starving, STARVING_CHECKED):
             if live is None:
                 live = [c for c in range(len(self._chains)) if c not in self._disabled]
             allowed, req = self._queue[j]
