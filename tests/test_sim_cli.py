@@ -116,25 +116,23 @@ def test_azure_trace_loader():
     assert (len(arrivals) - 1) / arrivals[-1] == pytest.approx(0.2, rel=1e-6)
 
 
-def test_reproduce_paper_smoke(tmp_path):
-    out = tmp_path / "paper"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "reproduce_paper.py"),
-            "--runs",
-            "1",
-            "--workers",
-            "1",
-            "--synthetic-rtt",
-            "--only",
-            "fig3,fig4,fig67",
-            "--out",
-            str(out),
-        ],
+def _run_script(name: str, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """scripts/<name> with `args`, from the repository root, its output captured."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / name), *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout_s,
+        cwd=REPO,
+    )
+
+
+def test_reproduce_paper_smoke(tmp_path):
+    out = tmp_path / "paper"
+    proc = _run_script(
+        "reproduce_paper.py",
+        *("--runs", "1", "--workers", "1", "--synthetic-rtt", "--only", "fig3,fig4,fig67", "--out", str(out)),
+        timeout_s=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -235,22 +233,7 @@ def test_sim_prefix_dispatch_counts_the_goals_over_seeds(tmp_path):
         pytest.skip(f"Azure trace absent ({exc}); set ${DATA_ENV_VAR} to the shared data folder")
     out = tmp_path / "sim"
     argv = ["--chains", "4", "--rhos", "0.6", "--fig7-rhos", "4.0", "--requests", "120", "--workers", "1"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "sim_prefix_dispatch.py"),
-            *argv,
-            "--goal-seeds",
-            "0",
-            "1",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    proc = _run_script("sim_prefix_dispatch.py", *argv, "--goal-seeds", "0", "1", "--out", str(out), timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     by_seed = summary["goals_by_seed"]
