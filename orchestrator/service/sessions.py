@@ -734,8 +734,10 @@ class Sessions:
             # they stayed at the prior's session (64 + 2 x 32) under prompts of hundreds of tokens, and
             # D2LPM then moved a client to another chain after every session or two (cache locality lost)
             b = self._binding
-            if self.dispatch_params is None and b is not None and hasattr(b.dispatcher, "set_quanta"):
-                b.dispatcher.set_quanta(*self._quanta())
+            quanta = self._quanta()
+            live = b is not None and hasattr(b.dispatcher, "set_quanta")
+            if self.dispatch_params is None and live and min(quanta) > 0:  # (0, 0): keep the last ones
+                b.dispatcher.set_quanta(*quanta)
 
     def set_no_chain_reason(self, reason: str | None) -> None:
         """Why no plan exists (acquire then fails at once with NoChainError), or None."""
