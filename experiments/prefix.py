@@ -74,7 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=positive_int, default=3, help="servers = chains per policy")
     p.add_argument("--sessions-per-server", type=positive_int, default=4, help="each chain's capacity c_k")
     p.add_argument("--clients", type=positive_int, default=3)
-    p.add_argument("--flood-weight", type=positive_float, default=1.0)
+    p.add_argument(
+        "--flood-weight",
+        type=positive_float,
+        default=1.0,
+        help="the first client sends this many times the others' requests; != 1: summary.json reports the "
+        "others' response times apart (`well_behaved`, and its p95 against jffc's)",
+    )
     p.add_argument(
         "--chain-quantum-sessions",
         type=positive_float,
@@ -308,7 +314,16 @@ def jain(xs) -> float:
     return float(x.sum() ** 2 / (len(x) * (x**2).sum())) if len(x) and (x**2).sum() else float("nan")
 
 
-def summarize(records: list[dict], output_tokens: int) -> dict:
+def _response_stats(rs: list[dict]) -> dict:
+    resp = [r["response_s"] for r in rs]
+    if not resp:
+        return {"n": 0, "mean_s": float("nan"), "p95_s": float("nan")}
+    return {"n": len(resp), "mean_s": float(np.mean(resp)), "p95_s": float(np.percentile(resp, 95))}
+
+
+def summarize(records: list[dict], output_tokens: int, flooder: int | None = None) -> dict:
+    """Per policy. `flooder`: the client that sends more than the others (`--flood-weight`), whose
+    neighbours' response times are reported apart (`well_behaved`)."""
     ok = [r for r in records if "error" not in r]
     resp = np.array([r["response_s"] for r in ok]) if ok else np.array([np.nan])
     reused = sum(r["reused_tokens"] for r in ok)
@@ -341,6 +356,10 @@ def summarize(records: list[dict], output_tokens: int) -> dict:
         "requests_per_chain": chains,
         "service_by_client": service,
         "jain_index": jain(list(service.values())),
+        "response_by_client": {
+            str(c): _response_stats([r for r in ok if r["client"] == c]) for c in sorted({r["client"] for r in ok})
+        },
+        "well_behaved": None if flooder is None else _response_stats([r for r in ok if r["client"] != flooder]),
     }
 
 
@@ -456,7 +475,7 @@ def main(argv: list[str]) -> int:
                 flush=True,
             )
         for policy, sw in swarms.items():
-            s = summarize(sw.records, args.output_tokens)
+            s = summarize(sw.records, args.output_tokens, flooder=0 if args.flood_weight != 1.0 else None)
             s["requests_with_segment_reused"] = sum(
                 1 for r in sw.records if "error" not in r and r["reused_tokens"] > head_tokens + 16
             )
@@ -482,6 +501,11 @@ def main(argv: list[str]) -> int:
                 "mean_response": s["mean_response_s"] / base["mean_response_s"],
                 "p95_response": s["p95_response_s"] / base["p95_response_s"],
                 "reused_tokens": s["prefill_tokens_reused"] / reused if reused else None,
+                **(
+                    {"well_behaved_p95": s["well_behaved"]["p95_s"] / base["well_behaved"]["p95_s"]}
+                    if s["well_behaved"] is not None
+                    else {}
+                ),
             }
             for p, s in summary["policies"].items()
         }

@@ -93,3 +93,29 @@ def test_goal_needs_every_part():
     assert not P.goal(_summary(10.0, 5.0, 100, 199))["met"]  # reuse under 2x
     assert not P.goal(_summary(10.0, 5.0, 100, 300, failed=1))["met"]  # a request lost
     assert not P.goal(_summary(10.0, 5.0, 100, 300, equal=False))["met"]  # an output not HF's
+
+
+def test_summary_reports_the_flooders_neighbours_apart():
+    def rec(i, client, response_s):
+        return {
+            "i": i,
+            "client": client,
+            "response_s": response_s,
+            "reused_tokens": 0,
+            "prompt_tokens": 10,
+            "chain": ["s0"],
+            "client_queue_s": 0.0,
+            "open_s": 0.0,
+            "session_s": response_s,
+        }
+
+    records = [rec(i, 0, 10.0 + i) for i in range(8)] + [
+        rec(8, 1, 1.0),
+        rec(9, 2, 3.0),
+        {"i": 10, "client": 1, "error": "x"},
+    ]
+    s = P.summarize(records, output_tokens=4, flooder=0)
+    assert s["well_behaved"]["n"] == 2 and s["well_behaved"]["mean_s"] == pytest.approx(2.0)
+    assert s["response_by_client"]["0"]["n"] == 8 and s["response_by_client"]["1"]["mean_s"] == 1.0
+    assert s["finished"] == 10 and s["failed"] == 1
+    assert P.summarize(records, output_tokens=4)["well_behaved"] is None  # no flooder: not split
