@@ -230,8 +230,9 @@ def test_the_api_accepts_connections_as_soon_as_it_says_it_is_ready(swarm, tiny_
         os.killpg(cmd.proc.pid, signal.SIGSTOP)
         line = next(x for x in cmd.out.decode().splitlines() if marker in x)
         port = int(re.search(r":(\d+)/v1", line).group(1))
-        with socket.create_connection(("127.0.0.1", port), timeout=10):
-            pass  # refused (ECONNREFUSED) if the socket were bound but not yet listening
+        # refused (ConnectionRefusedError) if the socket were bound but not yet listening
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            assert conn.getpeername()[1] == port
     finally:
         cmd.kill_group()
 

@@ -251,8 +251,12 @@ class Sessions:
         q_user, q_chain = self._quanta()
         return PrefixParams(quantum_client=q_user, quantum_chain=q_chain, w_in=self.w_in, w_out=self.w_out)
 
+    def _expected_charge(self) -> float:
+        """One expected session's charge, w_in l_in + w_out l_out (the fair queue's and the quanta's unit)."""
+        return self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
+
     def _quanta(self) -> tuple[float, float]:
-        one = self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
+        one = self._expected_charge()
         return self.quantum_sessions[0] * one, self.quantum_sessions[1] * one
 
     def install_router(
@@ -486,7 +490,7 @@ class Sessions:
         self._job_session.pop(w.job_id, None)
         ch.in_use += 1
         wait = now_s - w.arrived_s
-        charge = self.w_in * self.expected_tokens[0] + self.w_out * self.expected_tokens[1]
+        charge = self._expected_charge()
         self.client_service[w.client_id] = self.client_service.get(w.client_id, 0.0) + charge
         self.metrics.admitted += 1
         self.metrics.observe_wait(wait)
