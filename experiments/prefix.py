@@ -59,7 +59,7 @@ MODEL = "smollm2-135m"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from petals_chain.cli.args import CliParser, non_negative_float, positive_float, positive_int
+    from petals_chain.cli.args import CliParser, non_negative_float, non_negative_int, positive_float, positive_int
 
     p = CliParser(
         prog="petals-chain experiment prefix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_float,
         default=None,
         help="d2lpm's Q^w, passed to the orchestrators (default: theirs)",
+    )
+    p.add_argument(
+        "--fair-skips",
+        type=non_negative_int,
+        default=None,
+        help="d2lpm's fair_skips, passed to the orchestrators (default: theirs; 0: the DLPM paper's order)",
     )
     p.add_argument("--workload", choices=("tooluse", "longdoc"), default="tooluse")
     p.add_argument("--segments", type=positive_int, default=12, help="tool descriptions or documents")
@@ -233,6 +239,8 @@ class PolicySwarm:
         ]
         if args.chain_quantum_sessions is not None:
             orch += ["--chain-quantum-sessions", str(args.chain_quantum_sessions)]
+        if args.fair_skips is not None:
+            orch += ["--fair-skips", str(args.fair_skips)]
         self.swarm = stack.enter_context(
             LocalSwarm(MODEL, [None] * args.servers, server_args=server_args, orchestrator_args=orch)
         )

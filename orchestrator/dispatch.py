@@ -361,6 +361,9 @@ class PrefixParams:
     - ``max_skips``: E2's bound on how often a waiting job may be passed over by longer matches
       (Preble's priority levels avoid starvation): past it, the job goes first at the next freed slot of
       a chain where its match is longest; None: plain LPM (rr-lpm).
+    - ``fair_skips``: D2LPM's bound on the same starvation, counted fairly: a waiting job whose client
+      holds credit (d_i > 0) and that other clients' grants passed over this many times goes first, by
+      E2's rule; None: the DLPM paper's order (the longest match among the clients with credit).
     - ``lookahead``: a freed slot's longest-match search looks at the first `lookahead` candidates of
       the queue (arrival order), so an event costs O(lookahead) lookups however long the queue grows.
     - ``hold_completions``: E2's hold (not the paper's): a newcomer whose prefix only busy chains hold
@@ -375,8 +378,12 @@ class PrefixParams:
     w_in: float = 1.0
     w_out: float = 2.0
     max_skips: int | None = 16
+    fair_skips: int | None = 32
     lookahead: int = 64
     hold_completions: int = 8
+
+
+STARVING_CHECKED = 8  # starving jobs a freed slot examines (each a match on every chain)
 
 
 class _PromptAwareDispatcher(Dispatcher):
@@ -539,6 +546,24 @@ class _PromptAwareDispatcher(Dispatcher):
     def _left_queue(self, job_id: int, req: DispatchRequest) -> None:
         """A waiting job was granted (or cancelled)."""
 
+    def _starving_here(self, k: int, starving: Iterable[int]) -> int | None:
+        """The first of `starving` (oldest first) that chain k's freed slot serves well: k holds its longest
+        match, or no chain holds enough of it to be worth waiting for (E2's exploit rule: matched > missed).
+        Forcing the oldest onto whichever chain frees first made it prefill a prompt another chain holds
+        and evict that chain's prefixes for it; waiting for one of its own chains costs it about one
+        completion there (they run jobs, so one comes) and computes what waiting saves. Examines at most
+        STARVING_CHECKED jobs (each a match on every chain; the oldest are served first anyway)."""
+        live: list[int] | None = None
+        for j in itertools.islice(starving, STARVING_CHECKED):
+            if live is None:
+                live = [c for c in range(len(self._chains)) if c not in self._disabled]
+            allowed, req = self._queue[j]
+            here = self.match_tokens(k, req)
+            best = max(self.match_tokens(c, req) for c in live if allowed is None or c in allowed)
+            if here >= best or best <= req.prompt_tokens - best:
+                return j
+        return None
+
     def _lpm(self, k: int, waiting: list[int]) -> int:
         """Longest prefix match on chain k among `waiting` (ties: arrival order), counting how often each
         job was passed over (E2's starvation bound reads the counts: E2Dispatcher._pick_waiting)."""
@@ -603,7 +628,6 @@ class _PromptAwareDispatcher(Dispatcher):
 
 
 _UNIT_COST = ServerCost(1.0, 1.0)
-STARVING_CHECKED = 8  # E2: starving jobs a freed slot examines (each a match on every chain)
 
 
 class E2Dispatcher(_PromptAwareDispatcher):
@@ -722,26 +746,13 @@ class E2Dispatcher(_PromptAwareDispatcher):
 
     def _pick_waiting(self, k: int, waiting: list[int]) -> int:
         """LPM on chain k, where a job passed over `max_skips` times (starving) goes first, but only to a
-        slot where it is best served: a chain with its longest match, or any chain when no chain holds
-        enough of it to be worth waiting for (E2's exploit rule: matched > missed). Forcing the oldest
-        onto whichever chain frees first (plain `_lpm`) made it prefill a prompt another chain holds
-        and evict that chain's prefixes for it; waiting for one of its own chains costs it about one
-        completion there (they run jobs, so one comes) and computes what waiting saves."""
+        slot where it is best served (`_starving_here`)."""
         bound = self.params.max_skips
         if bound is None:
             return self._lpm(k, waiting)
-        live: list[int] | None = None
         starving = (j for j in itertools.islice(waiting, self.params.lookahead) if self._skips.get(j, 0) >= bound)
-        # each costs a match on every chain: the oldest few (they are served first anyway) bound the work
-        for j in itertools.islice(starving, STARVING_CHECKED):
-            if live is None:
-                live = [c for c in range(len(self._chains)) if c not in self._disabled]
-            allowed, req = self._queue[j]
-            here = self.match_tokens(k, req)
-            best = max(self.match_tokens(c, req) for c in live if allowed is None or c in allowed)
-            if here >= best or best <= req.prompt_tokens - best:
-                return j
-        return self._lpm(k, waiting)
+        j = self._starving_here(k, starving)
+        return j if j is not None else self._lpm(k, waiting)
 
     def _granted(self, job_id: int, k: int, req: DispatchRequest, match_tokens: int) -> None:
         missed = max(0, req.prompt_tokens - match_tokens)
@@ -780,7 +791,10 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
     client's request that arrives while a flooder's backlog is being served is eligible at once, rather
     than waiting for the flooder to spend its whole quantum (which, at a hit's small extend charge, is
     dozens of grants). This is what gives the bound W_g - W_f <= 2 (U + Q^u) |W| over any window in which
-    f stays backlogged (tests/test_prefix_dispatch.py checks it). At most `MAX_CLIENTS` clients are known;
+    f stays backlogged (tests/test_prefix_dispatch.py checks it). Not the paper's: among the clients with
+    credit, a job that other clients' grants passed over `fair_skips` times goes first (by E2's rule,
+    `_starving_here`); only the order among eligible jobs changes, so the bound holds as before.
+    At most `MAX_CLIENTS` clients are known;
     past it the longest-known idle one is forgotten (it comes back as new, at 0, Alg. 1 line 12).
     """
 
@@ -793,6 +807,7 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
         self.chain_deficit: dict[tuple[str, int], float] = {}  # q_{i,k}
         self.client_deficit: dict[str, float] = {}  # d_i of the central queue's DLPM, every known client
         self._waiting_of: dict[str, int] = {}
+        self._passed: dict[int, int] = {}  # waiting job -> other clients' grants that passed it over (fair_skips)
         self.service: dict[str, float] = {}  # what each client was charged at its grants (for tests, /status)
 
     def charge(self, req: DispatchRequest, match_tokens: int) -> float:
@@ -825,12 +840,33 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
                 if q <= 0:
                     d[c] = q + quantum * min(rounds, int(-q // quantum) + 1)
             eligible = [j for j in waiting if d[self._queue[j][1].client_id] > 0]
-        # Alg. 1 line 3-4: the longest match among the jobs whose client may be served (first of equals)
-        best, best_m = eligible[0], -1
-        for j in itertools.islice(eligible, self.params.lookahead):
-            m = self.match_tokens(k, self._queue[j][1])
-            if m > best_m:
-                best, best_m = j, m
+        best = None
+        bound = self.params.fair_skips
+        if bound is not None:
+            passed = self._passed
+            starving = (j for j in itertools.islice(eligible, self.params.lookahead) if passed.get(j, 0) >= bound)
+            best = self._starving_here(k, starving)
+        if best is None:  # Alg. 1 line 3-4: the longest match among the jobs whose client may be served
+            best, best_m = eligible[0], -1
+            for j in itertools.islice(eligible, self.params.lookahead):
+                m = self.match_tokens(k, self._queue[j][1])
+                if m > best_m:
+                    best, best_m = j, m
+        if bound is not None:
+            # Why count only other clients' grants, and only while the job's client holds credit: the
+            # deficits bound each client's service, not the order among clients with credit, so a light
+            # client's miss (a rare tool) loses every freed slot to a flooder's hits for as long as the
+            # flooder's quantum lasts (at a hit's small extend charge, dozens of grants, every round).
+            # A client's own hits before its own misses is its own locality, and a client in debt waits
+            # by DLPM's rule: so a flooder's misses keep waiting (serving them early is what cost
+            # throughput when every passed-over job counted) while a light client's tail is bounded.
+            winner = self._queue[best][1].client_id
+            for j in waiting:
+                if j == best:
+                    break
+                c = self._queue[j][1].client_id
+                if c != winner and d.get(c, 0.0) > 0:
+                    self._passed[j] = self._passed.get(j, 0) + 1
         return best
 
     def _known(self, c: str) -> None:
@@ -873,6 +909,7 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
         self._waiting_of[req.client_id] = self._waiting_of.get(req.client_id, 0) + 1
 
     def _left_queue(self, job_id: int, req: DispatchRequest) -> None:
+        self._passed.pop(job_id, None)
         c = req.client_id
         self._waiting_of[c] -= 1
         if not self._waiting_of[c]:

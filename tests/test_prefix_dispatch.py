@@ -347,6 +347,35 @@ def test_d2lpm_a_client_idle_through_a_round_keeps_its_credit():
     assert 99 in served[:2], served
 
 
+def test_d2lpm_a_light_clients_miss_waits_for_at_most_fair_skips_of_other_clients_grants():
+    """DLPM's deficits bound service, not the order among clients with credit: under the paper's order a
+    light client's miss loses every freed slot to a flooder's hits for as long as the flooder's quantum
+    lasts. With fair_skips it goes first once other clients' grants passed it over that many times; a
+    client's own grants never count (the flooder's miss keeps waiting behind its own hits)."""
+    chains = chains_of(1, capacity=1, hops=1)
+
+    def served_order(fair_skips):
+        params = PrefixParams(quantum_client=10_000.0, fair_skips=fair_skips)
+        d = make_dispatcher("d2lpm", chains, params=params)
+        assert d.on_arrival(0, None, DispatchRequest("flood", prompt(1, 4, 0), 5 * 16, 4))  # learns prefix 1
+        assert not d.on_arrival(50, None, DispatchRequest("flood", prompt(3, 4, 50), 5 * 16, 4))  # its miss
+        assert not d.on_arrival(99, None, DispatchRequest("light", prompt(2, 4, 99), 5 * 16, 4))  # a miss
+        for j in range(1, 9):  # the flooder's hits (16 + 8 charged each: its quantum lasts 400 of them)
+            assert not d.on_arrival(j, None, DispatchRequest("flood", prompt(1, 4, j), 5 * 16, 4))
+        order, running = [], 0
+        while True:
+            starts = d.on_completion(running)
+            if not starts:
+                return order
+            [s] = starts
+            order.append(s.job_id)
+            running = s.job_id
+
+    assert served_order(None) == [1, 2, 3, 4, 5, 6, 7, 8, 50, 99]  # the paper's: the light miss last
+    order = served_order(2)
+    assert order.index(99) == 2 and order.index(50) == 9, order  # passed over twice by the flooder, then first
+
+
 def test_d2lpm_forgets_idle_clients_past_its_bound_and_status_shows_waiting_ones_first():
     chains = chains_of(2, capacity=1, hops=1)
     d = make_dispatcher("d2lpm", chains)
@@ -371,12 +400,14 @@ def test_d2lpm_forgets_idle_clients_past_its_bound_and_status_shows_waiting_ones
     seed=st.integers(0, 10_000),
     quantum=st.sampled_from([50.0, 200.0, 1000.0]),
     steps=st.integers(20, 120),
+    fair_skips=st.sampled_from([None, 1, 4, 32]),
 )
-def test_d2lpm_service_bound_in_every_window(n_chains, capacity, seed, quantum, steps):
+def test_d2lpm_service_bound_in_every_window(n_chains, capacity, seed, quantum, steps, fair_skips):
     """Theorem 5.1/A.3: over any window in which client f stays backlogged, W_g - W_f <= 2 (U + Q^u) |W|,
-    W the service charged at grants (w_e extend tokens + w_q output), U the largest one request's charge."""
+    W the service charged at grants (w_e extend tokens + w_q output), U the largest one request's charge;
+    with or without the fair_skips order among the clients with credit."""
     rng = np.random.default_rng(seed)
-    params = PrefixParams(quantum_client=quantum, quantum_chain=quantum)
+    params = PrefixParams(quantum_client=quantum, quantum_chain=quantum, fair_skips=fair_skips)
     d = make_dispatcher("d2lpm", chains_of(n_chains, capacity), params=params)
     assert isinstance(d, D2lpmDispatcher)
     clients = ["a", "b", "c"]

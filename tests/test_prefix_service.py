@@ -109,6 +109,17 @@ def test_d2lpm_quanta_follow_the_expected_session_so_a_client_stays_where_its_pr
     assert chains_taken(learn=True) == ["B"] * 9 + ["A"]  # Q^w = 4 x 308 = 1232
 
 
+def test_status_shows_d2lpm_knobs_in_force_and_fair_skips_reaches_the_dispatcher():
+    for fair_skips in (32, None):
+        s = Sessions(prefix_sharing="client", fair_skips=fair_skips)
+        s.install_chains(two_chains(), 1, 0.0, dispatch="d2lpm")
+        s.set_expected_tokens(300, 4)  # new quanta; fair_skips stays
+        st = s.prefix_status()
+        assert (st["quantum_client"], st["quantum_chain"], st["fair_skips"]) == (308.0, 4 * 308.0, fair_skips)
+    with pytest.raises(ValueError, match="fair_skips must be >= 1 or None"):
+        Sessions(fair_skips=0)
+
+
 def test_a_flooding_client_is_refused_beyond_its_waiting_bound_and_others_are_served():
     s = Sessions(max_waiting_per_client=3)
     s.dispatch_params = PrefixParams(quantum_client=20.0)  # less than one request's charge (10 + 2 x 8)

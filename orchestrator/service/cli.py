@@ -194,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(larger: more locality, less even load; not in the fairness bound)",
     )
     p.add_argument(
+        "--fair-skips",
+        type=non_negative_int,
+        default=32,
+        help="d2lpm: a waiting session whose client holds credit goes first once other clients' grants passed "
+        "it over this many times (default 32: bounds a light client's cache misses behind a flooder's hits; "
+        "0: the DLPM paper's order, the longest match among the clients with credit)",
+    )
+    p.add_argument(
         "--queue",
         choices=["fifo", "fair"],
         default="fifo",
@@ -370,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix_index_entries=args.prefix_index_entries,
             client_quantum_sessions=args.client_quantum_sessions,
             chain_quantum_sessions=args.chain_quantum_sessions,
+            fair_skips=args.fair_skips,
             calibrate=args.calibrate,
             replan_enter=args.replan_threshold,
             replan_exit=args.replan_threshold / 2,

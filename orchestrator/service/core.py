@@ -112,6 +112,7 @@ class OrchestratorConfig:
     # DLPM's Q^u and D2LPM's Q^w, in expected sessions' charge (w_in l_in + w_out l_out, as learned)
     client_quantum_sessions: float = 1.0
     chain_quantum_sessions: float = 4.0
+    fair_skips: int = 32  # d2lpm: other clients' grants a credit holder's waiting session may see first (0: none)
     # the calibrated service model (orchestrator/service/calibration.py)
     calibrate: bool = True  # plan from live service fits once a server has enough batches
     service_poll_s: float = 2.0  # how often servers' batch records are read
@@ -267,6 +268,7 @@ class Orchestrator:
             prefix_sharing=config.prefix_sharing,
             prefix_index_entries=config.prefix_index_entries,
             quantum_sessions=(config.client_quantum_sessions, config.chain_quantum_sessions),
+            fair_skips=config.fair_skips or None,
         )
         self.sessions.set_expected_tokens(config.mean_input_tokens, config.mean_output_tokens)
         self.current: InstalledPlan | None = None  # the plan servers are loading / running (swapped whole)

@@ -164,6 +164,7 @@ class Sessions:
         prefix_index_entries: int = DEFAULT_MAX_ENTRIES,
         max_waiting_per_client: int = 256,
         quantum_sessions: tuple[float, float] = (1.0, 4.0),
+        fair_skips: int | None = 32,
     ):
         if lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be positive")
@@ -196,6 +197,9 @@ class Sessions:
         if not all(q > 0 for q in quantum_sessions):
             raise ValueError(f"quantum_sessions must be positive, got {quantum_sessions}")
         self.quantum_sessions = quantum_sessions  # (Q^u, Q^w) in expected sessions' charge
+        if fair_skips is not None and fair_skips < 1:
+            raise ValueError(f"fair_skips must be >= 1 or None (the DLPM paper's order), got {fair_skips}")
+        self.fair_skips = fair_skips
         if max_waiting_per_client < 1:
             raise ValueError("max_waiting_per_client must be >= 1")
         self.max_waiting_per_client = max_waiting_per_client
@@ -249,7 +253,9 @@ class Sessions:
         if self.dispatch_params is not None:
             return self.dispatch_params
         q_user, q_chain = self._quanta()
-        return PrefixParams(quantum_client=q_user, quantum_chain=q_chain, w_in=self.w_in, w_out=self.w_out)
+        return PrefixParams(
+            quantum_client=q_user, quantum_chain=q_chain, w_in=self.w_in, w_out=self.w_out, fair_skips=self.fair_skips
+        )
 
     def _expected_charge(self) -> float:
         """One expected session's charge, w_in l_in + w_out l_out (the fair queue's and the quanta's unit)."""
@@ -871,7 +877,7 @@ class Sessions:
 
     def prefix_status(self) -> dict:
         """/status's prompt-aware part: the index's size, each live chain's hit rate as the dispatcher
-        expected it, and (d2lpm) the deficit counters."""
+        expected it, and (d2lpm) the deficit counters, the quanta and fair_skips."""
         with self.lock:
             b = self._binding
             out: dict = {
@@ -892,6 +898,10 @@ class Sessions:
                     view = d.deficits_view()
                     out["clients_known"], out["client_deficit"] = view["clients_known"], view["client_deficit"]
                     out["chain_deficit"] = {f"{c}@{live.get(k, k)}": q for (c, k), q in view["chain_deficit"].items()}
+                    # the knobs in force (the quanta follow the learned session length)
+                    p = d.params
+                    out["quantum_client"], out["quantum_chain"] = p.quantum_client, p.quantum_chain
+                    out["fair_skips"] = p.fair_skips
             return out
 
     # -- views ----------------------------------------------------------------------------------
