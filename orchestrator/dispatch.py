@@ -793,9 +793,9 @@ class D2lpmDispatcher(_PromptAwareDispatcher):
     dozens of grants). This is what gives the bound W_g - W_f <= 2 (U + Q^u) |W| over any window in which
     f stays backlogged (tests/test_prefix_dispatch.py checks it). Not the paper's: among the clients with
     credit, a job that other clients' grants passed over `fair_skips` times goes first (by E2's rule,
-    `_starving_here`); only the order among eligible jobs changes, so the bound holds as before.
-    At most `MAX_CLIENTS` clients are known;
-    past it the longest-known idle one is forgotten (it comes back as new, at 0, Alg. 1 line 12).
+    `_starving_here`); only the order among eligible jobs changes, so the bound holds as before. At most
+    `MAX_CLIENTS` clients are known; past it the longest-known idle one is forgotten (it comes back as
+    new, at 0, Alg. 1 line 12).
     """
 
     MAX_CLIENTS = 65_536
