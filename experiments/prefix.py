@@ -11,7 +11,10 @@ sessions never take it, so the cache's size is the same under every load).
 The workload (`--workload`), one of the simulator's shared-prompt workloads scaled down:
 - `tooluse` (default): one shared system prompt, one of `--segments` tool descriptions drawn with
   Zipf-`--zipf` popularity (default 1.1), a short question;
-- `longdoc`: long-document QA: one of `--segments` documents, drawn uniformly (`--zipf` 0), a short question.
+- `longdoc`: long-document QA: one of `--segments` documents, drawn uniformly (`--zipf` 0), a short question;
+- `unique`: the control, prompts that share nothing but a 6-token instruction: every request its own
+  text of `--segment-words` words (`--segments` only sizes the caches, as for the others), so a
+  prompt-aware policy has nothing to win and shows what it costs.
 `--output-tokens` greedy tokens; from `--clients` clients (one model object, one peer id each; the
 first sends `--flood-weight` times the others' requests). Arrivals: the first `--requests` of the Azure
 code trace, rescaled so that they arrive at `--rate` requests per second on average (burstiness kept).
@@ -93,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="d2lpm's fair_skips, passed to the orchestrators (default: theirs; 0: the DLPM paper's order)",
     )
-    p.add_argument("--workload", choices=("tooluse", "longdoc"), default="tooluse")
+    p.add_argument("--workload", choices=("tooluse", "longdoc", "unique"), default="tooluse")
     p.add_argument("--segments", type=positive_int, default=12, help="tool descriptions or documents")
     p.add_argument(
         "--zipf",
@@ -149,15 +152,18 @@ def workload(args, tokenizer, trace_arrival_s: np.ndarray) -> tuple[list[dict], 
     if args.workload == "tooluse":
         head = "You answer questions about the library. " + _text(rng, args.system_words) + "\n"
         segments = [f"Tool {t}: " + _text(rng, args.segment_words) + "\n" for t in range(args.segments)]
-    else:
+    elif args.workload == "longdoc":
         head = "Answer from the document.\n"
         segments = [f"Document {t}: " + _text(rng, args.segment_words) + "\n" for t in range(args.segments)]
+    else:  # unique: one text per request, so nothing past the head is shared
+        head = "Answer from the text.\n"
+        segments = [f"Text {t}: " + _text(rng, args.segment_words) + "\n" for t in range(args.requests)]
     w = 1.0 / np.arange(1, args.segments + 1) ** args.zipf
     arrivals = segment_arrivals(trace_arrival_s, args.requests, args.rate)
     weights = np.array([args.flood_weight] + [1.0] * (args.clients - 1))
     out = []
     for i, t in enumerate(arrivals):
-        seg = int(rng.choice(args.segments, p=w / w.sum()))
+        seg = i if args.workload == "unique" else int(rng.choice(args.segments, p=w / w.sum()))
         text = head + segments[seg] + f"Question {i}: " + _text(rng, 6) + "?\nAnswer:"
         out.append(
             {
@@ -450,7 +456,7 @@ def main(argv: list[str]) -> int:
             "mean_prompt_tokens": float(np.mean(lengths)),
             "shared_head_tokens": head_tokens,
             "segment_tokens": seg_tokens,
-            "segments": args.segments,
+            "segments": args.requests if args.workload == "unique" else args.segments,
             "zipf": args.zipf,
             "segment_share": np.bincount([r["tool"] for r in requests], minlength=args.segments).tolist(),
             "arrival_span_s": requests[-1]["arrival_s"],

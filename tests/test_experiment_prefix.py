@@ -119,3 +119,39 @@ def test_summary_reports_the_flooders_neighbours_apart():
     assert s["response_by_client"]["0"]["n"] == 8 and s["response_by_client"]["1"]["mean_s"] == 1.0
     assert s["finished"] == 10 and s["failed"] == 1
     assert P.summarize(records, output_tokens=4)["well_behaved"] is None  # no flooder: not split
+
+
+class _WordTokenizer:
+    """One id per word (what `workload` reads of a tokenizer: `input_ids`, as a tensor or a list)."""
+
+    def __call__(self, text, return_tensors=None):
+        import torch
+
+        ids = [sum(map(ord, w)) for w in text.split()]
+        return type("Enc", (), {"input_ids": torch.tensor([ids])})() if return_tensors else {"input_ids": ids}
+
+
+def _args(workload, **kw):
+    a = P.build_parser().parse_args(["--workload", workload, "--requests", "40", "--clients", "3"])
+    a.zipf = 1.1 if workload == "tooluse" else 0.0
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def test_unique_workload_shares_no_prefix_chunk_and_the_others_share_their_segments():
+    from petals_chain.wire.prefix_keys import prefix_hashes
+
+    arrivals = np.arange(40, dtype=float)
+    first_chunks = {}
+    for name in ("tooluse", "longdoc", "unique"):
+        reqs, head_tokens, seg_tokens = P.workload(_args(name), _WordTokenizer(), arrivals)
+        assert len(reqs) == 40 and seg_tokens > 16
+        hashes = [prefix_hashes(r["ids"][0].tolist(), "m") for r in reqs]
+        past_head = head_tokens // 16 + 1  # the first chunk wholly inside the tool, document or text
+        first_chunks[name] = len({h[past_head] for h in hashes})
+        if name == "unique":
+            assert sorted(r["tool"] for r in reqs) == list(range(40))
+            assert len({h for hs in hashes for h in hs}) == sum(len(hs) for hs in hashes)  # no chunk twice
+    assert first_chunks["unique"] == 40
+    assert first_chunks["tooluse"] <= 12 and first_chunks["longdoc"] <= 12  # --segments 12: shared
