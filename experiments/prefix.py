@@ -135,6 +135,11 @@ def _text(rng: np.random.Generator, n: int) -> str:
     return " ".join(WORDS[int(i)] for i in rng.integers(len(WORDS), size=n))
 
 
+def default_zipf(workload_name: str) -> float:
+    """`--zipf`'s default: tool popularity is Zipf-1.1 (Preble's tool-use workload), documents uniform."""
+    return 1.1 if workload_name == "tooluse" else 0.0
+
+
 def segment_arrivals(trace_arrival_s: np.ndarray, n: int, rate_per_s: float) -> np.ndarray:
     """The first n arrivals, rescaled in time so that they come at `rate_per_s` on average over their own
     span (the trace's overall mean rate would not do: its first requests are sparser than the rest)."""
@@ -434,7 +439,7 @@ def main(argv: list[str]) -> int:
         print(f"--requests: the trace has {len(trace.arrival_s)} requests", file=sys.stderr)
         return 2
     if args.zipf is None:
-        args.zipf = 1.1 if args.workload == "tooluse" else 0.0
+        args.zipf = default_zipf(args.workload)
     requests, head_tokens, seg_tokens = workload(args, tokenizer, trace.arrival_s)
     lengths = [int(r["ids"].shape[1]) for r in requests]
     if args.cache_tokens is None:  # 1/K of the working set: the head and ceil(segments / servers) segments

@@ -131,24 +131,23 @@ class _WordTokenizer:
         return type("Enc", (), {"input_ids": torch.tensor([ids])})() if return_tensors else {"input_ids": ids}
 
 
-def _args(workload, **kw):
+def _args(workload):
     a = P.build_parser().parse_args(["--workload", workload, "--requests", "40", "--clients", "3"])
-    a.zipf = 1.1 if workload == "tooluse" else 0.0
-    for k, v in kw.items():
-        setattr(a, k, v)
+    a.zipf = P.default_zipf(workload)
     return a
 
 
 def test_unique_workload_shares_no_prefix_chunk_and_the_others_share_their_segments():
+    from petals_chain.wire.prefix_keys import PREFIX_CHUNK_TOKENS as CHUNK
     from petals_chain.wire.prefix_keys import prefix_hashes
 
     arrivals = np.arange(40, dtype=float)
     first_chunks = {}
     for name in ("tooluse", "longdoc", "unique"):
         reqs, head_tokens, seg_tokens = P.workload(_args(name), _WordTokenizer(), arrivals)
-        assert len(reqs) == 40 and seg_tokens > 16
+        assert len(reqs) == 40 and seg_tokens > CHUNK
         hashes = [prefix_hashes(r["ids"][0].tolist(), "m") for r in reqs]
-        past_head = head_tokens // 16 + 1  # the first chunk wholly inside the tool, document or text
+        past_head = head_tokens // CHUNK + 1  # the first chunk wholly inside the tool, document or text
         first_chunks[name] = len({h[past_head] for h in hashes})
         if name == "unique":
             assert sorted(r["tool"] for r in reqs) == list(range(40))
